@@ -1,0 +1,611 @@
+// LocalBackend: ranks are threads of one process and collectives run in shared memory. A group
+// of N yields N rank handles; each is driven by one thread (spawn.hpp does this for you).
+#pragma once
+
+#include <gradsync/backend.hpp>
+#include <gradsync/bytes.hpp>
+#include <gradsync/detail/aligned_bytes.hpp>
+#include <gradsync/detail/host_reduce.hpp>
+#include <gradsync/detail/wait.hpp>
+#include <gradsync/dtype.hpp>
+#include <gradsync/error.hpp>
+
+#include <algorithm>  // for std::min
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>  // for std::memcpy
+#include <deque>
+#include <exception>   // for std::exception_ptr, std::current_exception
+#include <functional>  // for std::function
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <thread>
+#include <type_traits>  // for std::is_trivially_copyable_v
+#include <utility>      // for std::move, std::exchange
+#include <vector>
+
+namespace gradsync::inline v0 {
+
+// How a LocalBackend group reduces. Both algorithms sum in rank order, so they give bitwise
+// identical results and `automatic` may switch between them by size without changing numbers.
+enum class LocalAlgorithm : std::uint8_t {
+    // one_shot for messages up to LocalGroupOptions::one_shot_max, reduce_scatter_all_gather above.
+    automatic,
+    // Latency-optimal: every rank copies its input to a staging slot, one barrier, and every rank
+    // sums all slots into its own buffer. One synchronization; each rank reads n times the bytes.
+    one_shot,
+    // Bandwidth-optimal: rank r owns 1/n of the elements, sums them from every rank's buffer and
+    // writes the result straight into every rank's buffer (reduce-scatter and all-gather fused,
+    // which shared memory allows): each rank reads and writes each of its bytes once.
+    reduce_scatter_all_gather,
+};
+
+struct LocalGroupOptions {
+    LocalAlgorithm algorithm = LocalAlgorithm::automatic;
+    // Size of each rank's one-shot staging slot; `automatic` uses one-shot at or below it.
+    Bytes one_shot_max = Bytes{16u << 10};
+    // Every wait inside a collective ends by then: a rank that does not arrive fails the group.
+    std::chrono::milliseconds timeout = std::chrono::seconds(600);
+};
+
+namespace detail {
+
+enum class LocalCallKind : std::uint8_t { allreduce, broadcast, barrier };
+
+// The description of one collective that each rank publishes, so that the others can check they
+// are in the same call and find its buffers.
+struct LocalCall {
+    LocalCallKind kind = LocalCallKind::barrier;
+    DType dtype = DType::float32;
+    ReduceOp op = ReduceOp::sum;
+    int root = 0;
+    std::size_t count = 0;              // elements (allreduce) or bytes (broadcast)
+    std::uint64_t seq = 0;              // 1 for the rank's first collective
+    const Segment* segments = nullptr;  // null: the one segment is `single`
+    std::size_t segment_count = 0;
+    Segment single{};
+
+    [[nodiscard]] std::span<const Segment> segs() const {
+        return segments != nullptr ? std::span<const Segment>(segments, segment_count)
+                                   : std::span<const Segment>(&single, 1);
+    }
+    [[nodiscard]] bool same_collective(const LocalCall& o) const {
+        return kind == o.kind && dtype == o.dtype && op == o.op && root == o.root && count == o.count && seq == o.seq;
+    }
+    [[nodiscard]] std::string describe() const {
+        std::string s;
+        switch (kind) {
+            case LocalCallKind::allreduce:
+                return "allreduce #" + std::to_string(seq) + " (" + std::to_string(count) + " x " + to_string(dtype) +
+                       ", " + to_string(op) + ")";
+            case LocalCallKind::broadcast:
+                return "broadcast #" + std::to_string(seq) + " (" + std::to_string(count) + " bytes from rank " +
+                       std::to_string(root) + ")";
+            case LocalCallKind::barrier:
+                return "barrier #" + std::to_string(seq);
+        }
+        return s;
+    }
+};
+
+// Walks a list of segments element by element.
+class SegmentCursor {
+public:
+    SegmentCursor(std::span<const Segment> segs, std::size_t start, std::size_t elem_size)
+        : it_(segs.data()), end_(segs.data() + segs.size()), elem_(elem_size) {
+        while (it_ != end_ && start >= it_->count) {
+            start -= it_->count;
+            ++it_;
+        }
+        offset_ = start;
+        skip_empty();
+    }
+    [[nodiscard]] std::size_t left() const { return it_ == end_ ? 0 : it_->count - offset_; }
+    [[nodiscard]] std::byte* ptr() const { return static_cast<std::byte*>(it_->data) + offset_ * elem_; }
+    void advance(std::size_t k) {
+        offset_ += k;
+        skip_empty();
+    }
+
+private:
+    void skip_empty() {
+        while (it_ != end_ && offset_ >= it_->count) {
+            offset_ -= it_->count;
+            ++it_;
+        }
+    }
+    const Segment* it_;
+    const Segment* end_;
+    std::size_t offset_ = 0;
+    std::size_t elem_;
+};
+
+inline std::size_t total_count(std::span<const Segment> segs) {
+    std::size_t n = 0;
+    for (const auto& s : segs) n += s.count;
+    return n;
+}
+
+// One rank's slot in the group: written by that rank, read by its peers.
+struct alignas(cache_line) LocalRankState {
+    std::atomic<std::uint64_t> epoch{0};  // barrier rounds this rank has arrived at
+    alignas(cache_line) std::atomic<bool> departed{false};
+    std::atomic<std::uint64_t> calls_entered{0};
+    LocalCall calls[2];       // the current collective, by round parity
+    AlignedBytes staging[2];  // one-shot input copies, by round parity
+    // Scratch for the thread executing this rank's collectives.
+    AlignedBytes block;  // reduce_block_bytes
+    std::vector<SegmentCursor> cursors;
+    std::vector<void*> pointers;
+};
+
+class LocalGroupState {
+public:
+    LocalGroupState(int size, LocalGroupOptions options)
+        : size_(size),
+          options_(options),
+          spin_(SpinPolicy::for_threads(static_cast<unsigned>(size))),
+          ranks_(static_cast<std::size_t>(size)) {
+        std::size_t slot = std::max<std::size_t>(4096, options.one_shot_max.count());
+        slot = (slot + cache_line - 1) / cache_line * cache_line;
+        staging_bytes_ = slot;
+        for (auto& r : ranks_) {
+            r.staging[0] = AlignedBytes(slot);
+            r.staging[1] = AlignedBytes(slot);
+            r.block = AlignedBytes(reduce_block_bytes);
+            r.pointers.resize(static_cast<std::size_t>(size));
+            r.cursors.reserve(static_cast<std::size_t>(size));
+        }
+    }
+
+    [[nodiscard]] int size() const { return size_; }
+    [[nodiscard]] const LocalGroupOptions& options() const { return options_; }
+    [[nodiscard]] Bytes memory_per_rank() const { return Bytes{2 * staging_bytes_ + reduce_block_bytes}; }
+
+    // Runs one collective for `rank` on the calling thread.
+    void execute(int rank, const LocalCall& call) {
+        auto deadline = std::chrono::steady_clock::now() + options_.timeout;
+        ranks_[idx(rank)].calls_entered.store(call.seq, std::memory_order_relaxed);
+        throw_if_aborted(rank, call);
+        if (size_ == 1) return execute_alone(rank, call);
+        switch (call.kind) {
+            case LocalCallKind::allreduce:
+                if (call.dtype == DType::float32) return allreduce<float>(rank, call, deadline);
+                if (call.dtype == DType::float64) return allreduce<double>(rank, call, deadline);
+                fail(rank, call, "LocalBackend reduces float32 and float64 only, not " + to_string(call.dtype));
+            case LocalCallKind::broadcast:
+                return broadcast(rank, call, deadline);
+            case LocalCallKind::barrier:
+                return barrier(rank, call, deadline);
+        }
+    }
+
+    // Fails every pending and future collective of every rank with `reason`. First reason wins.
+    void abort(const std::string& reason) {
+        {
+            std::lock_guard lock(abort_mutex_);
+            if (aborted_.load(std::memory_order_relaxed)) return;
+            abort_reason_ = reason;
+            aborted_.store(true, std::memory_order_seq_cst);
+        }
+        bell_.ring();
+    }
+    [[nodiscard]] bool aborted() const { return aborted_.load(std::memory_order_acquire); }
+
+    // The rank's handle is gone: peers waiting for it fail instead of waiting for the deadline.
+    void depart(int rank) {
+        ranks_[idx(rank)].departed.store(true, std::memory_order_seq_cst);
+        bell_.ring();
+    }
+
+private:
+    static std::size_t idx(int rank) { return static_cast<std::size_t>(rank); }
+
+    [[noreturn]] void fail(int rank, const LocalCall& call, const std::string& reason) {
+        std::string msg = "gradsync: rank " + std::to_string(rank) + ", " + call.describe() + ": " + reason;
+        abort(msg);
+        throw CollectiveError(msg);
+    }
+
+    void throw_if_aborted(int rank, const LocalCall& call) {
+        if (!aborted()) return;
+        std::string reason;
+        {
+            std::lock_guard lock(abort_mutex_);
+            reason = abort_reason_;
+        }
+        throw CollectiveError("gradsync: rank " + std::to_string(rank) + ", " + call.describe() +
+                              ": the group was aborted: " + reason);
+    }
+
+    void execute_alone(int rank, const LocalCall& call) {
+        if (call.kind == LocalCallKind::allreduce && call.dtype != DType::float32 && call.dtype != DType::float64)
+            fail(rank, call, "LocalBackend reduces float32 and float64 only, not " + to_string(call.dtype));
+        if (call.kind == LocalCallKind::broadcast && call.root != 0)
+            fail(rank, call, "root " + std::to_string(call.root) + " is not a rank of this group of 1");
+        // One rank: sum and average are the identity, broadcast and barrier are no-ops.
+    }
+
+    // Arrive at the next round and wait until every rank has. Returns the round's parity.
+    unsigned round(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
+        auto& me = ranks_[idx(rank)];
+        std::uint64_t target = me.epoch.load(std::memory_order_relaxed) + 1;
+        me.epoch.store(target, std::memory_order_seq_cst);
+        bell_.ring();
+        for (int s = 0; s < size_; ++s) {
+            if (s == rank) continue;
+            auto& peer = ranks_[idx(s)];
+            auto ready = [&] { return peer.epoch.load(std::memory_order_acquire) >= target; };
+            if (ready()) continue;
+            wait_until(
+                ready, [&] { check_wait(rank, s, target, call, deadline); }, bell_, spin_);
+        }
+        return static_cast<unsigned>((target - 1) & 1u);
+    }
+
+    void check_wait(int rank, int peer_rank, std::uint64_t target, const LocalCall& call,
+                    std::chrono::steady_clock::time_point deadline) {
+        throw_if_aborted(rank, call);
+        auto& peer = ranks_[idx(peer_rank)];
+        if (peer.departed.load(std::memory_order_seq_cst) && peer.epoch.load(std::memory_order_seq_cst) < target) {
+            fail(rank, call,
+                 "rank " + std::to_string(peer_rank) +
+                     " left the group (its LocalBackend was destroyed, or its spawn function returned) "
+                     "without entering this collective; it had entered " +
+                     std::to_string(peer.calls_entered.load(std::memory_order_relaxed)) + " collectives");
+        }
+        if (std::chrono::steady_clock::now() >= deadline) {
+            std::string msg = "gradsync: rank " + std::to_string(rank) + ", " + call.describe() + ": timed out after " +
+                              std::to_string(options_.timeout.count()) + " ms waiting for rank " +
+                              std::to_string(peer_rank) + ", which has entered " +
+                              std::to_string(peer.calls_entered.load(std::memory_order_relaxed)) +
+                              " collectives; raise LocalGroupOptions::timeout if the work is just slow";
+            abort(msg);
+            throw TimeoutError(msg);
+        }
+    }
+
+    // After the first round: every rank checks every rank's call against rank 0's, so that all
+    // of them find the same first difference and throw the same message.
+    void validate(int rank, const LocalCall& call, unsigned parity) {
+        const LocalCall& ref = ranks_[0].calls[parity];
+        for (int s = 1; s < size_; ++s) {
+            const LocalCall& other = ranks_[idx(s)].calls[parity];
+            if (!other.same_collective(ref)) {
+                fail(rank, call,
+                     "collective mismatch: rank 0 is in " + ref.describe() + " but rank " + std::to_string(s) +
+                         " is in " + other.describe() +
+                         "; every rank must call the same collectives in the same order with the same sizes");
+            }
+        }
+    }
+
+    void check_root(int rank, const LocalCall& call) {
+        if (call.root < 0 || call.root >= size_)
+            fail(rank, call,
+                 "root " + std::to_string(call.root) + " is not a rank of this group of " + std::to_string(size_));
+    }
+
+    template <class T>
+    void allreduce(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
+        bool one_shot =
+            options_.algorithm == LocalAlgorithm::one_shot || (options_.algorithm == LocalAlgorithm::automatic &&
+                                                               call.count * sizeof(T) <= options_.one_shot_max.count());
+        if (one_shot)
+            allreduce_one_shot<T>(rank, call, deadline);
+        else
+            allreduce_two_phase<T>(rank, call, deadline);
+    }
+
+    template <class T>
+    void allreduce_one_shot(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
+        auto& me = ranks_[idx(rank)];
+        const std::size_t piece = staging_bytes_ / sizeof(T);
+        const T factor = T(1) / static_cast<T>(size_);
+        SegmentCursor in(call.segs(), 0, sizeof(T));
+        SegmentCursor out(call.segs(), 0, sizeof(T));
+        std::size_t pos = 0;
+        bool first = true;
+        do {
+            std::size_t len = std::min(piece, call.count - pos);
+            unsigned parity = static_cast<unsigned>(me.epoch.load(std::memory_order_relaxed) & 1u);
+            // Gather this piece of my input into my staging slot.
+            auto* slot = me.staging[parity].data();
+            for (std::size_t done = 0; done < len;) {
+                std::size_t k = std::min(len - done, in.left());
+                std::memcpy(slot + done * sizeof(T), in.ptr(), k * sizeof(T));
+                in.advance(k);
+                done += k;
+            }
+            if (first) me.calls[parity] = call;
+            round(rank, call, deadline);
+            if (first) validate(rank, call, parity);
+            first = false;
+            // Sum every rank's slot, in rank order, into my own buffer.
+            auto** inputs = reinterpret_cast<T**>(me.pointers.data());
+            for (int s = 0; s < size_; ++s) inputs[s] = reinterpret_cast<T*>(ranks_[idx(s)].staging[parity].data());
+            for (std::size_t done = 0; done < len;) {
+                std::size_t k = std::min(len - done, out.left());
+                T* dst = reinterpret_cast<T*>(out.ptr());
+                reduce_to_all<T>(inputs, size_, &dst, 1, k, call.op == ReduceOp::average, factor,
+                                 reinterpret_cast<T*>(me.block.data()));
+                for (int s = 0; s < size_; ++s) inputs[s] += k;
+                out.advance(k);
+                done += k;
+            }
+            pos += len;
+        } while (pos < call.count);
+    }
+
+    template <class T>
+    void allreduce_two_phase(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
+        auto& me = ranks_[idx(rank)];
+        unsigned parity = static_cast<unsigned>(me.epoch.load(std::memory_order_relaxed) & 1u);
+        me.calls[parity] = call;
+        round(rank, call, deadline);
+        validate(rank, call, parity);
+
+        // My share: a cache-line aligned 1/n of the elements.
+        const std::size_t n = call.count;
+        const std::size_t align = cache_line / sizeof(T);
+        std::size_t chunk = (n + static_cast<std::size_t>(size_) - 1) / static_cast<std::size_t>(size_);
+        chunk = (chunk + align - 1) / align * align;
+        std::size_t lo = std::min(n, static_cast<std::size_t>(rank) * chunk);
+        std::size_t hi = std::min(n, lo + chunk);
+        if (lo < hi) {
+            const T factor = T(1) / static_cast<T>(size_);
+            me.cursors.clear();
+            for (int s = 0; s < size_; ++s) me.cursors.emplace_back(ranks_[idx(s)].calls[parity].segs(), lo, sizeof(T));
+            auto** ptrs = reinterpret_cast<T**>(me.pointers.data());
+            for (std::size_t pos = lo; pos < hi;) {
+                std::size_t k = hi - pos;
+                for (const auto& c : me.cursors) k = std::min(k, c.left());
+                for (int s = 0; s < size_; ++s) ptrs[s] = reinterpret_cast<T*>(me.cursors[idx(s)].ptr());
+                reduce_to_all<T>(ptrs, size_, ptrs, size_, k, call.op == ReduceOp::average, factor,
+                                 reinterpret_cast<T*>(me.block.data()));
+                for (auto& c : me.cursors) c.advance(k);
+                pos += k;
+            }
+        }
+        // Nobody returns, and reuses its buffer, before every share is written.
+        round(rank, call, deadline);
+    }
+
+    void broadcast(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
+        check_root(rank, call);
+        auto& me = ranks_[idx(rank)];
+        unsigned parity = static_cast<unsigned>(me.epoch.load(std::memory_order_relaxed) & 1u);
+        me.calls[parity] = call;
+        round(rank, call, deadline);
+        validate(rank, call, parity);
+        if (rank != call.root && call.count != 0) {
+            std::memcpy(call.single.data, ranks_[idx(call.root)].calls[parity].single.data, call.count);
+        }
+        round(rank, call, deadline);
+    }
+
+    void barrier(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
+        auto& me = ranks_[idx(rank)];
+        unsigned parity = static_cast<unsigned>(me.epoch.load(std::memory_order_relaxed) & 1u);
+        me.calls[parity] = call;
+        round(rank, call, deadline);
+        validate(rank, call, parity);
+    }
+
+    int size_;
+    LocalGroupOptions options_;
+    SpinPolicy spin_;
+    std::size_t staging_bytes_ = 0;
+    std::vector<LocalRankState> ranks_;
+    Doorbell bell_;
+    std::atomic<bool> aborted_{false};
+    std::mutex abort_mutex_;
+    std::string abort_reason_;
+};
+
+// Runs one rank's asynchronous collectives, in launch order, on a thread of its own.
+class ProgressThread {
+public:
+    ProgressThread() : thread_([this] { run(); }) {}
+    ProgressThread(const ProgressThread&) = delete;
+    ProgressThread& operator=(const ProgressThread&) = delete;
+    ~ProgressThread() {
+        {
+            std::lock_guard lock(mutex_);
+            stop_ = true;
+        }
+        cv_.notify_one();
+        thread_.join();  // after the queue is drained
+    }
+
+    void post(std::function<void()> task) {
+        {
+            std::lock_guard lock(mutex_);
+            queue_.push_back(std::move(task));
+        }
+        cv_.notify_one();
+    }
+
+private:
+    void run() {
+        std::unique_lock lock(mutex_);
+        for (;;) {
+            cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+            if (queue_.empty()) return;  // stop_ and nothing left
+            auto task = std::move(queue_.front());
+            queue_.pop_front();
+            lock.unlock();
+            task();
+            lock.lock();
+        }
+    }
+
+    std::mutex mutex_;
+    std::condition_variable cv_;
+    std::deque<std::function<void()>> queue_;
+    bool stop_ = false;
+    std::thread thread_;  // last: starts after the members it uses
+};
+
+}  // namespace detail
+
+class LocalBackend {
+public:
+    // A group of `size` ranks; element r is rank r's handle. Hand each to its own thread.
+    static std::vector<LocalBackend> create_group(int size, LocalGroupOptions options = {}) {
+        if (size < 1) throw Error("gradsync: a LocalBackend group needs at least 1 rank, got " + std::to_string(size));
+        if (options.timeout.count() <= 0)
+            throw Error("gradsync: LocalGroupOptions::timeout must be positive, got " +
+                        std::to_string(options.timeout.count()) + " ms");
+        auto group = std::make_shared<detail::LocalGroupState>(size, options);
+        std::vector<LocalBackend> ranks;
+        ranks.reserve(static_cast<std::size_t>(size));
+        for (int r = 0; r < size; ++r) ranks.push_back(LocalBackend(group, r));
+        return ranks;
+    }
+
+    LocalBackend(LocalBackend&&) noexcept = default;
+    LocalBackend& operator=(LocalBackend&& other) noexcept {
+        if (this != &other) {
+            leave();
+            group_ = std::move(other.group_);
+            rank_ = other.rank_;
+            next_seq_ = other.next_seq_;
+            progress_ = std::move(other.progress_);
+            last_async_ = std::move(other.last_async_);
+        }
+        return *this;
+    }
+    LocalBackend(const LocalBackend&) = delete;
+    LocalBackend& operator=(const LocalBackend&) = delete;
+    // Finishes the rank's pending collectives, then leaves the group: peers still waiting for this
+    // rank fail at once instead of at their deadline.
+    ~LocalBackend() { leave(); }
+
+    [[nodiscard]] int rank() const { return rank_; }
+    [[nodiscard]] int size() const { return group_->size(); }
+    [[nodiscard]] bool supports(DType t) const { return t == DType::float32 || t == DType::float64; }
+    [[nodiscard]] const LocalGroupOptions& options() const { return group_->options(); }
+    // Staging and scratch memory this rank's collectives use.
+    [[nodiscard]] Bytes memory_footprint() const { return group_->memory_per_rank(); }
+
+    // In-place allreduce of a contiguous buffer.
+    void allreduce(Buffer buf, ReduceOp op) { run_now(allreduce_call(buf, op)); }
+    CollectiveHandle allreduce_async(Buffer buf, ReduceOp op) { return launch(allreduce_call(buf, op)); }
+
+    // In-place allreduce of the concatenation of `segments`: gradients reduced where they lie.
+    // The segment list must stay valid until the collective completes.
+    void allreduce(std::span<const Segment> segments, DType dtype, ReduceOp op) {
+        run_now(scattered_call(segments, dtype, op));
+    }
+    CollectiveHandle allreduce_async(std::span<const Segment> segments, DType dtype, ReduceOp op) {
+        return launch(scattered_call(segments, dtype, op));
+    }
+
+    template <HasDType T>
+    void allreduce(std::span<T> data, ReduceOp op = ReduceOp::sum) {
+        allreduce(buffer_of(data), op);
+    }
+    template <HasDType T>
+    CollectiveHandle allreduce_async(std::span<T> data, ReduceOp op = ReduceOp::sum) {
+        return allreduce_async(buffer_of(data), op);
+    }
+
+    // Copies `root`'s bytes into every other rank's buffer of the same size.
+    void broadcast(std::span<std::byte> bytes, int root) { run_now(broadcast_call(bytes, root)); }
+    CollectiveHandle broadcast_async(std::span<std::byte> bytes, int root) {
+        return launch(broadcast_call(bytes, root));
+    }
+    template <class T>
+    requires std::is_trivially_copyable_v<T>
+    void broadcast(std::span<T> data, int root) { broadcast(std::as_writable_bytes(data), root); }
+
+    void barrier() {
+        detail::LocalCall call;
+        call.kind = detail::LocalCallKind::barrier;
+        call.seq = ++next_seq_;
+        run_now(call);
+    }
+
+    // Fails every pending and future collective of every rank of the group, with `reason`.
+    void abort(const std::string& reason) { group_->abort(reason); }
+
+private:
+    LocalBackend(std::shared_ptr<detail::LocalGroupState> group, int rank) : group_(std::move(group)), rank_(rank) {}
+
+    detail::LocalCall allreduce_call(Buffer buf, ReduceOp op) {
+        detail::LocalCall call;
+        call.kind = detail::LocalCallKind::allreduce;
+        call.dtype = buf.dtype;
+        call.op = op;
+        call.count = buf.count;
+        call.single = Segment{buf.data, buf.count};
+        call.seq = ++next_seq_;
+        return call;
+    }
+    detail::LocalCall scattered_call(std::span<const Segment> segments, DType dtype, ReduceOp op) {
+        detail::LocalCall call;
+        call.kind = detail::LocalCallKind::allreduce;
+        call.dtype = dtype;
+        call.op = op;
+        call.count = detail::total_count(segments);
+        call.segments = segments.data();
+        call.segment_count = segments.size();
+        call.seq = ++next_seq_;
+        return call;
+    }
+    detail::LocalCall broadcast_call(std::span<std::byte> bytes, int root) {
+        detail::LocalCall call;
+        call.kind = detail::LocalCallKind::broadcast;
+        call.root = root;
+        call.count = bytes.size();
+        call.single = Segment{bytes.data(), bytes.size()};
+        call.seq = ++next_seq_;
+        return call;
+    }
+
+    // Synchronous calls run on the caller's thread, after the rank's pending asynchronous ones.
+    void run_now(const detail::LocalCall& call) {
+        if (last_async_) {
+            last_async_->wait();
+            last_async_.reset();
+        }
+        group_->execute(rank_, call);
+    }
+
+    CollectiveHandle launch(const detail::LocalCall& call) {
+        auto done = std::make_shared<detail::Completion>();
+        if (!progress_) progress_ = std::make_unique<detail::ProgressThread>();
+        progress_->post([group = group_, rank = rank_, call, done] {
+            try {
+                group->execute(rank, call);
+                done->finish();
+            } catch (...) {
+                done->finish(std::current_exception());
+            }
+        });
+        last_async_ = done;
+        return CollectiveHandle(std::move(done));
+    }
+
+    void leave() {
+        if (!group_) return;
+        progress_.reset();  // drains the queue: every task ends by its deadline
+        last_async_.reset();
+        group_->depart(rank_);
+        group_.reset();
+    }
+
+    std::shared_ptr<detail::LocalGroupState> group_;
+    int rank_ = 0;
+    std::uint64_t next_seq_ = 0;
+    std::unique_ptr<detail::ProgressThread> progress_;
+    std::shared_ptr<detail::Completion> last_async_;
+};
+
+}  // namespace gradsync::inline v0

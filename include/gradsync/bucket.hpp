@@ -1,0 +1,225 @@
+// Buckets: how parameters are grouped into fusion buffers, one allreduce each. A BucketPlan is a
+// value (==, hash, printer) and a deterministic function of the parameter layout and the policy.
+#pragma once
+
+#include <gradsync/bytes.hpp>
+#include <gradsync/detail/meta.hpp>
+#include <gradsync/detail/policy.hpp>
+#include <gradsync/dtype.hpp>
+#include <gradsync/error.hpp>
+#include <gradsync/model.hpp>
+
+#include <algorithm>  // for std::find_if
+#include <concepts>   // for std::same_as
+#include <cstddef>
+#include <cstdint>
+#include <functional>  // for std::hash
+#include <ostream>
+#include <span>
+#include <sstream>  // for std::ostringstream
+#include <string>
+#include <vector>
+
+namespace gradsync::inline v0 {
+
+// One fusion buffer: parameters of a single dtype, reduced together by one collective.
+struct Bucket {
+    DType dtype = DType::float32;
+    std::vector<std::size_t> parameters;  // indices into the parameter list, in bucket order
+    std::size_t count = 0;                // elements in all of them
+
+    [[nodiscard]] Bytes bytes() const { return Bytes{count * size_of(dtype)}; }
+    friend bool operator==(const Bucket&, const Bucket&) = default;
+};
+
+// The buckets in launch order: the order in which every rank starts their allreduces.
+struct BucketPlan {
+    std::vector<Bucket> buckets;
+
+    [[nodiscard]] Bytes bytes() const {
+        Bytes total;
+        for (const auto& b : buckets) total += b.bytes();
+        return total;
+    }
+    [[nodiscard]] std::uint64_t hash() const {
+        // FNV-1a over (dtype, count, parameter indices) of every bucket: stable across processes.
+        std::uint64_t h = 14695981039346656037ull;
+        auto mix = [&h](std::uint64_t v) {
+            for (int i = 0; i < 8; ++i) {
+                h ^= (v >> (8 * i)) & 0xffu;
+                h *= 1099511628211ull;
+            }
+        };
+        mix(buckets.size());
+        for (const auto& b : buckets) {
+            mix(static_cast<std::uint64_t>(b.dtype));
+            mix(b.count);
+            mix(b.parameters.size());
+            for (auto p : b.parameters) mix(p);
+        }
+        return h;
+    }
+    friend bool operator==(const BucketPlan&, const BucketPlan&) = default;
+};
+
+// "3 buckets, 97.5 MiB: [0] float32 1.0 MiB, 4 params (160..157) ..."
+inline std::ostream& operator<<(std::ostream& os, const BucketPlan& plan) {
+    os << plan.buckets.size() << " bucket" << (plan.buckets.size() == 1 ? "" : "s") << ", " << plan.bytes();
+    for (std::size_t i = 0; i < plan.buckets.size(); ++i) {
+        const auto& b = plan.buckets[i];
+        os << "\n  [" << i << "] " << b.dtype << ' ' << b.bytes() << ", " << b.parameters.size() << " param"
+           << (b.parameters.size() == 1 ? "" : "s");
+        if (!b.parameters.empty()) {
+            os << " (" << b.parameters.front();
+            if (b.parameters.size() > 1) os << ".." << b.parameters.back();
+            os << ')';
+        }
+    }
+    return os;
+}
+
+inline std::string to_string(const BucketPlan& plan) {
+    std::ostringstream os;
+    os << plan;
+    return os.str();
+}
+
+// A bucketer turns the parameter list (registration order) into a plan. Zero-sized parameters
+// belong to no bucket.
+template <class B>
+concept Bucketer = requires(const B& b, std::span<const Parameter> params) {
+    { b.plan(params) } -> std::same_as<BucketPlan>;
+};
+
+namespace detail {
+
+// Buckets are filled per dtype, so a mixed model gets buckets of one dtype each.
+class BucketFiller {
+public:
+    BucketFiller(std::span<const Parameter> params, BucketPlan& out) : params_(params), out_(out) {}
+
+    Bucket& open(DType t) {
+        auto it = std::find_if(open_.begin(), open_.end(), [t](const Bucket& b) { return b.dtype == t; });
+        if (it != open_.end()) return *it;
+        open_.push_back(Bucket{t, {}, 0});
+        return open_.back();
+    }
+    void add(Bucket& b, std::size_t index) {
+        b.parameters.push_back(index);
+        b.count += params_[index].count;
+    }
+    void close(Bucket& b) {
+        if (b.parameters.empty()) return;
+        out_.buckets.push_back(std::move(b));
+        b = Bucket{out_.buckets.back().dtype, {}, 0};
+    }
+    // Buckets still open, in the order their dtype first appeared.
+    void close_all() {
+        for (auto& b : open_) close(b);
+    }
+
+private:
+    std::span<const Parameter> params_;
+    BucketPlan& out_;
+    std::vector<Bucket> open_;
+};
+
+}  // namespace detail
+
+// Size-capped buckets, as PyTorch DDP builds them: parameters in reverse registration order
+// (the order backward finishes them), the first bucket capped at `first_cap` so communication
+// starts early, the rest at `cap`. A bucket is closed before a parameter that would push it over
+// its cap, so a parameter larger than the cap gets a bucket of its own.
+struct SizeCappedBuckets {
+    using policy_category = policy_category::bucketer;
+
+    Bytes cap = Bytes{25ull << 20};
+    Bytes first_cap = Bytes{1ull << 20};
+
+    [[nodiscard]] BucketPlan plan(std::span<const Parameter> params) const {
+        if (cap.count() == 0 || first_cap.count() == 0) {
+            throw Error("gradsync: SizeCappedBuckets needs a cap and a first_cap above 0 bytes, got cap " +
+                        to_string(cap) + " and first_cap " + to_string(first_cap));
+        }
+        BucketPlan plan;
+        detail::BucketFiller filler(params, plan);
+        struct Limit {
+            DType dtype;
+            Bytes value;
+        };
+        std::vector<Limit> limits;  // per dtype: first_cap until its first bucket closes
+        auto limit_of = [&](DType t) -> Bytes& {
+            for (auto& l : limits)
+                if (l.dtype == t) return l.value;
+            limits.push_back({t, first_cap});
+            return limits.back().value;
+        };
+        for (std::size_t i = params.size(); i-- > 0;) {
+            const auto& p = params[i];
+            if (p.count == 0) continue;
+            auto& bucket = filler.open(p.dtype);
+            auto& limit = limit_of(p.dtype);
+            if (!bucket.parameters.empty() && bucket.bytes() + p.bytes() > limit) {
+                filler.close(bucket);
+                limit = cap;
+            }
+            filler.add(bucket, i);
+            if (bucket.bytes() >= limit) {
+                filler.close(bucket);
+                limit = cap;
+            }
+        }
+        filler.close_all();
+        return plan;
+    }
+};
+
+// One bucket per dtype holding every parameter, in reverse registration order: the fewest
+// collectives, no overlap with backward.
+struct SingleBucket {
+    using policy_category = policy_category::bucketer;
+
+    [[nodiscard]] BucketPlan plan(std::span<const Parameter> params) const {
+        BucketPlan plan;
+        detail::BucketFiller filler(params, plan);
+        for (std::size_t i = params.size(); i-- > 0;) {
+            if (params[i].count != 0) filler.add(filler.open(params[i].dtype), i);
+        }
+        filler.close_all();
+        return plan;
+    }
+};
+
+// One bucket per parameter, in reverse registration order: no fusion at all.
+struct PerParameterBuckets {
+    using policy_category = policy_category::bucketer;
+
+    [[nodiscard]] BucketPlan plan(std::span<const Parameter> params) const {
+        BucketPlan plan;
+        for (std::size_t i = params.size(); i-- > 0;) {
+            if (params[i].count != 0) plan.buckets.push_back(Bucket{params[i].dtype, {i}, params[i].count});
+        }
+        return plan;
+    }
+};
+
+namespace detail {
+
+template <class B>
+constexpr bool check_bucketer() {
+    static_assert(Bucketer<B>,
+                  "gradsync: a bucketer policy needs a member "
+                  "`gradsync::BucketPlan plan(std::span<const gradsync::Parameter>) const`");
+    return true;
+}
+
+}  // namespace detail
+
+}  // namespace gradsync::inline v0
+
+template <>
+struct std::hash<gradsync::BucketPlan> {
+    std::size_t operator()(const gradsync::BucketPlan& plan) const noexcept {
+        return static_cast<std::size_t>(plan.hash());
+    }
+};

@@ -1,0 +1,142 @@
+// Model access: how gradsync lists a model's parameters as (name, data, gradient, count, dtype).
+// The customization point gradsync::parameters(model) tries, in order, a model_traits<M>
+// specialization, a member m.parameters(), and a free function parameters(m) found by ADL.
+#pragma once
+
+#include <gradsync/bytes.hpp>
+#include <gradsync/detail/meta.hpp>
+#include <gradsync/dtype.hpp>
+#include <gradsync/error.hpp>
+
+#include <concepts>  // for std::convertible_to
+#include <cstddef>
+#include <ranges>  // for std::ranges::input_range, contiguous_range
+#include <span>
+#include <string>
+#include <type_traits>  // for std::remove_cvref_t
+#include <utility>      // for std::move
+#include <vector>
+
+namespace gradsync::inline v0 {
+
+// One trainable tensor: its values, its gradient, both of `count` elements of `dtype`.
+// gradsync reads and writes through the pointers; the buffers stay owned by the model and must
+// not move while a DataParallel uses them.
+struct Parameter {
+    std::string name;
+    void* data = nullptr;
+    void* grad = nullptr;
+    std::size_t count = 0;
+    DType dtype = DType::float32;
+
+    [[nodiscard]] Bytes bytes() const { return Bytes{count * size_of(dtype)}; }
+};
+
+// A parameter over raw pointers of an element type with a DType (float, double).
+template <HasDType T>
+Parameter parameter(std::string name, T* data, T* grad, std::size_t count) {
+    return Parameter{std::move(name), data, grad, count, dtype_of<T>};
+}
+
+// A parameter over two contiguous containers (std::vector, std::array, std::span) of equal size.
+template <std::ranges::contiguous_range D, std::ranges::contiguous_range G>
+requires std::ranges::sized_range<D> && std::ranges::sized_range<G> &&
+    std::same_as<std::ranges::range_value_t<D>, std::ranges::range_value_t<G>> &&
+    HasDType<std::ranges::range_value_t<D>>
+        Parameter parameter(std::string name, D& data, G& grad) {
+    auto n = std::ranges::size(data);
+    if (std::ranges::size(grad) != n) {
+        throw InvalidModel("gradsync: parameter '" + name + "' has " + std::to_string(n) + " values but " +
+                           std::to_string(std::ranges::size(grad)) +
+                           " gradient elements; give both buffers the same size");
+    }
+    return parameter(std::move(name), std::ranges::data(data), std::ranges::data(grad), n);
+}
+
+// Specialize for a model type you cannot change:
+//   template <> struct gradsync::model_traits<Net> {
+//       static std::vector<gradsync::Parameter> parameters(Net& net);
+//   };
+template <class Model>
+struct model_traits {};
+
+template <class R>
+concept ParameterRange =
+    std::ranges::input_range<R> && std::convertible_to<std::ranges::range_reference_t<R>, Parameter>;
+
+namespace detail::parameters_cpo {
+
+void parameters() = delete;  // hides gradsync::parameters from the ADL call below
+
+template <class M>
+concept has_traits = requires(M& m) {
+    { model_traits<std::remove_cvref_t<M>>::parameters(m) } -> ParameterRange;
+};
+template <class M>
+concept has_member = requires(M& m) {
+    { m.parameters() } -> ParameterRange;
+};
+template <class M>
+concept has_adl = requires(M& m) {
+    { parameters(m) } -> ParameterRange;
+};
+
+template <class R>
+std::vector<Parameter> to_vector(R&& range) {
+    std::vector<Parameter> out;
+    if constexpr (std::ranges::sized_range<R>) out.reserve(std::ranges::size(range));
+    for (auto&& p : range) out.push_back(static_cast<Parameter>(p));
+    return out;
+}
+
+struct fn {
+    template <class M>
+    requires has_traits<M> || has_member<M> || has_adl<M> std::vector<Parameter>
+    operator()(M& model) const {
+        if constexpr (has_traits<M>) {
+            return to_vector(model_traits<std::remove_cvref_t<M>>::parameters(model));
+        } else if constexpr (has_member<M>) {
+            return to_vector(model.parameters());
+        } else {
+            return to_vector(parameters(model));
+        }
+    }
+};
+
+}  // namespace detail::parameters_cpo
+
+// gradsync::parameters(model): the model's parameters in registration order.
+inline constexpr detail::parameters_cpo::fn parameters{};
+
+// A type gradsync can list the parameters of.
+template <class M>
+concept ModelAccess = std::invocable<const detail::parameters_cpo::fn&, M&>;
+
+namespace detail {
+
+// Instantiated where a model type is required: one readable error instead of a concept trace.
+template <class M>
+constexpr bool check_model_access() {
+    if constexpr (ModelAccess<M>) {
+        return true;
+    } else if constexpr (requires(M & m) { m.parameters(); }) {
+        static_assert(dependent_false<M>,
+                      "gradsync: Model::parameters() exists but does not return a range of "
+                      "gradsync::Parameter; return e.g. std::vector<gradsync::Parameter>");
+        return false;
+    } else {
+        static_assert(dependent_false<M>,
+                      "gradsync: cannot list the parameters of this model type. Provide one of: "
+                      "(1) a member function `std::vector<gradsync::Parameter> parameters()`; "
+                      "(2) a free function `std::vector<gradsync::Parameter> parameters(Model&)` "
+                      "in the model's namespace; "
+                      "(3) a specialization of `gradsync::model_traits<Model>` with "
+                      "`static std::vector<gradsync::Parameter> parameters(Model&)`. "
+                      "See README.md, 'Adapting a model'.");
+        return false;
+    }
+}
+
+}  // namespace detail
+
+}  // namespace gradsync::inline v0

@@ -1,0 +1,56 @@
+// spawn(n, fn): runs fn(backend) for each rank of a new LocalBackend group on n threads, the
+// in-process counterpart of paddle.distributed.spawn.
+#pragma once
+
+#include <gradsync/backend/local.hpp>
+#include <gradsync/error.hpp>
+
+#include <exception>  // for std::exception_ptr, std::rethrow_exception
+#include <mutex>
+#include <string>
+#include <thread>
+#include <type_traits>  // for std::is_invocable_v
+#include <utility>      // for std::move
+#include <vector>
+
+namespace gradsync::inline v0 {
+
+// Calls fn(LocalBackend&) once per rank, each on its own thread, and joins them. When a rank
+// throws, the group is aborted so that peers blocked in collectives fail at once instead of
+// waiting; after every thread has ended, the first exception thrown (the cause, not the peers'
+// resulting failures) is rethrown. A rank whose fn returns leaves the group: peers that still
+// wait for it in a collective fail rather than hang.
+template <class Fn>
+requires std::is_invocable_v<Fn&, LocalBackend&>
+void spawn(int n, Fn fn, LocalGroupOptions options = {}) {
+    auto ranks = LocalBackend::create_group(n, options);
+    std::mutex mutex;
+    std::exception_ptr first;
+    std::vector<std::thread> threads;
+    threads.reserve(ranks.size());
+    for (int r = 0; r < n; ++r) {
+        threads.emplace_back([&, r, backend = std::move(ranks[static_cast<std::size_t>(r)])]() mutable {
+            try {
+                fn(backend);
+            } catch (...) {
+                std::string what = "unknown exception";
+                try {
+                    throw;
+                } catch (const std::exception& e) {
+                    what = e.what();
+                } catch (...) {
+                }
+                {
+                    std::lock_guard lock(mutex);
+                    if (!first) first = std::current_exception();
+                }
+                backend.abort("rank " + std::to_string(r) + " threw: " + what);
+            }
+            LocalBackend leaving = std::move(backend);  // leaves the group at the end of this scope
+        });
+    }
+    for (auto& t : threads) t.join();
+    if (first) std::rethrow_exception(first);
+}
+
+}  // namespace gradsync::inline v0

@@ -1,0 +1,330 @@
+// DataParallel on LocalBackend: construction (broadcast, layout agreement, input checks) and
+// synchronize() (averaging, bucket order, packing), with errors raised on every rank alike.
+#include <gradsync/data_parallel.hpp>
+#include <gradsync/spawn.hpp>
+
+#include <doctest/doctest.h>
+
+#include "support/recording_backend.hpp"
+
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <vector>
+
+using namespace gradsync::literals;
+using gradsync::DataParallel;
+using gradsync::LocalBackend;
+using testing_support::RecordingBackend;
+
+namespace {
+
+// A model of named float tensors, some optionally double.
+struct Toy {
+    struct Tensor {
+        std::string name;
+        std::vector<float> w, g;
+    };
+    struct Tensor64 {
+        std::string name;
+        std::vector<double> w, g;
+    };
+    std::vector<Tensor> tensors;
+    std::vector<Tensor64> doubles;
+
+    Toy(const std::vector<std::size_t>& sizes, float value, std::size_t n_doubles = 0) {
+        for (std::size_t k = 0; k < sizes.size(); ++k)
+            tensors.push_back(
+                {"t" + std::to_string(k), std::vector<float>(sizes[k], value), std::vector<float>(sizes[k])});
+        for (std::size_t k = 0; k < n_doubles; ++k)
+            doubles.push_back(
+                {"d" + std::to_string(k), std::vector<double>(100 + k, value), std::vector<double>(100 + k)});
+    }
+    std::vector<gradsync::Parameter> parameters() {
+        std::vector<gradsync::Parameter> out;
+        for (auto& t : tensors) out.push_back(gradsync::parameter(t.name, t.w, t.g));
+        for (auto& t : doubles) out.push_back(gradsync::parameter(t.name, t.w, t.g));
+        return out;
+    }
+    // Gradient element i of tensor k on `rank`: small integers, so sums are exact.
+    static float grad_value(int rank, std::size_t k, std::size_t i) {
+        return static_cast<float>((rank + 1) * static_cast<int>(k + 1) + static_cast<int>(i % 7));
+    }
+    void fill_grads(int rank) {
+        for (std::size_t k = 0; k < tensors.size(); ++k)
+            for (std::size_t i = 0; i < tensors[k].g.size(); ++i) tensors[k].g[i] = grad_value(rank, k, i);
+        for (std::size_t k = 0; k < doubles.size(); ++k)
+            for (std::size_t i = 0; i < doubles[k].g.size(); ++i) doubles[k].g[i] = grad_value(rank, k, i);
+    }
+};
+
+template <class T>
+T expected_average(int world, std::size_t k, std::size_t i) {
+    T sum = 0;
+    for (int r = 0; r < world; ++r) sum += static_cast<T>(Toy::grad_value(r, k, i));
+    return world == 1 ? sum : sum * (T(1) / static_cast<T>(world));
+}
+
+// Runs `fn` on each of `world` ranks and returns what each rank's exception said ("" if none).
+template <class Fn>
+std::vector<std::string> messages_of(int world, Fn fn) {
+    std::vector<std::string> out(static_cast<std::size_t>(world));
+    gradsync::spawn(world, [&](LocalBackend& b) {
+        try {
+            fn(b);
+        } catch (const gradsync::Error& e) {
+            out[static_cast<std::size_t>(b.rank())] = e.what();
+        }
+    });
+    return out;
+}
+
+void check_same_on_every_rank(const std::vector<std::string>& messages, const std::string& needle) {
+    for (const auto& m : messages) {
+        CAPTURE(m);
+        CHECK(m == messages[0]);
+        CHECK(m.find(needle) != std::string::npos);
+    }
+}
+
+template <class... Policies>
+void check_average(int world, Policies... policies) {
+    const std::vector<std::size_t> sizes{5, 3000, 1, 40000, 17, 0, 256};
+    std::vector<std::vector<float>> results(static_cast<std::size_t>(world));
+    std::atomic<int> wrong{0};
+    gradsync::spawn(world, [&](LocalBackend& b) {
+        Toy model(sizes, float(b.rank()), 2);
+        DataParallel dp(model, b, policies...);
+        model.fill_grads(b.rank());
+        dp.synchronize();
+        std::vector<float> flat;
+        for (std::size_t k = 0; k < model.tensors.size(); ++k)
+            for (std::size_t i = 0; i < model.tensors[k].g.size(); ++i) {
+                if (model.tensors[k].g[i] != expected_average<float>(world, k, i)) ++wrong;
+                flat.push_back(model.tensors[k].g[i]);
+            }
+        for (std::size_t k = 0; k < model.doubles.size(); ++k)
+            for (std::size_t i = 0; i < model.doubles[k].g.size(); ++i)
+                if (model.doubles[k].g[i] != expected_average<double>(world, k, i)) ++wrong;
+        results[static_cast<std::size_t>(b.rank())] = flat;
+    });
+    CHECK(wrong.load() == 0);
+    for (const auto& r : results) CHECK(std::memcmp(r.data(), results[0].data(), r.size() * sizeof(float)) == 0);
+}
+
+}  // namespace
+
+TEST_CASE("synchronize leaves every rank with the average gradient, for every bucketer and packing") {
+    for (int world = 1; world <= 4; ++world) {
+        CAPTURE(world);
+        check_average(world);
+        check_average(world, gradsync::SingleBucket{});
+        check_average(world, gradsync::PerParameterBuckets{});
+        check_average(world, gradsync::SizeCappedBuckets{16_KiB, 1_KiB});
+        check_average(world, gradsync::PackedBuckets{});
+        check_average(world, gradsync::SizeCappedBuckets{16_KiB, 1_KiB}, gradsync::PackedBuckets{});
+        check_average(world, gradsync::InPlaceBuckets{}, gradsync::PerParameterBuckets{});
+    }
+}
+
+TEST_CASE("construction copies rank 0's parameters to every rank") {
+    std::atomic<int> wrong{0};
+    gradsync::spawn(3, [&](LocalBackend& b) {
+        Toy model({10, 20000, 3}, float(b.rank() + 1), 1);
+        DataParallel dp(model, b);
+        for (const auto& t : model.tensors)
+            for (float x : t.w) wrong += x != 1.0f;
+        for (const auto& t : model.doubles)
+            for (double x : t.w) wrong += x != 1.0;
+    });
+    CHECK(wrong.load() == 0);
+}
+
+TEST_CASE("world size 1 communicates nothing") {
+    auto ranks = LocalBackend::create_group(1);
+    RecordingBackend rec(ranks[0]);
+    Toy model({100, 200}, 1.0f);
+    DataParallel dp(model, rec);
+    model.fill_grads(0);
+    dp.synchronize();
+    dp.synchronize();
+    CHECK(rec.log.empty());
+    CHECK(dp.steps() == 2);
+    CHECK(model.tensors[1].g[3] == Toy::grad_value(0, 1, 3));
+    CHECK(dp.extra_memory() < 1_KiB);  // no bucket buffers for one rank
+}
+
+TEST_CASE("buckets are launched in plan order with the planned sizes") {
+    // Five tensors of 4000 bytes. Caps: first 4 KiB, then 10 KiB. Reverse order t4..t0 gives
+    // {t4} (a second tensor would pass 4 KiB), {t3, t2} (a third would pass 10 KiB), {t1, t0}.
+    std::vector<std::vector<testing_support::Collective>> logs(2);
+    gradsync::spawn(2, [&](LocalBackend& b) {
+        RecordingBackend rec(b);
+        Toy model({1000, 1000, 1000, 1000, 1000}, 0.0f);
+        DataParallel dp(model, rec, gradsync::SizeCappedBuckets{10_KiB, 4_KiB});
+        REQUIRE(dp.plan().buckets.size() == 3);
+        rec.log.clear();
+        for (std::size_t k = 0; k < 5; ++k) std::fill(model.tensors[k].g.begin(), model.tensors[k].g.end(), float(k));
+        dp.synchronize();
+        logs[static_cast<std::size_t>(b.rank())] = rec.log;
+    });
+    for (const auto& log : logs) {
+        REQUIRE(log.size() == 3);
+        CHECK(log[0].count == 1000);
+        CHECK(log[0].first == 4.0);  // t4's gradient is packed first
+        CHECK(log[1].count == 2000);
+        CHECK(log[1].first == 3.0);
+        CHECK(log[2].count == 2000);
+        CHECK(log[2].first == 1.0);
+    }
+}
+
+TEST_CASE("zero-sized parameters are skipped, not an error") {
+    struct WithEmpty {
+        std::vector<float> w = std::vector<float>(4, 1.0f), g = std::vector<float>(4, 2.0f);
+        std::vector<gradsync::Parameter> parameters() {
+            return {gradsync::Parameter{"empty", nullptr, nullptr, 0, gradsync::DType::float32},
+                    gradsync::parameter("w", w, g)};
+        }
+    };
+    gradsync::spawn(2, [&](LocalBackend& b) {
+        WithEmpty m;
+        DataParallel dp(m, b);
+        REQUIRE(dp.parameters().size() == 1);
+        CHECK(dp.parameters()[0].name == "w");
+        dp.synchronize();
+        CHECK(m.g[0] == 2.0f);
+    });
+}
+
+TEST_CASE("memory held: bucket buffers only when packing") {
+    gradsync::spawn(2, [&](LocalBackend& b) {
+        Toy model({1000, 50000}, 0.0f);
+        DataParallel in_place(model, b);
+        CHECK(in_place.gradient_bytes() == gradsync::Bytes{51000 * 4});
+        CHECK(in_place.extra_memory() < 1_KiB);
+        DataParallel packed(model, b, gradsync::PackedBuckets{});
+        CHECK(packed.extra_memory() >= gradsync::Bytes{51000 * 4});
+        CHECK(packed.extra_memory() < gradsync::Bytes{51000 * 4} + 1_KiB);
+    });
+}
+
+TEST_CASE("a null gradient pointer is an error on every rank, naming the rank and the parameter") {
+    struct NullGrad {
+        std::vector<float> w = std::vector<float>(4);
+        bool broken = false;
+        std::vector<gradsync::Parameter> parameters() {
+            return {
+                gradsync::Parameter{"fc.weight", w.data(), broken ? nullptr : w.data(), 4, gradsync::DType::float32}};
+        }
+    };
+    auto messages = messages_of(3, [](LocalBackend& b) {
+        NullGrad m;
+        m.broken = b.rank() == 1;
+        DataParallel dp(m, b);
+    });
+    check_same_on_every_rank(messages,
+                             "gradsync: invalid model on rank 1: parameter 'fc.weight' has a null gradient pointer");
+
+    // One rank alone throws without any collective.
+    auto ranks = LocalBackend::create_group(1);
+    NullGrad m;
+    m.broken = true;
+    CHECK_THROWS_WITH_AS(DataParallel(m, ranks[0]), doctest::Contains("has a null gradient pointer"),
+                         gradsync::InvalidModel);
+}
+
+TEST_CASE("an unsupported dtype is an error on every rank") {
+    struct Half {
+        std::uint16_t w[8]{}, g[8]{};
+        std::vector<gradsync::Parameter> parameters() {
+            return {gradsync::Parameter{"emb", w, g, 8, gradsync::DType::float16}};
+        }
+    };
+    auto messages = messages_of(2, [](LocalBackend& b) {
+        Half m;
+        DataParallel dp(m, b);
+    });
+    check_same_on_every_rank(messages,
+                             "invalid model on rank 0: parameter 'emb' is float16, which this backend cannot reduce");
+
+    struct Bogus {
+        float w[2]{}, g[2]{};
+        std::vector<gradsync::Parameter> parameters() {
+            return {gradsync::Parameter{"x", w, g, 2, static_cast<gradsync::DType>(77)}};
+        }
+    };
+    auto ranks = LocalBackend::create_group(1);
+    Bogus bogus;
+    CHECK_THROWS_WITH_AS(DataParallel(bogus, ranks[0]),
+                         doctest::Contains("parameter 'x' has an unknown dtype (code 77)"), gradsync::InvalidModel);
+}
+
+TEST_CASE("two parameters sharing one gradient buffer is an error") {
+    struct Shared {
+        std::vector<float> a = std::vector<float>(8), b = std::vector<float>(8), g = std::vector<float>(8);
+        std::vector<gradsync::Parameter> parameters() {
+            return {gradsync::parameter("enc.weight", a.data(), g.data(), 8),
+                    gradsync::parameter("dec.weight", b.data(), g.data() + 4, 4)};
+        }
+    };
+    auto messages = messages_of(2, [](LocalBackend& b) {
+        Shared m;
+        DataParallel dp(m, b);
+    });
+    check_same_on_every_rank(messages, "parameters 'enc.weight' and 'dec.weight' share gradient memory");
+}
+
+TEST_CASE("a layout that differs across ranks names the first differing parameter on every rank") {
+    SUBCASE("a size") {
+        auto messages = messages_of(3, [](LocalBackend& b) {
+            Toy m({10, b.rank() == 2 ? std::size_t{21} : std::size_t{20}, 30}, 0.0f);
+            DataParallel dp(m, b);
+        });
+        check_same_on_every_rank(messages,
+                                 "parameter #1 is 't1' (20 x float32) on rank 0 but 't1' (21 x float32) on rank 2");
+    }
+    SUBCASE("a dtype") {
+        auto messages = messages_of(2, [](LocalBackend& b) {
+            Toy m({10}, 0.0f, 0);
+            if (b.rank() == 1) m.tensors.clear();
+            m.doubles.push_back({"x", std::vector<double>(10), std::vector<double>(10)});
+            DataParallel dp(m, b);
+        });
+        check_same_on_every_rank(messages,
+                                 "parameter #0 is 't0' (10 x float32) on rank 0 but 'x' (10 x float64) on rank 1");
+    }
+    SUBCASE("the number of parameters") {
+        auto messages = messages_of(2, [](LocalBackend& b) {
+            Toy m(b.rank() == 0 ? std::vector<std::size_t>{10, 20} : std::vector<std::size_t>{10, 20, 30}, 0.0f);
+            DataParallel dp(m, b);
+        });
+        check_same_on_every_rank(
+            messages,
+            "rank 0 has 2 parameters and rank 1 has 3; parameter #2 't2' (30 x float32) exists only on rank 1");
+    }
+    SUBCASE("the bucketer") {
+        auto messages = messages_of(2, [](LocalBackend& b) {
+            Toy m({1000, 1000, 1000}, 0.0f);
+            DataParallel dp(m, b, gradsync::SizeCappedBuckets{b.rank() == 0 ? 4_KiB : 8_KiB, 1_KiB});
+        });
+        check_same_on_every_rank(messages, "the bucket plans of rank 0 and rank 1 differ");
+    }
+}
+
+TEST_CASE("DataParallel deduces its policies and defaults the rest") {
+    using Default = DataParallel<Toy, LocalBackend>;
+    static_assert(std::is_same_v<Default::bucketer_type, gradsync::SizeCappedBuckets>);
+    static_assert(std::is_same_v<Default::memory_type, gradsync::HostMemory>);
+    static_assert(Default::reduces_in_place);
+    using Packed = DataParallel<Toy, LocalBackend, gradsync::PackedBuckets, gradsync::SingleBucket>;
+    static_assert(std::is_same_v<Packed::bucketer_type, gradsync::SingleBucket>);
+    static_assert(!Packed::reduces_in_place);
+    static_assert(!DataParallel<Toy, RecordingBackend>::reduces_in_place);
+
+    auto ranks = LocalBackend::create_group(1);
+    Toy m({4}, 0.0f);
+    Packed explicit_policies(m, ranks[0]);  // policies given as types only
+    CHECK(explicit_policies.plan().buckets.size() == 1);
+}
