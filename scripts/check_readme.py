@@ -1,23 +1,33 @@
 #!/usr/bin/env python3
 """Keeps README.md's code honest.
 
-A fenced block right after `<!-- file: PATH -->` must equal that file; a block right after
-`<!-- diff: A B -->` must equal the unified diff from file A to file B. --write rewrites the
+A fenced block right after `<!-- file: PATH -->` must equal that file; after
+`<!-- snippet: PATH#NAME -->`, the lines of PATH between `// [NAME]` and `// [/NAME]`; after
+`<!-- diff: A B -->`, the unified diff from file A to file B. --write rewrites the
 blocks from the files instead of checking them.
 """
 import difflib
 import pathlib
 import re
 import sys
+import textwrap
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
-MARKER = re.compile(r"<!-- (file|diff): ([^>]+?) -->\n(```[a-z]*\n)(.*?)(```)", re.S)
+MARKER = re.compile(r"<!-- (file|snippet|diff): ([^>]+?) -->\n(```[a-z]*\n)(.*?)(```)", re.S)
 
 
 def expected(kind, args):
     if kind == "file":
         return (ROOT / args).read_text()
+    if kind == "snippet":
+        path, name = args.split("#")
+        lines = (ROOT / path).read_text().splitlines(keepends=True)
+        stripped = [line.strip() for line in lines]
+        if f"// [{name}]" not in stripped or f"// [/{name}]" not in stripped:
+            raise SystemExit(f"{path} has no region [{name}]")
+        begin, end = stripped.index(f"// [{name}]"), stripped.index(f"// [/{name}]")
+        return textwrap.dedent("".join(lines[begin + 1:end]))
     a, b = args.split()
     lines = difflib.unified_diff(
         (ROOT / a).read_text().splitlines(keepends=True),

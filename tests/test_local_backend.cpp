@@ -75,7 +75,7 @@ void check_allreduce(int world, std::size_t n, LocalAlgorithm algo, ReduceOp op)
         // Bitwise: every rank, every algorithm, the documented summation order.
         const auto& got = results[static_cast<std::size_t>(r)];
         REQUIRE(got.size() == n);
-        CHECK(std::memcmp(got.data(), want.data(), n * sizeof(T)) == 0);
+        CHECK((n == 0 || std::memcmp(got.data(), want.data(), n * sizeof(T)) == 0));  // memcmp(nullptr, ...) is UB
     }
 }
 
@@ -375,5 +375,5 @@ TEST_CASE("a group reports its memory and its ranks") {
     CHECK(ranks[0].size() == 3);
     CHECK(ranks[0].supports(gradsync::DType::float64));
     CHECK_FALSE(ranks[0].supports(gradsync::DType::bfloat16));
-    CHECK(ranks[0].memory_footprint() == 2 * 16_KiB + 8_KiB);
+    CHECK(ranks[0].memory_footprint() == 2 * 4_KiB + 8_KiB);  // the staging slot is at least 4 KiB
 }

@@ -1,0 +1,68 @@
+// LocalBackend collectives on 2 ranks: allreduce bandwidth from 4 KiB to 256 MiB beside the
+// single-thread memcpy bandwidth at the same size (the ceiling), and small-message latency.
+#include <gradsync/backend/local.hpp>
+
+#include <benchmark/benchmark.h>
+
+#include "results.hpp"
+#include "two_ranks.hpp"
+
+#include <cstring>
+#include <span>
+#include <vector>
+
+namespace {
+
+// Knobs.
+constexpr std::int64_t smallest_bytes = 4 << 10;
+constexpr std::int64_t largest_bytes = 256 << 20;
+constexpr std::int64_t latency_bytes[] = {4, 16, 64, 256, 1024, 4096};
+constexpr int repetitions = 5;
+constexpr double min_seconds = 0.2;
+
+void memcpy_bandwidth(benchmark::State& state) {
+    const auto bytes = static_cast<std::size_t>(state.range(0));
+    std::vector<char> src(bytes, 1), dst(bytes, 2);  // touched before timing
+    for (auto _ : state) {
+        std::memcpy(dst.data(), src.data(), bytes);
+        benchmark::DoNotOptimize(dst.data());
+        benchmark::ClobberMemory();
+    }
+    state.SetBytesProcessed(state.iterations() * state.range(0));
+}
+
+void allreduce(benchmark::State& state) {
+    const auto count = static_cast<std::size_t>(state.range(0)) / sizeof(float);
+    bench::time_on_two_ranks(state, [count](gradsync::LocalBackend& b) {
+        return [&b, data = std::vector<float>(count, 1.0f)]() mutable {
+            b.allreduce(std::span<float>(data), gradsync::ReduceOp::sum);
+        };
+    });
+    state.SetBytesProcessed(state.iterations() * state.range(0));  // algbw
+}
+
+void for_sizes(benchmark::internal::Benchmark* b) {
+    b->ArgName("bytes");
+    for (std::int64_t s = smallest_bytes; s <= largest_bytes; s *= 4) b->Arg(s);
+    b->UseRealTime()->Repetitions(repetitions)->ReportAggregatesOnly(true)->MinTime(min_seconds);
+    b->Unit(benchmark::kMicrosecond);
+}
+
+void for_latency(benchmark::internal::Benchmark* b) {
+    b->ArgName("bytes");
+    for (auto s : latency_bytes) b->Arg(s);
+    b->UseRealTime()->Repetitions(repetitions)->ReportAggregatesOnly(true)->MinTime(min_seconds);
+    b->Unit(benchmark::kMicrosecond);
+}
+
+}  // namespace
+
+namespace bench {
+
+void register_collectives() {
+    benchmark::RegisterBenchmark("memcpy", memcpy_bandwidth)->Apply(for_sizes);
+    benchmark::RegisterBenchmark("allreduce_2_ranks", allreduce)->Apply(for_sizes);
+    benchmark::RegisterBenchmark("allreduce_latency_2_ranks", allreduce)->Apply(for_latency);
+}
+
+}  // namespace bench

@@ -1,0 +1,129 @@
+// DataParallel::synchronize() on 2 ranks over the gradient layouts of ResNet-50 and BERT-base,
+// with no model behind them, against one raw allreduce of a flat buffer of the same bytes.
+// The two alternate within every iteration, in alternating order, and the figure is the median
+// of the per-iteration ratios: on a shared machine bandwidth drifts by tens of percent within
+// seconds, so only ratios of interleaved measurements compare.
+#include <gradsync/gradsync.hpp>
+
+#include <benchmark/benchmark.h>
+
+#include "model_layouts.hpp"
+#include "results.hpp"
+#include "two_ranks.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace {
+
+// Knobs.
+constexpr int repetitions = 5;
+constexpr double min_seconds = 0.5;
+
+// One separately allocated value and gradient buffer per tensor, as most frameworks hold them.
+class LayoutModel {
+public:
+    explicit LayoutModel(const std::vector<layouts::Tensor>& tensors) : tensors_(tensors) {
+        for (const auto& t : tensors) {
+            values_.emplace_back(t.count, 0.5f);
+            grads_.emplace_back(t.count, 1.0f);
+        }
+    }
+    std::vector<gradsync::Parameter> parameters() {
+        std::vector<gradsync::Parameter> out;
+        for (std::size_t i = 0; i < tensors_.size(); ++i)
+            out.push_back(gradsync::parameter(tensors_[i].name, values_[i], grads_[i]));
+        return out;
+    }
+
+private:
+    std::vector<layouts::Tensor> tensors_;
+    std::vector<std::vector<float>> values_, grads_;
+};
+
+double median(std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+// What one rank holds: the model, its DataParallel, and a flat buffer of the same bytes.
+template <class... Policies>
+struct Replica {
+    Replica(const std::vector<layouts::Tensor>& t, gradsync::LocalBackend& b)
+        : model(t), dp(model, b), flat(layouts::total_count(t), 1.0f) {}
+    LayoutModel model;
+    gradsync::DataParallel<LayoutModel, gradsync::LocalBackend, Policies...> dp;
+    std::vector<float> flat;
+};
+
+template <class... Policies>
+void synchronize_vs_flat(benchmark::State& state, std::vector<layouts::Tensor> (*layout)(), const std::string& key) {
+    const auto tensors = layout();
+    std::vector<double> flat_s, sync_s, ratios;
+    gradsync::Bytes extra, grads;
+    bench::time_on_two_ranks(state, [&](gradsync::LocalBackend& b) {
+        auto replica = std::make_shared<Replica<Policies...>>(tensors, b);
+        const bool timer = b.rank() == 0;
+        if (timer) {
+            extra = replica->dp.extra_memory() + b.memory_footprint();
+            grads = replica->dp.gradient_bytes();
+        }
+        return [&, replica, &b = b, timer, flat_first = false, warmed_up = false]() mutable {
+            using clock = std::chrono::steady_clock;
+            auto flat = [&] { b.allreduce(std::span<float>(replica->flat), gradsync::ReduceOp::average); };
+            auto sync = [&] { replica->dp.synchronize(); };
+            auto t0 = clock::now();
+            flat_first ? flat() : sync();
+            auto t1 = clock::now();
+            flat_first ? sync() : flat();
+            auto t2 = clock::now();
+            if (timer && warmed_up) {
+                double first = std::chrono::duration<double>(t1 - t0).count();
+                double second = std::chrono::duration<double>(t2 - t1).count();
+                double f = flat_first ? first : second, s = flat_first ? second : first;
+                flat_s.push_back(f);
+                sync_s.push_back(s);
+                ratios.push_back(s / f);
+                state.SetIterationTime(s);
+            }
+            flat_first = !flat_first;
+            warmed_up = true;
+        };
+    });
+    state.counters["flat_ms"] = median(flat_s) * 1e3;
+    state.counters["sync_ms"] = median(sync_s) * 1e3;
+    state.counters["ratio"] = median(ratios);
+    state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(grads.count()));
+    bench::record_memory(key, extra, grads);
+}
+
+void configure(benchmark::internal::Benchmark* b) {
+    b->UseManualTime()->Repetitions(repetitions)->ReportAggregatesOnly(true)->MinTime(min_seconds);
+    b->Unit(benchmark::kMillisecond);
+}
+
+}  // namespace
+
+namespace bench {
+
+void register_data_parallel() {
+    struct Layout {
+        const char* name;
+        std::vector<layouts::Tensor> (*tensors)();
+    };
+    for (auto layout : {Layout{"resnet50", layouts::resnet50}, Layout{"bert_base", layouts::bert_base}}) {
+        std::string name = layout.name;
+        benchmark::RegisterBenchmark(("synchronize_vs_flat/" + name + "/in_place").c_str(), synchronize_vs_flat<>,
+                                     layout.tensors, name + "/in_place")
+            ->Apply(configure);
+        benchmark::RegisterBenchmark(("synchronize_vs_flat/" + name + "/packed").c_str(),
+                                     synchronize_vs_flat<gradsync::PackedBuckets>, layout.tensors, name + "/packed")
+            ->Apply(configure);
+    }
+}
+
+}  // namespace bench

@@ -1,0 +1,155 @@
+// Runs every benchmark, then prints a summary: each figure beside its ceiling or baseline
+// measured in the same run, their ratio, and the target the issue set for it.
+#include <benchmark/benchmark.h>
+
+#include "results.hpp"
+
+#include <algorithm>
+#include <cstdio>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace {
+
+std::map<std::string, double> median_seconds;                   // by "name/args"
+std::map<std::string, std::map<std::string, double>> median_counters;  // by "name/args", counter
+std::map<std::string, std::pair<gradsync::Bytes, gradsync::Bytes>> memory;
+std::mutex memory_mutex;
+
+// The console output as usual, and each median kept for the summary.
+class Recorder : public benchmark::ConsoleReporter {
+public:
+    void ReportRuns(const std::vector<Run>& runs) override {
+        for (const auto& run : runs) {
+            if (run.run_type != Run::RT_Aggregate || run.aggregate_name != "median") continue;
+            std::string key = run.run_name.function_name;
+            if (!run.run_name.args.empty()) key += "/" + run.run_name.args;
+            median_seconds[key] = run.GetAdjustedRealTime() / benchmark::GetTimeUnitMultiplier(run.time_unit);
+            for (const auto& [name, counter] : run.counters) median_counters[key][name] = counter.value;
+        }
+        ConsoleReporter::ReportRuns(runs);
+    }
+};
+
+std::optional<double> counter(const std::string& key, const std::string& name) {
+    auto it = median_counters.find(key);
+    if (it == median_counters.end() || !it->second.count(name)) return std::nullopt;
+    return it->second.at(name);
+}
+
+std::optional<double> seconds(const std::string& key) {
+    auto it = median_seconds.find(key);
+    if (it == median_seconds.end()) return std::nullopt;
+    return it->second;
+}
+
+std::string size_name(long long bytes) {
+    if (bytes >= (1 << 20)) return std::to_string(bytes >> 20) + " MiB";
+    if (bytes >= (1 << 10)) return std::to_string(bytes >> 10) + " KiB";
+    return std::to_string(bytes) + " B";
+}
+
+double gbps(double bytes, double s) { return bytes / s / 1e9; }
+
+void target_row(const char* figure, const std::string& measured, const std::string& reference, double ratio,
+                const char* target, bool met) {
+    std::printf("  %-46s %-12s %-26s %6.3f   %-9s %s\n", figure, measured.c_str(), reference.c_str(), ratio, target,
+                met ? "met" : "MISSED");
+}
+
+std::string fmt(const char* format, double v) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, format, v);
+    return buf;
+}
+
+void print_summary() {
+    std::printf("\n== gradsync summary: medians of the repetitions above; every ratio is against a ceiling or "
+                "baseline measured in this run ==\n\n");
+    std::printf("LocalBackend allreduce, 2 ranks (busbw = algbw * 2(n-1)/n = algbw for n = 2; memcpy = bytes "
+                "copied per second by one thread)\n");
+    std::printf("  %-9s %12s %12s %12s %14s %14s\n", "size", "time (us)", "algbw GB/s", "busbw GB/s", "memcpy GB/s",
+                "busbw/memcpy");
+    for (long long bytes = 4 << 10; bytes <= (256ll << 20); bytes *= 4) {
+        auto t = seconds("allreduce_2_ranks/bytes:" + std::to_string(bytes));
+        auto m = seconds("memcpy/bytes:" + std::to_string(bytes));
+        if (!t || !m) continue;
+        double algbw = gbps(double(bytes), *t), copy = gbps(double(bytes), *m);
+        std::printf("  %-9s %12.1f %12.2f %12.2f %14.2f %14.3f\n", size_name(bytes).c_str(), *t * 1e6, algbw, algbw,
+                    copy, algbw / copy);
+    }
+    std::printf("\nLocalBackend allreduce latency, 2 ranks\n");
+    double worst_small = 0;
+    for (long long bytes : {4, 16, 64, 256, 1024, 4096}) {
+        auto t = seconds("allreduce_latency_2_ranks/bytes:" + std::to_string(bytes));
+        if (!t) continue;
+        if (bytes <= 256) worst_small = std::max(worst_small, *t);
+        std::printf("  %-9s %8.2f us\n", size_name(bytes).c_str(), *t * 1e6);
+    }
+
+    std::printf("\nDataParallel::synchronize(), 2 ranks, against one allreduce of a flat buffer of the same bytes,\n"
+                "interleaved in every iteration; ratio = median of the per-iteration ratios\n");
+    for (const char* layout : {"resnet50", "bert_base"}) {
+        for (const char* mode : {"in_place", "packed"}) {
+            std::string key = std::string("synchronize_vs_flat/") + layout + "/" + mode;
+            auto sync = counter(key, "sync_ms"), flat = counter(key, "flat_ms"), ratio = counter(key, "ratio");
+            if (!sync || !flat || !ratio) continue;
+            std::printf("  %-10s %-9s %9.2f ms   flat %9.2f ms   ratio %6.3f\n", layout, mode, *sync, *flat, *ratio);
+        }
+    }
+    std::printf("\nMemory held beyond the model (DataParallel buffers + backend staging), against the gradient bytes\n");
+    for (const auto& [key, m] : memory) {
+        std::printf("  %-20s %12s of %12s   ratio %6.3f\n", key.c_str(), gradsync::to_string(m.first).c_str(),
+                    gradsync::to_string(m.second).c_str(), double(m.first.count()) / double(m.second.count()));
+    }
+
+    std::printf("\nTargets (issue #2)\n");
+    std::printf("  %-46s %-12s %-26s %6s   %-9s %s\n", "figure", "measured", "ceiling / baseline", "ratio", "target",
+                "");
+    auto ar = seconds("allreduce_2_ranks/bytes:67108864");
+    auto mc = seconds("memcpy/bytes:67108864");
+    if (ar && mc) {
+        double busbw = gbps(64.0 * (1 << 20), *ar), copy = gbps(64.0 * (1 << 20), *mc);
+        target_row("allreduce busbw at 64 MiB / memcpy at 64 MiB", fmt("%.2f GB/s", busbw),
+                   fmt("memcpy %.2f GB/s", copy), busbw / copy, ">= 0.70", busbw / copy >= 0.70);
+    }
+    if (worst_small > 0) {
+        target_row("allreduce 4..256 B, worst median latency", fmt("%.2f us", worst_small * 1e6), "-",
+                   worst_small * 1e6 / 5.0, "<= 5 us", worst_small <= 5e-6);
+    }
+    const std::string resnet = "synchronize_vs_flat/resnet50/in_place";
+    auto sync = counter(resnet, "sync_ms"), flat = counter(resnet, "flat_ms"), ratio = counter(resnet, "ratio");
+    if (sync && flat && ratio) {
+        target_row("synchronize() ResNet-50 / flat allreduce", fmt("%.2f ms", *sync), fmt("flat %.2f ms", *flat),
+                   *ratio, "<= 1.10", *ratio <= 1.10);
+    }
+    if (auto it = memory.find("resnet50/in_place"); it != memory.end()) {
+        double ratio = double(it->second.first.count()) / double(it->second.second.count());
+        target_row("extra memory ResNet-50 / gradient bytes", gradsync::to_string(it->second.first),
+                   "grads " + gradsync::to_string(it->second.second), ratio, "<= 1.00", ratio <= 1.0);
+    }
+}
+
+}  // namespace
+
+namespace bench {
+void record_memory(const std::string& key, gradsync::Bytes extra, gradsync::Bytes gradients) {
+    std::lock_guard lock(memory_mutex);
+    memory[key] = {extra, gradients};
+}
+}  // namespace bench
+
+int main(int argc, char** argv) {
+    bench::register_collectives();
+    bench::register_data_parallel();
+    benchmark::Initialize(&argc, argv);
+    if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+    Recorder recorder;
+    benchmark::RunSpecifiedBenchmarks(&recorder);
+    benchmark::Shutdown();
+    print_summary();
+}

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Runs the whole test suite: the dev build (unit, equivalence, compile-fail, consumer, single
+# header, README, nvcc and format checks), then the tests again under ThreadSanitizer and under
+# AddressSanitizer + UndefinedBehaviorSanitizer. Installs what it needs on Debian 12.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/deps.sh
+
+ensure_packages cmake ninja-build g++ make python3 doctest-dev libbenchmark-dev clang-format
+export PATH="$PATH:/usr/local/cuda/bin"  # nvcc, where the CUDA toolkit is installed
+
+for preset in dev tsan asan-ubsan; do
+    step "configure and build: $preset"
+    cmake --preset "$preset" >/dev/null
+    cmake --build --preset "$preset"
+    step "test: $preset"
+    ctest --preset "$preset"
+done
+step "all tests passed"
