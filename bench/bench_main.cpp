@@ -15,7 +15,7 @@
 
 namespace {
 
-std::map<std::string, double> median_seconds;                   // by "name/args"
+std::map<std::string, double> median_seconds;                          // by "name/args"
 std::map<std::string, std::map<std::string, double>> median_counters;  // by "name/args", counter
 std::map<std::string, std::pair<gradsync::Bytes, gradsync::Bytes>> memory;
 std::mutex memory_mutex;
@@ -68,10 +68,12 @@ std::string fmt(const char* format, double v) {
 }
 
 void print_summary() {
-    std::printf("\n== gradsync summary: medians of the repetitions above; every ratio is against a ceiling or "
-                "baseline measured in this run ==\n\n");
-    std::printf("LocalBackend allreduce, 2 ranks (busbw = algbw * 2(n-1)/n = algbw for n = 2; memcpy = bytes "
-                "copied per second by one thread)\n");
+    std::printf(
+        "\n== gradsync summary: medians of the repetitions above; every ratio is against a ceiling or "
+        "baseline measured in this run ==\n\n");
+    std::printf(
+        "LocalBackend allreduce, 2 ranks (busbw = algbw * 2(n-1)/n = algbw for n = 2; memcpy = bytes "
+        "copied per second by one thread)\n");
     std::printf("  %-9s %12s %12s %12s %14s %14s\n", "size", "time (us)", "algbw GB/s", "busbw GB/s", "memcpy GB/s",
                 "busbw/memcpy");
     for (long long bytes = 4 << 10; bytes <= (256ll << 20); bytes *= 4) {
@@ -91,8 +93,9 @@ void print_summary() {
         std::printf("  %-9s %8.2f us\n", size_name(bytes).c_str(), *t * 1e6);
     }
 
-    std::printf("\nDataParallel::synchronize(), 2 ranks, against one allreduce of a flat buffer of the same bytes,\n"
-                "interleaved in every iteration; ratio = median of the per-iteration ratios\n");
+    std::printf(
+        "\nDataParallel::synchronize(), 2 ranks, against one allreduce of a flat buffer of the same bytes,\n"
+        "interleaved in every iteration; ratio = median of the per-iteration ratios\n");
     for (const char* layout : {"resnet50", "bert_base"}) {
         for (const char* mode : {"in_place", "packed"}) {
             std::string key = std::string("synchronize_vs_flat/") + layout + "/" + mode;
@@ -101,7 +104,8 @@ void print_summary() {
             std::printf("  %-10s %-9s %9.2f ms   flat %9.2f ms   ratio %6.3f\n", layout, mode, *sync, *flat, *ratio);
         }
     }
-    std::printf("\nMemory held beyond the model (DataParallel buffers + backend staging), against the gradient bytes\n");
+    std::printf(
+        "\nMemory held beyond the model (DataParallel buffers + backend staging), against the gradient bytes\n");
     for (const auto& [key, m] : memory) {
         std::printf("  %-20s %12s of %12s   ratio %6.3f\n", key.c_str(), gradsync::to_string(m.first).c_str(),
                     gradsync::to_string(m.second).c_str(), double(m.first.count()) / double(m.second.count()));
