@@ -647,7 +647,6 @@ struct LocalCall {
         return kind == o.kind && dtype == o.dtype && op == o.op && root == o.root && count == o.count && seq == o.seq;
     }
     [[nodiscard]] std::string describe() const {
-        std::string s;
         switch (kind) {
             case LocalCallKind::allreduce:
                 return "allreduce #" + std::to_string(seq) + " (" + std::to_string(count) + " x " + to_string(dtype) +
@@ -658,7 +657,7 @@ struct LocalCall {
             case LocalCallKind::barrier:
                 return "barrier #" + std::to_string(seq);
         }
-        return s;
+        return "collective #" + std::to_string(seq);
     }
 };
 
@@ -2093,14 +2092,15 @@ private:
 
 namespace gradsync::inline v0 {
 
-// Calls fn(LocalBackend&) once per rank, each on its own thread, and joins them. When a rank
-// throws, the group is aborted so that peers blocked in collectives fail at once instead of
-// waiting; after every thread has ended, the first exception thrown (the cause, not the peers'
-// resulting failures) is rethrown. A rank whose fn returns leaves the group: peers that still
-// wait for it in a collective fail rather than hang.
+// Calls fn(LocalBackend&) once per rank, each on its own thread, and joins them. The threads
+// share one fn, called as const, so a mutable lambda (state shared without a lock) does not
+// compile. When a rank throws, the group is aborted so that peers blocked in collectives fail at
+// once instead of waiting; after every thread has ended, the first exception thrown (the cause,
+// not the peers' resulting failures) is rethrown. A rank whose fn returns leaves the group: peers
+// that still wait for it in a collective fail rather than hang.
 template <class Fn>
-requires std::is_invocable_v<Fn&, LocalBackend&>
-void spawn(int n, Fn fn, LocalGroupOptions options = {}) {
+requires std::is_invocable_v<const Fn&, LocalBackend&>
+void spawn(int n, const Fn& fn, LocalGroupOptions options = {}) {
     auto ranks = LocalBackend::create_group(n, options);
     std::mutex mutex;
     std::exception_ptr first;

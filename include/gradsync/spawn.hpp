@@ -15,14 +15,15 @@
 
 namespace gradsync::inline v0 {
 
-// Calls fn(LocalBackend&) once per rank, each on its own thread, and joins them. When a rank
-// throws, the group is aborted so that peers blocked in collectives fail at once instead of
-// waiting; after every thread has ended, the first exception thrown (the cause, not the peers'
-// resulting failures) is rethrown. A rank whose fn returns leaves the group: peers that still
-// wait for it in a collective fail rather than hang.
+// Calls fn(LocalBackend&) once per rank, each on its own thread, and joins them. The threads
+// share one fn, called as const, so a mutable lambda (state shared without a lock) does not
+// compile. When a rank throws, the group is aborted so that peers blocked in collectives fail at
+// once instead of waiting; after every thread has ended, the first exception thrown (the cause,
+// not the peers' resulting failures) is rethrown. A rank whose fn returns leaves the group: peers
+// that still wait for it in a collective fail rather than hang.
 template <class Fn>
-requires std::is_invocable_v<Fn&, LocalBackend&>
-void spawn(int n, Fn fn, LocalGroupOptions options = {}) {
+requires std::is_invocable_v<const Fn&, LocalBackend&>
+void spawn(int n, const Fn& fn, LocalGroupOptions options = {}) {
     auto ranks = LocalBackend::create_group(n, options);
     std::mutex mutex;
     std::exception_ptr first;

@@ -79,7 +79,6 @@ struct LocalCall {
         return kind == o.kind && dtype == o.dtype && op == o.op && root == o.root && count == o.count && seq == o.seq;
     }
     [[nodiscard]] std::string describe() const {
-        std::string s;
         switch (kind) {
             case LocalCallKind::allreduce:
                 return "allreduce #" + std::to_string(seq) + " (" + std::to_string(count) + " x " + to_string(dtype) +
@@ -90,7 +89,7 @@ struct LocalCall {
             case LocalCallKind::barrier:
                 return "barrier #" + std::to_string(seq);
         }
-        return s;
+        return "collective #" + std::to_string(seq);
     }
 };
 
