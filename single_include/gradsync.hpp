@@ -223,35 +223,34 @@ enum class DType : std::uint8_t {
     float64 = 1,
     float16 = 2,   // IEEE binary16; no host arithmetic type yet
     bfloat16 = 3,  // no host arithmetic type yet
+    int32 = 4,     // model buffers only (counters); never reduced
+    int64 = 5,
 };
 
 // False for a value outside the enumeration (a corrupt or uninitialised dtype).
-constexpr bool is_known(DType t) { return static_cast<std::uint8_t>(t) <= 3; }
+constexpr bool is_known(DType t) { return static_cast<std::uint8_t>(t) <= 5; }
 
 // Element size in bytes; 0 for an unknown dtype.
 constexpr std::size_t size_of(DType t) {
     switch (t) {
-        case DType::float32:
-            return 4;
-        case DType::float64:
-            return 8;
+        case DType::float32: return 4;
+        case DType::float64: return 8;
         case DType::float16:
-        case DType::bfloat16:
-            return 2;
+        case DType::bfloat16: return 2;
+        case DType::int32: return 4;
+        case DType::int64: return 8;
     }
     return 0;
 }
 
 inline std::string to_string(DType t) {
     switch (t) {
-        case DType::float32:
-            return "float32";
-        case DType::float64:
-            return "float64";
-        case DType::float16:
-            return "float16";
-        case DType::bfloat16:
-            return "bfloat16";
+        case DType::float32: return "float32";
+        case DType::float64: return "float64";
+        case DType::float16: return "float16";
+        case DType::bfloat16: return "bfloat16";
+        case DType::int32: return "int32";
+        case DType::int64: return "int64";
     }
     return "dtype(" + std::to_string(static_cast<unsigned>(t)) + ")";
 }
@@ -269,6 +268,14 @@ template <>
 struct dtype_traits<double> {
     static constexpr DType value = DType::float64;
 };
+template <>
+struct dtype_traits<std::int32_t> {
+    static constexpr DType value = DType::int32;
+};
+template <>
+struct dtype_traits<std::int64_t> {
+    static constexpr DType value = DType::int64;
+};
 
 template <class T>
 concept HasDType = requires {
@@ -282,11 +289,13 @@ inline constexpr DType dtype_of = dtype_traits<std::remove_cv_t<T>>::value;
 // ---- end gradsync/dtype.hpp ----
 
 #include <atomic>
+#include <chrono>
 #include <concepts>  // for std::convertible_to
 #include <cstddef>
 #include <cstdint>
-#include <exception>  // for std::exception_ptr
-#include <memory>     // for std::shared_ptr
+#include <exception>   // for std::exception_ptr
+#include <functional>  // for std::function
+#include <memory>      // for std::shared_ptr
 #include <span>
 #include <string>
 
@@ -317,29 +326,54 @@ Buffer buffer_of(std::span<T> s) {
     return Buffer{s.data(), s.size(), dtype_of<T>};
 }
 
+// What a collective is for, so that a mismatch across ranks is named in terms the user knows.
+// `fingerprint` folds every collective the caller issued so far: equal fingerprints mean equal
+// histories, so a divergence is caught even where the current calls happen to look alike.
+struct CollectiveTag {
+    std::uint64_t fingerprint = 0;
+    std::int64_t step = -1;    // -1: not a training step's collective
+    std::int32_t bucket = -1;  // -1: not a bucket's collective
+
+    friend bool operator==(const CollectiveTag&, const CollectiveTag&) = default;
+};
+
 namespace detail {
 
 // Shared state of one asynchronous operation: set once by the thread that runs it.
 struct Completion {
     std::atomic<bool> done{false};
-    std::exception_ptr error;  // written before `done`, read after it
+    std::exception_ptr error;                           // written before `done`, read after it
+    std::chrono::steady_clock::time_point finished_at;  // likewise
     Doorbell bell;
 
     void finish(std::exception_ptr e = nullptr) {
         error = std::move(e);
+        finished_at = std::chrono::steady_clock::now();
         done.store(true, std::memory_order_seq_cst);
         bell.ring();
     }
-    void wait() {
-        wait_until([this] { return done.load(std::memory_order_acquire); }, [] {}, bell, SpinPolicy{});
+    // True when done by `deadline`.
+    bool wait_until(std::chrono::steady_clock::time_point deadline) {
+        struct Expired {};
+        try {
+            detail::wait_until([this] { return done.load(std::memory_order_acquire); },
+                               [deadline] {
+                                   if (std::chrono::steady_clock::now() >= deadline) throw Expired{};
+                               },
+                               bell, SpinPolicy{});
+        } catch (Expired) {
+            return done.load(std::memory_order_acquire);
+        }
+        return true;
     }
 };
 
 }  // namespace detail
 
 // Handle to an asynchronous collective. wait() returns when it has completed and rethrows its
-// error, if any. Every collective ends by its backend's deadline, so wait() cannot hang forever.
-// The buffers it works on must stay valid, and untouched by the caller, until then.
+// error, if any; every collective ends by its backend's deadline, so wait() cannot hang forever.
+// wait_until() also gives up at a deadline of the caller's. The buffers the collective works on
+// must stay valid, and untouched by the caller, until it has completed.
 class CollectiveHandle {
 public:
     CollectiveHandle() = default;  // an already completed no-op
@@ -347,10 +381,19 @@ public:
 
     [[nodiscard]] bool ready() const { return !state_ || state_->done.load(std::memory_order_acquire); }
 
-    void wait() const {
-        if (!state_) return;
-        state_->wait();
+    void wait() const { (void)wait_until(std::chrono::steady_clock::time_point::max()); }
+
+    // False when the deadline passed first; otherwise rethrows the collective's error, if any.
+    [[nodiscard]] bool wait_until(std::chrono::steady_clock::time_point deadline) const {
+        if (!state_) return true;
+        if (!state_->wait_until(deadline)) return false;
         if (state_->error) std::rethrow_exception(state_->error);
+        return true;
+    }
+
+    // When the collective completed (for timelines); only meaningful once ready().
+    [[nodiscard]] std::chrono::steady_clock::time_point finished_at() const {
+        return state_ ? state_->finished_at : std::chrono::steady_clock::time_point{};
     }
 
 private:
@@ -358,9 +401,10 @@ private:
 };
 
 template <class H>
-concept Waitable = requires(const H& h) {
+concept Waitable = requires(const H& h, std::chrono::steady_clock::time_point deadline) {
     h.wait();
     { h.ready() } -> std::convertible_to<bool>;
+    { h.wait_until(deadline) } -> std::convertible_to<bool>;
 };
 
 // A backend runs collectives among the ranks of one group. Every rank calls the same collectives
@@ -382,6 +426,32 @@ template <class B>
 concept ScatteredAllreduce = Backend<B> && requires(B& b, std::span<const Segment> segs, DType t, ReduceOp op) {
     b.allreduce(segs, t, op);
     { b.allreduce_async(segs, t, op) } -> Waitable;
+};
+
+// Optional capabilities DataParallel uses when a backend has them.
+
+// Collectives that carry a CollectiveTag, checked against the other ranks' at every call.
+template <class B>
+concept TaggedCollectives = Backend<B> &&
+    requires(B& b, Buffer buf, std::span<const Segment> segs, DType t, ReduceOp op, CollectiveTag tag) {
+    { b.allreduce_async(buf, op, tag) } -> Waitable;
+};
+
+// abort(reason): every pending and future collective of every rank fails with `reason`, so that
+// a failure on one rank reaches the others at once rather than at their deadline.
+template <class B>
+concept Abortable = Backend<B> && requires(B& b, const std::string& reason) {
+    b.abort(reason);
+};
+
+// Each rank can leave reporters that peers call, without a collective, when they need to say why
+// this rank is late (LocalBackend: shared memory).
+template <class B>
+concept PeerStatus = Backend<B> &&
+    requires(B& b, const B& cb, std::function<std::string()> reporter, int rank, std::uint64_t id) {
+    { b.add_status_reporter(reporter) } -> std::convertible_to<std::uint64_t>;
+    b.remove_status_reporter(id);
+    { cb.peer_status(rank) } -> std::convertible_to<std::string>;
 };
 
 namespace detail {
@@ -412,7 +482,8 @@ constexpr bool check_backend() {
                 { b.allreduce_async(buf, op) } -> Waitable;
             },
             "gradsync: a Backend needs `Handle allreduce_async(gradsync::Buffer, gradsync::ReduceOp)` "
-            "returning a handle with `void wait() const` and `bool ready() const`");
+            "returning a handle with `void wait() const`, `bool ready() const` and "
+            "`bool wait_until(std::chrono::steady_clock::time_point) const`");
         static_assert(
             requires(B & b, std::span<std::byte> bytes, int root) { b.broadcast(bytes, root); },
             "gradsync: a Backend needs `void broadcast(std::span<std::byte>, int root)`");
@@ -588,8 +659,10 @@ public:
 #include <deque>
 #include <exception>   // for std::exception_ptr, std::current_exception
 #include <functional>  // for std::function
+#include <limits>      // for std::numeric_limits
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <thread>
@@ -638,26 +711,33 @@ struct LocalCall {
     const Segment* segments = nullptr;  // null: the one segment is `single`
     std::size_t segment_count = 0;
     Segment single{};
+    CollectiveTag tag{};
 
     [[nodiscard]] std::span<const Segment> segs() const {
         return segments != nullptr ? std::span<const Segment>(segments, segment_count)
                                    : std::span<const Segment>(&single, 1);
     }
     [[nodiscard]] bool same_collective(const LocalCall& o) const {
-        return kind == o.kind && dtype == o.dtype && op == o.op && root == o.root && count == o.count && seq == o.seq;
+        return kind == o.kind && dtype == o.dtype && op == o.op && root == o.root && count == o.count && seq == o.seq &&
+               tag == o.tag;
     }
     [[nodiscard]] std::string describe() const {
+        std::string what;
         switch (kind) {
             case LocalCallKind::allreduce:
-                return "allreduce #" + std::to_string(seq) + " (" + std::to_string(count) + " x " + to_string(dtype) +
-                       ", " + to_string(op) + ")";
+                what = "allreduce #" + std::to_string(seq) + " (" + std::to_string(count) + " x " + to_string(dtype) +
+                       ", " + to_string(op);
+                break;
             case LocalCallKind::broadcast:
-                return "broadcast #" + std::to_string(seq) + " (" + std::to_string(count) + " bytes from rank " +
-                       std::to_string(root) + ")";
-            case LocalCallKind::barrier:
-                return "barrier #" + std::to_string(seq);
+                what = "broadcast #" + std::to_string(seq) + " (" + std::to_string(count) + " bytes from rank " +
+                       std::to_string(root);
+                break;
+            case LocalCallKind::barrier: what = "barrier #" + std::to_string(seq) + " ("; break;
         }
-        return "collective #" + std::to_string(seq);
+        if (tag.step >= 0) what += (what.back() == '(' ? "" : "; ") + std::string("step ") + std::to_string(tag.step);
+        if (tag.bucket >= 0) what += ", bucket " + std::to_string(tag.bucket);
+        if (what.back() == '(') return what.substr(0, what.size() - 2);
+        return what + ")";
     }
 };
 
@@ -718,7 +798,8 @@ public:
         : size_(size),
           options_(options),
           spin_(SpinPolicy::for_threads(static_cast<unsigned>(size))),
-          ranks_(static_cast<std::size_t>(size)) {
+          ranks_(static_cast<std::size_t>(size)),
+          reporters_(static_cast<std::size_t>(size)) {
         std::size_t slot = std::max<std::size_t>(4096, options.one_shot_max.count());
         slot = (slot + cache_line - 1) / cache_line * cache_line;
         staging_bytes_ = slot;
@@ -746,10 +827,8 @@ public:
                 if (call.dtype == DType::float32) return allreduce<float>(rank, call, deadline);
                 if (call.dtype == DType::float64) return allreduce<double>(rank, call, deadline);
                 fail(rank, call, "LocalBackend reduces float32 and float64 only, not " + to_string(call.dtype));
-            case LocalCallKind::broadcast:
-                return broadcast(rank, call, deadline);
-            case LocalCallKind::barrier:
-                return barrier(rank, call, deadline);
+            case LocalCallKind::broadcast: return broadcast(rank, call, deadline);
+            case LocalCallKind::barrier: return barrier(rank, call, deadline);
         }
     }
 
@@ -769,6 +848,29 @@ public:
     void depart(int rank) {
         ranks_[idx(rank)].departed.store(true, std::memory_order_seq_cst);
         bell_.ring();
+    }
+
+    std::uint64_t add_status_reporter(int rank, std::function<std::string()> reporter) {
+        std::lock_guard lock(status_mutex_);
+        reporters_[idx(rank)].push_back({++next_reporter_, std::move(reporter)});
+        return next_reporter_;
+    }
+    void remove_status_reporter(int rank, std::uint64_t id) {
+        std::lock_guard lock(status_mutex_);
+        auto& list = reporters_[idx(rank)];
+        std::erase_if(list, [id](const Reporter& r) { return r.id == id; });
+    }
+
+    // What rank `rank` says about itself, for a peer's diagnosis; "" when it says nothing.
+    [[nodiscard]] std::string status_of(int rank) {
+        if (ranks_[idx(rank)].departed.load(std::memory_order_acquire)) return "it has left the group";
+        std::lock_guard lock(status_mutex_);
+        std::string out;
+        for (const auto& r : reporters_[idx(rank)]) {
+            if (!out.empty()) out += "; ";
+            out += r.report();
+        }
+        return out;
     }
 
 private:
@@ -828,11 +930,13 @@ private:
                      std::to_string(peer.calls_entered.load(std::memory_order_relaxed)) + " collectives");
         }
         if (std::chrono::steady_clock::now() >= deadline) {
+            std::string status = status_of(peer_rank);
             std::string msg = "gradsync: rank " + std::to_string(rank) + ", " + call.describe() + ": timed out after " +
                               std::to_string(options_.timeout.count()) + " ms waiting for rank " +
                               std::to_string(peer_rank) + ", which has entered " +
-                              std::to_string(peer.calls_entered.load(std::memory_order_relaxed)) +
-                              " collectives; raise LocalGroupOptions::timeout if the work is just slow";
+                              std::to_string(peer.calls_entered.load(std::memory_order_relaxed)) + " collectives" +
+                              (status.empty() ? std::string() : "; rank " + std::to_string(peer_rank) + ": " + status) +
+                              ". Raise the timeout if the work is just slow";
             abort(msg);
             throw TimeoutError(msg);
         }
@@ -974,6 +1078,13 @@ private:
     std::atomic<bool> aborted_{false};
     std::mutex abort_mutex_;
     std::string abort_reason_;
+    struct Reporter {
+        std::uint64_t id;
+        std::function<std::string()> report;
+    };
+    std::mutex status_mutex_;
+    std::uint64_t next_reporter_ = 0;
+    std::vector<std::vector<Reporter>> reporters_;  // per rank
 };
 
 // Runs one rank's asynchronous collectives, in launch order, on a thread of its own.
@@ -1022,9 +1133,31 @@ private:
 
 }  // namespace detail
 
+// Test-facing fault injection: makes one rank misbehave at its k-th collective (counting from 1,
+// every collective it calls), so that every failure path is a unit test on the CPU.
+struct LocalFault {
+    enum class Kind : std::uint8_t {
+        delay,           // sleeps for `delay` before taking part
+        throw_error,     // the call throws InjectedFault on this rank
+        vanish,          // never takes part: waits, silent, until the group is aborted
+        swap_with_next,  // asynchronous calls only: runs the next call first, then this one
+        plant_nan,       // writes a NaN into the first element of this rank's allreduce input
+    };
+    Kind kind = Kind::delay;
+    std::uint64_t at_call = 1;
+    std::chrono::milliseconds delay{0};
+};
+
+// What a LocalFault of kind throw_error throws.
+class InjectedFault : public Error {
+public:
+    using Error::Error;
+};
+
 class LocalBackend {
 public:
-    // A group of `size` ranks; element r is rank r's handle. Hand each to its own thread.
+    // A group of `size` ranks; element r is rank r's handle. Hand each to its own thread; a
+    // handle is used by one thread at a time.
     static std::vector<LocalBackend> create_group(int size, LocalGroupOptions options = {}) {
         if (size < 1) throw Error("gradsync: a LocalBackend group needs at least 1 rank, got " + std::to_string(size));
         if (options.timeout.count() <= 0)
@@ -1044,6 +1177,8 @@ public:
             group_ = std::move(other.group_);
             rank_ = other.rank_;
             next_seq_ = other.next_seq_;
+            faults_ = std::move(other.faults_);
+            held_ = std::move(other.held_);
             progress_ = std::move(other.progress_);
             last_async_ = std::move(other.last_async_);
         }
@@ -1061,18 +1196,23 @@ public:
     [[nodiscard]] const LocalGroupOptions& options() const { return group_->options(); }
     // Staging and scratch memory this rank's collectives use.
     [[nodiscard]] Bytes memory_footprint() const { return group_->memory_per_rank(); }
+    // How many collectives this rank has called so far (the next one is number calls_made() + 1).
+    [[nodiscard]] std::uint64_t calls_made() const { return next_seq_; }
 
-    // In-place allreduce of a contiguous buffer.
-    void allreduce(Buffer buf, ReduceOp op) { run_now(allreduce_call(buf, op)); }
-    CollectiveHandle allreduce_async(Buffer buf, ReduceOp op) { return launch(allreduce_call(buf, op)); }
+    // In-place allreduce of a contiguous buffer. The tag, when given, must match on every rank.
+    void allreduce(Buffer buf, ReduceOp op, CollectiveTag tag = {}) { run_now(allreduce_call(buf, op, tag)); }
+    CollectiveHandle allreduce_async(Buffer buf, ReduceOp op, CollectiveTag tag = {}) {
+        return launch(allreduce_call(buf, op, tag));
+    }
 
     // In-place allreduce of the concatenation of `segments`: gradients reduced where they lie.
     // The segment list must stay valid until the collective completes.
-    void allreduce(std::span<const Segment> segments, DType dtype, ReduceOp op) {
-        run_now(scattered_call(segments, dtype, op));
+    void allreduce(std::span<const Segment> segments, DType dtype, ReduceOp op, CollectiveTag tag = {}) {
+        run_now(scattered_call(segments, dtype, op, tag));
     }
-    CollectiveHandle allreduce_async(std::span<const Segment> segments, DType dtype, ReduceOp op) {
-        return launch(scattered_call(segments, dtype, op));
+    CollectiveHandle allreduce_async(std::span<const Segment> segments, DType dtype, ReduceOp op,
+                                     CollectiveTag tag = {}) {
+        return launch(scattered_call(segments, dtype, op, tag));
     }
 
     template <HasDType T>
@@ -1085,9 +1225,11 @@ public:
     }
 
     // Copies `root`'s bytes into every other rank's buffer of the same size.
-    void broadcast(std::span<std::byte> bytes, int root) { run_now(broadcast_call(bytes, root)); }
-    CollectiveHandle broadcast_async(std::span<std::byte> bytes, int root) {
-        return launch(broadcast_call(bytes, root));
+    void broadcast(std::span<std::byte> bytes, int root, CollectiveTag tag = {}) {
+        run_now(broadcast_call(bytes, root, tag));
+    }
+    CollectiveHandle broadcast_async(std::span<std::byte> bytes, int root, CollectiveTag tag = {}) {
+        return launch(broadcast_call(bytes, root, tag));
     }
     template <class T>
     requires std::is_trivially_copyable_v<T>
@@ -1103,20 +1245,32 @@ public:
     // Fails every pending and future collective of every rank of the group, with `reason`.
     void abort(const std::string& reason) { group_->abort(reason); }
 
+    // `reporter` says where this rank stands; a peer that times out waiting for this rank quotes
+    // it. It runs on the peer's thread, so it may only read what is safe to read from there.
+    std::uint64_t add_status_reporter(std::function<std::string()> reporter) {
+        return group_->add_status_reporter(rank_, std::move(reporter));
+    }
+    void remove_status_reporter(std::uint64_t id) { group_->remove_status_reporter(rank_, id); }
+    [[nodiscard]] std::string peer_status(int rank) const { return group_->status_of(rank); }
+
+    // Makes this rank misbehave at its fault.at_call-th collective; see LocalFault.
+    void inject_fault(LocalFault fault) { faults_.push_back(fault); }
+
 private:
     LocalBackend(std::shared_ptr<detail::LocalGroupState> group, int rank) : group_(std::move(group)), rank_(rank) {}
 
-    detail::LocalCall allreduce_call(Buffer buf, ReduceOp op) {
+    detail::LocalCall allreduce_call(Buffer buf, ReduceOp op, CollectiveTag tag) {
         detail::LocalCall call;
         call.kind = detail::LocalCallKind::allreduce;
         call.dtype = buf.dtype;
         call.op = op;
         call.count = buf.count;
         call.single = Segment{buf.data, buf.count};
+        call.tag = tag;
         call.seq = ++next_seq_;
         return call;
     }
-    detail::LocalCall scattered_call(std::span<const Segment> segments, DType dtype, ReduceOp op) {
+    detail::LocalCall scattered_call(std::span<const Segment> segments, DType dtype, ReduceOp op, CollectiveTag tag) {
         detail::LocalCall call;
         call.kind = detail::LocalCallKind::allreduce;
         call.dtype = dtype;
@@ -1124,54 +1278,116 @@ private:
         call.count = detail::total_count(segments);
         call.segments = segments.data();
         call.segment_count = segments.size();
+        call.tag = tag;
         call.seq = ++next_seq_;
         return call;
     }
-    detail::LocalCall broadcast_call(std::span<std::byte> bytes, int root) {
+    detail::LocalCall broadcast_call(std::span<std::byte> bytes, int root, CollectiveTag tag) {
         detail::LocalCall call;
         call.kind = detail::LocalCallKind::broadcast;
         call.root = root;
         call.count = bytes.size();
         call.single = Segment{bytes.data(), bytes.size()};
+        call.tag = tag;
         call.seq = ++next_seq_;
         return call;
     }
 
+    // The fault planned for this call, if any.
+    [[nodiscard]] std::optional<LocalFault> fault_at(std::uint64_t seq) const {
+        for (const auto& f : faults_)
+            if (f.at_call == seq) return f;
+        return std::nullopt;
+    }
+
+    // Runs the call on this thread, misbehaving first if a fault is planned for it.
+    static void execute(detail::LocalGroupState& group, int rank, const detail::LocalCall& call,
+                        std::optional<LocalFault> fault) {
+        using Kind = LocalFault::Kind;
+        if (fault && fault->kind == Kind::delay) std::this_thread::sleep_for(fault->delay);
+        if (fault && fault->kind == Kind::throw_error)
+            throw InjectedFault("gradsync: injected fault: rank " + std::to_string(rank) + " throws at " +
+                                call.describe());
+        if (fault && fault->kind == Kind::vanish) {
+            while (!group.aborted()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+            throw CollectiveError("gradsync: injected fault: rank " + std::to_string(rank) + " vanished at " +
+                                  call.describe());
+        }
+        if (fault && fault->kind == Kind::plant_nan && call.kind == detail::LocalCallKind::allreduce) {
+            for (const auto& seg : call.segs()) {
+                if (seg.count == 0) continue;
+                if (call.dtype == DType::float32)
+                    *static_cast<float*>(seg.data) = std::numeric_limits<float>::quiet_NaN();
+                if (call.dtype == DType::float64)
+                    *static_cast<double*>(seg.data) = std::numeric_limits<double>::quiet_NaN();
+                break;
+            }
+        }
+        group.execute(rank, call);
+    }
+
     // Synchronous calls run on the caller's thread, after the rank's pending asynchronous ones.
     void run_now(const detail::LocalCall& call) {
+        release_held();
         if (last_async_) {
-            last_async_->wait();
+            last_async_->wait_until(std::chrono::steady_clock::time_point::max());
             last_async_.reset();
         }
-        group_->execute(rank_, call);
+        execute(*group_, rank_, call, fault_at(call.seq));
     }
 
     CollectiveHandle launch(const detail::LocalCall& call) {
         auto done = std::make_shared<detail::Completion>();
+        auto fault = fault_at(call.seq);
+        if (fault && fault->kind == LocalFault::Kind::swap_with_next) {
+            held_ = Held{call, done};  // posted after the next call
+            return CollectiveHandle(std::move(done));
+        }
+        post(call, done, fault);
+        release_held();
+        return CollectiveHandle(std::move(done));
+    }
+
+    void post(const detail::LocalCall& call, std::shared_ptr<detail::Completion> done,
+              std::optional<LocalFault> fault) {
         if (!progress_) progress_ = std::make_unique<detail::ProgressThread>();
-        progress_->post([group = group_, rank = rank_, call, done] {
+        progress_->post([group = group_, rank = rank_, call, done, fault] {
             try {
-                group->execute(rank, call);
+                execute(*group, rank, call, fault);
                 done->finish();
             } catch (...) {
                 done->finish(std::current_exception());
             }
         });
-        last_async_ = done;
-        return CollectiveHandle(std::move(done));
+        last_async_ = std::move(done);
+    }
+
+    void release_held() {
+        if (!held_) return;
+        auto held = std::move(*held_);
+        held_.reset();
+        post(held.call, std::move(held.done), std::nullopt);
     }
 
     void leave() {
         if (!group_) return;
+        release_held();
         progress_.reset();  // drains the queue: every task ends by its deadline
         last_async_.reset();
         group_->depart(rank_);
         group_.reset();
     }
 
+    struct Held {
+        detail::LocalCall call;
+        std::shared_ptr<detail::Completion> done;
+    };
+
     std::shared_ptr<detail::LocalGroupState> group_;
     int rank_ = 0;
     std::uint64_t next_seq_ = 0;
+    std::vector<LocalFault> faults_;
+    std::optional<Held> held_;  // a call a swap_with_next fault holds back
     std::unique_ptr<detail::ProgressThread> progress_;
     std::shared_ptr<detail::Completion> last_async_;
 };
@@ -1199,6 +1415,8 @@ namespace policy_category {
 struct bucketer {};  // groups parameters into buckets (bucket.hpp)
 struct memory {};    // where packed bucket buffers live (memory.hpp)
 struct packing {};   // whether gradients are copied into bucket buffers (memory.hpp)
+struct buffers {};   // what happens to non-parameter state such as batch-norm statistics (buffers.hpp)
+struct options {};   // run-time settings (options.hpp)
 }  // namespace policy_category
 
 namespace detail {
@@ -1432,9 +1650,11 @@ constexpr bool check_model_access() {
 namespace gradsync::inline v0 {
 
 // One fusion buffer: parameters of a single dtype, reduced together by one collective.
+// `parameters` are in the order they are expected to become ready; the collective itself lays
+// the elements out by parameter index, the same on every rank whatever the memory layout.
 struct Bucket {
     DType dtype = DType::float32;
-    std::vector<std::size_t> parameters;  // indices into the parameter list, in bucket order
+    std::vector<std::size_t> parameters;  // indices into the parameter list, in readiness order
     std::size_t count = 0;                // elements in all of them
 
     [[nodiscard]] Bytes bytes() const { return Bytes{count * size_of(dtype)}; }
@@ -1493,14 +1713,37 @@ inline std::string to_string(const BucketPlan& plan) {
     return os.str();
 }
 
-// A bucketer turns the parameter list (registration order) into a plan. Zero-sized parameters
-// belong to no bucket.
+// A bucketer turns the parameter list (registration order) and the order in which their
+// gradients are expected to become ready into a plan. An empty order means reverse registration
+// order, the order backward usually finishes them. Zero-sized parameters belong to no bucket.
 template <class B>
-concept Bucketer = requires(const B& b, std::span<const Parameter> params) {
-    { b.plan(params) } -> std::same_as<BucketPlan>;
+concept Bucketer = requires(const B& b, std::span<const Parameter> params, std::span<const std::size_t> order) {
+    { b.plan(params, order) } -> std::same_as<BucketPlan>;
 };
 
 namespace detail {
+
+// The readiness order to plan with: `order` checked to be a permutation of the indices, or the
+// reverse registration order when it is empty.
+inline std::vector<std::size_t> readiness_order(std::size_t n, std::span<const std::size_t> order) {
+    std::vector<std::size_t> out;
+    if (order.empty()) {
+        for (std::size_t i = n; i-- > 0;) out.push_back(i);
+        return out;
+    }
+    std::vector<bool> seen(n, false);
+    for (auto i : order) {
+        if (i >= n || seen[i])
+            throw Error("gradsync: a bucket order must list each of the " + std::to_string(n) +
+                        " parameter indices once; it has " + std::to_string(i) +
+                        (i >= n ? ", out of range" : " twice"));
+        seen[i] = true;
+    }
+    if (order.size() != n)
+        throw Error("gradsync: a bucket order must list each of the " + std::to_string(n) +
+                    " parameter indices once; it has " + std::to_string(order.size()));
+    return {order.begin(), order.end()};
+}
 
 // Buckets are filled per dtype, so a mixed model gets buckets of one dtype each.
 class BucketFiller {
@@ -1535,8 +1778,8 @@ private:
 
 }  // namespace detail
 
-// Size-capped buckets, as PyTorch DDP builds them: parameters in reverse registration order
-// (the order backward finishes them), the first bucket capped at `first_cap` so communication
+// Size-capped buckets, as PyTorch DDP builds them: parameters in readiness order (by default
+// reverse registration order), the first bucket capped at `first_cap` so communication
 // starts early, the rest at `cap`. A bucket is closed before a parameter that would push it over
 // its cap, so a parameter larger than the cap gets a bucket of its own.
 struct SizeCappedBuckets {
@@ -1545,7 +1788,7 @@ struct SizeCappedBuckets {
     Bytes cap = Bytes{25ull << 20};
     Bytes first_cap = Bytes{1ull << 20};
 
-    [[nodiscard]] BucketPlan plan(std::span<const Parameter> params) const {
+    [[nodiscard]] BucketPlan plan(std::span<const Parameter> params, std::span<const std::size_t> order = {}) const {
         if (cap.count() == 0 || first_cap.count() == 0) {
             throw Error("gradsync: SizeCappedBuckets needs a cap and a first_cap above 0 bytes, got cap " +
                         to_string(cap) + " and first_cap " + to_string(first_cap));
@@ -1563,7 +1806,7 @@ struct SizeCappedBuckets {
             limits.push_back({t, first_cap});
             return limits.back().value;
         };
-        for (std::size_t i = params.size(); i-- > 0;) {
+        for (auto i : detail::readiness_order(params.size(), order)) {
             const auto& p = params[i];
             if (p.count == 0) continue;
             auto& bucket = filler.open(p.dtype);
@@ -1583,15 +1826,14 @@ struct SizeCappedBuckets {
     }
 };
 
-// One bucket per dtype holding every parameter, in reverse registration order: the fewest
-// collectives, no overlap with backward.
+// One bucket per dtype holding every parameter: the fewest collectives, no overlap with backward.
 struct SingleBucket {
     using policy_category = policy_category::bucketer;
 
-    [[nodiscard]] BucketPlan plan(std::span<const Parameter> params) const {
+    [[nodiscard]] BucketPlan plan(std::span<const Parameter> params, std::span<const std::size_t> order = {}) const {
         BucketPlan plan;
         detail::BucketFiller filler(params, plan);
-        for (std::size_t i = params.size(); i-- > 0;) {
+        for (auto i : detail::readiness_order(params.size(), order)) {
             if (params[i].count != 0) filler.add(filler.open(params[i].dtype), i);
         }
         filler.close_all();
@@ -1599,13 +1841,13 @@ struct SingleBucket {
     }
 };
 
-// One bucket per parameter, in reverse registration order: no fusion at all.
+// One bucket per parameter, in readiness order: no fusion at all.
 struct PerParameterBuckets {
     using policy_category = policy_category::bucketer;
 
-    [[nodiscard]] BucketPlan plan(std::span<const Parameter> params) const {
+    [[nodiscard]] BucketPlan plan(std::span<const Parameter> params, std::span<const std::size_t> order = {}) const {
         BucketPlan plan;
-        for (std::size_t i = params.size(); i-- > 0;) {
+        for (auto i : detail::readiness_order(params.size(), order)) {
             if (params[i].count != 0) plan.buckets.push_back(Bucket{params[i].dtype, {i}, params[i].count});
         }
         return plan;
@@ -1617,8 +1859,8 @@ namespace detail {
 template <class B>
 constexpr bool check_bucketer() {
     static_assert(Bucketer<B>,
-                  "gradsync: a bucketer policy needs a member "
-                  "`gradsync::BucketPlan plan(std::span<const gradsync::Parameter>) const`");
+                  "gradsync: a bucketer policy needs a member `gradsync::BucketPlan plan(std::span<const "
+                  "gradsync::Parameter> params, std::span<const std::size_t> order) const`");
     return true;
 }
 
@@ -1633,6 +1875,116 @@ struct std::hash<gradsync::BucketPlan> {
     }
 };
 // ---- end gradsync/bucket.hpp ----
+
+// ---- begin gradsync/buffers.hpp ----
+// Model buffers: non-parameter state such as batch-norm running statistics, listed through the
+// customization point gradsync::buffers(model), and the policies that keep them in step.
+
+
+#include <cstddef>
+#include <ranges>
+#include <span>
+#include <string>
+#include <type_traits>  // for std::remove_cvref_t
+#include <utility>      // for std::move
+#include <vector>
+
+namespace gradsync::inline v0 {
+
+// One state tensor of `count` elements of `dtype`; buffers have no gradient.
+struct ModelBuffer {
+    std::string name;
+    void* data = nullptr;
+    std::size_t count = 0;
+    DType dtype = DType::float32;
+
+    [[nodiscard]] Bytes bytes() const { return Bytes{count * size_of(dtype)}; }
+};
+
+template <class T>
+requires std::ranges::contiguous_range<T> && std::ranges::sized_range<T> && HasDType<std::ranges::range_value_t<T>>
+    ModelBuffer model_buffer(std::string name, T& data) {
+    return ModelBuffer{std::move(name), std::ranges::data(data), std::ranges::size(data),
+                       dtype_of<std::ranges::range_value_t<T>>};
+}
+
+template <class R>
+concept ModelBufferRange =
+    std::ranges::input_range<R> && std::convertible_to<std::ranges::range_reference_t<R>, ModelBuffer>;
+
+namespace detail::buffers_cpo {
+
+void buffers() = delete;  // hides gradsync::buffers from the ADL call below
+
+template <class M>
+concept has_traits = requires(M& m) {
+    { model_traits<std::remove_cvref_t<M>>::buffers(m) } -> ModelBufferRange;
+};
+template <class M>
+concept has_member = requires(M& m) {
+    { m.buffers() } -> ModelBufferRange;
+};
+template <class M>
+concept has_adl = requires(M& m) {
+    { buffers(m) } -> ModelBufferRange;
+};
+
+template <class R>
+std::vector<ModelBuffer> to_vector(R&& range) {
+    std::vector<ModelBuffer> out;
+    for (auto&& b : range) out.push_back(static_cast<ModelBuffer>(b));
+    return out;
+}
+
+struct fn {
+    // Same order as gradsync::parameters; a model without buffers has none.
+    template <class M>
+    std::vector<ModelBuffer> operator()(M& model) const {
+        if constexpr (has_traits<M>) {
+            return to_vector(model_traits<std::remove_cvref_t<M>>::buffers(model));
+        } else if constexpr (has_member<M>) {
+            return to_vector(model.buffers());
+        } else if constexpr (has_adl<M>) {
+            return to_vector(buffers(model));
+        } else {
+            return {};
+        }
+    }
+};
+
+}  // namespace detail::buffers_cpo
+
+// gradsync::buffers(model): the model's buffers, or none when it lists none.
+inline constexpr detail::buffers_cpo::fn buffers{};
+
+// Buffer policies: what DataParallel does with the model's buffers.
+enum class BufferSync : unsigned char { broadcast_every_step, broadcast_once, average_every_step, ignore };
+
+// Rank 0's buffers are copied to every rank at construction and at the end of every synchronize()
+// (PyTorch DDP's broadcast_buffers=True). The default.
+struct BroadcastBuffers {
+    using policy_category = policy_category::buffers;
+    static constexpr BufferSync mode = BufferSync::broadcast_every_step;
+};
+// Copied from rank 0 at construction only.
+struct BroadcastBuffersOnce {
+    using policy_category = policy_category::buffers;
+    static constexpr BufferSync mode = BufferSync::broadcast_once;
+};
+// Copied from rank 0 at construction; averaged over the ranks at the end of every synchronize()
+// (buffers of a dtype the backend cannot reduce are copied from rank 0 instead).
+struct AverageBuffers {
+    using policy_category = policy_category::buffers;
+    static constexpr BufferSync mode = BufferSync::average_every_step;
+};
+// Left alone: each rank keeps its own.
+struct IgnoreBuffers {
+    using policy_category = policy_category::buffers;
+    static constexpr BufferSync mode = BufferSync::ignore;
+};
+
+}  // namespace gradsync::inline v0
+// ---- end gradsync/buffers.hpp ----
 
 // ---- begin gradsync/contiguous_parameters.hpp ----
 // ContiguousParameters: a model adapter for the llm.c layout, where every parameter lives in one
@@ -1696,8 +2048,9 @@ private:
 // ---- end gradsync/contiguous_parameters.hpp ----
 
 // ---- begin gradsync/data_parallel.hpp ----
-// DataParallel<Model, Backend, Policies...>: wraps a model so that synchronize(), called after
-// backward, leaves every rank holding the average of all ranks' gradients.
+// DataParallel<Model, Backend, Policies...>: wraps a model so that every rank holds the average of
+// all ranks' gradients after synchronize(). With grad_ready() calls during backward, each bucket's
+// allreduce starts as soon as its last gradient is ready, overlapping communication with backward.
 
 
 // ---- begin gradsync/detail/layout_agreement.hpp ----
@@ -1716,9 +2069,16 @@ private:
 
 namespace gradsync::inline v0::detail {
 
-// The first problem with this rank's parameters, or "" when there is none.
+// The first problem with this rank's parameters and buffers, or "" when there is none.
 template <class B>
-std::string find_parameter_problem(std::span<const Parameter> params, const B& backend) {
+std::string find_model_problem(std::span<const Parameter> params, std::span<const ModelBuffer> buffers,
+                               const B& backend) {
+    for (const auto& b : buffers) {
+        const std::string who = "buffer '" + b.name + "'";
+        if (!is_known(b.dtype))
+            return who + " has an unknown dtype (code " + std::to_string(static_cast<unsigned>(b.dtype)) + ")";
+        if (b.data == nullptr && b.count != 0) return who + " has a null data pointer";
+    }
     for (const auto& p : params) {
         const std::string who = "parameter '" + p.name + "'";
         if (!is_known(p.dtype))
@@ -1755,34 +2115,49 @@ inline std::uint64_t fnv1a(std::uint64_t h, std::uint64_t v) {
     return h;
 }
 
-// What must agree across ranks: the number of parameters, and each one's count and dtype.
-inline std::uint64_t layout_hash(std::span<const Parameter> params) {
-    std::uint64_t h = fnv1a(14695981039346656037ull, params.size());
-    for (const auto& p : params) h = fnv1a(fnv1a(h, p.count), static_cast<std::uint64_t>(p.dtype));
-    return h;
-}
-
+// One tensor of the layout that must agree across ranks: a parameter or a buffer.
 struct LayoutEntry {
+    bool is_buffer = false;
+    std::size_t index = 0;  // among the parameters, or among the buffers
     std::string name;
     std::uint64_t count = 0;
     DType dtype = DType::float32;
 };
+
+inline std::vector<LayoutEntry> layout_of(std::span<const Parameter> params, std::span<const ModelBuffer> buffers) {
+    std::vector<LayoutEntry> out;
+    for (std::size_t i = 0; i < params.size(); ++i)
+        out.push_back({false, i, params[i].name, params[i].count, params[i].dtype});
+    for (std::size_t i = 0; i < buffers.size(); ++i)
+        out.push_back({true, i, buffers[i].name, buffers[i].count, buffers[i].dtype});
+    return out;
+}
+
+// What must agree: the kind, element count and dtype of every tensor, in order. Names need not.
+inline std::uint64_t layout_hash(const std::vector<LayoutEntry>& layout) {
+    std::uint64_t h = fnv1a(14695981039346656037ull, layout.size());
+    for (const auto& e : layout)
+        h = fnv1a(fnv1a(fnv1a(h, e.is_buffer ? 1 : 0), e.count), static_cast<std::uint64_t>(e.dtype));
+    return h;
+}
 
 inline void put(std::vector<std::byte>& out, const void* p, std::size_t n) {
     auto* b = static_cast<const std::byte*>(p);
     out.insert(out.end(), b, b + n);
 }
 
-inline std::vector<std::byte> serialize_layout(std::span<const Parameter> params) {
+inline std::vector<std::byte> serialize_layout(const std::vector<LayoutEntry>& layout) {
     std::vector<std::byte> out;
-    for (const auto& p : params) {
-        std::uint64_t count = p.count;
-        auto dtype = static_cast<std::uint8_t>(p.dtype);
-        std::uint64_t name_size = p.name.size();
+    for (const auto& e : layout) {
+        std::uint8_t kind = e.is_buffer ? 1 : 0;
+        std::uint64_t index = e.index, count = e.count, name_size = e.name.size();
+        auto dtype = static_cast<std::uint8_t>(e.dtype);
+        put(out, &kind, sizeof kind);
+        put(out, &index, sizeof index);
         put(out, &count, sizeof count);
         put(out, &dtype, sizeof dtype);
         put(out, &name_size, sizeof name_size);
-        put(out, p.name.data(), p.name.size());
+        put(out, e.name.data(), e.name.size());
     }
     return out;
 }
@@ -1797,11 +2172,15 @@ inline std::vector<LayoutEntry> parse_layout(std::span<const std::byte> bytes) {
     };
     while (pos < bytes.size()) {
         LayoutEntry e;
-        std::uint8_t dtype = 0;
-        std::uint64_t name_size = 0;
+        std::uint8_t kind = 0, dtype = 0;
+        std::uint64_t index = 0, name_size = 0;
+        get(&kind, sizeof kind);
+        get(&index, sizeof index);
         get(&e.count, sizeof e.count);
         get(&dtype, sizeof dtype);
         get(&name_size, sizeof name_size);
+        e.is_buffer = kind != 0;
+        e.index = static_cast<std::size_t>(index);
         e.dtype = static_cast<DType>(dtype);
         e.name.resize(name_size);
         get(e.name.data(), name_size);
@@ -1811,38 +2190,40 @@ inline std::vector<LayoutEntry> parse_layout(std::span<const std::byte> bytes) {
 }
 
 inline std::string describe_entry(const LayoutEntry& e) {
-    return "'" + e.name + "' (" + std::to_string(e.count) + " x " + to_string(e.dtype) + ")";
+    return std::string(e.is_buffer ? "buffer #" : "parameter #") + std::to_string(e.index) + " '" + e.name + "' (" +
+           std::to_string(e.count) + " x " + to_string(e.dtype) + ")";
 }
 
-// Names the first parameter where rank a's and rank b's layouts differ.
+// Names the first tensor where rank a's and rank b's layouts differ.
 inline std::string describe_layout_difference(int a, const std::vector<LayoutEntry>& la, int b,
                                               const std::vector<LayoutEntry>& lb) {
-    std::string prefix = "gradsync: the model's parameters differ across ranks: ";
+    std::string prefix = "gradsync: the model's layout differs across ranks: ";
     std::string suffix =
-        ". Every rank must register the same parameters, in the same order, with the same sizes and dtypes "
-        "(zero-sized parameters are skipped and not compared)";
+        ". Every rank must register the same parameters and buffers, in the same order, with the same sizes and "
+        "dtypes (zero-sized parameters are skipped and not compared)";
     std::size_t n = std::min(la.size(), lb.size());
     for (std::size_t i = 0; i < n; ++i) {
-        if (la[i].count != lb[i].count || la[i].dtype != lb[i].dtype) {
-            return prefix + "parameter #" + std::to_string(i) + " is " + describe_entry(la[i]) + " on rank " +
-                   std::to_string(a) + " but " + describe_entry(lb[i]) + " on rank " + std::to_string(b) + suffix;
+        if (la[i].is_buffer != lb[i].is_buffer || la[i].count != lb[i].count || la[i].dtype != lb[i].dtype) {
+            return prefix + "rank " + std::to_string(a) + " has " + describe_entry(la[i]) + " where rank " +
+                   std::to_string(b) + " has " + describe_entry(lb[i]) + suffix;
         }
     }
     const auto& longer = la.size() > lb.size() ? la : lb;
     int longer_rank = la.size() > lb.size() ? a : b;
-    return prefix + "rank " + std::to_string(a) + " has " + std::to_string(la.size()) + " parameters and rank " +
-           std::to_string(b) + " has " + std::to_string(lb.size()) + "; parameter #" + std::to_string(n) + " " +
-           describe_entry(longer[n]) + " exists only on rank " + std::to_string(longer_rank) + suffix;
+    return prefix + "rank " + std::to_string(a) + " has " + std::to_string(la.size()) + " tensors and rank " +
+           std::to_string(b) + " has " + std::to_string(lb.size()) + "; " + describe_entry(longer[n]) +
+           " exists only on rank " + std::to_string(longer_rank) + suffix;
 }
 
 // Every rank calls this with its own parameters, plan and local problem ("" if none). Returns
 // when all ranks agree; otherwise throws the same exception, with the same message, on every rank.
 template <class B>
-void agree_on_layout(B& backend, std::span<const Parameter> params, const BucketPlan& plan,
-                     const std::string& problem) {
+void agree_on_layout(B& backend, std::span<const Parameter> params, std::span<const ModelBuffer> buffers,
+                     const BucketPlan& plan, const std::string& problem) {
     const int world = backend.size();
     const int me = backend.rank();
-    auto layout = serialize_layout(params);
+    const auto entries = layout_of(params, buffers);
+    auto layout = serialize_layout(entries);
     const std::string problem_text =
         problem.empty() ? std::string() : "gradsync: invalid model on rank " + std::to_string(me) + ": " + problem;
 
@@ -1854,7 +2235,7 @@ void agree_on_layout(B& backend, std::span<const Parameter> params, const Bucket
         *lo = static_cast<double>(h & 0xffffffffu);
     };
     double* mine = table.data() + static_cast<std::size_t>(me) * row;
-    split(layout_hash(params), mine + layout_hi, mine + layout_lo);
+    split(layout_hash(entries), mine + layout_hi, mine + layout_lo);
     split(plan.hash(), mine + plan_hi, mine + plan_lo);
     mine[problem_size] = static_cast<double>(problem_text.size());
     mine[layout_size] = static_cast<double>(layout.size());
@@ -1893,6 +2274,164 @@ void agree_on_layout(B& backend, std::span<const Parameter> params, const Bucket
 
 }  // namespace gradsync::inline v0::detail
 // ---- end gradsync/detail/layout_agreement.hpp ----
+
+// ---- begin gradsync/detail/log.hpp ----
+// Rank-prefixed logging to stderr, with the level taken from GRADSYNC_LOG (info or debug).
+
+
+#include <cstdio>
+#include <cstdlib>  // for std::getenv
+#include <mutex>
+#include <string>
+#include <string_view>
+
+namespace gradsync::inline v0::detail {
+
+enum class LogLevel : int { off = 0, info = 1, debug = 2 };
+
+inline LogLevel log_level() {
+    static const LogLevel level = [] {
+        const char* env = std::getenv("GRADSYNC_LOG");
+        std::string_view v = env != nullptr ? env : "";
+        if (v == "debug") return LogLevel::debug;
+        if (v == "info") return LogLevel::info;
+        return LogLevel::off;
+    }();
+    return level;
+}
+
+inline bool logging(LogLevel level) { return static_cast<int>(log_level()) >= static_cast<int>(level); }
+
+// One line per call, "[gradsync rank 3] message"; lines of concurrent ranks never interleave.
+inline void log(LogLevel level, int rank, const std::string& message) {
+    if (!logging(level)) return;
+    static std::mutex mutex;
+    std::lock_guard lock(mutex);
+    std::fprintf(stderr, "[gradsync rank %d] %s\n", rank, message.c_str());
+}
+
+}  // namespace gradsync::inline v0::detail
+// ---- end gradsync/detail/log.hpp ----
+
+// ---- begin gradsync/detail/timeline.hpp ----
+// A Chrome trace of the buckets' lives (open in ui.perfetto.dev or chrome://tracing). Ranks of
+// one process writing to the same path share one sink, so their events land in one file on one
+// clock; the file is written when the last of them is done.
+
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+class TimelineSink {
+public:
+    explicit TimelineSink(std::string path) : path_(std::move(path)), origin_(std::chrono::steady_clock::now()) {}
+    TimelineSink(const TimelineSink&) = delete;
+    TimelineSink& operator=(const TimelineSink&) = delete;
+    ~TimelineSink() { write(); }
+
+    // The sink of `path`, shared with every other user of the same path in this process.
+    static std::shared_ptr<TimelineSink> open(const std::string& path) {
+        static std::mutex mutex;
+        static std::map<std::string, std::weak_ptr<TimelineSink>> sinks;
+        std::lock_guard lock(mutex);
+        auto& slot = sinks[path];
+        auto sink = slot.lock();
+        if (!sink) {
+            sink = std::make_shared<TimelineSink>(path);
+            slot = sink;
+        }
+        return sink;
+    }
+
+    [[nodiscard]] double micros(std::chrono::steady_clock::time_point t) const {
+        return std::chrono::duration<double, std::micro>(t - origin_).count();
+    }
+
+    void add(std::string event) {
+        std::lock_guard lock(mutex_);
+        events_.push_back(std::move(event));
+    }
+
+    // Writes every event so far; also done at destruction.
+    void write() {
+        std::lock_guard lock(mutex_);
+        std::FILE* f = std::fopen(path_.c_str(), "w");
+        if (f == nullptr) return;  // a trace is a diagnostic aid: never fail the training for it
+        std::fputs("{\"displayTimeUnit\":\"ms\",\"traceEvents\":[\n", f);
+        for (std::size_t i = 0; i < events_.size(); ++i) {
+            std::fputs(events_[i].c_str(), f);
+            std::fputs(i + 1 < events_.size() ? ",\n" : "\n", f);
+        }
+        std::fputs("]}\n", f);
+        std::fclose(f);
+    }
+
+private:
+    std::string path_;
+    std::chrono::steady_clock::time_point origin_;
+    std::mutex mutex_;
+    std::vector<std::string> events_;
+};
+
+// One rank's view of a sink: the rank is the process id; thread 0 holds the steps, thread b + 1
+// bucket b.
+class Timeline {
+public:
+    Timeline() = default;
+    Timeline(const std::string& path_pattern, int rank) : rank_(rank) {
+        if (path_pattern.empty()) return;
+        std::string path = path_pattern;
+        if (auto at = path.find("{rank}"); at != std::string::npos) path.replace(at, 6, std::to_string(rank));
+        sink_ = TimelineSink::open(path);
+        sink_->add(R"({"name":"process_name","ph":"M","pid":)" + std::to_string(rank) + R"(,"args":{"name":"rank )" +
+                   std::to_string(rank) + R"("}})");
+    }
+
+    [[nodiscard]] bool enabled() const { return sink_ != nullptr; }
+
+    // A moment: "ready" or "launched" of a bucket in a step.
+    void instant(const char* name, std::int64_t step, int bucket, std::chrono::steady_clock::time_point t) {
+        if (!sink_) return;
+        sink_->add(std::string(R"({"name":")") + name + R"(","ph":"i","s":"t","ts":)" + number(sink_->micros(t)) +
+                   R"(,"pid":)" + std::to_string(rank_) + R"(,"tid":)" + std::to_string(bucket + 1) +
+                   args(step, bucket) + "}");
+    }
+
+    // A span: a bucket's allreduce from launch to completion, or a whole step (bucket -1).
+    void span(const char* name, std::int64_t step, int bucket, std::chrono::steady_clock::time_point begin,
+              std::chrono::steady_clock::time_point end) {
+        if (!sink_) return;
+        double b = sink_->micros(begin), e = sink_->micros(end);
+        sink_->add(std::string(R"({"name":")") + name + R"(","ph":"X","ts":)" + number(b) + R"(,"dur":)" +
+                   number(e > b ? e - b : 0.0) + R"(,"pid":)" + std::to_string(rank_) + R"(,"tid":)" +
+                   std::to_string(bucket + 1) + args(step, bucket) + "}");
+    }
+
+private:
+    static std::string number(double v) {
+        char buf[32];
+        std::snprintf(buf, sizeof buf, "%.3f", v);
+        return buf;
+    }
+    static std::string args(std::int64_t step, int bucket) {
+        return R"(,"args":{"step":)" + std::to_string(step) + R"(,"bucket":)" + std::to_string(bucket) + "}";
+    }
+
+    std::shared_ptr<TimelineSink> sink_;
+    int rank_ = 0;
+};
+
+}  // namespace gradsync::inline v0::detail
+// ---- end gradsync/detail/timeline.hpp ----
 
 // ---- begin gradsync/memory.hpp ----
 // The memory layer under the buckets: where a packed bucket's bytes live (HostMemory here; device
@@ -1948,20 +2487,85 @@ struct InPlaceBuckets {
 }  // namespace gradsync::inline v0
 // ---- end gradsync/memory.hpp ----
 
+// ---- begin gradsync/options.hpp ----
+// Options: the run-time settings of a DataParallel, passed like a policy (in any position after
+// the backend), e.g. DataParallel dp(model, backend, gradsync::Options{.find_unused_parameters = true}).
+
+
+#include <chrono>
+#include <string>
+
+namespace gradsync::inline v0 {
+
+struct Options {
+    using policy_category = policy_category::options;
+
+    // Every wait of this DataParallel ends by then, with a diagnosis naming the late rank.
+    std::chrono::milliseconds timeout = std::chrono::seconds(600);
+    // Parameters without grad_ready by synchronize() count as a zero gradient on this rank. Off,
+    // a missing grad_ready is an error naming the parameter, on every rank.
+    bool find_unused_parameters = false;
+    // After the first step with grad_ready calls, rebuild the buckets in the order gradients
+    // became ready on rank 0 (as PyTorch DDP does).
+    bool rebuild_buckets = false;
+    // A Chrome trace (chrome://tracing, ui.perfetto.dev) of every bucket's ready, launched and
+    // done moments, written when the DataParallel is destroyed. Empty: $GRADSYNC_TIMELINE, if set.
+    // "{rank}" in the path is replaced by the rank; ranks of one process may share one file.
+    std::string timeline;
+};
+
+}  // namespace gradsync::inline v0
+// ---- end gradsync/options.hpp ----
+
+#include <algorithm>  // for std::sort, std::min
+#include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>  // for std::getenv
+#include <cstring>  // for std::memset
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <type_traits>  // for std::is_same_v
+#include <unordered_map>
+#include <utility>  // for std::declval
 #include <vector>
 
 namespace gradsync::inline v0 {
+
+// synchronize() found parameters that never got grad_ready (and find_unused_parameters is off),
+// or grad_ready was misused. Peers receive the same message in a CollectiveError.
+class ReadinessError : public Error {
+public:
+    using Error::Error;
+};
+
+namespace detail {
+
+template <class B, bool Scattered>
+struct handle_of {
+    using type = decltype(std::declval<B&>().allreduce_async(std::declval<Buffer>(), ReduceOp::sum));
+};
+template <class B>
+struct handle_of<B, true> {
+    using type = decltype(std::declval<B&>().allreduce_async(std::declval<std::span<const Segment>>(), DType::float32,
+                                                             ReduceOp::sum));
+};
+
+}  // namespace detail
 
 // Policies, in any order, each optional:
 //   bucketer  SizeCappedBuckets (default), SingleBucket, PerParameterBuckets
 //   packing   AutoPacking (default), PackedBuckets, InPlaceBuckets
 //   memory    HostMemory (default)
+//   buffers   BroadcastBuffers (default), BroadcastBuffersOnce, AverageBuffers, IgnoreBuffers
+//   options   Options (timeout, unused parameters, bucket rebuild, timeline)
 template <class Model, class BackendT, class... Policies>
 class DataParallel {
     static_assert(detail::check_model_access<Model>());
@@ -1972,6 +2576,7 @@ public:
     using bucketer_type = detail::select_policy<policy_category::bucketer, SizeCappedBuckets, Policies...>;
     using packing_type = detail::select_policy<policy_category::packing, AutoPacking, Policies...>;
     using memory_type = detail::select_policy<policy_category::memory, HostMemory, Policies...>;
+    using buffers_type = detail::select_policy<policy_category::buffers, BroadcastBuffers, Policies...>;
     static_assert(detail::check_bucketer<bucketer_type>());
     static_assert(!std::is_same_v<packing_type, InPlaceBuckets> || ScatteredAllreduce<BackendT>,
                   "gradsync: InPlaceBuckets needs a backend that reduces scattered segments "
@@ -1981,12 +2586,16 @@ public:
     static constexpr bool reduces_in_place =
         std::is_same_v<packing_type, InPlaceBuckets> ||
         (std::is_same_v<packing_type, AutoPacking> && ScatteredAllreduce<BackendT>);
+    using handle_type = typename detail::handle_of<BackendT, reduces_in_place>::type;
 
-    // Lists the model's parameters, checks them on every rank, agrees on the layout with every
-    // rank, and copies rank 0's parameter values to every rank. A problem on any rank throws the
-    // same exception on every rank. Model and backend must outlive the DataParallel.
+    // Lists the model's parameters and buffers, checks them on every rank, agrees on the layout
+    // with every rank, and copies rank 0's parameter (and buffer) values to every rank. A problem
+    // on any rank throws the same exception on every rank. Model and backend must outlive this.
     DataParallel(Model& model, BackendT& backend, Policies... policies)
-        : model_(model), backend_(backend), bucketer_(detail::policy_value<bucketer_type>(std::tuple(policies...))) {
+        : model_(model),
+          backend_(backend),
+          bucketer_(detail::policy_value<bucketer_type>(std::tuple(policies...))),
+          options_(detail::policy_value<Options>(std::tuple(policies...))) {
         init();
     }
     DataParallel(Model& model, BackendT& backend) requires(sizeof...(Policies) > 0) : model_(model), backend_(backend) {
@@ -1996,21 +2605,100 @@ public:
     DataParallel(const DataParallel&) = delete;
     DataParallel& operator=(const DataParallel&) = delete;
 
-    // Averages every parameter's gradient over all ranks. Call on every rank after backward.
-    void synchronize() {
-        ++steps_;
-        if (backend_.size() == 1) return;  // the local gradient is already the average
-        for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
-            const auto& bucket = plan_.buckets[b];
-            if constexpr (reduces_in_place) {
-                backend_.allreduce(std::span<const Segment>(segments_[b]), bucket.dtype, ReduceOp::average);
-            } else {
-                std::byte* data = memory_type::data(buffers_[b]);
-                memory_type::pack(data, segments_[b], bucket.dtype);
-                backend_.allreduce(Buffer{data, bucket.count, bucket.dtype}, ReduceOp::average);
-                memory_type::unpack(segments_[b], data, bucket.dtype);
-            }
+    // A DataParallel destroyed in the middle of a step (after an exception, say) aborts the group,
+    // so that peers fail at once, and waits for its collectives in flight before it goes.
+    ~DataParallel() {
+        if constexpr (PeerStatus<BackendT>) {
+            if (reporter_) backend_.remove_status_reporter(*reporter_);
         }
+        try {
+            if (in_flight()) {
+                abort_group("gradsync: rank " + std::to_string(rank()) + " destroyed its DataParallel in step " +
+                            std::to_string(current_step()) + " with collectives in flight");
+                drain();
+            }
+        } catch (...) {  // a destructor must not throw
+        }
+    }
+
+    // Gradient of parameter `index` (its position in the model's parameter list, zero-sized ones
+    // included) is final for this step. When it completes a bucket, that bucket and every bucket
+    // before it that is complete are launched, in plan order. Safe to call from several threads
+    // (backward hooks); all calls of a step must return before synchronize() is called.
+    void grad_ready(std::size_t index) {
+        guard([&] {
+            if (index >= model_index_to_param_.size())
+                throw ReadinessError("gradsync: rank " + std::to_string(rank()) + ", step " +
+                                     std::to_string(current_step()) + ": grad_ready(" + std::to_string(index) +
+                                     ") but the model has " + std::to_string(model_index_to_param_.size()) +
+                                     " parameters");
+            auto p = model_index_to_param_[index];
+            if (p != npos) mark_ready(p);
+        });
+    }
+    void grad_ready(std::string_view name) {
+        guard([&] {
+            auto it = by_name_.find(std::string(name));
+            if (it == by_name_.end() || it->second == ambiguous)
+                throw ReadinessError("gradsync: rank " + std::to_string(rank()) + ", step " +
+                                     std::to_string(current_step()) + ": grad_ready(\"" + std::string(name) + "\"): " +
+                                     (it == by_name_.end() ? "no parameter has this name"
+                                                           : "several parameters have this name; use "
+                                                             "grad_ready(index)"));
+            if (it->second != npos) mark_ready(it->second);
+        });
+    }
+
+    // Averages every parameter's gradient over all ranks. Call on every rank after backward. With
+    // grad_ready() calls, waits for the launched buckets and launches the rest; without, reduces
+    // every bucket now. Under no_sync() it communicates nothing.
+    void synchronize() {
+        if (no_sync_depth_.load(std::memory_order_relaxed) > 0) return;  // an accumulation micro-step
+        guard([&] {
+            const bool overlapped = any_ready_.load(std::memory_order_acquire);
+            if (!overlapped) step_began_ = std::chrono::steady_clock::now();
+            phase_.store(Phase::synchronizing, std::memory_order_release);
+            if (overlapped) {
+                complete_readiness();
+            } else if (backend_.size() > 1) {
+                for (std::size_t b = 0; b < slots_.size(); ++b) reduce_now(b);
+            }
+            wait_all();
+            sync_buffers(/*at_construction=*/false);
+            if constexpr (!TaggedCollectives<BackendT>) verify_histories();
+            timeline_.span("step", current_step(), -1, step_began_, std::chrono::steady_clock::now());
+            if (overlapped) maybe_rebuild();
+            reset_step();
+            steps_.fetch_add(1, std::memory_order_acq_rel);
+            phase_.store(Phase::idle, std::memory_order_release);
+        });
+    }
+
+    class NoSyncGuard {
+    public:
+        explicit NoSyncGuard(DataParallel& dp) : dp_(&dp) { dp_->no_sync_depth_.fetch_add(1); }
+        NoSyncGuard(NoSyncGuard&& o) noexcept : dp_(std::exchange(o.dp_, nullptr)) {}
+        NoSyncGuard(const NoSyncGuard&) = delete;
+        NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+        NoSyncGuard& operator=(NoSyncGuard&&) = delete;
+        ~NoSyncGuard() {
+            if (dp_) dp_->no_sync_depth_.fetch_sub(1);
+        }
+
+    private:
+        DataParallel* dp_;
+    };
+
+    // While the guard lives, backward accumulates gradients locally: grad_ready() only notes the
+    // parameter as used and synchronize() communicates nothing. The next synchronized step
+    // reduces the accumulated sums.
+    [[nodiscard]] NoSyncGuard no_sync() {
+        if (any_ready_.load(std::memory_order_acquire))
+            throw ReadinessError("gradsync: rank " + std::to_string(rank()) + ", step " +
+                                 std::to_string(current_step()) +
+                                 ": no_sync() after grad_ready() calls of the same step; enter no_sync() before "
+                                 "the backward whose gradients should only accumulate");
+        return NoSyncGuard(*this);
     }
 
     // Copies rank 0's parameter values into every rank's parameters.
@@ -2020,58 +2708,508 @@ public:
             backend_.broadcast(std::span(static_cast<std::byte*>(p.data), p.bytes().count()), 0);
     }
 
+    // The bucket plan. After a bucket rebuild it changes: read it between steps.
     [[nodiscard]] const BucketPlan& plan() const { return plan_; }
     // The parameters gradsync synchronizes: the model's, in registration order, without the
     // zero-sized ones. Bucket::parameters index into this list.
     [[nodiscard]] std::span<const Parameter> parameters() const { return params_; }
+    [[nodiscard]] std::span<const ModelBuffer> buffers() const { return buffers_; }
     [[nodiscard]] int rank() const { return backend_.rank(); }
     [[nodiscard]] int world_size() const { return backend_.size(); }
-    [[nodiscard]] std::uint64_t steps() const { return steps_; }
+    // Synchronized steps completed (accumulation micro-steps under no_sync() do not count).
+    [[nodiscard]] std::uint64_t steps() const { return steps_.load(std::memory_order_acquire); }
     [[nodiscard]] Model& model() const { return model_; }
     [[nodiscard]] BackendT& backend() const { return backend_; }
+    [[nodiscard]] const Options& options() const { return options_; }
     [[nodiscard]] Bytes gradient_bytes() const { return plan_.bytes(); }
+    // Buckets whose gradients already lie contiguously in memory, reduced without a copy.
+    [[nodiscard]] std::size_t view_buckets() const {
+        std::size_t n = 0;
+        for (const auto& s : slots_) n += s.view.has_value();
+        return n;
+    }
     // Memory this object holds for synchronization beyond the model's own buffers.
     [[nodiscard]] Bytes extra_memory() const {
-        Bytes total;
-        for (const auto& b : buffers_) total += Bytes{b.size()};
-        for (const auto& s : segments_) total += Bytes{s.capacity() * sizeof(Segment)};
+        Bytes total{(params_.size() * 2 + arrivals_.capacity()) * sizeof(std::size_t)};
+        for (const auto& s : slots_) total += Bytes{s.buffer.size() + s.segments.capacity() * sizeof(Segment)};
         return total;
     }
 
 private:
+    static constexpr std::size_t npos = static_cast<std::size_t>(-1);
+    static constexpr std::size_t ambiguous = npos - 1;
+    enum class Phase : int { idle, backward, synchronizing };
+
+    // One bucket's storage and the state of its collective in the current step.
+    struct Slot {
+        std::vector<Segment> segments;         // its gradients, by parameter index
+        std::optional<Segment> view;           // set when they lie contiguously: reduced where they are
+        typename memory_type::Storage buffer;  // packing without a view, world > 1
+        std::size_t parameters = 0;
+        std::optional<handle_type> handle;
+        std::chrono::steady_clock::time_point ready_at, launched_at;
+    };
+
+    [[nodiscard]] std::int64_t current_step() const {
+        return static_cast<std::int64_t>(steps_.load(std::memory_order_acquire)) + 1;
+    }
+
     void init() {
-        for (auto& p : gradsync::parameters(model_)) {
-            if (p.count != 0) params_.push_back(std::move(p));
+        const auto listed = gradsync::parameters(model_);
+        for (std::size_t i = 0; i < listed.size(); ++i) {
+            if (listed[i].count == 0) {
+                model_index_to_param_.push_back(npos);
+            } else {
+                model_index_to_param_.push_back(params_.size());
+                params_.push_back(listed[i]);
+            }
+            auto [it, fresh] = by_name_.emplace(listed[i].name, model_index_to_param_.back());
+            if (!fresh) it->second = ambiguous;
         }
-        std::string problem = detail::find_parameter_problem(std::span<const Parameter>(params_), backend_);
+        if constexpr (buffers_type::mode != BufferSync::ignore) {
+            for (auto& b : gradsync::buffers(model_))
+                if (b.count != 0) buffers_.push_back(std::move(b));
+        }
+        std::string problem = detail::find_model_problem(std::span<const Parameter>(params_),
+                                                         std::span<const ModelBuffer>(buffers_), backend_);
         if (problem.empty()) plan_ = bucketer_.plan(params_);
         if (backend_.size() == 1) {
             if (!problem.empty()) throw InvalidModel("gradsync: invalid model on rank 0: " + problem);
         } else {
-            detail::agree_on_layout(backend_, std::span<const Parameter>(params_), plan_, problem);
+            detail::agree_on_layout(backend_, std::span<const Parameter>(params_),
+                                    std::span<const ModelBuffer>(buffers_), plan_, problem);
         }
         broadcast_parameters();
+        sync_buffers(/*at_construction=*/true);
 
-        segments_.reserve(plan_.buckets.size());
-        for (const auto& bucket : plan_.buckets) {
-            std::vector<Segment> segs;
-            segs.reserve(bucket.parameters.size());
-            for (auto i : bucket.parameters) segs.push_back(Segment{params_[i].grad, params_[i].count});
-            segments_.push_back(std::move(segs));
-            if constexpr (!reduces_in_place) {
-                if (backend_.size() > 1) buffers_.push_back(memory_type::allocate(bucket.bytes()));
+        ready_ = std::make_unique<std::atomic<std::uint8_t>[]>(params_.size());
+        used_ = std::make_unique<std::atomic<std::uint8_t>[]>(params_.size());
+        if (options_.rebuild_buckets) arrivals_.resize(params_.size());
+        setup_buckets();
+
+        std::string timeline = options_.timeline;
+        if (timeline.empty()) {
+            if (const char* env = std::getenv("GRADSYNC_TIMELINE")) timeline = env;
+        }
+        timeline_ = detail::Timeline(timeline, rank());
+        if constexpr (PeerStatus<BackendT>) {
+            if (backend_.size() > 1) reporter_ = backend_.add_status_reporter([this] { return describe_self(); });
+        }
+        if (detail::logging(detail::LogLevel::info)) {
+            detail::log(detail::LogLevel::info, rank(),
+                        "DataParallel: " + std::to_string(params_.size()) + " parameters, " +
+                            std::to_string(buffers_.size()) + " buffers, world size " +
+                            std::to_string(backend_.size()) + ", " +
+                            (reduces_in_place ? "reduced in place" : "packed") + ", " + std::to_string(view_buckets()) +
+                            " view buckets; bucket plan: " + to_string(plan_));
+        }
+    }
+
+    // (Re)builds the per-bucket state from plan_.
+    void setup_buckets() {
+        const std::size_t n = plan_.buckets.size();
+        bucket_of_.assign(params_.size(), npos);
+        slots_.clear();
+        slots_.resize(n);
+        pending_ = std::make_unique<std::atomic<std::int32_t>[]>(n);
+        bucket_ready_.assign(n, 0);
+        for (std::size_t b = 0; b < n; ++b) {
+            auto indices = plan_.buckets[b].parameters;
+            std::sort(indices.begin(), indices.end());  // the element layout every rank shares
+            auto& slot = slots_[b];
+            for (auto i : indices) {
+                bucket_of_[i] = b;
+                slot.segments.push_back(Segment{params_[i].grad, params_[i].count});
+            }
+            slot.parameters = indices.size();
+            pending_[b].store(static_cast<std::int32_t>(indices.size()));
+            // Adjacent in memory in that order: the bucket is a view, reduced without copies.
+            bool contiguous = true;
+            const std::size_t elem = size_of(plan_.buckets[b].dtype);
+            for (std::size_t k = 1; k < slot.segments.size(); ++k) {
+                auto* end = static_cast<std::byte*>(slot.segments[k - 1].data) + slot.segments[k - 1].count * elem;
+                contiguous = contiguous && end == slot.segments[k].data;
+            }
+            if (contiguous) slot.view = Segment{slot.segments.front().data, plan_.buckets[b].count};
+            if (!reduces_in_place && !contiguous && backend_.size() > 1)
+                slot.buffer = memory_type::allocate(plan_.buckets[b].bytes());
+        }
+    }
+
+    // Runs f; on an exception, aborts the group so that peers fail now, drains, and rethrows.
+    template <class F>
+    void guard(F&& f) {
+        try {
+            f();
+        } catch (const std::exception& e) {
+            abort_group(e.what());
+            drain();
+            reset_step();
+            phase_.store(Phase::idle, std::memory_order_release);
+            throw;
+        }
+    }
+
+    void abort_group(const std::string& reason) {
+        if constexpr (Abortable<BackendT>) {
+            if (backend_.size() > 1) backend_.abort(reason);
+        }
+    }
+
+    void mark_ready(std::size_t p) {
+        if (no_sync_depth_.load(std::memory_order_relaxed) > 0) {
+            used_[p].store(1, std::memory_order_relaxed);
+            return;
+        }
+        if (ready_[p].exchange(1, std::memory_order_acq_rel) != 0)
+            throw ReadinessError("gradsync: rank " + std::to_string(rank()) + ", step " +
+                                 std::to_string(current_step()) + ": grad_ready for parameter '" + params_[p].name +
+                                 "' was called twice in one step");
+        used_[p].store(1, std::memory_order_relaxed);
+        if (!any_ready_.exchange(true, std::memory_order_acq_rel)) {
+            step_began_ = std::chrono::steady_clock::now();
+            phase_.store(Phase::backward, std::memory_order_release);
+        }
+        if (!arrivals_.empty()) {
+            auto at = arrival_count_.fetch_add(1, std::memory_order_relaxed);
+            if (at < arrivals_.size()) arrivals_[at] = p;
+        }
+        const auto b = bucket_of_[p];
+        if (pending_[b].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+            std::lock_guard lock(launch_mutex_);
+            bucket_ready_locked(b);
+        }
+    }
+
+    // Bucket b is complete: launch it and every complete bucket after it, in plan order.
+    void bucket_ready_locked(std::size_t b) {
+        slots_[b].ready_at = std::chrono::steady_clock::now();
+        bucket_ready_[b] = 1;
+        while (next_launch_ < slots_.size() && bucket_ready_[next_launch_]) launch(next_launch_++);
+        launched_.store(next_launch_, std::memory_order_release);
+    }
+
+    // Marks a parameter ready on the caller's behalf (under launch_mutex_).
+    void mark_ready_locked(std::size_t p) {
+        ready_[p].store(1, std::memory_order_release);
+        const auto b = bucket_of_[p];
+        if (pending_[b].fetch_sub(1, std::memory_order_acq_rel) == 1) bucket_ready_locked(b);
+    }
+
+    // At synchronize(): every parameter without grad_ready is either accumulated earlier (ready),
+    // unused (zero, with find_unused_parameters) or an error; then every bucket is launched.
+    void complete_readiness() {
+        std::lock_guard lock(launch_mutex_);
+        std::vector<std::size_t> missing;
+        for (std::size_t p = 0; p < params_.size(); ++p) {
+            if (ready_[p].load(std::memory_order_acquire) != 0) continue;
+            if (used_[p].load(std::memory_order_relaxed) != 0) {
+                mark_ready_locked(p);  // used in an accumulation micro-step: its sum is final
+            } else if (options_.find_unused_parameters) {
+                std::memset(params_[p].grad, 0, params_[p].bytes().count());
+                mark_ready_locked(p);
+            } else {
+                missing.push_back(p);
             }
         }
+        if (!missing.empty()) {
+            std::string names;
+            for (std::size_t k = 0; k < missing.size() && k < 8; ++k) {
+                names += (k ? ", '" : "'") + params_[missing[k]].name + "' (bucket " +
+                         std::to_string(bucket_of_[missing[k]]) + ")";
+            }
+            if (missing.size() > 8) names += " and " + std::to_string(missing.size() - 8) + " more";
+            throw ReadinessError("gradsync: rank " + std::to_string(rank()) + ", step " +
+                                 std::to_string(current_step()) + ": synchronize() found no grad_ready for " +
+                                 std::to_string(missing.size()) + " parameter" + (missing.size() == 1 ? "" : "s") +
+                                 ": " + names +
+                                 ". Call grad_ready for every parameter backward produced a gradient for, or pass "
+                                 "gradsync::Options{.find_unused_parameters = true} to count the others as zero");
+        }
+    }
+
+    CollectiveTag next_tag(std::uint64_t kind, std::int64_t bucket, std::uint64_t bytes, DType dtype) {
+        fingerprint_ = detail::fnv1a(fingerprint_, ++collectives_);
+        fingerprint_ = detail::fnv1a(fingerprint_, kind);
+        fingerprint_ = detail::fnv1a(fingerprint_, static_cast<std::uint64_t>(bucket));
+        fingerprint_ = detail::fnv1a(fingerprint_, bytes);
+        fingerprint_ = detail::fnv1a(fingerprint_, static_cast<std::uint64_t>(dtype));
+        return CollectiveTag{fingerprint_, current_step(), static_cast<std::int32_t>(bucket)};
+    }
+
+    // The bucket's collective as one contiguous buffer, packing first when it is no view.
+    Buffer contiguous(std::size_t b) {
+        auto& slot = slots_[b];
+        const auto dtype = plan_.buckets[b].dtype;
+        if (slot.view) return Buffer{slot.view->data, slot.view->count, dtype};
+        std::byte* data = memory_type::data(slot.buffer);
+        memory_type::pack(data, slot.segments, dtype);
+        return Buffer{data, plan_.buckets[b].count, dtype};
+    }
+
+    // Starts bucket b's allreduce asynchronously (under launch_mutex_).
+    void launch(std::size_t b) {
+        auto& slot = slots_[b];
+        slot.launched_at = std::chrono::steady_clock::now();
+        if (backend_.size() == 1) return;  // the local gradient is already the average
+        const auto& bucket = plan_.buckets[b];
+        auto tag = next_tag(0, static_cast<std::int64_t>(b), bucket.bytes().count(), bucket.dtype);
+        if constexpr (reduces_in_place) {
+            std::span<const Segment> segs =
+                slot.view ? std::span<const Segment>(&*slot.view, 1) : std::span<const Segment>(slot.segments);
+            if constexpr (requires { backend_.allreduce_async(segs, bucket.dtype, ReduceOp::average, tag); })
+                slot.handle.emplace(backend_.allreduce_async(segs, bucket.dtype, ReduceOp::average, tag));
+            else
+                slot.handle.emplace(backend_.allreduce_async(segs, bucket.dtype, ReduceOp::average));
+        } else {
+            auto buf = contiguous(b);
+            if constexpr (TaggedCollectives<BackendT>)
+                slot.handle.emplace(backend_.allreduce_async(buf, ReduceOp::average, tag));
+            else
+                slot.handle.emplace(backend_.allreduce_async(buf, ReduceOp::average));
+        }
+        detail::log(detail::LogLevel::debug, rank(),
+                    "step " + std::to_string(current_step()) + ": launched bucket " + std::to_string(b));
+    }
+
+    // Reduces bucket b on this thread (the path without grad_ready: no overlap to gain).
+    void reduce_now(std::size_t b) {
+        auto& slot = slots_[b];
+        slot.ready_at = slot.launched_at = std::chrono::steady_clock::now();
+        const auto& bucket = plan_.buckets[b];
+        auto tag = next_tag(0, static_cast<std::int64_t>(b), bucket.bytes().count(), bucket.dtype);
+        if constexpr (reduces_in_place) {
+            std::span<const Segment> segs =
+                slot.view ? std::span<const Segment>(&*slot.view, 1) : std::span<const Segment>(slot.segments);
+            if constexpr (requires { backend_.allreduce(segs, bucket.dtype, ReduceOp::average, tag); })
+                backend_.allreduce(segs, bucket.dtype, ReduceOp::average, tag);
+            else
+                backend_.allreduce(segs, bucket.dtype, ReduceOp::average);
+        } else {
+            auto buf = contiguous(b);
+            if constexpr (requires { backend_.allreduce(buf, ReduceOp::average, tag); })
+                backend_.allreduce(buf, ReduceOp::average, tag);
+            else
+                backend_.allreduce(buf, ReduceOp::average);
+            if (!slot.view) memory_type::unpack(slot.segments, memory_type::data(slot.buffer), bucket.dtype);
+        }
+        timeline_.span("allreduce", current_step(), static_cast<int>(b), slot.launched_at,
+                       std::chrono::steady_clock::now());
+    }
+
+    // Waits for every launched bucket, by the deadline, and unpacks the packed ones.
+    void wait_all() {
+        const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
+        for (std::size_t b = 0; b < slots_.size(); ++b) {
+            auto& slot = slots_[b];
+            if (!slot.handle) continue;
+            if (!slot.handle->wait_until(deadline)) throw TimeoutError(diagnose_timeout(b));
+            if constexpr (!reduces_in_place) {
+                if (!slot.view)
+                    memory_type::unpack(slot.segments, memory_type::data(slot.buffer), plan_.buckets[b].dtype);
+            }
+            if (timeline_.enabled()) {
+                timeline_.instant("ready", current_step(), static_cast<int>(b), slot.ready_at);
+                timeline_.instant("launched", current_step(), static_cast<int>(b), slot.launched_at);
+                timeline_.span("allreduce", current_step(), static_cast<int>(b), slot.launched_at,
+                               slot.handle->finished_at());
+            }
+            slot.handle.reset();
+        }
+    }
+
+    [[nodiscard]] bool in_flight() const {
+        for (const auto& s : slots_)
+            if (s.handle) return true;
+        return false;
+    }
+
+    // Waits for collectives in flight, ignoring their errors: after an abort they end at once.
+    void drain() {
+        for (auto& slot : slots_) {
+            if (!slot.handle) continue;
+            try {
+                (void)slot.handle->wait_until(std::chrono::steady_clock::now() + options_.timeout);
+            } catch (...) {
+            }
+            slot.handle.reset();
+        }
+    }
+
+    void reset_step() {
+        for (std::size_t p = 0; p < params_.size(); ++p) {
+            ready_[p].store(0, std::memory_order_relaxed);
+            used_[p].store(0, std::memory_order_relaxed);
+        }
+        std::lock_guard lock(launch_mutex_);
+        for (std::size_t b = 0; b < slots_.size(); ++b)
+            pending_[b].store(static_cast<std::int32_t>(slots_[b].parameters), std::memory_order_relaxed);
+        std::fill(bucket_ready_.begin(), bucket_ready_.end(), 0);
+        next_launch_ = 0;
+        launched_.store(0, std::memory_order_release);
+        arrival_count_.store(0, std::memory_order_relaxed);
+        any_ready_.store(false, std::memory_order_release);
+    }
+
+    // "rank 0, step 7: bucket 3 of 6 (...) not reduced within 600000 ms; rank 1: ..."
+    std::string diagnose_timeout(std::size_t b) {
+        const auto& bucket = plan_.buckets[b];
+        std::string names;
+        for (std::size_t k = 0; k < bucket.parameters.size() && k < 4; ++k)
+            names += (k ? ", '" : "'") + params_[bucket.parameters[k]].name + "'";
+        if (bucket.parameters.size() > 4) names += ", ...";
+        std::string msg = "gradsync: rank " + std::to_string(rank()) + ", step " + std::to_string(current_step()) +
+                          ": bucket " + std::to_string(b) + " of " + std::to_string(slots_.size()) + " (" +
+                          to_string(bucket.bytes()) + ", " + std::to_string(bucket.parameters.size()) +
+                          " parameters: " + names + ") was not reduced within " +
+                          std::to_string(options_.timeout.count()) + " ms";
+        if constexpr (PeerStatus<BackendT>) {
+            for (int r = 0; r < backend_.size(); ++r) {
+                if (r == rank()) continue;
+                auto status = backend_.peer_status(r);
+                if (!status.empty()) msg += "; rank " + std::to_string(r) + ": " + status;
+            }
+        }
+        return msg;
+    }
+
+    // Where this rank stands, for a peer's diagnosis. Runs on the peer's thread: reads atomics.
+    std::string describe_self() const {
+        std::lock_guard lock(plan_mutex_);
+        const auto step = std::to_string(current_step());
+        if (no_sync_depth_.load(std::memory_order_acquire) > 0)
+            return "accumulating under no_sync() before step " + step;
+        switch (phase_.load(std::memory_order_acquire)) {
+            case Phase::idle: return "in step " + step + ", before any grad_ready() or synchronize()";
+            case Phase::synchronizing: return "in synchronize() of step " + step;
+            case Phase::backward: break;
+        }
+        const auto launched = launched_.load(std::memory_order_acquire);
+        std::string out = "in the backward of step " + step + ", " + std::to_string(launched) + " of " +
+                          std::to_string(slots_.size()) + " buckets launched";
+        if (launched < slots_.size()) {
+            const auto& bucket = plan_.buckets[launched];
+            std::string names;
+            std::size_t missing = 0;
+            for (auto p : bucket.parameters) {
+                if (ready_[p].load(std::memory_order_acquire) != 0) continue;
+                if (missing++ < 6) names += (names.empty() ? "'" : ", '") + params_[p].name + "'";
+            }
+            if (missing > 6) names += ", ...";
+            out += "; bucket " + std::to_string(launched) + " waits for grad_ready of " + names + " (" +
+                   std::to_string(missing) + " of " + std::to_string(bucket.parameters.size()) + " parameters)";
+        }
+        return out;
+    }
+
+    // Backends that cannot check tags: compare the collective histories once per step.
+    void verify_histories() {
+        const int world = backend_.size();
+        if (world == 1) return;
+        std::vector<double> table(static_cast<std::size_t>(world) * 3, 0.0);
+        double* mine = table.data() + static_cast<std::size_t>(rank()) * 3;
+        mine[0] = static_cast<double>(fingerprint_ >> 32);
+        mine[1] = static_cast<double>(fingerprint_ & 0xffffffffu);
+        mine[2] = static_cast<double>(collectives_);
+        backend_.allreduce(Buffer{table.data(), table.size(), DType::float64}, ReduceOp::sum);
+        for (int r = 1; r < world; ++r) {
+            const double* theirs = table.data() + static_cast<std::size_t>(r) * 3;
+            if (theirs[0] == table[0] && theirs[1] == table[1]) continue;
+            throw CollectiveError("gradsync: step " + std::to_string(current_step()) +
+                                  ": the ranks' collective histories diverged: rank 0 issued " +
+                                  std::to_string(static_cast<std::uint64_t>(table[2])) + " collectives and rank " +
+                                  std::to_string(r) + " " + std::to_string(static_cast<std::uint64_t>(theirs[2])) +
+                                  ", with different fingerprints; every rank must launch the same buckets in the "
+                                  "same order");
+        }
+    }
+
+    void sync_buffers(bool at_construction) {
+        constexpr auto mode = buffers_type::mode;
+        if (backend_.size() == 1 || buffers_.empty() || mode == BufferSync::ignore) return;
+        if (!at_construction && mode == BufferSync::broadcast_once) return;
+        for (std::size_t i = 0; i < buffers_.size(); ++i) {
+            auto& buf = buffers_[i];
+            const bool average =
+                !at_construction && mode == BufferSync::average_every_step && backend_.supports(buf.dtype);
+            auto tag = next_tag(average ? 2 : 1, -2 - static_cast<std::int64_t>(i), buf.bytes().count(), buf.dtype);
+            if (average) {
+                Buffer whole{buf.data, buf.count, buf.dtype};
+                if constexpr (requires { backend_.allreduce(whole, ReduceOp::average, tag); })
+                    backend_.allreduce(whole, ReduceOp::average, tag);
+                else
+                    backend_.allreduce(whole, ReduceOp::average);
+            } else {
+                std::span<std::byte> bytes(static_cast<std::byte*>(buf.data), buf.bytes().count());
+                if constexpr (requires { backend_.broadcast(bytes, 0, tag); })
+                    backend_.broadcast(bytes, 0, tag);
+                else
+                    backend_.broadcast(bytes, 0);
+            }
+        }
+    }
+
+    // After the first overlapped step: buckets in the order rank 0 saw gradients become ready.
+    void maybe_rebuild() {
+        if (!options_.rebuild_buckets || rebuilt_) return;
+        rebuilt_ = true;
+        std::vector<std::uint64_t> order;
+        std::vector<bool> seen(params_.size(), false);
+        const auto arrived = std::min(arrival_count_.load(std::memory_order_acquire), arrivals_.size());
+        for (std::size_t k = 0; k < arrived; ++k) {
+            order.push_back(arrivals_[k]);
+            seen[arrivals_[k]] = true;
+        }
+        for (std::size_t p = params_.size(); p-- > 0;)
+            if (!seen[p]) order.push_back(p);  // never ready through grad_ready: where they were
+        if (backend_.size() > 1) backend_.broadcast(std::as_writable_bytes(std::span<std::uint64_t>(order)), 0);
+        std::vector<std::size_t> as_indices(order.begin(), order.end());
+        auto rebuilt = bucketer_.plan(params_, as_indices);
+        {
+            std::lock_guard lock(plan_mutex_);
+            plan_ = std::move(rebuilt);
+            setup_buckets();
+        }
+        arrivals_.clear();
+        arrivals_.shrink_to_fit();
+        detail::log(detail::LogLevel::info, rank(), "buckets rebuilt in rank 0's readiness order: " + to_string(plan_));
     }
 
     Model& model_;
     BackendT& backend_;
     bucketer_type bucketer_{};
+    Options options_{};
     std::vector<Parameter> params_;
+    std::vector<ModelBuffer> buffers_;
+    std::vector<std::size_t> model_index_to_param_;  // npos for zero-sized parameters
+    std::unordered_map<std::string, std::size_t> by_name_;
     BucketPlan plan_;
-    std::vector<std::vector<Segment>> segments_;          // per bucket, the gradients in bucket order
-    std::vector<typename memory_type::Storage> buffers_;  // per bucket, when packing
-    std::uint64_t steps_ = 0;
+    std::vector<Slot> slots_;             // per bucket
+    std::vector<std::size_t> bucket_of_;  // per parameter
+
+    // Readiness of the current step. Atomics: grad_ready may come from several threads, and a
+    // peer's diagnosis reads them.
+    std::unique_ptr<std::atomic<std::uint8_t>[]> ready_;    // grad_ready this step
+    std::unique_ptr<std::atomic<std::uint8_t>[]> used_;     // grad_ready since the last synchronized step
+    std::unique_ptr<std::atomic<std::int32_t>[]> pending_;  // per bucket, parameters not yet ready
+    std::atomic<bool> any_ready_{false};
+    std::atomic<int> no_sync_depth_{0};
+    std::atomic<Phase> phase_{Phase::idle};
+    std::atomic<std::uint64_t> steps_{0};
+    std::atomic<std::size_t> launched_{0};
+    std::mutex launch_mutex_;
+    std::vector<std::uint8_t> bucket_ready_;  // under launch_mutex_
+    std::size_t next_launch_ = 0;             // under launch_mutex_
+    std::vector<std::size_t> arrivals_;       // readiness order, recorded until the rebuild
+    std::atomic<std::size_t> arrival_count_{0};
+    bool rebuilt_ = false;
+    mutable std::mutex plan_mutex_;  // a peer's diagnosis against a rebuild
+
+    std::uint64_t fingerprint_ = 14695981039346656037ull;
+    std::uint64_t collectives_ = 0;
+    std::optional<std::uint64_t> reporter_;
+    detail::Timeline timeline_;
+    std::chrono::steady_clock::time_point step_began_;
 };
 
 }  // namespace gradsync::inline v0

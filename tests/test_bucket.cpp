@@ -31,14 +31,9 @@ std::vector<Parameter> random_layout(std::mt19937_64& rng) {
     for (int i = 0; i < n; ++i) {
         std::size_t count = 0;
         switch (kind(rng)) {
-            case 0:
-                count = 0;
-                break;  // skipped
-            case 1:
-                count = std::uniform_int_distribution<std::size_t>(1u << 18, 1u << 21)(rng);
-                break;  // large
-            default:
-                count = std::uniform_int_distribution<std::size_t>(1, 20000)(rng);
+            case 0: count = 0; break;                                                                    // skipped
+            case 1: count = std::uniform_int_distribution<std::size_t>(1u << 18, 1u << 21)(rng); break;  // large
+            default: count = std::uniform_int_distribution<std::size_t>(1, 20000)(rng);
         }
         params.push_back(fake(count, static_cast<DType>(dtype(rng)), "p" + std::to_string(i)));
     }

@@ -43,5 +43,8 @@ TEST_CASE("DType sizes and names") {
     CHECK(gradsync::to_string(bogus) == "dtype(42)");
     static_assert(gradsync::dtype_of<float> == DType::float32);
     static_assert(gradsync::dtype_of<const double> == DType::float64);
-    static_assert(!gradsync::HasDType<int>);
+    static_assert(gradsync::dtype_of<std::int64_t> == DType::int64);
+    static_assert(!gradsync::HasDType<char>);
+    CHECK(gradsync::size_of(DType::int32) == 4);
+    CHECK(gradsync::to_string(DType::int64) == "int64");
 }

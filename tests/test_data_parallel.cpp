@@ -169,14 +169,18 @@ TEST_CASE("buckets are launched in plan order with the planned sizes") {
         dp.synchronize();
         logs[static_cast<std::size_t>(b.rank())] = rec.log;
     });
+    // Within a bucket the elements are laid out by parameter index, the same on every rank.
     for (const auto& log : logs) {
-        REQUIRE(log.size() == 3);
+        REQUIRE(log.size() == 4);
         CHECK(log[0].count == 1000);
-        CHECK(log[0].first == 4.0);  // t4's gradient is packed first
+        CHECK(log[0].first == 4.0);  // {t4}
         CHECK(log[1].count == 2000);
-        CHECK(log[1].first == 3.0);
+        CHECK(log[1].first == 2.0);  // {t3, t2}
         CHECK(log[2].count == 2000);
-        CHECK(log[2].first == 1.0);
+        CHECK(log[2].first == 0.0);  // {t1, t0}
+        // A backend that cannot check tags gets the ranks' collective histories compared once a step.
+        CHECK(log[3].count == 2 * 3);
+        CHECK(log[3].dtype == gradsync::DType::float64);
     }
 }
 
@@ -283,7 +287,8 @@ TEST_CASE("a layout that differs across ranks names the first differing paramete
             DataParallel dp(m, b);
         });
         check_same_on_every_rank(messages,
-                                 "parameter #1 is 't1' (20 x float32) on rank 0 but 't1' (21 x float32) on rank 2");
+                                 "rank 0 has parameter #1 't1' (20 x float32) where rank 2 has parameter #1 't1' (21 x "
+                                 "float32)");
     }
     SUBCASE("a dtype") {
         auto messages = messages_of(2, [](LocalBackend& b) {
@@ -292,8 +297,8 @@ TEST_CASE("a layout that differs across ranks names the first differing paramete
             m.doubles.push_back({"x", std::vector<double>(10), std::vector<double>(10)});
             DataParallel dp(m, b);
         });
-        check_same_on_every_rank(messages,
-                                 "parameter #0 is 't0' (10 x float32) on rank 0 but 'x' (10 x float64) on rank 1");
+        check_same_on_every_rank(
+            messages, "rank 0 has parameter #0 't0' (10 x float32) where rank 1 has parameter #0 'x' (10 x float64)");
     }
     SUBCASE("the number of parameters") {
         auto messages = messages_of(2, [](LocalBackend& b) {
@@ -301,8 +306,7 @@ TEST_CASE("a layout that differs across ranks names the first differing paramete
             DataParallel dp(m, b);
         });
         check_same_on_every_rank(
-            messages,
-            "rank 0 has 2 parameters and rank 1 has 3; parameter #2 't2' (30 x float32) exists only on rank 1");
+            messages, "rank 0 has 2 tensors and rank 1 has 3; parameter #2 't2' (30 x float32) exists only on rank 1");
     }
     SUBCASE("the bucketer") {
         auto messages = messages_of(2, [](LocalBackend& b) {

@@ -8,11 +8,13 @@
 #include <gradsync/dtype.hpp>
 
 #include <atomic>
+#include <chrono>
 #include <concepts>  // for std::convertible_to
 #include <cstddef>
 #include <cstdint>
-#include <exception>  // for std::exception_ptr
-#include <memory>     // for std::shared_ptr
+#include <exception>   // for std::exception_ptr
+#include <functional>  // for std::function
+#include <memory>      // for std::shared_ptr
 #include <span>
 #include <string>
 
@@ -43,29 +45,54 @@ Buffer buffer_of(std::span<T> s) {
     return Buffer{s.data(), s.size(), dtype_of<T>};
 }
 
+// What a collective is for, so that a mismatch across ranks is named in terms the user knows.
+// `fingerprint` folds every collective the caller issued so far: equal fingerprints mean equal
+// histories, so a divergence is caught even where the current calls happen to look alike.
+struct CollectiveTag {
+    std::uint64_t fingerprint = 0;
+    std::int64_t step = -1;    // -1: not a training step's collective
+    std::int32_t bucket = -1;  // -1: not a bucket's collective
+
+    friend bool operator==(const CollectiveTag&, const CollectiveTag&) = default;
+};
+
 namespace detail {
 
 // Shared state of one asynchronous operation: set once by the thread that runs it.
 struct Completion {
     std::atomic<bool> done{false};
-    std::exception_ptr error;  // written before `done`, read after it
+    std::exception_ptr error;                           // written before `done`, read after it
+    std::chrono::steady_clock::time_point finished_at;  // likewise
     Doorbell bell;
 
     void finish(std::exception_ptr e = nullptr) {
         error = std::move(e);
+        finished_at = std::chrono::steady_clock::now();
         done.store(true, std::memory_order_seq_cst);
         bell.ring();
     }
-    void wait() {
-        wait_until([this] { return done.load(std::memory_order_acquire); }, [] {}, bell, SpinPolicy{});
+    // True when done by `deadline`.
+    bool wait_until(std::chrono::steady_clock::time_point deadline) {
+        struct Expired {};
+        try {
+            detail::wait_until([this] { return done.load(std::memory_order_acquire); },
+                               [deadline] {
+                                   if (std::chrono::steady_clock::now() >= deadline) throw Expired{};
+                               },
+                               bell, SpinPolicy{});
+        } catch (Expired) {
+            return done.load(std::memory_order_acquire);
+        }
+        return true;
     }
 };
 
 }  // namespace detail
 
 // Handle to an asynchronous collective. wait() returns when it has completed and rethrows its
-// error, if any. Every collective ends by its backend's deadline, so wait() cannot hang forever.
-// The buffers it works on must stay valid, and untouched by the caller, until then.
+// error, if any; every collective ends by its backend's deadline, so wait() cannot hang forever.
+// wait_until() also gives up at a deadline of the caller's. The buffers the collective works on
+// must stay valid, and untouched by the caller, until it has completed.
 class CollectiveHandle {
 public:
     CollectiveHandle() = default;  // an already completed no-op
@@ -73,10 +100,19 @@ public:
 
     [[nodiscard]] bool ready() const { return !state_ || state_->done.load(std::memory_order_acquire); }
 
-    void wait() const {
-        if (!state_) return;
-        state_->wait();
+    void wait() const { (void)wait_until(std::chrono::steady_clock::time_point::max()); }
+
+    // False when the deadline passed first; otherwise rethrows the collective's error, if any.
+    [[nodiscard]] bool wait_until(std::chrono::steady_clock::time_point deadline) const {
+        if (!state_) return true;
+        if (!state_->wait_until(deadline)) return false;
         if (state_->error) std::rethrow_exception(state_->error);
+        return true;
+    }
+
+    // When the collective completed (for timelines); only meaningful once ready().
+    [[nodiscard]] std::chrono::steady_clock::time_point finished_at() const {
+        return state_ ? state_->finished_at : std::chrono::steady_clock::time_point{};
     }
 
 private:
@@ -84,9 +120,10 @@ private:
 };
 
 template <class H>
-concept Waitable = requires(const H& h) {
+concept Waitable = requires(const H& h, std::chrono::steady_clock::time_point deadline) {
     h.wait();
     { h.ready() } -> std::convertible_to<bool>;
+    { h.wait_until(deadline) } -> std::convertible_to<bool>;
 };
 
 // A backend runs collectives among the ranks of one group. Every rank calls the same collectives
@@ -108,6 +145,32 @@ template <class B>
 concept ScatteredAllreduce = Backend<B> && requires(B& b, std::span<const Segment> segs, DType t, ReduceOp op) {
     b.allreduce(segs, t, op);
     { b.allreduce_async(segs, t, op) } -> Waitable;
+};
+
+// Optional capabilities DataParallel uses when a backend has them.
+
+// Collectives that carry a CollectiveTag, checked against the other ranks' at every call.
+template <class B>
+concept TaggedCollectives = Backend<B> &&
+    requires(B& b, Buffer buf, std::span<const Segment> segs, DType t, ReduceOp op, CollectiveTag tag) {
+    { b.allreduce_async(buf, op, tag) } -> Waitable;
+};
+
+// abort(reason): every pending and future collective of every rank fails with `reason`, so that
+// a failure on one rank reaches the others at once rather than at their deadline.
+template <class B>
+concept Abortable = Backend<B> && requires(B& b, const std::string& reason) {
+    b.abort(reason);
+};
+
+// Each rank can leave reporters that peers call, without a collective, when they need to say why
+// this rank is late (LocalBackend: shared memory).
+template <class B>
+concept PeerStatus = Backend<B> &&
+    requires(B& b, const B& cb, std::function<std::string()> reporter, int rank, std::uint64_t id) {
+    { b.add_status_reporter(reporter) } -> std::convertible_to<std::uint64_t>;
+    b.remove_status_reporter(id);
+    { cb.peer_status(rank) } -> std::convertible_to<std::string>;
 };
 
 namespace detail {
@@ -138,7 +201,8 @@ constexpr bool check_backend() {
                 { b.allreduce_async(buf, op) } -> Waitable;
             },
             "gradsync: a Backend needs `Handle allreduce_async(gradsync::Buffer, gradsync::ReduceOp)` "
-            "returning a handle with `void wait() const` and `bool ready() const`");
+            "returning a handle with `void wait() const`, `bool ready() const` and "
+            "`bool wait_until(std::chrono::steady_clock::time_point) const`");
         static_assert(
             requires(B & b, std::span<std::byte> bytes, int root) { b.broadcast(bytes, root); },
             "gradsync: a Backend needs `void broadcast(std::span<std::byte>, int root)`");

@@ -23,9 +23,11 @@
 namespace gradsync::inline v0 {
 
 // One fusion buffer: parameters of a single dtype, reduced together by one collective.
+// `parameters` are in the order they are expected to become ready; the collective itself lays
+// the elements out by parameter index, the same on every rank whatever the memory layout.
 struct Bucket {
     DType dtype = DType::float32;
-    std::vector<std::size_t> parameters;  // indices into the parameter list, in bucket order
+    std::vector<std::size_t> parameters;  // indices into the parameter list, in readiness order
     std::size_t count = 0;                // elements in all of them
 
     [[nodiscard]] Bytes bytes() const { return Bytes{count * size_of(dtype)}; }
@@ -84,14 +86,37 @@ inline std::string to_string(const BucketPlan& plan) {
     return os.str();
 }
 
-// A bucketer turns the parameter list (registration order) into a plan. Zero-sized parameters
-// belong to no bucket.
+// A bucketer turns the parameter list (registration order) and the order in which their
+// gradients are expected to become ready into a plan. An empty order means reverse registration
+// order, the order backward usually finishes them. Zero-sized parameters belong to no bucket.
 template <class B>
-concept Bucketer = requires(const B& b, std::span<const Parameter> params) {
-    { b.plan(params) } -> std::same_as<BucketPlan>;
+concept Bucketer = requires(const B& b, std::span<const Parameter> params, std::span<const std::size_t> order) {
+    { b.plan(params, order) } -> std::same_as<BucketPlan>;
 };
 
 namespace detail {
+
+// The readiness order to plan with: `order` checked to be a permutation of the indices, or the
+// reverse registration order when it is empty.
+inline std::vector<std::size_t> readiness_order(std::size_t n, std::span<const std::size_t> order) {
+    std::vector<std::size_t> out;
+    if (order.empty()) {
+        for (std::size_t i = n; i-- > 0;) out.push_back(i);
+        return out;
+    }
+    std::vector<bool> seen(n, false);
+    for (auto i : order) {
+        if (i >= n || seen[i])
+            throw Error("gradsync: a bucket order must list each of the " + std::to_string(n) +
+                        " parameter indices once; it has " + std::to_string(i) +
+                        (i >= n ? ", out of range" : " twice"));
+        seen[i] = true;
+    }
+    if (order.size() != n)
+        throw Error("gradsync: a bucket order must list each of the " + std::to_string(n) +
+                    " parameter indices once; it has " + std::to_string(order.size()));
+    return {order.begin(), order.end()};
+}
 
 // Buckets are filled per dtype, so a mixed model gets buckets of one dtype each.
 class BucketFiller {
@@ -126,8 +151,8 @@ private:
 
 }  // namespace detail
 
-// Size-capped buckets, as PyTorch DDP builds them: parameters in reverse registration order
-// (the order backward finishes them), the first bucket capped at `first_cap` so communication
+// Size-capped buckets, as PyTorch DDP builds them: parameters in readiness order (by default
+// reverse registration order), the first bucket capped at `first_cap` so communication
 // starts early, the rest at `cap`. A bucket is closed before a parameter that would push it over
 // its cap, so a parameter larger than the cap gets a bucket of its own.
 struct SizeCappedBuckets {
@@ -136,7 +161,7 @@ struct SizeCappedBuckets {
     Bytes cap = Bytes{25ull << 20};
     Bytes first_cap = Bytes{1ull << 20};
 
-    [[nodiscard]] BucketPlan plan(std::span<const Parameter> params) const {
+    [[nodiscard]] BucketPlan plan(std::span<const Parameter> params, std::span<const std::size_t> order = {}) const {
         if (cap.count() == 0 || first_cap.count() == 0) {
             throw Error("gradsync: SizeCappedBuckets needs a cap and a first_cap above 0 bytes, got cap " +
                         to_string(cap) + " and first_cap " + to_string(first_cap));
@@ -154,7 +179,7 @@ struct SizeCappedBuckets {
             limits.push_back({t, first_cap});
             return limits.back().value;
         };
-        for (std::size_t i = params.size(); i-- > 0;) {
+        for (auto i : detail::readiness_order(params.size(), order)) {
             const auto& p = params[i];
             if (p.count == 0) continue;
             auto& bucket = filler.open(p.dtype);
@@ -174,15 +199,14 @@ struct SizeCappedBuckets {
     }
 };
 
-// One bucket per dtype holding every parameter, in reverse registration order: the fewest
-// collectives, no overlap with backward.
+// One bucket per dtype holding every parameter: the fewest collectives, no overlap with backward.
 struct SingleBucket {
     using policy_category = policy_category::bucketer;
 
-    [[nodiscard]] BucketPlan plan(std::span<const Parameter> params) const {
+    [[nodiscard]] BucketPlan plan(std::span<const Parameter> params, std::span<const std::size_t> order = {}) const {
         BucketPlan plan;
         detail::BucketFiller filler(params, plan);
-        for (std::size_t i = params.size(); i-- > 0;) {
+        for (auto i : detail::readiness_order(params.size(), order)) {
             if (params[i].count != 0) filler.add(filler.open(params[i].dtype), i);
         }
         filler.close_all();
@@ -190,13 +214,13 @@ struct SingleBucket {
     }
 };
 
-// One bucket per parameter, in reverse registration order: no fusion at all.
+// One bucket per parameter, in readiness order: no fusion at all.
 struct PerParameterBuckets {
     using policy_category = policy_category::bucketer;
 
-    [[nodiscard]] BucketPlan plan(std::span<const Parameter> params) const {
+    [[nodiscard]] BucketPlan plan(std::span<const Parameter> params, std::span<const std::size_t> order = {}) const {
         BucketPlan plan;
-        for (std::size_t i = params.size(); i-- > 0;) {
+        for (auto i : detail::readiness_order(params.size(), order)) {
             if (params[i].count != 0) plan.buckets.push_back(Bucket{params[i].dtype, {i}, params[i].count});
         }
         return plan;
@@ -208,8 +232,8 @@ namespace detail {
 template <class B>
 constexpr bool check_bucketer() {
     static_assert(Bucketer<B>,
-                  "gradsync: a bucketer policy needs a member "
-                  "`gradsync::BucketPlan plan(std::span<const gradsync::Parameter>) const`");
+                  "gradsync: a bucketer policy needs a member `gradsync::BucketPlan plan(std::span<const "
+                  "gradsync::Parameter> params, std::span<const std::size_t> order) const`");
     return true;
 }
 

@@ -1,30 +1,70 @@
-// DataParallel<Model, Backend, Policies...>: wraps a model so that synchronize(), called after
-// backward, leaves every rank holding the average of all ranks' gradients.
+// DataParallel<Model, Backend, Policies...>: wraps a model so that every rank holds the average of
+// all ranks' gradients after synchronize(). With grad_ready() calls during backward, each bucket's
+// allreduce starts as soon as its last gradient is ready, overlapping communication with backward.
 #pragma once
 
 #include <gradsync/backend.hpp>
 #include <gradsync/bucket.hpp>
+#include <gradsync/buffers.hpp>
 #include <gradsync/bytes.hpp>
 #include <gradsync/detail/layout_agreement.hpp>
+#include <gradsync/detail/log.hpp>
 #include <gradsync/detail/policy.hpp>
+#include <gradsync/detail/timeline.hpp>
 #include <gradsync/error.hpp>
 #include <gradsync/memory.hpp>
 #include <gradsync/model.hpp>
+#include <gradsync/options.hpp>
 
+#include <algorithm>  // for std::sort, std::min
+#include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>  // for std::getenv
+#include <cstring>  // for std::memset
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <type_traits>  // for std::is_same_v
+#include <unordered_map>
+#include <utility>  // for std::declval
 #include <vector>
 
 namespace gradsync::inline v0 {
+
+// synchronize() found parameters that never got grad_ready (and find_unused_parameters is off),
+// or grad_ready was misused. Peers receive the same message in a CollectiveError.
+class ReadinessError : public Error {
+public:
+    using Error::Error;
+};
+
+namespace detail {
+
+template <class B, bool Scattered>
+struct handle_of {
+    using type = decltype(std::declval<B&>().allreduce_async(std::declval<Buffer>(), ReduceOp::sum));
+};
+template <class B>
+struct handle_of<B, true> {
+    using type = decltype(std::declval<B&>().allreduce_async(std::declval<std::span<const Segment>>(), DType::float32,
+                                                             ReduceOp::sum));
+};
+
+}  // namespace detail
 
 // Policies, in any order, each optional:
 //   bucketer  SizeCappedBuckets (default), SingleBucket, PerParameterBuckets
 //   packing   AutoPacking (default), PackedBuckets, InPlaceBuckets
 //   memory    HostMemory (default)
+//   buffers   BroadcastBuffers (default), BroadcastBuffersOnce, AverageBuffers, IgnoreBuffers
+//   options   Options (timeout, unused parameters, bucket rebuild, timeline)
 template <class Model, class BackendT, class... Policies>
 class DataParallel {
     static_assert(detail::check_model_access<Model>());
@@ -35,6 +75,7 @@ public:
     using bucketer_type = detail::select_policy<policy_category::bucketer, SizeCappedBuckets, Policies...>;
     using packing_type = detail::select_policy<policy_category::packing, AutoPacking, Policies...>;
     using memory_type = detail::select_policy<policy_category::memory, HostMemory, Policies...>;
+    using buffers_type = detail::select_policy<policy_category::buffers, BroadcastBuffers, Policies...>;
     static_assert(detail::check_bucketer<bucketer_type>());
     static_assert(!std::is_same_v<packing_type, InPlaceBuckets> || ScatteredAllreduce<BackendT>,
                   "gradsync: InPlaceBuckets needs a backend that reduces scattered segments "
@@ -44,12 +85,16 @@ public:
     static constexpr bool reduces_in_place =
         std::is_same_v<packing_type, InPlaceBuckets> ||
         (std::is_same_v<packing_type, AutoPacking> && ScatteredAllreduce<BackendT>);
+    using handle_type = typename detail::handle_of<BackendT, reduces_in_place>::type;
 
-    // Lists the model's parameters, checks them on every rank, agrees on the layout with every
-    // rank, and copies rank 0's parameter values to every rank. A problem on any rank throws the
-    // same exception on every rank. Model and backend must outlive the DataParallel.
+    // Lists the model's parameters and buffers, checks them on every rank, agrees on the layout
+    // with every rank, and copies rank 0's parameter (and buffer) values to every rank. A problem
+    // on any rank throws the same exception on every rank. Model and backend must outlive this.
     DataParallel(Model& model, BackendT& backend, Policies... policies)
-        : model_(model), backend_(backend), bucketer_(detail::policy_value<bucketer_type>(std::tuple(policies...))) {
+        : model_(model),
+          backend_(backend),
+          bucketer_(detail::policy_value<bucketer_type>(std::tuple(policies...))),
+          options_(detail::policy_value<Options>(std::tuple(policies...))) {
         init();
     }
     DataParallel(Model& model, BackendT& backend) requires(sizeof...(Policies) > 0) : model_(model), backend_(backend) {
@@ -59,21 +104,100 @@ public:
     DataParallel(const DataParallel&) = delete;
     DataParallel& operator=(const DataParallel&) = delete;
 
-    // Averages every parameter's gradient over all ranks. Call on every rank after backward.
-    void synchronize() {
-        ++steps_;
-        if (backend_.size() == 1) return;  // the local gradient is already the average
-        for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
-            const auto& bucket = plan_.buckets[b];
-            if constexpr (reduces_in_place) {
-                backend_.allreduce(std::span<const Segment>(segments_[b]), bucket.dtype, ReduceOp::average);
-            } else {
-                std::byte* data = memory_type::data(buffers_[b]);
-                memory_type::pack(data, segments_[b], bucket.dtype);
-                backend_.allreduce(Buffer{data, bucket.count, bucket.dtype}, ReduceOp::average);
-                memory_type::unpack(segments_[b], data, bucket.dtype);
-            }
+    // A DataParallel destroyed in the middle of a step (after an exception, say) aborts the group,
+    // so that peers fail at once, and waits for its collectives in flight before it goes.
+    ~DataParallel() {
+        if constexpr (PeerStatus<BackendT>) {
+            if (reporter_) backend_.remove_status_reporter(*reporter_);
         }
+        try {
+            if (in_flight()) {
+                abort_group("gradsync: rank " + std::to_string(rank()) + " destroyed its DataParallel in step " +
+                            std::to_string(current_step()) + " with collectives in flight");
+                drain();
+            }
+        } catch (...) {  // a destructor must not throw
+        }
+    }
+
+    // Gradient of parameter `index` (its position in the model's parameter list, zero-sized ones
+    // included) is final for this step. When it completes a bucket, that bucket and every bucket
+    // before it that is complete are launched, in plan order. Safe to call from several threads
+    // (backward hooks); all calls of a step must return before synchronize() is called.
+    void grad_ready(std::size_t index) {
+        guard([&] {
+            if (index >= model_index_to_param_.size())
+                throw ReadinessError("gradsync: rank " + std::to_string(rank()) + ", step " +
+                                     std::to_string(current_step()) + ": grad_ready(" + std::to_string(index) +
+                                     ") but the model has " + std::to_string(model_index_to_param_.size()) +
+                                     " parameters");
+            auto p = model_index_to_param_[index];
+            if (p != npos) mark_ready(p);
+        });
+    }
+    void grad_ready(std::string_view name) {
+        guard([&] {
+            auto it = by_name_.find(std::string(name));
+            if (it == by_name_.end() || it->second == ambiguous)
+                throw ReadinessError("gradsync: rank " + std::to_string(rank()) + ", step " +
+                                     std::to_string(current_step()) + ": grad_ready(\"" + std::string(name) + "\"): " +
+                                     (it == by_name_.end() ? "no parameter has this name"
+                                                           : "several parameters have this name; use "
+                                                             "grad_ready(index)"));
+            if (it->second != npos) mark_ready(it->second);
+        });
+    }
+
+    // Averages every parameter's gradient over all ranks. Call on every rank after backward. With
+    // grad_ready() calls, waits for the launched buckets and launches the rest; without, reduces
+    // every bucket now. Under no_sync() it communicates nothing.
+    void synchronize() {
+        if (no_sync_depth_.load(std::memory_order_relaxed) > 0) return;  // an accumulation micro-step
+        guard([&] {
+            const bool overlapped = any_ready_.load(std::memory_order_acquire);
+            if (!overlapped) step_began_ = std::chrono::steady_clock::now();
+            phase_.store(Phase::synchronizing, std::memory_order_release);
+            if (overlapped) {
+                complete_readiness();
+            } else if (backend_.size() > 1) {
+                for (std::size_t b = 0; b < slots_.size(); ++b) reduce_now(b);
+            }
+            wait_all();
+            sync_buffers(/*at_construction=*/false);
+            if constexpr (!TaggedCollectives<BackendT>) verify_histories();
+            timeline_.span("step", current_step(), -1, step_began_, std::chrono::steady_clock::now());
+            if (overlapped) maybe_rebuild();
+            reset_step();
+            steps_.fetch_add(1, std::memory_order_acq_rel);
+            phase_.store(Phase::idle, std::memory_order_release);
+        });
+    }
+
+    class NoSyncGuard {
+    public:
+        explicit NoSyncGuard(DataParallel& dp) : dp_(&dp) { dp_->no_sync_depth_.fetch_add(1); }
+        NoSyncGuard(NoSyncGuard&& o) noexcept : dp_(std::exchange(o.dp_, nullptr)) {}
+        NoSyncGuard(const NoSyncGuard&) = delete;
+        NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+        NoSyncGuard& operator=(NoSyncGuard&&) = delete;
+        ~NoSyncGuard() {
+            if (dp_) dp_->no_sync_depth_.fetch_sub(1);
+        }
+
+    private:
+        DataParallel* dp_;
+    };
+
+    // While the guard lives, backward accumulates gradients locally: grad_ready() only notes the
+    // parameter as used and synchronize() communicates nothing. The next synchronized step
+    // reduces the accumulated sums.
+    [[nodiscard]] NoSyncGuard no_sync() {
+        if (any_ready_.load(std::memory_order_acquire))
+            throw ReadinessError("gradsync: rank " + std::to_string(rank()) + ", step " +
+                                 std::to_string(current_step()) +
+                                 ": no_sync() after grad_ready() calls of the same step; enter no_sync() before "
+                                 "the backward whose gradients should only accumulate");
+        return NoSyncGuard(*this);
     }
 
     // Copies rank 0's parameter values into every rank's parameters.
@@ -83,58 +207,508 @@ public:
             backend_.broadcast(std::span(static_cast<std::byte*>(p.data), p.bytes().count()), 0);
     }
 
+    // The bucket plan. After a bucket rebuild it changes: read it between steps.
     [[nodiscard]] const BucketPlan& plan() const { return plan_; }
     // The parameters gradsync synchronizes: the model's, in registration order, without the
     // zero-sized ones. Bucket::parameters index into this list.
     [[nodiscard]] std::span<const Parameter> parameters() const { return params_; }
+    [[nodiscard]] std::span<const ModelBuffer> buffers() const { return buffers_; }
     [[nodiscard]] int rank() const { return backend_.rank(); }
     [[nodiscard]] int world_size() const { return backend_.size(); }
-    [[nodiscard]] std::uint64_t steps() const { return steps_; }
+    // Synchronized steps completed (accumulation micro-steps under no_sync() do not count).
+    [[nodiscard]] std::uint64_t steps() const { return steps_.load(std::memory_order_acquire); }
     [[nodiscard]] Model& model() const { return model_; }
     [[nodiscard]] BackendT& backend() const { return backend_; }
+    [[nodiscard]] const Options& options() const { return options_; }
     [[nodiscard]] Bytes gradient_bytes() const { return plan_.bytes(); }
+    // Buckets whose gradients already lie contiguously in memory, reduced without a copy.
+    [[nodiscard]] std::size_t view_buckets() const {
+        std::size_t n = 0;
+        for (const auto& s : slots_) n += s.view.has_value();
+        return n;
+    }
     // Memory this object holds for synchronization beyond the model's own buffers.
     [[nodiscard]] Bytes extra_memory() const {
-        Bytes total;
-        for (const auto& b : buffers_) total += Bytes{b.size()};
-        for (const auto& s : segments_) total += Bytes{s.capacity() * sizeof(Segment)};
+        Bytes total{(params_.size() * 2 + arrivals_.capacity()) * sizeof(std::size_t)};
+        for (const auto& s : slots_) total += Bytes{s.buffer.size() + s.segments.capacity() * sizeof(Segment)};
         return total;
     }
 
 private:
+    static constexpr std::size_t npos = static_cast<std::size_t>(-1);
+    static constexpr std::size_t ambiguous = npos - 1;
+    enum class Phase : int { idle, backward, synchronizing };
+
+    // One bucket's storage and the state of its collective in the current step.
+    struct Slot {
+        std::vector<Segment> segments;         // its gradients, by parameter index
+        std::optional<Segment> view;           // set when they lie contiguously: reduced where they are
+        typename memory_type::Storage buffer;  // packing without a view, world > 1
+        std::size_t parameters = 0;
+        std::optional<handle_type> handle;
+        std::chrono::steady_clock::time_point ready_at, launched_at;
+    };
+
+    [[nodiscard]] std::int64_t current_step() const {
+        return static_cast<std::int64_t>(steps_.load(std::memory_order_acquire)) + 1;
+    }
+
     void init() {
-        for (auto& p : gradsync::parameters(model_)) {
-            if (p.count != 0) params_.push_back(std::move(p));
+        const auto listed = gradsync::parameters(model_);
+        for (std::size_t i = 0; i < listed.size(); ++i) {
+            if (listed[i].count == 0) {
+                model_index_to_param_.push_back(npos);
+            } else {
+                model_index_to_param_.push_back(params_.size());
+                params_.push_back(listed[i]);
+            }
+            auto [it, fresh] = by_name_.emplace(listed[i].name, model_index_to_param_.back());
+            if (!fresh) it->second = ambiguous;
         }
-        std::string problem = detail::find_parameter_problem(std::span<const Parameter>(params_), backend_);
+        if constexpr (buffers_type::mode != BufferSync::ignore) {
+            for (auto& b : gradsync::buffers(model_))
+                if (b.count != 0) buffers_.push_back(std::move(b));
+        }
+        std::string problem = detail::find_model_problem(std::span<const Parameter>(params_),
+                                                         std::span<const ModelBuffer>(buffers_), backend_);
         if (problem.empty()) plan_ = bucketer_.plan(params_);
         if (backend_.size() == 1) {
             if (!problem.empty()) throw InvalidModel("gradsync: invalid model on rank 0: " + problem);
         } else {
-            detail::agree_on_layout(backend_, std::span<const Parameter>(params_), plan_, problem);
+            detail::agree_on_layout(backend_, std::span<const Parameter>(params_),
+                                    std::span<const ModelBuffer>(buffers_), plan_, problem);
         }
         broadcast_parameters();
+        sync_buffers(/*at_construction=*/true);
 
-        segments_.reserve(plan_.buckets.size());
-        for (const auto& bucket : plan_.buckets) {
-            std::vector<Segment> segs;
-            segs.reserve(bucket.parameters.size());
-            for (auto i : bucket.parameters) segs.push_back(Segment{params_[i].grad, params_[i].count});
-            segments_.push_back(std::move(segs));
-            if constexpr (!reduces_in_place) {
-                if (backend_.size() > 1) buffers_.push_back(memory_type::allocate(bucket.bytes()));
+        ready_ = std::make_unique<std::atomic<std::uint8_t>[]>(params_.size());
+        used_ = std::make_unique<std::atomic<std::uint8_t>[]>(params_.size());
+        if (options_.rebuild_buckets) arrivals_.resize(params_.size());
+        setup_buckets();
+
+        std::string timeline = options_.timeline;
+        if (timeline.empty()) {
+            if (const char* env = std::getenv("GRADSYNC_TIMELINE")) timeline = env;
+        }
+        timeline_ = detail::Timeline(timeline, rank());
+        if constexpr (PeerStatus<BackendT>) {
+            if (backend_.size() > 1) reporter_ = backend_.add_status_reporter([this] { return describe_self(); });
+        }
+        if (detail::logging(detail::LogLevel::info)) {
+            detail::log(detail::LogLevel::info, rank(),
+                        "DataParallel: " + std::to_string(params_.size()) + " parameters, " +
+                            std::to_string(buffers_.size()) + " buffers, world size " +
+                            std::to_string(backend_.size()) + ", " +
+                            (reduces_in_place ? "reduced in place" : "packed") + ", " + std::to_string(view_buckets()) +
+                            " view buckets; bucket plan: " + to_string(plan_));
+        }
+    }
+
+    // (Re)builds the per-bucket state from plan_.
+    void setup_buckets() {
+        const std::size_t n = plan_.buckets.size();
+        bucket_of_.assign(params_.size(), npos);
+        slots_.clear();
+        slots_.resize(n);
+        pending_ = std::make_unique<std::atomic<std::int32_t>[]>(n);
+        bucket_ready_.assign(n, 0);
+        for (std::size_t b = 0; b < n; ++b) {
+            auto indices = plan_.buckets[b].parameters;
+            std::sort(indices.begin(), indices.end());  // the element layout every rank shares
+            auto& slot = slots_[b];
+            for (auto i : indices) {
+                bucket_of_[i] = b;
+                slot.segments.push_back(Segment{params_[i].grad, params_[i].count});
+            }
+            slot.parameters = indices.size();
+            pending_[b].store(static_cast<std::int32_t>(indices.size()));
+            // Adjacent in memory in that order: the bucket is a view, reduced without copies.
+            bool contiguous = true;
+            const std::size_t elem = size_of(plan_.buckets[b].dtype);
+            for (std::size_t k = 1; k < slot.segments.size(); ++k) {
+                auto* end = static_cast<std::byte*>(slot.segments[k - 1].data) + slot.segments[k - 1].count * elem;
+                contiguous = contiguous && end == slot.segments[k].data;
+            }
+            if (contiguous) slot.view = Segment{slot.segments.front().data, plan_.buckets[b].count};
+            if (!reduces_in_place && !contiguous && backend_.size() > 1)
+                slot.buffer = memory_type::allocate(plan_.buckets[b].bytes());
+        }
+    }
+
+    // Runs f; on an exception, aborts the group so that peers fail now, drains, and rethrows.
+    template <class F>
+    void guard(F&& f) {
+        try {
+            f();
+        } catch (const std::exception& e) {
+            abort_group(e.what());
+            drain();
+            reset_step();
+            phase_.store(Phase::idle, std::memory_order_release);
+            throw;
+        }
+    }
+
+    void abort_group(const std::string& reason) {
+        if constexpr (Abortable<BackendT>) {
+            if (backend_.size() > 1) backend_.abort(reason);
+        }
+    }
+
+    void mark_ready(std::size_t p) {
+        if (no_sync_depth_.load(std::memory_order_relaxed) > 0) {
+            used_[p].store(1, std::memory_order_relaxed);
+            return;
+        }
+        if (ready_[p].exchange(1, std::memory_order_acq_rel) != 0)
+            throw ReadinessError("gradsync: rank " + std::to_string(rank()) + ", step " +
+                                 std::to_string(current_step()) + ": grad_ready for parameter '" + params_[p].name +
+                                 "' was called twice in one step");
+        used_[p].store(1, std::memory_order_relaxed);
+        if (!any_ready_.exchange(true, std::memory_order_acq_rel)) {
+            step_began_ = std::chrono::steady_clock::now();
+            phase_.store(Phase::backward, std::memory_order_release);
+        }
+        if (!arrivals_.empty()) {
+            auto at = arrival_count_.fetch_add(1, std::memory_order_relaxed);
+            if (at < arrivals_.size()) arrivals_[at] = p;
+        }
+        const auto b = bucket_of_[p];
+        if (pending_[b].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+            std::lock_guard lock(launch_mutex_);
+            bucket_ready_locked(b);
+        }
+    }
+
+    // Bucket b is complete: launch it and every complete bucket after it, in plan order.
+    void bucket_ready_locked(std::size_t b) {
+        slots_[b].ready_at = std::chrono::steady_clock::now();
+        bucket_ready_[b] = 1;
+        while (next_launch_ < slots_.size() && bucket_ready_[next_launch_]) launch(next_launch_++);
+        launched_.store(next_launch_, std::memory_order_release);
+    }
+
+    // Marks a parameter ready on the caller's behalf (under launch_mutex_).
+    void mark_ready_locked(std::size_t p) {
+        ready_[p].store(1, std::memory_order_release);
+        const auto b = bucket_of_[p];
+        if (pending_[b].fetch_sub(1, std::memory_order_acq_rel) == 1) bucket_ready_locked(b);
+    }
+
+    // At synchronize(): every parameter without grad_ready is either accumulated earlier (ready),
+    // unused (zero, with find_unused_parameters) or an error; then every bucket is launched.
+    void complete_readiness() {
+        std::lock_guard lock(launch_mutex_);
+        std::vector<std::size_t> missing;
+        for (std::size_t p = 0; p < params_.size(); ++p) {
+            if (ready_[p].load(std::memory_order_acquire) != 0) continue;
+            if (used_[p].load(std::memory_order_relaxed) != 0) {
+                mark_ready_locked(p);  // used in an accumulation micro-step: its sum is final
+            } else if (options_.find_unused_parameters) {
+                std::memset(params_[p].grad, 0, params_[p].bytes().count());
+                mark_ready_locked(p);
+            } else {
+                missing.push_back(p);
             }
         }
+        if (!missing.empty()) {
+            std::string names;
+            for (std::size_t k = 0; k < missing.size() && k < 8; ++k) {
+                names += (k ? ", '" : "'") + params_[missing[k]].name + "' (bucket " +
+                         std::to_string(bucket_of_[missing[k]]) + ")";
+            }
+            if (missing.size() > 8) names += " and " + std::to_string(missing.size() - 8) + " more";
+            throw ReadinessError("gradsync: rank " + std::to_string(rank()) + ", step " +
+                                 std::to_string(current_step()) + ": synchronize() found no grad_ready for " +
+                                 std::to_string(missing.size()) + " parameter" + (missing.size() == 1 ? "" : "s") +
+                                 ": " + names +
+                                 ". Call grad_ready for every parameter backward produced a gradient for, or pass "
+                                 "gradsync::Options{.find_unused_parameters = true} to count the others as zero");
+        }
+    }
+
+    CollectiveTag next_tag(std::uint64_t kind, std::int64_t bucket, std::uint64_t bytes, DType dtype) {
+        fingerprint_ = detail::fnv1a(fingerprint_, ++collectives_);
+        fingerprint_ = detail::fnv1a(fingerprint_, kind);
+        fingerprint_ = detail::fnv1a(fingerprint_, static_cast<std::uint64_t>(bucket));
+        fingerprint_ = detail::fnv1a(fingerprint_, bytes);
+        fingerprint_ = detail::fnv1a(fingerprint_, static_cast<std::uint64_t>(dtype));
+        return CollectiveTag{fingerprint_, current_step(), static_cast<std::int32_t>(bucket)};
+    }
+
+    // The bucket's collective as one contiguous buffer, packing first when it is no view.
+    Buffer contiguous(std::size_t b) {
+        auto& slot = slots_[b];
+        const auto dtype = plan_.buckets[b].dtype;
+        if (slot.view) return Buffer{slot.view->data, slot.view->count, dtype};
+        std::byte* data = memory_type::data(slot.buffer);
+        memory_type::pack(data, slot.segments, dtype);
+        return Buffer{data, plan_.buckets[b].count, dtype};
+    }
+
+    // Starts bucket b's allreduce asynchronously (under launch_mutex_).
+    void launch(std::size_t b) {
+        auto& slot = slots_[b];
+        slot.launched_at = std::chrono::steady_clock::now();
+        if (backend_.size() == 1) return;  // the local gradient is already the average
+        const auto& bucket = plan_.buckets[b];
+        auto tag = next_tag(0, static_cast<std::int64_t>(b), bucket.bytes().count(), bucket.dtype);
+        if constexpr (reduces_in_place) {
+            std::span<const Segment> segs =
+                slot.view ? std::span<const Segment>(&*slot.view, 1) : std::span<const Segment>(slot.segments);
+            if constexpr (requires { backend_.allreduce_async(segs, bucket.dtype, ReduceOp::average, tag); })
+                slot.handle.emplace(backend_.allreduce_async(segs, bucket.dtype, ReduceOp::average, tag));
+            else
+                slot.handle.emplace(backend_.allreduce_async(segs, bucket.dtype, ReduceOp::average));
+        } else {
+            auto buf = contiguous(b);
+            if constexpr (TaggedCollectives<BackendT>)
+                slot.handle.emplace(backend_.allreduce_async(buf, ReduceOp::average, tag));
+            else
+                slot.handle.emplace(backend_.allreduce_async(buf, ReduceOp::average));
+        }
+        detail::log(detail::LogLevel::debug, rank(),
+                    "step " + std::to_string(current_step()) + ": launched bucket " + std::to_string(b));
+    }
+
+    // Reduces bucket b on this thread (the path without grad_ready: no overlap to gain).
+    void reduce_now(std::size_t b) {
+        auto& slot = slots_[b];
+        slot.ready_at = slot.launched_at = std::chrono::steady_clock::now();
+        const auto& bucket = plan_.buckets[b];
+        auto tag = next_tag(0, static_cast<std::int64_t>(b), bucket.bytes().count(), bucket.dtype);
+        if constexpr (reduces_in_place) {
+            std::span<const Segment> segs =
+                slot.view ? std::span<const Segment>(&*slot.view, 1) : std::span<const Segment>(slot.segments);
+            if constexpr (requires { backend_.allreduce(segs, bucket.dtype, ReduceOp::average, tag); })
+                backend_.allreduce(segs, bucket.dtype, ReduceOp::average, tag);
+            else
+                backend_.allreduce(segs, bucket.dtype, ReduceOp::average);
+        } else {
+            auto buf = contiguous(b);
+            if constexpr (requires { backend_.allreduce(buf, ReduceOp::average, tag); })
+                backend_.allreduce(buf, ReduceOp::average, tag);
+            else
+                backend_.allreduce(buf, ReduceOp::average);
+            if (!slot.view) memory_type::unpack(slot.segments, memory_type::data(slot.buffer), bucket.dtype);
+        }
+        timeline_.span("allreduce", current_step(), static_cast<int>(b), slot.launched_at,
+                       std::chrono::steady_clock::now());
+    }
+
+    // Waits for every launched bucket, by the deadline, and unpacks the packed ones.
+    void wait_all() {
+        const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
+        for (std::size_t b = 0; b < slots_.size(); ++b) {
+            auto& slot = slots_[b];
+            if (!slot.handle) continue;
+            if (!slot.handle->wait_until(deadline)) throw TimeoutError(diagnose_timeout(b));
+            if constexpr (!reduces_in_place) {
+                if (!slot.view)
+                    memory_type::unpack(slot.segments, memory_type::data(slot.buffer), plan_.buckets[b].dtype);
+            }
+            if (timeline_.enabled()) {
+                timeline_.instant("ready", current_step(), static_cast<int>(b), slot.ready_at);
+                timeline_.instant("launched", current_step(), static_cast<int>(b), slot.launched_at);
+                timeline_.span("allreduce", current_step(), static_cast<int>(b), slot.launched_at,
+                               slot.handle->finished_at());
+            }
+            slot.handle.reset();
+        }
+    }
+
+    [[nodiscard]] bool in_flight() const {
+        for (const auto& s : slots_)
+            if (s.handle) return true;
+        return false;
+    }
+
+    // Waits for collectives in flight, ignoring their errors: after an abort they end at once.
+    void drain() {
+        for (auto& slot : slots_) {
+            if (!slot.handle) continue;
+            try {
+                (void)slot.handle->wait_until(std::chrono::steady_clock::now() + options_.timeout);
+            } catch (...) {
+            }
+            slot.handle.reset();
+        }
+    }
+
+    void reset_step() {
+        for (std::size_t p = 0; p < params_.size(); ++p) {
+            ready_[p].store(0, std::memory_order_relaxed);
+            used_[p].store(0, std::memory_order_relaxed);
+        }
+        std::lock_guard lock(launch_mutex_);
+        for (std::size_t b = 0; b < slots_.size(); ++b)
+            pending_[b].store(static_cast<std::int32_t>(slots_[b].parameters), std::memory_order_relaxed);
+        std::fill(bucket_ready_.begin(), bucket_ready_.end(), 0);
+        next_launch_ = 0;
+        launched_.store(0, std::memory_order_release);
+        arrival_count_.store(0, std::memory_order_relaxed);
+        any_ready_.store(false, std::memory_order_release);
+    }
+
+    // "rank 0, step 7: bucket 3 of 6 (...) not reduced within 600000 ms; rank 1: ..."
+    std::string diagnose_timeout(std::size_t b) {
+        const auto& bucket = plan_.buckets[b];
+        std::string names;
+        for (std::size_t k = 0; k < bucket.parameters.size() && k < 4; ++k)
+            names += (k ? ", '" : "'") + params_[bucket.parameters[k]].name + "'";
+        if (bucket.parameters.size() > 4) names += ", ...";
+        std::string msg = "gradsync: rank " + std::to_string(rank()) + ", step " + std::to_string(current_step()) +
+                          ": bucket " + std::to_string(b) + " of " + std::to_string(slots_.size()) + " (" +
+                          to_string(bucket.bytes()) + ", " + std::to_string(bucket.parameters.size()) +
+                          " parameters: " + names + ") was not reduced within " +
+                          std::to_string(options_.timeout.count()) + " ms";
+        if constexpr (PeerStatus<BackendT>) {
+            for (int r = 0; r < backend_.size(); ++r) {
+                if (r == rank()) continue;
+                auto status = backend_.peer_status(r);
+                if (!status.empty()) msg += "; rank " + std::to_string(r) + ": " + status;
+            }
+        }
+        return msg;
+    }
+
+    // Where this rank stands, for a peer's diagnosis. Runs on the peer's thread: reads atomics.
+    std::string describe_self() const {
+        std::lock_guard lock(plan_mutex_);
+        const auto step = std::to_string(current_step());
+        if (no_sync_depth_.load(std::memory_order_acquire) > 0)
+            return "accumulating under no_sync() before step " + step;
+        switch (phase_.load(std::memory_order_acquire)) {
+            case Phase::idle: return "in step " + step + ", before any grad_ready() or synchronize()";
+            case Phase::synchronizing: return "in synchronize() of step " + step;
+            case Phase::backward: break;
+        }
+        const auto launched = launched_.load(std::memory_order_acquire);
+        std::string out = "in the backward of step " + step + ", " + std::to_string(launched) + " of " +
+                          std::to_string(slots_.size()) + " buckets launched";
+        if (launched < slots_.size()) {
+            const auto& bucket = plan_.buckets[launched];
+            std::string names;
+            std::size_t missing = 0;
+            for (auto p : bucket.parameters) {
+                if (ready_[p].load(std::memory_order_acquire) != 0) continue;
+                if (missing++ < 6) names += (names.empty() ? "'" : ", '") + params_[p].name + "'";
+            }
+            if (missing > 6) names += ", ...";
+            out += "; bucket " + std::to_string(launched) + " waits for grad_ready of " + names + " (" +
+                   std::to_string(missing) + " of " + std::to_string(bucket.parameters.size()) + " parameters)";
+        }
+        return out;
+    }
+
+    // Backends that cannot check tags: compare the collective histories once per step.
+    void verify_histories() {
+        const int world = backend_.size();
+        if (world == 1) return;
+        std::vector<double> table(static_cast<std::size_t>(world) * 3, 0.0);
+        double* mine = table.data() + static_cast<std::size_t>(rank()) * 3;
+        mine[0] = static_cast<double>(fingerprint_ >> 32);
+        mine[1] = static_cast<double>(fingerprint_ & 0xffffffffu);
+        mine[2] = static_cast<double>(collectives_);
+        backend_.allreduce(Buffer{table.data(), table.size(), DType::float64}, ReduceOp::sum);
+        for (int r = 1; r < world; ++r) {
+            const double* theirs = table.data() + static_cast<std::size_t>(r) * 3;
+            if (theirs[0] == table[0] && theirs[1] == table[1]) continue;
+            throw CollectiveError("gradsync: step " + std::to_string(current_step()) +
+                                  ": the ranks' collective histories diverged: rank 0 issued " +
+                                  std::to_string(static_cast<std::uint64_t>(table[2])) + " collectives and rank " +
+                                  std::to_string(r) + " " + std::to_string(static_cast<std::uint64_t>(theirs[2])) +
+                                  ", with different fingerprints; every rank must launch the same buckets in the "
+                                  "same order");
+        }
+    }
+
+    void sync_buffers(bool at_construction) {
+        constexpr auto mode = buffers_type::mode;
+        if (backend_.size() == 1 || buffers_.empty() || mode == BufferSync::ignore) return;
+        if (!at_construction && mode == BufferSync::broadcast_once) return;
+        for (std::size_t i = 0; i < buffers_.size(); ++i) {
+            auto& buf = buffers_[i];
+            const bool average =
+                !at_construction && mode == BufferSync::average_every_step && backend_.supports(buf.dtype);
+            auto tag = next_tag(average ? 2 : 1, -2 - static_cast<std::int64_t>(i), buf.bytes().count(), buf.dtype);
+            if (average) {
+                Buffer whole{buf.data, buf.count, buf.dtype};
+                if constexpr (requires { backend_.allreduce(whole, ReduceOp::average, tag); })
+                    backend_.allreduce(whole, ReduceOp::average, tag);
+                else
+                    backend_.allreduce(whole, ReduceOp::average);
+            } else {
+                std::span<std::byte> bytes(static_cast<std::byte*>(buf.data), buf.bytes().count());
+                if constexpr (requires { backend_.broadcast(bytes, 0, tag); })
+                    backend_.broadcast(bytes, 0, tag);
+                else
+                    backend_.broadcast(bytes, 0);
+            }
+        }
+    }
+
+    // After the first overlapped step: buckets in the order rank 0 saw gradients become ready.
+    void maybe_rebuild() {
+        if (!options_.rebuild_buckets || rebuilt_) return;
+        rebuilt_ = true;
+        std::vector<std::uint64_t> order;
+        std::vector<bool> seen(params_.size(), false);
+        const auto arrived = std::min(arrival_count_.load(std::memory_order_acquire), arrivals_.size());
+        for (std::size_t k = 0; k < arrived; ++k) {
+            order.push_back(arrivals_[k]);
+            seen[arrivals_[k]] = true;
+        }
+        for (std::size_t p = params_.size(); p-- > 0;)
+            if (!seen[p]) order.push_back(p);  // never ready through grad_ready: where they were
+        if (backend_.size() > 1) backend_.broadcast(std::as_writable_bytes(std::span<std::uint64_t>(order)), 0);
+        std::vector<std::size_t> as_indices(order.begin(), order.end());
+        auto rebuilt = bucketer_.plan(params_, as_indices);
+        {
+            std::lock_guard lock(plan_mutex_);
+            plan_ = std::move(rebuilt);
+            setup_buckets();
+        }
+        arrivals_.clear();
+        arrivals_.shrink_to_fit();
+        detail::log(detail::LogLevel::info, rank(), "buckets rebuilt in rank 0's readiness order: " + to_string(plan_));
     }
 
     Model& model_;
     BackendT& backend_;
     bucketer_type bucketer_{};
+    Options options_{};
     std::vector<Parameter> params_;
+    std::vector<ModelBuffer> buffers_;
+    std::vector<std::size_t> model_index_to_param_;  // npos for zero-sized parameters
+    std::unordered_map<std::string, std::size_t> by_name_;
     BucketPlan plan_;
-    std::vector<std::vector<Segment>> segments_;          // per bucket, the gradients in bucket order
-    std::vector<typename memory_type::Storage> buffers_;  // per bucket, when packing
-    std::uint64_t steps_ = 0;
+    std::vector<Slot> slots_;             // per bucket
+    std::vector<std::size_t> bucket_of_;  // per parameter
+
+    // Readiness of the current step. Atomics: grad_ready may come from several threads, and a
+    // peer's diagnosis reads them.
+    std::unique_ptr<std::atomic<std::uint8_t>[]> ready_;    // grad_ready this step
+    std::unique_ptr<std::atomic<std::uint8_t>[]> used_;     // grad_ready since the last synchronized step
+    std::unique_ptr<std::atomic<std::int32_t>[]> pending_;  // per bucket, parameters not yet ready
+    std::atomic<bool> any_ready_{false};
+    std::atomic<int> no_sync_depth_{0};
+    std::atomic<Phase> phase_{Phase::idle};
+    std::atomic<std::uint64_t> steps_{0};
+    std::atomic<std::size_t> launched_{0};
+    std::mutex launch_mutex_;
+    std::vector<std::uint8_t> bucket_ready_;  // under launch_mutex_
+    std::size_t next_launch_ = 0;             // under launch_mutex_
+    std::vector<std::size_t> arrivals_;       // readiness order, recorded until the rebuild
+    std::atomic<std::size_t> arrival_count_{0};
+    bool rebuilt_ = false;
+    mutable std::mutex plan_mutex_;  // a peer's diagnosis against a rebuild
+
+    std::uint64_t fingerprint_ = 14695981039346656037ull;
+    std::uint64_t collectives_ = 0;
+    std::optional<std::uint64_t> reporter_;
+    detail::Timeline timeline_;
+    std::chrono::steady_clock::time_point step_began_;
 };
 
 }  // namespace gradsync::inline v0

@@ -5,6 +5,7 @@
 #include <gradsync/backend.hpp>
 #include <gradsync/backend/local.hpp>
 #include <gradsync/bucket.hpp>
+#include <gradsync/buffers.hpp>
 #include <gradsync/bytes.hpp>
 #include <gradsync/contiguous_parameters.hpp>
 #include <gradsync/data_parallel.hpp>
@@ -12,5 +13,6 @@
 #include <gradsync/error.hpp>
 #include <gradsync/memory.hpp>
 #include <gradsync/model.hpp>
+#include <gradsync/options.hpp>
 #include <gradsync/spawn.hpp>
 #include <gradsync/version.hpp>

@@ -20,8 +20,10 @@
 #include <deque>
 #include <exception>   // for std::exception_ptr, std::current_exception
 #include <functional>  // for std::function
+#include <limits>      // for std::numeric_limits
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <thread>
@@ -70,26 +72,33 @@ struct LocalCall {
     const Segment* segments = nullptr;  // null: the one segment is `single`
     std::size_t segment_count = 0;
     Segment single{};
+    CollectiveTag tag{};
 
     [[nodiscard]] std::span<const Segment> segs() const {
         return segments != nullptr ? std::span<const Segment>(segments, segment_count)
                                    : std::span<const Segment>(&single, 1);
     }
     [[nodiscard]] bool same_collective(const LocalCall& o) const {
-        return kind == o.kind && dtype == o.dtype && op == o.op && root == o.root && count == o.count && seq == o.seq;
+        return kind == o.kind && dtype == o.dtype && op == o.op && root == o.root && count == o.count && seq == o.seq &&
+               tag == o.tag;
     }
     [[nodiscard]] std::string describe() const {
+        std::string what;
         switch (kind) {
             case LocalCallKind::allreduce:
-                return "allreduce #" + std::to_string(seq) + " (" + std::to_string(count) + " x " + to_string(dtype) +
-                       ", " + to_string(op) + ")";
+                what = "allreduce #" + std::to_string(seq) + " (" + std::to_string(count) + " x " + to_string(dtype) +
+                       ", " + to_string(op);
+                break;
             case LocalCallKind::broadcast:
-                return "broadcast #" + std::to_string(seq) + " (" + std::to_string(count) + " bytes from rank " +
-                       std::to_string(root) + ")";
-            case LocalCallKind::barrier:
-                return "barrier #" + std::to_string(seq);
+                what = "broadcast #" + std::to_string(seq) + " (" + std::to_string(count) + " bytes from rank " +
+                       std::to_string(root);
+                break;
+            case LocalCallKind::barrier: what = "barrier #" + std::to_string(seq) + " ("; break;
         }
-        return "collective #" + std::to_string(seq);
+        if (tag.step >= 0) what += (what.back() == '(' ? "" : "; ") + std::string("step ") + std::to_string(tag.step);
+        if (tag.bucket >= 0) what += ", bucket " + std::to_string(tag.bucket);
+        if (what.back() == '(') return what.substr(0, what.size() - 2);
+        return what + ")";
     }
 };
 
@@ -150,7 +159,8 @@ public:
         : size_(size),
           options_(options),
           spin_(SpinPolicy::for_threads(static_cast<unsigned>(size))),
-          ranks_(static_cast<std::size_t>(size)) {
+          ranks_(static_cast<std::size_t>(size)),
+          reporters_(static_cast<std::size_t>(size)) {
         std::size_t slot = std::max<std::size_t>(4096, options.one_shot_max.count());
         slot = (slot + cache_line - 1) / cache_line * cache_line;
         staging_bytes_ = slot;
@@ -178,10 +188,8 @@ public:
                 if (call.dtype == DType::float32) return allreduce<float>(rank, call, deadline);
                 if (call.dtype == DType::float64) return allreduce<double>(rank, call, deadline);
                 fail(rank, call, "LocalBackend reduces float32 and float64 only, not " + to_string(call.dtype));
-            case LocalCallKind::broadcast:
-                return broadcast(rank, call, deadline);
-            case LocalCallKind::barrier:
-                return barrier(rank, call, deadline);
+            case LocalCallKind::broadcast: return broadcast(rank, call, deadline);
+            case LocalCallKind::barrier: return barrier(rank, call, deadline);
         }
     }
 
@@ -201,6 +209,29 @@ public:
     void depart(int rank) {
         ranks_[idx(rank)].departed.store(true, std::memory_order_seq_cst);
         bell_.ring();
+    }
+
+    std::uint64_t add_status_reporter(int rank, std::function<std::string()> reporter) {
+        std::lock_guard lock(status_mutex_);
+        reporters_[idx(rank)].push_back({++next_reporter_, std::move(reporter)});
+        return next_reporter_;
+    }
+    void remove_status_reporter(int rank, std::uint64_t id) {
+        std::lock_guard lock(status_mutex_);
+        auto& list = reporters_[idx(rank)];
+        std::erase_if(list, [id](const Reporter& r) { return r.id == id; });
+    }
+
+    // What rank `rank` says about itself, for a peer's diagnosis; "" when it says nothing.
+    [[nodiscard]] std::string status_of(int rank) {
+        if (ranks_[idx(rank)].departed.load(std::memory_order_acquire)) return "it has left the group";
+        std::lock_guard lock(status_mutex_);
+        std::string out;
+        for (const auto& r : reporters_[idx(rank)]) {
+            if (!out.empty()) out += "; ";
+            out += r.report();
+        }
+        return out;
     }
 
 private:
@@ -260,11 +291,13 @@ private:
                      std::to_string(peer.calls_entered.load(std::memory_order_relaxed)) + " collectives");
         }
         if (std::chrono::steady_clock::now() >= deadline) {
+            std::string status = status_of(peer_rank);
             std::string msg = "gradsync: rank " + std::to_string(rank) + ", " + call.describe() + ": timed out after " +
                               std::to_string(options_.timeout.count()) + " ms waiting for rank " +
                               std::to_string(peer_rank) + ", which has entered " +
-                              std::to_string(peer.calls_entered.load(std::memory_order_relaxed)) +
-                              " collectives; raise LocalGroupOptions::timeout if the work is just slow";
+                              std::to_string(peer.calls_entered.load(std::memory_order_relaxed)) + " collectives" +
+                              (status.empty() ? std::string() : "; rank " + std::to_string(peer_rank) + ": " + status) +
+                              ". Raise the timeout if the work is just slow";
             abort(msg);
             throw TimeoutError(msg);
         }
@@ -406,6 +439,13 @@ private:
     std::atomic<bool> aborted_{false};
     std::mutex abort_mutex_;
     std::string abort_reason_;
+    struct Reporter {
+        std::uint64_t id;
+        std::function<std::string()> report;
+    };
+    std::mutex status_mutex_;
+    std::uint64_t next_reporter_ = 0;
+    std::vector<std::vector<Reporter>> reporters_;  // per rank
 };
 
 // Runs one rank's asynchronous collectives, in launch order, on a thread of its own.
@@ -454,9 +494,31 @@ private:
 
 }  // namespace detail
 
+// Test-facing fault injection: makes one rank misbehave at its k-th collective (counting from 1,
+// every collective it calls), so that every failure path is a unit test on the CPU.
+struct LocalFault {
+    enum class Kind : std::uint8_t {
+        delay,           // sleeps for `delay` before taking part
+        throw_error,     // the call throws InjectedFault on this rank
+        vanish,          // never takes part: waits, silent, until the group is aborted
+        swap_with_next,  // asynchronous calls only: runs the next call first, then this one
+        plant_nan,       // writes a NaN into the first element of this rank's allreduce input
+    };
+    Kind kind = Kind::delay;
+    std::uint64_t at_call = 1;
+    std::chrono::milliseconds delay{0};
+};
+
+// What a LocalFault of kind throw_error throws.
+class InjectedFault : public Error {
+public:
+    using Error::Error;
+};
+
 class LocalBackend {
 public:
-    // A group of `size` ranks; element r is rank r's handle. Hand each to its own thread.
+    // A group of `size` ranks; element r is rank r's handle. Hand each to its own thread; a
+    // handle is used by one thread at a time.
     static std::vector<LocalBackend> create_group(int size, LocalGroupOptions options = {}) {
         if (size < 1) throw Error("gradsync: a LocalBackend group needs at least 1 rank, got " + std::to_string(size));
         if (options.timeout.count() <= 0)
@@ -476,6 +538,8 @@ public:
             group_ = std::move(other.group_);
             rank_ = other.rank_;
             next_seq_ = other.next_seq_;
+            faults_ = std::move(other.faults_);
+            held_ = std::move(other.held_);
             progress_ = std::move(other.progress_);
             last_async_ = std::move(other.last_async_);
         }
@@ -493,18 +557,23 @@ public:
     [[nodiscard]] const LocalGroupOptions& options() const { return group_->options(); }
     // Staging and scratch memory this rank's collectives use.
     [[nodiscard]] Bytes memory_footprint() const { return group_->memory_per_rank(); }
+    // How many collectives this rank has called so far (the next one is number calls_made() + 1).
+    [[nodiscard]] std::uint64_t calls_made() const { return next_seq_; }
 
-    // In-place allreduce of a contiguous buffer.
-    void allreduce(Buffer buf, ReduceOp op) { run_now(allreduce_call(buf, op)); }
-    CollectiveHandle allreduce_async(Buffer buf, ReduceOp op) { return launch(allreduce_call(buf, op)); }
+    // In-place allreduce of a contiguous buffer. The tag, when given, must match on every rank.
+    void allreduce(Buffer buf, ReduceOp op, CollectiveTag tag = {}) { run_now(allreduce_call(buf, op, tag)); }
+    CollectiveHandle allreduce_async(Buffer buf, ReduceOp op, CollectiveTag tag = {}) {
+        return launch(allreduce_call(buf, op, tag));
+    }
 
     // In-place allreduce of the concatenation of `segments`: gradients reduced where they lie.
     // The segment list must stay valid until the collective completes.
-    void allreduce(std::span<const Segment> segments, DType dtype, ReduceOp op) {
-        run_now(scattered_call(segments, dtype, op));
+    void allreduce(std::span<const Segment> segments, DType dtype, ReduceOp op, CollectiveTag tag = {}) {
+        run_now(scattered_call(segments, dtype, op, tag));
     }
-    CollectiveHandle allreduce_async(std::span<const Segment> segments, DType dtype, ReduceOp op) {
-        return launch(scattered_call(segments, dtype, op));
+    CollectiveHandle allreduce_async(std::span<const Segment> segments, DType dtype, ReduceOp op,
+                                     CollectiveTag tag = {}) {
+        return launch(scattered_call(segments, dtype, op, tag));
     }
 
     template <HasDType T>
@@ -517,9 +586,11 @@ public:
     }
 
     // Copies `root`'s bytes into every other rank's buffer of the same size.
-    void broadcast(std::span<std::byte> bytes, int root) { run_now(broadcast_call(bytes, root)); }
-    CollectiveHandle broadcast_async(std::span<std::byte> bytes, int root) {
-        return launch(broadcast_call(bytes, root));
+    void broadcast(std::span<std::byte> bytes, int root, CollectiveTag tag = {}) {
+        run_now(broadcast_call(bytes, root, tag));
+    }
+    CollectiveHandle broadcast_async(std::span<std::byte> bytes, int root, CollectiveTag tag = {}) {
+        return launch(broadcast_call(bytes, root, tag));
     }
     template <class T>
     requires std::is_trivially_copyable_v<T>
@@ -535,20 +606,32 @@ public:
     // Fails every pending and future collective of every rank of the group, with `reason`.
     void abort(const std::string& reason) { group_->abort(reason); }
 
+    // `reporter` says where this rank stands; a peer that times out waiting for this rank quotes
+    // it. It runs on the peer's thread, so it may only read what is safe to read from there.
+    std::uint64_t add_status_reporter(std::function<std::string()> reporter) {
+        return group_->add_status_reporter(rank_, std::move(reporter));
+    }
+    void remove_status_reporter(std::uint64_t id) { group_->remove_status_reporter(rank_, id); }
+    [[nodiscard]] std::string peer_status(int rank) const { return group_->status_of(rank); }
+
+    // Makes this rank misbehave at its fault.at_call-th collective; see LocalFault.
+    void inject_fault(LocalFault fault) { faults_.push_back(fault); }
+
 private:
     LocalBackend(std::shared_ptr<detail::LocalGroupState> group, int rank) : group_(std::move(group)), rank_(rank) {}
 
-    detail::LocalCall allreduce_call(Buffer buf, ReduceOp op) {
+    detail::LocalCall allreduce_call(Buffer buf, ReduceOp op, CollectiveTag tag) {
         detail::LocalCall call;
         call.kind = detail::LocalCallKind::allreduce;
         call.dtype = buf.dtype;
         call.op = op;
         call.count = buf.count;
         call.single = Segment{buf.data, buf.count};
+        call.tag = tag;
         call.seq = ++next_seq_;
         return call;
     }
-    detail::LocalCall scattered_call(std::span<const Segment> segments, DType dtype, ReduceOp op) {
+    detail::LocalCall scattered_call(std::span<const Segment> segments, DType dtype, ReduceOp op, CollectiveTag tag) {
         detail::LocalCall call;
         call.kind = detail::LocalCallKind::allreduce;
         call.dtype = dtype;
@@ -556,54 +639,116 @@ private:
         call.count = detail::total_count(segments);
         call.segments = segments.data();
         call.segment_count = segments.size();
+        call.tag = tag;
         call.seq = ++next_seq_;
         return call;
     }
-    detail::LocalCall broadcast_call(std::span<std::byte> bytes, int root) {
+    detail::LocalCall broadcast_call(std::span<std::byte> bytes, int root, CollectiveTag tag) {
         detail::LocalCall call;
         call.kind = detail::LocalCallKind::broadcast;
         call.root = root;
         call.count = bytes.size();
         call.single = Segment{bytes.data(), bytes.size()};
+        call.tag = tag;
         call.seq = ++next_seq_;
         return call;
     }
 
+    // The fault planned for this call, if any.
+    [[nodiscard]] std::optional<LocalFault> fault_at(std::uint64_t seq) const {
+        for (const auto& f : faults_)
+            if (f.at_call == seq) return f;
+        return std::nullopt;
+    }
+
+    // Runs the call on this thread, misbehaving first if a fault is planned for it.
+    static void execute(detail::LocalGroupState& group, int rank, const detail::LocalCall& call,
+                        std::optional<LocalFault> fault) {
+        using Kind = LocalFault::Kind;
+        if (fault && fault->kind == Kind::delay) std::this_thread::sleep_for(fault->delay);
+        if (fault && fault->kind == Kind::throw_error)
+            throw InjectedFault("gradsync: injected fault: rank " + std::to_string(rank) + " throws at " +
+                                call.describe());
+        if (fault && fault->kind == Kind::vanish) {
+            while (!group.aborted()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+            throw CollectiveError("gradsync: injected fault: rank " + std::to_string(rank) + " vanished at " +
+                                  call.describe());
+        }
+        if (fault && fault->kind == Kind::plant_nan && call.kind == detail::LocalCallKind::allreduce) {
+            for (const auto& seg : call.segs()) {
+                if (seg.count == 0) continue;
+                if (call.dtype == DType::float32)
+                    *static_cast<float*>(seg.data) = std::numeric_limits<float>::quiet_NaN();
+                if (call.dtype == DType::float64)
+                    *static_cast<double*>(seg.data) = std::numeric_limits<double>::quiet_NaN();
+                break;
+            }
+        }
+        group.execute(rank, call);
+    }
+
     // Synchronous calls run on the caller's thread, after the rank's pending asynchronous ones.
     void run_now(const detail::LocalCall& call) {
+        release_held();
         if (last_async_) {
-            last_async_->wait();
+            last_async_->wait_until(std::chrono::steady_clock::time_point::max());
             last_async_.reset();
         }
-        group_->execute(rank_, call);
+        execute(*group_, rank_, call, fault_at(call.seq));
     }
 
     CollectiveHandle launch(const detail::LocalCall& call) {
         auto done = std::make_shared<detail::Completion>();
+        auto fault = fault_at(call.seq);
+        if (fault && fault->kind == LocalFault::Kind::swap_with_next) {
+            held_ = Held{call, done};  // posted after the next call
+            return CollectiveHandle(std::move(done));
+        }
+        post(call, done, fault);
+        release_held();
+        return CollectiveHandle(std::move(done));
+    }
+
+    void post(const detail::LocalCall& call, std::shared_ptr<detail::Completion> done,
+              std::optional<LocalFault> fault) {
         if (!progress_) progress_ = std::make_unique<detail::ProgressThread>();
-        progress_->post([group = group_, rank = rank_, call, done] {
+        progress_->post([group = group_, rank = rank_, call, done, fault] {
             try {
-                group->execute(rank, call);
+                execute(*group, rank, call, fault);
                 done->finish();
             } catch (...) {
                 done->finish(std::current_exception());
             }
         });
-        last_async_ = done;
-        return CollectiveHandle(std::move(done));
+        last_async_ = std::move(done);
+    }
+
+    void release_held() {
+        if (!held_) return;
+        auto held = std::move(*held_);
+        held_.reset();
+        post(held.call, std::move(held.done), std::nullopt);
     }
 
     void leave() {
         if (!group_) return;
+        release_held();
         progress_.reset();  // drains the queue: every task ends by its deadline
         last_async_.reset();
         group_->depart(rank_);
         group_.reset();
     }
 
+    struct Held {
+        detail::LocalCall call;
+        std::shared_ptr<detail::Completion> done;
+    };
+
     std::shared_ptr<detail::LocalGroupState> group_;
     int rank_ = 0;
     std::uint64_t next_seq_ = 0;
+    std::vector<LocalFault> faults_;
+    std::optional<Held> held_;  // a call a swap_with_next fault holds back
     std::unique_ptr<detail::ProgressThread> progress_;
     std::shared_ptr<detail::Completion> last_async_;
 };

@@ -5,6 +5,7 @@
 
 #include <gradsync/backend.hpp>
 #include <gradsync/bucket.hpp>
+#include <gradsync/buffers.hpp>
 #include <gradsync/dtype.hpp>
 #include <gradsync/error.hpp>
 #include <gradsync/model.hpp>
@@ -19,9 +20,16 @@
 
 namespace gradsync::inline v0::detail {
 
-// The first problem with this rank's parameters, or "" when there is none.
+// The first problem with this rank's parameters and buffers, or "" when there is none.
 template <class B>
-std::string find_parameter_problem(std::span<const Parameter> params, const B& backend) {
+std::string find_model_problem(std::span<const Parameter> params, std::span<const ModelBuffer> buffers,
+                               const B& backend) {
+    for (const auto& b : buffers) {
+        const std::string who = "buffer '" + b.name + "'";
+        if (!is_known(b.dtype))
+            return who + " has an unknown dtype (code " + std::to_string(static_cast<unsigned>(b.dtype)) + ")";
+        if (b.data == nullptr && b.count != 0) return who + " has a null data pointer";
+    }
     for (const auto& p : params) {
         const std::string who = "parameter '" + p.name + "'";
         if (!is_known(p.dtype))
@@ -58,34 +66,49 @@ inline std::uint64_t fnv1a(std::uint64_t h, std::uint64_t v) {
     return h;
 }
 
-// What must agree across ranks: the number of parameters, and each one's count and dtype.
-inline std::uint64_t layout_hash(std::span<const Parameter> params) {
-    std::uint64_t h = fnv1a(14695981039346656037ull, params.size());
-    for (const auto& p : params) h = fnv1a(fnv1a(h, p.count), static_cast<std::uint64_t>(p.dtype));
-    return h;
-}
-
+// One tensor of the layout that must agree across ranks: a parameter or a buffer.
 struct LayoutEntry {
+    bool is_buffer = false;
+    std::size_t index = 0;  // among the parameters, or among the buffers
     std::string name;
     std::uint64_t count = 0;
     DType dtype = DType::float32;
 };
+
+inline std::vector<LayoutEntry> layout_of(std::span<const Parameter> params, std::span<const ModelBuffer> buffers) {
+    std::vector<LayoutEntry> out;
+    for (std::size_t i = 0; i < params.size(); ++i)
+        out.push_back({false, i, params[i].name, params[i].count, params[i].dtype});
+    for (std::size_t i = 0; i < buffers.size(); ++i)
+        out.push_back({true, i, buffers[i].name, buffers[i].count, buffers[i].dtype});
+    return out;
+}
+
+// What must agree: the kind, element count and dtype of every tensor, in order. Names need not.
+inline std::uint64_t layout_hash(const std::vector<LayoutEntry>& layout) {
+    std::uint64_t h = fnv1a(14695981039346656037ull, layout.size());
+    for (const auto& e : layout)
+        h = fnv1a(fnv1a(fnv1a(h, e.is_buffer ? 1 : 0), e.count), static_cast<std::uint64_t>(e.dtype));
+    return h;
+}
 
 inline void put(std::vector<std::byte>& out, const void* p, std::size_t n) {
     auto* b = static_cast<const std::byte*>(p);
     out.insert(out.end(), b, b + n);
 }
 
-inline std::vector<std::byte> serialize_layout(std::span<const Parameter> params) {
+inline std::vector<std::byte> serialize_layout(const std::vector<LayoutEntry>& layout) {
     std::vector<std::byte> out;
-    for (const auto& p : params) {
-        std::uint64_t count = p.count;
-        auto dtype = static_cast<std::uint8_t>(p.dtype);
-        std::uint64_t name_size = p.name.size();
+    for (const auto& e : layout) {
+        std::uint8_t kind = e.is_buffer ? 1 : 0;
+        std::uint64_t index = e.index, count = e.count, name_size = e.name.size();
+        auto dtype = static_cast<std::uint8_t>(e.dtype);
+        put(out, &kind, sizeof kind);
+        put(out, &index, sizeof index);
         put(out, &count, sizeof count);
         put(out, &dtype, sizeof dtype);
         put(out, &name_size, sizeof name_size);
-        put(out, p.name.data(), p.name.size());
+        put(out, e.name.data(), e.name.size());
     }
     return out;
 }
@@ -100,11 +123,15 @@ inline std::vector<LayoutEntry> parse_layout(std::span<const std::byte> bytes) {
     };
     while (pos < bytes.size()) {
         LayoutEntry e;
-        std::uint8_t dtype = 0;
-        std::uint64_t name_size = 0;
+        std::uint8_t kind = 0, dtype = 0;
+        std::uint64_t index = 0, name_size = 0;
+        get(&kind, sizeof kind);
+        get(&index, sizeof index);
         get(&e.count, sizeof e.count);
         get(&dtype, sizeof dtype);
         get(&name_size, sizeof name_size);
+        e.is_buffer = kind != 0;
+        e.index = static_cast<std::size_t>(index);
         e.dtype = static_cast<DType>(dtype);
         e.name.resize(name_size);
         get(e.name.data(), name_size);
@@ -114,38 +141,40 @@ inline std::vector<LayoutEntry> parse_layout(std::span<const std::byte> bytes) {
 }
 
 inline std::string describe_entry(const LayoutEntry& e) {
-    return "'" + e.name + "' (" + std::to_string(e.count) + " x " + to_string(e.dtype) + ")";
+    return std::string(e.is_buffer ? "buffer #" : "parameter #") + std::to_string(e.index) + " '" + e.name + "' (" +
+           std::to_string(e.count) + " x " + to_string(e.dtype) + ")";
 }
 
-// Names the first parameter where rank a's and rank b's layouts differ.
+// Names the first tensor where rank a's and rank b's layouts differ.
 inline std::string describe_layout_difference(int a, const std::vector<LayoutEntry>& la, int b,
                                               const std::vector<LayoutEntry>& lb) {
-    std::string prefix = "gradsync: the model's parameters differ across ranks: ";
+    std::string prefix = "gradsync: the model's layout differs across ranks: ";
     std::string suffix =
-        ". Every rank must register the same parameters, in the same order, with the same sizes and dtypes "
-        "(zero-sized parameters are skipped and not compared)";
+        ". Every rank must register the same parameters and buffers, in the same order, with the same sizes and "
+        "dtypes (zero-sized parameters are skipped and not compared)";
     std::size_t n = std::min(la.size(), lb.size());
     for (std::size_t i = 0; i < n; ++i) {
-        if (la[i].count != lb[i].count || la[i].dtype != lb[i].dtype) {
-            return prefix + "parameter #" + std::to_string(i) + " is " + describe_entry(la[i]) + " on rank " +
-                   std::to_string(a) + " but " + describe_entry(lb[i]) + " on rank " + std::to_string(b) + suffix;
+        if (la[i].is_buffer != lb[i].is_buffer || la[i].count != lb[i].count || la[i].dtype != lb[i].dtype) {
+            return prefix + "rank " + std::to_string(a) + " has " + describe_entry(la[i]) + " where rank " +
+                   std::to_string(b) + " has " + describe_entry(lb[i]) + suffix;
         }
     }
     const auto& longer = la.size() > lb.size() ? la : lb;
     int longer_rank = la.size() > lb.size() ? a : b;
-    return prefix + "rank " + std::to_string(a) + " has " + std::to_string(la.size()) + " parameters and rank " +
-           std::to_string(b) + " has " + std::to_string(lb.size()) + "; parameter #" + std::to_string(n) + " " +
-           describe_entry(longer[n]) + " exists only on rank " + std::to_string(longer_rank) + suffix;
+    return prefix + "rank " + std::to_string(a) + " has " + std::to_string(la.size()) + " tensors and rank " +
+           std::to_string(b) + " has " + std::to_string(lb.size()) + "; " + describe_entry(longer[n]) +
+           " exists only on rank " + std::to_string(longer_rank) + suffix;
 }
 
 // Every rank calls this with its own parameters, plan and local problem ("" if none). Returns
 // when all ranks agree; otherwise throws the same exception, with the same message, on every rank.
 template <class B>
-void agree_on_layout(B& backend, std::span<const Parameter> params, const BucketPlan& plan,
-                     const std::string& problem) {
+void agree_on_layout(B& backend, std::span<const Parameter> params, std::span<const ModelBuffer> buffers,
+                     const BucketPlan& plan, const std::string& problem) {
     const int world = backend.size();
     const int me = backend.rank();
-    auto layout = serialize_layout(params);
+    const auto entries = layout_of(params, buffers);
+    auto layout = serialize_layout(entries);
     const std::string problem_text =
         problem.empty() ? std::string() : "gradsync: invalid model on rank " + std::to_string(me) + ": " + problem;
 
@@ -157,7 +186,7 @@ void agree_on_layout(B& backend, std::span<const Parameter> params, const Bucket
         *lo = static_cast<double>(h & 0xffffffffu);
     };
     double* mine = table.data() + static_cast<std::size_t>(me) * row;
-    split(layout_hash(params), mine + layout_hi, mine + layout_lo);
+    split(layout_hash(entries), mine + layout_hi, mine + layout_lo);
     split(plan.hash(), mine + plan_hi, mine + plan_lo);
     mine[problem_size] = static_cast<double>(problem_text.size());
     mine[layout_size] = static_cast<double>(layout.size());

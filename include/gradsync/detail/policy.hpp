@@ -14,6 +14,8 @@ namespace policy_category {
 struct bucketer {};  // groups parameters into buckets (bucket.hpp)
 struct memory {};    // where packed bucket buffers live (memory.hpp)
 struct packing {};   // whether gradients are copied into bucket buffers (memory.hpp)
+struct buffers {};   // what happens to non-parameter state such as batch-norm statistics (buffers.hpp)
+struct options {};   // run-time settings (options.hpp)
 }  // namespace policy_category
 
 namespace detail {

@@ -1,0 +1,29 @@
+// Options: the run-time settings of a DataParallel, passed like a policy (in any position after
+// the backend), e.g. DataParallel dp(model, backend, gradsync::Options{.find_unused_parameters = true}).
+#pragma once
+
+#include <gradsync/detail/policy.hpp>
+
+#include <chrono>
+#include <string>
+
+namespace gradsync::inline v0 {
+
+struct Options {
+    using policy_category = policy_category::options;
+
+    // Every wait of this DataParallel ends by then, with a diagnosis naming the late rank.
+    std::chrono::milliseconds timeout = std::chrono::seconds(600);
+    // Parameters without grad_ready by synchronize() count as a zero gradient on this rank. Off,
+    // a missing grad_ready is an error naming the parameter, on every rank.
+    bool find_unused_parameters = false;
+    // After the first step with grad_ready calls, rebuild the buckets in the order gradients
+    // became ready on rank 0 (as PyTorch DDP does).
+    bool rebuild_buckets = false;
+    // A Chrome trace (chrome://tracing, ui.perfetto.dev) of every bucket's ready, launched and
+    // done moments, written when the DataParallel is destroyed. Empty: $GRADSYNC_TIMELINE, if set.
+    // "{rank}" in the path is replaced by the rank; ranks of one process may share one file.
+    std::string timeline;
+};
+
+}  // namespace gradsync::inline v0
