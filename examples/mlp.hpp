@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <functional>  // for std::function
 #include <span>
 #include <vector>
 
@@ -71,14 +72,14 @@ public:
         init(w2, 1.0f / std::sqrt(float(hidden)), 2);
     }
 
-    // Forward and backward over one batch; fills the gradients (mean over the batch) and
-    // returns the mean loss.
-    float forward_backward(const Batch& batch) {
+    // Forward and backward over one batch. Fills the gradients with the mean over the batch times
+    // `grad_scale` (added to them when `accumulate`), layer by layer from the last, calling
+    // on_grad_ready(i) as parameter i's gradient becomes final. Returns the mean loss.
+    float forward_backward(const Batch& batch, float grad_scale = 1.0f, bool accumulate = false) {
         const auto n = static_cast<std::size_t>(batch.size);
         h_.assign(n * hidden, 0.0f);
         std::vector<float> dlogits(n * out), dh(hidden);
         float loss = 0;
-        for (auto* g : {&gw1, &gb1, &gw2, &gb2}) std::fill(g->begin(), g->end(), 0.0f);
         for (std::size_t s = 0; s < n; ++s) {
             const float* x = &batch.images[s * in];
             float* h = &h_[s * hidden];
@@ -98,19 +99,27 @@ public:
             const auto label = static_cast<std::size_t>(batch.labels[s]);
             loss -= std::log(logits[label] / sum);
             for (std::size_t k = 0; k < out; ++k)
-                dlogits[s * out + k] = (logits[k] / sum - (k == label ? 1.0f : 0.0f)) / float(n);
+                dlogits[s * out + k] = (logits[k] / sum - (k == label ? 1.0f : 0.0f)) * grad_scale / float(n);
         }
+        if (!accumulate)
+            for (auto* g : {&gw1, &gb1, &gw2, &gb2}) std::fill(g->begin(), g->end(), 0.0f);
+        // Layer 2 first, as backward goes.
+        for (std::size_t s = 0; s < n; ++s) {
+            const float* h = &h_[s * hidden];
+            const float* dl = &dlogits[s * out];
+            for (std::size_t k = 0; k < out; ++k) gb2[k] += dl[k];
+            for (std::size_t j = 0; j < hidden; ++j)
+                for (std::size_t k = 0; k < out; ++k) gw2[j * out + k] += h[j] * dl[k];
+        }
+        notify(3);  // fc2.bias
+        notify(2);  // fc2.weight
         for (std::size_t s = 0; s < n; ++s) {
             const float* x = &batch.images[s * in];
             const float* h = &h_[s * hidden];
             const float* dl = &dlogits[s * out];
-            for (std::size_t k = 0; k < out; ++k) gb2[k] += dl[k];
             for (std::size_t j = 0; j < hidden; ++j) {
                 float d = 0;
-                for (std::size_t k = 0; k < out; ++k) {
-                    gw2[j * out + k] += h[j] * dl[k];
-                    d += w2[j * out + k] * dl[k];
-                }
+                for (std::size_t k = 0; k < out; ++k) d += w2[j * out + k] * dl[k];
                 dh[j] = h[j] > 0 ? d : 0.0f;
                 gb1[j] += dh[j];
             }
@@ -120,8 +129,13 @@ public:
                 for (std::size_t j = 0; j < hidden; ++j) row[j] += xi * dh[j];
             }
         }
+        notify(1);  // fc1.bias
+        notify(0);  // fc1.weight
         return loss / float(n);
     }
+
+    // Called with a parameter's index (its position in parameters()) when its gradient is final.
+    std::function<void(std::size_t)> on_grad_ready;
 
     // What gradsync needs to know: each tensor's name, values and gradient.
     std::vector<gradsync::Parameter> parameters() {
@@ -133,6 +147,9 @@ public:
     std::vector<float> gw1, gb1, gw2, gb2;  // gradients
 
 private:
+    void notify(std::size_t index) {
+        if (on_grad_ready) on_grad_ready(index);
+    }
     std::vector<float> h_;
 };
 

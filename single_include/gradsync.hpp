@@ -452,6 +452,7 @@ concept PeerStatus = Backend<B> &&
     { b.add_status_reporter(reporter) } -> std::convertible_to<std::uint64_t>;
     b.remove_status_reporter(id);
     { cb.peer_status(rank) } -> std::convertible_to<std::string>;
+    { cb.peer_collectives(rank) } -> std::convertible_to<std::uint64_t>;  // how many it has entered
 };
 
 namespace detail {
@@ -819,8 +820,8 @@ public:
     // Runs one collective for `rank` on the calling thread.
     void execute(int rank, const LocalCall& call) {
         auto deadline = std::chrono::steady_clock::now() + options_.timeout;
-        ranks_[idx(rank)].calls_entered.store(call.seq, std::memory_order_relaxed);
         throw_if_aborted(rank, call);
+        ranks_[idx(rank)].calls_entered.store(call.seq, std::memory_order_relaxed);
         if (size_ == 1) return execute_alone(rank, call);
         switch (call.kind) {
             case LocalCallKind::allreduce:
@@ -861,16 +862,16 @@ public:
         std::erase_if(list, [id](const Reporter& r) { return r.id == id; });
     }
 
-    // What rank `rank` says about itself, for a peer's diagnosis; "" when it says nothing.
+    // What rank `rank` says about itself, for a peer's diagnosis: its reporters' words.
     [[nodiscard]] std::string status_of(int rank) {
         if (ranks_[idx(rank)].departed.load(std::memory_order_acquire)) return "it has left the group";
         std::lock_guard lock(status_mutex_);
         std::string out;
-        for (const auto& r : reporters_[idx(rank)]) {
-            if (!out.empty()) out += "; ";
-            out += r.report();
-        }
+        for (const auto& reporter : reporters_[idx(rank)]) out += (out.empty() ? "" : "; ") + reporter.report();
         return out;
+    }
+    [[nodiscard]] std::uint64_t collectives_entered(int rank) const {
+        return ranks_[idx(rank)].calls_entered.load(std::memory_order_relaxed);
     }
 
 private:
@@ -930,12 +931,14 @@ private:
                      std::to_string(peer.calls_entered.load(std::memory_order_relaxed)) + " collectives");
         }
         if (std::chrono::steady_clock::now() >= deadline) {
-            std::string status = status_of(peer_rank);
             std::string msg = "gradsync: rank " + std::to_string(rank) + ", " + call.describe() + ": timed out after " +
                               std::to_string(options_.timeout.count()) + " ms waiting for rank " +
                               std::to_string(peer_rank) + ", which has entered " +
-                              std::to_string(peer.calls_entered.load(std::memory_order_relaxed)) + " collectives" +
-                              (status.empty() ? std::string() : "; rank " + std::to_string(peer_rank) + ": " + status) +
+                              std::to_string(collectives_entered(peer_rank)) + " collectives" +
+                              [&] {
+                                  auto status = status_of(peer_rank);
+                                  return status.empty() ? std::string() : " (" + status + ")";
+                              }() +
                               ". Raise the timeout if the work is just slow";
             abort(msg);
             throw TimeoutError(msg);
@@ -1252,6 +1255,7 @@ public:
     }
     void remove_status_reporter(std::uint64_t id) { group_->remove_status_reporter(rank_, id); }
     [[nodiscard]] std::string peer_status(int rank) const { return group_->status_of(rank); }
+    [[nodiscard]] std::uint64_t peer_collectives(int rank) const { return group_->collectives_entered(rank); }
 
     // Makes this rank misbehave at its fault.at_call-th collective; see LocalFault.
     void inject_fault(LocalFault fault) { faults_.push_back(fault); }
@@ -1300,20 +1304,33 @@ private:
         return std::nullopt;
     }
 
-    // Runs the call on this thread, misbehaving first if a fault is planned for it.
+    // Runs the call on this thread, misbehaving first if a fault is planned for it. A failure
+    // here is the group's failure: it is aborted, so that peers do not wait for this rank.
     static void execute(detail::LocalGroupState& group, int rank, const detail::LocalCall& call,
                         std::optional<LocalFault> fault) {
+        try {
+            misbehave(group, rank, call, fault);
+            group.execute(rank, call);
+        } catch (const std::exception& e) {
+            group.abort(e.what());
+            throw;
+        }
+    }
+
+    static void misbehave(detail::LocalGroupState& group, int rank, const detail::LocalCall& call,
+                          std::optional<LocalFault> fault) {
         using Kind = LocalFault::Kind;
-        if (fault && fault->kind == Kind::delay) std::this_thread::sleep_for(fault->delay);
-        if (fault && fault->kind == Kind::throw_error)
+        if (!fault) return;
+        if (fault->kind == Kind::delay) std::this_thread::sleep_for(fault->delay);
+        if (fault->kind == Kind::throw_error)
             throw InjectedFault("gradsync: injected fault: rank " + std::to_string(rank) + " throws at " +
                                 call.describe());
-        if (fault && fault->kind == Kind::vanish) {
+        if (fault->kind == Kind::vanish) {
             while (!group.aborted()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
             throw CollectiveError("gradsync: injected fault: rank " + std::to_string(rank) + " vanished at " +
                                   call.describe());
         }
-        if (fault && fault->kind == Kind::plant_nan && call.kind == detail::LocalCallKind::allreduce) {
+        if (fault->kind == Kind::plant_nan && call.kind == detail::LocalCallKind::allreduce) {
             for (const auto& seg : call.segs()) {
                 if (seg.count == 0) continue;
                 if (call.dtype == DType::float32)
@@ -1323,7 +1340,6 @@ private:
                 break;
             }
         }
-        group.execute(rank, call);
     }
 
     // Synchronous calls run on the caller's thread, after the rank's pending asynchronous ones.
@@ -2511,7 +2527,7 @@ struct Options {
     // A Chrome trace (chrome://tracing, ui.perfetto.dev) of every bucket's ready, launched and
     // done moments, written when the DataParallel is destroyed. Empty: $GRADSYNC_TIMELINE, if set.
     // "{rank}" in the path is replaced by the rank; ranks of one process may share one file.
-    std::string timeline;
+    std::string timeline{};
 };
 
 }  // namespace gradsync::inline v0
@@ -3064,10 +3080,22 @@ private:
                           " parameters: " + names + ") was not reduced within " +
                           std::to_string(options_.timeout.count()) + " ms";
         if constexpr (PeerStatus<BackendT>) {
-            for (int r = 0; r < backend_.size(); ++r) {
-                if (r == rank()) continue;
+            // The ranks that entered fewer collectives than the furthest are the ones holding it up.
+            const int world = backend_.size();
+            std::uint64_t furthest = 0;
+            for (int r = 0; r < world; ++r) furthest = std::max(furthest, backend_.peer_collectives(r));
+            std::string behind;
+            for (int r = 0; r < world; ++r) {
+                auto entered = backend_.peer_collectives(r);
+                if (entered < furthest)
+                    behind += (behind.empty() ? "" : ", ") + ("rank " + std::to_string(r)) + " has entered " +
+                              std::to_string(entered) + " collectives";
+            }
+            if (!behind.empty()) msg += ". Behind the furthest rank (" + std::to_string(furthest) + "): " + behind;
+            for (int r = 0; r < world; ++r) {
                 auto status = backend_.peer_status(r);
-                if (!status.empty()) msg += "; rank " + std::to_string(r) + ": " + status;
+                if (!status.empty())
+                    msg += "; rank " + std::to_string(r) + (r == rank() ? " (this rank)" : "") + ": " + status;
             }
         }
         return msg;

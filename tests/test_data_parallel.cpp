@@ -6,6 +6,7 @@
 #include <doctest/doctest.h>
 
 #include "support/recording_backend.hpp"
+#include "support/toy_model.hpp"
 
 #include <cstdint>
 #include <cstring>
@@ -16,55 +17,11 @@
 using namespace gradsync::literals;
 using gradsync::DataParallel;
 using gradsync::LocalBackend;
+using testing_support::expected_average;
 using testing_support::RecordingBackend;
+using testing_support::Toy;
 
 namespace {
-
-// A model of named float tensors, some optionally double.
-struct Toy {
-    struct Tensor {
-        std::string name;
-        std::vector<float> w, g;
-    };
-    struct Tensor64 {
-        std::string name;
-        std::vector<double> w, g;
-    };
-    std::vector<Tensor> tensors;
-    std::vector<Tensor64> doubles;
-
-    Toy(const std::vector<std::size_t>& sizes, float value, std::size_t n_doubles = 0) {
-        for (std::size_t k = 0; k < sizes.size(); ++k)
-            tensors.push_back(
-                {"t" + std::to_string(k), std::vector<float>(sizes[k], value), std::vector<float>(sizes[k])});
-        for (std::size_t k = 0; k < n_doubles; ++k)
-            doubles.push_back(
-                {"d" + std::to_string(k), std::vector<double>(100 + k, value), std::vector<double>(100 + k)});
-    }
-    std::vector<gradsync::Parameter> parameters() {
-        std::vector<gradsync::Parameter> out;
-        for (auto& t : tensors) out.push_back(gradsync::parameter(t.name, t.w, t.g));
-        for (auto& t : doubles) out.push_back(gradsync::parameter(t.name, t.w, t.g));
-        return out;
-    }
-    // Gradient element i of tensor k on `rank`: small integers, so sums are exact.
-    static float grad_value(int rank, std::size_t k, std::size_t i) {
-        return static_cast<float>((rank + 1) * static_cast<int>(k + 1) + static_cast<int>(i % 7));
-    }
-    void fill_grads(int rank) {
-        for (std::size_t k = 0; k < tensors.size(); ++k)
-            for (std::size_t i = 0; i < tensors[k].g.size(); ++i) tensors[k].g[i] = grad_value(rank, k, i);
-        for (std::size_t k = 0; k < doubles.size(); ++k)
-            for (std::size_t i = 0; i < doubles[k].g.size(); ++i) doubles[k].g[i] = grad_value(rank, k, i);
-    }
-};
-
-template <class T>
-T expected_average(int world, std::size_t k, std::size_t i) {
-    T sum = 0;
-    for (int r = 0; r < world; ++r) sum += static_cast<T>(Toy::grad_value(r, k, i));
-    return world == 1 ? sum : sum * (T(1) / static_cast<T>(world));
-}
 
 // Runs `fn` on each of `world` ranks and returns what each rank's exception said ("" if none).
 template <class Fn>

@@ -171,6 +171,7 @@ concept PeerStatus = Backend<B> &&
     { b.add_status_reporter(reporter) } -> std::convertible_to<std::uint64_t>;
     b.remove_status_reporter(id);
     { cb.peer_status(rank) } -> std::convertible_to<std::string>;
+    { cb.peer_collectives(rank) } -> std::convertible_to<std::uint64_t>;  // how many it has entered
 };
 
 namespace detail {

@@ -563,10 +563,22 @@ private:
                           " parameters: " + names + ") was not reduced within " +
                           std::to_string(options_.timeout.count()) + " ms";
         if constexpr (PeerStatus<BackendT>) {
-            for (int r = 0; r < backend_.size(); ++r) {
-                if (r == rank()) continue;
+            // The ranks that entered fewer collectives than the furthest are the ones holding it up.
+            const int world = backend_.size();
+            std::uint64_t furthest = 0;
+            for (int r = 0; r < world; ++r) furthest = std::max(furthest, backend_.peer_collectives(r));
+            std::string behind;
+            for (int r = 0; r < world; ++r) {
+                auto entered = backend_.peer_collectives(r);
+                if (entered < furthest)
+                    behind += (behind.empty() ? "" : ", ") + ("rank " + std::to_string(r)) + " has entered " +
+                              std::to_string(entered) + " collectives";
+            }
+            if (!behind.empty()) msg += ". Behind the furthest rank (" + std::to_string(furthest) + "): " + behind;
+            for (int r = 0; r < world; ++r) {
                 auto status = backend_.peer_status(r);
-                if (!status.empty()) msg += "; rank " + std::to_string(r) + ": " + status;
+                if (!status.empty())
+                    msg += "; rank " + std::to_string(r) + (r == rank() ? " (this rank)" : "") + ": " + status;
             }
         }
         return msg;

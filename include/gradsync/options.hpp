@@ -23,7 +23,7 @@ struct Options {
     // A Chrome trace (chrome://tracing, ui.perfetto.dev) of every bucket's ready, launched and
     // done moments, written when the DataParallel is destroyed. Empty: $GRADSYNC_TIMELINE, if set.
     // "{rank}" in the path is replaced by the rank; ranks of one process may share one file.
-    std::string timeline;
+    std::string timeline{};
 };
 
 }  // namespace gradsync::inline v0

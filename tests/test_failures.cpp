@@ -1,0 +1,218 @@
+// No silent hangs: every failure mode, driven by LocalBackend's fault injection, ends in an
+// exception on every rank within a short deadline, and the message names the culprit.
+#include <gradsync/gradsync.hpp>
+
+#include <doctest/doctest.h>
+
+#include "support/toy_model.hpp"
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+using namespace std::chrono_literals;
+using gradsync::DataParallel;
+using gradsync::LocalBackend;
+using gradsync::LocalFault;
+using testing_support::Toy;
+
+namespace {
+
+struct Outcome {
+    std::string kind;  // "ok", "timeout", "injected", "collective", "readiness", "error"
+    std::string message;
+};
+
+constexpr auto deadline = 500ms;  // every DataParallel wait in these tests
+
+// One overlapped step on `world` ranks of a 4-bucket model (bucket b holds parameter 3 - b), with
+// `fault` planned on rank `culprit` at bucket `bucket`'s collective. `backward` may replace the
+// rank's grad_ready calls. Returns what each rank ended with, and checks nobody hung.
+template <class Backward>
+std::vector<Outcome> one_step(int world, int culprit, std::optional<LocalFault> fault, int bucket, Backward backward) {
+    std::vector<Outcome> out(static_cast<std::size_t>(world));
+    gradsync::LocalGroupOptions group;
+    group.timeout = 5s;  // the DataParallel deadline comes first
+    const auto start = std::chrono::steady_clock::now();
+    gradsync::spawn(
+        world,
+        [&](LocalBackend& b) {
+            auto& o = out[static_cast<std::size_t>(b.rank())];
+            try {
+                Toy m({100, 200, 300, 400}, 0.0f);
+                DataParallel dp(m, b, gradsync::PerParameterBuckets{}, gradsync::Options{.timeout = deadline});
+                if (fault && b.rank() == culprit) {
+                    auto f = *fault;
+                    f.at_call = b.calls_made() + 1 + static_cast<std::uint64_t>(bucket);
+                    b.inject_fault(f);
+                }
+                m.fill_grads(b.rank());
+                backward(b, dp);
+                dp.synchronize();
+                o.kind = "ok";
+                o.message = std::to_string(m.tensors[1].g[0]) + (std::isnan(m.tensors[1].g[0]) ? " nan" : "");
+            } catch (const gradsync::TimeoutError& e) {
+                o = {"timeout", e.what()};
+            } catch (const gradsync::InjectedFault& e) {
+                o = {"injected", e.what()};
+            } catch (const gradsync::CollectiveError& e) {
+                o = {"collective", e.what()};
+            } catch (const gradsync::ReadinessError& e) {
+                o = {"readiness", e.what()};
+            }
+        },
+        group);
+    CHECK(std::chrono::steady_clock::now() - start < 4s);  // far below the backend's 5 s
+    return out;
+}
+
+void all_ready(LocalBackend&, DataParallel<Toy, LocalBackend, gradsync::PerParameterBuckets, gradsync::Options>& dp) {
+    for (std::size_t i = 4; i-- > 0;) dp.grad_ready(i);
+}
+
+bool has(const Outcome& o, const std::string& needle) { return o.message.find(needle) != std::string::npos; }
+
+}  // namespace
+
+TEST_CASE("a rank whose collective throws fails every rank, and they name it") {
+    LocalFault f{.kind = LocalFault::Kind::throw_error};
+    auto out = one_step(3, 1, f, 1, all_ready);
+    CHECK(out[1].kind == "injected");
+    for (const auto& o : out) {
+        CAPTURE(o.message);
+        CHECK(has(o, "injected fault: rank 1 throws at allreduce"));
+        CHECK(has(o, "step 1, bucket 1)"));
+    }
+    CHECK(out[0].kind == "collective");
+    CHECK(out[2].kind == "collective");
+}
+
+TEST_CASE("a rank that vanishes in a collective: every rank's error names it as the one behind") {
+    LocalFault f{.kind = LocalFault::Kind::vanish};
+    auto out = one_step(3, 1, f, 1, all_ready);
+    bool timed_out = false;
+    for (const auto& o : out) {
+        CAPTURE(o.message);
+        timed_out = timed_out || o.kind == "timeout";
+        if (&o == &out[1] && has(o, "injected fault: rank 1 vanished at allreduce #7")) continue;  // its own story
+        CHECK(has(o, "step 1: bucket 1 of 4 (1.2 KiB, 1 parameters: 't2') was not reduced within 500 ms"));
+        CHECK(has(o, "Behind the furthest rank (7): rank 1 has entered 6 collectives;"));
+    }
+    CHECK(timed_out);  // whichever rank's deadline came first
+}
+
+TEST_CASE("a rank stuck in backward: peers name the parameters it has not produced") {
+    auto stuck = [](LocalBackend& b, auto& dp) {
+        dp.grad_ready(std::size_t{3});
+        dp.grad_ready(std::size_t{2});
+        if (b.rank() == 2) std::this_thread::sleep_for(1500ms);  // longer than the peers' deadline
+        dp.grad_ready(std::size_t{1});
+        dp.grad_ready(std::size_t{0});
+    };
+    auto out = one_step(3, -1, std::nullopt, 0, stuck);
+    for (int r : {0, 1}) {
+        const auto& o = out[static_cast<std::size_t>(r)];
+        CAPTURE(o.message);
+        CHECK(has(o, "step 1: bucket 2 of 4 (800 B, 1 parameters: 't1') was not reduced within 500 ms"));
+        CHECK(has(o, "Behind the furthest rank (8): rank 2 has entered 7 collectives;"));
+        CHECK(has(o,
+                  "rank 2: in the backward of step 1, 2 of 4 buckets launched; bucket 2 waits for grad_ready of "
+                  "'t1' (1 of 1 parameters)"));
+    }
+    CHECK(out[2].kind == "collective");
+}
+
+TEST_CASE("a rank that reorders its collectives is caught at the first one out of place") {
+    LocalFault f{.kind = LocalFault::Kind::swap_with_next};
+    auto out = one_step(2, 1, f, 1, all_ready);
+    for (const auto& o : out) {
+        CAPTURE(o.message);
+        CHECK(o.kind == "collective");
+        CHECK(has(o, "collective mismatch: rank 0 is in allreduce #"));
+        CHECK(has(o, "(300 x float32, average; step 1, bucket 1) but rank 1 is in allreduce #"));
+        CHECK(has(o, "(200 x float32, average; step 1, bucket 2)"));
+    }
+}
+
+TEST_CASE("a slow rank within the deadline is no failure") {
+    LocalFault f{.kind = LocalFault::Kind::delay, .delay = 150ms};
+    auto out = one_step(3, 2, f, 1, all_ready);
+    for (const auto& o : out) {
+        CAPTURE(o.message);
+        CHECK(o.kind == "ok");
+        CHECK(o.message == std::to_string(testing_support::expected_average<float>(3, 1, 0)));
+    }
+}
+
+TEST_CASE("a NaN planted in one rank's gradient reaches every rank alike") {
+    LocalFault f{.kind = LocalFault::Kind::plant_nan};
+    auto out = one_step(3, 1, f, 2, all_ready);  // bucket 2 holds t1
+    for (const auto& o : out) {
+        CHECK(o.kind == "ok");
+        CHECK(has(o, " nan"));
+    }
+}
+
+TEST_CASE("an exception in one rank's backward releases the others at once") {
+    std::vector<std::string> messages(3);
+    const auto start = std::chrono::steady_clock::now();
+    CHECK_THROWS_WITH_AS(gradsync::spawn(3,
+                                         [&](LocalBackend& b) {
+                                             Toy m({100, 200, 300, 400}, 0.0f);
+                                             DataParallel dp(m, b, gradsync::PerParameterBuckets{});
+                                             dp.grad_ready(std::size_t{3});
+                                             if (b.rank() == 1) throw std::runtime_error("loss is NaN on rank 1");
+                                             try {
+                                                 for (std::size_t i = 3; i-- > 0;) dp.grad_ready(i);
+                                                 dp.synchronize();
+                                             } catch (const gradsync::CollectiveError& e) {
+                                                 messages[static_cast<std::size_t>(b.rank())] = e.what();
+                                             }
+                                         }),
+                         "loss is NaN on rank 1", std::runtime_error);
+    CHECK(std::chrono::steady_clock::now() - start < 5s);  // the default deadlines are 600 s
+    for (int r : {0, 2}) {
+        CAPTURE(messages[static_cast<std::size_t>(r)]);
+        CHECK(messages[static_cast<std::size_t>(r)].find("rank 1 destroyed its DataParallel in step 1 with collectives "
+                                                         "in flight") != std::string::npos);
+    }
+}
+
+TEST_CASE("the timeline is a Chrome trace with every bucket's ready, launched and allreduce events") {
+    const std::string path = "gradsync_test_timeline.json";
+    std::remove(path.c_str());
+    gradsync::spawn(2, [&](LocalBackend& b) {
+        Toy m({100, 200, 300}, 0.0f);
+        DataParallel dp(m, b, gradsync::PerParameterBuckets{}, gradsync::Options{.timeline = path});
+        for (int step = 0; step < 2; ++step) {
+            m.fill_grads(b.rank());
+            for (std::size_t i = 3; i-- > 0;) dp.grad_ready(i);
+            dp.synchronize();
+        }
+    });
+    std::ifstream in(path);
+    REQUIRE(in.good());
+    std::stringstream text;
+    text << in.rdbuf();
+    const std::string json = text.str();
+    auto count = [&](const std::string& needle) {
+        std::size_t n = 0;
+        for (auto at = json.find(needle); at != std::string::npos; at = json.find(needle, at + 1)) ++n;
+        return n;
+    };
+    CHECK(json.rfind("{\"displayTimeUnit\":\"ms\",\"traceEvents\":[", 0) == 0);
+    CHECK(count("\"name\":\"process_name\"") == 2);
+    // 2 ranks x 2 steps x 3 buckets of each, and one span per step.
+    CHECK(count("\"name\":\"ready\"") == 12);
+    CHECK(count("\"name\":\"launched\"") == 12);
+    CHECK(count("\"name\":\"allreduce\"") == 12);
+    CHECK(count("\"name\":\"step\"") == 4);
+    CHECK(count("\"args\":{\"step\":2,\"bucket\":2}") == 6);
+    std::remove(path.c_str());
+}
