@@ -7,8 +7,10 @@
 
 #include <benchmark/benchmark.h>
 
+#include "layout_model.hpp"
 #include "model_layouts.hpp"
 #include "results.hpp"
+#include "stats.hpp"
 #include "two_ranks.hpp"
 
 #include <algorithm>
@@ -24,39 +26,13 @@ namespace {
 constexpr int repetitions = 5;
 constexpr double min_seconds = 0.5;
 
-// One separately allocated value and gradient buffer per tensor, as most frameworks hold them.
-class LayoutModel {
-public:
-    explicit LayoutModel(const std::vector<layouts::Tensor>& tensors) : tensors_(tensors) {
-        for (const auto& t : tensors) {
-            values_.emplace_back(t.count, 0.5f);
-            grads_.emplace_back(t.count, 1.0f);
-        }
-    }
-    std::vector<gradsync::Parameter> parameters() {
-        std::vector<gradsync::Parameter> out;
-        for (std::size_t i = 0; i < tensors_.size(); ++i)
-            out.push_back(gradsync::parameter(tensors_[i].name, values_[i], grads_[i]));
-        return out;
-    }
-
-private:
-    std::vector<layouts::Tensor> tensors_;
-    std::vector<std::vector<float>> values_, grads_;
-};
-
-double median(std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v.empty() ? 0.0 : v[v.size() / 2];
-}
-
 // What one rank holds: the model, its DataParallel, and a flat buffer of the same bytes.
 template <class... Policies>
 struct Replica {
     Replica(const std::vector<layouts::Tensor>& t, gradsync::LocalBackend& b)
         : model(t), dp(model, b), flat(layouts::total_count(t), 1.0f) {}
-    LayoutModel model;
-    gradsync::DataParallel<LayoutModel, gradsync::LocalBackend, Policies...> dp;
+    bench::LayoutModel model;
+    gradsync::DataParallel<bench::LayoutModel, gradsync::LocalBackend, Policies...> dp;
     std::vector<float> flat;
 };
 
@@ -94,9 +70,9 @@ void synchronize_vs_flat(benchmark::State& state, std::vector<layouts::Tensor> (
             warmed_up = true;
         };
     });
-    state.counters["flat_ms"] = median(flat_s) * 1e3;
-    state.counters["sync_ms"] = median(sync_s) * 1e3;
-    state.counters["ratio"] = median(ratios);
+    state.counters["flat_ms"] = bench::median(flat_s) * 1e3;
+    state.counters["sync_ms"] = bench::median(sync_s) * 1e3;
+    state.counters["ratio"] = bench::median(ratios);
     state.SetBytesProcessed(state.iterations() * static_cast<std::int64_t>(grads.count()));
     bench::record_memory(key, extra, grads);
 }

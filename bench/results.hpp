@@ -10,6 +10,7 @@ namespace bench {
 
 void register_collectives();
 void register_data_parallel();
+void register_overlap();
 
 // Memory DataParallel and its backend hold beyond the model, beside the gradients' own bytes.
 void record_memory(const std::string& key, gradsync::Bytes extra, gradsync::Bytes gradients);

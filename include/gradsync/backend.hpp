@@ -60,6 +60,10 @@ namespace detail {
 
 // Shared state of one asynchronous operation: set once by the thread that runs it.
 struct Completion {
+    // Waiters spin only where the thread doing the work is sure to have a core of its own.
+    explicit Completion(SpinPolicy waiting = {}) : spin(waiting) {}
+
+    SpinPolicy spin;
     std::atomic<bool> done{false};
     std::exception_ptr error;                           // written before `done`, read after it
     std::chrono::steady_clock::time_point finished_at;  // likewise
@@ -79,7 +83,7 @@ struct Completion {
                                [deadline] {
                                    if (std::chrono::steady_clock::now() >= deadline) throw Expired{};
                                },
-                               bell, SpinPolicy{});
+                               bell, spin);
         } catch (Expired) {
             return done.load(std::memory_order_acquire);
         }

@@ -1,0 +1,243 @@
+// Overlap of communication with backward, on 2 ranks over the ResNet-50 and BERT-base layouts.
+// A synthetic backward sleeps (as a host does while its GPU computes) until each layer's
+// gradients are due, its share of the compute time proportional to its parameters, in reverse
+// registration order, and calls grad_ready for them. Every iteration measures, each mode starting together on both
+// ranks:
+//   compute        the backward alone
+//   sequential     the backward, then synchronize() (no grad_ready: nothing overlaps)
+//   overlapped     the backward calling grad_ready as each tensor is done, then synchronize()
+//   last bucket    one allreduce of the last bucket's bytes, alone
+// exposed = overlapped - compute is the communication the overlap did not hide; plan bound is what
+// the bucket plan lets even a perfect engine hide (a bucket cannot start before it is complete
+// and its predecessor done), so exposed - plan bound is the engine's own cost. Also here:
+// gradients as bucket views against pack/unpack copies, for backends that need contiguous buffers.
+#include <gradsync/gradsync.hpp>
+
+#include <benchmark/benchmark.h>
+
+#include "layout_model.hpp"
+#include "model_layouts.hpp"
+#include "results.hpp"
+#include "stats.hpp"
+#include "two_ranks.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <memory>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+// Knobs.
+constexpr double comm_to_compute[] = {0.25, 0.5, 1.0, 2.0};
+constexpr int bucket_caps_mib[] = {25, 4};  // PyTorch DDP's default, and a finer plan
+constexpr int overlap_iterations = 8;
+constexpr int view_repetitions = 5;
+constexpr double view_min_seconds = 0.5;
+
+using clock_type = std::chrono::steady_clock;
+using gradsync::Bytes;
+
+double seconds_since(clock_type::time_point t) { return std::chrono::duration<double>(clock_type::now() - t).count(); }
+
+struct OverlapReplica {
+    OverlapReplica(const std::vector<layouts::Tensor>& tensors, gradsync::LocalBackend& b, gradsync::Bytes cap)
+        : model(tensors),
+          dp(model, b, gradsync::SizeCappedBuckets{.cap = cap, .first_cap = Bytes{1u << 20}}),
+          backend(b) {
+        // Layers are modules (a tensor's name without ".weight" or ".bias"); backward finishes
+        // them in reverse order, each when its share of the compute (by parameters) has passed,
+        // and reports all of its tensors then.
+        double total = static_cast<double>(layouts::total_count(tensors)), done = 0;
+        auto module = [&](std::size_t i) { return tensors[i].name.substr(0, tensors[i].name.rfind('.')); };
+        for (std::size_t end = tensors.size(); end > 0;) {
+            std::size_t begin = end - 1;
+            while (begin > 0 && module(begin - 1) == module(end - 1)) --begin;
+            Layer layer;
+            for (std::size_t i = end; i-- > begin;) {
+                done += static_cast<double>(tensors[i].count);
+                layer.tensors.push_back(i);
+            }
+            layer.fraction = done / total;
+            layers.push_back(std::move(layer));
+            end = begin;
+        }
+        last_bucket.assign(dp.plan().buckets.back().count, 1.0f);
+        std::vector<double> due_fraction(tensors.size());
+        for (const auto& layer : layers)
+            for (auto i : layer.tensors) due_fraction[i] = layer.fraction;
+        for (const auto& bucket : dp.plan().buckets) {
+            double ready = 0;
+            for (auto p : bucket.parameters) ready = std::max(ready, due_fraction[p]);
+            bucket_ready_fraction.push_back(ready);
+            bucket_share.push_back(double(bucket.count) / total);
+        }
+        // The compute budget follows from the communication time, agreed on (rank 0's) by both.
+        std::vector<double> plain;
+        for (int k = 0; k < 5; ++k) {
+            b.barrier();
+            auto t = clock_type::now();
+            dp.synchronize();
+            plain.push_back(seconds_since(t));
+        }
+        comm = bench::median(plain);
+        b.broadcast(std::span<double>(&comm, 1), 0);
+    }
+
+    // Sleeps through the backward of `compute` seconds, reporting each layer if `overlap`.
+    void backward(double compute, bool overlap) {
+        const auto start = clock_type::now();
+        for (const auto& layer : layers) {
+            std::this_thread::sleep_until(start + std::chrono::duration_cast<clock_type::duration>(
+                                                      std::chrono::duration<double>(compute * layer.fraction)));
+            if (overlap)
+                for (auto i : layer.tensors) dp.grad_ready(i);
+        }
+    }
+
+    struct Layer {
+        std::vector<std::size_t> tensors;
+        double fraction = 0;  // of the compute done when this layer is
+    };
+    bench::LayoutModel model;
+    gradsync::DataParallel<bench::LayoutModel, gradsync::LocalBackend, gradsync::SizeCappedBuckets> dp;
+    gradsync::LocalBackend& backend;
+    std::vector<Layer> layers;  // in backward order
+    std::vector<float> last_bucket;
+    std::vector<double> bucket_ready_fraction, bucket_share;  // per bucket, in launch order
+    double comm = 0;
+
+    // The exposure this plan allows even to a perfect engine: bucket k's allreduce starts when it
+    // is ready and its predecessor is done, and takes its share of the measured communication.
+    [[nodiscard]] double plan_bound(double compute) const {
+        double done = 0;
+        for (std::size_t k = 0; k < bucket_share.size(); ++k)
+            done = std::max(done, compute * bucket_ready_fraction[k]) + comm * bucket_share[k];
+        return std::max(0.0, done - compute);
+    }
+};
+
+void overlap(benchmark::State& state, std::vector<layouts::Tensor> (*layout)(), gradsync::Bytes cap, double ratio) {
+    const auto tensors = layout();
+    enum Mode { compute, sequential, overlapped, last_bucket, modes };
+    std::vector<double> samples[modes];
+    double comm = 0, plan_bound = 0;
+    bench::time_on_two_ranks(state, [&](gradsync::LocalBackend& b) {
+        auto r = std::make_shared<OverlapReplica>(tensors, b, cap);
+        const bool timer = b.rank() == 0;
+        if (timer) {
+            comm = r->comm;
+            plan_bound = r->plan_bound(r->comm / ratio);
+        }
+        return [&, r, timer, iteration = 0]() mutable {
+            const double budget = r->comm / ratio;
+            for (int k = 0; k < modes; ++k) {
+                const int mode = (k + iteration) % modes;  // rotate, so no mode always goes first
+                r->backend.barrier();
+                auto t = clock_type::now();
+                switch (mode) {
+                    case compute: r->backward(budget, false); break;
+                    case sequential:
+                        r->backward(budget, false);
+                        r->dp.synchronize();
+                        break;
+                    case overlapped:
+                        r->backward(budget, true);
+                        r->dp.synchronize();
+                        break;
+                    case last_bucket:
+                        r->backend.allreduce(std::span<float>(r->last_bucket), gradsync::ReduceOp::average);
+                        break;
+                }
+                double s = seconds_since(t);
+                if (timer && iteration > 0) samples[mode].push_back(s);  // iteration 0 warms up
+                if (timer && iteration > 0 && mode == overlapped) state.SetIterationTime(s);
+            }
+            ++iteration;
+        };
+    });
+    const double c = bench::median(samples[compute]), o = bench::median(samples[overlapped]);
+    state.counters["comm_ms"] = comm * 1e3;
+    state.counters["compute_ms"] = c * 1e3;
+    state.counters["sequential_ms"] = bench::median(samples[sequential]) * 1e3;
+    state.counters["overlapped_ms"] = o * 1e3;
+    state.counters["exposed_ms"] = (o - c) * 1e3;
+    state.counters["last_bucket_ms"] = bench::median(samples[last_bucket]) * 1e3;
+    state.counters["plan_bound_ms"] = plan_bound * 1e3;
+}
+
+// synchronize() with a contiguous-only path (PackedBuckets): per-tensor buffers are packed and
+// unpacked; one blob makes every bucket a view. Interleaved; ratio = copy / view.
+void views(benchmark::State& state, std::vector<layouts::Tensor> (*layout)()) {
+    const auto tensors = layout();
+    std::vector<double> copy_s, view_s, ratios;
+    bench::time_on_two_ranks(state, [&](gradsync::LocalBackend& b) {
+        struct Replicas {
+            Replicas(const std::vector<layouts::Tensor>& t, gradsync::LocalBackend& b)
+                : separate(t), blob(t), copies(separate, b), views(blob, b) {}
+            bench::LayoutModel separate;
+            bench::BlobModel blob;
+            gradsync::DataParallel<bench::LayoutModel, gradsync::LocalBackend, gradsync::PackedBuckets> copies;
+            gradsync::DataParallel<bench::BlobModel, gradsync::LocalBackend, gradsync::PackedBuckets> views;
+        };
+        auto r = std::make_shared<Replicas>(tensors, b);
+        const bool timer = b.rank() == 0;
+        return [&, r, timer, view_first = false, warm = false]() mutable {
+            auto t0 = clock_type::now();
+            view_first ? r->views.synchronize() : r->copies.synchronize();
+            auto t1 = clock_type::now();
+            view_first ? r->copies.synchronize() : r->views.synchronize();
+            auto t2 = clock_type::now();
+            if (timer && warm) {
+                double first = std::chrono::duration<double>(t1 - t0).count();
+                double second = std::chrono::duration<double>(t2 - t1).count();
+                double v = view_first ? first : second, c = view_first ? second : first;
+                view_s.push_back(v);
+                copy_s.push_back(c);
+                ratios.push_back(c / v);
+                state.SetIterationTime(v);
+            }
+            view_first = !view_first;
+            warm = true;
+        };
+    });
+    state.counters["copy_ms"] = bench::median(copy_s) * 1e3;
+    state.counters["view_ms"] = bench::median(view_s) * 1e3;
+    state.counters["copy_over_view"] = bench::median(ratios);
+}
+
+}  // namespace
+
+namespace bench {
+
+void register_overlap() {
+    struct Layout {
+        const char* name;
+        std::vector<layouts::Tensor> (*tensors)();
+    };
+    for (auto layout : {Layout{"resnet50", layouts::resnet50}, Layout{"bert_base", layouts::bert_base}}) {
+        for (auto cap_mib : bucket_caps_mib) {
+            if (cap_mib != bucket_caps_mib[0] && std::string(layout.name) != "resnet50") continue;  // time
+            for (double ratio : comm_to_compute) {
+                std::string name = std::string("overlap/") + layout.name + "/cap_mib:" + std::to_string(cap_mib) +
+                                   "/comm_to_compute:" + std::to_string(ratio).substr(0, 4);
+                benchmark::RegisterBenchmark(name.c_str(), overlap, layout.tensors,
+                                             gradsync::Bytes{std::uint64_t(cap_mib) << 20}, ratio)
+                    ->UseManualTime()
+                    ->Iterations(overlap_iterations + 1)
+                    ->Unit(benchmark::kMillisecond);
+            }
+        }
+    }
+    benchmark::RegisterBenchmark("views_vs_copies/resnet50", views, layouts::resnet50)
+        ->UseManualTime()
+        ->Repetitions(view_repetitions)
+        ->ReportAggregatesOnly(true)
+        ->MinTime(view_min_seconds)
+        ->Unit(benchmark::kMillisecond);
+}
+
+}  // namespace bench
