@@ -49,18 +49,10 @@ void synchronize_vs_flat(benchmark::State& state, std::vector<layouts::Tensor> (
             grads = replica->dp.gradient_bytes();
         }
         return [&, replica, &b = b, timer, flat_first = false, warmed_up = false]() mutable {
-            using clock = std::chrono::steady_clock;
             auto flat = [&] { b.allreduce(std::span<float>(replica->flat), gradsync::ReduceOp::average); };
             auto sync = [&] { replica->dp.synchronize(); };
-            auto t0 = clock::now();
-            flat_first ? flat() : sync();
-            auto t1 = clock::now();
-            flat_first ? sync() : flat();
-            auto t2 = clock::now();
+            auto [f, s] = bench::timed_pair(flat, sync, !flat_first);
             if (timer && warmed_up) {
-                double first = std::chrono::duration<double>(t1 - t0).count();
-                double second = std::chrono::duration<double>(t2 - t1).count();
-                double f = flat_first ? first : second, s = flat_first ? second : first;
                 flat_s.push_back(f);
                 sync_s.push_back(s);
                 ratios.push_back(s / f);

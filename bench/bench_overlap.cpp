@@ -186,15 +186,9 @@ void views(benchmark::State& state, std::vector<layouts::Tensor> (*layout)()) {
         auto r = std::make_shared<Replicas>(tensors, b);
         const bool timer = b.rank() == 0;
         return [&, r, timer, view_first = false, warm = false]() mutable {
-            auto t0 = clock_type::now();
-            view_first ? r->views.synchronize() : r->copies.synchronize();
-            auto t1 = clock_type::now();
-            view_first ? r->copies.synchronize() : r->views.synchronize();
-            auto t2 = clock_type::now();
+            auto [c, v] =
+                bench::timed_pair([&] { r->copies.synchronize(); }, [&] { r->views.synchronize(); }, view_first);
             if (timer && warm) {
-                double first = std::chrono::duration<double>(t1 - t0).count();
-                double second = std::chrono::duration<double>(t2 - t1).count();
-                double v = view_first ? first : second, c = view_first ? second : first;
                 view_s.push_back(v);
                 copy_s.push_back(c);
                 ratios.push_back(c / v);

@@ -6,7 +6,9 @@
 
 #include <benchmark/benchmark.h>
 
+#include <chrono>
 #include <thread>
+#include <utility>  // for std::pair
 
 namespace bench {
 
@@ -25,6 +27,21 @@ void time_on_two_ranks(benchmark::State& state, Make make, gradsync::LocalGroupO
     op();
     for (auto _ : state) op();
     helper.join();
+}
+
+// Times a() and b() back to back, b first when `b_first` (alternate it, so that neither always
+// runs on a cache the other warmed). Returns {a's seconds, b's seconds}.
+template <class A, class B>
+std::pair<double, double> timed_pair(A&& a, B&& b, bool b_first) {
+    using clock = std::chrono::steady_clock;
+    auto t0 = clock::now();
+    b_first ? b() : a();
+    auto t1 = clock::now();
+    b_first ? a() : b();
+    auto t2 = clock::now();
+    double first = std::chrono::duration<double>(t1 - t0).count();
+    double second = std::chrono::duration<double>(t2 - t1).count();
+    return b_first ? std::pair(second, first) : std::pair(first, second);
 }
 
 }  // namespace bench

@@ -2959,6 +2959,11 @@ private:
         return CollectiveTag{fingerprint_, current_step(), static_cast<std::int32_t>(bucket)};
     }
 
+    // The bucket's gradients where they lie: one segment when they are a view.
+    static std::span<const Segment> segments_of(const Slot& slot) {
+        return slot.view ? std::span<const Segment>(&*slot.view, 1) : std::span<const Segment>(slot.segments);
+    }
+
     // The bucket's collective as one contiguous buffer, packing first when it is no view.
     Buffer contiguous(std::size_t b) {
         auto& slot = slots_[b];
@@ -2977,8 +2982,7 @@ private:
         const auto& bucket = plan_.buckets[b];
         auto tag = next_tag(0, static_cast<std::int64_t>(b), bucket.bytes().count(), bucket.dtype);
         if constexpr (reduces_in_place) {
-            std::span<const Segment> segs =
-                slot.view ? std::span<const Segment>(&*slot.view, 1) : std::span<const Segment>(slot.segments);
+            auto segs = segments_of(slot);
             if constexpr (requires { backend_.allreduce_async(segs, bucket.dtype, ReduceOp::average, tag); })
                 slot.handle.emplace(backend_.allreduce_async(segs, bucket.dtype, ReduceOp::average, tag));
             else
@@ -3001,8 +3005,7 @@ private:
         const auto& bucket = plan_.buckets[b];
         auto tag = next_tag(0, static_cast<std::int64_t>(b), bucket.bytes().count(), bucket.dtype);
         if constexpr (reduces_in_place) {
-            std::span<const Segment> segs =
-                slot.view ? std::span<const Segment>(&*slot.view, 1) : std::span<const Segment>(slot.segments);
+            auto segs = segments_of(slot);
             if constexpr (requires { backend_.allreduce(segs, bucket.dtype, ReduceOp::average, tag); })
                 backend_.allreduce(segs, bucket.dtype, ReduceOp::average, tag);
             else
