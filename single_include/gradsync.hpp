@@ -555,9 +555,118 @@ private:
 // algorithm and every rank produces bitwise identical results.
 
 
+// ---- begin gradsync/half.hpp ----
+// float16 and bfloat16: portable 16-bit floating-point storage types for the host, with
+// round-to-nearest-even conversions, bit-compatible with CUDA's __half and __nv_bfloat16.
+// They store and convert; arithmetic happens in float.
+
+
+#include <cstdint>
+#include <cstring>  // for std::memcpy
+
+namespace gradsync::inline v0 {
+
+namespace detail {
+
+inline std::uint32_t bits_of(float f) {
+    std::uint32_t u;
+    std::memcpy(&u, &f, sizeof u);
+    return u;
+}
+inline float float_of(std::uint32_t u) {
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+// IEEE binary16 from binary32, rounding to nearest even; overflow gives infinity, NaN stays NaN.
+// Every case is computed and one selected, without branches, so that loops over it vectorize.
+inline std::uint16_t half_bits_from_float(float value) {
+    const std::uint32_t u = bits_of(value);
+    const std::uint32_t sign = u & 0x80000000u;
+    const std::uint32_t f = u ^ sign;
+    // Normal: rebias the exponent (-112 << 23) and round to nearest even; a carry out of the
+    // mantissa correctly reaches infinity.
+    const std::uint32_t normal = (f + 0xc8000fffu + ((f >> 13) & 1u)) >> 13;
+    // Below 2^-14, subnormal or zero: adding 0.5 aligns the 10 mantissa bits at the bottom and
+    // the FPU rounds to nearest even.
+    const std::uint32_t subnormal = bits_of(float_of(f) + 0.5f) - 0x3f000000u;
+    const std::uint32_t special = f > 0x7f800000u ? 0x7e00u : 0x7c00u;  // NaN (made quiet), infinity
+    const std::uint32_t out = f >= 0x47800000u ? special : (f < 0x38800000u ? subnormal : normal);
+    return static_cast<std::uint16_t>(out | (sign >> 16));
+}
+
+inline float float_from_half_bits(std::uint16_t h) {
+    const std::uint32_t shifted = (static_cast<std::uint32_t>(h) & 0x7fffu) << 13;
+    const std::uint32_t exponent = shifted & 0x0f800000u;
+    const std::uint32_t normal = shifted + 0x38000000u;  // rebias (127 - 15) << 23
+    const std::uint32_t special = normal + 0x38000000u;  // infinity or NaN
+    const std::uint32_t subnormal = bits_of(float_of(normal + 0x00800000u) - float_of(0x38800000u));
+    const std::uint32_t u = exponent == 0x0f800000u ? special : (exponent == 0 ? subnormal : normal);
+    return float_of(u | (static_cast<std::uint32_t>(h) & 0x8000u) << 16);
+}
+
+// bfloat16 from binary32, rounding to nearest even; NaN stays a (quiet) NaN.
+inline std::uint16_t bfloat16_bits_from_float(float value) {
+    const std::uint32_t f = bits_of(value);
+    const std::uint32_t rounded = (f + 0x7fffu + ((f >> 16) & 1u)) >> 16;
+    const std::uint32_t nan = (f >> 16) | 0x0040u;
+    return static_cast<std::uint16_t>((f & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+}
+
+inline float float_from_bfloat16_bits(std::uint16_t b) { return float_of(static_cast<std::uint32_t>(b) << 16); }
+
+}  // namespace detail
+
+// IEEE 754 binary16.
+struct float16 {
+    std::uint16_t bits = 0;
+
+    float16() = default;
+    explicit float16(float f) : bits(detail::half_bits_from_float(f)) {}
+    static float16 from_bits(std::uint16_t b) {
+        float16 h;
+        h.bits = b;
+        return h;
+    }
+    explicit operator float() const { return detail::float_from_half_bits(bits); }
+    friend bool operator==(float16 a, float16 b) { return a.bits == b.bits; }
+};
+
+// The upper half of a binary32: its range, 8 bits of precision.
+struct bfloat16 {
+    std::uint16_t bits = 0;
+
+    bfloat16() = default;
+    explicit bfloat16(float f) : bits(detail::bfloat16_bits_from_float(f)) {}
+    static bfloat16 from_bits(std::uint16_t b) {
+        bfloat16 h;
+        h.bits = b;
+        return h;
+    }
+    explicit operator float() const { return detail::float_from_bfloat16_bits(bits); }
+    friend bool operator==(bfloat16 a, bfloat16 b) { return a.bits == b.bits; }
+};
+
+static_assert(sizeof(float16) == 2 && alignof(float16) == 2, "float16 must be layout-compatible with __half");
+static_assert(sizeof(bfloat16) == 2 && alignof(bfloat16) == 2, "bfloat16 must be layout-compatible with __nv_bfloat16");
+
+template <>
+struct dtype_traits<float16> {
+    static constexpr DType value = DType::float16;
+};
+template <>
+struct dtype_traits<bfloat16> {
+    static constexpr DType value = DType::bfloat16;
+};
+
+}  // namespace gradsync::inline v0
+// ---- end gradsync/half.hpp ----
+
 #include <algorithm>  // for std::min
 #include <cstddef>
-#include <cstring>  // for std::memcpy
+#include <cstring>      // for std::memcpy
+#include <type_traits>  // for std::is_same_v
 
 namespace gradsync::inline v0::detail {
 
@@ -588,23 +697,69 @@ inline void scale_in_place(T* __restrict out, T factor, std::size_t n) {
     for (; i < n; ++i) out[i] *= factor;
 }
 
-// For every i < n: the sum of inputs[0..n_in)[i] in rank order, times `factor` when `scaled`,
-// written to every outputs[0..n_out)[i]. Outputs may alias inputs: each block is read in full
-// into `tmp` (reduce_block_bytes, aligned) before any of it is written.
-template <class T>
-void reduce_to_all(T* const* inputs, int n_in, T* const* outputs, int n_out, std::size_t n, bool scaled, T factor,
-                   T* tmp) {
-    constexpr std::size_t block = reduce_block_bytes / sizeof(T);
-    for (std::size_t off = 0; off < n; off += block) {
-        std::size_t k = std::min(block, n - off);
-        if (n_in == 1) {
-            std::memcpy(tmp, inputs[0] + off, k * sizeof(T));
-        } else {
-            add_two(tmp, inputs[0] + off, inputs[1] + off, k);
-            for (int s = 2; s < n_in; ++s) add_into(tmp, inputs[s] + off, k);
+// What a storage type is summed in: itself, or float for the 16-bit types.
+template <class S>
+struct accumulator {
+    using type = S;
+};
+template <>
+struct accumulator<float16> {
+    using type = float;
+};
+template <>
+struct accumulator<bfloat16> {
+    using type = float;
+};
+template <class S>
+using accumulator_t = typename accumulator<S>::type;
+
+template <class S, class A>
+inline void widen(A* __restrict out, const S* __restrict in, std::size_t n) {
+    for (std::size_t i = 0; i < n; ++i) out[i] = static_cast<A>(in[i]);
+}
+template <class S, class A>
+inline void add_widened(A* __restrict out, const S* __restrict in, std::size_t n) {
+    for (std::size_t i = 0; i < n; ++i) out[i] += static_cast<A>(in[i]);
+}
+template <class S, class A>
+inline void narrow(S* __restrict out, const A* __restrict in, std::size_t n) {
+    for (std::size_t i = 0; i < n; ++i) out[i] = S(in[i]);
+}
+
+// For every i < n: the sum of inputs[0..n_in)[i] in rank order, in the accumulator type, times
+// `factor` when `scaled`, written to every outputs[0..n_out)[i]. Outputs may alias inputs: each
+// block is read in full into `scratch` (reduce_block_bytes, aligned) before any of it is written.
+template <class S>
+void reduce_to_all(S* const* inputs, int n_in, S* const* outputs, int n_out, std::size_t n, bool scaled,
+                   accumulator_t<S> factor, void* scratch) {
+    using A = accumulator_t<S>;
+    if constexpr (std::is_same_v<S, A>) {
+        constexpr std::size_t block = reduce_block_bytes / sizeof(S);
+        auto* tmp = static_cast<S*>(scratch);
+        for (std::size_t off = 0; off < n; off += block) {
+            std::size_t k = std::min(block, n - off);
+            if (n_in == 1) {
+                std::memcpy(tmp, inputs[0] + off, k * sizeof(S));
+            } else {
+                add_two(tmp, inputs[0] + off, inputs[1] + off, k);
+                for (int s = 2; s < n_in; ++s) add_into(tmp, inputs[s] + off, k);
+            }
+            if (scaled) scale_in_place(tmp, factor, k);
+            for (int o = 0; o < n_out; ++o) std::memcpy(outputs[o] + off, tmp, k * sizeof(S));
         }
-        if (scaled) scale_in_place(tmp, factor, k);
-        for (int o = 0; o < n_out; ++o) std::memcpy(outputs[o] + off, tmp, k * sizeof(T));
+    } else {
+        // Widen into A, sum there, narrow once (rounding to nearest even), copy to every output.
+        constexpr std::size_t block = reduce_block_bytes / (sizeof(A) + sizeof(S)) / simd_width * simd_width;
+        auto* acc = static_cast<A*>(scratch);
+        auto* narrowed = reinterpret_cast<S*>(acc + block);
+        for (std::size_t off = 0; off < n; off += block) {
+            std::size_t k = std::min(block, n - off);
+            widen(acc, inputs[0] + off, k);
+            for (int s = 1; s < n_in; ++s) add_widened(acc, inputs[s] + off, k);
+            if (scaled) scale_in_place(acc, factor, k);
+            narrow(narrowed, acc, k);
+            for (int o = 0; o < n_out; ++o) std::memcpy(outputs[o] + off, narrowed, k * sizeof(S));
+        }
     }
 }
 
@@ -778,6 +933,10 @@ private:
     std::size_t elem_;
 };
 
+inline bool reducible(DType t) {
+    return t == DType::float32 || t == DType::float64 || t == DType::float16 || t == DType::bfloat16;
+}
+
 inline std::size_t total_count(std::span<const Segment> segs) {
     std::size_t n = 0;
     for (const auto& s : segs) n += s.count;
@@ -831,7 +990,9 @@ public:
             case LocalCallKind::allreduce:
                 if (call.dtype == DType::float32) return allreduce<float>(rank, call, deadline);
                 if (call.dtype == DType::float64) return allreduce<double>(rank, call, deadline);
-                fail(rank, call, "LocalBackend reduces float32 and float64 only, not " + to_string(call.dtype));
+                if (call.dtype == DType::float16) return allreduce<float16>(rank, call, deadline);
+                if (call.dtype == DType::bfloat16) return allreduce<bfloat16>(rank, call, deadline);
+                fail(rank, call, "LocalBackend reduces floating-point types only, not " + to_string(call.dtype));
             case LocalCallKind::broadcast: return broadcast(rank, call, deadline);
             case LocalCallKind::barrier: return barrier(rank, call, deadline);
         }
@@ -899,8 +1060,8 @@ private:
     }
 
     void execute_alone(int rank, const LocalCall& call) {
-        if (call.kind == LocalCallKind::allreduce && call.dtype != DType::float32 && call.dtype != DType::float64)
-            fail(rank, call, "LocalBackend reduces float32 and float64 only, not " + to_string(call.dtype));
+        if (call.kind == LocalCallKind::allreduce && !reducible(call.dtype))
+            fail(rank, call, "LocalBackend reduces floating-point types only, not " + to_string(call.dtype));
         if (call.kind == LocalCallKind::broadcast && call.root != 0)
             fail(rank, call, "root " + std::to_string(call.root) + " is not a rank of this group of 1");
         // One rank: sum and average are the identity, broadcast and barrier are no-ops.
@@ -985,7 +1146,7 @@ private:
     void allreduce_one_shot(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
         auto& me = ranks_[idx(rank)];
         const std::size_t piece = staging_bytes_ / sizeof(T);
-        const T factor = T(1) / static_cast<T>(size_);
+        const auto factor = accumulator_t<T>(1) / static_cast<accumulator_t<T>>(size_);
         SegmentCursor in(call.segs(), 0, sizeof(T));
         SegmentCursor out(call.segs(), 0, sizeof(T));
         std::size_t pos = 0;
@@ -1011,8 +1172,7 @@ private:
             for (std::size_t done = 0; done < len;) {
                 std::size_t k = std::min(len - done, out.left());
                 T* dst = reinterpret_cast<T*>(out.ptr());
-                reduce_to_all<T>(inputs, size_, &dst, 1, k, call.op == ReduceOp::average, factor,
-                                 reinterpret_cast<T*>(me.block.data()));
+                reduce_to_all<T>(inputs, size_, &dst, 1, k, call.op == ReduceOp::average, factor, me.block.data());
                 for (int s = 0; s < size_; ++s) inputs[s] += k;
                 out.advance(k);
                 done += k;
@@ -1038,7 +1198,7 @@ private:
         std::size_t lo = std::min(n, static_cast<std::size_t>(rank) * chunk);
         std::size_t hi = std::min(n, lo + chunk);
         if (lo < hi) {
-            const T factor = T(1) / static_cast<T>(size_);
+            const auto factor = accumulator_t<T>(1) / static_cast<accumulator_t<T>>(size_);
             me.cursors.clear();
             for (int s = 0; s < size_; ++s) me.cursors.emplace_back(ranks_[idx(s)].calls[parity].segs(), lo, sizeof(T));
             auto** ptrs = reinterpret_cast<T**>(me.pointers.data());
@@ -1046,8 +1206,7 @@ private:
                 std::size_t k = hi - pos;
                 for (const auto& c : me.cursors) k = std::min(k, c.left());
                 for (int s = 0; s < size_; ++s) ptrs[s] = reinterpret_cast<T*>(me.cursors[idx(s)].ptr());
-                reduce_to_all<T>(ptrs, size_, ptrs, size_, k, call.op == ReduceOp::average, factor,
-                                 reinterpret_cast<T*>(me.block.data()));
+                reduce_to_all<T>(ptrs, size_, ptrs, size_, k, call.op == ReduceOp::average, factor, me.block.data());
                 for (auto& c : me.cursors) c.advance(k);
                 pos += k;
             }
@@ -1200,7 +1359,8 @@ public:
 
     [[nodiscard]] int rank() const { return rank_; }
     [[nodiscard]] int size() const { return group_->size(); }
-    [[nodiscard]] bool supports(DType t) const { return t == DType::float32 || t == DType::float64; }
+    // float32, float64, and float16 and bfloat16 (summed in float).
+    [[nodiscard]] bool supports(DType t) const { return detail::reducible(t); }
     [[nodiscard]] const LocalGroupOptions& options() const { return group_->options(); }
     // Staging and scratch memory this rank's collectives use.
     [[nodiscard]] Bytes memory_footprint() const { return group_->memory_per_rank(); }
@@ -1342,6 +1502,10 @@ private:
                     *static_cast<float*>(seg.data) = std::numeric_limits<float>::quiet_NaN();
                 if (call.dtype == DType::float64)
                     *static_cast<double*>(seg.data) = std::numeric_limits<double>::quiet_NaN();
+                if (call.dtype == DType::float16)
+                    *static_cast<float16*>(seg.data) = float16(std::numeric_limits<float>::quiet_NaN());
+                if (call.dtype == DType::bfloat16)
+                    *static_cast<bfloat16*>(seg.data) = bfloat16(std::numeric_limits<float>::quiet_NaN());
                 break;
             }
         }

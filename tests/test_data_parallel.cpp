@@ -198,9 +198,9 @@ TEST_CASE("a null gradient pointer is an error on every rank, naming the rank an
 
 TEST_CASE("an unsupported dtype is an error on every rank") {
     struct Half {
-        std::uint16_t w[8]{}, g[8]{};
+        std::int32_t w[8]{}, g[8]{};
         std::vector<gradsync::Parameter> parameters() {
-            return {gradsync::Parameter{"emb", w, g, 8, gradsync::DType::float16}};
+            return {gradsync::Parameter{"emb", w, g, 8, gradsync::DType::int32}};
         }
     };
     auto messages = messages_of(2, [](LocalBackend& b) {
@@ -208,7 +208,7 @@ TEST_CASE("an unsupported dtype is an error on every rank") {
         DataParallel dp(m, b);
     });
     check_same_on_every_rank(messages,
-                             "invalid model on rank 0: parameter 'emb' is float16, which this backend cannot reduce");
+                             "invalid model on rank 0: parameter 'emb' is int32, which this backend cannot reduce");
 
     struct Bogus {
         float w[2]{}, g[2]{};

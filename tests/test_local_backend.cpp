@@ -1,6 +1,7 @@
 // LocalBackend: allreduce, broadcast and barrier among threads, both algorithms, every world
 // size from 1 to 8, and the failures that must become exceptions rather than hangs.
 #include <gradsync/backend/local.hpp>
+#include <gradsync/half.hpp>
 #include <gradsync/spawn.hpp>
 
 #include <doctest/doctest.h>
@@ -40,20 +41,22 @@ std::vector<T> input_of(int rank, std::size_t n, std::uint64_t seed) {
     std::mt19937_64 rng(seed * 1000 + static_cast<std::uint64_t>(rank));
     std::uniform_real_distribution<double> d(-1.0, 1.0);
     std::vector<T> v(n);
-    for (auto& x : v) x = static_cast<T>(d(rng));
+    for (auto& x : v) x = T(static_cast<float>(d(rng)));
     return v;
 }
 
-// The documented result: the sum in rank order, times 1/n for an average.
+// The documented result: the sum in rank order, in float for the 16-bit types, times 1/n for an
+// average, rounded to the storage type once.
 template <class T>
 std::vector<T> expected(int world, std::size_t n, std::uint64_t seed, ReduceOp op) {
+    using A = gradsync::detail::accumulator_t<T>;
     std::vector<std::vector<T>> in;
     for (int r = 0; r < world; ++r) in.push_back(input_of<T>(r, n, seed));
     std::vector<T> out(n);
     for (std::size_t i = 0; i < n; ++i) {
-        T s = in[0][i];
-        for (int r = 1; r < world; ++r) s += in[static_cast<std::size_t>(r)][i];
-        out[i] = op == ReduceOp::average && world > 1 ? s * (T(1) / static_cast<T>(world)) : s;
+        A s = static_cast<A>(in[0][i]);
+        for (int r = 1; r < world; ++r) s += static_cast<A>(in[static_cast<std::size_t>(r)][i]);
+        out[i] = T(op == ReduceOp::average && world > 1 ? s * (A(1) / static_cast<A>(world)) : s);
     }
     return out;
 }
@@ -81,7 +84,7 @@ void check_allreduce(int world, std::size_t n, LocalAlgorithm algo, ReduceOp op)
 
 }  // namespace
 
-TEST_CASE("allreduce is bitwise the rank-ordered sum, for world sizes 1 to 8 and both algorithms") {
+TEST_CASE("allreduce is bitwise the rank-ordered sum, for world sizes 1 to 8, both algorithms, every dtype") {
     const std::size_t counts[] = {0, 1, 2, 15, 16, 17, 1000, 1023, 4097, 65537};
     for (int world = 1; world <= 8; ++world) {
         for (auto algo : all_algorithms) {
@@ -91,6 +94,8 @@ TEST_CASE("allreduce is bitwise the rank-ordered sum, for world sizes 1 to 8 and
                 CAPTURE(n);
                 check_allreduce<float>(world, n, algo, ReduceOp::sum);
                 check_allreduce<double>(world, n, algo, ReduceOp::average);
+                check_allreduce<gradsync::float16>(world, n, algo, ReduceOp::average);
+                check_allreduce<gradsync::bfloat16>(world, n, algo, ReduceOp::sum);
             }
         }
     }
@@ -359,9 +364,9 @@ TEST_CASE("bad arguments fail every rank") {
     for (const auto& m : messages) CHECK(m.find("root 5 is not a rank of this group of 2") != std::string::npos);
 
     gradsync::spawn(2, [&](LocalBackend& b) {
-        std::uint16_t halves[4] = {};
-        CHECK_THROWS_WITH_AS(b.allreduce(gradsync::Buffer{halves, 4, gradsync::DType::float16}, ReduceOp::sum),
-                             doctest::Contains("LocalBackend reduces float32 and float64 only, not float16"),
+        std::int32_t counters[4] = {};
+        CHECK_THROWS_WITH_AS(b.allreduce(gradsync::Buffer{counters, 4, gradsync::DType::int32}, ReduceOp::sum),
+                             doctest::Contains("LocalBackend reduces floating-point types only, not int32"),
                              gradsync::CollectiveError);
     });
 
@@ -374,6 +379,7 @@ TEST_CASE("a group reports its memory and its ranks") {
     CHECK(ranks[2].rank() == 2);
     CHECK(ranks[0].size() == 3);
     CHECK(ranks[0].supports(gradsync::DType::float64));
-    CHECK_FALSE(ranks[0].supports(gradsync::DType::bfloat16));
+    CHECK(ranks[0].supports(gradsync::DType::bfloat16));
+    CHECK_FALSE(ranks[0].supports(gradsync::DType::int64));
     CHECK(ranks[0].memory_footprint() == 2 * 4_KiB + 8_KiB);  // the staging slot is at least 4 KiB
 }

@@ -11,6 +11,7 @@
 #include <gradsync/data_parallel.hpp>
 #include <gradsync/dtype.hpp>
 #include <gradsync/error.hpp>
+#include <gradsync/half.hpp>
 #include <gradsync/memory.hpp>
 #include <gradsync/model.hpp>
 #include <gradsync/options.hpp>

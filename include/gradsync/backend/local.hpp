@@ -9,6 +9,7 @@
 #include <gradsync/detail/wait.hpp>
 #include <gradsync/dtype.hpp>
 #include <gradsync/error.hpp>
+#include <gradsync/half.hpp>
 
 #include <algorithm>  // for std::min
 #include <atomic>
@@ -134,6 +135,10 @@ private:
     std::size_t elem_;
 };
 
+inline bool reducible(DType t) {
+    return t == DType::float32 || t == DType::float64 || t == DType::float16 || t == DType::bfloat16;
+}
+
 inline std::size_t total_count(std::span<const Segment> segs) {
     std::size_t n = 0;
     for (const auto& s : segs) n += s.count;
@@ -187,7 +192,9 @@ public:
             case LocalCallKind::allreduce:
                 if (call.dtype == DType::float32) return allreduce<float>(rank, call, deadline);
                 if (call.dtype == DType::float64) return allreduce<double>(rank, call, deadline);
-                fail(rank, call, "LocalBackend reduces float32 and float64 only, not " + to_string(call.dtype));
+                if (call.dtype == DType::float16) return allreduce<float16>(rank, call, deadline);
+                if (call.dtype == DType::bfloat16) return allreduce<bfloat16>(rank, call, deadline);
+                fail(rank, call, "LocalBackend reduces floating-point types only, not " + to_string(call.dtype));
             case LocalCallKind::broadcast: return broadcast(rank, call, deadline);
             case LocalCallKind::barrier: return barrier(rank, call, deadline);
         }
@@ -255,8 +262,8 @@ private:
     }
 
     void execute_alone(int rank, const LocalCall& call) {
-        if (call.kind == LocalCallKind::allreduce && call.dtype != DType::float32 && call.dtype != DType::float64)
-            fail(rank, call, "LocalBackend reduces float32 and float64 only, not " + to_string(call.dtype));
+        if (call.kind == LocalCallKind::allreduce && !reducible(call.dtype))
+            fail(rank, call, "LocalBackend reduces floating-point types only, not " + to_string(call.dtype));
         if (call.kind == LocalCallKind::broadcast && call.root != 0)
             fail(rank, call, "root " + std::to_string(call.root) + " is not a rank of this group of 1");
         // One rank: sum and average are the identity, broadcast and barrier are no-ops.
@@ -341,7 +348,7 @@ private:
     void allreduce_one_shot(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
         auto& me = ranks_[idx(rank)];
         const std::size_t piece = staging_bytes_ / sizeof(T);
-        const T factor = T(1) / static_cast<T>(size_);
+        const auto factor = accumulator_t<T>(1) / static_cast<accumulator_t<T>>(size_);
         SegmentCursor in(call.segs(), 0, sizeof(T));
         SegmentCursor out(call.segs(), 0, sizeof(T));
         std::size_t pos = 0;
@@ -367,8 +374,7 @@ private:
             for (std::size_t done = 0; done < len;) {
                 std::size_t k = std::min(len - done, out.left());
                 T* dst = reinterpret_cast<T*>(out.ptr());
-                reduce_to_all<T>(inputs, size_, &dst, 1, k, call.op == ReduceOp::average, factor,
-                                 reinterpret_cast<T*>(me.block.data()));
+                reduce_to_all<T>(inputs, size_, &dst, 1, k, call.op == ReduceOp::average, factor, me.block.data());
                 for (int s = 0; s < size_; ++s) inputs[s] += k;
                 out.advance(k);
                 done += k;
@@ -394,7 +400,7 @@ private:
         std::size_t lo = std::min(n, static_cast<std::size_t>(rank) * chunk);
         std::size_t hi = std::min(n, lo + chunk);
         if (lo < hi) {
-            const T factor = T(1) / static_cast<T>(size_);
+            const auto factor = accumulator_t<T>(1) / static_cast<accumulator_t<T>>(size_);
             me.cursors.clear();
             for (int s = 0; s < size_; ++s) me.cursors.emplace_back(ranks_[idx(s)].calls[parity].segs(), lo, sizeof(T));
             auto** ptrs = reinterpret_cast<T**>(me.pointers.data());
@@ -402,8 +408,7 @@ private:
                 std::size_t k = hi - pos;
                 for (const auto& c : me.cursors) k = std::min(k, c.left());
                 for (int s = 0; s < size_; ++s) ptrs[s] = reinterpret_cast<T*>(me.cursors[idx(s)].ptr());
-                reduce_to_all<T>(ptrs, size_, ptrs, size_, k, call.op == ReduceOp::average, factor,
-                                 reinterpret_cast<T*>(me.block.data()));
+                reduce_to_all<T>(ptrs, size_, ptrs, size_, k, call.op == ReduceOp::average, factor, me.block.data());
                 for (auto& c : me.cursors) c.advance(k);
                 pos += k;
             }
@@ -556,7 +561,8 @@ public:
 
     [[nodiscard]] int rank() const { return rank_; }
     [[nodiscard]] int size() const { return group_->size(); }
-    [[nodiscard]] bool supports(DType t) const { return t == DType::float32 || t == DType::float64; }
+    // float32, float64, and float16 and bfloat16 (summed in float).
+    [[nodiscard]] bool supports(DType t) const { return detail::reducible(t); }
     [[nodiscard]] const LocalGroupOptions& options() const { return group_->options(); }
     // Staging and scratch memory this rank's collectives use.
     [[nodiscard]] Bytes memory_footprint() const { return group_->memory_per_rank(); }
@@ -698,6 +704,10 @@ private:
                     *static_cast<float*>(seg.data) = std::numeric_limits<float>::quiet_NaN();
                 if (call.dtype == DType::float64)
                     *static_cast<double*>(seg.data) = std::numeric_limits<double>::quiet_NaN();
+                if (call.dtype == DType::float16)
+                    *static_cast<float16*>(seg.data) = float16(std::numeric_limits<float>::quiet_NaN());
+                if (call.dtype == DType::bfloat16)
+                    *static_cast<bfloat16*>(seg.data) = bfloat16(std::numeric_limits<float>::quiet_NaN());
                 break;
             }
         }

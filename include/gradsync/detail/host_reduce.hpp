@@ -3,11 +3,13 @@
 // algorithm and every rank produces bitwise identical results.
 #pragma once
 
+#include <gradsync/half.hpp>
 #include <gradsync/version.hpp>
 
 #include <algorithm>  // for std::min
 #include <cstddef>
-#include <cstring>  // for std::memcpy
+#include <cstring>      // for std::memcpy
+#include <type_traits>  // for std::is_same_v
 
 namespace gradsync::inline v0::detail {
 
@@ -38,23 +40,69 @@ inline void scale_in_place(T* __restrict out, T factor, std::size_t n) {
     for (; i < n; ++i) out[i] *= factor;
 }
 
-// For every i < n: the sum of inputs[0..n_in)[i] in rank order, times `factor` when `scaled`,
-// written to every outputs[0..n_out)[i]. Outputs may alias inputs: each block is read in full
-// into `tmp` (reduce_block_bytes, aligned) before any of it is written.
-template <class T>
-void reduce_to_all(T* const* inputs, int n_in, T* const* outputs, int n_out, std::size_t n, bool scaled, T factor,
-                   T* tmp) {
-    constexpr std::size_t block = reduce_block_bytes / sizeof(T);
-    for (std::size_t off = 0; off < n; off += block) {
-        std::size_t k = std::min(block, n - off);
-        if (n_in == 1) {
-            std::memcpy(tmp, inputs[0] + off, k * sizeof(T));
-        } else {
-            add_two(tmp, inputs[0] + off, inputs[1] + off, k);
-            for (int s = 2; s < n_in; ++s) add_into(tmp, inputs[s] + off, k);
+// What a storage type is summed in: itself, or float for the 16-bit types.
+template <class S>
+struct accumulator {
+    using type = S;
+};
+template <>
+struct accumulator<float16> {
+    using type = float;
+};
+template <>
+struct accumulator<bfloat16> {
+    using type = float;
+};
+template <class S>
+using accumulator_t = typename accumulator<S>::type;
+
+template <class S, class A>
+inline void widen(A* __restrict out, const S* __restrict in, std::size_t n) {
+    for (std::size_t i = 0; i < n; ++i) out[i] = static_cast<A>(in[i]);
+}
+template <class S, class A>
+inline void add_widened(A* __restrict out, const S* __restrict in, std::size_t n) {
+    for (std::size_t i = 0; i < n; ++i) out[i] += static_cast<A>(in[i]);
+}
+template <class S, class A>
+inline void narrow(S* __restrict out, const A* __restrict in, std::size_t n) {
+    for (std::size_t i = 0; i < n; ++i) out[i] = S(in[i]);
+}
+
+// For every i < n: the sum of inputs[0..n_in)[i] in rank order, in the accumulator type, times
+// `factor` when `scaled`, written to every outputs[0..n_out)[i]. Outputs may alias inputs: each
+// block is read in full into `scratch` (reduce_block_bytes, aligned) before any of it is written.
+template <class S>
+void reduce_to_all(S* const* inputs, int n_in, S* const* outputs, int n_out, std::size_t n, bool scaled,
+                   accumulator_t<S> factor, void* scratch) {
+    using A = accumulator_t<S>;
+    if constexpr (std::is_same_v<S, A>) {
+        constexpr std::size_t block = reduce_block_bytes / sizeof(S);
+        auto* tmp = static_cast<S*>(scratch);
+        for (std::size_t off = 0; off < n; off += block) {
+            std::size_t k = std::min(block, n - off);
+            if (n_in == 1) {
+                std::memcpy(tmp, inputs[0] + off, k * sizeof(S));
+            } else {
+                add_two(tmp, inputs[0] + off, inputs[1] + off, k);
+                for (int s = 2; s < n_in; ++s) add_into(tmp, inputs[s] + off, k);
+            }
+            if (scaled) scale_in_place(tmp, factor, k);
+            for (int o = 0; o < n_out; ++o) std::memcpy(outputs[o] + off, tmp, k * sizeof(S));
         }
-        if (scaled) scale_in_place(tmp, factor, k);
-        for (int o = 0; o < n_out; ++o) std::memcpy(outputs[o] + off, tmp, k * sizeof(T));
+    } else {
+        // Widen into A, sum there, narrow once (rounding to nearest even), copy to every output.
+        constexpr std::size_t block = reduce_block_bytes / (sizeof(A) + sizeof(S)) / simd_width * simd_width;
+        auto* acc = static_cast<A*>(scratch);
+        auto* narrowed = reinterpret_cast<S*>(acc + block);
+        for (std::size_t off = 0; off < n; off += block) {
+            std::size_t k = std::min(block, n - off);
+            widen(acc, inputs[0] + off, k);
+            for (int s = 1; s < n_in; ++s) add_widened(acc, inputs[s] + off, k);
+            if (scaled) scale_in_place(acc, factor, k);
+            narrow(narrowed, acc, k);
+            for (int o = 0; o < n_out; ++o) std::memcpy(outputs[o] + off, narrowed, k * sizeof(S));
+        }
     }
 }
 

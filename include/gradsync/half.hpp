@@ -1,0 +1,108 @@
+// float16 and bfloat16: portable 16-bit floating-point storage types for the host, with
+// round-to-nearest-even conversions, bit-compatible with CUDA's __half and __nv_bfloat16.
+// They store and convert; arithmetic happens in float.
+#pragma once
+
+#include <gradsync/dtype.hpp>
+#include <gradsync/version.hpp>
+
+#include <cstdint>
+#include <cstring>  // for std::memcpy
+
+namespace gradsync::inline v0 {
+
+namespace detail {
+
+inline std::uint32_t bits_of(float f) {
+    std::uint32_t u;
+    std::memcpy(&u, &f, sizeof u);
+    return u;
+}
+inline float float_of(std::uint32_t u) {
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+// IEEE binary16 from binary32, rounding to nearest even; overflow gives infinity, NaN stays NaN.
+// Every case is computed and one selected, without branches, so that loops over it vectorize.
+inline std::uint16_t half_bits_from_float(float value) {
+    const std::uint32_t u = bits_of(value);
+    const std::uint32_t sign = u & 0x80000000u;
+    const std::uint32_t f = u ^ sign;
+    // Normal: rebias the exponent (-112 << 23) and round to nearest even; a carry out of the
+    // mantissa correctly reaches infinity.
+    const std::uint32_t normal = (f + 0xc8000fffu + ((f >> 13) & 1u)) >> 13;
+    // Below 2^-14, subnormal or zero: adding 0.5 aligns the 10 mantissa bits at the bottom and
+    // the FPU rounds to nearest even.
+    const std::uint32_t subnormal = bits_of(float_of(f) + 0.5f) - 0x3f000000u;
+    const std::uint32_t special = f > 0x7f800000u ? 0x7e00u : 0x7c00u;  // NaN (made quiet), infinity
+    const std::uint32_t out = f >= 0x47800000u ? special : (f < 0x38800000u ? subnormal : normal);
+    return static_cast<std::uint16_t>(out | (sign >> 16));
+}
+
+inline float float_from_half_bits(std::uint16_t h) {
+    const std::uint32_t shifted = (static_cast<std::uint32_t>(h) & 0x7fffu) << 13;
+    const std::uint32_t exponent = shifted & 0x0f800000u;
+    const std::uint32_t normal = shifted + 0x38000000u;  // rebias (127 - 15) << 23
+    const std::uint32_t special = normal + 0x38000000u;  // infinity or NaN
+    const std::uint32_t subnormal = bits_of(float_of(normal + 0x00800000u) - float_of(0x38800000u));
+    const std::uint32_t u = exponent == 0x0f800000u ? special : (exponent == 0 ? subnormal : normal);
+    return float_of(u | (static_cast<std::uint32_t>(h) & 0x8000u) << 16);
+}
+
+// bfloat16 from binary32, rounding to nearest even; NaN stays a (quiet) NaN.
+inline std::uint16_t bfloat16_bits_from_float(float value) {
+    const std::uint32_t f = bits_of(value);
+    const std::uint32_t rounded = (f + 0x7fffu + ((f >> 16) & 1u)) >> 16;
+    const std::uint32_t nan = (f >> 16) | 0x0040u;
+    return static_cast<std::uint16_t>((f & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+}
+
+inline float float_from_bfloat16_bits(std::uint16_t b) { return float_of(static_cast<std::uint32_t>(b) << 16); }
+
+}  // namespace detail
+
+// IEEE 754 binary16.
+struct float16 {
+    std::uint16_t bits = 0;
+
+    float16() = default;
+    explicit float16(float f) : bits(detail::half_bits_from_float(f)) {}
+    static float16 from_bits(std::uint16_t b) {
+        float16 h;
+        h.bits = b;
+        return h;
+    }
+    explicit operator float() const { return detail::float_from_half_bits(bits); }
+    friend bool operator==(float16 a, float16 b) { return a.bits == b.bits; }
+};
+
+// The upper half of a binary32: its range, 8 bits of precision.
+struct bfloat16 {
+    std::uint16_t bits = 0;
+
+    bfloat16() = default;
+    explicit bfloat16(float f) : bits(detail::bfloat16_bits_from_float(f)) {}
+    static bfloat16 from_bits(std::uint16_t b) {
+        bfloat16 h;
+        h.bits = b;
+        return h;
+    }
+    explicit operator float() const { return detail::float_from_bfloat16_bits(bits); }
+    friend bool operator==(bfloat16 a, bfloat16 b) { return a.bits == b.bits; }
+};
+
+static_assert(sizeof(float16) == 2 && alignof(float16) == 2, "float16 must be layout-compatible with __half");
+static_assert(sizeof(bfloat16) == 2 && alignof(bfloat16) == 2, "bfloat16 must be layout-compatible with __nv_bfloat16");
+
+template <>
+struct dtype_traits<float16> {
+    static constexpr DType value = DType::float16;
+};
+template <>
+struct dtype_traits<bfloat16> {
+    static constexpr DType value = DType::bfloat16;
+};
+
+}  // namespace gradsync::inline v0
