@@ -7,14 +7,19 @@
 // header that needs nothing beyond the C++ standard library.
 
 
-// ---- begin gradsync/backend.hpp ----
-// What a communication backend provides (the Backend concept) and the vocabulary its collectives
-// speak: buffers with a run-time dtype, reduction operators, and handles to wait on.
+// ---- begin gradsync/amp.hpp ----
+// Loss scaling for mixed precision: multiply the loss by dp.loss_scale() before backward, and
+// DataParallel divides the reduced gradients by the same scale in its finalize pass; step()
+// skips the optimizer when a gradient overflowed and tells the scaler either way.
 
 
-// ---- begin gradsync/bytes.hpp ----
-// Bytes: a typed memory size, so that no size in the API is a bare number whose unit a user
-// must guess. Literals 4_KiB, 25_MiB, 1_GiB live in gradsync::literals.
+// ---- begin gradsync/detail/policy.hpp ----
+// Policy categories and the selection of one policy per category from DataParallel's pack, in
+// any order, each defaulted; two of one category, or a type that is no policy, is a clear error.
+
+
+// ---- begin gradsync/detail/meta.hpp ----
+// Small metaprogramming helpers shared by the public headers. Users never include detail/.
 
 
 // ---- begin gradsync/version.hpp ----
@@ -37,6 +42,247 @@ inline constexpr Version version{GRADSYNC_VERSION_MAJOR, GRADSYNC_VERSION_MINOR,
 
 }  // namespace gradsync::inline v0
 // ---- end gradsync/version.hpp ----
+
+namespace gradsync::inline v0::detail {
+
+// static_assert(false) inside a template, which g++ 12 rejects before instantiation otherwise.
+template <class...>
+inline constexpr bool dependent_false = false;
+
+}  // namespace gradsync::inline v0::detail
+// ---- end gradsync/detail/meta.hpp ----
+
+#include <tuple>
+#include <type_traits>
+
+namespace gradsync::inline v0 {
+
+// A policy type says which category it belongs to with `using policy_category = ...;`.
+namespace policy_category {
+struct bucketer {};     // groups parameters into buckets (bucket.hpp)
+struct memory {};       // where packed bucket buffers live (memory.hpp)
+struct packing {};      // whether gradients are copied into bucket buffers (memory.hpp)
+struct buffers {};      // what happens to non-parameter state such as batch-norm statistics (buffers.hpp)
+struct options {};      // run-time settings (options.hpp)
+struct loss_scaler {};  // mixed-precision loss scaling (amp.hpp)
+struct compression {};  // the dtype gradients travel in (compression.hpp)
+struct lr_rule {};      // the learning rate step() passes to the optimizer (lr.hpp)
+}  // namespace policy_category
+
+namespace detail {
+
+struct no_policy {};
+
+template <class A, class B>
+struct two_policies_of_one_category {
+    static_assert(dependent_false<A, B>,
+                  "gradsync: two policies of the same category were given to DataParallel "
+                  "(both are named in the instantiation note of two_policies_of_one_category); "
+                  "keep one");
+    using type = A;
+};
+
+template <bool Match, class Found, class P>
+struct merge_policy {
+    using type = Found;
+};
+template <class P>
+struct merge_policy<true, no_policy, P> {
+    using type = P;
+};
+template <class Found, class P>
+struct merge_policy<true, Found, P> : two_policies_of_one_category<Found, P> {};
+
+template <class P>
+concept is_policy = requires {
+    typename P::policy_category;
+};
+
+// P's category, or void for a type that is no policy (reported by check_policy).
+template <class P>
+struct category_of {
+    using type = void;
+};
+template <is_policy P>
+struct category_of<P> {
+    using type = typename P::policy_category;
+};
+
+template <class Category, class Found, class... Ps>
+struct find_policy {
+    using type = Found;
+};
+template <class Category, class Found, class P, class... Rest>
+struct find_policy<Category, Found, P, Rest...>
+    : find_policy<Category,
+                  typename merge_policy<std::is_same_v<typename category_of<P>::type, Category>, Found, P>::type,
+                  Rest...> {};
+
+template <class P>
+constexpr bool check_policy() {
+    static_assert(is_policy<P>,
+                  "gradsync: a DataParallel template argument after Model and Backend is not a "
+                  "policy (it has no `policy_category` member type); see detail/policy.hpp");
+    return true;
+}
+
+// The policy of `Category` in Ps..., or Default when there is none.
+template <class Category, class Default, class... Ps>
+using select_policy =
+    std::conditional_t<std::is_same_v<typename find_policy<Category, no_policy, Ps...>::type, no_policy>, Default,
+                       typename find_policy<Category, no_policy, Ps...>::type>;
+
+// The value of the policy of type P from a tuple of given policies, or a default-constructed P.
+template <class P, class... Ps>
+P policy_value(const std::tuple<Ps...>& given) {
+    if constexpr ((std::is_same_v<P, Ps> || ...)) {
+        return std::get<P>(given);
+    } else {
+        return P{};
+    }
+}
+
+}  // namespace detail
+}  // namespace gradsync::inline v0
+// ---- end gradsync/detail/policy.hpp ----
+
+// ---- begin gradsync/error.hpp ----
+// The exceptions gradsync throws. Every message names the rank, the operation and, where there
+// is one, the parameter, and says what to do about it.
+
+
+#include <stdexcept>  // for std::runtime_error
+#include <string>
+
+namespace gradsync::inline v0 {
+
+// Base of every gradsync exception.
+class Error : public std::runtime_error {
+public:
+    using std::runtime_error::runtime_error;
+};
+
+// The model handed to gradsync is unusable: null gradient, unsupported dtype, aliased buffers.
+class InvalidModel : public Error {
+public:
+    using Error::Error;
+};
+
+// Ranks disagree on the model's parameter layout. Thrown on every rank with the same message.
+class LayoutMismatch : public Error {
+public:
+    using Error::Error;
+};
+
+// A collective failed: a peer failed or left, ranks called different collectives, bad arguments.
+class CollectiveError : public Error {
+public:
+    using Error::Error;
+};
+
+// A collective did not complete before its deadline.
+class TimeoutError : public CollectiveError {
+public:
+    using CollectiveError::CollectiveError;
+};
+
+}  // namespace gradsync::inline v0
+// ---- end gradsync/error.hpp ----
+
+#include <algorithm>  // for std::min, std::max
+#include <cstdint>
+#include <string>
+
+namespace gradsync::inline v0 {
+
+// No scaling: the loss is used as it is (float32 training, or bfloat16 with its float range).
+struct NoLossScaling {
+    using policy_category = policy_category::loss_scaler;
+    [[nodiscard]] float scale() const { return 1.0f; }
+    void update(bool /*overflow*/) {}
+};
+
+// A fixed scale, such as PaddlePaddle's GradScaler(init_loss_scaling=1024,
+// use_dynamic_loss_scaling=False). Steps that overflow are still skipped.
+struct StaticLossScale {
+    using policy_category = policy_category::loss_scaler;
+    float value = 1024.0f;
+    [[nodiscard]] float scale() const { return value; }
+    void update(bool /*overflow*/) {}
+};
+
+// The scale grows by growth_factor after growth_interval steps in a row without overflow, and
+// backs off by backoff_factor after backoff_after overflowing steps in a row, within
+// [min_scale, max_scale]. Defaults match PyTorch's GradScaler and PaddlePaddle's (2.5 and later)
+// GradScaler: 65536, x2, x0.5, 2000 steps, backing off at every overflow. Unlike both, the scale
+// is clamped to [1, 2^24] by default, and an overflow at the minimum is not fatal: the step is
+// skipped, the overflowing tensors are reported, and training goes on. backoff_after is
+// PaddlePaddle's decr_every_n_nan_or_inf and DeepSpeed's hysteresis.
+struct DynamicLossScale {
+    using policy_category = policy_category::loss_scaler;
+
+    float init_scale = 65536.0f;
+    float growth_factor = 2.0f;
+    float backoff_factor = 0.5f;
+    std::uint32_t growth_interval = 2000;
+    std::uint32_t backoff_after = 1;
+    float min_scale = 1.0f;
+    float max_scale = 16777216.0f;
+
+    // What a checkpoint saves and restores.
+    struct State {
+        float scale = 0;               // 0: not started, init_scale
+        std::uint32_t good_steps = 0;  // in a row without overflow
+        std::uint32_t bad_steps = 0;   // in a row with overflow
+        friend bool operator==(const State&, const State&) = default;
+    };
+    State state{};
+
+    [[nodiscard]] float scale() const { return state.scale != 0 ? state.scale : clamp(init_scale); }
+
+    void update(bool overflow) {
+        check();
+        state.scale = scale();
+        if (overflow) {
+            state.good_steps = 0;
+            if (++state.bad_steps >= backoff_after) {
+                state.scale = clamp(state.scale * backoff_factor);
+                state.bad_steps = 0;
+            }
+        } else {
+            state.bad_steps = 0;
+            if (++state.good_steps >= growth_interval) {
+                state.scale = clamp(state.scale * growth_factor);
+                state.good_steps = 0;
+            }
+        }
+    }
+
+    [[nodiscard]] bool at_minimum() const { return scale() <= min_scale; }
+
+private:
+    [[nodiscard]] float clamp(float s) const { return std::min(max_scale, std::max(min_scale, s)); }
+    void check() const {
+        if (!(min_scale > 0) || !(max_scale >= min_scale) || !(growth_factor >= 1) || !(backoff_factor > 0) ||
+            !(backoff_factor <= 1) || growth_interval == 0 || backoff_after == 0)
+            throw Error(
+                "gradsync: DynamicLossScale needs 0 < min_scale <= max_scale, growth_factor >= 1, "
+                "0 < backoff_factor <= 1, growth_interval >= 1 and backoff_after >= 1");
+    }
+};
+
+}  // namespace gradsync::inline v0
+// ---- end gradsync/amp.hpp ----
+
+// ---- begin gradsync/backend.hpp ----
+// What a communication backend provides (the Backend concept) and the vocabulary its collectives
+// speak: buffers with a run-time dtype, reduction operators, and handles to wait on.
+
+
+// ---- begin gradsync/bytes.hpp ----
+// Bytes: a typed memory size, so that no size in the API is a bare number whose unit a user
+// must guess. Literals 4_KiB, 25_MiB, 1_GiB live in gradsync::literals.
+
 
 #include <compare>  // for operator<=>
 #include <cstddef>
@@ -101,19 +347,6 @@ constexpr Bytes operator""_GiB(unsigned long long n) { return Bytes{n << 30}; }
 
 }  // namespace gradsync::inline v0
 // ---- end gradsync/bytes.hpp ----
-
-// ---- begin gradsync/detail/meta.hpp ----
-// Small metaprogramming helpers shared by the public headers. Users never include detail/.
-
-
-namespace gradsync::inline v0::detail {
-
-// static_assert(false) inside a template, which g++ 12 rejects before instantiation otherwise.
-template <class...>
-inline constexpr bool dependent_false = false;
-
-}  // namespace gradsync::inline v0::detail
-// ---- end gradsync/detail/meta.hpp ----
 
 // ---- begin gradsync/detail/wait.hpp ----
 // Waiting without burning a core and without sleeping through a wake-up: spin briefly (the
@@ -675,24 +908,27 @@ inline constexpr std::size_t simd_width = 16;
 
 template <class T>
 inline void add_two(T* __restrict out, const T* __restrict a, const T* __restrict b, std::size_t n) {
+    const std::size_t full = n - n % simd_width;
     std::size_t i = 0;
-    for (; i + simd_width <= n; i += simd_width)
+    for (; i < full; i += simd_width)
         for (std::size_t j = 0; j < simd_width; ++j) out[i + j] = a[i + j] + b[i + j];
     for (; i < n; ++i) out[i] = a[i] + b[i];
 }
 
 template <class T>
 inline void add_into(T* __restrict out, const T* __restrict a, std::size_t n) {
+    const std::size_t full = n - n % simd_width;
     std::size_t i = 0;
-    for (; i + simd_width <= n; i += simd_width)
+    for (; i < full; i += simd_width)
         for (std::size_t j = 0; j < simd_width; ++j) out[i + j] += a[i + j];
     for (; i < n; ++i) out[i] += a[i];
 }
 
 template <class T>
 inline void scale_in_place(T* __restrict out, T factor, std::size_t n) {
+    const std::size_t full = n - n % simd_width;
     std::size_t i = 0;
-    for (; i + simd_width <= n; i += simd_width)
+    for (; i < full; i += simd_width)
         for (std::size_t j = 0; j < simd_width; ++j) out[i + j] *= factor;
     for (; i < n; ++i) out[i] *= factor;
 }
@@ -765,49 +1001,6 @@ void reduce_to_all(S* const* inputs, int n_in, S* const* outputs, int n_out, std
 
 }  // namespace gradsync::inline v0::detail
 // ---- end gradsync/detail/host_reduce.hpp ----
-
-// ---- begin gradsync/error.hpp ----
-// The exceptions gradsync throws. Every message names the rank, the operation and, where there
-// is one, the parameter, and says what to do about it.
-
-
-#include <stdexcept>  // for std::runtime_error
-#include <string>
-
-namespace gradsync::inline v0 {
-
-// Base of every gradsync exception.
-class Error : public std::runtime_error {
-public:
-    using std::runtime_error::runtime_error;
-};
-
-// The model handed to gradsync is unusable: null gradient, unsupported dtype, aliased buffers.
-class InvalidModel : public Error {
-public:
-    using Error::Error;
-};
-
-// Ranks disagree on the model's parameter layout. Thrown on every rank with the same message.
-class LayoutMismatch : public Error {
-public:
-    using Error::Error;
-};
-
-// A collective failed: a peer failed or left, ranks called different collectives, bad arguments.
-class CollectiveError : public Error {
-public:
-    using Error::Error;
-};
-
-// A collective did not complete before its deadline.
-class TimeoutError : public CollectiveError {
-public:
-    using CollectiveError::CollectiveError;
-};
-
-}  // namespace gradsync::inline v0
-// ---- end gradsync/error.hpp ----
 
 #include <algorithm>  // for std::min
 #include <atomic>
@@ -1586,102 +1779,6 @@ private:
 // value (==, hash, printer) and a deterministic function of the parameter layout and the policy.
 
 
-// ---- begin gradsync/detail/policy.hpp ----
-// Policy categories and the selection of one policy per category from DataParallel's pack, in
-// any order, each defaulted; two of one category, or a type that is no policy, is a clear error.
-
-
-#include <tuple>
-#include <type_traits>
-
-namespace gradsync::inline v0 {
-
-// A policy type says which category it belongs to with `using policy_category = ...;`.
-namespace policy_category {
-struct bucketer {};  // groups parameters into buckets (bucket.hpp)
-struct memory {};    // where packed bucket buffers live (memory.hpp)
-struct packing {};   // whether gradients are copied into bucket buffers (memory.hpp)
-struct buffers {};   // what happens to non-parameter state such as batch-norm statistics (buffers.hpp)
-struct options {};   // run-time settings (options.hpp)
-}  // namespace policy_category
-
-namespace detail {
-
-struct no_policy {};
-
-template <class A, class B>
-struct two_policies_of_one_category {
-    static_assert(dependent_false<A, B>,
-                  "gradsync: two policies of the same category were given to DataParallel "
-                  "(both are named in the instantiation note of two_policies_of_one_category); "
-                  "keep one");
-    using type = A;
-};
-
-template <bool Match, class Found, class P>
-struct merge_policy {
-    using type = Found;
-};
-template <class P>
-struct merge_policy<true, no_policy, P> {
-    using type = P;
-};
-template <class Found, class P>
-struct merge_policy<true, Found, P> : two_policies_of_one_category<Found, P> {};
-
-template <class P>
-concept is_policy = requires {
-    typename P::policy_category;
-};
-
-// P's category, or void for a type that is no policy (reported by check_policy).
-template <class P>
-struct category_of {
-    using type = void;
-};
-template <is_policy P>
-struct category_of<P> {
-    using type = typename P::policy_category;
-};
-
-template <class Category, class Found, class... Ps>
-struct find_policy {
-    using type = Found;
-};
-template <class Category, class Found, class P, class... Rest>
-struct find_policy<Category, Found, P, Rest...>
-    : find_policy<Category,
-                  typename merge_policy<std::is_same_v<typename category_of<P>::type, Category>, Found, P>::type,
-                  Rest...> {};
-
-template <class P>
-constexpr bool check_policy() {
-    static_assert(is_policy<P>,
-                  "gradsync: a DataParallel template argument after Model and Backend is not a "
-                  "policy (it has no `policy_category` member type); see detail/policy.hpp");
-    return true;
-}
-
-// The policy of `Category` in Ps..., or Default when there is none.
-template <class Category, class Default, class... Ps>
-using select_policy =
-    std::conditional_t<std::is_same_v<typename find_policy<Category, no_policy, Ps...>::type, no_policy>, Default,
-                       typename find_policy<Category, no_policy, Ps...>::type>;
-
-// The value of the policy of type P from a tuple of given policies, or a default-constructed P.
-template <class P, class... Ps>
-P policy_value(const std::tuple<Ps...>& given) {
-    if constexpr ((std::is_same_v<P, Ps> || ...)) {
-        return std::get<P>(given);
-    } else {
-        return P{};
-    }
-}
-
-}  // namespace detail
-}  // namespace gradsync::inline v0
-// ---- end gradsync/detail/policy.hpp ----
-
 // ---- begin gradsync/model.hpp ----
 // Model access: how gradsync lists a model's parameters as (name, data, gradient, count, dtype).
 // The customization point gradsync::parameters(model) tries, in order, a model_traits<M>
@@ -2172,6 +2269,39 @@ struct IgnoreBuffers {
 }  // namespace gradsync::inline v0
 // ---- end gradsync/buffers.hpp ----
 
+// ---- begin gradsync/compression.hpp ----
+// Wire compression: float32 gradients travel as float16 or bfloat16, converted while packing and
+// widened again in the finalize pass, halving the bytes every collective moves.
+
+
+namespace gradsync::inline v0 {
+
+// Gradients travel in their own dtype. The default.
+struct NoCompression {
+    using policy_category = policy_category::compression;
+    static constexpr DType wire = DType::float32;
+    static constexpr bool compresses = false;
+};
+
+// float32 buckets travel as float16. Each rank sends its gradient divided by the world size, so
+// the sum keeps the loss scale's headroom; a bucket whose float16 sum overflows is reduced again
+// in float32, so compression never overflows where float32 would not.
+struct Fp16Compression {
+    using policy_category = policy_category::compression;
+    static constexpr DType wire = DType::float16;
+    static constexpr bool compresses = true;
+};
+
+// float32 buckets travel as bfloat16: float32's range, 8 bits of precision.
+struct Bf16Compression {
+    using policy_category = policy_category::compression;
+    static constexpr DType wire = DType::bfloat16;
+    static constexpr bool compresses = true;
+};
+
+}  // namespace gradsync::inline v0
+// ---- end gradsync/compression.hpp ----
+
 // ---- begin gradsync/contiguous_parameters.hpp ----
 // ContiguousParameters: a model adapter for the llm.c layout, where every parameter lives in one
 // blob, every gradient in a second blob of the same layout, and a table gives each tensor's size.
@@ -2238,6 +2368,118 @@ private:
 // all ranks' gradients after synchronize(). With grad_ready() calls during backward, each bucket's
 // allreduce starts as soon as its last gradient is ready, overlapping communication with backward.
 
+
+// ---- begin gradsync/detail/finalize.hpp ----
+// The fused finalize pass over reduced gradients: scale (1 / (world size x loss scale)), sum of
+// squares for the global norm, and detection of non-finite values, in one read and one write of
+// each element, widening or narrowing between storage types on the way.
+
+
+#include <cmath>  // for std::isfinite
+#include <cstddef>
+
+namespace gradsync::inline v0::detail {
+
+// Squares are summed in double, in simd_width lanes added in a fixed order, so the result is
+// deterministic and a large finite gradient never overflows it: the sum is non-finite exactly
+// when some element is.
+struct SquareSum {
+    double lanes[simd_width] = {};
+
+    [[nodiscard]] double total() const {
+        double t = 0;
+        for (double l : lanes) t += l;
+        return t;
+    }
+};
+
+// out[i] = Out(in[i] * factor) for i < n, adding each out[i]'s square (as written, widened) to
+// `sums`. In and Out may be float, double, float16 or bfloat16, in any combination.
+template <class In, class Out>
+void scale_copy_square_sum(const In* __restrict in, Out* __restrict out, std::size_t n, double factor,
+                           SquareSum& sums) {
+    using A = accumulator_t<Out>;  // double stays double; everything else scales in float
+    const std::size_t full = n - n % simd_width;
+    std::size_t i = 0;
+    for (; i < full; i += simd_width) {
+        for (std::size_t j = 0; j < simd_width; ++j) {
+            const Out o = Out(static_cast<A>(static_cast<A>(in[i + j]) * static_cast<A>(factor)));
+            out[i + j] = o;
+            const double v = static_cast<double>(static_cast<A>(o));
+            sums.lanes[j] += v * v;
+        }
+    }
+    for (; i < n; ++i) {
+        const Out o = Out(static_cast<A>(static_cast<A>(in[i]) * static_cast<A>(factor)));
+        out[i] = o;
+        const double v = static_cast<double>(static_cast<A>(o));
+        sums.lanes[0] += v * v;
+    }
+}
+
+// The same in place: data[i] = T(data[i] * factor), squares added to `sums`.
+template <class T>
+void scale_square_sum(T* __restrict data, std::size_t n, double factor, SquareSum& sums) {
+    using A = accumulator_t<T>;
+    const std::size_t full = n - n % simd_width;
+    std::size_t i = 0;
+    for (; i < full; i += simd_width) {
+        for (std::size_t j = 0; j < simd_width; ++j) {
+            const T o = T(static_cast<A>(static_cast<A>(data[i + j]) * static_cast<A>(factor)));
+            data[i + j] = o;
+            const double v = static_cast<double>(static_cast<A>(o));
+            sums.lanes[j] += v * v;
+        }
+    }
+    for (; i < n; ++i) {
+        const T o = T(static_cast<A>(static_cast<A>(data[i]) * static_cast<A>(factor)));
+        data[i] = o;
+        const double v = static_cast<double>(static_cast<A>(o));
+        sums.lanes[0] += v * v;
+    }
+}
+
+// Only reads: the squares of data[i], for when there is nothing to scale.
+template <class T>
+void square_sum(const T* __restrict data, std::size_t n, SquareSum& sums) {
+    using A = accumulator_t<T>;
+    const std::size_t full = n - n % simd_width;
+    std::size_t i = 0;
+    for (; i < full; i += simd_width) {
+        for (std::size_t j = 0; j < simd_width; ++j) {
+            const double v = static_cast<double>(static_cast<A>(data[i + j]));
+            sums.lanes[j] += v * v;
+        }
+    }
+    for (; i < n; ++i) {
+        const double v = static_cast<double>(static_cast<A>(data[i]));
+        sums.lanes[0] += v * v;
+    }
+}
+
+// out[i] = Out(in[i] * factor): packing with a conversion (compression) or a share.
+template <class In, class Out>
+void scale_copy(const In* __restrict in, Out* __restrict out, std::size_t n, double factor) {
+    using A = accumulator_t<Out>;
+    for (std::size_t i = 0; i < n; ++i) out[i] = Out(static_cast<A>(static_cast<A>(in[i]) * static_cast<A>(factor)));
+}
+
+// No infinity and no NaN among n float16 values: an exponent field of all ones is either.
+inline bool all_finite(const float16* __restrict data, std::size_t n) {
+    unsigned special = 0;
+    for (std::size_t i = 0; i < n; ++i) special |= (data[i].bits & 0x7c00u) == 0x7c00u;
+    return special == 0;
+}
+
+// Multiplies in place (gradient clipping's second pass).
+template <class T>
+void scale_only(T* __restrict data, std::size_t n, double factor) {
+    using A = accumulator_t<T>;
+    for (std::size_t i = 0; i < n; ++i) data[i] = T(static_cast<A>(static_cast<A>(data[i]) * static_cast<A>(factor)));
+}
+
+}  // namespace gradsync::inline v0::detail
+// ---- end gradsync/detail/finalize.hpp ----
 
 // ---- begin gradsync/detail/layout_agreement.hpp ----
 // Construction-time agreement between ranks: each rank checks its own parameter list, then all
@@ -2619,6 +2861,69 @@ private:
 }  // namespace gradsync::inline v0::detail
 // ---- end gradsync/detail/timeline.hpp ----
 
+// ---- begin gradsync/lr.hpp ----
+// Learning-rate rules: the learning rate for the global batch (micro-batch x accumulation steps x
+// world size) from the base rate tuned for a reference batch, unscaled, linearly or by the square
+// root, with an optional gradual warm-up (Goyal et al. 2017). PaddlePaddle's `base_lr * num_gpus`
+// is LinearLr with the reference batch equal to the micro-batch.
+
+
+#include <cmath>  // for std::sqrt
+#include <cstdint>
+#include <string>
+
+namespace gradsync::inline v0 {
+
+enum class LrScaling : unsigned char { none, linear, square_root };
+
+// The learning rate at `step` (0 for the first): base_lr scaled for global_batch against
+// reference_batch; during the first warmup_steps steps it rises linearly from base_lr, reaching
+// the scaled rate at step warmup_steps. A pure function: usable with any optimizer.
+inline double learning_rate(double base_lr, LrScaling scaling, std::uint64_t reference_batch,
+                            std::uint64_t global_batch, std::uint64_t step, std::uint64_t warmup_steps = 0) {
+    if (reference_batch == 0 || global_batch == 0)
+        throw Error("gradsync: learning_rate needs a reference batch and a global batch above 0, got " +
+                    std::to_string(reference_batch) + " and " + std::to_string(global_batch));
+    const double ratio = static_cast<double>(global_batch) / static_cast<double>(reference_batch);
+    double target = base_lr;
+    if (scaling == LrScaling::linear) target = base_lr * ratio;
+    if (scaling == LrScaling::square_root) target = base_lr * std::sqrt(ratio);
+    if (step >= warmup_steps) return target;
+    return base_lr + (target - base_lr) * (static_cast<double>(step) / static_cast<double>(warmup_steps));
+}
+
+// The LR policies of DataParallel: step() passes rate(world size, step) to the optimizer.
+template <LrScaling Scaling>
+struct ScaledLr {
+    using policy_category = policy_category::lr_rule;
+
+    double base_lr = 0;
+    std::uint64_t micro_batch = 1;         // examples per rank per backward
+    std::uint64_t reference_batch = 0;     // the batch base_lr was tuned for; 0: micro_batch
+    std::uint64_t accumulation_steps = 1;  // backwards per step (no_sync micro-steps + 1)
+    std::uint64_t warmup_steps = 0;
+
+    [[nodiscard]] std::uint64_t global_batch(int world_size) const {
+        return micro_batch * accumulation_steps * static_cast<std::uint64_t>(world_size);
+    }
+    [[nodiscard]] double rate(int world_size, std::uint64_t step) const {
+        return learning_rate(base_lr, Scaling, reference_batch != 0 ? reference_batch : micro_batch,
+                             global_batch(world_size), step, warmup_steps);
+    }
+};
+
+using UnscaledLr = ScaledLr<LrScaling::none>;
+using LinearLr = ScaledLr<LrScaling::linear>;
+using SqrtLr = ScaledLr<LrScaling::square_root>;
+
+// No LR policy: step() calls the optimizer without a learning rate. The default.
+struct NoLrRule {
+    using policy_category = policy_category::lr_rule;
+};
+
+}  // namespace gradsync::inline v0
+// ---- end gradsync/lr.hpp ----
+
 // ---- begin gradsync/memory.hpp ----
 // The memory layer under the buckets: where a packed bucket's bytes live (HostMemory here; device
 // memory with a stream in the CUDA headers) and whether gradients are packed at all.
@@ -2698,6 +3003,9 @@ struct Options {
     // done moments, written when the DataParallel is destroyed. Empty: $GRADSYNC_TIMELINE, if set.
     // "{rank}" in the path is replaced by the rank; ranks of one process may share one file.
     std::string timeline{};
+    // Above 0: after synchronize(), gradients whose global L2 norm exceeds it are scaled down to
+    // it (PyTorch's clip_grad_norm_ with max_norm = clip_norm).
+    double clip_norm = 0;
 };
 
 }  // namespace gradsync::inline v0
@@ -2706,6 +3014,7 @@ struct Options {
 #include <algorithm>  // for std::sort, std::min
 #include <atomic>
 #include <chrono>
+#include <cmath>  // for std::sqrt, std::isfinite
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>  // for std::getenv
@@ -2732,7 +3041,36 @@ public:
     using Error::Error;
 };
 
+// What step() did.
+struct StepReport {
+    bool applied = false;       // the optimizer ran: every gradient was finite
+    float loss_scale = 1;       // the scale this step's gradients carried
+    float next_loss_scale = 1;  // the scale for the next step's loss
+    double grad_norm = 0;       // L2 norm of all averaged, unscaled gradients, before clipping; not finite on overflow
+    bool clipped = false;       // the gradients were scaled down to Options::clip_norm
+    double learning_rate = 0;   // what the LR policy gave the optimizer (0 without one)
+    std::uint64_t step = 0;     // 1 for the first step
+    std::vector<std::string> overflowed;  // parameters whose gradients were not finite
+};
+
 namespace detail {
+
+template <class T>
+struct type_tag {
+    using type = T;
+};
+
+// Calls f(type_tag<T>{}) with the C++ type of a floating-point dtype.
+template <class F>
+void visit_float_dtype(DType t, F&& f) {
+    switch (t) {
+        case DType::float32: return f(type_tag<float>{});
+        case DType::float64: return f(type_tag<double>{});
+        case DType::float16: return f(type_tag<float16>{});
+        case DType::bfloat16: return f(type_tag<bfloat16>{});
+        default: throw Error("gradsync: internal error: " + to_string(t) + " is no floating-point dtype");
+    }
+}
 
 template <class B, bool Scattered>
 struct handle_of {
@@ -2751,7 +3089,10 @@ struct handle_of<B, true> {
 //   packing   AutoPacking (default), PackedBuckets, InPlaceBuckets
 //   memory    HostMemory (default)
 //   buffers   BroadcastBuffers (default), BroadcastBuffersOnce, AverageBuffers, IgnoreBuffers
-//   options   Options (timeout, unused parameters, bucket rebuild, timeline)
+//   options   Options (timeout, unused parameters, bucket rebuild, timeline, clipping)
+//   loss scaler  NoLossScaling (default), StaticLossScale, DynamicLossScale
+//   compression  NoCompression (default), Fp16Compression, Bf16Compression
+//   LR rule      NoLrRule (default), UnscaledLr, LinearLr, SqrtLr
 template <class Model, class BackendT, class... Policies>
 class DataParallel {
     static_assert(detail::check_model_access<Model>());
@@ -2763,6 +3104,9 @@ public:
     using packing_type = detail::select_policy<policy_category::packing, AutoPacking, Policies...>;
     using memory_type = detail::select_policy<policy_category::memory, HostMemory, Policies...>;
     using buffers_type = detail::select_policy<policy_category::buffers, BroadcastBuffers, Policies...>;
+    using loss_scaler_type = detail::select_policy<policy_category::loss_scaler, NoLossScaling, Policies...>;
+    using compression_type = detail::select_policy<policy_category::compression, NoCompression, Policies...>;
+    using lr_type = detail::select_policy<policy_category::lr_rule, NoLrRule, Policies...>;
     static_assert(detail::check_bucketer<bucketer_type>());
     static_assert(!std::is_same_v<packing_type, InPlaceBuckets> || ScatteredAllreduce<BackendT>,
                   "gradsync: InPlaceBuckets needs a backend that reduces scattered segments "
@@ -2781,7 +3125,9 @@ public:
         : model_(model),
           backend_(backend),
           bucketer_(detail::policy_value<bucketer_type>(std::tuple(policies...))),
-          options_(detail::policy_value<Options>(std::tuple(policies...))) {
+          options_(detail::policy_value<Options>(std::tuple(policies...))),
+          scaler_(detail::policy_value<loss_scaler_type>(std::tuple(policies...))),
+          lr_(detail::policy_value<lr_type>(std::tuple(policies...))) {
         init();
     }
     DataParallel(Model& model, BackendT& backend) requires(sizeof...(Policies) > 0) : model_(model), backend_(backend) {
@@ -2837,28 +3183,69 @@ public:
 
     // Averages every parameter's gradient over all ranks. Call on every rank after backward. With
     // grad_ready() calls, waits for the launched buckets and launches the rest; without, reduces
-    // every bucket now. Under no_sync() it communicates nothing.
-    void synchronize() {
-        if (no_sync_depth_.load(std::memory_order_relaxed) > 0) return;  // an accumulation micro-step
-        guard([&] {
-            const bool overlapped = any_ready_.load(std::memory_order_acquire);
-            if (!overlapped) step_began_ = std::chrono::steady_clock::now();
-            phase_.store(Phase::synchronizing, std::memory_order_release);
-            if (overlapped) {
-                complete_readiness();
-            } else if (backend_.size() > 1) {
-                for (std::size_t b = 0; b < slots_.size(); ++b) reduce_now(b);
+    // every bucket now. Under no_sync() it communicates nothing. With a loss scaler, compression
+    // or clipping, the finalize pass also unscales the gradients and measures their norm.
+    void synchronize() { synchronize_impl(/*want_stats=*/false); }
+
+    // synchronize(), then the optimizer if every gradient is finite: optimizer(learning rate)
+    // with an LR policy, optimizer() without. The loss scaler learns of the outcome either way. A
+    // skipped step leaves parameters and optimizer state untouched. The decision is the same on
+    // every rank: it is taken on the reduced gradients, which every rank holds alike.
+    template <class Optimizer>
+    StepReport step(Optimizer&& optimizer) {
+        constexpr bool with_lr = !std::is_same_v<lr_type, NoLrRule>;
+        static_assert(!with_lr || std::is_invocable_v<Optimizer&, double> || std::is_invocable_v<Optimizer&>,
+                      "gradsync: step(optimizer) calls optimizer(double learning_rate) or optimizer()");
+        static_assert(with_lr || std::is_invocable_v<Optimizer&>,
+                      "gradsync: without an LR policy (UnscaledLr, LinearLr, SqrtLr) step(optimizer) calls "
+                      "optimizer() with no arguments");
+        if (no_sync_depth_.load(std::memory_order_relaxed) > 0)
+            throw ReadinessError("gradsync: rank " + std::to_string(rank()) +
+                                 ": step() under no_sync(); call it after "
+                                 "the guard is gone, on the step that synchronizes");
+        StepReport report;
+        report.step = steps() + 1;
+        report.loss_scale = scaler_.scale();
+        synchronize_impl(/*want_stats=*/true);
+        report.grad_norm = grad_norm();
+        report.clipped = stats_.clipped;
+        if (gradients_finite()) {
+            if constexpr (with_lr) {
+                report.learning_rate = lr_.rate(world_size(), report.step - 1);
+                if constexpr (std::is_invocable_v<Optimizer&, double>)
+                    optimizer(report.learning_rate);
+                else
+                    optimizer();
+            } else {
+                optimizer();
             }
-            wait_all();
-            sync_buffers(/*at_construction=*/false);
-            if constexpr (!TaggedCollectives<BackendT>) verify_histories();
-            timeline_.span("step", current_step(), -1, step_began_, std::chrono::steady_clock::now());
-            if (overlapped) maybe_rebuild();
-            reset_step();
-            steps_.fetch_add(1, std::memory_order_acq_rel);
-            phase_.store(Phase::idle, std::memory_order_release);
-        });
+            report.applied = true;
+        } else {
+            for (auto p : stats_.nonfinite) report.overflowed.push_back(params_[p].name);
+        }
+        scaler_.update(!report.applied);
+        report.next_loss_scale = scaler_.scale();
+        if (!report.applied && report.next_loss_scale >= report.loss_scale && loss_scale_is_dynamic())
+            detail::log(detail::LogLevel::info, rank(),
+                        "step " + std::to_string(report.step) + " skipped at the minimum loss scale " +
+                            std::to_string(report.loss_scale) + "; " + std::to_string(report.overflowed.size()) +
+                            " parameters overflowed, the first '" + report.overflowed.front() + "'");
+        return report;
     }
+
+    // The factor to multiply the loss by before backward.
+    [[nodiscard]] float loss_scale() const { return scaler_.scale(); }
+    // The loss scaler, to save or restore its state (DynamicLossScale::state).
+    [[nodiscard]] loss_scaler_type& loss_scaler() { return scaler_; }
+    // The learning rate step() will pass next (an LR policy is required).
+    [[nodiscard]] double learning_rate() const requires(!std::is_same_v<lr_type, NoLrRule>) {
+        return lr_.rate(world_size(), steps());
+    }
+    // Of the last synchronize() that measured them (step(), or any synchronize() with a loss
+    // scaler, compression or clipping): the global L2 norm of the unscaled averaged gradients
+    // before clipping, and whether all of them were finite.
+    [[nodiscard]] double grad_norm() const { return std::sqrt(stats_.sum_squares); }
+    [[nodiscard]] bool gradients_finite() const { return std::isfinite(stats_.sum_squares); }
 
     class NoSyncGuard {
     public:
@@ -2911,13 +3298,15 @@ public:
     // Buckets whose gradients already lie contiguously in memory, reduced without a copy.
     [[nodiscard]] std::size_t view_buckets() const {
         std::size_t n = 0;
-        for (const auto& s : slots_) n += s.view.has_value();
+        for (const auto& s : slots_) n += s.view.has_value() && s.route != Route::compressed;
         return n;
     }
     // Memory this object holds for synchronization beyond the model's own buffers.
     [[nodiscard]] Bytes extra_memory() const {
         Bytes total{(params_.size() * 2 + arrivals_.capacity()) * sizeof(std::size_t)};
-        for (const auto& s : slots_) total += Bytes{s.buffer.size() + s.segments.capacity() * sizeof(Segment)};
+        for (const auto& s : slots_)
+            total += Bytes{s.buffer.size() + s.widened.size() + s.segments.capacity() * sizeof(Segment) +
+                           s.indices.capacity() * sizeof(std::size_t)};
         return total;
     }
 
@@ -2926,15 +3315,60 @@ private:
     static constexpr std::size_t ambiguous = npos - 1;
     enum class Phase : int { idle, backward, synchronizing };
 
+    // How a bucket travels: reduced where its gradients lie (one segment when they are
+    // contiguous), through a packed copy, or packed into a narrower wire dtype.
+    enum class Route { in_place, view, packed, compressed };
+
     // One bucket's storage and the state of its collective in the current step.
     struct Slot {
-        std::vector<Segment> segments;         // its gradients, by parameter index
-        std::optional<Segment> view;           // set when they lie contiguously: reduced where they are
-        typename memory_type::Storage buffer;  // packing without a view, world > 1
+        std::vector<Segment> segments;     // its gradients, by parameter index
+        std::vector<std::size_t> indices;  // their parameters
+        std::optional<Segment> view;       // set when they lie contiguously
+        Route route = Route::in_place;
+        DType wire = DType::float32;            // the dtype the collective moves
+        typename memory_type::Storage buffer;   // packed or compressed, world > 1
+        typename memory_type::Storage widened;  // a float32 copy, made once when a compressed sum overflowed
         std::size_t parameters = 0;
         std::optional<handle_type> handle;
+        bool redo = false;  // this step's float16 sum overflowed: reduce it again in float32
         std::chrono::steady_clock::time_point ready_at, launched_at;
     };
+
+    // The finalize pass's findings this step.
+    struct Stats {
+        double sum_squares = 0;              // of the unscaled averaged gradients
+        std::vector<std::size_t> nonfinite;  // parameters with an infinity or NaN
+        bool clipped = false;
+    };
+
+    void synchronize_impl(bool want_stats) {
+        if (no_sync_depth_.load(std::memory_order_relaxed) > 0) return;  // an accumulation micro-step
+        guard([&] {
+            const bool overlapped = any_ready_.load(std::memory_order_acquire);
+            if (!overlapped) step_began_ = std::chrono::steady_clock::now();
+            phase_.store(Phase::synchronizing, std::memory_order_release);
+            stats_ = Stats{};
+            finalizing_ = want_stats || scaler_.scale() != 1.0f || options_.clip_norm > 0;
+            if (overlapped) {
+                complete_readiness();
+            } else if (backend_.size() > 1) {
+                for (std::size_t b = 0; b < slots_.size(); ++b) reduce_now(b);
+            }
+            wait_all();
+            if (backend_.size() == 1)
+                for (std::size_t b = 0; b < slots_.size(); ++b) finalize_in_place(b);
+            for (std::size_t b = 0; b < slots_.size(); ++b)
+                if (slots_[b].redo) reduce_again_in_float(b);
+            if (options_.clip_norm > 0) clip();
+            sync_buffers(/*at_construction=*/false);
+            if constexpr (!TaggedCollectives<BackendT>) verify_histories();
+            timeline_.span("step", current_step(), -1, step_began_, std::chrono::steady_clock::now());
+            if (overlapped) maybe_rebuild();
+            reset_step();
+            steps_.fetch_add(1, std::memory_order_acq_rel);
+            phase_.store(Phase::idle, std::memory_order_release);
+        });
+    }
 
     [[nodiscard]] std::int64_t current_step() const {
         return static_cast<std::int64_t>(steps_.load(std::memory_order_acquire)) + 1;
@@ -2982,12 +3416,12 @@ private:
             if (backend_.size() > 1) reporter_ = backend_.add_status_reporter([this] { return describe_self(); });
         }
         if (detail::logging(detail::LogLevel::info)) {
-            detail::log(detail::LogLevel::info, rank(),
-                        "DataParallel: " + std::to_string(params_.size()) + " parameters, " +
-                            std::to_string(buffers_.size()) + " buffers, world size " +
-                            std::to_string(backend_.size()) + ", " +
-                            (reduces_in_place ? "reduced in place" : "packed") + ", " + std::to_string(view_buckets()) +
-                            " view buckets; bucket plan: " + to_string(plan_));
+            detail::log(
+                detail::LogLevel::info, rank(),
+                "DataParallel: " + std::to_string(params_.size()) + " parameters, " + std::to_string(buffers_.size()) +
+                    " buffers, world size " + std::to_string(backend_.size()) + ", " +
+                    (reduces_in_place ? "reduced in place" : "packed") + ", wire " + to_string(compression_type::wire) +
+                    ", " + std::to_string(view_buckets()) + " view buckets; bucket plan: " + to_string(plan_));
         }
     }
 
@@ -3000,25 +3434,35 @@ private:
         pending_ = std::make_unique<std::atomic<std::int32_t>[]>(n);
         bucket_ready_.assign(n, 0);
         for (std::size_t b = 0; b < n; ++b) {
-            auto indices = plan_.buckets[b].parameters;
-            std::sort(indices.begin(), indices.end());  // the element layout every rank shares
+            const auto& bucket = plan_.buckets[b];
             auto& slot = slots_[b];
-            for (auto i : indices) {
+            slot.indices = bucket.parameters;
+            std::sort(slot.indices.begin(), slot.indices.end());  // the element layout every rank shares
+            for (auto i : slot.indices) {
                 bucket_of_[i] = b;
                 slot.segments.push_back(Segment{params_[i].grad, params_[i].count});
             }
-            slot.parameters = indices.size();
-            pending_[b].store(static_cast<std::int32_t>(indices.size()));
+            slot.parameters = slot.indices.size();
+            pending_[b].store(static_cast<std::int32_t>(slot.indices.size()));
             // Adjacent in memory in that order: the bucket is a view, reduced without copies.
             bool contiguous = true;
-            const std::size_t elem = size_of(plan_.buckets[b].dtype);
+            const std::size_t elem = size_of(bucket.dtype);
             for (std::size_t k = 1; k < slot.segments.size(); ++k) {
                 auto* end = static_cast<std::byte*>(slot.segments[k - 1].data) + slot.segments[k - 1].count * elem;
                 contiguous = contiguous && end == slot.segments[k].data;
             }
-            if (contiguous) slot.view = Segment{slot.segments.front().data, plan_.buckets[b].count};
-            if (!reduces_in_place && !contiguous && backend_.size() > 1)
-                slot.buffer = memory_type::allocate(plan_.buckets[b].bytes());
+            if (contiguous) slot.view = Segment{slot.segments.front().data, bucket.count};
+            slot.wire = bucket.dtype;
+            if (compression_type::compresses && bucket.dtype == DType::float32) {
+                slot.route = Route::compressed;
+                slot.wire = compression_type::wire;
+            } else if (reduces_in_place) {
+                slot.route = Route::in_place;
+            } else {
+                slot.route = contiguous ? Route::view : Route::packed;
+            }
+            if ((slot.route == Route::packed || slot.route == Route::compressed) && backend_.size() > 1)
+                slot.buffer = memory_type::allocate(Bytes{bucket.count * size_of(slot.wire)});
         }
     }
 
@@ -3128,14 +3572,32 @@ private:
         return slot.view ? std::span<const Segment>(&*slot.view, 1) : std::span<const Segment>(slot.segments);
     }
 
-    // The bucket's collective as one contiguous buffer, packing first when it is no view.
+    // The bucket's collective as one contiguous buffer, packing (and converting) first when it is
+    // no view. A compressed bucket's ranks send their share of the average: each value divided by
+    // the world size, so that the sum keeps the headroom the loss scale left.
     Buffer contiguous(std::size_t b) {
         auto& slot = slots_[b];
         const auto dtype = plan_.buckets[b].dtype;
-        if (slot.view) return Buffer{slot.view->data, slot.view->count, dtype};
+        if (slot.route == Route::view) return Buffer{slot.view->data, slot.view->count, dtype};
         std::byte* data = memory_type::data(slot.buffer);
-        memory_type::pack(data, slot.segments, dtype);
-        return Buffer{data, plan_.buckets[b].count, dtype};
+        if (slot.route == Route::packed) {
+            memory_type::pack(data, slot.segments, dtype);
+        } else {
+            const double share = 1.0 / static_cast<double>(backend_.size());
+            detail::visit_float_dtype(slot.wire, [&]<class W>(detail::type_tag<W>) {
+                auto* out = reinterpret_cast<W*>(data);
+                for (const auto& seg : slot.segments) {
+                    detail::scale_copy(static_cast<const float*>(seg.data), out, seg.count, share);
+                    out += seg.count;
+                }
+            });
+        }
+        return Buffer{data, plan_.buckets[b].count, slot.wire};
+    }
+
+    // A compressed bucket is summed (each rank sent its share); every other one averaged.
+    [[nodiscard]] static ReduceOp op_of(const Slot& slot) {
+        return slot.route == Route::compressed ? ReduceOp::sum : ReduceOp::average;
     }
 
     // Starts bucket b's allreduce asynchronously (under launch_mutex_).
@@ -3144,19 +3606,21 @@ private:
         slot.launched_at = std::chrono::steady_clock::now();
         if (backend_.size() == 1) return;  // the local gradient is already the average
         const auto& bucket = plan_.buckets[b];
-        auto tag = next_tag(0, static_cast<std::int64_t>(b), bucket.bytes().count(), bucket.dtype);
-        if constexpr (reduces_in_place) {
-            auto segs = segments_of(slot);
-            if constexpr (requires { backend_.allreduce_async(segs, bucket.dtype, ReduceOp::average, tag); })
-                slot.handle.emplace(backend_.allreduce_async(segs, bucket.dtype, ReduceOp::average, tag));
-            else
-                slot.handle.emplace(backend_.allreduce_async(segs, bucket.dtype, ReduceOp::average));
+        auto tag = next_tag(0, static_cast<std::int64_t>(b), bucket.count * size_of(slot.wire), slot.wire);
+        if (slot.route == Route::in_place) {
+            if constexpr (reduces_in_place) {
+                auto segs = segments_of(slot);
+                if constexpr (requires { backend_.allreduce_async(segs, bucket.dtype, ReduceOp::average, tag); })
+                    slot.handle.emplace(backend_.allreduce_async(segs, bucket.dtype, ReduceOp::average, tag));
+                else
+                    slot.handle.emplace(backend_.allreduce_async(segs, bucket.dtype, ReduceOp::average));
+            }
         } else {
             auto buf = contiguous(b);
             if constexpr (TaggedCollectives<BackendT>)
-                slot.handle.emplace(backend_.allreduce_async(buf, ReduceOp::average, tag));
+                slot.handle.emplace(backend_.allreduce_async(buf, op_of(slot), tag));
             else
-                slot.handle.emplace(backend_.allreduce_async(buf, ReduceOp::average));
+                slot.handle.emplace(backend_.allreduce_async(buf, op_of(slot)));
         }
         detail::log(detail::LogLevel::debug, rank(),
                     "step " + std::to_string(current_step()) + ": launched bucket " + std::to_string(b));
@@ -3167,36 +3631,35 @@ private:
         auto& slot = slots_[b];
         slot.ready_at = slot.launched_at = std::chrono::steady_clock::now();
         const auto& bucket = plan_.buckets[b];
-        auto tag = next_tag(0, static_cast<std::int64_t>(b), bucket.bytes().count(), bucket.dtype);
-        if constexpr (reduces_in_place) {
-            auto segs = segments_of(slot);
-            if constexpr (requires { backend_.allreduce(segs, bucket.dtype, ReduceOp::average, tag); })
-                backend_.allreduce(segs, bucket.dtype, ReduceOp::average, tag);
-            else
-                backend_.allreduce(segs, bucket.dtype, ReduceOp::average);
+        auto tag = next_tag(0, static_cast<std::int64_t>(b), bucket.count * size_of(slot.wire), slot.wire);
+        if (slot.route == Route::in_place) {
+            if constexpr (reduces_in_place) {
+                auto segs = segments_of(slot);
+                if constexpr (requires { backend_.allreduce(segs, bucket.dtype, ReduceOp::average, tag); })
+                    backend_.allreduce(segs, bucket.dtype, ReduceOp::average, tag);
+                else
+                    backend_.allreduce(segs, bucket.dtype, ReduceOp::average);
+            }
         } else {
             auto buf = contiguous(b);
             if constexpr (requires { backend_.allreduce(buf, ReduceOp::average, tag); })
-                backend_.allreduce(buf, ReduceOp::average, tag);
+                backend_.allreduce(buf, op_of(slot), tag);
             else
-                backend_.allreduce(buf, ReduceOp::average);
-            if (!slot.view) memory_type::unpack(slot.segments, memory_type::data(slot.buffer), bucket.dtype);
+                backend_.allreduce(buf, op_of(slot));
         }
+        finish(b);
         timeline_.span("allreduce", current_step(), static_cast<int>(b), slot.launched_at,
                        std::chrono::steady_clock::now());
     }
 
-    // Waits for every launched bucket, by the deadline, and unpacks the packed ones.
+    // Waits for every launched bucket, by the deadline, and finishes each.
     void wait_all() {
         const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
         for (std::size_t b = 0; b < slots_.size(); ++b) {
             auto& slot = slots_[b];
             if (!slot.handle) continue;
             if (!slot.handle->wait_until(deadline)) throw TimeoutError(diagnose_timeout(b));
-            if constexpr (!reduces_in_place) {
-                if (!slot.view)
-                    memory_type::unpack(slot.segments, memory_type::data(slot.buffer), plan_.buckets[b].dtype);
-            }
+            finish(b);
             if (timeline_.enabled()) {
                 timeline_.instant("ready", current_step(), static_cast<int>(b), slot.ready_at);
                 timeline_.instant("launched", current_step(), static_cast<int>(b), slot.launched_at);
@@ -3205,6 +3668,129 @@ private:
             }
             slot.handle.reset();
         }
+    }
+
+    // After bucket b's reduction: the finalize pass. Packed buckets are unpacked in it; compressed
+    // ones widened; the others scaled where they lie, or only measured when there is nothing to
+    // scale. Without a loss scaler, compression, clipping or step(), a packed bucket is unpacked
+    // and the others are left alone.
+    void finish(std::size_t b) {
+        auto& slot = slots_[b];
+        const auto dtype = plan_.buckets[b].dtype;
+        const std::byte* data = memory_type::data(slot.buffer);
+        switch (slot.route) {
+            case Route::in_place:
+            case Route::view: return finalize_in_place(b);
+            case Route::packed:
+                if (!finalizing_) return memory_type::unpack(slot.segments, data, dtype);
+                return detail::visit_float_dtype(dtype, [&]<class T>(detail::type_tag<T>) {
+                    unpack_finalizing<T, T>(slot, reinterpret_cast<const T*>(data));
+                });
+            case Route::compressed:
+                // float16 sums can overflow where float32 would not: such a bucket is reduced again
+                // in float32 once every bucket is done, from the gradients, which are still intact.
+                if (slot.wire == DType::float16 &&
+                    !detail::all_finite(reinterpret_cast<const float16*>(data), plan_.buckets[b].count)) {
+                    slot.redo = true;
+                    return;
+                }
+                return detail::visit_float_dtype(slot.wire, [&]<class W>(detail::type_tag<W>) {
+                    unpack_finalizing<W, float>(slot, reinterpret_cast<const W*>(data));
+                });
+        }
+    }
+
+    // Reads the reduced bucket, of wire type W, from `data`, unscales it into the gradients, of
+    // type T, and measures it.
+    template <class W, class T>
+    void unpack_finalizing(const Slot& slot, const W* data) {
+        const double factor = 1.0 / static_cast<double>(scaler_.scale());
+        for (std::size_t k = 0; k < slot.segments.size(); ++k) {
+            const auto& seg = slot.segments[k];
+            detail::SquareSum sums;
+            detail::scale_copy_square_sum(data, static_cast<T*>(seg.data), seg.count, factor, sums);
+            record(slot.indices[k], sums);
+            data += seg.count;
+        }
+    }
+
+    // Unscales and measures bucket b's gradients where they lie.
+    void finalize_in_place(std::size_t b) {
+        if (!finalizing_) return;
+        const auto& slot = slots_[b];
+        const double factor = 1.0 / static_cast<double>(scaler_.scale());
+        for (std::size_t k = 0; k < slot.segments.size(); ++k) {
+            const auto& seg = slot.segments[k];
+            detail::SquareSum sums;
+            detail::visit_float_dtype(plan_.buckets[b].dtype, [&]<class T>(detail::type_tag<T>) {
+                if (factor == 1.0)
+                    detail::square_sum(static_cast<const T*>(seg.data), seg.count, sums);
+                else
+                    detail::scale_square_sum(static_cast<T*>(seg.data), seg.count, factor, sums);
+            });
+            record(slot.indices[k], sums);
+        }
+    }
+
+    void record(std::size_t param, const detail::SquareSum& sums) {
+        const double total = sums.total();
+        stats_.sum_squares += total;
+        if (!std::isfinite(total)) stats_.nonfinite.push_back(param);
+    }
+
+    // A compressed bucket whose float16 sum overflowed, reduced again in float32 (averaged), the
+    // same on every rank: they all hold the same sum, so they all decide alike.
+    void reduce_again_in_float(std::size_t b) {
+        auto& slot = slots_[b];
+        const auto& bucket = plan_.buckets[b];
+        auto tag = next_tag(3, static_cast<std::int64_t>(b), bucket.bytes().count(), bucket.dtype);
+        if constexpr (ScatteredAllreduce<BackendT>) {
+            auto segs = segments_of(slot);
+            if constexpr (requires { backend_.allreduce(segs, bucket.dtype, ReduceOp::average, tag); })
+                backend_.allreduce(segs, bucket.dtype, ReduceOp::average, tag);
+            else
+                backend_.allreduce(segs, bucket.dtype, ReduceOp::average);
+        } else {
+            Buffer buf{nullptr, bucket.count, bucket.dtype};
+            if (slot.view) {
+                buf.data = slot.view->data;
+            } else {
+                if (slot.widened.size() == 0) slot.widened = memory_type::allocate(bucket.bytes());
+                buf.data = memory_type::data(slot.widened);
+                memory_type::pack(memory_type::data(slot.widened), slot.segments, bucket.dtype);
+            }
+            if constexpr (requires { backend_.allreduce(buf, ReduceOp::average, tag); })
+                backend_.allreduce(buf, ReduceOp::average, tag);
+            else
+                backend_.allreduce(buf, ReduceOp::average);
+            if (!slot.view) memory_type::unpack(slot.segments, memory_type::data(slot.widened), bucket.dtype);
+        }
+        slot.redo = false;
+        const bool was = finalizing_;
+        finalizing_ = true;  // a compressed bucket is always finalized
+        finalize_in_place(b);
+        finalizing_ = was;
+        detail::log(detail::LogLevel::info, rank(),
+                    "step " + std::to_string(current_step()) + ": bucket " + std::to_string(b) +
+                        " overflowed float16 on the wire and was reduced again in float32");
+    }
+
+    // Scales every gradient down to Options::clip_norm, when the global norm exceeds it: a
+    // second pass, only when it changes something.
+    void clip() {
+        const double norm = grad_norm();
+        if (!std::isfinite(norm) || norm <= options_.clip_norm) return;
+        const double factor = options_.clip_norm / (norm + 1e-6);
+        for (const auto& p : params_) {
+            detail::visit_float_dtype(p.dtype, [&]<class T>(detail::type_tag<T>) {
+                detail::scale_only(static_cast<T*>(p.grad), p.count, factor);
+            });
+        }
+        stats_.clipped = true;
+    }
+
+    [[nodiscard]] static constexpr bool loss_scale_is_dynamic() {
+        return std::is_same_v<loss_scaler_type, DynamicLossScale>;
     }
 
     [[nodiscard]] bool in_flight() const {
@@ -3380,6 +3966,10 @@ private:
     BackendT& backend_;
     bucketer_type bucketer_{};
     Options options_{};
+    loss_scaler_type scaler_{};
+    lr_type lr_{};
+    Stats stats_;
+    bool finalizing_ = false;  // this synchronize() unscales and measures
     std::vector<Parameter> params_;
     std::vector<ModelBuffer> buffers_;
     std::vector<std::size_t> model_index_to_param_;  // npos for zero-sized parameters

@@ -3,15 +3,20 @@
 // allreduce starts as soon as its last gradient is ready, overlapping communication with backward.
 #pragma once
 
+#include <gradsync/amp.hpp>
 #include <gradsync/backend.hpp>
 #include <gradsync/bucket.hpp>
 #include <gradsync/buffers.hpp>
 #include <gradsync/bytes.hpp>
+#include <gradsync/compression.hpp>
+#include <gradsync/detail/finalize.hpp>
 #include <gradsync/detail/layout_agreement.hpp>
 #include <gradsync/detail/log.hpp>
 #include <gradsync/detail/policy.hpp>
 #include <gradsync/detail/timeline.hpp>
 #include <gradsync/error.hpp>
+#include <gradsync/half.hpp>
+#include <gradsync/lr.hpp>
 #include <gradsync/memory.hpp>
 #include <gradsync/model.hpp>
 #include <gradsync/options.hpp>
@@ -19,6 +24,7 @@
 #include <algorithm>  // for std::sort, std::min
 #include <atomic>
 #include <chrono>
+#include <cmath>  // for std::sqrt, std::isfinite
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>  // for std::getenv
@@ -45,7 +51,36 @@ public:
     using Error::Error;
 };
 
+// What step() did.
+struct StepReport {
+    bool applied = false;       // the optimizer ran: every gradient was finite
+    float loss_scale = 1;       // the scale this step's gradients carried
+    float next_loss_scale = 1;  // the scale for the next step's loss
+    double grad_norm = 0;       // L2 norm of all averaged, unscaled gradients, before clipping; not finite on overflow
+    bool clipped = false;       // the gradients were scaled down to Options::clip_norm
+    double learning_rate = 0;   // what the LR policy gave the optimizer (0 without one)
+    std::uint64_t step = 0;     // 1 for the first step
+    std::vector<std::string> overflowed;  // parameters whose gradients were not finite
+};
+
 namespace detail {
+
+template <class T>
+struct type_tag {
+    using type = T;
+};
+
+// Calls f(type_tag<T>{}) with the C++ type of a floating-point dtype.
+template <class F>
+void visit_float_dtype(DType t, F&& f) {
+    switch (t) {
+        case DType::float32: return f(type_tag<float>{});
+        case DType::float64: return f(type_tag<double>{});
+        case DType::float16: return f(type_tag<float16>{});
+        case DType::bfloat16: return f(type_tag<bfloat16>{});
+        default: throw Error("gradsync: internal error: " + to_string(t) + " is no floating-point dtype");
+    }
+}
 
 template <class B, bool Scattered>
 struct handle_of {
@@ -64,7 +99,10 @@ struct handle_of<B, true> {
 //   packing   AutoPacking (default), PackedBuckets, InPlaceBuckets
 //   memory    HostMemory (default)
 //   buffers   BroadcastBuffers (default), BroadcastBuffersOnce, AverageBuffers, IgnoreBuffers
-//   options   Options (timeout, unused parameters, bucket rebuild, timeline)
+//   options   Options (timeout, unused parameters, bucket rebuild, timeline, clipping)
+//   loss scaler  NoLossScaling (default), StaticLossScale, DynamicLossScale
+//   compression  NoCompression (default), Fp16Compression, Bf16Compression
+//   LR rule      NoLrRule (default), UnscaledLr, LinearLr, SqrtLr
 template <class Model, class BackendT, class... Policies>
 class DataParallel {
     static_assert(detail::check_model_access<Model>());
@@ -76,6 +114,9 @@ public:
     using packing_type = detail::select_policy<policy_category::packing, AutoPacking, Policies...>;
     using memory_type = detail::select_policy<policy_category::memory, HostMemory, Policies...>;
     using buffers_type = detail::select_policy<policy_category::buffers, BroadcastBuffers, Policies...>;
+    using loss_scaler_type = detail::select_policy<policy_category::loss_scaler, NoLossScaling, Policies...>;
+    using compression_type = detail::select_policy<policy_category::compression, NoCompression, Policies...>;
+    using lr_type = detail::select_policy<policy_category::lr_rule, NoLrRule, Policies...>;
     static_assert(detail::check_bucketer<bucketer_type>());
     static_assert(!std::is_same_v<packing_type, InPlaceBuckets> || ScatteredAllreduce<BackendT>,
                   "gradsync: InPlaceBuckets needs a backend that reduces scattered segments "
@@ -94,7 +135,9 @@ public:
         : model_(model),
           backend_(backend),
           bucketer_(detail::policy_value<bucketer_type>(std::tuple(policies...))),
-          options_(detail::policy_value<Options>(std::tuple(policies...))) {
+          options_(detail::policy_value<Options>(std::tuple(policies...))),
+          scaler_(detail::policy_value<loss_scaler_type>(std::tuple(policies...))),
+          lr_(detail::policy_value<lr_type>(std::tuple(policies...))) {
         init();
     }
     DataParallel(Model& model, BackendT& backend) requires(sizeof...(Policies) > 0) : model_(model), backend_(backend) {
@@ -150,28 +193,69 @@ public:
 
     // Averages every parameter's gradient over all ranks. Call on every rank after backward. With
     // grad_ready() calls, waits for the launched buckets and launches the rest; without, reduces
-    // every bucket now. Under no_sync() it communicates nothing.
-    void synchronize() {
-        if (no_sync_depth_.load(std::memory_order_relaxed) > 0) return;  // an accumulation micro-step
-        guard([&] {
-            const bool overlapped = any_ready_.load(std::memory_order_acquire);
-            if (!overlapped) step_began_ = std::chrono::steady_clock::now();
-            phase_.store(Phase::synchronizing, std::memory_order_release);
-            if (overlapped) {
-                complete_readiness();
-            } else if (backend_.size() > 1) {
-                for (std::size_t b = 0; b < slots_.size(); ++b) reduce_now(b);
+    // every bucket now. Under no_sync() it communicates nothing. With a loss scaler, compression
+    // or clipping, the finalize pass also unscales the gradients and measures their norm.
+    void synchronize() { synchronize_impl(/*want_stats=*/false); }
+
+    // synchronize(), then the optimizer if every gradient is finite: optimizer(learning rate)
+    // with an LR policy, optimizer() without. The loss scaler learns of the outcome either way. A
+    // skipped step leaves parameters and optimizer state untouched. The decision is the same on
+    // every rank: it is taken on the reduced gradients, which every rank holds alike.
+    template <class Optimizer>
+    StepReport step(Optimizer&& optimizer) {
+        constexpr bool with_lr = !std::is_same_v<lr_type, NoLrRule>;
+        static_assert(!with_lr || std::is_invocable_v<Optimizer&, double> || std::is_invocable_v<Optimizer&>,
+                      "gradsync: step(optimizer) calls optimizer(double learning_rate) or optimizer()");
+        static_assert(with_lr || std::is_invocable_v<Optimizer&>,
+                      "gradsync: without an LR policy (UnscaledLr, LinearLr, SqrtLr) step(optimizer) calls "
+                      "optimizer() with no arguments");
+        if (no_sync_depth_.load(std::memory_order_relaxed) > 0)
+            throw ReadinessError("gradsync: rank " + std::to_string(rank()) +
+                                 ": step() under no_sync(); call it after "
+                                 "the guard is gone, on the step that synchronizes");
+        StepReport report;
+        report.step = steps() + 1;
+        report.loss_scale = scaler_.scale();
+        synchronize_impl(/*want_stats=*/true);
+        report.grad_norm = grad_norm();
+        report.clipped = stats_.clipped;
+        if (gradients_finite()) {
+            if constexpr (with_lr) {
+                report.learning_rate = lr_.rate(world_size(), report.step - 1);
+                if constexpr (std::is_invocable_v<Optimizer&, double>)
+                    optimizer(report.learning_rate);
+                else
+                    optimizer();
+            } else {
+                optimizer();
             }
-            wait_all();
-            sync_buffers(/*at_construction=*/false);
-            if constexpr (!TaggedCollectives<BackendT>) verify_histories();
-            timeline_.span("step", current_step(), -1, step_began_, std::chrono::steady_clock::now());
-            if (overlapped) maybe_rebuild();
-            reset_step();
-            steps_.fetch_add(1, std::memory_order_acq_rel);
-            phase_.store(Phase::idle, std::memory_order_release);
-        });
+            report.applied = true;
+        } else {
+            for (auto p : stats_.nonfinite) report.overflowed.push_back(params_[p].name);
+        }
+        scaler_.update(!report.applied);
+        report.next_loss_scale = scaler_.scale();
+        if (!report.applied && report.next_loss_scale >= report.loss_scale && loss_scale_is_dynamic())
+            detail::log(detail::LogLevel::info, rank(),
+                        "step " + std::to_string(report.step) + " skipped at the minimum loss scale " +
+                            std::to_string(report.loss_scale) + "; " + std::to_string(report.overflowed.size()) +
+                            " parameters overflowed, the first '" + report.overflowed.front() + "'");
+        return report;
     }
+
+    // The factor to multiply the loss by before backward.
+    [[nodiscard]] float loss_scale() const { return scaler_.scale(); }
+    // The loss scaler, to save or restore its state (DynamicLossScale::state).
+    [[nodiscard]] loss_scaler_type& loss_scaler() { return scaler_; }
+    // The learning rate step() will pass next (an LR policy is required).
+    [[nodiscard]] double learning_rate() const requires(!std::is_same_v<lr_type, NoLrRule>) {
+        return lr_.rate(world_size(), steps());
+    }
+    // Of the last synchronize() that measured them (step(), or any synchronize() with a loss
+    // scaler, compression or clipping): the global L2 norm of the unscaled averaged gradients
+    // before clipping, and whether all of them were finite.
+    [[nodiscard]] double grad_norm() const { return std::sqrt(stats_.sum_squares); }
+    [[nodiscard]] bool gradients_finite() const { return std::isfinite(stats_.sum_squares); }
 
     class NoSyncGuard {
     public:
@@ -224,13 +308,15 @@ public:
     // Buckets whose gradients already lie contiguously in memory, reduced without a copy.
     [[nodiscard]] std::size_t view_buckets() const {
         std::size_t n = 0;
-        for (const auto& s : slots_) n += s.view.has_value();
+        for (const auto& s : slots_) n += s.view.has_value() && s.route != Route::compressed;
         return n;
     }
     // Memory this object holds for synchronization beyond the model's own buffers.
     [[nodiscard]] Bytes extra_memory() const {
         Bytes total{(params_.size() * 2 + arrivals_.capacity()) * sizeof(std::size_t)};
-        for (const auto& s : slots_) total += Bytes{s.buffer.size() + s.segments.capacity() * sizeof(Segment)};
+        for (const auto& s : slots_)
+            total += Bytes{s.buffer.size() + s.widened.size() + s.segments.capacity() * sizeof(Segment) +
+                           s.indices.capacity() * sizeof(std::size_t)};
         return total;
     }
 
@@ -239,15 +325,60 @@ private:
     static constexpr std::size_t ambiguous = npos - 1;
     enum class Phase : int { idle, backward, synchronizing };
 
+    // How a bucket travels: reduced where its gradients lie (one segment when they are
+    // contiguous), through a packed copy, or packed into a narrower wire dtype.
+    enum class Route { in_place, view, packed, compressed };
+
     // One bucket's storage and the state of its collective in the current step.
     struct Slot {
-        std::vector<Segment> segments;         // its gradients, by parameter index
-        std::optional<Segment> view;           // set when they lie contiguously: reduced where they are
-        typename memory_type::Storage buffer;  // packing without a view, world > 1
+        std::vector<Segment> segments;     // its gradients, by parameter index
+        std::vector<std::size_t> indices;  // their parameters
+        std::optional<Segment> view;       // set when they lie contiguously
+        Route route = Route::in_place;
+        DType wire = DType::float32;            // the dtype the collective moves
+        typename memory_type::Storage buffer;   // packed or compressed, world > 1
+        typename memory_type::Storage widened;  // a float32 copy, made once when a compressed sum overflowed
         std::size_t parameters = 0;
         std::optional<handle_type> handle;
+        bool redo = false;  // this step's float16 sum overflowed: reduce it again in float32
         std::chrono::steady_clock::time_point ready_at, launched_at;
     };
+
+    // The finalize pass's findings this step.
+    struct Stats {
+        double sum_squares = 0;              // of the unscaled averaged gradients
+        std::vector<std::size_t> nonfinite;  // parameters with an infinity or NaN
+        bool clipped = false;
+    };
+
+    void synchronize_impl(bool want_stats) {
+        if (no_sync_depth_.load(std::memory_order_relaxed) > 0) return;  // an accumulation micro-step
+        guard([&] {
+            const bool overlapped = any_ready_.load(std::memory_order_acquire);
+            if (!overlapped) step_began_ = std::chrono::steady_clock::now();
+            phase_.store(Phase::synchronizing, std::memory_order_release);
+            stats_ = Stats{};
+            finalizing_ = want_stats || scaler_.scale() != 1.0f || options_.clip_norm > 0;
+            if (overlapped) {
+                complete_readiness();
+            } else if (backend_.size() > 1) {
+                for (std::size_t b = 0; b < slots_.size(); ++b) reduce_now(b);
+            }
+            wait_all();
+            if (backend_.size() == 1)
+                for (std::size_t b = 0; b < slots_.size(); ++b) finalize_in_place(b);
+            for (std::size_t b = 0; b < slots_.size(); ++b)
+                if (slots_[b].redo) reduce_again_in_float(b);
+            if (options_.clip_norm > 0) clip();
+            sync_buffers(/*at_construction=*/false);
+            if constexpr (!TaggedCollectives<BackendT>) verify_histories();
+            timeline_.span("step", current_step(), -1, step_began_, std::chrono::steady_clock::now());
+            if (overlapped) maybe_rebuild();
+            reset_step();
+            steps_.fetch_add(1, std::memory_order_acq_rel);
+            phase_.store(Phase::idle, std::memory_order_release);
+        });
+    }
 
     [[nodiscard]] std::int64_t current_step() const {
         return static_cast<std::int64_t>(steps_.load(std::memory_order_acquire)) + 1;
@@ -295,12 +426,12 @@ private:
             if (backend_.size() > 1) reporter_ = backend_.add_status_reporter([this] { return describe_self(); });
         }
         if (detail::logging(detail::LogLevel::info)) {
-            detail::log(detail::LogLevel::info, rank(),
-                        "DataParallel: " + std::to_string(params_.size()) + " parameters, " +
-                            std::to_string(buffers_.size()) + " buffers, world size " +
-                            std::to_string(backend_.size()) + ", " +
-                            (reduces_in_place ? "reduced in place" : "packed") + ", " + std::to_string(view_buckets()) +
-                            " view buckets; bucket plan: " + to_string(plan_));
+            detail::log(
+                detail::LogLevel::info, rank(),
+                "DataParallel: " + std::to_string(params_.size()) + " parameters, " + std::to_string(buffers_.size()) +
+                    " buffers, world size " + std::to_string(backend_.size()) + ", " +
+                    (reduces_in_place ? "reduced in place" : "packed") + ", wire " + to_string(compression_type::wire) +
+                    ", " + std::to_string(view_buckets()) + " view buckets; bucket plan: " + to_string(plan_));
         }
     }
 
@@ -313,25 +444,35 @@ private:
         pending_ = std::make_unique<std::atomic<std::int32_t>[]>(n);
         bucket_ready_.assign(n, 0);
         for (std::size_t b = 0; b < n; ++b) {
-            auto indices = plan_.buckets[b].parameters;
-            std::sort(indices.begin(), indices.end());  // the element layout every rank shares
+            const auto& bucket = plan_.buckets[b];
             auto& slot = slots_[b];
-            for (auto i : indices) {
+            slot.indices = bucket.parameters;
+            std::sort(slot.indices.begin(), slot.indices.end());  // the element layout every rank shares
+            for (auto i : slot.indices) {
                 bucket_of_[i] = b;
                 slot.segments.push_back(Segment{params_[i].grad, params_[i].count});
             }
-            slot.parameters = indices.size();
-            pending_[b].store(static_cast<std::int32_t>(indices.size()));
+            slot.parameters = slot.indices.size();
+            pending_[b].store(static_cast<std::int32_t>(slot.indices.size()));
             // Adjacent in memory in that order: the bucket is a view, reduced without copies.
             bool contiguous = true;
-            const std::size_t elem = size_of(plan_.buckets[b].dtype);
+            const std::size_t elem = size_of(bucket.dtype);
             for (std::size_t k = 1; k < slot.segments.size(); ++k) {
                 auto* end = static_cast<std::byte*>(slot.segments[k - 1].data) + slot.segments[k - 1].count * elem;
                 contiguous = contiguous && end == slot.segments[k].data;
             }
-            if (contiguous) slot.view = Segment{slot.segments.front().data, plan_.buckets[b].count};
-            if (!reduces_in_place && !contiguous && backend_.size() > 1)
-                slot.buffer = memory_type::allocate(plan_.buckets[b].bytes());
+            if (contiguous) slot.view = Segment{slot.segments.front().data, bucket.count};
+            slot.wire = bucket.dtype;
+            if (compression_type::compresses && bucket.dtype == DType::float32) {
+                slot.route = Route::compressed;
+                slot.wire = compression_type::wire;
+            } else if (reduces_in_place) {
+                slot.route = Route::in_place;
+            } else {
+                slot.route = contiguous ? Route::view : Route::packed;
+            }
+            if ((slot.route == Route::packed || slot.route == Route::compressed) && backend_.size() > 1)
+                slot.buffer = memory_type::allocate(Bytes{bucket.count * size_of(slot.wire)});
         }
     }
 
@@ -441,14 +582,32 @@ private:
         return slot.view ? std::span<const Segment>(&*slot.view, 1) : std::span<const Segment>(slot.segments);
     }
 
-    // The bucket's collective as one contiguous buffer, packing first when it is no view.
+    // The bucket's collective as one contiguous buffer, packing (and converting) first when it is
+    // no view. A compressed bucket's ranks send their share of the average: each value divided by
+    // the world size, so that the sum keeps the headroom the loss scale left.
     Buffer contiguous(std::size_t b) {
         auto& slot = slots_[b];
         const auto dtype = plan_.buckets[b].dtype;
-        if (slot.view) return Buffer{slot.view->data, slot.view->count, dtype};
+        if (slot.route == Route::view) return Buffer{slot.view->data, slot.view->count, dtype};
         std::byte* data = memory_type::data(slot.buffer);
-        memory_type::pack(data, slot.segments, dtype);
-        return Buffer{data, plan_.buckets[b].count, dtype};
+        if (slot.route == Route::packed) {
+            memory_type::pack(data, slot.segments, dtype);
+        } else {
+            const double share = 1.0 / static_cast<double>(backend_.size());
+            detail::visit_float_dtype(slot.wire, [&]<class W>(detail::type_tag<W>) {
+                auto* out = reinterpret_cast<W*>(data);
+                for (const auto& seg : slot.segments) {
+                    detail::scale_copy(static_cast<const float*>(seg.data), out, seg.count, share);
+                    out += seg.count;
+                }
+            });
+        }
+        return Buffer{data, plan_.buckets[b].count, slot.wire};
+    }
+
+    // A compressed bucket is summed (each rank sent its share); every other one averaged.
+    [[nodiscard]] static ReduceOp op_of(const Slot& slot) {
+        return slot.route == Route::compressed ? ReduceOp::sum : ReduceOp::average;
     }
 
     // Starts bucket b's allreduce asynchronously (under launch_mutex_).
@@ -457,19 +616,21 @@ private:
         slot.launched_at = std::chrono::steady_clock::now();
         if (backend_.size() == 1) return;  // the local gradient is already the average
         const auto& bucket = plan_.buckets[b];
-        auto tag = next_tag(0, static_cast<std::int64_t>(b), bucket.bytes().count(), bucket.dtype);
-        if constexpr (reduces_in_place) {
-            auto segs = segments_of(slot);
-            if constexpr (requires { backend_.allreduce_async(segs, bucket.dtype, ReduceOp::average, tag); })
-                slot.handle.emplace(backend_.allreduce_async(segs, bucket.dtype, ReduceOp::average, tag));
-            else
-                slot.handle.emplace(backend_.allreduce_async(segs, bucket.dtype, ReduceOp::average));
+        auto tag = next_tag(0, static_cast<std::int64_t>(b), bucket.count * size_of(slot.wire), slot.wire);
+        if (slot.route == Route::in_place) {
+            if constexpr (reduces_in_place) {
+                auto segs = segments_of(slot);
+                if constexpr (requires { backend_.allreduce_async(segs, bucket.dtype, ReduceOp::average, tag); })
+                    slot.handle.emplace(backend_.allreduce_async(segs, bucket.dtype, ReduceOp::average, tag));
+                else
+                    slot.handle.emplace(backend_.allreduce_async(segs, bucket.dtype, ReduceOp::average));
+            }
         } else {
             auto buf = contiguous(b);
             if constexpr (TaggedCollectives<BackendT>)
-                slot.handle.emplace(backend_.allreduce_async(buf, ReduceOp::average, tag));
+                slot.handle.emplace(backend_.allreduce_async(buf, op_of(slot), tag));
             else
-                slot.handle.emplace(backend_.allreduce_async(buf, ReduceOp::average));
+                slot.handle.emplace(backend_.allreduce_async(buf, op_of(slot)));
         }
         detail::log(detail::LogLevel::debug, rank(),
                     "step " + std::to_string(current_step()) + ": launched bucket " + std::to_string(b));
@@ -480,36 +641,35 @@ private:
         auto& slot = slots_[b];
         slot.ready_at = slot.launched_at = std::chrono::steady_clock::now();
         const auto& bucket = plan_.buckets[b];
-        auto tag = next_tag(0, static_cast<std::int64_t>(b), bucket.bytes().count(), bucket.dtype);
-        if constexpr (reduces_in_place) {
-            auto segs = segments_of(slot);
-            if constexpr (requires { backend_.allreduce(segs, bucket.dtype, ReduceOp::average, tag); })
-                backend_.allreduce(segs, bucket.dtype, ReduceOp::average, tag);
-            else
-                backend_.allreduce(segs, bucket.dtype, ReduceOp::average);
+        auto tag = next_tag(0, static_cast<std::int64_t>(b), bucket.count * size_of(slot.wire), slot.wire);
+        if (slot.route == Route::in_place) {
+            if constexpr (reduces_in_place) {
+                auto segs = segments_of(slot);
+                if constexpr (requires { backend_.allreduce(segs, bucket.dtype, ReduceOp::average, tag); })
+                    backend_.allreduce(segs, bucket.dtype, ReduceOp::average, tag);
+                else
+                    backend_.allreduce(segs, bucket.dtype, ReduceOp::average);
+            }
         } else {
             auto buf = contiguous(b);
             if constexpr (requires { backend_.allreduce(buf, ReduceOp::average, tag); })
-                backend_.allreduce(buf, ReduceOp::average, tag);
+                backend_.allreduce(buf, op_of(slot), tag);
             else
-                backend_.allreduce(buf, ReduceOp::average);
-            if (!slot.view) memory_type::unpack(slot.segments, memory_type::data(slot.buffer), bucket.dtype);
+                backend_.allreduce(buf, op_of(slot));
         }
+        finish(b);
         timeline_.span("allreduce", current_step(), static_cast<int>(b), slot.launched_at,
                        std::chrono::steady_clock::now());
     }
 
-    // Waits for every launched bucket, by the deadline, and unpacks the packed ones.
+    // Waits for every launched bucket, by the deadline, and finishes each.
     void wait_all() {
         const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
         for (std::size_t b = 0; b < slots_.size(); ++b) {
             auto& slot = slots_[b];
             if (!slot.handle) continue;
             if (!slot.handle->wait_until(deadline)) throw TimeoutError(diagnose_timeout(b));
-            if constexpr (!reduces_in_place) {
-                if (!slot.view)
-                    memory_type::unpack(slot.segments, memory_type::data(slot.buffer), plan_.buckets[b].dtype);
-            }
+            finish(b);
             if (timeline_.enabled()) {
                 timeline_.instant("ready", current_step(), static_cast<int>(b), slot.ready_at);
                 timeline_.instant("launched", current_step(), static_cast<int>(b), slot.launched_at);
@@ -518,6 +678,129 @@ private:
             }
             slot.handle.reset();
         }
+    }
+
+    // After bucket b's reduction: the finalize pass. Packed buckets are unpacked in it; compressed
+    // ones widened; the others scaled where they lie, or only measured when there is nothing to
+    // scale. Without a loss scaler, compression, clipping or step(), a packed bucket is unpacked
+    // and the others are left alone.
+    void finish(std::size_t b) {
+        auto& slot = slots_[b];
+        const auto dtype = plan_.buckets[b].dtype;
+        const std::byte* data = memory_type::data(slot.buffer);
+        switch (slot.route) {
+            case Route::in_place:
+            case Route::view: return finalize_in_place(b);
+            case Route::packed:
+                if (!finalizing_) return memory_type::unpack(slot.segments, data, dtype);
+                return detail::visit_float_dtype(dtype, [&]<class T>(detail::type_tag<T>) {
+                    unpack_finalizing<T, T>(slot, reinterpret_cast<const T*>(data));
+                });
+            case Route::compressed:
+                // float16 sums can overflow where float32 would not: such a bucket is reduced again
+                // in float32 once every bucket is done, from the gradients, which are still intact.
+                if (slot.wire == DType::float16 &&
+                    !detail::all_finite(reinterpret_cast<const float16*>(data), plan_.buckets[b].count)) {
+                    slot.redo = true;
+                    return;
+                }
+                return detail::visit_float_dtype(slot.wire, [&]<class W>(detail::type_tag<W>) {
+                    unpack_finalizing<W, float>(slot, reinterpret_cast<const W*>(data));
+                });
+        }
+    }
+
+    // Reads the reduced bucket, of wire type W, from `data`, unscales it into the gradients, of
+    // type T, and measures it.
+    template <class W, class T>
+    void unpack_finalizing(const Slot& slot, const W* data) {
+        const double factor = 1.0 / static_cast<double>(scaler_.scale());
+        for (std::size_t k = 0; k < slot.segments.size(); ++k) {
+            const auto& seg = slot.segments[k];
+            detail::SquareSum sums;
+            detail::scale_copy_square_sum(data, static_cast<T*>(seg.data), seg.count, factor, sums);
+            record(slot.indices[k], sums);
+            data += seg.count;
+        }
+    }
+
+    // Unscales and measures bucket b's gradients where they lie.
+    void finalize_in_place(std::size_t b) {
+        if (!finalizing_) return;
+        const auto& slot = slots_[b];
+        const double factor = 1.0 / static_cast<double>(scaler_.scale());
+        for (std::size_t k = 0; k < slot.segments.size(); ++k) {
+            const auto& seg = slot.segments[k];
+            detail::SquareSum sums;
+            detail::visit_float_dtype(plan_.buckets[b].dtype, [&]<class T>(detail::type_tag<T>) {
+                if (factor == 1.0)
+                    detail::square_sum(static_cast<const T*>(seg.data), seg.count, sums);
+                else
+                    detail::scale_square_sum(static_cast<T*>(seg.data), seg.count, factor, sums);
+            });
+            record(slot.indices[k], sums);
+        }
+    }
+
+    void record(std::size_t param, const detail::SquareSum& sums) {
+        const double total = sums.total();
+        stats_.sum_squares += total;
+        if (!std::isfinite(total)) stats_.nonfinite.push_back(param);
+    }
+
+    // A compressed bucket whose float16 sum overflowed, reduced again in float32 (averaged), the
+    // same on every rank: they all hold the same sum, so they all decide alike.
+    void reduce_again_in_float(std::size_t b) {
+        auto& slot = slots_[b];
+        const auto& bucket = plan_.buckets[b];
+        auto tag = next_tag(3, static_cast<std::int64_t>(b), bucket.bytes().count(), bucket.dtype);
+        if constexpr (ScatteredAllreduce<BackendT>) {
+            auto segs = segments_of(slot);
+            if constexpr (requires { backend_.allreduce(segs, bucket.dtype, ReduceOp::average, tag); })
+                backend_.allreduce(segs, bucket.dtype, ReduceOp::average, tag);
+            else
+                backend_.allreduce(segs, bucket.dtype, ReduceOp::average);
+        } else {
+            Buffer buf{nullptr, bucket.count, bucket.dtype};
+            if (slot.view) {
+                buf.data = slot.view->data;
+            } else {
+                if (slot.widened.size() == 0) slot.widened = memory_type::allocate(bucket.bytes());
+                buf.data = memory_type::data(slot.widened);
+                memory_type::pack(memory_type::data(slot.widened), slot.segments, bucket.dtype);
+            }
+            if constexpr (requires { backend_.allreduce(buf, ReduceOp::average, tag); })
+                backend_.allreduce(buf, ReduceOp::average, tag);
+            else
+                backend_.allreduce(buf, ReduceOp::average);
+            if (!slot.view) memory_type::unpack(slot.segments, memory_type::data(slot.widened), bucket.dtype);
+        }
+        slot.redo = false;
+        const bool was = finalizing_;
+        finalizing_ = true;  // a compressed bucket is always finalized
+        finalize_in_place(b);
+        finalizing_ = was;
+        detail::log(detail::LogLevel::info, rank(),
+                    "step " + std::to_string(current_step()) + ": bucket " + std::to_string(b) +
+                        " overflowed float16 on the wire and was reduced again in float32");
+    }
+
+    // Scales every gradient down to Options::clip_norm, when the global norm exceeds it: a
+    // second pass, only when it changes something.
+    void clip() {
+        const double norm = grad_norm();
+        if (!std::isfinite(norm) || norm <= options_.clip_norm) return;
+        const double factor = options_.clip_norm / (norm + 1e-6);
+        for (const auto& p : params_) {
+            detail::visit_float_dtype(p.dtype, [&]<class T>(detail::type_tag<T>) {
+                detail::scale_only(static_cast<T*>(p.grad), p.count, factor);
+            });
+        }
+        stats_.clipped = true;
+    }
+
+    [[nodiscard]] static constexpr bool loss_scale_is_dynamic() {
+        return std::is_same_v<loss_scaler_type, DynamicLossScale>;
     }
 
     [[nodiscard]] bool in_flight() const {
@@ -693,6 +976,10 @@ private:
     BackendT& backend_;
     bucketer_type bucketer_{};
     Options options_{};
+    loss_scaler_type scaler_{};
+    lr_type lr_{};
+    Stats stats_;
+    bool finalizing_ = false;  // this synchronize() unscales and measures
     std::vector<Parameter> params_;
     std::vector<ModelBuffer> buffers_;
     std::vector<std::size_t> model_index_to_param_;  // npos for zero-sized parameters

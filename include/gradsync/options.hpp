@@ -24,6 +24,9 @@ struct Options {
     // done moments, written when the DataParallel is destroyed. Empty: $GRADSYNC_TIMELINE, if set.
     // "{rank}" in the path is replaced by the rank; ranks of one process may share one file.
     std::string timeline{};
+    // Above 0: after synchronize(), gradients whose global L2 norm exceeds it are scaled down to
+    // it (PyTorch's clip_grad_norm_ with max_norm = clip_norm).
+    double clip_norm = 0;
 };
 
 }  // namespace gradsync::inline v0

@@ -18,24 +18,27 @@ inline constexpr std::size_t simd_width = 16;
 
 template <class T>
 inline void add_two(T* __restrict out, const T* __restrict a, const T* __restrict b, std::size_t n) {
+    const std::size_t full = n - n % simd_width;
     std::size_t i = 0;
-    for (; i + simd_width <= n; i += simd_width)
+    for (; i < full; i += simd_width)
         for (std::size_t j = 0; j < simd_width; ++j) out[i + j] = a[i + j] + b[i + j];
     for (; i < n; ++i) out[i] = a[i] + b[i];
 }
 
 template <class T>
 inline void add_into(T* __restrict out, const T* __restrict a, std::size_t n) {
+    const std::size_t full = n - n % simd_width;
     std::size_t i = 0;
-    for (; i + simd_width <= n; i += simd_width)
+    for (; i < full; i += simd_width)
         for (std::size_t j = 0; j < simd_width; ++j) out[i + j] += a[i + j];
     for (; i < n; ++i) out[i] += a[i];
 }
 
 template <class T>
 inline void scale_in_place(T* __restrict out, T factor, std::size_t n) {
+    const std::size_t full = n - n % simd_width;
     std::size_t i = 0;
-    for (; i + simd_width <= n; i += simd_width)
+    for (; i < full; i += simd_width)
         for (std::size_t j = 0; j < simd_width; ++j) out[i + j] *= factor;
     for (; i < n; ++i) out[i] *= factor;
 }

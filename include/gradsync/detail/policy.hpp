@@ -11,11 +11,14 @@ namespace gradsync::inline v0 {
 
 // A policy type says which category it belongs to with `using policy_category = ...;`.
 namespace policy_category {
-struct bucketer {};  // groups parameters into buckets (bucket.hpp)
-struct memory {};    // where packed bucket buffers live (memory.hpp)
-struct packing {};   // whether gradients are copied into bucket buffers (memory.hpp)
-struct buffers {};   // what happens to non-parameter state such as batch-norm statistics (buffers.hpp)
-struct options {};   // run-time settings (options.hpp)
+struct bucketer {};     // groups parameters into buckets (bucket.hpp)
+struct memory {};       // where packed bucket buffers live (memory.hpp)
+struct packing {};      // whether gradients are copied into bucket buffers (memory.hpp)
+struct buffers {};      // what happens to non-parameter state such as batch-norm statistics (buffers.hpp)
+struct options {};      // run-time settings (options.hpp)
+struct loss_scaler {};  // mixed-precision loss scaling (amp.hpp)
+struct compression {};  // the dtype gradients travel in (compression.hpp)
+struct lr_rule {};      // the learning rate step() passes to the optimizer (lr.hpp)
 }  // namespace policy_category
 
 namespace detail {

@@ -1,0 +1,63 @@
+// Learning-rate rules: the learning rate for the global batch (micro-batch x accumulation steps x
+// world size) from the base rate tuned for a reference batch, unscaled, linearly or by the square
+// root, with an optional gradual warm-up (Goyal et al. 2017). PaddlePaddle's `base_lr * num_gpus`
+// is LinearLr with the reference batch equal to the micro-batch.
+#pragma once
+
+#include <gradsync/detail/policy.hpp>
+#include <gradsync/error.hpp>
+
+#include <cmath>  // for std::sqrt
+#include <cstdint>
+#include <string>
+
+namespace gradsync::inline v0 {
+
+enum class LrScaling : unsigned char { none, linear, square_root };
+
+// The learning rate at `step` (0 for the first): base_lr scaled for global_batch against
+// reference_batch; during the first warmup_steps steps it rises linearly from base_lr, reaching
+// the scaled rate at step warmup_steps. A pure function: usable with any optimizer.
+inline double learning_rate(double base_lr, LrScaling scaling, std::uint64_t reference_batch,
+                            std::uint64_t global_batch, std::uint64_t step, std::uint64_t warmup_steps = 0) {
+    if (reference_batch == 0 || global_batch == 0)
+        throw Error("gradsync: learning_rate needs a reference batch and a global batch above 0, got " +
+                    std::to_string(reference_batch) + " and " + std::to_string(global_batch));
+    const double ratio = static_cast<double>(global_batch) / static_cast<double>(reference_batch);
+    double target = base_lr;
+    if (scaling == LrScaling::linear) target = base_lr * ratio;
+    if (scaling == LrScaling::square_root) target = base_lr * std::sqrt(ratio);
+    if (step >= warmup_steps) return target;
+    return base_lr + (target - base_lr) * (static_cast<double>(step) / static_cast<double>(warmup_steps));
+}
+
+// The LR policies of DataParallel: step() passes rate(world size, step) to the optimizer.
+template <LrScaling Scaling>
+struct ScaledLr {
+    using policy_category = policy_category::lr_rule;
+
+    double base_lr = 0;
+    std::uint64_t micro_batch = 1;         // examples per rank per backward
+    std::uint64_t reference_batch = 0;     // the batch base_lr was tuned for; 0: micro_batch
+    std::uint64_t accumulation_steps = 1;  // backwards per step (no_sync micro-steps + 1)
+    std::uint64_t warmup_steps = 0;
+
+    [[nodiscard]] std::uint64_t global_batch(int world_size) const {
+        return micro_batch * accumulation_steps * static_cast<std::uint64_t>(world_size);
+    }
+    [[nodiscard]] double rate(int world_size, std::uint64_t step) const {
+        return learning_rate(base_lr, Scaling, reference_batch != 0 ? reference_batch : micro_batch,
+                             global_batch(world_size), step, warmup_steps);
+    }
+};
+
+using UnscaledLr = ScaledLr<LrScaling::none>;
+using LinearLr = ScaledLr<LrScaling::linear>;
+using SqrtLr = ScaledLr<LrScaling::square_root>;
+
+// No LR policy: step() calls the optimizer without a learning rate. The default.
+struct NoLrRule {
+    using policy_category = policy_category::lr_rule;
+};
+
+}  // namespace gradsync::inline v0
