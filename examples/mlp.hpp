@@ -44,8 +44,8 @@ inline Batch make_batch(std::uint64_t seed, std::size_t first, int size) {
         b.labels[static_cast<std::size_t>(s)] = label;
         for (std::size_t p = 0; p < 784; ++p) {
             float prototype = uniform(seed * 31 + static_cast<std::uint64_t>(label) * 784 + p) > 0.7f ? 1.0f : 0.0f;
-            float noise = uniform(seed ^ (index * 1000003 + p)) * 0.5f;
-            b.images[static_cast<std::size_t>(s) * 784 + p] = 0.6f * prototype + noise;
+            float noise = uniform(seed ^ (index * 1000003 + p));
+            b.images[static_cast<std::size_t>(s) * 784 + p] = 0.3f * prototype + noise;
         }
     }
     return b;
