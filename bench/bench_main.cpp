@@ -143,6 +143,26 @@ void print_summary() {
     }
     auto copy_view = counter("views_vs_copies/resnet50", "copy_over_view");
 
+    std::printf("\nMixed precision\n");
+    const std::string fin = "finalize/64MiB";
+    auto fused_bw = counter(fin, "fused_GBps"), copy_bw = counter(fin, "memcpy_GBps");
+    auto fused_ms = counter(fin, "fused_ms"), unfused_ms = counter(fin, "unfused_ms");
+    if (fused_bw && copy_bw && fused_ms && unfused_ms) {
+        std::printf(
+            "  finalize pass over 64 MiB of float32 (bytes read + written): fused %.1f GB/s, memcpy %.1f GB/s;\n"
+            "  fused %.2f ms, unfused sequence (average, unscale, check, norm) %.2f ms\n",
+            *fused_bw, *copy_bw, *fused_ms, *unfused_ms);
+    }
+    const std::string comp = "compression/resnet50";
+    auto f_in = counter(comp, "float_in_place_ms"), f_packed = counter(comp, "float_packed_ms");
+    auto h_ms = counter(comp, "fp16_ms"), b_ms = counter(comp, "bf16_ms");
+    if (f_in && f_packed && h_ms && b_ms) {
+        std::printf(
+            "  synchronize() on ResNet-50, 2 ranks: float32 in place %.2f ms, float32 packed %.2f ms,\n"
+            "  float16 on the wire %.2f ms, bfloat16 on the wire %.2f ms\n",
+            *f_in, *f_packed, *h_ms, *b_ms);
+    }
+
     std::printf("\nTargets (issue #2)\n");
     std::printf("  %-46s %-12s %-26s %6s   %-9s %s\n", "figure", "measured", "ceiling / baseline", "ratio", "target",
                 "");
@@ -179,6 +199,17 @@ void print_summary() {
         target_row("ResNet-50 synchronize(): pack/unpack / views", fmt("%.2f ms", *view), fmt("copies %.2f ms", *copy),
                    *copy_view, ">= 1.20", *copy_view >= 1.2);
     }
+    std::printf("\nTargets (issue #4)\n");
+    if (fused_bw && copy_bw && fused_ms && unfused_ms) {
+        target_row("fused finalize / memcpy, bytes read + written", fmt("%.1f GB/s", *fused_bw),
+                   fmt("memcpy %.1f GB/s", *copy_bw), *fused_bw / *copy_bw, ">= 0.80", *fused_bw / *copy_bw >= 0.8);
+        target_row("unfused sequence / fused finalize", fmt("%.2f ms", *fused_ms), fmt("unfused %.2f ms", *unfused_ms),
+                   *unfused_ms / *fused_ms, ">= 2.50", *unfused_ms / *fused_ms >= 2.5);
+    }
+    if (f_in && b_ms) {
+        target_row("ResNet-50 synchronize(): float32 / bfloat16 wire", fmt("%.2f ms", *b_ms),
+                   fmt("float32 %.2f ms", *f_in), *f_in / *b_ms, ">= 1.60", *f_in / *b_ms >= 1.6);
+    }
 }
 
 }  // namespace
@@ -194,6 +225,7 @@ int main(int argc, char** argv) {
     bench::register_collectives();
     bench::register_data_parallel();
     bench::register_overlap();
+    bench::register_amp();
     benchmark::Initialize(&argc, argv);
     if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
     Recorder recorder;

@@ -11,6 +11,7 @@ namespace bench {
 void register_collectives();
 void register_data_parallel();
 void register_overlap();
+void register_amp();
 
 // Memory DataParallel and its backend hold beyond the model, beside the gradients' own bytes.
 void record_memory(const std::string& key, gradsync::Bytes extra, gradsync::Bytes gradients);
