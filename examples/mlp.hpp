@@ -157,6 +157,11 @@ private:
 class Sgd {
 public:
     Sgd(float lr, float momentum) : lr_(lr), momentum_(momentum) {}
+    // A step at another learning rate, such as a scaled or warming-up one.
+    void step(Mlp& m, float lr) {
+        lr_ = lr;
+        step(m);
+    }
     void step(Mlp& m) {
         auto params = m.parameters();
         velocity_.resize(params.size());
