@@ -794,8 +794,13 @@ private:
 // They store and convert; arithmetic happens in float.
 
 
+#include <cstddef>
 #include <cstdint>
-#include <cstring>  // for std::memcpy
+#include <cstring>      // for std::memcpy
+#include <type_traits>  // for std::is_same_v
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__)) && !defined(__CUDACC__)
+#include <immintrin.h>  // for the F16C conversions
+#endif
 
 namespace gradsync::inline v0 {
 
@@ -884,6 +889,57 @@ struct bfloat16 {
 static_assert(sizeof(float16) == 2 && alignof(float16) == 2, "float16 must be layout-compatible with __half");
 static_assert(sizeof(bfloat16) == 2 && alignof(bfloat16) == 2, "bfloat16 must be layout-compatible with __nv_bfloat16");
 
+namespace detail {
+
+template <class T>
+inline constexpr bool is_16_bit = std::is_same_v<T, float16> || std::is_same_v<T, bfloat16>;
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__)) && !defined(__CUDACC__)
+#define GRADSYNC_F16C 1
+// The F16C instructions convert 8 values at once, rounding to nearest even like the code above.
+// Chosen at run time, so that a build for any x86-64 uses them where the processor has them.
+inline bool has_f16c() {
+    static const bool yes = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+    return yes;
+}
+__attribute__((target("f16c,avx"))) inline void narrow_f16c(const float* in, float16* out, std::size_t n) {
+    std::size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), h);
+    }
+    for (; i < n; ++i) out[i] = float16(in[i]);
+}
+__attribute__((target("f16c,avx"))) inline void widen_f16c(const float16* in, float* out, std::size_t n) {
+    std::size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
+    for (; i < n; ++i) out[i] = static_cast<float>(in[i]);
+}
+#endif
+
+// Bulk conversions between float and a 16-bit type (hardware-assisted for float16 on x86-64).
+template <class S>
+inline void widen_to_float(const S* in, float* out, std::size_t n) {
+#ifdef GRADSYNC_F16C
+    if constexpr (std::is_same_v<S, float16>) {
+        if (has_f16c()) return widen_f16c(in, out, n);
+    }
+#endif
+    for (std::size_t i = 0; i < n; ++i) out[i] = static_cast<float>(in[i]);
+}
+template <class S>
+inline void narrow_from_float(const float* in, S* out, std::size_t n) {
+#ifdef GRADSYNC_F16C
+    if constexpr (std::is_same_v<S, float16>) {
+        if (has_f16c()) return narrow_f16c(in, out, n);
+    }
+#endif
+    for (std::size_t i = 0; i < n; ++i) out[i] = S(in[i]);
+}
+
+}  // namespace detail
+
 template <>
 struct dtype_traits<float16> {
     static constexpr DType value = DType::float16;
@@ -949,19 +1005,6 @@ struct accumulator<bfloat16> {
 template <class S>
 using accumulator_t = typename accumulator<S>::type;
 
-template <class S, class A>
-inline void widen(A* __restrict out, const S* __restrict in, std::size_t n) {
-    for (std::size_t i = 0; i < n; ++i) out[i] = static_cast<A>(in[i]);
-}
-template <class S, class A>
-inline void add_widened(A* __restrict out, const S* __restrict in, std::size_t n) {
-    for (std::size_t i = 0; i < n; ++i) out[i] += static_cast<A>(in[i]);
-}
-template <class S, class A>
-inline void narrow(S* __restrict out, const A* __restrict in, std::size_t n) {
-    for (std::size_t i = 0; i < n; ++i) out[i] = S(in[i]);
-}
-
 // For every i < n: the sum of inputs[0..n_in)[i] in rank order, in the accumulator type, times
 // `factor` when `scaled`, written to every outputs[0..n_out)[i]. Outputs may alias inputs: each
 // block is read in full into `scratch` (reduce_block_bytes, aligned) before any of it is written.
@@ -985,15 +1028,19 @@ void reduce_to_all(S* const* inputs, int n_in, S* const* outputs, int n_out, std
         }
     } else {
         // Widen into A, sum there, narrow once (rounding to nearest even), copy to every output.
-        constexpr std::size_t block = reduce_block_bytes / (sizeof(A) + sizeof(S)) / simd_width * simd_width;
+        constexpr std::size_t block = reduce_block_bytes / (2 * sizeof(A) + sizeof(S)) / simd_width * simd_width;
         auto* acc = static_cast<A*>(scratch);
-        auto* narrowed = reinterpret_cast<S*>(acc + block);
+        auto* wide = acc + block;
+        auto* narrowed = reinterpret_cast<S*>(wide + block);
         for (std::size_t off = 0; off < n; off += block) {
             std::size_t k = std::min(block, n - off);
-            widen(acc, inputs[0] + off, k);
-            for (int s = 1; s < n_in; ++s) add_widened(acc, inputs[s] + off, k);
+            widen_to_float(inputs[0] + off, acc, k);
+            for (int s = 1; s < n_in; ++s) {
+                widen_to_float(inputs[s] + off, wide, k);
+                add_into(acc, wide, k);
+            }
             if (scaled) scale_in_place(acc, factor, k);
-            narrow(narrowed, acc, k);
+            narrow_from_float(acc, narrowed, k);
             for (int o = 0; o < n_out; ++o) std::memcpy(outputs[o] + off, narrowed, k * sizeof(S));
         }
     }
@@ -2375,7 +2422,8 @@ private:
 // each element, widening or narrowing between storage types on the way.
 
 
-#include <cmath>  // for std::isfinite
+#include <algorithm>  // for std::min
+#include <cmath>      // for std::isfinite
 #include <cstddef>
 
 namespace gradsync::inline v0::detail {
@@ -2393,49 +2441,107 @@ struct SquareSum {
     }
 };
 
+// float16 values go through a float buffer of this many, converted in bulk (by F16C on x86-64).
+// bfloat16 converts with a shift and a rounding add, which loops vectorize as they are.
+inline constexpr std::size_t conversion_chunk = 256;
+
+template <class In, class Out>
+inline constexpr bool via_float_buffer = std::is_same_v<In, float16> || std::is_same_v<Out, float16>;
+
+// Reads n values of In as float into buf.
+template <class In>
+inline void load_float(const In* in, float* buf, std::size_t n) {
+    if constexpr (is_16_bit<In>)
+        widen_to_float(in, buf, n);
+    else
+        for (std::size_t i = 0; i < n; ++i) buf[i] = static_cast<float>(in[i]);
+}
+
+// Writes buf's n floats as Out. With `exact`, buf afterwards holds exactly what was written.
+template <class Out>
+inline void store_float(float* buf, Out* out, std::size_t n, bool exact) {
+    if constexpr (is_16_bit<Out>) {
+        narrow_from_float(buf, out, n);
+        if (exact) widen_to_float(out, buf, n);
+    } else {
+        for (std::size_t i = 0; i < n; ++i) out[i] = static_cast<Out>(buf[i]);
+    }
+}
+
+inline void add_squares(const float* buf, std::size_t n, SquareSum& sums) {
+    const std::size_t full = n - n % simd_width;
+    std::size_t i = 0;
+    for (; i < full; i += simd_width)
+        for (std::size_t j = 0; j < simd_width; ++j) sums.lanes[j] += double(buf[i + j]) * double(buf[i + j]);
+    for (; i < n; ++i) sums.lanes[0] += double(buf[i]) * double(buf[i]);
+}
+
+// The chunked path for 16-bit values: load as float, scale, store, measure what was stored. `in`
+// may equal `out`: each chunk is read in full before it is written.
+template <class In, class Out>
+void scale_through_float(const In* in, Out* out, std::size_t n, double factor, SquareSum* sums) {
+    alignas(64) float buf[conversion_chunk];
+    const auto f = static_cast<float>(factor);
+    for (std::size_t off = 0; off < n; off += conversion_chunk) {
+        const std::size_t k = std::min(conversion_chunk, n - off);
+        load_float(in + off, buf, k);
+        if (f != 1.0f) scale_in_place(buf, f, k);
+        store_float(buf, out + off, k, sums != nullptr);
+        if (sums != nullptr) add_squares(buf, k, *sums);
+    }
+}
+
 // out[i] = Out(in[i] * factor) for i < n, adding each out[i]'s square (as written, widened) to
 // `sums`. In and Out may be float, double, float16 or bfloat16, in any combination.
 template <class In, class Out>
 void scale_copy_square_sum(const In* __restrict in, Out* __restrict out, std::size_t n, double factor,
                            SquareSum& sums) {
-    using A = accumulator_t<Out>;  // double stays double; everything else scales in float
-    const std::size_t full = n - n % simd_width;
-    std::size_t i = 0;
-    for (; i < full; i += simd_width) {
-        for (std::size_t j = 0; j < simd_width; ++j) {
-            const Out o = Out(static_cast<A>(static_cast<A>(in[i + j]) * static_cast<A>(factor)));
-            out[i + j] = o;
-            const double v = static_cast<double>(static_cast<A>(o));
-            sums.lanes[j] += v * v;
+    if constexpr (via_float_buffer<In, Out>) {
+        return scale_through_float(in, out, n, factor, &sums);
+    } else {
+        using A = accumulator_t<Out>;  // double stays double; the rest scales in float
+        const std::size_t full = n - n % simd_width;
+        std::size_t i = 0;
+        for (; i < full; i += simd_width) {
+            for (std::size_t j = 0; j < simd_width; ++j) {
+                const Out o = Out(static_cast<A>(static_cast<A>(in[i + j]) * static_cast<A>(factor)));
+                out[i + j] = o;
+                const double v = static_cast<double>(static_cast<A>(o));
+                sums.lanes[j] += v * v;
+            }
         }
-    }
-    for (; i < n; ++i) {
-        const Out o = Out(static_cast<A>(static_cast<A>(in[i]) * static_cast<A>(factor)));
-        out[i] = o;
-        const double v = static_cast<double>(static_cast<A>(o));
-        sums.lanes[0] += v * v;
+        for (; i < n; ++i) {
+            const Out o = Out(static_cast<A>(static_cast<A>(in[i]) * static_cast<A>(factor)));
+            out[i] = o;
+            const double v = static_cast<double>(static_cast<A>(o));
+            sums.lanes[0] += v * v;
+        }
     }
 }
 
 // The same in place: data[i] = T(data[i] * factor), squares added to `sums`.
 template <class T>
 void scale_square_sum(T* __restrict data, std::size_t n, double factor, SquareSum& sums) {
-    using A = accumulator_t<T>;
-    const std::size_t full = n - n % simd_width;
-    std::size_t i = 0;
-    for (; i < full; i += simd_width) {
-        for (std::size_t j = 0; j < simd_width; ++j) {
-            const T o = T(static_cast<A>(static_cast<A>(data[i + j]) * static_cast<A>(factor)));
-            data[i + j] = o;
-            const double v = static_cast<double>(static_cast<A>(o));
-            sums.lanes[j] += v * v;
+    if constexpr (via_float_buffer<T, T>) {
+        return scale_through_float(data, data, n, factor, &sums);
+    } else {
+        using A = accumulator_t<T>;
+        const std::size_t full = n - n % simd_width;
+        std::size_t i = 0;
+        for (; i < full; i += simd_width) {
+            for (std::size_t j = 0; j < simd_width; ++j) {
+                const T o = T(static_cast<A>(static_cast<A>(data[i + j]) * static_cast<A>(factor)));
+                data[i + j] = o;
+                const double v = static_cast<double>(static_cast<A>(o));
+                sums.lanes[j] += v * v;
+            }
         }
-    }
-    for (; i < n; ++i) {
-        const T o = T(static_cast<A>(static_cast<A>(data[i]) * static_cast<A>(factor)));
-        data[i] = o;
-        const double v = static_cast<double>(static_cast<A>(o));
-        sums.lanes[0] += v * v;
+        for (; i < n; ++i) {
+            const T o = T(static_cast<A>(static_cast<A>(data[i]) * static_cast<A>(factor)));
+            data[i] = o;
+            const double v = static_cast<double>(static_cast<A>(o));
+            sums.lanes[0] += v * v;
+        }
     }
 }
 
@@ -2443,25 +2549,39 @@ void scale_square_sum(T* __restrict data, std::size_t n, double factor, SquareSu
 template <class T>
 void square_sum(const T* __restrict data, std::size_t n, SquareSum& sums) {
     using A = accumulator_t<T>;
-    const std::size_t full = n - n % simd_width;
-    std::size_t i = 0;
-    for (; i < full; i += simd_width) {
-        for (std::size_t j = 0; j < simd_width; ++j) {
-            const double v = static_cast<double>(static_cast<A>(data[i + j]));
-            sums.lanes[j] += v * v;
+    if constexpr (via_float_buffer<T, T>) {
+        alignas(64) float buf[conversion_chunk];
+        for (std::size_t off = 0; off < n; off += conversion_chunk) {
+            const std::size_t k = std::min(conversion_chunk, n - off);
+            widen_to_float(data + off, buf, k);
+            add_squares(buf, k, sums);
         }
-    }
-    for (; i < n; ++i) {
-        const double v = static_cast<double>(static_cast<A>(data[i]));
-        sums.lanes[0] += v * v;
+    } else {
+        const std::size_t full = n - n % simd_width;
+        std::size_t i = 0;
+        for (; i < full; i += simd_width) {
+            for (std::size_t j = 0; j < simd_width; ++j) {
+                const double v = static_cast<double>(static_cast<A>(data[i + j]));
+                sums.lanes[j] += v * v;
+            }
+        }
+        for (; i < n; ++i) {
+            const double v = static_cast<double>(static_cast<A>(data[i]));
+            sums.lanes[0] += v * v;
+        }
     }
 }
 
 // out[i] = Out(in[i] * factor): packing with a conversion (compression) or a share.
 template <class In, class Out>
 void scale_copy(const In* __restrict in, Out* __restrict out, std::size_t n, double factor) {
-    using A = accumulator_t<Out>;
-    for (std::size_t i = 0; i < n; ++i) out[i] = Out(static_cast<A>(static_cast<A>(in[i]) * static_cast<A>(factor)));
+    if constexpr (via_float_buffer<In, Out>) {
+        return scale_through_float(in, out, n, factor, nullptr);
+    } else {
+        using A = accumulator_t<Out>;
+        for (std::size_t i = 0; i < n; ++i)
+            out[i] = Out(static_cast<A>(static_cast<A>(in[i]) * static_cast<A>(factor)));
+    }
 }
 
 // No infinity and no NaN among n float16 values: an exponent field of all ones is either.

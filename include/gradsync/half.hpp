@@ -6,8 +6,13 @@
 #include <gradsync/dtype.hpp>
 #include <gradsync/version.hpp>
 
+#include <cstddef>
 #include <cstdint>
-#include <cstring>  // for std::memcpy
+#include <cstring>      // for std::memcpy
+#include <type_traits>  // for std::is_same_v
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__)) && !defined(__CUDACC__)
+#include <immintrin.h>  // for the F16C conversions
+#endif
 
 namespace gradsync::inline v0 {
 
@@ -95,6 +100,57 @@ struct bfloat16 {
 
 static_assert(sizeof(float16) == 2 && alignof(float16) == 2, "float16 must be layout-compatible with __half");
 static_assert(sizeof(bfloat16) == 2 && alignof(bfloat16) == 2, "bfloat16 must be layout-compatible with __nv_bfloat16");
+
+namespace detail {
+
+template <class T>
+inline constexpr bool is_16_bit = std::is_same_v<T, float16> || std::is_same_v<T, bfloat16>;
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__)) && !defined(__CUDACC__)
+#define GRADSYNC_F16C 1
+// The F16C instructions convert 8 values at once, rounding to nearest even like the code above.
+// Chosen at run time, so that a build for any x86-64 uses them where the processor has them.
+inline bool has_f16c() {
+    static const bool yes = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+    return yes;
+}
+__attribute__((target("f16c,avx"))) inline void narrow_f16c(const float* in, float16* out, std::size_t n) {
+    std::size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), h);
+    }
+    for (; i < n; ++i) out[i] = float16(in[i]);
+}
+__attribute__((target("f16c,avx"))) inline void widen_f16c(const float16* in, float* out, std::size_t n) {
+    std::size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
+    for (; i < n; ++i) out[i] = static_cast<float>(in[i]);
+}
+#endif
+
+// Bulk conversions between float and a 16-bit type (hardware-assisted for float16 on x86-64).
+template <class S>
+inline void widen_to_float(const S* in, float* out, std::size_t n) {
+#ifdef GRADSYNC_F16C
+    if constexpr (std::is_same_v<S, float16>) {
+        if (has_f16c()) return widen_f16c(in, out, n);
+    }
+#endif
+    for (std::size_t i = 0; i < n; ++i) out[i] = static_cast<float>(in[i]);
+}
+template <class S>
+inline void narrow_from_float(const float* in, S* out, std::size_t n) {
+#ifdef GRADSYNC_F16C
+    if constexpr (std::is_same_v<S, float16>) {
+        if (has_f16c()) return narrow_f16c(in, out, n);
+    }
+#endif
+    for (std::size_t i = 0; i < n; ++i) out[i] = S(in[i]);
+}
+
+}  // namespace detail
 
 template <>
 struct dtype_traits<float16> {

@@ -59,19 +59,6 @@ struct accumulator<bfloat16> {
 template <class S>
 using accumulator_t = typename accumulator<S>::type;
 
-template <class S, class A>
-inline void widen(A* __restrict out, const S* __restrict in, std::size_t n) {
-    for (std::size_t i = 0; i < n; ++i) out[i] = static_cast<A>(in[i]);
-}
-template <class S, class A>
-inline void add_widened(A* __restrict out, const S* __restrict in, std::size_t n) {
-    for (std::size_t i = 0; i < n; ++i) out[i] += static_cast<A>(in[i]);
-}
-template <class S, class A>
-inline void narrow(S* __restrict out, const A* __restrict in, std::size_t n) {
-    for (std::size_t i = 0; i < n; ++i) out[i] = S(in[i]);
-}
-
 // For every i < n: the sum of inputs[0..n_in)[i] in rank order, in the accumulator type, times
 // `factor` when `scaled`, written to every outputs[0..n_out)[i]. Outputs may alias inputs: each
 // block is read in full into `scratch` (reduce_block_bytes, aligned) before any of it is written.
@@ -95,15 +82,19 @@ void reduce_to_all(S* const* inputs, int n_in, S* const* outputs, int n_out, std
         }
     } else {
         // Widen into A, sum there, narrow once (rounding to nearest even), copy to every output.
-        constexpr std::size_t block = reduce_block_bytes / (sizeof(A) + sizeof(S)) / simd_width * simd_width;
+        constexpr std::size_t block = reduce_block_bytes / (2 * sizeof(A) + sizeof(S)) / simd_width * simd_width;
         auto* acc = static_cast<A*>(scratch);
-        auto* narrowed = reinterpret_cast<S*>(acc + block);
+        auto* wide = acc + block;
+        auto* narrowed = reinterpret_cast<S*>(wide + block);
         for (std::size_t off = 0; off < n; off += block) {
             std::size_t k = std::min(block, n - off);
-            widen(acc, inputs[0] + off, k);
-            for (int s = 1; s < n_in; ++s) add_widened(acc, inputs[s] + off, k);
+            widen_to_float(inputs[0] + off, acc, k);
+            for (int s = 1; s < n_in; ++s) {
+                widen_to_float(inputs[s] + off, wide, k);
+                add_into(acc, wide, k);
+            }
             if (scaled) scale_in_place(acc, factor, k);
-            narrow(narrowed, acc, k);
+            narrow_from_float(acc, narrowed, k);
             for (int o = 0; o < n_out; ++o) std::memcpy(outputs[o] + off, narrowed, k * sizeof(S));
         }
     }
