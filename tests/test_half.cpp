@@ -147,3 +147,33 @@ TEST_CASE("the 16-bit types have their DTypes") {
     CHECK(static_cast<float>(float16(0.5f)) == 0.5f);
     CHECK(static_cast<float>(bfloat16(-2.0f)) == -2.0f);
 }
+
+TEST_CASE("bulk conversions (F16C where the processor has it) agree with the element-wise ones") {
+    std::vector<float16> all(0x10000);
+    for (std::uint32_t h = 0; h < 0x10000; ++h) all[h] = float16::from_bits(static_cast<std::uint16_t>(h));
+    std::vector<float> wide(all.size());
+    gradsync::detail::widen_to_float(all.data(), wide.data(), all.size());
+    int wrong = 0;
+    for (std::size_t i = 0; i < all.size(); ++i) {
+        float one = static_cast<float>(all[i]);
+        wrong += std::isnan(one) ? !std::isnan(wide[i]) : std::memcmp(&one, &wide[i], 4) != 0;
+    }
+    CHECK(wrong == 0);
+
+    auto floats = interesting_floats();
+    floats.push_back(std::numeric_limits<float>::quiet_NaN());
+    std::vector<float16> narrow(floats.size());
+    gradsync::detail::narrow_from_float(floats.data(), narrow.data(), floats.size());
+    std::vector<gradsync::bfloat16> narrow_b(floats.size());
+    gradsync::detail::narrow_from_float(floats.data(), narrow_b.data(), floats.size());
+    wrong = 0;
+    for (std::size_t i = 0; i < floats.size(); ++i) {
+        if (std::isnan(floats[i])) {
+            wrong += !std::isnan(static_cast<float>(narrow[i])) + !std::isnan(static_cast<float>(narrow_b[i]));
+        } else {
+            wrong += narrow[i].bits != float16(floats[i]).bits;
+            wrong += narrow_b[i].bits != bfloat16(floats[i]).bits;
+        }
+    }
+    CHECK(wrong == 0);
+}
