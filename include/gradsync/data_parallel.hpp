@@ -605,6 +605,32 @@ private:
         return Buffer{data, plan_.buckets[b].count, slot.wire};
     }
 
+    // The backend's collectives, carrying the tag where the backend takes one.
+    void allreduce_now(std::span<const Segment> segs, DType t, ReduceOp op, CollectiveTag tag) {
+        if constexpr (requires { backend_.allreduce(segs, t, op, tag); })
+            backend_.allreduce(segs, t, op, tag);
+        else
+            backend_.allreduce(segs, t, op);
+    }
+    void allreduce_now(Buffer buf, ReduceOp op, CollectiveTag tag) {
+        if constexpr (requires { backend_.allreduce(buf, op, tag); })
+            backend_.allreduce(buf, op, tag);
+        else
+            backend_.allreduce(buf, op);
+    }
+    handle_type allreduce_later(std::span<const Segment> segs, DType t, ReduceOp op, CollectiveTag tag) {
+        if constexpr (requires { backend_.allreduce_async(segs, t, op, tag); })
+            return backend_.allreduce_async(segs, t, op, tag);
+        else
+            return backend_.allreduce_async(segs, t, op);
+    }
+    handle_type allreduce_later(Buffer buf, ReduceOp op, CollectiveTag tag) {
+        if constexpr (requires { backend_.allreduce_async(buf, op, tag); })
+            return backend_.allreduce_async(buf, op, tag);
+        else
+            return backend_.allreduce_async(buf, op);
+    }
+
     // A compressed bucket is summed (each rank sent its share); every other one averaged.
     [[nodiscard]] static ReduceOp op_of(const Slot& slot) {
         return slot.route == Route::compressed ? ReduceOp::sum : ReduceOp::average;
@@ -618,19 +644,10 @@ private:
         const auto& bucket = plan_.buckets[b];
         auto tag = next_tag(0, static_cast<std::int64_t>(b), bucket.count * size_of(slot.wire), slot.wire);
         if (slot.route == Route::in_place) {
-            if constexpr (reduces_in_place) {
-                auto segs = segments_of(slot);
-                if constexpr (requires { backend_.allreduce_async(segs, bucket.dtype, ReduceOp::average, tag); })
-                    slot.handle.emplace(backend_.allreduce_async(segs, bucket.dtype, ReduceOp::average, tag));
-                else
-                    slot.handle.emplace(backend_.allreduce_async(segs, bucket.dtype, ReduceOp::average));
-            }
+            if constexpr (reduces_in_place)
+                slot.handle.emplace(allreduce_later(segments_of(slot), bucket.dtype, ReduceOp::average, tag));
         } else {
-            auto buf = contiguous(b);
-            if constexpr (TaggedCollectives<BackendT>)
-                slot.handle.emplace(backend_.allreduce_async(buf, op_of(slot), tag));
-            else
-                slot.handle.emplace(backend_.allreduce_async(buf, op_of(slot)));
+            slot.handle.emplace(allreduce_later(contiguous(b), op_of(slot), tag));
         }
         detail::log(detail::LogLevel::debug, rank(),
                     "step " + std::to_string(current_step()) + ": launched bucket " + std::to_string(b));
@@ -643,19 +660,9 @@ private:
         const auto& bucket = plan_.buckets[b];
         auto tag = next_tag(0, static_cast<std::int64_t>(b), bucket.count * size_of(slot.wire), slot.wire);
         if (slot.route == Route::in_place) {
-            if constexpr (reduces_in_place) {
-                auto segs = segments_of(slot);
-                if constexpr (requires { backend_.allreduce(segs, bucket.dtype, ReduceOp::average, tag); })
-                    backend_.allreduce(segs, bucket.dtype, ReduceOp::average, tag);
-                else
-                    backend_.allreduce(segs, bucket.dtype, ReduceOp::average);
-            }
+            if constexpr (reduces_in_place) allreduce_now(segments_of(slot), bucket.dtype, ReduceOp::average, tag);
         } else {
-            auto buf = contiguous(b);
-            if constexpr (requires { backend_.allreduce(buf, ReduceOp::average, tag); })
-                backend_.allreduce(buf, op_of(slot), tag);
-            else
-                backend_.allreduce(buf, op_of(slot));
+            allreduce_now(contiguous(b), op_of(slot), tag);
         }
         finish(b);
         timeline_.span("allreduce", current_step(), static_cast<int>(b), slot.launched_at,
@@ -755,11 +762,7 @@ private:
         const auto& bucket = plan_.buckets[b];
         auto tag = next_tag(3, static_cast<std::int64_t>(b), bucket.bytes().count(), bucket.dtype);
         if constexpr (ScatteredAllreduce<BackendT>) {
-            auto segs = segments_of(slot);
-            if constexpr (requires { backend_.allreduce(segs, bucket.dtype, ReduceOp::average, tag); })
-                backend_.allreduce(segs, bucket.dtype, ReduceOp::average, tag);
-            else
-                backend_.allreduce(segs, bucket.dtype, ReduceOp::average);
+            allreduce_now(segments_of(slot), bucket.dtype, ReduceOp::average, tag);
         } else {
             Buffer buf{nullptr, bucket.count, bucket.dtype};
             if (slot.view) {
@@ -769,10 +772,7 @@ private:
                 buf.data = memory_type::data(slot.widened);
                 memory_type::pack(memory_type::data(slot.widened), slot.segments, bucket.dtype);
             }
-            if constexpr (requires { backend_.allreduce(buf, ReduceOp::average, tag); })
-                backend_.allreduce(buf, ReduceOp::average, tag);
-            else
-                backend_.allreduce(buf, ReduceOp::average);
+            allreduce_now(buf, ReduceOp::average, tag);
             if (!slot.view) memory_type::unpack(slot.segments, memory_type::data(slot.widened), bucket.dtype);
         }
         slot.redo = false;
@@ -931,11 +931,7 @@ private:
                 !at_construction && mode == BufferSync::average_every_step && backend_.supports(buf.dtype);
             auto tag = next_tag(average ? 2 : 1, -2 - static_cast<std::int64_t>(i), buf.bytes().count(), buf.dtype);
             if (average) {
-                Buffer whole{buf.data, buf.count, buf.dtype};
-                if constexpr (requires { backend_.allreduce(whole, ReduceOp::average, tag); })
-                    backend_.allreduce(whole, ReduceOp::average, tag);
-                else
-                    backend_.allreduce(whole, ReduceOp::average);
+                allreduce_now(Buffer{buf.data, buf.count, buf.dtype}, ReduceOp::average, tag);
             } else {
                 std::span<std::byte> bytes(static_cast<std::byte*>(buf.data), buf.bytes().count());
                 if constexpr (requires { backend_.broadcast(bytes, 0, tag); })
