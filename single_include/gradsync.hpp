@@ -4122,6 +4122,211 @@ private:
 }  // namespace gradsync::inline v0
 // ---- end gradsync/data_parallel.hpp ----
 
+// ---- begin gradsync/environment.hpp ----
+// Where this process stands in a multi-process run: rank, world size, local rank and local world
+// size, read from the variables launchers set (torchrun and paddle.distributed.launch, Open MPI's
+// mpirun, MPICH/PMI, Slurm's srun), with a clear error when they are missing or disagree.
+
+
+#include <cstdlib>  // for std::getenv
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace gradsync::inline v0 {
+
+struct ProcessPlace {
+    int rank = 0;
+    int world_size = 1;
+    int local_rank = 0;
+    int local_world_size = 1;
+    std::string source;  // which launcher's variables said so, e.g. "RANK/WORLD_SIZE"
+
+    friend bool operator==(const ProcessPlace&, const ProcessPlace&) = default;
+};
+
+namespace detail {
+
+// Reads an environment variable; `lookup` is swappable so that tests need not touch the process's.
+using EnvLookup = std::optional<std::string> (*)(const char*);
+
+inline std::optional<std::string> real_env(const char* name) {
+    const char* v = std::getenv(name);
+    if (v == nullptr) return std::nullopt;
+    return std::string(v);
+}
+
+inline int parse_count(const char* name, const std::string& text) {
+    std::size_t used = 0;
+    long value = -1;
+    try {
+        value = std::stol(text, &used);
+    } catch (...) {
+        used = 0;
+    }
+    if (used != text.size() || text.empty() || value < 0 || value > 1'000'000)
+        throw Error("gradsync: environment variable " + std::string(name) + "='" + text +
+                    "' is not a non-negative whole number");
+    return static_cast<int>(value);
+}
+
+struct Scheme {
+    const char* rank;
+    const char* size;
+    const char* local_rank;
+    const char* local_size;
+};
+
+// In order of preference: the explicit torchrun/Paddle variables, then what each launcher sets.
+inline constexpr Scheme schemes[] = {
+    {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"},
+    {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"},
+    {"PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"},
+    {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", nullptr},
+};
+
+inline ProcessPlace place_from(EnvLookup lookup) {
+    std::vector<ProcessPlace> found;
+    for (const auto& s : schemes) {
+        auto rank = lookup(s.rank);
+        auto size = lookup(s.size);
+        if (!rank && !size) continue;
+        const std::string source = std::string(s.rank) + "/" + s.size;
+        if (!rank || !size)
+            throw Error("gradsync: " + std::string(rank ? s.rank : s.size) + " is set but " +
+                        std::string(rank ? s.size : s.rank) + " is not; a launcher sets both");
+        ProcessPlace p;
+        p.source = source;
+        p.rank = parse_count(s.rank, *rank);
+        p.world_size = parse_count(s.size, *size);
+        if (p.world_size < 1 || p.rank >= p.world_size)
+            throw Error("gradsync: " + std::string(s.rank) + "=" + std::to_string(p.rank) + " is not a rank of " +
+                        s.size + "=" + std::to_string(p.world_size));
+        // Without local variables: one process per machine, as far as anyone said.
+        p.local_rank = 0;
+        if (auto lr = lookup(s.local_rank)) p.local_rank = parse_count(s.local_rank, *lr);
+        p.local_world_size = p.local_rank + 1;
+        if (s.local_size != nullptr) {
+            if (auto ls = lookup(s.local_size)) p.local_world_size = parse_count(s.local_size, *ls);
+        }
+        if (p.local_rank >= p.local_world_size)
+            throw Error("gradsync: local rank " + std::to_string(p.local_rank) + " from " + s.local_rank +
+                        " is not below the local world size " + std::to_string(p.local_world_size));
+        found.push_back(p);
+    }
+    if (found.empty()) return ProcessPlace{0, 1, 0, 1, "no launcher variables: a single process"};
+    for (std::size_t i = 1; i < found.size(); ++i) {
+        if (found[i].rank != found[0].rank || found[i].world_size != found[0].world_size)
+            throw Error("gradsync: the launchers' variables disagree: " + found[0].source + " say rank " +
+                        std::to_string(found[0].rank) + " of " + std::to_string(found[0].world_size) + ", " +
+                        found[i].source + " say rank " + std::to_string(found[i].rank) + " of " +
+                        std::to_string(found[i].world_size));
+    }
+    return found[0];
+}
+
+}  // namespace detail
+
+// This process's place, from the environment the launcher left. A process started without a
+// launcher is rank 0 of 1. Throws when the variables are malformed, incomplete or contradict
+// each other.
+inline ProcessPlace process_place() { return detail::place_from(detail::real_env); }
+
+}  // namespace gradsync::inline v0
+// ---- end gradsync/environment.hpp ----
+
+// ---- begin gradsync/sampler.hpp ----
+// ShardedSampler: each rank's share of a dataset's indices for an epoch, shuffled the same way on
+// every rank from a seed, and the same number of them on every rank: uneven batch counts are the
+// classic data-parallel deadlock (one rank stops calling synchronize() before the others).
+
+
+#include <cstddef>
+#include <cstdint>
+#include <numeric>  // for std::iota
+#include <string>
+#include <utility>  // for std::swap
+#include <vector>
+
+namespace gradsync::inline v0 {
+
+// What to do when the dataset does not divide by the world size.
+enum class SamplerTail : unsigned char {
+    pad,   // repeat indices from the start until it does: every example is seen
+    drop,  // leave out the last few: no example is seen twice
+};
+
+class ShardedSampler {
+public:
+    struct Options {
+        std::uint64_t seed = 0;
+        bool shuffle = true;
+        SamplerTail tail = SamplerTail::pad;
+    };
+
+    ShardedSampler(std::size_t dataset_size, int world_size, int rank, Options options)
+        : size_(dataset_size), world_(world_size), rank_(rank), options_(options) {
+        if (world_size < 1 || rank < 0 || rank >= world_size)
+            throw Error("gradsync: ShardedSampler needs 0 <= rank < world size, got rank " + std::to_string(rank) +
+                        " of " + std::to_string(world_size));
+    }
+    ShardedSampler(std::size_t dataset_size, int world_size, int rank)
+        : ShardedSampler(dataset_size, world_size, rank, Options{}) {}
+
+    // A new order per epoch: call it before each epoch, with the same epoch on every rank.
+    void set_epoch(std::uint64_t epoch) { epoch_ = epoch; }
+    [[nodiscard]] std::uint64_t epoch() const { return epoch_; }
+    [[nodiscard]] const Options& options() const { return options_; }
+
+    // Indices per rank and epoch: the same on every rank.
+    [[nodiscard]] std::size_t size() const {
+        const auto w = static_cast<std::size_t>(world_);
+        return options_.tail == SamplerTail::pad ? (size_ + w - 1) / w : size_ / w;
+    }
+
+    // Batches per rank and epoch, the same on every rank; a last, shorter batch counts unless
+    // drop_last.
+    [[nodiscard]] std::size_t batches(std::size_t batch_size, bool drop_last = false) const {
+        if (batch_size == 0) throw Error("gradsync: ShardedSampler::batches needs a batch size above 0");
+        return drop_last ? size() / batch_size : (size() + batch_size - 1) / batch_size;
+    }
+
+    // This rank's indices for the current epoch: every world_size-th of the epoch's order.
+    [[nodiscard]] std::vector<std::size_t> indices() const {
+        std::vector<std::size_t> order(size_);
+        std::iota(order.begin(), order.end(), std::size_t{0});
+        if (options_.shuffle) shuffle(order);
+        const std::size_t total = size() * static_cast<std::size_t>(world_);
+        std::vector<std::size_t> mine;
+        mine.reserve(size());
+        for (std::size_t k = static_cast<std::size_t>(rank_); k < total; k += static_cast<std::size_t>(world_))
+            mine.push_back(order[k % size_]);  // past the end: the padding wraps around
+        return mine;
+    }
+
+private:
+    // Fisher-Yates with splitmix64, so that the order is the same on every platform and library.
+    void shuffle(std::vector<std::size_t>& v) const {
+        std::uint64_t state = options_.seed * 0x9e3779b97f4a7c15ull + epoch_ + 1;
+        auto next = [&state] {
+            std::uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+            z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+            z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+            return z ^ (z >> 31);
+        };
+        for (std::size_t i = v.size(); i > 1; --i) std::swap(v[i - 1], v[next() % i]);
+    }
+
+    std::size_t size_;
+    int world_;
+    int rank_;
+    Options options_;
+    std::uint64_t epoch_ = 0;
+};
+
+}  // namespace gradsync::inline v0
+// ---- end gradsync/sampler.hpp ----
+
 // ---- begin gradsync/spawn.hpp ----
 // spawn(n, fn): runs fn(backend) for each rank of a new LocalBackend group on n threads, the
 // in-process counterpart of paddle.distributed.spawn.

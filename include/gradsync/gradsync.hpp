@@ -12,11 +12,13 @@
 #include <gradsync/contiguous_parameters.hpp>
 #include <gradsync/data_parallel.hpp>
 #include <gradsync/dtype.hpp>
+#include <gradsync/environment.hpp>
 #include <gradsync/error.hpp>
 #include <gradsync/half.hpp>
 #include <gradsync/lr.hpp>
 #include <gradsync/memory.hpp>
 #include <gradsync/model.hpp>
 #include <gradsync/options.hpp>
+#include <gradsync/sampler.hpp>
 #include <gradsync/spawn.hpp>
 #include <gradsync/version.hpp>

@@ -1,0 +1,65 @@
+// process_place(): rank, world size and local rank from the variables launchers set.
+#include <gradsync/environment.hpp>
+
+#include <doctest/doctest.h>
+
+#include <map>
+#include <optional>
+#include <string>
+
+namespace {
+
+std::map<std::string, std::string> fake_env;
+
+std::optional<std::string> fake_lookup(const char* name) {
+    auto it = fake_env.find(name);
+    if (it == fake_env.end()) return std::nullopt;
+    return it->second;
+}
+
+gradsync::ProcessPlace place(std::map<std::string, std::string> env) {
+    fake_env = std::move(env);
+    return gradsync::detail::place_from(fake_lookup);
+}
+
+}  // namespace
+
+TEST_CASE("each launcher's variables give the process's place") {
+    auto torchrun = place({{"RANK", "5"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "4"}});
+    CHECK(torchrun == gradsync::ProcessPlace{5, 8, 1, 4, "RANK/WORLD_SIZE"});
+    auto ompi = place({{"OMPI_COMM_WORLD_RANK", "2"},
+                       {"OMPI_COMM_WORLD_SIZE", "3"},
+                       {"OMPI_COMM_WORLD_LOCAL_RANK", "2"},
+                       {"OMPI_COMM_WORLD_LOCAL_SIZE", "3"}});
+    CHECK(ompi == gradsync::ProcessPlace{2, 3, 2, 3, "OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE"});
+    auto pmi = place({{"PMI_RANK", "0"}, {"PMI_SIZE", "2"}});
+    CHECK(pmi.rank == 0);
+    CHECK(pmi.world_size == 2);
+    auto slurm = place({{"SLURM_PROCID", "7"}, {"SLURM_NTASKS", "16"}, {"SLURM_LOCALID", "3"}});
+    CHECK(slurm.rank == 7);
+    CHECK(slurm.local_rank == 3);
+    CHECK(slurm.local_world_size == 4);  // at least: Slurm's local size is not among its variables here
+    auto alone = place({});
+    CHECK(alone.rank == 0);
+    CHECK(alone.world_size == 1);
+}
+
+TEST_CASE("launchers that agree may both be present; disagreement and damage are errors") {
+    auto both =
+        place({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"}});
+    CHECK(both.source == "RANK/WORLD_SIZE");
+    CHECK_THROWS_WITH_AS(
+        place({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"}}),
+        doctest::Contains("the launchers' variables disagree: RANK/WORLD_SIZE say rank 1 of 2, "
+                          "OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE say rank 0 of 2"),
+        gradsync::Error);
+    CHECK_THROWS_WITH_AS(place({{"RANK", "1"}}), doctest::Contains("RANK is set but WORLD_SIZE is not"),
+                         gradsync::Error);
+    CHECK_THROWS_WITH_AS(place({{"RANK", "4"}, {"WORLD_SIZE", "4"}}),
+                         doctest::Contains("RANK=4 is not a rank of WORLD_SIZE=4"), gradsync::Error);
+    CHECK_THROWS_WITH_AS(place({{"RANK", "one"}, {"WORLD_SIZE", "4"}}),
+                         doctest::Contains("RANK='one' is not a non-negative whole number"), gradsync::Error);
+    CHECK_THROWS_WITH_AS(place({{"RANK", "0"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "2"}, {"LOCAL_WORLD_SIZE", "2"}}),
+                         doctest::Contains("local rank 2 from LOCAL_RANK is not below the local world size 2"),
+                         gradsync::Error);
+}
