@@ -1049,6 +1049,66 @@ void reduce_to_all(S* const* inputs, int n_in, S* const* outputs, int n_out, std
 }  // namespace gradsync::inline v0::detail
 // ---- end gradsync/detail/host_reduce.hpp ----
 
+// ---- begin gradsync/detail/progress_thread.hpp ----
+// ProgressThread: runs a rank's asynchronous collectives, in launch order, on a thread of its
+// own, so that the caller returns to backward while they progress.
+
+
+#include <condition_variable>
+#include <deque>
+#include <functional>  // for std::function
+#include <mutex>
+#include <thread>
+#include <utility>  // for std::move
+
+namespace gradsync::inline v0::detail {
+
+class ProgressThread {
+public:
+    ProgressThread() : thread_([this] { run(); }) {}
+    ProgressThread(const ProgressThread&) = delete;
+    ProgressThread& operator=(const ProgressThread&) = delete;
+    ~ProgressThread() {
+        {
+            std::lock_guard lock(mutex_);
+            stop_ = true;
+        }
+        cv_.notify_one();
+        thread_.join();  // after the queue is drained
+    }
+
+    void post(std::function<void()> task) {
+        {
+            std::lock_guard lock(mutex_);
+            queue_.push_back(std::move(task));
+        }
+        cv_.notify_one();
+    }
+
+private:
+    void run() {
+        std::unique_lock lock(mutex_);
+        for (;;) {
+            cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+            if (queue_.empty()) return;  // stop_ and nothing left
+            auto task = std::move(queue_.front());
+            queue_.pop_front();
+            lock.unlock();
+            task();
+            lock.lock();
+        }
+    }
+
+    std::mutex mutex_;
+    std::condition_variable cv_;
+    std::deque<std::function<void()>> queue_;
+    bool stop_ = false;
+    std::thread thread_;  // last: starts after the members it uses
+};
+
+}  // namespace gradsync::inline v0::detail
+// ---- end gradsync/detail/progress_thread.hpp ----
+
 #include <algorithm>  // for std::min
 #include <atomic>
 #include <chrono>
@@ -1492,50 +1552,6 @@ private:
     std::mutex status_mutex_;
     std::uint64_t next_reporter_ = 0;
     std::vector<std::vector<Reporter>> reporters_;  // per rank
-};
-
-// Runs one rank's asynchronous collectives, in launch order, on a thread of its own.
-class ProgressThread {
-public:
-    ProgressThread() : thread_([this] { run(); }) {}
-    ProgressThread(const ProgressThread&) = delete;
-    ProgressThread& operator=(const ProgressThread&) = delete;
-    ~ProgressThread() {
-        {
-            std::lock_guard lock(mutex_);
-            stop_ = true;
-        }
-        cv_.notify_one();
-        thread_.join();  // after the queue is drained
-    }
-
-    void post(std::function<void()> task) {
-        {
-            std::lock_guard lock(mutex_);
-            queue_.push_back(std::move(task));
-        }
-        cv_.notify_one();
-    }
-
-private:
-    void run() {
-        std::unique_lock lock(mutex_);
-        for (;;) {
-            cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
-            if (queue_.empty()) return;  // stop_ and nothing left
-            auto task = std::move(queue_.front());
-            queue_.pop_front();
-            lock.unlock();
-            task();
-            lock.lock();
-        }
-    }
-
-    std::mutex mutex_;
-    std::condition_variable cv_;
-    std::deque<std::function<void()>> queue_;
-    bool stop_ = false;
-    std::thread thread_;  // last: starts after the members it uses
 };
 
 }  // namespace detail

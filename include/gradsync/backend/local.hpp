@@ -6,6 +6,7 @@
 #include <gradsync/bytes.hpp>
 #include <gradsync/detail/aligned_bytes.hpp>
 #include <gradsync/detail/host_reduce.hpp>
+#include <gradsync/detail/progress_thread.hpp>
 #include <gradsync/detail/wait.hpp>
 #include <gradsync/dtype.hpp>
 #include <gradsync/error.hpp>
@@ -454,50 +455,6 @@ private:
     std::mutex status_mutex_;
     std::uint64_t next_reporter_ = 0;
     std::vector<std::vector<Reporter>> reporters_;  // per rank
-};
-
-// Runs one rank's asynchronous collectives, in launch order, on a thread of its own.
-class ProgressThread {
-public:
-    ProgressThread() : thread_([this] { run(); }) {}
-    ProgressThread(const ProgressThread&) = delete;
-    ProgressThread& operator=(const ProgressThread&) = delete;
-    ~ProgressThread() {
-        {
-            std::lock_guard lock(mutex_);
-            stop_ = true;
-        }
-        cv_.notify_one();
-        thread_.join();  // after the queue is drained
-    }
-
-    void post(std::function<void()> task) {
-        {
-            std::lock_guard lock(mutex_);
-            queue_.push_back(std::move(task));
-        }
-        cv_.notify_one();
-    }
-
-private:
-    void run() {
-        std::unique_lock lock(mutex_);
-        for (;;) {
-            cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
-            if (queue_.empty()) return;  // stop_ and nothing left
-            auto task = std::move(queue_.front());
-            queue_.pop_front();
-            lock.unlock();
-            task();
-            lock.lock();
-        }
-    }
-
-    std::mutex mutex_;
-    std::condition_variable cv_;
-    std::deque<std::function<void()>> queue_;
-    bool stop_ = false;
-    std::thread thread_;  // last: starts after the members it uses
 };
 
 }  // namespace detail
