@@ -6,7 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/deps.sh
 
-ensure_packages cmake ninja-build g++ make python3 doctest-dev libbenchmark-dev clang-format
+ensure_packages cmake ninja-build g++ make python3 doctest-dev libbenchmark-dev clang-format \
+    libopenmpi-dev openmpi-bin
 export PATH="$PATH:/usr/local/cuda/bin"  # nvcc, where the CUDA toolkit is installed
 
 for preset in dev tsan asan-ubsan; do

@@ -681,13 +681,18 @@ concept Abortable = Backend<B> && requires(B& b, const std::string& reason) {
     b.abort(reason);
 };
 
-// Each rank can leave reporters that peers call, without a collective, when they need to say why
-// this rank is late (LocalBackend: shared memory).
+// Each rank can leave reporters that say where it stands; the backend quotes them when one of
+// this rank's collectives misses its deadline (MpiBackend).
 template <class B>
-concept PeerStatus = Backend<B> &&
-    requires(B& b, const B& cb, std::function<std::string()> reporter, int rank, std::uint64_t id) {
+concept StatusReporting = Backend<B> && requires(B& b, std::function<std::string()> reporter, std::uint64_t id) {
     { b.add_status_reporter(reporter) } -> std::convertible_to<std::uint64_t>;
     b.remove_status_reporter(id);
+};
+
+// ...and peers can call them, without a collective, when they need to say why this rank is late
+// (LocalBackend: shared memory).
+template <class B>
+concept PeerStatus = StatusReporting<B> && requires(const B& cb, int rank) {
     { cb.peer_status(rank) } -> std::convertible_to<std::string>;
     { cb.peer_collectives(rank) } -> std::convertible_to<std::uint64_t>;  // how many it has entered
 };
@@ -3276,7 +3281,7 @@ public:
     // A DataParallel destroyed in the middle of a step (after an exception, say) aborts the group,
     // so that peers fail at once, and waits for its collectives in flight before it goes.
     ~DataParallel() {
-        if constexpr (PeerStatus<BackendT>) {
+        if constexpr (StatusReporting<BackendT>) {
             if (reporter_) backend_.remove_status_reporter(*reporter_);
         }
         try {
@@ -3548,7 +3553,7 @@ private:
             if (const char* env = std::getenv("GRADSYNC_TIMELINE")) timeline = env;
         }
         timeline_ = detail::Timeline(timeline, rank());
-        if constexpr (PeerStatus<BackendT>) {
+        if constexpr (StatusReporting<BackendT>) {
             if (backend_.size() > 1) reporter_ = backend_.add_status_reporter([this] { return describe_self(); });
         }
         if (detail::logging(detail::LogLevel::info)) {

@@ -167,13 +167,18 @@ concept Abortable = Backend<B> && requires(B& b, const std::string& reason) {
     b.abort(reason);
 };
 
-// Each rank can leave reporters that peers call, without a collective, when they need to say why
-// this rank is late (LocalBackend: shared memory).
+// Each rank can leave reporters that say where it stands; the backend quotes them when one of
+// this rank's collectives misses its deadline (MpiBackend).
 template <class B>
-concept PeerStatus = Backend<B> &&
-    requires(B& b, const B& cb, std::function<std::string()> reporter, int rank, std::uint64_t id) {
+concept StatusReporting = Backend<B> && requires(B& b, std::function<std::string()> reporter, std::uint64_t id) {
     { b.add_status_reporter(reporter) } -> std::convertible_to<std::uint64_t>;
     b.remove_status_reporter(id);
+};
+
+// ...and peers can call them, without a collective, when they need to say why this rank is late
+// (LocalBackend: shared memory).
+template <class B>
+concept PeerStatus = StatusReporting<B> && requires(const B& cb, int rank) {
     { cb.peer_status(rank) } -> std::convertible_to<std::string>;
     { cb.peer_collectives(rank) } -> std::convertible_to<std::uint64_t>;  // how many it has entered
 };

@@ -150,7 +150,7 @@ public:
     // A DataParallel destroyed in the middle of a step (after an exception, say) aborts the group,
     // so that peers fail at once, and waits for its collectives in flight before it goes.
     ~DataParallel() {
-        if constexpr (PeerStatus<BackendT>) {
+        if constexpr (StatusReporting<BackendT>) {
             if (reporter_) backend_.remove_status_reporter(*reporter_);
         }
         try {
@@ -422,7 +422,7 @@ private:
             if (const char* env = std::getenv("GRADSYNC_TIMELINE")) timeline = env;
         }
         timeline_ = detail::Timeline(timeline, rank());
-        if constexpr (PeerStatus<BackendT>) {
+        if constexpr (StatusReporting<BackendT>) {
             if (backend_.size() > 1) reporter_ = backend_.add_status_reporter([this] { return describe_self(); });
         }
         if (detail::logging(detail::LogLevel::info)) {

@@ -1,0 +1,503 @@
+// MpiBackend: one rank per process (mpirun, srun, or any MPI-3 launcher), collectives through
+// MPI on a communicator of its own. Not included by <gradsync/gradsync.hpp>: include this header
+// where <mpi.h> is available and link MPI (CMake: MPI::MPI_CXX).
+//
+// Threads: synchronous collectives run on the caller's thread, asynchronous ones on a progress
+// thread, never two at once, so MPI must give at least MPI_THREAD_SERIALIZED (MpiSession asks for
+// MPI_THREAD_MULTIPLE). No silent hangs: a watchdog thread ends the job when a collective has not
+// completed by the deadline, after printing which rank waited in which collective. MPI cannot
+// cancel a collective, so a stuck one cannot be turned into an exception the process survives.
+#pragma once
+
+#include <gradsync/backend.hpp>
+#include <gradsync/bytes.hpp>
+#include <gradsync/detail/host_reduce.hpp>
+#include <gradsync/detail/progress_thread.hpp>
+#include <gradsync/dtype.hpp>
+#include <gradsync/environment.hpp>
+#include <gradsync/error.hpp>
+#include <gradsync/half.hpp>
+
+// Only MPI's C interface is used; skip the deprecated C++ bindings some MPIs still ship.
+#ifndef OMPI_SKIP_MPICXX
+#define OMPI_SKIP_MPICXX 1
+#endif
+#ifndef MPICH_SKIP_MPICXX
+#define MPICH_SKIP_MPICXX 1
+#endif
+#include <mpi.h>
+
+#include <algorithm>  // for std::min
+#include <chrono>
+#include <climits>  // for INT_MAX
+#include <condition_variable>
+#include <cstddef>
+#include <cstdio>   // for std::fprintf
+#include <cstdlib>  // for std::_Exit
+#include <cstring>  // for std::memcpy
+#include <exception>
+#include <functional>  // for std::function
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <thread>
+#include <utility>  // for std::move
+#include <vector>
+
+namespace gradsync::inline v0 {
+
+namespace detail {
+
+inline std::string mpi_error_string(int code) {
+    char text[MPI_MAX_ERROR_STRING];
+    int length = 0;
+    if (MPI_Error_string(code, text, &length) != MPI_SUCCESS) return "MPI error " + std::to_string(code);
+    return std::string(text, static_cast<std::size_t>(length));
+}
+
+inline const char* thread_level_name(int level) {
+    switch (level) {
+        case MPI_THREAD_SINGLE: return "MPI_THREAD_SINGLE";
+        case MPI_THREAD_FUNNELED: return "MPI_THREAD_FUNNELED";
+        case MPI_THREAD_SERIALIZED: return "MPI_THREAD_SERIALIZED";
+        case MPI_THREAD_MULTIPLE: return "MPI_THREAD_MULTIPLE";
+        default: return "an unknown thread level";
+    }
+}
+
+inline int mpi_thread_level() {
+    int level = MPI_THREAD_SINGLE;
+    MPI_Query_thread(&level);
+    return level;
+}
+
+// MPI's user-defined reductions for the 16-bit types: widen, add in float, round once.
+template <class S>
+void mpi_sum_16(void* in, void* inout, int* len, MPI_Datatype*) {
+    constexpr std::size_t block = 512;
+    float a[block];
+    float b[block];
+    auto* x = static_cast<const S*>(in);
+    auto* y = static_cast<S*>(inout);
+    for (std::size_t off = 0, n = static_cast<std::size_t>(*len); off < n; off += block) {
+        const std::size_t k = std::min(block, n - off);
+        widen_to_float(x + off, a, k);
+        widen_to_float(y + off, b, k);
+        for (std::size_t i = 0; i < k; ++i) b[i] += a[i];
+        narrow_from_float(b, y + off, k);
+    }
+}
+
+template <class S>
+void scale_16(S* data, float factor, std::size_t n) {
+    constexpr std::size_t block = 1024;
+    float tmp[block];
+    for (std::size_t off = 0; off < n; off += block) {
+        const std::size_t k = std::min(block, n - off);
+        widen_to_float(data + off, tmp, k);
+        for (std::size_t i = 0; i < k; ++i) tmp[i] *= factor;
+        narrow_from_float(tmp, data + off, k);
+    }
+}
+
+}  // namespace detail
+
+// Initialises MPI for the lifetime of the object, asking for MPI_THREAD_MULTIPLE, and finalises
+// it at the end. When MPI is already initialised (by the program or another library) it does
+// neither. Throws when MPI gives less than MPI_THREAD_SERIALIZED, which MpiBackend needs.
+class MpiSession {
+public:
+    MpiSession() : MpiSession(nullptr, nullptr) {}
+    MpiSession(int& argc, char**& argv) : MpiSession(&argc, &argv) {}
+    MpiSession(const MpiSession&) = delete;
+    MpiSession& operator=(const MpiSession&) = delete;
+    ~MpiSession() {
+        int finalized = 0;
+        MPI_Finalized(&finalized);
+        if (owner_ && !finalized) MPI_Finalize();
+    }
+
+    // What MPI provides: MPI_THREAD_SINGLE ... MPI_THREAD_MULTIPLE.
+    [[nodiscard]] int thread_level() const { return detail::mpi_thread_level(); }
+
+private:
+    MpiSession(int* argc, char*** argv) {
+        int initialized = 0;
+        MPI_Initialized(&initialized);
+        if (!initialized) {
+            int provided = MPI_THREAD_SINGLE;
+            const int rc = MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided);
+            if (rc != MPI_SUCCESS)
+                throw CollectiveError("gradsync: MPI_Init_thread failed: " + detail::mpi_error_string(rc));
+            owner_ = true;
+        }
+        const int level = detail::mpi_thread_level();
+        if (level < MPI_THREAD_SERIALIZED)
+            throw CollectiveError(std::string("gradsync: MPI provides only ") + detail::thread_level_name(level) +
+                                  "; gradsync's MpiBackend needs MPI_THREAD_SERIALIZED or MPI_THREAD_MULTIPLE (its "
+                                  "progress thread calls MPI). Use an MPI library built with thread support.");
+    }
+
+    bool owner_ = false;
+};
+
+// This process's place from MPI: rank and size in `comm`, local rank and size among the ranks
+// that share its node (MPI_Comm_split_type with MPI_COMM_TYPE_SHARED).
+inline ProcessPlace mpi_process_place(MPI_Comm comm = MPI_COMM_WORLD) {
+    ProcessPlace place;
+    MPI_Comm_rank(comm, &place.rank);
+    MPI_Comm_size(comm, &place.world_size);
+    MPI_Comm node = MPI_COMM_NULL;
+    MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, place.rank, MPI_INFO_NULL, &node);
+    MPI_Comm_rank(node, &place.local_rank);
+    MPI_Comm_size(node, &place.local_world_size);
+    MPI_Comm_free(&node);
+    place.source = "MPI";
+    return place;
+}
+
+struct MpiOptions {
+    // A collective that has not completed by then ends the job (MPI_Abort) with a diagnosis.
+    std::chrono::milliseconds timeout = std::chrono::seconds(600);
+    // An in-place allreduce runs in pieces of this size, each averaged right after it is reduced,
+    // while it is still in cache.
+    Bytes chunk = Bytes{4u << 20};
+    // Segments smaller than this are packed together and reduced in one call: many small
+    // tensors must not mean many collectives.
+    Bytes pack_below = Bytes{64u << 10};
+};
+
+// Collectives of one MPI communicator (a duplicate of the one given, so that ours never match the
+// program's own messages). Driven by one thread at a time, like every backend: DataParallel does.
+// Construct and destroy it between MPI initialisation and finalisation (MpiSession does both).
+class MpiBackend {
+public:
+    explicit MpiBackend(MPI_Comm comm = MPI_COMM_WORLD, MpiOptions options = {}) : options_(options) {
+        int initialized = 0;
+        MPI_Initialized(&initialized);
+        if (!initialized)
+            throw CollectiveError(
+                "gradsync: MpiBackend created before MPI was initialised; create a gradsync::MpiSession first (or call "
+                "MPI_Init_thread with MPI_THREAD_MULTIPLE)");
+        level_ = detail::mpi_thread_level();
+        if (level_ < MPI_THREAD_SERIALIZED)
+            throw CollectiveError(std::string("gradsync: MPI was initialised with ") +
+                                  detail::thread_level_name(level_) +
+                                  "; MpiBackend needs MPI_THREAD_SERIALIZED or MPI_THREAD_MULTIPLE (its progress "
+                                  "thread calls MPI). Initialise with MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...) "
+                                  "or gradsync::MpiSession.");
+        if (options_.timeout <= std::chrono::milliseconds::zero())
+            throw CollectiveError("gradsync: MpiOptions::timeout must be positive");
+        check(MPI_Comm_dup(comm, &comm_), "MPI_Comm_dup");
+        MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);  // errors become exceptions, not exits
+        MPI_Comm_rank(comm_, &rank_);
+        MPI_Comm_size(comm_, &size_);
+        MPI_Type_contiguous(2, MPI_BYTE, &half_type_);
+        MPI_Type_commit(&half_type_);
+        MPI_Op_create(&detail::mpi_sum_16<float16>, /*commute=*/1, &sum_f16_);
+        MPI_Op_create(&detail::mpi_sum_16<bfloat16>, /*commute=*/1, &sum_bf16_);
+        watchdog_ = std::thread([this] { watch(); });
+    }
+    MpiBackend(const MpiBackend&) = delete;
+    MpiBackend& operator=(const MpiBackend&) = delete;
+    ~MpiBackend() {
+        progress_.reset();  // drains: every queued collective ends, or the watchdog ends the job
+        {
+            std::lock_guard lock(watch_mutex_);
+            stop_ = true;
+        }
+        watch_cv_.notify_one();
+        watchdog_.join();
+        MPI_Op_free(&sum_f16_);
+        MPI_Op_free(&sum_bf16_);
+        MPI_Type_free(&half_type_);
+        MPI_Comm_free(&comm_);
+    }
+
+    [[nodiscard]] int rank() const { return rank_; }
+    [[nodiscard]] int size() const { return size_; }
+    [[nodiscard]] bool supports(DType t) const {
+        return t == DType::float32 || t == DType::float64 || t == DType::float16 || t == DType::bfloat16;
+    }
+    // The communicator the collectives run on (our duplicate), e.g. to bootstrap another library.
+    [[nodiscard]] MPI_Comm communicator() const { return comm_; }
+    [[nodiscard]] const MpiOptions& options() const { return options_; }
+
+    void allreduce(Buffer buf, ReduceOp op) {
+        const Segment seg{buf.data, buf.count};
+        allreduce(std::span<const Segment>(&seg, 1), buf.dtype, op);
+    }
+    template <HasDType T>
+    void allreduce(std::span<T> data, ReduceOp op) {
+        allreduce(buffer_of(data), op);
+    }
+    CollectiveHandle allreduce_async(Buffer buf, ReduceOp op) {
+        return launch(describe_allreduce(buf.count, buf.dtype, op), [this, buf, op] {
+            const Segment seg{buf.data, buf.count};
+            reduce_segments(std::span<const Segment>(&seg, 1), buf.dtype, op);
+        });
+    }
+
+    // Reduces the segments where they lie: large ones in place, in chunks; small ones packed
+    // together first. Every rank must pass segments of the same sizes in the same order.
+    void allreduce(std::span<const Segment> segments, DType dtype, ReduceOp op) {
+        check_dtype(dtype);
+        run_now(describe_allreduce(total(segments), dtype, op), [&] { reduce_segments(segments, dtype, op); });
+    }
+    // The segment list is copied; the memory it points to must stay untouched until completion.
+    CollectiveHandle allreduce_async(std::span<const Segment> segments, DType dtype, ReduceOp op) {
+        check_dtype(dtype);
+        std::vector<Segment> copy(segments.begin(), segments.end());
+        return launch(describe_allreduce(total(segments), dtype, op),
+                      [this, copy = std::move(copy), dtype, op] { reduce_segments(copy, dtype, op); });
+    }
+
+    void broadcast(std::span<std::byte> bytes, int root) {
+        if (root < 0 || root >= size_)
+            throw CollectiveError("gradsync: rank " + std::to_string(rank_) + ": broadcast from rank " +
+                                  std::to_string(root) + " of a group of " + std::to_string(size_));
+        const std::string what = "broadcast #" + std::to_string(++seq_) + " (" + std::to_string(bytes.size()) +
+                                 " bytes from rank " + std::to_string(root) + ")";
+        run_now(what, [&] {
+            for (std::size_t off = 0; off < bytes.size(); off += INT_MAX) {
+                const int n = static_cast<int>(std::min<std::size_t>(INT_MAX, bytes.size() - off));
+                check(MPI_Bcast(bytes.data() + off, n, MPI_BYTE, root, comm_), "MPI_Bcast");
+            }
+        });
+    }
+    template <class T>
+    requires std::is_trivially_copyable_v<T>
+    void broadcast(std::span<T> data, int root) { broadcast(std::as_writable_bytes(data), root); }
+
+    void barrier() {
+        run_now("barrier #" + std::to_string(++seq_), [&] { check(MPI_Barrier(comm_), "MPI_Barrier"); });
+    }
+
+    // `reporter` says where this rank stands (DataParallel: step, bucket, missing gradients); the
+    // watchdog quotes it when a collective misses its deadline. It runs on the watchdog thread.
+    std::uint64_t add_status_reporter(std::function<std::string()> reporter) {
+        std::lock_guard lock(reporters_mutex_);
+        reporters_.emplace_back(++next_reporter_, std::move(reporter));
+        return next_reporter_;
+    }
+    void remove_status_reporter(std::uint64_t id) {
+        std::lock_guard lock(reporters_mutex_);
+        std::erase_if(reporters_, [id](const auto& r) { return r.first == id; });
+    }
+
+    // Ends the whole job: prints `reason` with this rank's number, then MPI_Abort. Peers blocked
+    // in collectives cannot be released any other way.
+    [[noreturn]] void abort(const std::string& reason) {
+        std::fprintf(stderr, "gradsync: rank %d aborts the job: %s\n", rank_, reason.c_str());
+        std::fflush(stderr);
+        end_job();
+    }
+
+private:
+    static std::size_t total(std::span<const Segment> segments) {
+        std::size_t n = 0;
+        for (const auto& s : segments) n += s.count;
+        return n;
+    }
+
+    void check(int rc, const char* call) const {
+        if (rc != MPI_SUCCESS)
+            throw CollectiveError("gradsync: rank " + std::to_string(rank_) + ": " + call +
+                                  " failed: " + detail::mpi_error_string(rc));
+    }
+
+    void check_dtype(DType t) const {
+        if (!supports(t))
+            throw CollectiveError("gradsync: rank " + std::to_string(rank_) + ": MpiBackend cannot reduce " +
+                                  to_string(t));
+    }
+
+    std::string describe_allreduce(std::size_t count, DType t, ReduceOp op) {
+        return "allreduce #" + std::to_string(++seq_) + " (" + std::to_string(count) + " x " + to_string(t) + ", " +
+               to_string(op) + ")";
+    }
+
+    [[nodiscard]] MPI_Datatype mpi_type(DType t) const {
+        switch (t) {
+            case DType::float64: return MPI_DOUBLE;
+            case DType::float16:
+            case DType::bfloat16: return half_type_;
+            default: return MPI_FLOAT;
+        }
+    }
+    [[nodiscard]] MPI_Op mpi_sum(DType t) const {
+        if (t == DType::float16) return sum_f16_;
+        if (t == DType::bfloat16) return sum_bf16_;
+        return MPI_SUM;
+    }
+
+    // In place, `count` elements at `data`, in chunks; each chunk averaged while still in cache.
+    void reduce_run(std::byte* data, std::size_t count, DType t, ReduceOp op) {
+        const std::size_t elem = size_of(t);
+        const std::size_t chunk =
+            std::max<std::size_t>(1, std::min<std::size_t>(options_.chunk.count() / elem, INT_MAX));
+        for (std::size_t off = 0; off < count; off += chunk) {
+            const std::size_t k = std::min(chunk, count - off);
+            std::byte* p = data + off * elem;
+            check(MPI_Allreduce(MPI_IN_PLACE, p, static_cast<int>(k), mpi_type(t), mpi_sum(t), comm_), "MPI_Allreduce");
+            if (op == ReduceOp::average) average(p, k, t);
+        }
+    }
+
+    void average(std::byte* p, std::size_t k, DType t) const {
+        switch (t) {
+            case DType::float64: detail::scale_in_place(reinterpret_cast<double*>(p), 1.0 / size_, k); break;
+            case DType::float16: detail::scale_16(reinterpret_cast<float16*>(p), 1.0f / float(size_), k); break;
+            case DType::bfloat16: detail::scale_16(reinterpret_cast<bfloat16*>(p), 1.0f / float(size_), k); break;
+            default: detail::scale_in_place(reinterpret_cast<float*>(p), 1.0f / float(size_), k); break;
+        }
+    }
+
+    void reduce_segments(std::span<const Segment> segments, DType t, ReduceOp op) {
+        if (size_ == 1) return;  // the sum and the average of one rank are its own values
+        const std::size_t elem = size_of(t);
+        const std::size_t small = options_.pack_below.count() / elem;
+        std::size_t packed = 0;  // elements in staging_
+        std::size_t first_small = 0;
+        // Packs small segments [first_small, end) into staging_, reduces, and copies them back.
+        auto flush = [&](std::size_t end) {
+            if (packed == 0) return;
+            reduce_run(staging_.data(), packed, t, op);
+            std::size_t at = 0;
+            for (std::size_t i = first_small; i < end; ++i) {
+                const auto& s = segments[i];
+                if (s.count >= small || s.count == 0) continue;
+                std::memcpy(s.data, staging_.data() + at * elem, s.count * elem);
+                at += s.count;
+            }
+            packed = 0;
+        };
+        for (std::size_t i = 0; i < segments.size(); ++i) {
+            const auto& s = segments[i];
+            if (s.count == 0) continue;
+            if (s.count >= small) {
+                reduce_run(static_cast<std::byte*>(s.data), s.count, t, op);
+                continue;
+            }
+            if (packed == 0) first_small = i;
+            if (staging_.size() < (packed + s.count) * elem)
+                staging_.resize(std::max(options_.pack_below.count() * 4, (packed + s.count) * elem * 2));
+            std::memcpy(staging_.data() + packed * elem, s.data, s.count * elem);
+            packed += s.count;
+            if (packed * elem >= options_.chunk.count()) flush(i + 1);
+        }
+        flush(segments.size());
+    }
+
+    // Runs a collective on this thread, after every asynchronous one launched before it.
+    template <class F>
+    void run_now(const std::string& what, F&& body) {
+        if (last_async_) {
+            last_async_->wait_until(std::chrono::steady_clock::time_point::max());
+            last_async_.reset();
+        }
+        guarded(what, body);
+    }
+
+    template <class F>
+    CollectiveHandle launch(std::string what, F body) {
+        auto done = std::make_shared<detail::Completion>();
+        if (!progress_) progress_ = std::make_unique<detail::ProgressThread>();
+        progress_->post([this, what = std::move(what), body = std::move(body), done]() mutable {
+            try {
+                guarded(what, body);
+                done->finish();
+            } catch (...) {
+                done->finish(std::current_exception());
+            }
+        });
+        last_async_ = done;
+        return CollectiveHandle(std::move(done));
+    }
+
+    // Runs one collective under the watchdog's eye.
+    template <class F>
+    void guarded(const std::string& what, F& body) {
+        {
+            std::lock_guard lock(watch_mutex_);
+            current_ = what;
+            deadline_ = std::chrono::steady_clock::now() + options_.timeout;
+            busy_ = true;
+        }
+        watch_cv_.notify_one();
+        struct Done {
+            MpiBackend* self;
+            ~Done() {
+                std::lock_guard lock(self->watch_mutex_);
+                self->busy_ = false;
+            }
+        } done{this};
+        body();
+    }
+
+    void watch() {
+        std::unique_lock lock(watch_mutex_);
+        for (;;) {
+            if (stop_) return;
+            if (!busy_) {
+                watch_cv_.wait(lock);
+                continue;
+            }
+            const auto deadline = deadline_;
+            if (watch_cv_.wait_until(lock, deadline) == std::cv_status::timeout && busy_ && deadline_ == deadline &&
+                std::chrono::steady_clock::now() >= deadline) {
+                const std::string what = current_;
+                lock.unlock();
+                std::string where;
+                {
+                    std::lock_guard reporters_lock(reporters_mutex_);
+                    for (const auto& r : reporters_) where += "; this rank is " + r.second();
+                }
+                const auto seconds = std::chrono::duration<double>(options_.timeout).count();
+                std::fprintf(stderr,
+                             "gradsync: rank %d of %d: %s has not completed after %.3g s (MpiOptions::timeout)%s. "
+                             "A peer rank is late, has exited, or called a different collective; MPI cannot cancel "
+                             "a collective, so this rank ends the job.\n",
+                             rank_, size_, what.c_str(), seconds, where.c_str());
+                std::fflush(stderr);
+                end_job();
+            }
+        }
+    }
+
+    [[noreturn]] void end_job() {
+        // MPI_Abort while another thread may be inside MPI is only allowed at MPI_THREAD_MULTIPLE;
+        // below it, exiting without MPI_Finalize makes the launcher end the job just the same.
+        if (level_ == MPI_THREAD_MULTIPLE) MPI_Abort(comm_, 1);
+        std::_Exit(1);
+    }
+
+    MpiOptions options_;
+    MPI_Comm comm_ = MPI_COMM_NULL;
+    int rank_ = 0;
+    int size_ = 1;
+    int level_ = MPI_THREAD_SINGLE;
+    MPI_Datatype half_type_ = MPI_DATATYPE_NULL;
+    MPI_Op sum_f16_ = MPI_OP_NULL;
+    MPI_Op sum_bf16_ = MPI_OP_NULL;
+    std::uint64_t seq_ = 0;
+    std::vector<std::byte> staging_;  // small segments packed together; used by one collective at a time
+
+    std::mutex watch_mutex_;
+    std::condition_variable watch_cv_;
+    std::string current_;
+    std::chrono::steady_clock::time_point deadline_;
+    bool busy_ = false;
+    bool stop_ = false;
+    std::thread watchdog_;
+
+    std::mutex reporters_mutex_;
+    std::vector<std::pair<std::uint64_t, std::function<std::string()>>> reporters_;
+    std::uint64_t next_reporter_ = 0;
+
+    std::shared_ptr<detail::Completion> last_async_;
+    std::unique_ptr<detail::ProgressThread> progress_;  // last: destroyed first, drained before the rest
+};
+
+}  // namespace gradsync::inline v0

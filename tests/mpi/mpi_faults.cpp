@@ -1,0 +1,49 @@
+// Failure propagation across processes: `mpi_faults <scenario>` trains the example MLP on every
+// rank, and rank 1 misbehaves in step 3. Every scenario must end the whole job, with a nonzero
+// status and a message that names the culprit, well before the test's time limit; a hang fails.
+//   throw    rank 1 reports a gradient twice: its ReadinessError aborts the job
+//   missing  rank 1 never reports one parameter: the error names it and the step
+//   exit     rank 1 exits without a word: the launcher ends the others
+//   hang     rank 1 stops calling collectives: the others' deadline (2 s here) ends the job
+#include <gradsync/backend/mpi.hpp>
+#include <gradsync/gradsync.hpp>
+
+#include "mlp.hpp"
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <thread>
+
+int main(int argc, char** argv) {
+    gradsync::MpiSession mpi(argc, argv);
+    const std::string scenario = argc > 1 ? argv[1] : "";
+    if (scenario != "throw" && scenario != "missing" && scenario != "exit" && scenario != "hang") {
+        std::fprintf(stderr, "usage: mpi_faults throw|missing|exit|hang\n");
+        return 2;
+    }
+    gradsync::MpiOptions options;
+    options.timeout = std::chrono::seconds(2);
+    gradsync::MpiBackend backend(MPI_COMM_WORLD, options);
+    mlp::Mlp model(1);
+    gradsync::DataParallel dp(model, backend, gradsync::PerParameterBuckets{},
+                              gradsync::Options{.timeout = std::chrono::seconds(2)});
+    const bool culprit = backend.rank() == 1;
+    int step = 0;
+    model.on_grad_ready = [&](std::size_t i) {
+        if (culprit && step == 3 && scenario == "missing" && i == 1) return;  // parameter "fc1.bias"
+        dp.grad_ready(i);
+        if (culprit && step == 3 && scenario == "throw" && i == 3) dp.grad_ready(i);
+    };
+    mlp::Sgd optimizer(0.05f, 0.9f);
+    for (step = 0; step < 6; ++step) {
+        if (culprit && step == 3 && scenario == "exit") std::_Exit(0);
+        if (culprit && step == 3 && scenario == "hang") std::this_thread::sleep_for(std::chrono::seconds(600));
+        model.forward_backward(mlp::make_batch(1, std::size_t(step * 64 + backend.rank() * 16), 16));
+        dp.synchronize();
+        optimizer.step(model);
+    }
+    std::printf("rank %d finished all steps\n", backend.rank());
+    return 0;
+}

@@ -1,0 +1,335 @@
+// MpiBackend and DataParallel<Model, MpiBackend> across processes. Run under mpirun with 2, 3 and
+// 4 processes (ctest does, also over TCP): every process runs every test case, and a check that
+// fails on one rank fails the whole run. Results are compared across ranks through plain MPI.
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+
+#include <gradsync/backend/mpi.hpp>
+#include <gradsync/gradsync.hpp>
+
+#include "mlp.hpp"
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+using namespace gradsync::literals;
+
+namespace {
+
+int world_rank() {
+    int r = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &r);
+    return r;
+}
+int world_size() {
+    int n = 1;
+    MPI_Comm_size(MPI_COMM_WORLD, &n);
+    return n;
+}
+
+// Every rank's copy of `bytes`, gathered on every rank.
+std::vector<std::vector<std::byte>> gather_all(std::span<const std::byte> bytes) {
+    const int n = world_size();
+    int mine = static_cast<int>(bytes.size());
+    std::vector<int> sizes(static_cast<std::size_t>(n));
+    MPI_Allgather(&mine, 1, MPI_INT, sizes.data(), 1, MPI_INT, MPI_COMM_WORLD);
+    std::vector<int> offsets(static_cast<std::size_t>(n), 0);
+    for (int i = 1; i < n; ++i) offsets[std::size_t(i)] = offsets[std::size_t(i - 1)] + sizes[std::size_t(i - 1)];
+    std::vector<std::byte> all(static_cast<std::size_t>(offsets.back() + sizes.back()));
+    MPI_Allgatherv(bytes.data(), mine, MPI_BYTE, all.data(), sizes.data(), offsets.data(), MPI_BYTE, MPI_COMM_WORLD);
+    std::vector<std::vector<std::byte>> out;
+    for (int i = 0; i < n; ++i)
+        out.emplace_back(all.begin() + offsets[std::size_t(i)],
+                         all.begin() + offsets[std::size_t(i)] + sizes[std::size_t(i)]);
+    return out;
+}
+
+template <class T>
+bool same_on_every_rank(const std::vector<T>& v) {
+    auto all = gather_all(std::as_bytes(std::span(v)));
+    for (const auto& a : all)
+        if (a != all[0]) return false;
+    return true;
+}
+
+// Element i of rank r's input: small whole numbers, so sums are exact in every dtype.
+float input_value(int rank, std::size_t i) { return float((rank + 1) * int(1 + i % 7)); }
+float expected_sum(std::size_t i) {
+    float s = 0;
+    for (int r = 0; r < world_size(); ++r) s += input_value(r, i);
+    return s;
+}
+
+template <class T>
+void check_allreduce(gradsync::MpiBackend& backend, std::size_t n, gradsync::ReduceOp op) {
+    std::vector<T> data(n);
+    for (std::size_t i = 0; i < n; ++i) data[i] = T(input_value(backend.rank(), i));
+    backend.allreduce(std::span(data), op);
+    const float divisor = op == gradsync::ReduceOp::average ? float(world_size()) : 1.0f;
+    for (std::size_t i = 0; i < n; ++i) {
+        // Rounded like the backend: the sum is exact, the average rounds once to T.
+        const T expected = T(expected_sum(i) / divisor);
+        if (float(data[i]) != float(expected)) {
+            CAPTURE(i);
+            CHECK(float(data[i]) == float(expected));
+            break;
+        }
+    }
+    CHECK(same_on_every_rank(data));
+}
+
+template <class T>
+void check_all_ops(std::size_t n) {
+    gradsync::MpiOptions small;
+    small.chunk = 4_KiB;  // many chunks
+    for (auto options : {gradsync::MpiOptions{}, small}) {
+        gradsync::MpiBackend backend(MPI_COMM_WORLD, options);
+        check_allreduce<T>(backend, n, gradsync::ReduceOp::sum);
+        check_allreduce<T>(backend, n, gradsync::ReduceOp::average);
+    }
+}
+
+}  // namespace
+
+TEST_CASE("MpiBackend: rank and size are the communicator's; the place agrees with the launcher's variables") {
+    gradsync::MpiBackend backend;
+    CHECK(backend.rank() == world_rank());
+    CHECK(backend.size() == world_size());
+    auto place = gradsync::mpi_process_place();
+    CHECK(place.rank == world_rank());
+    CHECK(place.world_size == world_size());
+    CHECK(place.local_world_size == world_size());  // one machine
+    auto from_env = gradsync::process_place();      // mpirun's OMPI_COMM_WORLD_* variables
+    CHECK(from_env.rank == place.rank);
+    CHECK(from_env.world_size == place.world_size);
+    CHECK(from_env.local_rank == place.local_rank);
+    CHECK(from_env.local_world_size == place.local_world_size);
+}
+
+TEST_CASE("MpiBackend: allreduce sum and average, every floating dtype, one or many chunks") {
+    for (std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{1000}, std::size_t{100'003}}) {
+        CAPTURE(n);
+        check_all_ops<float>(n);
+        check_all_ops<double>(n);
+        check_all_ops<gradsync::float16>(n);
+        check_all_ops<gradsync::bfloat16>(n);
+    }
+}
+
+TEST_CASE("MpiBackend: scattered segments, large ones in place and small ones packed, all reduced") {
+    gradsync::MpiOptions options;
+    options.chunk = 8_KiB;
+    options.pack_below = 1_KiB;
+    gradsync::MpiBackend backend(MPI_COMM_WORLD, options);
+    // Sizes straddle pack_below (256 floats) and chunk (2048 floats); a zero-sized one too.
+    std::vector<std::size_t> sizes{3, 5000, 0, 255, 256, 1, 2048, 700, 9000, 17};
+    std::vector<std::vector<float>> tensors;
+    std::vector<gradsync::Segment> segments;
+    std::size_t base = 0;
+    for (auto n : sizes) {
+        tensors.emplace_back(n);
+        for (std::size_t i = 0; i < n; ++i) tensors.back()[i] = input_value(backend.rank(), base + i);
+        base += n;
+    }
+    for (auto& t : tensors) segments.push_back({t.data(), t.size()});
+    SUBCASE("synchronous") { backend.allreduce(segments, gradsync::DType::float32, gradsync::ReduceOp::average); }
+    SUBCASE("asynchronous") {
+        auto h = backend.allreduce_async(segments, gradsync::DType::float32, gradsync::ReduceOp::average);
+        h.wait();
+        CHECK(h.ready());
+    }
+    base = 0;
+    for (auto& t : tensors) {
+        for (std::size_t i = 0; i < t.size(); ++i) REQUIRE(t[i] == expected_sum(base + i) / float(world_size()));
+        base += t.size();
+    }
+}
+
+TEST_CASE("MpiBackend: asynchronous collectives complete in launch order, then synchronous ones") {
+    gradsync::MpiBackend backend;
+    std::vector<std::vector<double>> bufs(5, std::vector<double>(10'000));
+    for (auto& b : bufs)
+        for (std::size_t i = 0; i < b.size(); ++i) b[i] = input_value(backend.rank(), i);
+    std::vector<gradsync::CollectiveHandle> handles;
+    for (auto& b : bufs)
+        handles.push_back(backend.allreduce_async(gradsync::buffer_of(std::span(b)), gradsync::ReduceOp::sum));
+    std::vector<double> last(4, double(backend.rank()));
+    backend.allreduce(std::span(last), gradsync::ReduceOp::sum);  // waits for the ones before it
+    for (auto& h : handles) CHECK(h.ready());
+    for (auto& b : bufs) CHECK(b[12] == double(expected_sum(12)));
+    CHECK(last[0] == double(world_size() * (world_size() - 1) / 2));
+}
+
+TEST_CASE("MpiBackend: broadcast from every root, and a barrier") {
+    gradsync::MpiBackend backend;
+    for (int root = 0; root < backend.size(); ++root) {
+        std::vector<std::uint32_t> v(1000, 0);
+        if (backend.rank() == root)
+            for (std::size_t i = 0; i < v.size(); ++i) v[i] = std::uint32_t(root * 100000 + int(i));
+        backend.broadcast(std::span(v), root);
+        CHECK(v[999] == std::uint32_t(root * 100000 + 999));
+    }
+    backend.barrier();
+    CHECK_THROWS_WITH_AS(backend.broadcast(std::span<std::byte>(), backend.size()),
+                         doctest::Contains("broadcast from rank"), gradsync::CollectiveError);
+}
+
+TEST_CASE("MpiBackend: a dtype it cannot reduce is an exception, not a wrong answer") {
+    gradsync::MpiBackend backend;
+    std::vector<std::int32_t> v(4, 1);
+    CHECK_FALSE(backend.supports(gradsync::DType::int32));
+    CHECK_THROWS_WITH_AS(backend.allreduce(std::span(v), gradsync::ReduceOp::sum),
+                         doctest::Contains("cannot reduce int32"), gradsync::CollectiveError);
+}
+
+// The equivalence test across processes: N ranks with micro-batch b == one process with N*b.
+namespace {
+
+constexpr int steps = 12;
+constexpr int micro_batch = 8;
+
+std::vector<float> flat_weights(const mlp::Mlp& m) {
+    std::vector<float> all;
+    for (const auto* v : {&m.w1, &m.b1, &m.w2, &m.b2}) all.insert(all.end(), v->begin(), v->end());
+    return all;
+}
+
+std::vector<float> train_single(int world) {
+    mlp::Mlp model(1);
+    mlp::Sgd opt(0.05f, 0.9f);
+    for (int s = 0; s < steps; ++s) {
+        model.forward_backward(mlp::make_batch(2026, std::size_t(s * world * micro_batch), world * micro_batch));
+        opt.step(model);
+    }
+    return flat_weights(model);
+}
+
+template <class... Policies>
+std::vector<float> train_parallel(bool overlap, Policies... policies) {
+    gradsync::MpiBackend backend;
+    mlp::Mlp model(1 + std::uint64_t(backend.rank()) * 1000);  // replaced by rank 0's at construction
+    gradsync::DataParallel dp(model, backend, policies...);
+    if (overlap) model.on_grad_ready = [&dp](std::size_t i) { dp.grad_ready(i); };
+    mlp::Sgd opt(0.05f, 0.9f);
+    const int world = backend.size();
+    for (int s = 0; s < steps; ++s) {
+        auto first = std::size_t(s * world * micro_batch + backend.rank() * micro_batch);
+        model.forward_backward(mlp::make_batch(2026, first, micro_batch));
+        dp.synchronize();
+        opt.step(model);
+    }
+    return flat_weights(model);
+}
+
+void check_close(const std::vector<float>& parallel, const std::vector<float>& single) {
+    REQUIRE(parallel.size() == single.size());
+    double diff = 0, norm = 0;
+    for (std::size_t i = 0; i < single.size(); ++i) {
+        diff += (double(parallel[i]) - single[i]) * (double(parallel[i]) - single[i]);
+        norm += double(single[i]) * single[i];
+    }
+    CHECK(std::sqrt(diff / norm) <= 1e-5);
+    CHECK(same_on_every_rank(parallel));
+}
+
+}  // namespace
+
+TEST_CASE("equivalence over MPI: N processes with micro-batch b == one process with batch N*b") {
+    const auto single = train_single(world_size());
+    SUBCASE("default buckets, after backward") { check_close(train_parallel(false), single); }
+    SUBCASE("small buckets, overlapped with backward") {
+        check_close(train_parallel(true, gradsync::SizeCappedBuckets{64_KiB, 4_KiB}), single);
+    }
+    SUBCASE("one bucket, packed") {
+        check_close(train_parallel(false, gradsync::SingleBucket{}, gradsync::PackedBuckets{}), single);
+    }
+    SUBCASE("a bucket per parameter, overlapped") {
+        check_close(train_parallel(true, gradsync::PerParameterBuckets{}), single);
+    }
+}
+
+TEST_CASE("over MPI, bf16 wire compression with dynamic loss scaling trains close to float32") {
+    const auto single = train_single(world_size());
+    gradsync::MpiBackend backend;
+    mlp::Mlp model(1);
+    gradsync::DataParallel dp(model, backend, gradsync::Bf16Compression{}, gradsync::DynamicLossScale{});
+    model.on_grad_ready = [&dp](std::size_t i) { dp.grad_ready(i); };
+    mlp::Sgd opt(0.05f, 0.9f);
+    int applied = 0;
+    for (int s = 0; s < steps; ++s) {
+        auto first = std::size_t(s * world_size() * micro_batch + backend.rank() * micro_batch);
+        model.forward_backward(mlp::make_batch(2026, first, micro_batch), dp.loss_scale());
+        applied += dp.step([&] { opt.step(model); }).applied ? 1 : 0;
+    }
+    CHECK(applied == steps);  // no overflow at this scale: the runs took the same steps
+    auto compressed = flat_weights(model);
+    double diff = 0, norm = 0;
+    for (std::size_t i = 0; i < single.size(); ++i) {
+        diff += (double(compressed[i]) - single[i]) * (double(compressed[i]) - single[i]);
+        norm += double(single[i]) * single[i];
+    }
+    CHECK(std::sqrt(diff / norm) <= 1e-2);
+    CHECK(same_on_every_rank(compressed));
+}
+
+TEST_CASE("over MPI, a layout that differs on one rank throws the same LayoutMismatch on every rank") {
+    struct Model {
+        std::vector<float> a = std::vector<float>(10), ga = std::vector<float>(10);
+        std::vector<float> b, gb;
+        std::vector<gradsync::Parameter> parameters() {
+            return {gradsync::parameter("a", a, ga), gradsync::parameter("b", b, gb)};
+        }
+    } model;
+    const std::size_t n = world_rank() == world_size() - 1 ? 6 : 5;  // the last rank differs
+    model.b.resize(n);
+    model.gb.resize(n);
+    gradsync::MpiBackend backend;
+    std::string message;
+    try {
+        gradsync::DataParallel dp(model, backend);
+    } catch (const gradsync::LayoutMismatch& e) {
+        message = e.what();
+    }
+    CHECK(message.find("'b'") != std::string::npos);
+    std::vector<char> text(message.begin(), message.end());
+    CHECK(same_on_every_rank(text));
+}
+
+TEST_CASE("ShardedSampler across processes: disjoint shards that cover the dataset, equal batch counts") {
+    for (std::size_t dataset : {std::size_t{1}, std::size_t{7}, std::size_t{1000}}) {
+        CAPTURE(dataset);
+        gradsync::ShardedSampler sampler(dataset, world_size(), world_rank(), {.seed = 5});
+        sampler.set_epoch(3);
+        auto mine = sampler.indices();
+        std::vector<std::uint64_t> as64(mine.begin(), mine.end());
+        auto all = gather_all(std::as_bytes(std::span(as64)));
+        std::vector<int> seen(dataset, 0);
+        for (const auto& bytes : all) {
+            CHECK(bytes.size() == all[0].size());  // the same number of samples, hence batches
+            for (std::size_t k = 0; k < bytes.size() / 8; ++k) {
+                std::uint64_t idx = 0;
+                std::memcpy(&idx, bytes.data() + 8 * k, 8);
+                REQUIRE(idx < dataset);
+                ++seen[idx];
+            }
+        }
+        for (int s : seen) CHECK(s >= 1);  // covered; repeats only from padding
+        std::size_t total = 0;
+        for (int s : seen) total += std::size_t(s);
+        CHECK(total == sampler.size() * std::size_t(world_size()));
+        CHECK(total - dataset < std::size_t(world_size()));  // padding is less than one per rank
+    }
+}
+
+int main(int argc, char** argv) {
+    gradsync::MpiSession mpi(argc, argv);
+    doctest::Context context(argc, argv);
+    context.setOption("no-colors", true);                       // ctest logs, not terminals
+    if (world_rank() != 0) context.setOption("minimal", true);  // one full report; every rank's failures
+    const int failed = context.run();
+    int any = failed != 0 ? 1 : 0, worst = 0;
+    MPI_Allreduce(&any, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    return worst;
+}
