@@ -1,14 +1,29 @@
 #!/usr/bin/env bash
-# Runs the throughput benchmarks (LocalBackend, on the CPU) and prints a summary table of every
-# figure beside the ceiling or baseline measured in the same run. Installs what it needs on
-# Debian 12. Extra arguments go to Google Benchmark, e.g. --benchmark_filter=allreduce.
+# Runs the throughput benchmarks and prints every figure beside the ceiling or baseline measured
+# in the same run: LocalBackend (threads of one process, the default CPU backend), then
+# DataParallel<MpiBackend> on 2 processes under mpirun, then the race with PyTorch DDP (gloo) on
+# the same layouts. Installs what it needs on Debian 12. Extra arguments go to Google Benchmark,
+# e.g. --benchmark_filter=allreduce; GRADSYNC_BENCH_ONLY=local skips the MPI and DDP parts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/deps.sh
 
-ensure_packages cmake ninja-build g++ make libbenchmark-dev
+packages=(cmake ninja-build g++ make libbenchmark-dev)
+[ "${GRADSYNC_BENCH_ONLY:-}" = local ] || packages+=(libopenmpi-dev openmpi-bin python3 python3-torch)
+ensure_packages "${packages[@]}"
 step "configure and build: bench"
 cmake --preset bench >/dev/null
 cmake --build --preset bench
-step "run (a few minutes; each line appears as its benchmark finishes)"
+step "LocalBackend (a few minutes; each line appears as its benchmark finishes)"
 ./build/bench/bench/gradsync_bench --benchmark_color=false "$@"
+[ "${GRADSYNC_BENCH_ONLY:-}" = local ] && exit 0
+
+# Open MPI refuses to run as root unless told; oversubscribe: more ranks than cores is allowed.
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+step "MpiBackend on 2 processes (about a minute)"
+mpi_output=$(mktemp)
+trap 'rm -f "$mpi_output"' EXIT
+mpirun --oversubscribe -np 2 ./build/bench/bench/bench_mpi | tee "$mpi_output"
+step "PyTorch DDP (gloo) on 2 processes, beside gradsync (about a minute)"
+# Debian's python3-torch lives in the system interpreter, not in a virtualenv's.
+/usr/bin/python3 bench/ddp_peer.py --gradsync-output "$mpi_output"

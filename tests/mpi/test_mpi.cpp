@@ -82,12 +82,18 @@ void check_allreduce(gradsync::MpiBackend& backend, std::size_t n, gradsync::Red
 
 template <class T>
 void check_all_ops(std::size_t n) {
-    gradsync::MpiOptions small;
-    small.chunk = 4_KiB;  // many chunks
-    for (auto options : {gradsync::MpiOptions{}, small}) {
-        gradsync::MpiBackend backend(MPI_COMM_WORLD, options);
-        check_allreduce<T>(backend, n, gradsync::ReduceOp::sum);
-        check_allreduce<T>(backend, n, gradsync::ReduceOp::average);
+    using gradsync::MpiAlgorithm;
+    for (auto algorithm : {MpiAlgorithm::automatic, MpiAlgorithm::mpi_allreduce, MpiAlgorithm::ring}) {
+        for (auto chunk : {4_MiB, 4_KiB}) {  // one piece, or many
+            CAPTURE(int(algorithm));
+            CAPTURE(chunk.count());
+            gradsync::MpiOptions options;
+            options.algorithm = algorithm;
+            options.chunk = chunk;
+            gradsync::MpiBackend backend(MPI_COMM_WORLD, options);
+            check_allreduce<T>(backend, n, gradsync::ReduceOp::sum);
+            check_allreduce<T>(backend, n, gradsync::ReduceOp::average);
+        }
     }
 }
 
@@ -108,8 +114,8 @@ TEST_CASE("MpiBackend: rank and size are the communicator's; the place agrees wi
     CHECK(from_env.local_world_size == place.local_world_size);
 }
 
-TEST_CASE("MpiBackend: allreduce sum and average, every floating dtype, one or many chunks") {
-    for (std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{1000}, std::size_t{100'003}}) {
+TEST_CASE("MpiBackend: allreduce sum and average, every floating dtype and algorithm, one or many pieces") {
+    for (std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{3}, std::size_t{1000}, std::size_t{100'003}}) {
         CAPTURE(n);
         check_all_ops<float>(n);
         check_all_ops<double>(n);
@@ -122,6 +128,7 @@ TEST_CASE("MpiBackend: scattered segments, large ones in place and small ones pa
     gradsync::MpiOptions options;
     options.chunk = 8_KiB;
     options.pack_below = 1_KiB;
+    options.ring_min = 2_KiB;  // the ring for most pieces, MPI_Allreduce for the rest
     gradsync::MpiBackend backend(MPI_COMM_WORLD, options);
     // Sizes straddle pack_below (256 floats) and chunk (2048 floats); a zero-sized one too.
     std::vector<std::size_t> sizes{3, 5000, 0, 255, 256, 1, 2048, 700, 9000, 17};

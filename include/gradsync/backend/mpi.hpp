@@ -89,6 +89,50 @@ void mpi_sum_16(void* in, void* inout, int* len, MPI_Datatype*) {
     }
 }
 
+// out[i] = (out[i] + in[i]) * factor, in the accumulator type of the dtype; factor 1 multiplies
+// nothing. (x + y) * f rounds exactly as a sum followed by a separate scaling pass would.
+template <class T>
+void add_scaled(T* __restrict out, const T* __restrict in, T factor, std::size_t n) {
+    if (factor == T(1)) {
+        add_into(out, in, n);
+        return;
+    }
+    const std::size_t full = n - n % simd_width;
+    std::size_t i = 0;
+    for (; i < full; i += simd_width)
+        for (std::size_t j = 0; j < simd_width; ++j) out[i + j] = (out[i + j] + in[i + j]) * factor;
+    for (; i < n; ++i) out[i] = (out[i] + in[i]) * factor;
+}
+
+template <class S>
+void add_scaled_16(S* out, const S* in, float factor, std::size_t n) {
+    constexpr std::size_t block = 512;
+    float a[block];
+    float b[block];
+    for (std::size_t off = 0; off < n; off += block) {
+        const std::size_t k = std::min(block, n - off);
+        widen_to_float(in + off, a, k);
+        widen_to_float(out + off, b, k);
+        add_scaled(b, a, factor, k);
+        narrow_from_float(b, out + off, k);
+    }
+}
+
+inline void add_received(std::byte* out, const std::byte* in, std::size_t n, DType t, double factor) {
+    switch (t) {
+        case DType::float64:
+            add_scaled(reinterpret_cast<double*>(out), reinterpret_cast<const double*>(in), factor, n);
+            break;
+        case DType::float16:
+            add_scaled_16(reinterpret_cast<float16*>(out), reinterpret_cast<const float16*>(in), float(factor), n);
+            break;
+        case DType::bfloat16:
+            add_scaled_16(reinterpret_cast<bfloat16*>(out), reinterpret_cast<const bfloat16*>(in), float(factor), n);
+            break;
+        default: add_scaled(reinterpret_cast<float*>(out), reinterpret_cast<const float*>(in), float(factor), n); break;
+    }
+}
+
 template <class S>
 void scale_16(S* data, float factor, std::size_t n) {
     constexpr std::size_t block = 1024;
@@ -157,12 +201,28 @@ inline ProcessPlace mpi_process_place(MPI_Comm comm = MPI_COMM_WORLD) {
     return place;
 }
 
+// How MpiBackend reduces.
+enum class MpiAlgorithm : std::uint8_t {
+    // ring from MpiOptions::ring_min up, the MPI library's own allreduce below.
+    automatic,
+    // MPI_Allreduce in place, then a pass that divides by the number of ranks for an average.
+    mpi_allreduce,
+    // Our ring over point-to-point messages: reduce-scatter then all-gather, in place, with the
+    // division for an average folded into the last reduction step, so the gradients are read and
+    // written no more often than the reduction itself needs, and the only scratch memory is
+    // persistent (one huge MPI_Allreduce page-faults on fresh temporaries at every call).
+    ring,
+};
+
 struct MpiOptions {
+    MpiAlgorithm algorithm = MpiAlgorithm::automatic;
     // A collective that has not completed by then ends the job (MPI_Abort) with a diagnosis.
     std::chrono::milliseconds timeout = std::chrono::seconds(600);
-    // An in-place allreduce runs in pieces of this size, each averaged right after it is reduced,
-    // while it is still in cache.
+    // An allreduce runs in pieces of this size, so each piece is still in cache when it is
+    // averaged, and scratch memory stays at this size over the number of ranks.
     Bytes chunk = Bytes{4u << 20};
+    // `automatic` uses the ring for pieces of at least this size.
+    Bytes ring_min = Bytes{256u << 10};
     // Segments smaller than this are packed together and reduced in one call: many small
     // tensors must not mean many collectives.
     Bytes pack_below = Bytes{64u << 10};
@@ -332,16 +392,54 @@ private:
         return MPI_SUM;
     }
 
-    // In place, `count` elements at `data`, in chunks; each chunk averaged while still in cache.
+    // In place, `count` elements at `data`, in pieces of options_.chunk.
     void reduce_run(std::byte* data, std::size_t count, DType t, ReduceOp op) {
         const std::size_t elem = size_of(t);
         const std::size_t chunk =
-            std::max<std::size_t>(1, std::min<std::size_t>(options_.chunk.count() / elem, INT_MAX));
+            std::max<std::size_t>(1, std::min<std::size_t>(options_.chunk.count(), std::size_t{1} << 30) / elem);
         for (std::size_t off = 0; off < count; off += chunk) {
             const std::size_t k = std::min(chunk, count - off);
             std::byte* p = data + off * elem;
-            check(MPI_Allreduce(MPI_IN_PLACE, p, static_cast<int>(k), mpi_type(t), mpi_sum(t), comm_), "MPI_Allreduce");
-            if (op == ReduceOp::average) average(p, k, t);
+            const bool ring = options_.algorithm == MpiAlgorithm::ring ||
+                              (options_.algorithm == MpiAlgorithm::automatic && k * elem >= options_.ring_min.count());
+            if (ring && k >= std::size_t(size_)) {
+                ring_allreduce(p, k, t, op);
+            } else {
+                check(MPI_Allreduce(MPI_IN_PLACE, p, static_cast<int>(k), mpi_type(t), mpi_sum(t), comm_),
+                      "MPI_Allreduce");
+                if (op == ReduceOp::average) average(p, k, t);
+            }
+        }
+    }
+
+    // Ring allreduce of `count` elements at `data`, in place. Part i of the n parts is summed
+    // along the ring ending at rank i - 1 (mod n), which averages it in the same pass, and is then
+    // passed around: every rank ends with the same bits.
+    void ring_allreduce(std::byte* data, std::size_t count, DType t, ReduceOp op) {
+        const int n = size_;
+        const std::size_t elem = size_of(t);
+        auto begin = [&](int part) { return count * std::size_t(part) / std::size_t(n); };
+        auto length = [&](int part) { return begin(part + 1) - begin(part); };
+        const std::size_t most = (count + std::size_t(n) - 1) / std::size_t(n);
+        if (scratch_.size() < most * elem) scratch_.resize(most * elem);
+        const int right = (rank_ + 1) % n, left = (rank_ + n - 1) % n;
+        constexpr int tag = 0x6773;  // on our own communicator: no other messages to confuse it with
+        for (int step = 0; step + 1 < n; ++step) {
+            const int send = (rank_ - step + 2 * n) % n, recv = (rank_ - step - 1 + 2 * n) % n;
+            check(MPI_Sendrecv(data + begin(send) * elem, static_cast<int>(length(send) * elem), MPI_BYTE, right, tag,
+                               scratch_.data(), static_cast<int>(length(recv) * elem), MPI_BYTE, left, tag, comm_,
+                               MPI_STATUS_IGNORE),
+                  "MPI_Sendrecv");
+            const bool last = step + 2 == n;
+            detail::add_received(data + begin(recv) * elem, scratch_.data(), length(recv), t,
+                                 last && op == ReduceOp::average ? 1.0 / n : 1.0);
+        }
+        for (int step = 0; step + 1 < n; ++step) {
+            const int send = (rank_ + 1 - step + 2 * n) % n, recv = (rank_ - step + 2 * n) % n;
+            check(MPI_Sendrecv(data + begin(send) * elem, static_cast<int>(length(send) * elem), MPI_BYTE, right, tag,
+                               data + begin(recv) * elem, static_cast<int>(length(recv) * elem), MPI_BYTE, left, tag,
+                               comm_, MPI_STATUS_IGNORE),
+                  "MPI_Sendrecv");
         }
     }
 
@@ -483,6 +581,7 @@ private:
     MPI_Op sum_bf16_ = MPI_OP_NULL;
     std::uint64_t seq_ = 0;
     std::vector<std::byte> staging_;  // small segments packed together; used by one collective at a time
+    std::vector<std::byte> scratch_;  // the ring's received part; likewise
 
     std::mutex watch_mutex_;
     std::condition_variable watch_cv_;

@@ -1,0 +1,146 @@
+// DataParallel<Model, MpiBackend>::synchronize() across processes, on the gradient layouts of
+// ResNet-50 and BERT-base, against a raw in-place MPI_Allreduce of one flat buffer of the same
+// bytes (the ceiling: no buckets, no averaging), and against the same allreduce issued in pieces
+// of MpiOptions::chunk (Open MPI's temporaries for one huge call page-fault on every call; for
+// pieces the allocator reuses them, so this is the transport's real ceiling). Run under mpirun (scripts/bench.sh does,
+// with 2 processes). Within every iteration the two alternate, in alternating order; an iteration's time is the slowest
+// rank's, and each figure is a median, beside the median of per-iteration ratios.
+//
+//   bench_mpi [--iterations N] [--chunk-kib K] [--layout resnet50|bert_base]
+#include <gradsync/backend/mpi.hpp>
+#include <gradsync/gradsync.hpp>
+
+#include "layout_model.hpp"
+#include "model_layouts.hpp"
+#include "stats.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace {
+
+struct Settings {
+    int iterations = 15;
+    gradsync::MpiOptions mpi;
+    std::string only;  // one layout, or both
+};
+
+// Seconds `f` takes on the slowest rank, started together.
+double timed(MPI_Comm comm, const std::function<void()>& f) {
+    MPI_Barrier(comm);
+    const auto t0 = std::chrono::steady_clock::now();
+    f();
+    const double mine = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    double slowest = 0;
+    MPI_Allreduce(&mine, &slowest, 1, MPI_DOUBLE, MPI_MAX, comm);
+    return slowest;
+}
+
+struct Row {
+    std::string name;
+    double ms = 0;
+    double ratio = 0;         // to the flat allreduce of the same iterations
+    double ratio_pieces = 0;  // to the flat allreduce in pieces
+};
+
+template <class... Policies>
+Row measure(const std::string& name, const std::vector<layouts::Tensor>& tensors, const Settings& s,
+            Policies... policies) {
+    gradsync::MpiBackend backend(MPI_COMM_WORLD, s.mpi);
+    bench::LayoutModel model(tensors);
+    gradsync::DataParallel dp(model, backend, policies...);
+    std::vector<float> flat(layouts::total_count(tensors), 1.0f);
+    auto raw = [&] {
+        MPI_Allreduce(MPI_IN_PLACE, flat.data(), static_cast<int>(flat.size()), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+    };
+    const std::size_t piece = s.mpi.chunk.count() / sizeof(float);
+    auto pieces = [&] {
+        for (std::size_t off = 0; off < flat.size(); off += piece)
+            MPI_Allreduce(MPI_IN_PLACE, flat.data() + off, static_cast<int>(std::min(piece, flat.size() - off)),
+                          MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+    };
+    auto sync = [&] { dp.synchronize(); };
+    std::vector<double> raw_s, pieces_s, sync_s, ratios, ratios_pieces;
+    for (int i = -2; i < s.iterations; ++i) {  // two rounds of warm-up
+        const bool raw_first = i % 2 == 0;
+        double r = 0, p = 0, y = 0;
+        if (raw_first) {
+            r = timed(MPI_COMM_WORLD, raw);
+            p = timed(MPI_COMM_WORLD, pieces);
+        }
+        y = timed(MPI_COMM_WORLD, sync);
+        if (!raw_first) {
+            p = timed(MPI_COMM_WORLD, pieces);
+            r = timed(MPI_COMM_WORLD, raw);
+        }
+        if (i < 0) continue;
+        raw_s.push_back(r);
+        pieces_s.push_back(p);
+        sync_s.push_back(y);
+        ratios.push_back(y / r);
+        ratios_pieces.push_back(y / p);
+    }
+    Row row{name, bench::median(sync_s) * 1e3, bench::median(ratios), bench::median(ratios_pieces)};
+    if (backend.rank() == 0) {
+        std::printf(
+            "  %-22s synchronize %8.2f ms | raw flat %8.2f ms, ratio %.3f | raw in pieces %8.2f ms, ratio %.3f\n",
+            name.c_str(), row.ms, bench::median(raw_s) * 1e3, row.ratio, bench::median(pieces_s) * 1e3,
+            row.ratio_pieces);
+        std::fflush(stdout);
+    }
+    return row;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    gradsync::MpiSession mpi(argc, argv);
+    Settings s;
+    for (int i = 1; i < argc; ++i) {
+        const std::string a = argv[i];
+        if (a == "--iterations" && i + 1 < argc) {
+            s.iterations = std::atoi(argv[++i]);
+        } else if (a == "--chunk-kib" && i + 1 < argc) {
+            s.mpi.chunk = gradsync::Bytes{std::size_t(std::atol(argv[++i])) << 10};
+        } else if (a == "--layout" && i + 1 < argc) {
+            s.only = argv[++i];
+        } else {
+            std::fprintf(stderr, "usage: bench_mpi [--iterations N] [--chunk-kib K] [--layout resnet50|bert_base]\n");
+            return 2;
+        }
+    }
+    int rank = 0, size = 1;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    MPI_Comm_size(MPI_COMM_WORLD, &size);
+    if (rank == 0)
+        std::printf(
+            "DataParallel<MpiBackend>::synchronize() on %d processes, median of %d iterations (chunk %zu KiB)\n", size,
+            s.iterations, s.mpi.chunk.count() >> 10);
+    struct Layout {
+        const char* name;
+        std::vector<layouts::Tensor> (*tensors)();
+    };
+    std::vector<Row> rows;
+    for (auto layout : {Layout{"resnet50", layouts::resnet50}, Layout{"bert_base", layouts::bert_base}}) {
+        if (!s.only.empty() && s.only != layout.name) continue;
+        const auto tensors = layout.tensors();
+        const std::string n = layout.name;
+        rows.push_back(measure(n + "/in_place", tensors, s));
+        rows.push_back(measure(n + "/packed", tensors, s, gradsync::PackedBuckets{}));
+        rows.push_back(measure(n + "/bf16_wire", tensors, s, gradsync::Bf16Compression{}));
+    }
+    if (rank == 0) {
+        std::printf("\nsummary (target: in_place synchronize <= 1.05 x raw flat MPI_Allreduce)\n");
+        for (const auto& r : rows)
+            std::printf("  %-22s %8.2f ms   ratio to raw flat %.3f%s   to raw in pieces %.3f\n", r.name.c_str(), r.ms,
+                        r.ratio, r.name.ends_with("/in_place") ? (r.ratio <= 1.05 ? " (met)" : " (MISSED)") : "",
+                        r.ratio_pieces);
+    }
+    return 0;
+}
