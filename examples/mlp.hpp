@@ -162,6 +162,13 @@ public:
         lr_ = lr;
         step(m);
     }
+    // The momentum buffers, one per parameter, sized for `m` (for a checkpoint to save or load).
+    std::vector<std::vector<float>>& velocity(Mlp& m) {
+        auto params = m.parameters();
+        velocity_.resize(params.size());
+        for (std::size_t p = 0; p < params.size(); ++p) velocity_[p].resize(params[p].count, 0.0f);
+        return velocity_;
+    }
     void step(Mlp& m) {
         auto params = m.parameters();
         velocity_.resize(params.size());

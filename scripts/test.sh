@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 source scripts/deps.sh
 
 ensure_packages cmake ninja-build g++ make python3 doctest-dev libbenchmark-dev clang-format \
-    libopenmpi-dev openmpi-bin
+    libopenmpi-dev openmpi-bin nlohmann-json3-dev
 export PATH="$PATH:/usr/local/cuda/bin"  # nvcc, where the CUDA toolkit is installed
 
 for preset in dev tsan asan-ubsan; do

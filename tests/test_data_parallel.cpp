@@ -8,8 +8,12 @@
 #include "support/recording_backend.hpp"
 #include "support/toy_model.hpp"
 
+#include <unistd.h>  // for getpid
+
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -288,4 +292,33 @@ TEST_CASE("DataParallel deduces its policies and defaults the rest") {
     Toy m({4}, 0.0f);
     Packed explicit_policies(m, ranks[0]);  // policies given as types only
     CHECK(explicit_policies.plan().buckets.size() == 1);
+}
+
+TEST_CASE("logging: GRADSYNC_LOG_FILE gives each rank a file of its own, lines rank-prefixed") {
+    namespace fs = std::filesystem;
+    const auto dir = fs::temp_directory_path() / ("gradsync_logs_" + std::to_string(::getpid()));
+    fs::create_directories(dir);
+    auto& settings = gradsync::detail::log_settings();
+    const auto saved = settings;
+    settings = {gradsync::detail::LogLevel::info, (dir / "rank%r.log").string()};
+    gradsync::spawn(2, [](gradsync::LocalBackend& b) {
+        std::vector<float> w(8), g(8);
+        struct Model {
+            std::vector<float>*w, *g;
+            std::vector<gradsync::Parameter> parameters() { return {gradsync::parameter("w", *w, *g)}; }
+        } m{&w, &g};
+        gradsync::DataParallel dp(m, b);
+    });
+    settings = saved;
+    gradsync::detail::log_files().close();
+    for (int r = 0; r < 2; ++r) {
+        std::ifstream in(dir / ("rank" + std::to_string(r) + ".log"));
+        const std::string prefix = "[gradsync rank " + std::to_string(r) + "] ";
+        std::string line;
+        REQUIRE(std::getline(in, line));
+        CHECK(line.starts_with(prefix + "DataParallel: 1 parameters"));
+        while (std::getline(in, line)) CHECK(line.starts_with(prefix));  // only this rank's lines
+    }
+    CHECK(gradsync::detail::log_file_of("run.log", 3) == "run.log.3");
+    fs::remove_all(dir);
 }

@@ -301,6 +301,9 @@ public:
     [[nodiscard]] int world_size() const { return backend_.size(); }
     // Synchronized steps completed (accumulation micro-steps under no_sync() do not count).
     [[nodiscard]] std::uint64_t steps() const { return steps_.load(std::memory_order_acquire); }
+    // Sets that count, to resume from a checkpoint: step numbers and the LR rule's warm-up go on
+    // from there. Between steps only, with the same value on every rank.
+    void restore_steps(std::uint64_t steps) { steps_.store(steps, std::memory_order_release); }
     [[nodiscard]] Model& model() const { return model_; }
     [[nodiscard]] BackendT& backend() const { return backend_; }
     [[nodiscard]] const Options& options() const { return options_; }

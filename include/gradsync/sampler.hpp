@@ -40,6 +40,8 @@ public:
     // A new order per epoch: call it before each epoch, with the same epoch on every rank.
     void set_epoch(std::uint64_t epoch) { epoch_ = epoch; }
     [[nodiscard]] std::uint64_t epoch() const { return epoch_; }
+    // The shuffle's seed, as a checkpoint restores it; the same on every rank.
+    void set_seed(std::uint64_t seed) { options_.seed = seed; }
     [[nodiscard]] const Options& options() const { return options_; }
 
     // Indices per rank and epoch: the same on every rank.

@@ -8,10 +8,16 @@
 #include <gradsync/gradsync.hpp>
 
 #include "mlp.hpp"
+#include "support/resume_run.hpp"
+
+#include <unistd.h>  // for getpid
+
+#include <filesystem>
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <fstream>
 #include <vector>
 
 using namespace gradsync::literals;
@@ -328,6 +334,73 @@ TEST_CASE("ShardedSampler across processes: disjoint shards that cover the datas
         CHECK(total == sampler.size() * std::size_t(world_size()));
         CHECK(total - dataset < std::size_t(world_size()));  // padding is less than one per rank
     }
+}
+
+namespace {
+
+// A path rank 0 chose, the same on every rank (one machine: a shared temporary directory).
+std::string shared_path(const std::string& name) {
+    std::string path =
+        world_rank() == 0
+            ? (std::filesystem::temp_directory_path() / ("gradsync_mpi_" + std::to_string(::getpid()) + "_" + name))
+                  .string()
+            : std::string();
+    int length = static_cast<int>(path.size());
+    MPI_Bcast(&length, 1, MPI_INT, 0, MPI_COMM_WORLD);
+    path.resize(std::size_t(length));
+    MPI_Bcast(path.data(), length, MPI_CHAR, 0, MPI_COMM_WORLD);
+    return path;
+}
+
+}  // namespace
+
+TEST_CASE("checkpoint over MPI: 10 steps == 5 steps, save, a new communicator, load, 5 steps, bit for bit") {
+    const auto path = shared_path("resume.safetensors");
+    resume::Outcome straight, resumed;
+    {
+        gradsync::MpiBackend backend;
+        straight = resume::run_steps(backend, 0, 10, "", "");
+    }
+    {
+        gradsync::MpiBackend backend;
+        resume::run_steps(backend, 0, 5, "", path);
+    }
+    {
+        gradsync::MpiBackend backend;  // a new process group: a communicator of its own
+        resumed = resume::run_steps(backend, 5, 10, path, "");
+    }
+    CHECK(std::memcmp(straight.weights.data(), resumed.weights.data(), straight.weights.size() * 4) == 0);
+    CHECK(std::memcmp(straight.velocity0.data(), resumed.velocity0.data(), straight.velocity0.size() * 4) == 0);
+    CHECK(straight.loss_scale == resumed.loss_scale);
+    CHECK(straight.epoch == resumed.epoch);
+    CHECK(same_on_every_rank(resumed.weights));
+    MPI_Barrier(MPI_COMM_WORLD);
+    if (world_rank() == 0) std::filesystem::remove(path);
+}
+
+TEST_CASE("checkpoint over MPI: a file only rank 0 can read is broadcast; a bad one fails on every rank") {
+    const auto path = shared_path("bad.safetensors");
+    gradsync::MpiBackend backend;
+    mlp::Mlp model(1);
+    gradsync::DataParallel dp(model, backend);
+    if (world_rank() == 0) {
+        std::ofstream(path, std::ios::binary) << "garbage that is no safetensors file";
+    }
+    std::string message;
+    try {
+        gradsync::Checkpoint().load(path, dp);
+    } catch (const gradsync::CheckpointError& e) {
+        message = e.what();
+    }
+    CHECK(message.find("is unreadable") != std::string::npos);
+    std::vector<char> text(message.begin(), message.end());
+    CHECK(same_on_every_rank(text));
+    gradsync::Checkpoint().save(path, dp);  // replaces the bad file
+    model.w1.assign(model.w1.size(), 0.0f);
+    gradsync::Checkpoint().load(path, dp);
+    CHECK(model.w1 != std::vector<float>(model.w1.size(), 0.0f));
+    MPI_Barrier(MPI_COMM_WORLD);
+    if (world_rank() == 0) std::filesystem::remove(path);
 }
 
 int main(int argc, char** argv) {

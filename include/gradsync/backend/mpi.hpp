@@ -187,7 +187,9 @@ private:
 };
 
 // This process's place from MPI: rank and size in `comm`, local rank and size among the ranks
-// that share its node (MPI_Comm_split_type with MPI_COMM_TYPE_SHARED).
+// that share its node (MPI_Comm_split_type with MPI_COMM_TYPE_SHARED). When a launcher's
+// variables (process_place()) say otherwise for MPI_COMM_WORLD, throws: the processes were
+// started by a launcher that is not MPI's (torchrun, say), so MPI cannot connect them.
 inline ProcessPlace mpi_process_place(MPI_Comm comm = MPI_COMM_WORLD) {
     ProcessPlace place;
     MPI_Comm_rank(comm, &place.rank);
@@ -198,6 +200,20 @@ inline ProcessPlace mpi_process_place(MPI_Comm comm = MPI_COMM_WORLD) {
     MPI_Comm_size(node, &place.local_world_size);
     MPI_Comm_free(&node);
     place.source = "MPI";
+    int same = MPI_UNEQUAL;
+    MPI_Comm_compare(comm, MPI_COMM_WORLD, &same);
+    if (same == MPI_IDENT || same == MPI_CONGRUENT) {
+        const auto launcher = process_place();
+        if (launcher.world_size > 1 && (launcher.rank != place.rank || launcher.world_size != place.world_size))
+            throw Error("gradsync: " + launcher.source + " say rank " + std::to_string(launcher.rank) + " of " +
+                        std::to_string(launcher.world_size) + " but MPI says rank " + std::to_string(place.rank) +
+                        " of " + std::to_string(place.world_size) +
+                        ": these processes were not started by an MPI launcher, so MPI cannot connect them. Start "
+                        "them with mpirun -np " +
+                        std::to_string(launcher.world_size) +
+                        " (or srun), or use a "
+                        "backend that bootstraps from these variables.");
+    }
     return place;
 }
 

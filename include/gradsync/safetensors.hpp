@@ -1,0 +1,265 @@
+// The safetensors file format (what Hugging Face's `safetensors` package reads): an 8-byte
+// little-endian header length, a JSON header naming each tensor's dtype, shape and byte range,
+// then the tensors' bytes. Written atomically: a crash at any moment leaves either the previous
+// file or the new one, never a mixture. Not included by <gradsync/gradsync.hpp>: it needs
+// nlohmann/json (Debian: nlohmann-json3-dev), for the header only.
+#pragma once
+
+#include <gradsync/dtype.hpp>
+#include <gradsync/error.hpp>
+#include <gradsync/half.hpp>
+
+#include <nlohmann/json.hpp>
+
+#include <fcntl.h>   // for open
+#include <unistd.h>  // for write, fsync, close
+
+#include <algorithm>  // for std::sort
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>   // for std::rename
+#include <cstring>  // for std::strerror, std::memcpy
+#include <filesystem>
+#include <fstream>
+#include <functional>  // for std::function
+#include <map>
+#include <optional>
+#include <span>
+#include <string>
+#include <utility>  // for std::move
+#include <vector>
+
+namespace gradsync::inline v0 {
+
+// A checkpoint file could not be written, read, or does not fit what it is loaded into.
+class CheckpointError : public Error {
+public:
+    using Error::Error;
+};
+
+// One tensor to write, or one read: name, dtype, shape and its bytes (row-major, contiguous).
+struct TensorBytes {
+    std::string name;
+    DType dtype = DType::float32;
+    std::vector<std::uint64_t> shape;
+    std::span<const std::byte> bytes;
+};
+
+struct SafetensorsWriteOptions {
+    // Test hook: called with the bytes written so far, after each write (a crash test kills the
+    // process from here).
+    std::function<void(std::size_t)> on_write;
+};
+
+namespace detail {
+
+inline const char* safetensors_dtype(DType t) {
+    switch (t) {
+        case DType::float32: return "F32";
+        case DType::float64: return "F64";
+        case DType::float16: return "F16";
+        case DType::bfloat16: return "BF16";
+        case DType::int32: return "I32";
+        case DType::int64: return "I64";
+    }
+    return "?";
+}
+
+inline std::optional<DType> dtype_from_safetensors(const std::string& s) {
+    for (auto t : {DType::float32, DType::float64, DType::float16, DType::bfloat16, DType::int32, DType::int64})
+        if (s == safetensors_dtype(t)) return t;
+    return std::nullopt;
+}
+
+inline std::string errno_text() { return std::strerror(errno); }
+
+// A file descriptor that closes itself.
+class File {
+public:
+    File(const std::filesystem::path& path, int flags) : fd_(::open(path.c_str(), flags | O_CLOEXEC, 0644)) {}
+    File(const File&) = delete;
+    File& operator=(const File&) = delete;
+    ~File() {
+        if (fd_ >= 0) ::close(fd_);
+    }
+    [[nodiscard]] int fd() const { return fd_; }
+    [[nodiscard]] bool is_open() const { return fd_ >= 0; }
+    // Closes now, reporting the error close() may have kept from an earlier write.
+    bool close() { return ::close(std::exchange(fd_, -1)) == 0; }
+
+private:
+    int fd_;
+};
+
+}  // namespace detail
+
+// Writes `tensors` (names unique) and `metadata` to `path` in the safetensors format, atomically:
+// into `path` + ".tmp", fsync, rename over `path`, fsync of the directory. Throws CheckpointError.
+inline void write_safetensors(const std::filesystem::path& path, std::span<const TensorBytes> tensors,
+                              const std::map<std::string, std::string>& metadata,
+                              const SafetensorsWriteOptions& options = {}) {
+    nlohmann::ordered_json header = nlohmann::ordered_json::object();
+    if (!metadata.empty()) header["__metadata__"] = metadata;
+    std::uint64_t offset = 0;
+    for (const auto& t : tensors) {
+        if (t.name.empty() || t.name == "__metadata__")
+            throw CheckpointError("gradsync: cannot save a tensor named '" + t.name + "' to " + path.string());
+        if (header.contains(t.name))
+            throw CheckpointError("gradsync: two tensors named '" + t.name + "' in checkpoint " + path.string());
+        std::uint64_t elements = 1;
+        for (auto d : t.shape) elements *= d;
+        if (elements * size_of(t.dtype) != t.bytes.size())
+            throw CheckpointError("gradsync: tensor '" + t.name + "' has " + std::to_string(t.bytes.size()) +
+                                  " bytes, but its shape and dtype say " + std::to_string(elements * size_of(t.dtype)));
+        header[t.name] = {{"dtype", detail::safetensors_dtype(t.dtype)},
+                          {"shape", t.shape},
+                          {"data_offsets", {offset, offset + t.bytes.size()}}};
+        offset += t.bytes.size();
+    }
+    std::string text = header.dump();
+    text.append((8 - text.size() % 8) % 8, ' ');  // the data starts 8-byte aligned
+    std::byte length[8];
+    for (int i = 0; i < 8; ++i) length[i] = std::byte((text.size() >> (8 * i)) & 0xff);
+
+    const auto tmp = std::filesystem::path(path.string() + ".tmp");
+    const std::string where = " (writing checkpoint " + path.string() + ")";
+    detail::File file(tmp, O_WRONLY | O_CREAT | O_TRUNC);
+    if (!file.is_open()) throw CheckpointError("gradsync: cannot create " + tmp.string() + ": " + detail::errno_text());
+    std::size_t written = 0;
+    auto put = [&](const void* data, std::size_t n) {
+        auto* p = static_cast<const char*>(data);
+        while (n > 0) {
+            const auto w = ::write(file.fd(), p, std::min<std::size_t>(n, std::size_t{1} << 30));
+            if (w < 0 && errno == EINTR) continue;
+            if (w <= 0) throw CheckpointError("gradsync: write failed: " + detail::errno_text() + where);
+            p += w;
+            n -= static_cast<std::size_t>(w);
+            written += static_cast<std::size_t>(w);
+            if (options.on_write) options.on_write(written);
+        }
+    };
+    try {
+        put(length, 8);
+        put(text.data(), text.size());
+        for (const auto& t : tensors) put(t.bytes.data(), t.bytes.size());
+        if (::fsync(file.fd()) != 0) throw CheckpointError("gradsync: fsync failed: " + detail::errno_text() + where);
+        if (!file.close()) throw CheckpointError("gradsync: close failed: " + detail::errno_text() + where);
+        if (std::rename(tmp.c_str(), path.c_str()) != 0)
+            throw CheckpointError("gradsync: cannot rename " + tmp.string() + ": " + detail::errno_text() + where);
+    } catch (...) {
+        std::error_code ignored;
+        std::filesystem::remove(tmp, ignored);
+        throw;
+    }
+    // The rename is durable once the directory is.
+    auto dir = path.parent_path();
+    detail::File directory(dir.empty() ? std::filesystem::path(".") : dir, O_RDONLY | O_DIRECTORY);
+    if (!directory.is_open() || ::fsync(directory.fd()) != 0)
+        throw CheckpointError("gradsync: fsync of the directory failed: " + detail::errno_text() + where);
+}
+
+// A safetensors file read whole and checked: every tensor's dtype, shape and byte range is valid,
+// and the ranges do not overlap. Throws CheckpointError naming the file and the problem.
+class SafetensorsFile {
+public:
+    explicit SafetensorsFile(const std::filesystem::path& path) : path_(path) {
+        std::ifstream in(path, std::ios::binary);
+        if (!in) throw error("cannot open it");
+        in.seekg(0, std::ios::end);
+        const auto size = static_cast<std::uint64_t>(in.tellg());
+        in.seekg(0);
+        if (size < 8) throw error("it has " + std::to_string(size) + " bytes, fewer than a header length needs");
+        unsigned char length_bytes[8];
+        in.read(reinterpret_cast<char*>(length_bytes), 8);
+        std::uint64_t length = 0;
+        for (int i = 0; i < 8; ++i) length |= std::uint64_t(length_bytes[i]) << (8 * i);
+        if (length > size - 8)
+            throw error("its header claims " + std::to_string(length) + " bytes but only " + std::to_string(size - 8) +
+                        " follow (truncated or not a safetensors file)");
+        std::string text(length, '\0');
+        in.read(text.data(), static_cast<std::streamsize>(length));
+        data_.resize(size - 8 - length);
+        in.read(reinterpret_cast<char*>(data_.data()), static_cast<std::streamsize>(data_.size()));
+        if (!in) throw error("reading it failed");
+        parse(text);
+    }
+
+    [[nodiscard]] const std::map<std::string, std::string>& metadata() const { return metadata_; }
+    [[nodiscard]] const std::vector<TensorBytes>& tensors() const { return tensors_; }
+    [[nodiscard]] const TensorBytes* find(const std::string& name) const {
+        for (const auto& t : tensors_)
+            if (t.name == name) return &t;
+        return nullptr;
+    }
+    [[nodiscard]] const std::filesystem::path& path() const { return path_; }
+
+private:
+    CheckpointError error(const std::string& what) const {
+        return CheckpointError("gradsync: checkpoint " + path_.string() + " is unreadable: " + what);
+    }
+
+    void parse(const std::string& text) {
+        nlohmann::json header;
+        try {
+            header = nlohmann::json::parse(text);
+        } catch (const nlohmann::json::exception& e) {
+            throw error(std::string("its header is not JSON (") + e.what() + ")");
+        }
+        if (!header.is_object()) throw error("its header is not a JSON object");
+        struct Range {
+            std::uint64_t begin, end;
+            std::string name;
+        };
+        std::vector<Range> ranges;
+        for (const auto& [name, entry] : header.items()) {
+            if (name == "__metadata__") {
+                if (!entry.is_object()) throw error("__metadata__ is not an object");
+                for (const auto& [k, v] : entry.items()) {
+                    if (!v.is_string()) throw error("__metadata__ entry '" + k + "' is not a string");
+                    metadata_[k] = v.get<std::string>();
+                }
+                continue;
+            }
+            const std::string what = "tensor '" + name + "' ";
+            if (!entry.is_object() || !entry.contains("dtype") || !entry.contains("shape") ||
+                !entry.contains("data_offsets"))
+                throw error(what + "lacks dtype, shape or data_offsets");
+            const auto& d = entry["dtype"];
+            auto dtype = d.is_string() ? detail::dtype_from_safetensors(d.get<std::string>()) : std::nullopt;
+            if (!dtype) throw error(what + "has dtype " + d.dump() + ", not one gradsync knows");
+            std::vector<std::uint64_t> shape;
+            std::uint64_t elements = 1;
+            if (!entry["shape"].is_array()) throw error(what + "has a shape that is not a list");
+            for (const auto& dim : entry["shape"]) {
+                if (!dim.is_number_unsigned()) throw error(what + "has a shape entry " + dim.dump());
+                shape.push_back(dim.get<std::uint64_t>());
+                elements *= shape.back();
+            }
+            const auto& off = entry["data_offsets"];
+            if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() || !off[1].is_number_unsigned())
+                throw error(what + "has data_offsets " + off.dump() + ", not [begin, end]");
+            const auto begin = off[0].get<std::uint64_t>(), end = off[1].get<std::uint64_t>();
+            if (begin > end || end > data_.size())
+                throw error(what + "has bytes [" + std::to_string(begin) + ", " + std::to_string(end) +
+                            ") outside the file's " + std::to_string(data_.size()) + " data bytes");
+            if (end - begin != elements * size_of(*dtype))
+                throw error(what + "has " + std::to_string(end - begin) + " bytes, but its shape and dtype say " +
+                            std::to_string(elements * size_of(*dtype)));
+            ranges.push_back({begin, end, name});
+            tensors_.push_back(TensorBytes{name, *dtype, std::move(shape),
+                                           std::span<const std::byte>(data_.data() + begin, end - begin)});
+        }
+        std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) { return a.begin < b.begin; });
+        for (std::size_t i = 1; i < ranges.size(); ++i)
+            if (ranges[i].begin < ranges[i - 1].end)
+                throw error("tensors '" + ranges[i - 1].name + "' and '" + ranges[i].name + "' overlap");
+    }
+
+    std::filesystem::path path_;
+    std::vector<std::byte> data_;
+    std::map<std::string, std::string> metadata_;
+    std::vector<TensorBytes> tensors_;
+};
+
+}  // namespace gradsync::inline v0

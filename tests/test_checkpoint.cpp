@@ -1,0 +1,309 @@
+// Checkpoints: the safetensors file format, atomic writes that survive a crash at any byte,
+// clear errors for corrupt or mismatched files on every rank, and exact resume.
+#include <gradsync/checkpoint.hpp>
+#include <gradsync/gradsync.hpp>
+
+#include <doctest/doctest.h>
+
+#include "support/resume_run.hpp"
+
+#include <sys/wait.h>  // for waitpid
+#include <unistd.h>    // for fork, _exit
+
+#include <csignal>  // for raise, SIGKILL
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace fs = std::filesystem;
+
+namespace {
+
+// A fresh directory per test case, removed afterwards.
+struct TempDir {
+    TempDir() {
+        path = fs::temp_directory_path() /
+               ("gradsync_ckpt_" + std::to_string(::getpid()) + "_" + std::to_string(counter()++));
+        fs::remove_all(path);
+        fs::create_directories(path);
+    }
+    ~TempDir() {
+        std::error_code ignored;
+        fs::remove_all(path, ignored);
+    }
+    static int& counter() {
+        static int n = 0;
+        return n;
+    }
+    fs::path path;
+};
+
+void write_all(const fs::path& p, const std::string& bytes) {
+    std::ofstream out(p, std::ios::binary | std::ios::trunc);
+    out << bytes;
+}
+
+std::string file_text(const fs::path& p) {
+    std::ifstream in(p, std::ios::binary);
+    return std::string((std::istreambuf_iterator<char>(in)), {});
+}
+
+std::vector<std::byte> read_all(const fs::path& p) {
+    const auto text = file_text(p);
+    std::vector<std::byte> bytes(text.size());
+    std::memcpy(bytes.data(), text.data(), text.size());
+    return bytes;
+}
+
+// A file with the given JSON header and `data_bytes` zero bytes of data.
+std::string safetensors_bytes(const std::string& header, std::size_t data_bytes) {
+    std::string out(8, '\0');
+    for (int i = 0; i < 8; ++i) out[std::size_t(i)] = char((header.size() >> (8 * i)) & 0xff);
+    return out + header + std::string(data_bytes, '\0');
+}
+
+}  // namespace
+
+TEST_CASE("safetensors: what is written reads back, with an 8-byte aligned data section") {
+    TempDir dir;
+    std::vector<float> a{1.5f, -2.0f, 3.25f};
+    std::vector<double> b{1e300, -0.0};
+    std::vector<gradsync::bfloat16> c{gradsync::bfloat16(1.0f), gradsync::bfloat16(-7.0f)};
+    std::vector<std::int64_t> d{42};
+    std::vector<gradsync::TensorBytes> tensors{
+        {"layer.a", gradsync::DType::float32, {3}, std::as_bytes(std::span(a))},
+        {"b", gradsync::DType::float64, {1, 2}, std::as_bytes(std::span(b))},
+        {"c", gradsync::DType::bfloat16, {2}, std::as_bytes(std::span(c))},
+        {"d", gradsync::DType::int64, {}, std::as_bytes(std::span(d))},  // a scalar: shape []
+    };
+    const auto path = dir.path / "x.safetensors";
+    gradsync::write_safetensors(path, tensors, {{"gradsync.step", "7"}});
+    CHECK_FALSE(fs::exists(dir.path / "x.safetensors.tmp"));
+    auto raw = file_text(path);
+    std::uint64_t header = 0;
+    std::memcpy(&header, raw.data(), 8);  // little-endian, as this machine
+    CHECK((8 + header) % 8 == 0);
+    CHECK(raw.substr(8, 1) == "{");
+
+    gradsync::SafetensorsFile file(path);
+    CHECK(file.metadata().at("gradsync.step") == "7");
+    REQUIRE(file.tensors().size() == 4);
+    for (const auto& t : tensors) {
+        const auto* r = file.find(t.name);
+        REQUIRE(r != nullptr);
+        CHECK(r->dtype == t.dtype);
+        CHECK(r->shape == t.shape);
+        CHECK(std::equal(r->bytes.begin(), r->bytes.end(), t.bytes.begin(), t.bytes.end()));
+    }
+}
+
+TEST_CASE("safetensors: a corrupt or truncated file is a clear error, never a crash or a silent load") {
+    TempDir dir;
+    const auto path = dir.path / "bad.safetensors";
+    struct Case {
+        std::string bytes;
+        std::string expected;
+    };
+    const std::string good_header = R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})";
+    const std::vector<Case> cases{
+        {"", "fewer than a header length needs"},
+        {safetensors_bytes(good_header, 8).substr(0, 30), "truncated or not a safetensors file"},
+        {safetensors_bytes("{not json", 0), "its header is not JSON"},
+        {safetensors_bytes("[1,2]", 0), "not a JSON object"},
+        {safetensors_bytes(R"({"w":{"dtype":"F32","shape":[2]}})", 8), "lacks dtype, shape or data_offsets"},
+        {safetensors_bytes(R"({"w":{"dtype":"Q7","shape":[2],"data_offsets":[0,8]}})", 8), "not one gradsync knows"},
+        {safetensors_bytes(R"({"w":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", 8), "shape entry -2"},
+        {safetensors_bytes(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,16]}})", 8), "outside the file's 8"},
+        {safetensors_bytes(R"({"w":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", 8),
+         "has 8 bytes, but its shape and dtype say 12"},
+        {safetensors_bytes(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                           R"("v":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
+                           8),
+         "overlap"},
+        {safetensors_bytes(R"({"__metadata__":{"k":1}})", 0), "'k' is not a string"},
+    };
+    for (const auto& c : cases) {
+        CAPTURE(c.expected);
+        write_all(path, c.bytes);
+        CHECK_THROWS_WITH_AS(gradsync::SafetensorsFile{path}, doctest::Contains(c.expected.c_str()),
+                             gradsync::CheckpointError);
+    }
+    CHECK_THROWS_WITH_AS(gradsync::SafetensorsFile{dir.path / "missing"}, doctest::Contains("cannot open it"),
+                         gradsync::CheckpointError);
+}
+
+TEST_CASE("safetensors: a crash at any byte of a save leaves the previous checkpoint intact") {
+    TempDir dir;
+    const auto path = dir.path / "ckpt.safetensors";
+    std::vector<float> old_values(1000, 1.0f), new_values(1000, 2.0f);
+    auto tensors = [](std::vector<float>& v) {
+        return std::vector<gradsync::TensorBytes>{
+            {"w", gradsync::DType::float32, {v.size()}, std::as_bytes(std::span(v))}};
+    };
+    gradsync::write_safetensors(path, tensors(old_values), {});
+    const auto before = read_all(path);
+    // The writer dies (SIGKILL, so nothing is cleaned up) after 0, 8, ... bytes, and after the
+    // last byte but before the rename.
+    for (std::size_t kill_at : {std::size_t{1}, std::size_t{8}, std::size_t{100}, std::size_t{2000}, std::size_t{4000},
+                                std::size_t{100000}}) {
+        CAPTURE(kill_at);
+        const pid_t child = ::fork();
+        REQUIRE(child >= 0);
+        if (child == 0) {
+            gradsync::SafetensorsWriteOptions options;
+            options.on_write = [kill_at](std::size_t written) {
+                if (written >= kill_at) std::raise(SIGKILL);
+            };
+            try {
+                gradsync::write_safetensors(path, tensors(new_values), {}, options);
+            } catch (...) {
+            }
+            ::_exit(0);  // only reached when kill_at is past the end of the file
+        }
+        int status = 0;
+        ::waitpid(child, &status, 0);
+        const bool killed = WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL;
+        const auto after = read_all(path);
+        if (killed) {
+            CHECK(after == before);  // the previous file, untouched
+            gradsync::SafetensorsFile f(path);
+            CHECK(f.find("w")->bytes.size() == 4000);
+        } else {
+            gradsync::SafetensorsFile f(path);  // the new file, whole
+            float first = 0;
+            std::memcpy(&first, f.find("w")->bytes.data(), 4);
+            CHECK(first == 2.0f);
+        }
+    }
+    // A later save replaces the stale temporary file and succeeds.
+    gradsync::write_safetensors(path, tensors(new_values), {});
+    CHECK_FALSE(fs::exists(dir.path / "ckpt.safetensors.tmp"));
+}
+
+TEST_CASE("checkpoint: resuming is exact, bit for bit: 10 steps == 5 steps, save, new group, load, 5 steps") {
+    TempDir dir;
+    const auto path = (dir.path / "run.safetensors").string();
+    for (int world : {1, 2, 3}) {
+        CAPTURE(world);
+        const auto n = static_cast<std::size_t>(world);
+        std::vector<resume::Outcome> straight(n), resumed(n);
+        gradsync::spawn(world, [&](gradsync::LocalBackend& b) {
+            straight[std::size_t(b.rank())] = resume::run_steps(b, 0, 10, "", "");
+        });
+        gradsync::spawn(world, [&](gradsync::LocalBackend& b) { resume::run_steps(b, 0, 5, "", path); });
+        gradsync::spawn(world, [&](gradsync::LocalBackend& b) {  // a new process group
+            resumed[std::size_t(b.rank())] = resume::run_steps(b, 5, 10, path, "");
+        });
+        for (int r = 0; r < world; ++r) {
+            const auto& s = straight[std::size_t(r)];
+            const auto& x = resumed[std::size_t(r)];
+            CHECK(std::memcmp(s.weights.data(), x.weights.data(), s.weights.size() * 4) == 0);
+            CHECK(std::memcmp(s.velocity0.data(), x.velocity0.data(), s.velocity0.size() * 4) == 0);
+            CHECK(s.loss_scale == x.loss_scale);
+            CHECK(s.steps == x.steps);
+            CHECK(s.epoch == x.epoch);
+        }
+        CHECK(straight[0].loss_scale != 1024.0f);  // the scaler moved: its state mattered
+        CHECK(straight[0].epoch > 0);              // and so did the sampler's
+    }
+}
+
+TEST_CASE("checkpoint: a file that does not fit the model fails on every rank, and changes nothing") {
+    TempDir dir;
+    const auto path = (dir.path / "model.safetensors").string();
+    struct Model {
+        std::vector<float> w = std::vector<float>(6, 1.0f), gw = std::vector<float>(6);
+        std::vector<double> v = std::vector<double>(2, 1.0), gv = std::vector<double>(2);
+        std::vector<gradsync::Parameter> parameters() {
+            return {gradsync::parameter("w", w, gw), gradsync::parameter("v", v, gv)};
+        }
+    };
+    gradsync::spawn(2, [&](gradsync::LocalBackend& b) {
+        Model m;
+        gradsync::DataParallel dp(m, b);
+        gradsync::Checkpoint().save(path, dp);
+    });
+    const std::string saved = file_text(path);
+    auto expect_failure = [&](auto setup, const std::string& expected) {
+        CAPTURE(expected);
+        std::mutex mutex;
+        std::vector<std::string> messages;
+        gradsync::spawn(2, [&](gradsync::LocalBackend& b) {
+            Model m;
+            std::vector<float> extra(3, 5.0f);
+            gradsync::DataParallel dp(m, b);
+            gradsync::Checkpoint checkpoint;
+            setup(m, checkpoint, extra);
+            m.w.assign(6, 9.0f);
+            try {
+                checkpoint.load(path, dp);
+            } catch (const gradsync::CheckpointError& e) {
+                std::lock_guard lock(mutex);
+                messages.push_back(e.what());
+            }
+            CHECK(m.w[0] == 9.0f);  // untouched
+        });
+        REQUIRE(messages.size() == 2);
+        CHECK(messages[0] == messages[1]);
+        CHECK(messages[0].find(expected) != std::string::npos);
+    };
+    auto nothing = [](Model&, gradsync::Checkpoint&, std::vector<float>&) {};
+    expect_failure([](Model&, gradsync::Checkpoint& c, std::vector<float>& e) { c.add("extra", std::span(e)); },
+                   "it has no tensor 'extra'");
+    write_all(path, saved);
+    {
+        // The same names with another size or dtype: rewrite the file with w of 5 elements.
+        std::vector<float> w5(5);
+        std::vector<double> v(2);
+        gradsync::write_safetensors(
+            path,
+            std::vector<gradsync::TensorBytes>{{"w", gradsync::DType::float32, {5}, std::as_bytes(std::span(w5))},
+                                               {"v", gradsync::DType::float64, {2}, std::as_bytes(std::span(v))}},
+            {{"gradsync.step", "0"}});
+        expect_failure(nothing, "tensor 'w' has 5 elements there and 6 here");
+        std::vector<float> vf(2);
+        std::vector<float> w6(6);
+        gradsync::write_safetensors(
+            path,
+            std::vector<gradsync::TensorBytes>{{"w", gradsync::DType::float32, {6}, std::as_bytes(std::span(w6))},
+                                               {"v", gradsync::DType::float32, {2}, std::as_bytes(std::span(vf))},
+                                               {"stray", gradsync::DType::float32, {2}, std::as_bytes(std::span(vf))}},
+            {{"gradsync.step", "0"}});
+        expect_failure(nothing, "tensor 'v' is float32 there and float64 here");
+    }
+    write_all(path, saved.substr(0, saved.size() - 4));
+    expect_failure(nothing, "outside the file's");
+    write_all(path, saved);
+    gradsync::spawn(2, [&](gradsync::LocalBackend& b) {  // the intact file loads
+        Model m;
+        m.w.assign(6, 9.0f);
+        gradsync::DataParallel dp(m, b);
+        gradsync::Checkpoint().load(path, dp);
+        CHECK(m.w[0] == 1.0f);
+    });
+}
+
+TEST_CASE("checkpoint: a save that cannot be written fails on every rank with the reason") {
+    std::mutex mutex;
+    std::vector<std::string> messages;
+    gradsync::spawn(2, [&](gradsync::LocalBackend& b) {
+        std::vector<float> w(4), g(4);
+        struct Model {
+            std::vector<float>*w, *g;
+            std::vector<gradsync::Parameter> parameters() { return {gradsync::parameter("w", *w, *g)}; }
+        } m{&w, &g};
+        gradsync::DataParallel dp(m, b);
+        try {
+            gradsync::Checkpoint().save("/nonexistent-dir/x.safetensors", dp);
+        } catch (const gradsync::CheckpointError& e) {
+            std::lock_guard lock(mutex);
+            messages.push_back(e.what());
+        }
+    });
+    REQUIRE(messages.size() == 2);
+    CHECK(messages[0] == messages[1]);
+    CHECK(messages[0].find("cannot create /nonexistent-dir/x.safetensors.tmp") != std::string::npos);
+}
