@@ -6,7 +6,7 @@
 // with 2 processes). Within every iteration the two alternate, in alternating order; an iteration's time is the slowest
 // rank's, and each figure is a median, beside the median of per-iteration ratios.
 //
-//   bench_mpi [--iterations N] [--chunk-kib K] [--layout resnet50|bert_base]
+//   bench_mpi [--iterations N] [--chunk-kib K] [--pack-kib K] [--layout resnet50|bert_base]
 #include <gradsync/backend/mpi.hpp>
 #include <gradsync/gradsync.hpp>
 
@@ -108,10 +108,12 @@ int main(int argc, char** argv) {
             s.iterations = std::atoi(argv[++i]);
         } else if (a == "--chunk-kib" && i + 1 < argc) {
             s.mpi.chunk = gradsync::Bytes{std::size_t(std::atol(argv[++i])) << 10};
+        } else if (a == "--pack-kib" && i + 1 < argc) {
+            s.mpi.pack_below = gradsync::Bytes{std::size_t(std::atol(argv[++i])) << 10};
         } else if (a == "--layout" && i + 1 < argc) {
             s.only = argv[++i];
         } else {
-            std::fprintf(stderr, "usage: bench_mpi [--iterations N] [--chunk-kib K] [--layout resnet50|bert_base]\n");
+            std::fprintf(stderr, "usage: bench_mpi [--iterations N] [--chunk-kib K] [--pack-kib K] [--layout resnet50|bert_base]\n");
             return 2;
         }
     }
