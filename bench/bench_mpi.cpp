@@ -6,7 +6,7 @@
 // with 2 processes). Within every iteration the two alternate, in alternating order; an iteration's time is the slowest
 // rank's, and each figure is a median, beside the median of per-iteration ratios.
 //
-//   bench_mpi [--iterations N] [--chunk-kib K] [--pack-kib K] [--layout resnet50|bert_base]
+//   bench_mpi [--iterations N] [--chunk-kib K] [--pack-kib K] [--layout resnet50|bert_base] [--in-place-only]
 #include <gradsync/backend/mpi.hpp>
 #include <gradsync/gradsync.hpp>
 
@@ -29,6 +29,7 @@ struct Settings {
     int iterations = 15;
     gradsync::MpiOptions mpi;
     std::string only;  // one layout, or both
+    bool in_place_only = false;
 };
 
 // Seconds `f` takes on the slowest rank, started together.
@@ -110,10 +111,14 @@ int main(int argc, char** argv) {
             s.mpi.chunk = gradsync::Bytes{std::size_t(std::atol(argv[++i])) << 10};
         } else if (a == "--pack-kib" && i + 1 < argc) {
             s.mpi.pack_below = gradsync::Bytes{std::size_t(std::atol(argv[++i])) << 10};
+        } else if (a == "--in-place-only") {
+            s.in_place_only = true;
         } else if (a == "--layout" && i + 1 < argc) {
             s.only = argv[++i];
         } else {
-            std::fprintf(stderr, "usage: bench_mpi [--iterations N] [--chunk-kib K] [--pack-kib K] [--layout resnet50|bert_base]\n");
+            std::fprintf(stderr,
+                         "usage: bench_mpi [--iterations N] [--chunk-kib K] [--pack-kib K] [--layout "
+                         "resnet50|bert_base] [--in-place-only]\n");
             return 2;
         }
     }
@@ -134,6 +139,7 @@ int main(int argc, char** argv) {
         const auto tensors = layout.tensors();
         const std::string n = layout.name;
         rows.push_back(measure(n + "/in_place", tensors, s));
+        if (s.in_place_only) continue;
         rows.push_back(measure(n + "/packed", tensors, s, gradsync::PackedBuckets{}));
         rows.push_back(measure(n + "/bf16_wire", tensors, s, gradsync::Bf16Compression{}));
     }

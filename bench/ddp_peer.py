@@ -5,10 +5,12 @@ DataParallel<MpiBackend> (bench_mpi under mpirun) on the same layouts, bucket ca
 
 DDP synchronizes inside backward, so its cost is measured as the difference between a backward
 with DDP's hooks and the same backward under ddp.no_sync(), interleaved, median of per-iteration
-differences. The model has the gradient layout of ResNet-50 or BERT-base and a forward that
+differences. The two libraries run in turn, layout by layout, for several rounds, and the
+speed-up is the median of the per-round ratios: on a shared machine speed drifts by tens of
+percent within a minute, so only measurements taken close together compare. The model has the gradient layout of ResNet-50 or BERT-base and a forward that
 costs almost nothing (the loss is the sum of every parameter), so nothing else is measured.
 
-usage: ddp_peer.py [--bench-mpi PATH | --gradsync-output FILE] [--iterations N] [--bucket-cap-mb 25]
+usage: ddp_peer.py [--bench-mpi PATH] [--rounds 3] [--iterations N] [--bucket-cap-mb 25]
 Without PyTorch it says so and exits 0 (scripts/bench.sh installs Debian's python3-torch).
 """
 import argparse
@@ -106,7 +108,7 @@ def LayoutModule(torch, layout):
     return Layout()
 
 
-def worker(rank, world, port, args, queue):
+def worker(rank, world, port, args, names, queue):
     import torch
     import torch.distributed as dist
 
@@ -115,8 +117,8 @@ def worker(rank, world, port, args, queue):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     results = {}
-    for name, layout in LAYOUTS.items():
-        model = LayoutModule(torch, layout())
+    for name in names:
+        model = LayoutModule(torch, LAYOUTS[name]())
         params = model.params
         ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
         flat = torch.ones(sum(p.numel() for p in params))
@@ -158,7 +160,7 @@ def worker(rank, world, port, args, queue):
     dist.destroy_process_group()
 
 
-def run_ddp(args):
+def run_ddp(args, names):
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
@@ -166,7 +168,7 @@ def run_ddp(args):
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, 2, port, args, queue)) for r in range(2)]
+    procs = [ctx.Process(target=worker, args=(r, 2, port, args, names, queue)) for r in range(2)]
     for p in procs:
         p.start()
     results = queue.get(timeout=1800)
@@ -175,30 +177,22 @@ def run_ddp(args):
     return results
 
 
-def run_gradsync(args):
-    """gradsync's in-place synchronize() per layout, from bench_mpi's lines: those of a run saved
-    in --gradsync-output, or of a run started here."""
-    if args.gradsync_output:
-        with open(args.gradsync_output) as f:
-            out = f.read()
-    else:
-        if not os.path.exists(args.bench_mpi):
-            return {}
-        env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-        cmd = ["mpirun", "--oversubscribe", "-np", "2", args.bench_mpi, "--iterations", str(args.iterations)]
-        out = subprocess.run(cmd, env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
-    figures = {}
-    for name in LAYOUTS:
-        m = re.search(rf"^  {name}/in_place\s+synchronize\s+([0-9.]+) ms \| raw flat\s+([0-9.]+) ms", out, re.M)
-        if m:
-            figures[name] = (float(m.group(1)), float(m.group(2)))
-    return figures
+def run_gradsync(args, name):
+    """gradsync's in-place synchronize() and the raw flat MPI_Allreduce, in ms, from bench_mpi."""
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    cmd = ["mpirun", "--oversubscribe", "-np", "2", args.bench_mpi, "--iterations", str(args.iterations),
+           "--layout", name, "--in-place-only"]
+    out = subprocess.run(cmd, env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
+    m = re.search(rf"^  {name}/in_place\s+synchronize\s+([0-9.]+) ms \| raw flat\s+([0-9.]+) ms", out, re.M)
+    if not m:
+        raise SystemExit(f"no figure for {name} in bench_mpi's output:\n{out}")
+    return float(m.group(1)), float(m.group(2))
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--bench-mpi", default="build/bench/bench/bench_mpi")
-    parser.add_argument("--gradsync-output", help="bench_mpi's output, saved by a run just before")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
     args = parser.parse_args()
@@ -207,19 +201,28 @@ def main():
     except ImportError:
         print("skipped: PyTorch is not installed for this python3 (Debian: apt-get install python3-torch)")
         return 0
-    print(f"PyTorch {torch.__version__} DDP (gloo, CPU, {args.bucket_cap_mb:g} MB buckets) on 2 processes, "
-          f"median of {args.iterations} iterations", flush=True)
-    ddp = run_ddp(args)
-    ours = run_gradsync(args)
+    if not os.path.exists(args.bench_mpi):
+        raise SystemExit(f"{args.bench_mpi} not found: build the bench preset first (scripts/bench.sh does)")
+    print(f"PyTorch {torch.__version__} DDP (gloo, CPU, {args.bucket_cap_mb:g} MB buckets) and gradsync "
+          f"(MpiBackend), 2 processes each, {args.rounds} rounds of {args.iterations} iterations", flush=True)
+    rows = {name: [] for name in LAYOUTS}
+    for r in range(args.rounds):
+        for name in LAYOUTS:
+            ddp = run_ddp(args, [name])[name]
+            ours, mpi_flat = run_gradsync(args, name)
+            rows[name].append((ddp["ddp_sync_ms"], ddp["raw_ms"], ours, mpi_flat))
+            print(f"  round {r + 1} {name:<10} DDP {ddp['ddp_sync_ms']:7.1f} ms   gradsync {ours:6.1f} ms   "
+                  f"ratio {ddp['ddp_sync_ms'] / ours:4.1f}", flush=True)
     print()
     print(f"{'layout':<10} {'DDP sync':>10} {'gloo flat':>10} {'gradsync':>10} {'MPI flat':>10} {'DDP/gradsync':>13}")
     ok = True
-    for name, r in ddp.items():
-        g, mpi_flat = ours.get(name, (float("nan"), float("nan")))
-        speedup = r["ddp_sync_ms"] / g if g == g else float("nan")
+    med = statistics.median
+    for name, runs in rows.items():
+        speedup = med([d / g for d, _, g, _ in runs])
         ok = ok and speedup >= 4.0
-        print(f"{name:<10} {r['ddp_sync_ms']:8.1f} ms {r['raw_ms']:7.1f} ms {g:7.1f} ms {mpi_flat:7.1f} ms "
-              f"{speedup:11.1f}x")
+        print(f"{name:<10} {med([r[0] for r in runs]):8.1f} ms {med([r[1] for r in runs]):7.1f} ms "
+              f"{med([r[2] for r in runs]):7.1f} ms {med([r[3] for r in runs]):7.1f} ms {speedup:11.1f}x")
+    print("(medians over rounds; the speed-up is the median of the per-round ratios)")
     print(f"target: gradsync at least 4x faster than DDP per step synchronization: {'met' if ok else 'MISSED'}")
     return 0
 

@@ -21,9 +21,7 @@ step "LocalBackend (a few minutes; each line appears as its benchmark finishes)"
 # Open MPI refuses to run as root unless told; oversubscribe: more ranks than cores is allowed.
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 step "MpiBackend on 2 processes (about a minute)"
-mpi_output=$(mktemp)
-trap 'rm -f "$mpi_output"' EXIT
-mpirun --oversubscribe -np 2 ./build/bench/bench/bench_mpi | tee "$mpi_output"
-step "PyTorch DDP (gloo) on 2 processes, beside gradsync (about a minute)"
+mpirun --oversubscribe -np 2 ./build/bench/bench/bench_mpi
+step "PyTorch DDP (gloo) and gradsync in turn, 2 processes each (about two minutes)"
 # Debian's python3-torch lives in the system interpreter, not in a virtualenv's.
-/usr/bin/python3 bench/ddp_peer.py --gradsync-output "$mpi_output"
+/usr/bin/python3 bench/ddp_peer.py --bench-mpi ./build/bench/bench/bench_mpi
