@@ -219,7 +219,7 @@ inline ProcessPlace mpi_process_place(MPI_Comm comm = MPI_COMM_WORLD) {
 
 // How MpiBackend reduces.
 enum class MpiAlgorithm : std::uint8_t {
-    // ring from MpiOptions::ring_min up, the MPI library's own allreduce below.
+    // ring for pieces of MpiOptions::ring_min and more, the MPI library's own allreduce below.
     automatic,
     // MPI_Allreduce in place, then a pass that divides by the number of ranks for an average.
     mpi_allreduce,
