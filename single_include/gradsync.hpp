@@ -572,6 +572,17 @@ struct CollectiveTag {
 
 namespace detail {
 
+// The dtypes the host backends reduce: the floating ones (16-bit accumulated in float).
+inline bool reducible(DType t) {
+    return t == DType::float32 || t == DType::float64 || t == DType::float16 || t == DType::bfloat16;
+}
+
+inline std::size_t total_count(std::span<const Segment> segs) {
+    std::size_t n = 0;
+    for (const auto& s : segs) n += s.count;
+    return n;
+}
+
 // Shared state of one asynchronous operation: set once by the thread that runs it.
 struct Completion {
     // Waiters spin only where the thread doing the work is sure to have a core of its own.
@@ -1237,16 +1248,6 @@ private:
     std::size_t offset_ = 0;
     std::size_t elem_;
 };
-
-inline bool reducible(DType t) {
-    return t == DType::float32 || t == DType::float64 || t == DType::float16 || t == DType::bfloat16;
-}
-
-inline std::size_t total_count(std::span<const Segment> segs) {
-    std::size_t n = 0;
-    for (const auto& s : segs) n += s.count;
-    return n;
-}
 
 // One rank's slot in the group: written by that rank, read by its peers.
 struct alignas(cache_line) LocalRankState {

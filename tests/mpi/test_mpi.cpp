@@ -203,12 +203,6 @@ namespace {
 constexpr int steps = 12;
 constexpr int micro_batch = 8;
 
-std::vector<float> flat_weights(const mlp::Mlp& m) {
-    std::vector<float> all;
-    for (const auto* v : {&m.w1, &m.b1, &m.w2, &m.b2}) all.insert(all.end(), v->begin(), v->end());
-    return all;
-}
-
 std::vector<float> train_single(int world) {
     mlp::Mlp model(1);
     mlp::Sgd opt(0.05f, 0.9f);
@@ -216,7 +210,7 @@ std::vector<float> train_single(int world) {
         model.forward_backward(mlp::make_batch(2026, std::size_t(s * world * micro_batch), world * micro_batch));
         opt.step(model);
     }
-    return flat_weights(model);
+    return resume::flat(model);
 }
 
 template <class... Policies>
@@ -233,7 +227,7 @@ std::vector<float> train_parallel(bool overlap, Policies... policies) {
         dp.synchronize();
         opt.step(model);
     }
-    return flat_weights(model);
+    return resume::flat(model);
 }
 
 // ||a - b|| / ||b||
@@ -283,7 +277,7 @@ TEST_CASE("over MPI, bf16 wire compression with dynamic loss scaling trains clos
         applied += dp.step([&] { opt.step(model); }).applied ? 1 : 0;
     }
     CHECK(applied == steps);  // no overflow at this scale: the runs took the same steps
-    check_close(flat_weights(model), single, /*tolerance=*/1e-2);
+    check_close(resume::flat(model), single, /*tolerance=*/1e-2);
 }
 
 TEST_CASE("over MPI, a layout that differs on one rank throws the same LayoutMismatch on every rank") {

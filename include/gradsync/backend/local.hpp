@@ -136,16 +136,6 @@ private:
     std::size_t elem_;
 };
 
-inline bool reducible(DType t) {
-    return t == DType::float32 || t == DType::float64 || t == DType::float16 || t == DType::bfloat16;
-}
-
-inline std::size_t total_count(std::span<const Segment> segs) {
-    std::size_t n = 0;
-    for (const auto& s : segs) n += s.count;
-    return n;
-}
-
 // One rank's slot in the group: written by that rank, read by its peers.
 struct alignas(cache_line) LocalRankState {
     std::atomic<std::uint64_t> epoch{0};  // barrier rounds this rank has arrived at

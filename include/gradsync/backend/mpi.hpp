@@ -72,23 +72,6 @@ inline int mpi_thread_level() {
     return level;
 }
 
-// MPI's user-defined reductions for the 16-bit types: widen, add in float, round once.
-template <class S>
-void mpi_sum_16(void* in, void* inout, int* len, MPI_Datatype*) {
-    constexpr std::size_t block = 512;
-    float a[block];
-    float b[block];
-    auto* x = static_cast<const S*>(in);
-    auto* y = static_cast<S*>(inout);
-    for (std::size_t off = 0, n = static_cast<std::size_t>(*len); off < n; off += block) {
-        const std::size_t k = std::min(block, n - off);
-        widen_to_float(x + off, a, k);
-        widen_to_float(y + off, b, k);
-        for (std::size_t i = 0; i < k; ++i) b[i] += a[i];
-        narrow_from_float(b, y + off, k);
-    }
-}
-
 // out[i] = (out[i] + in[i]) * factor, in the accumulator type of the dtype; factor 1 multiplies
 // nothing. (x + y) * f rounds exactly as a sum followed by a separate scaling pass would.
 template <class T>
@@ -116,6 +99,12 @@ void add_scaled_16(S* out, const S* in, float factor, std::size_t n) {
         add_scaled(b, a, factor, k);
         narrow_from_float(b, out + off, k);
     }
+}
+
+// MPI's user-defined reductions for the 16-bit types: widen, add in float, round once.
+template <class S>
+void mpi_sum_16(void* in, void* inout, int* len, MPI_Datatype*) {
+    add_scaled_16(static_cast<S*>(inout), static_cast<const S*>(in), 1.0f, static_cast<std::size_t>(*len));
 }
 
 inline void add_received(std::byte* out, const std::byte* in, std::size_t n, DType t, double factor) {
@@ -293,9 +282,7 @@ public:
 
     [[nodiscard]] int rank() const { return rank_; }
     [[nodiscard]] int size() const { return size_; }
-    [[nodiscard]] bool supports(DType t) const {
-        return t == DType::float32 || t == DType::float64 || t == DType::float16 || t == DType::bfloat16;
-    }
+    [[nodiscard]] bool supports(DType t) const { return detail::reducible(t); }
     // The communicator the collectives run on (our duplicate), e.g. to bootstrap another library.
     [[nodiscard]] MPI_Comm communicator() const { return comm_; }
     [[nodiscard]] const MpiOptions& options() const { return options_; }
@@ -319,13 +306,14 @@ public:
     // together first. Every rank must pass segments of the same sizes in the same order.
     void allreduce(std::span<const Segment> segments, DType dtype, ReduceOp op) {
         check_dtype(dtype);
-        run_now(describe_allreduce(total(segments), dtype, op), [&] { reduce_segments(segments, dtype, op); });
+        run_now(describe_allreduce(detail::total_count(segments), dtype, op),
+                [&] { reduce_segments(segments, dtype, op); });
     }
     // The segment list is copied; the memory it points to must stay untouched until completion.
     CollectiveHandle allreduce_async(std::span<const Segment> segments, DType dtype, ReduceOp op) {
         check_dtype(dtype);
         std::vector<Segment> copy(segments.begin(), segments.end());
-        return launch(describe_allreduce(total(segments), dtype, op),
+        return launch(describe_allreduce(detail::total_count(segments), dtype, op),
                       [this, copy = std::move(copy), dtype, op] { reduce_segments(copy, dtype, op); });
     }
 
@@ -371,12 +359,6 @@ public:
     }
 
 private:
-    static std::size_t total(std::span<const Segment> segments) {
-        std::size_t n = 0;
-        for (const auto& s : segments) n += s.count;
-        return n;
-    }
-
     void check(int rc, const char* call) const {
         if (rc != MPI_SUCCESS)
             throw CollectiveError("gradsync: rank " + std::to_string(rank_) + ": " + call +
@@ -539,7 +521,6 @@ private:
             deadline_ = std::chrono::steady_clock::now() + options_.timeout;
             busy_ = true;
         }
-        watch_cv_.notify_one();
         struct Done {
             MpiBackend* self;
             ~Done() {
@@ -550,34 +531,36 @@ private:
         body();
     }
 
+    // Wakes at the running collective's deadline, or one timeout from now when none runs: a
+    // collective that starts meanwhile has a later deadline, so nothing on the collectives' path
+    // ever needs to wake the watchdog (only the destructor does, to stop it).
     void watch() {
         std::unique_lock lock(watch_mutex_);
-        for (;;) {
-            if (stop_) return;
-            if (!busy_) {
-                watch_cv_.wait(lock);
-                continue;
-            }
-            const auto deadline = deadline_;
-            if (watch_cv_.wait_until(lock, deadline) == std::cv_status::timeout && busy_ && deadline_ == deadline &&
-                std::chrono::steady_clock::now() >= deadline) {
+        while (!stop_) {
+            const auto now = std::chrono::steady_clock::now();
+            if (busy_ && now >= deadline_) {
                 const std::string what = current_;
                 lock.unlock();
-                std::string where;
-                {
-                    std::lock_guard reporters_lock(reporters_mutex_);
-                    for (const auto& r : reporters_) where += "; this rank is " + r.second();
-                }
-                const auto seconds = std::chrono::duration<double>(options_.timeout).count();
-                std::fprintf(stderr,
-                             "gradsync: rank %d of %d: %s has not completed after %.3g s (MpiOptions::timeout)%s. "
-                             "A peer rank is late, has exited, or called a different collective; MPI cannot cancel "
-                             "a collective, so this rank ends the job.\n",
-                             rank_, size_, what.c_str(), seconds, where.c_str());
-                std::fflush(stderr);
+                report_timeout(what);
                 end_job();
             }
+            watch_cv_.wait_until(lock, busy_ ? deadline_ : now + options_.timeout);
         }
+    }
+
+    void report_timeout(const std::string& what) {
+        std::string where;
+        {
+            std::lock_guard reporters_lock(reporters_mutex_);
+            for (const auto& r : reporters_) where += "; this rank is " + r.second();
+        }
+        const auto seconds = std::chrono::duration<double>(options_.timeout).count();
+        std::fprintf(stderr,
+                     "gradsync: rank %d of %d: %s has not completed after %.3g s (MpiOptions::timeout)%s. A peer rank "
+                     "is late, has exited, or called a different collective; MPI cannot cancel a collective, so this "
+                     "rank ends the job.\n",
+                     rank_, size_, what.c_str(), seconds, where.c_str());
+        std::fflush(stderr);
     }
 
     [[noreturn]] void end_job() {
