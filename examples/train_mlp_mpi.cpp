@@ -4,6 +4,10 @@
 //   mpirun -np 4 ./train_mlp_mpi                              # 20 steps
 //   mpirun -np 4 ./train_mlp_mpi --steps 10 --save ckpt.safetensors
 //   mpirun -np 4 ./train_mlp_mpi --steps 20 --resume ckpt.safetensors   # steps 10..19
+//
+// Or started torchrun-style, the processes meeting through Open MPI's name server (README.md):
+//   ompi-server --no-daemonize -r /tmp/ompi.uri &
+//   OMPI_MCA_pmix_server_uri=file:/tmp/ompi.uri torchrun --nproc_per_node 4 --no_python ./train_mlp_mpi
 #include "mlp.hpp"
 #include <gradsync/backend/mpi.hpp>
 #include <gradsync/checkpoint.hpp>
@@ -27,7 +31,7 @@ int main(int argc, char** argv) try {
         if (flag == "--resume") resume = argv[i + 1];
     }
     // [mpi]
-    gradsync::MpiSession mpi(argc, argv);              // MPI_Init_thread, MPI_Finalize at the end
+    gradsync::MpiSession mpi(argc, argv);              // MPI_Init_thread (and a join), MPI_Finalize at the end
     const auto place = gradsync::mpi_process_place();  // checked against the launcher's variables
     gradsync::MpiBackend backend;
     mlp::Mlp model(/*seed=*/1);  // rank 0's initial weights reach every rank at construction

@@ -4,7 +4,10 @@ checkpoint and 10 more resumed from it, must end with the same weights (fingerpr
 rank 0). The checkpoint is read here by an independent safetensors reader (standard library
 only), so that what we write is what Python tools expect.
 
-usage: check_resume.py NP EXAMPLE [mpirun args...]
+With --env the processes are started torchrun-style (env_launch.py) instead of by mpirun, with
+--torchrun by torchrun itself, and the straight run must also end with the same weights as mpirun's.
+
+usage: check_resume.py [--env | --torchrun] NP EXAMPLE [mpirun args...]
 """
 import json
 import os
@@ -14,13 +17,21 @@ import subprocess
 import sys
 import tempfile
 
-np, example, extra = sys.argv[1], sys.argv[2], sys.argv[3:]
+import env_launch
+
+launcher = sys.argv[1][2:] if sys.argv[1] in ("--env", "--torchrun") else "mpirun"
+np, example, *extra = sys.argv[1:] if launcher == "mpirun" else sys.argv[2:]
 mpirun = ["mpirun", "--oversubscribe", "-np", np, *extra, example]
 
 
-def run(*args):
-    out = subprocess.run(mpirun + list(args), check=True, stdout=subprocess.PIPE, text=True, timeout=600).stdout
-    print(out)
+def run(*args, launcher=launcher):
+    if launcher != "mpirun":
+        status, out = env_launch.launch(int(np), [example, *args], timeout=600, torchrun=launcher == "torchrun")
+        print(out)
+        assert status == 0, f"the {launcher} launch failed with status {status}"
+    else:
+        out = subprocess.run(mpirun + list(args), check=True, stdout=subprocess.PIPE, text=True, timeout=600).stdout
+        print(out)
     m = re.search(r"weights fingerprint ([0-9a-f]{16})", out)
     assert m, "no fingerprint in the output"
     return m.group(1)
@@ -58,4 +69,10 @@ with tempfile.TemporaryDirectory() as tmp:
     if straight != resumed:
         print("FAIL: the resumed run ended with other weights than the straight one")
         sys.exit(1)
+    if launcher != "mpirun":
+        under_mpirun = run("--steps", "20", launcher="mpirun")
+        if under_mpirun != straight:
+            print(f"FAIL: mpirun's run ended with other weights ({under_mpirun}) than the {launcher} one")
+            sys.exit(1)
+        print(f"ok: the {launcher} launch trained exactly as mpirun's")
     print(f"ok: resumed bit for bit; checkpoint holds {len(names)} tensors")

@@ -5,6 +5,7 @@
 //   missing  rank 1 never reports one parameter: the error names it and the step
 //   exit     rank 1 exits without a word: the launcher ends the others
 //   hang     rank 1 stops calling collectives: the others' deadline (2 s here) ends the job
+//   alone    (started torchrun-style as rank 0 of 2, with no rank 1) the join's deadline, 10 s here
 #include <gradsync/backend/mpi.hpp>
 #include <gradsync/gradsync.hpp>
 
@@ -17,15 +18,15 @@
 #include <thread>
 
 int main(int argc, char** argv) {
-    gradsync::MpiSession mpi(argc, argv);
+    gradsync::MpiSession mpi(argc, argv, /*join_timeout=*/std::chrono::seconds(10));
     const std::string scenario = argc > 1 ? argv[1] : "";
     if (scenario != "throw" && scenario != "missing" && scenario != "exit" && scenario != "hang") {
-        std::fprintf(stderr, "usage: mpi_faults throw|missing|exit|hang\n");
+        std::fprintf(stderr, "usage: mpi_faults throw|missing|exit|hang|alone\n");
         return 2;
     }
     gradsync::MpiOptions options;
     options.timeout = std::chrono::seconds(2);
-    gradsync::MpiBackend backend(MPI_COMM_WORLD, options);
+    gradsync::MpiBackend backend(gradsync::mpi_world(), options);
     mlp::Mlp model(1);
     gradsync::DataParallel dp(model, backend, gradsync::PerParameterBuckets{},
                               gradsync::Options{.timeout = std::chrono::seconds(2)});

@@ -26,12 +26,12 @@ namespace {
 
 int world_rank() {
     int r = 0;
-    MPI_Comm_rank(MPI_COMM_WORLD, &r);
+    MPI_Comm_rank(gradsync::mpi_world(), &r);
     return r;
 }
 int world_size() {
     int n = 1;
-    MPI_Comm_size(MPI_COMM_WORLD, &n);
+    MPI_Comm_size(gradsync::mpi_world(), &n);
     return n;
 }
 
@@ -40,11 +40,12 @@ std::vector<std::vector<std::byte>> gather_all(std::span<const std::byte> bytes)
     const int n = world_size();
     int mine = static_cast<int>(bytes.size());
     std::vector<int> sizes(static_cast<std::size_t>(n));
-    MPI_Allgather(&mine, 1, MPI_INT, sizes.data(), 1, MPI_INT, MPI_COMM_WORLD);
+    MPI_Allgather(&mine, 1, MPI_INT, sizes.data(), 1, MPI_INT, gradsync::mpi_world());
     std::vector<int> offsets(static_cast<std::size_t>(n), 0);
     for (int i = 1; i < n; ++i) offsets[std::size_t(i)] = offsets[std::size_t(i - 1)] + sizes[std::size_t(i - 1)];
     std::vector<std::byte> all(static_cast<std::size_t>(offsets.back() + sizes.back()));
-    MPI_Allgatherv(bytes.data(), mine, MPI_BYTE, all.data(), sizes.data(), offsets.data(), MPI_BYTE, MPI_COMM_WORLD);
+    MPI_Allgatherv(bytes.data(), mine, MPI_BYTE, all.data(), sizes.data(), offsets.data(), MPI_BYTE,
+                   gradsync::mpi_world());
     std::vector<std::vector<std::byte>> out;
     for (int i = 0; i < n; ++i)
         out.emplace_back(all.begin() + offsets[std::size_t(i)],
@@ -96,7 +97,7 @@ void check_all_ops(std::size_t n) {
             gradsync::MpiOptions options;
             options.algorithm = algorithm;
             options.chunk = chunk;
-            gradsync::MpiBackend backend(MPI_COMM_WORLD, options);
+            gradsync::MpiBackend backend(gradsync::mpi_world(), options);
             check_allreduce<T>(backend, n, gradsync::ReduceOp::sum);
             check_allreduce<T>(backend, n, gradsync::ReduceOp::average);
         }
@@ -113,7 +114,7 @@ TEST_CASE("MpiBackend: rank and size are the communicator's; the place agrees wi
     CHECK(place.rank == world_rank());
     CHECK(place.world_size == world_size());
     CHECK(place.local_world_size == world_size());  // one machine
-    auto from_env = gradsync::process_place();      // mpirun's OMPI_COMM_WORLD_* variables
+    auto from_env = gradsync::process_place();      // mpirun's OMPI_COMM_WORLD_* or RANK/WORLD_SIZE
     CHECK(from_env.rank == place.rank);
     CHECK(from_env.world_size == place.world_size);
     CHECK(from_env.local_rank == place.local_rank);
@@ -135,7 +136,7 @@ TEST_CASE("MpiBackend: scattered segments, large ones in place and small ones pa
     options.chunk = 8_KiB;
     options.pack_below = 1_KiB;
     options.ring_min = 2_KiB;  // the ring for most pieces, MPI_Allreduce for the rest
-    gradsync::MpiBackend backend(MPI_COMM_WORLD, options);
+    gradsync::MpiBackend backend(gradsync::mpi_world(), options);
     // Sizes straddle pack_below (256 floats) and chunk (2048 floats); a zero-sized one too.
     std::vector<std::size_t> sizes{3, 5000, 0, 255, 256, 1, 2048, 700, 9000, 17};
     std::vector<std::vector<float>> tensors;
@@ -339,9 +340,9 @@ std::string shared_path(const std::string& name) {
                   .string()
             : std::string();
     int length = static_cast<int>(path.size());
-    MPI_Bcast(&length, 1, MPI_INT, 0, MPI_COMM_WORLD);
+    MPI_Bcast(&length, 1, MPI_INT, 0, gradsync::mpi_world());
     path.resize(std::size_t(length));
-    MPI_Bcast(path.data(), length, MPI_CHAR, 0, MPI_COMM_WORLD);
+    MPI_Bcast(path.data(), length, MPI_CHAR, 0, gradsync::mpi_world());
     return path;
 }
 
@@ -367,7 +368,7 @@ TEST_CASE("checkpoint over MPI: 10 steps == 5 steps, save, a new communicator, l
     CHECK(straight.loss_scale == resumed.loss_scale);
     CHECK(straight.epoch == resumed.epoch);
     CHECK(same_on_every_rank(resumed.weights));
-    MPI_Barrier(MPI_COMM_WORLD);
+    MPI_Barrier(gradsync::mpi_world());
     if (world_rank() == 0) std::filesystem::remove(path);
 }
 
@@ -392,7 +393,7 @@ TEST_CASE("checkpoint over MPI: a file only rank 0 can read is broadcast; a bad 
     model.w1.assign(model.w1.size(), 0.0f);
     gradsync::Checkpoint().load(path, dp);
     CHECK(model.w1 != std::vector<float>(model.w1.size(), 0.0f));
-    MPI_Barrier(MPI_COMM_WORLD);
+    MPI_Barrier(gradsync::mpi_world());
     if (world_rank() == 0) std::filesystem::remove(path);
 }
 
@@ -403,6 +404,6 @@ int main(int argc, char** argv) {
     if (world_rank() != 0) context.setOption("minimal", true);  // one full report; every rank's failures
     const int failed = context.run();
     int any = failed != 0 ? 1 : 0, worst = 0;
-    MPI_Allreduce(&any, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    MPI_Allreduce(&any, &worst, 1, MPI_INT, MPI_MAX, gradsync::mpi_world());
     return worst;
 }

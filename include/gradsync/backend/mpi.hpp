@@ -28,6 +28,7 @@
 #include <mpi.h>
 
 #include <algorithm>  // for std::min
+#include <atomic>
 #include <chrono>
 #include <climits>  // for INT_MAX
 #include <condition_variable>
@@ -134,31 +135,205 @@ void scale_16(S* data, float factor, std::size_t n) {
     }
 }
 
+// The communicator MpiSession built by joining processes that MPI did not start; MPI_COMM_NULL
+// when there is none (MPI_COMM_WORLD holds every rank).
+inline MPI_Comm joined_world = MPI_COMM_NULL;
+
+// Makes a communicator's errors come back as return codes for the guard's lifetime.
+class ErrorsReturned {
+public:
+    explicit ErrorsReturned(MPI_Comm comm) : comm_(comm) {
+        MPI_Comm_get_errhandler(comm_, &previous_);
+        MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
+    }
+    ErrorsReturned(const ErrorsReturned&) = delete;
+    ErrorsReturned& operator=(const ErrorsReturned&) = delete;
+    ~ErrorsReturned() {
+        MPI_Comm_set_errhandler(comm_, previous_);
+        MPI_Errhandler_free(&previous_);
+    }
+
+private:
+    MPI_Comm comm_;
+    MPI_Errhandler previous_ = MPI_ERRHANDLER_NULL;
+};
+
+// The name rank 0 publishes its port under: one per job, so that jobs sharing a name server
+// do not meet.
+inline std::string join_service(const ProcessPlace& place) {
+    std::string name = "gradsync";
+    for (const char* variable : {"MASTER_ADDR", "MASTER_PORT"})
+        if (auto value = real_env(variable)) name += ":" + *value;
+    return name + ":" + std::to_string(place.world_size);
+}
+
+inline std::string join_advice(const ProcessPlace& place) {
+    return "Start the processes with mpirun -np " + std::to_string(place.world_size) +
+           " (or srun), or give them a name server to meet through: run `ompi-server -r FILE` once and set "
+           "OMPI_MCA_pmix_server_uri=file:FILE for every process.";
+}
+
+// Processes started by a launcher that is not MPI's (torchrun-style RANK/WORLD_SIZE) are MPI
+// singletons, a world of one each. They meet through MPI's name service: rank 0 opens a port and
+// publishes it, each other rank looks it up and connects, and the group accepts newcomers one at
+// a time, merging as it grows; the result is ordered by RANK. A watchdog ends a join that has not
+// completed by the deadline (a rank that never starts), naming how many ranks arrived.
+inline MPI_Comm join_singletons(const ProcessPlace& place, std::chrono::seconds timeout) {
+    const std::string who = "gradsync: rank " + std::to_string(place.rank) + " of " + std::to_string(place.world_size) +
+                            " (" + place.source + ")";
+#ifdef OPEN_MPI
+    // Without a name server each singleton publishes and looks up only in its own world: the
+    // lookup would fail until the deadline. Say so at once.
+    if (!real_env("OMPI_MCA_pmix_server_uri"))
+        throw CollectiveError(who +
+                              " was not started by an MPI launcher, and OMPI_MCA_pmix_server_uri names no "
+                              "name server through which the ranks could connect. " +
+                              join_advice(place));
+#endif
+    std::mutex mutex;
+    std::condition_variable wake;
+    bool done = false;
+    std::atomic<int> joined{1};
+    std::thread watchdog([&] {
+        std::unique_lock lock(mutex);
+        if (wake.wait_for(lock, timeout, [&] { return done; })) return;
+        std::fprintf(stderr,
+                     "%s: the ranks have not all joined after %lld s (%d of %d are in); a rank did not start, or "
+                     "they do not share a name server. %s\n",
+                     who.c_str(), static_cast<long long>(timeout.count()), joined.load(), place.world_size,
+                     join_advice(place).c_str());
+        std::fflush(stderr);
+        MPI_Abort(MPI_COMM_SELF, 1);
+    });
+    struct StopWatchdog {
+        std::mutex& mutex;
+        std::condition_variable& wake;
+        bool& done;
+        std::thread& thread;
+        ~StopWatchdog() {
+            {
+                std::lock_guard lock(mutex);
+                done = true;
+            }
+            wake.notify_all();
+            thread.join();
+        }
+    } stop{mutex, wake, done, watchdog};
+
+    ErrorsReturned self_errors(MPI_COMM_SELF);
+    ErrorsReturned world_errors(MPI_COMM_WORLD);
+    auto check = [&](int rc, const char* call) {
+        if (rc != MPI_SUCCESS)
+            throw CollectiveError(who + ": " + call + " failed while joining the ranks: " + mpi_error_string(rc) +
+                                  ". " + join_advice(place));
+    };
+    const std::string service = join_service(place);
+    char port[MPI_MAX_PORT_NAME] = {};
+    MPI_Comm group = MPI_COMM_NULL;
+    MPI_Comm inter = MPI_COMM_NULL;
+    if (place.rank == 0) {
+        check(MPI_Open_port(MPI_INFO_NULL, port), "MPI_Open_port");
+        const int rc = MPI_Publish_name(service.c_str(), MPI_INFO_NULL, port);
+        if (rc != MPI_SUCCESS)
+            throw CollectiveError(who + ": MPI_Publish_name(\"" + service + "\") failed: " + mpi_error_string(rc) +
+                                  ". Another job with the same MASTER_ADDR/MASTER_PORT is using the name server, "
+                                  "or two processes were given RANK=0.");
+        check(MPI_Comm_dup(MPI_COMM_SELF, &group), "MPI_Comm_dup");
+    } else {
+        // Not published yet, until rank 0 gets there; the watchdog bounds the wait.
+        while (MPI_Lookup_name(service.c_str(), MPI_INFO_NULL, port) != MPI_SUCCESS)
+            std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        check(MPI_Comm_connect(port, MPI_INFO_NULL, 0, MPI_COMM_SELF, &inter), "MPI_Comm_connect");
+        check(MPI_Intercomm_merge(inter, 1, &group), "MPI_Intercomm_merge");
+        MPI_Comm_free(&inter);
+    }
+    MPI_Comm_set_errhandler(group, MPI_ERRORS_RETURN);  // inherited by the groups it grows into
+    for (int size = 0; MPI_Comm_size(group, &size), size < place.world_size;) {
+        joined = size;
+        check(MPI_Comm_accept(port, MPI_INFO_NULL, 0, group, &inter), "MPI_Comm_accept");
+        MPI_Comm grown = MPI_COMM_NULL;
+        check(MPI_Intercomm_merge(inter, 0, &grown), "MPI_Intercomm_merge");
+        MPI_Comm_free(&inter);
+        MPI_Comm_free(&group);
+        group = grown;
+    }
+    joined = place.world_size;
+    if (place.rank == 0) {
+        MPI_Unpublish_name(service.c_str(), MPI_INFO_NULL, port);
+        MPI_Close_port(port);
+    }
+    MPI_Comm world = MPI_COMM_NULL;
+    MPI_Comm_split(group, 0, place.rank, &world);
+    MPI_Comm_free(&group);
+    MPI_Comm_set_errhandler(world, MPI_ERRORS_ARE_FATAL);  // as MPI_COMM_WORLD's
+    // Two processes given the same RANK leave another rank missing: every rank must be its place.
+    std::vector<int> ranks(static_cast<std::size_t>(place.world_size));
+    MPI_Allgather(&place.rank, 1, MPI_INT, ranks.data(), 1, MPI_INT, world);
+    std::string given;
+    bool each_once = true;
+    for (std::size_t i = 0; i < ranks.size(); ++i) {
+        each_once = each_once && ranks[i] == int(i);
+        given += (i == 0 ? "" : ", ") + std::to_string(ranks[i]);
+    }
+    if (!each_once) {
+        MPI_Comm_free(&world);
+        throw CollectiveError(who + ": the joined processes were given the ranks " + given + "; each of 0.." +
+                              std::to_string(place.world_size - 1) + " must be given once.");
+    }
+    return world;
+}
+
+// mpirun tells the processes it oversubscribes to yield the core while they wait for messages;
+// processes that wait by spinning on fewer cores than processes slow each other down a
+// hundredfold. A torchrun-style launch has no mpirun to say so: say it for Open MPI, unless the
+// user did. Before MPI_Init, which reads it.
+inline void yield_when_oversubscribed() {
+#ifdef OPEN_MPI
+    const auto launcher = process_place();
+    if (launcher.world_size <= 1 || real_env("OMPI_COMM_WORLD_SIZE") || real_env("OMPI_MCA_mpi_yield_when_idle"))
+        return;
+    if (unsigned(launcher.local_world_size) > std::thread::hardware_concurrency())
+        ::setenv("OMPI_MCA_mpi_yield_when_idle", "1", 0);
+#endif
+}
+
 }  // namespace detail
 
 // Initialises MPI for the lifetime of the object, asking for MPI_THREAD_MULTIPLE, and finalises
 // it at the end. When MPI is already initialised (by the program or another library) it does
 // neither. Throws when MPI gives less than MPI_THREAD_SERIALIZED, which MpiBackend needs.
+//
+// Processes started by a torchrun-style launcher (RANK and WORLD_SIZE set, but each process a
+// world of one to MPI) are joined into one communicator, mpi_world(), through MPI's name service
+// (Open MPI: `ompi-server`, named by OMPI_MCA_pmix_server_uri); `join_timeout` bounds the wait for
+// the other ranks. Such a world talks over the network transport even within one machine.
 class MpiSession {
 public:
-    MpiSession() : MpiSession(nullptr, nullptr) {}
-    MpiSession(int& argc, char**& argv) : MpiSession(&argc, &argv) {}
+    MpiSession() : MpiSession(nullptr, nullptr, default_join_timeout) {}
+    explicit MpiSession(std::chrono::seconds join_timeout) : MpiSession(nullptr, nullptr, join_timeout) {}
+    MpiSession(int& argc, char**& argv, std::chrono::seconds join_timeout = default_join_timeout)
+        : MpiSession(&argc, &argv, join_timeout) {}
     MpiSession(const MpiSession&) = delete;
     MpiSession& operator=(const MpiSession&) = delete;
     ~MpiSession() {
         int finalized = 0;
         MPI_Finalized(&finalized);
-        if (owner_ && !finalized) MPI_Finalize();
+        if (finalized) return;
+        if (joined_) MPI_Comm_free(&detail::joined_world);
+        if (owner_) MPI_Finalize();
     }
+
+    static constexpr std::chrono::seconds default_join_timeout{300};
 
     // What MPI provides: MPI_THREAD_SINGLE ... MPI_THREAD_MULTIPLE.
     [[nodiscard]] int thread_level() const { return detail::mpi_thread_level(); }
 
 private:
-    MpiSession(int* argc, char*** argv) {
+    MpiSession(int* argc, char*** argv, std::chrono::seconds join_timeout) {
         int initialized = 0;
         MPI_Initialized(&initialized);
         if (!initialized) {
+            detail::yield_when_oversubscribed();
             int provided = MPI_THREAD_SINGLE;
             const int rc = MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided);
             if (rc != MPI_SUCCESS)
@@ -170,38 +345,75 @@ private:
             throw CollectiveError(std::string("gradsync: MPI provides only ") + detail::thread_level_name(level) +
                                   "; gradsync's MpiBackend needs MPI_THREAD_SERIALIZED or MPI_THREAD_MULTIPLE (its "
                                   "progress thread calls MPI). Use an MPI library built with thread support.");
+        int size = 1;
+        MPI_Comm_size(MPI_COMM_WORLD, &size);
+        const auto launcher = process_place();
+        if (size == 1 && launcher.world_size > 1 && detail::joined_world == MPI_COMM_NULL) {
+            detail::joined_world = detail::join_singletons(launcher, join_timeout);
+            joined_ = true;
+        }
     }
 
     bool owner_ = false;
+    bool joined_ = false;
 };
 
+// The communicator of every rank of the job: MPI_COMM_WORLD, or the one MpiSession joined.
+inline MPI_Comm mpi_world() { return detail::joined_world != MPI_COMM_NULL ? detail::joined_world : MPI_COMM_WORLD; }
+
+namespace detail {
+
+// Splits `comm` by machine. MPI_COMM_TYPE_SHARED knows only the processes one launch started, so a
+// joined world goes by processor name instead.
+inline MPI_Comm split_by_node(MPI_Comm comm, int rank) {
+    MPI_Comm node = MPI_COMM_NULL;
+    if (joined_world == MPI_COMM_NULL) {
+        MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node);
+        return node;
+    }
+    int size = 1;
+    MPI_Comm_size(comm, &size);
+    std::vector<char> names(static_cast<std::size_t>(size) * MPI_MAX_PROCESSOR_NAME);
+    char mine[MPI_MAX_PROCESSOR_NAME] = {};
+    int length = 0;
+    MPI_Get_processor_name(mine, &length);
+    MPI_Allgather(mine, MPI_MAX_PROCESSOR_NAME, MPI_CHAR, names.data(), MPI_MAX_PROCESSOR_NAME, MPI_CHAR, comm);
+    int color = rank;  // the first rank on this machine
+    for (int r = 0; r < size; ++r)
+        if (std::strncmp(names.data() + std::size_t(r) * MPI_MAX_PROCESSOR_NAME, mine, MPI_MAX_PROCESSOR_NAME) == 0) {
+            color = r;
+            break;
+        }
+    MPI_Comm_split(comm, color, rank, &node);
+    return node;
+}
+
+}  // namespace detail
+
 // This process's place from MPI: rank and size in `comm`, local rank and size among the ranks
-// that share its node (MPI_Comm_split_type with MPI_COMM_TYPE_SHARED). When a launcher's
-// variables (process_place()) say otherwise for MPI_COMM_WORLD, throws: the processes were
-// started by a launcher that is not MPI's (torchrun, say), so MPI cannot connect them.
-inline ProcessPlace mpi_process_place(MPI_Comm comm = MPI_COMM_WORLD) {
+// that share its machine. When a launcher's variables (process_place()) say otherwise for the
+// world, throws: the processes were started by a launcher that is not MPI's and MPI was
+// initialised without MpiSession, which would have joined them.
+inline ProcessPlace mpi_process_place(MPI_Comm comm = mpi_world()) {
     ProcessPlace place;
     MPI_Comm_rank(comm, &place.rank);
     MPI_Comm_size(comm, &place.world_size);
-    MPI_Comm node = MPI_COMM_NULL;
-    MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, place.rank, MPI_INFO_NULL, &node);
+    MPI_Comm node = detail::split_by_node(comm, place.rank);
     MPI_Comm_rank(node, &place.local_rank);
     MPI_Comm_size(node, &place.local_world_size);
     MPI_Comm_free(&node);
     place.source = "MPI";
     int same = MPI_UNEQUAL;
-    MPI_Comm_compare(comm, MPI_COMM_WORLD, &same);
+    MPI_Comm_compare(comm, mpi_world(), &same);
     if (same == MPI_IDENT || same == MPI_CONGRUENT) {
         const auto launcher = process_place();
         if (launcher.world_size > 1 && (launcher.rank != place.rank || launcher.world_size != place.world_size))
             throw Error("gradsync: " + launcher.source + " say rank " + std::to_string(launcher.rank) + " of " +
                         std::to_string(launcher.world_size) + " but MPI says rank " + std::to_string(place.rank) +
                         " of " + std::to_string(place.world_size) +
-                        ": these processes were not started by an MPI launcher, so MPI cannot connect them. Start "
-                        "them with mpirun -np " +
-                        std::to_string(launcher.world_size) +
-                        " (or srun), or use a "
-                        "backend that bootstraps from these variables.");
+                        ": these processes were not started by an MPI launcher, and MPI was initialised without "
+                        "gradsync::MpiSession, which joins such processes. " +
+                        detail::join_advice(launcher));
     }
     return place;
 }
@@ -238,7 +450,7 @@ struct MpiOptions {
 // Construct and destroy it between MPI initialisation and finalisation (MpiSession does both).
 class MpiBackend {
 public:
-    explicit MpiBackend(MPI_Comm comm = MPI_COMM_WORLD, MpiOptions options = {}) : options_(options) {
+    explicit MpiBackend(MPI_Comm comm = mpi_world(), MpiOptions options = {}) : options_(options) {
         int initialized = 0;
         MPI_Initialized(&initialized);
         if (!initialized)

@@ -1,0 +1,107 @@
+#!/usr/bin/env python3
+"""Starts N processes the way torchrun does: each with RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT, none of them started by mpirun. MPI finds its
+peers through a name server, so this starts one (Open MPI's ompi-server) and names it to every
+process in OMPI_MCA_pmix_server_uri, as README.md tells users to.
+
+usage: env_launch.py [--ranks 0,2 | --torchrun] [--timeout SECONDS] N command args...
+  --ranks     start only these ranks (the others never arrive)
+  --torchrun  let torchrun start them (`--redirects 1 --tee 1` works around Debian's torch 1.13,
+              whose torchrun fails on Python 3.11 with its default of 0)
+Prints every process's output, each line prefixed with its rank. When a process fails, the others
+are killed 5 s later, as torchrun does; exits with the first nonzero status, or 1 when the
+processes are still running at the timeout (they are killed).
+"""
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(n, command, ranks=None, timeout=300.0, torchrun=False):
+    """Runs `command` as ranks of a world of `n`; returns (status, output)."""
+    ranks = list(range(n)) if ranks is None else ranks
+    if torchrun:
+        command = ["torchrun", "--nproc_per_node", str(n), "--redirects", "1", "--tee", "1", "--no_python", *command]
+        ranks = ["torchrun"]
+    with tempfile.TemporaryDirectory() as tmp:
+        uri = os.path.join(tmp, "ompi-server.uri")
+        server = subprocess.Popen(["ompi-server", "--no-daemonize", "-r", uri], stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            began = time.monotonic()
+            while not (os.path.exists(uri) and os.path.getsize(uri) > 0):
+                if server.poll() is not None or time.monotonic() - began > 30:
+                    return 1, "env_launch: ompi-server did not start\n"
+                time.sleep(0.05)
+            env = dict(os.environ, WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(free_port()), OMPI_MCA_pmix_server_uri="file:" + uri)
+            procs = [subprocess.Popen(command, env=env if torchrun else dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      errors="replace", start_new_session=True) for r in ranks]
+            outputs = [[] for _ in procs]
+
+            def drain(i):
+                for line in procs[i].stdout:
+                    outputs[i].append(line)
+
+            readers = [threading.Thread(target=drain, args=(i,)) for i in range(len(procs))]
+            for t in readers:
+                t.start()
+            # As torchrun does: when one process fails, the others are stopped (after a grace
+            # period in which they may report on their own), since MPI_Abort reaches only the
+            # processes one mpirun started.
+            deadline = time.monotonic() + timeout
+            status, late, notes = 0, False, []
+            while any(p.poll() is None for p in procs):
+                if time.monotonic() > deadline:
+                    late = True
+                    break
+                failed = [(r, p.returncode) for r, p in zip(ranks, procs) if p.returncode not in (None, 0)]
+                if failed and status == 0:
+                    status = failed[0][1]
+                    notes.append(f"env_launch: rank {failed[0][0]} exited with status {status}; "
+                                 "stopping the others in 5 s\n")
+                    deadline = min(deadline, time.monotonic() + 5)
+                time.sleep(0.05)
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+            if status == 0:
+                status = next((p.returncode for p in procs if p.returncode != 0), 0)
+            if late and status == 0:
+                status = 1
+                notes.append(f"env_launch: still running after {timeout:.0f} s; killed\n")
+            for t in readers:
+                t.join()
+            text = "".join(f"[rank {r}] {line}" for r, out in zip(ranks, outputs) for line in out)
+            return status, text + "".join(notes)
+        finally:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ranks")
+    parser.add_argument("--torchrun", action="store_true")
+    parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("n", type=int)
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args()
+    ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else None
+    status, output = launch(args.n, args.command, ranks, args.timeout, args.torchrun)
+    sys.stdout.write(output)
+    sys.exit(status)
