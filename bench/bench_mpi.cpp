@@ -53,18 +53,19 @@ struct Row {
 template <class... Policies>
 Row measure(const std::string& name, const std::vector<layouts::Tensor>& tensors, const Settings& s,
             Policies... policies) {
-    gradsync::MpiBackend backend(MPI_COMM_WORLD, s.mpi);
+    gradsync::MpiBackend backend(gradsync::mpi_world(), s.mpi);
     bench::LayoutModel model(tensors);
     gradsync::DataParallel dp(model, backend, policies...);
     std::vector<float> flat(layouts::total_count(tensors), 1.0f);
     auto raw = [&] {
-        MPI_Allreduce(MPI_IN_PLACE, flat.data(), static_cast<int>(flat.size()), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+        MPI_Allreduce(MPI_IN_PLACE, flat.data(), static_cast<int>(flat.size()), MPI_FLOAT, MPI_SUM,
+                      gradsync::mpi_world());
     };
     const std::size_t piece = s.mpi.chunk.count() / sizeof(float);
     auto pieces = [&] {
         for (std::size_t off = 0; off < flat.size(); off += piece)
             MPI_Allreduce(MPI_IN_PLACE, flat.data() + off, static_cast<int>(std::min(piece, flat.size() - off)),
-                          MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+                          MPI_FLOAT, MPI_SUM, gradsync::mpi_world());
     };
     auto sync = [&] { dp.synchronize(); };
     std::vector<double> raw_s, pieces_s, sync_s, ratios, ratios_pieces;
@@ -72,13 +73,13 @@ Row measure(const std::string& name, const std::vector<layouts::Tensor>& tensors
         const bool raw_first = i % 2 == 0;
         double r = 0, p = 0, y = 0;
         if (raw_first) {
-            r = timed(MPI_COMM_WORLD, raw);
-            p = timed(MPI_COMM_WORLD, pieces);
+            r = timed(gradsync::mpi_world(), raw);
+            p = timed(gradsync::mpi_world(), pieces);
         }
-        y = timed(MPI_COMM_WORLD, sync);
+        y = timed(gradsync::mpi_world(), sync);
         if (!raw_first) {
-            p = timed(MPI_COMM_WORLD, pieces);
-            r = timed(MPI_COMM_WORLD, raw);
+            p = timed(gradsync::mpi_world(), pieces);
+            r = timed(gradsync::mpi_world(), raw);
         }
         if (i < 0) continue;
         raw_s.push_back(r);
@@ -123,8 +124,8 @@ int main(int argc, char** argv) {
         }
     }
     int rank = 0, size = 1;
-    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-    MPI_Comm_size(MPI_COMM_WORLD, &size);
+    MPI_Comm_rank(gradsync::mpi_world(), &rank);
+    MPI_Comm_size(gradsync::mpi_world(), &size);
     if (rank == 0)
         std::printf(
             "DataParallel<MpiBackend>::synchronize() on %d processes, median of %d iterations (chunk %zu KiB)\n", size,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the throughput benchmarks and prints every figure beside the ceiling or baseline measured
 # in the same run: LocalBackend (threads of one process, the default CPU backend), then
-# DataParallel<MpiBackend> on 2 processes under mpirun, then the race with PyTorch DDP (gloo) on
+# DataParallel<MpiBackend> on 2 processes under mpirun and started torchrun-style, then the race with PyTorch DDP (gloo) on
 # the same layouts. Installs what it needs on Debian 12. Extra arguments go to Google Benchmark,
 # e.g. --benchmark_filter=allreduce; GRADSYNC_BENCH_ONLY=local skips the MPI and DDP parts.
 set -euo pipefail
@@ -22,6 +22,8 @@ step "LocalBackend (a few minutes; each line appears as its benchmark finishes)"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 step "MpiBackend on 2 processes (about a minute)"
 mpirun --oversubscribe -np 2 ./build/bench/bench/bench_mpi
+step "MpiBackend on 2 processes started torchrun-style, joined through ompi-server (TCP; under a minute)"
+python3 tests/mpi/env_launch.py 2 ./build/bench/bench/bench_mpi --iterations 10 --in-place-only
 step "PyTorch DDP (gloo) and gradsync in turn, 2 processes each (about two minutes)"
 # Debian's python3-torch lives in the system interpreter, not in a virtualenv's.
 /usr/bin/python3 bench/ddp_peer.py --bench-mpi ./build/bench/bench/bench_mpi
