@@ -1,0 +1,111 @@
+// GPU benchmarks, each beside the device-to-device copy bandwidth measured in the same run
+// (bytes read + written): pack and unpack of one 256 MiB tensor, and packing the ResNet-50
+// layout (161 tensors) in one launch. Without a CUDA device it says so and exits 0.
+// Built and run by bench/gpu-check.sh.
+#include <gradsync/cuda/check.hpp>
+#include <gradsync/cuda/pack.cuh>
+
+#include "model_layouts.hpp"
+
+#include <algorithm>
+#include <cstdio>
+#include <functional>
+#include <vector>
+
+namespace {
+
+// Median over `repeats` of the time of `work` on the default stream, in seconds.
+double median_seconds(const std::function<void()>& work, int repeats = 21) {
+    cudaEvent_t start, stop;
+    GRADSYNC_CUDA_CHECK(cudaEventCreate(&start));
+    GRADSYNC_CUDA_CHECK(cudaEventCreate(&stop));
+    work();  // warm-up
+    std::vector<double> times;
+    for (int i = 0; i < repeats; ++i) {
+        GRADSYNC_CUDA_CHECK(cudaEventRecord(start));
+        work();
+        GRADSYNC_CUDA_CHECK(cudaEventRecord(stop));
+        GRADSYNC_CUDA_CHECK(cudaEventSynchronize(stop));
+        float ms = 0;
+        GRADSYNC_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+        times.push_back(ms * 1e-3);
+    }
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+    std::nth_element(times.begin(), times.begin() + repeats / 2, times.end());
+    return times[std::size_t(repeats / 2)];
+}
+
+struct Pack {
+    float* tensors = nullptr;
+    float* bucket = nullptr;
+    gradsync::cuda::Segment* table = nullptr;
+    std::size_t segments = 0;
+    std::size_t total = 0;
+    explicit Pack(const std::vector<std::size_t>& sizes) {
+        for (auto n : sizes) total += n;
+        GRADSYNC_CUDA_CHECK(cudaMalloc(&tensors, total * sizeof(float)));
+        GRADSYNC_CUDA_CHECK(cudaMalloc(&bucket, total * sizeof(float)));
+        GRADSYNC_CUDA_CHECK(cudaMemset(tensors, 0, total * sizeof(float)));
+        std::vector<gradsync::cuda::Segment> host;
+        std::size_t at = 0;
+        for (auto n : sizes) {
+            host.push_back({tensors + at, n, at});
+            at += n;
+        }
+        segments = host.size();
+        GRADSYNC_CUDA_CHECK(cudaMalloc(&table, segments * sizeof(gradsync::cuda::Segment)));
+        GRADSYNC_CUDA_CHECK(
+            cudaMemcpy(table, host.data(), segments * sizeof(gradsync::cuda::Segment), cudaMemcpyHostToDevice));
+    }
+    ~Pack() {
+        cudaFree(tensors);
+        cudaFree(bucket);
+        cudaFree(table);
+    }
+    double bytes_moved() const { return 2.0 * double(total) * sizeof(float); }
+};
+
+void report(const char* name, double seconds, double bytes, double copy_gbs, double target) {
+    const double gbs = bytes / seconds * 1e-9;
+    std::printf("  %-34s %9.3f ms  %8.1f GB/s  ratio to copy %.3f  (target >= %.2f: %s)\n", name, seconds * 1e3, gbs,
+                gbs / copy_gbs, target, gbs / copy_gbs >= target ? "met" : "MISSED");
+}
+
+}  // namespace
+
+int main() {
+    const auto devices = gradsync::cuda_devices();
+    if (devices.count == 0) {
+        std::printf("skipped: %s\n", devices.why.c_str());
+        return 0;
+    }
+    cudaDeviceProp prop{};
+    GRADSYNC_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+    std::printf("GPU benchmarks on %s, medians of 21\n", prop.name);
+
+    const std::size_t big = std::size_t(256) << 20 >> 2;  // 256 MiB of float
+    Pack one({big});
+    const double copy_s = median_seconds([&] {
+        GRADSYNC_CUDA_CHECK(cudaMemcpyAsync(one.bucket, one.tensors, big * sizeof(float), cudaMemcpyDeviceToDevice));
+    });
+    const double copy_gbs = one.bytes_moved() / copy_s * 1e-9;
+    std::printf("  %-34s %9.3f ms  %8.1f GB/s  (the ceiling: bytes read + written)\n", "cudaMemcpy device to device",
+                copy_s * 1e3, copy_gbs);
+    const std::span<const gradsync::cuda::Segment> one_table(one.table, one.segments);
+    report("pack, one 256 MiB tensor",
+           median_seconds([&] { gradsync::cuda::pack<float>(one_table, one.bucket, one.total, nullptr); }),
+           one.bytes_moved(), copy_gbs, 0.85);
+    report("unpack, one 256 MiB tensor",
+           median_seconds([&] { gradsync::cuda::unpack<float>(one_table, one.bucket, one.total, nullptr); }),
+           one.bytes_moved(), copy_gbs, 0.85);
+
+    std::vector<std::size_t> resnet;
+    for (const auto& t : layouts::resnet50()) resnet.push_back(t.count);
+    Pack layout(resnet);
+    const std::span<const gradsync::cuda::Segment> layout_table(layout.table, layout.segments);
+    report("pack, ResNet-50 (161 tensors)",
+           median_seconds([&] { gradsync::cuda::pack<float>(layout_table, layout.bucket, layout.total, nullptr); }),
+           layout.bytes_moved(), copy_gbs, 0.7);
+    return 0;
+}

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# On a machine with a CUDA GPU: builds the CUDA tests and GPU benchmarks with nvcc (sm_90, the
+# H200, unless GRADSYNC_CUDA_ARCH says otherwise), runs them, and writes everything to a results
+# file (first argument, default gpu-check-results.txt). A few minutes. Without a GPU the "gpu"
+# suite and the benchmarks would only say "skipped": here that is a failure.
+# Needs nvcc and doctest's header (Debian's doctest-dev, or the folder holding doctest/ in
+# DOCTEST_INCLUDE).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+nvcc=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
+arch=${GRADSYNC_CUDA_ARCH:-90}
+results=${1:-gpu-check-results.txt}
+build=build/gpu-check
+mkdir -p "$build"
+flags=(-std=c++20 -O3 "-gencode=arch=compute_$arch,code=sm_$arch" -Iinclude -Ibench)
+[ -z "${DOCTEST_INCLUDE:-}" ] || flags+=(-isystem "$DOCTEST_INCLUDE")
+{
+    echo "== $(date -u +%FT%TZ) gradsync GPU check"
+    nvidia-smi -L || true
+    "$nvcc" --version | tail -n 2
+    echo "== build (sm_$arch)"
+    "$nvcc" "${flags[@]}" tests/cuda/test_cuda.cu -o "$build/test_cuda"
+    "$nvcc" "${flags[@]}" bench/bench_cuda.cu -o "$build/bench_cuda"
+    echo "== tests: host"
+    "$build/test_cuda" --test-suite=host
+    echo "== tests: gpu"
+    "$build/test_cuda" --test-suite=gpu | tee "$build/gpu-tests.txt"
+    ! grep -q "^skipped:" "$build/gpu-tests.txt" || { echo "FAIL: no usable CUDA device"; exit 1; }
+    echo "== benchmarks"
+    "$build/bench_cuda"
+} 2>&1 | tee "$results"

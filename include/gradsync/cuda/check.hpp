@@ -1,0 +1,54 @@
+// Checked CUDA calls: a failure becomes a CudaError that names the call, where it was made, and
+// CUDA's own words, instead of a status code nobody reads. Needs <cuda_runtime.h> and the CUDA
+// runtime library; compiles with nvcc or a host compiler.
+#pragma once
+
+#include <gradsync/error.hpp>
+
+#include <cuda_runtime.h>
+
+#include <string>
+#include <utility>  // for std::move
+
+namespace gradsync::inline v0 {
+
+class CudaError : public Error {
+public:
+    CudaError(std::string what, cudaError_t code) : Error(std::move(what)), code_(code) {}
+    [[nodiscard]] cudaError_t code() const noexcept { return code_; }
+
+private:
+    cudaError_t code_;
+};
+
+namespace detail {
+
+inline void check_cuda(cudaError_t code, const char* call, const char* file, int line) {
+    if (code == cudaSuccess) return;
+    throw CudaError("gradsync: " + std::string(call) + " failed at " + file + ":" + std::to_string(line) + ": " +
+                        cudaGetErrorName(code) + " (" + cudaGetErrorString(code) + ")",
+                    code);
+}
+
+}  // namespace detail
+
+// The CUDA devices this process sees. Without a device or a driver, count is 0 and `why` says
+// which, so that GPU code can be skipped with a reason rather than fail.
+struct CudaDevices {
+    int count = 0;
+    std::string why;
+};
+
+inline CudaDevices cuda_devices() {
+    int count = 0;
+    const cudaError_t code = cudaGetDeviceCount(&count);
+    if (code == cudaSuccess && count > 0) return {count, ""};
+    cudaGetLastError();  // clear the error, so the next checked call does not report it
+    if (code == cudaSuccess) return {0, "no CUDA device"};
+    return {0, std::string("no CUDA device: ") + cudaGetErrorName(code) + " (" + cudaGetErrorString(code) + ")"};
+}
+
+}  // namespace gradsync::inline v0
+
+// Checks a CUDA runtime call: GRADSYNC_CUDA_CHECK(cudaMalloc(&p, bytes));
+#define GRADSYNC_CUDA_CHECK(call) ::gradsync::detail::check_cuda((call), #call, __FILE__, __LINE__)
