@@ -1,8 +1,9 @@
 // GPU benchmarks, each beside the device-to-device copy bandwidth measured in the same run
-// (bytes read + written): pack and unpack of one 256 MiB tensor, and packing the ResNet-50
-// layout (161 tensors) in one launch. Without a CUDA device it says so and exits 0.
+// (bytes read + written): the fused finalize of a 256 MiB bucket, pack and unpack of one 256 MiB
+// tensor, and packing the ResNet-50 layout (161 tensors) in one launch. Without a CUDA device it says so and exits 0.
 // Built and run by bench/gpu-check.sh.
 #include <gradsync/cuda/check.hpp>
+#include <gradsync/cuda/finalize.cuh>
 #include <gradsync/cuda/pack.cuh>
 
 #include "model_layouts.hpp"
@@ -92,6 +93,10 @@ int main() {
     const double copy_gbs = one.bytes_moved() / copy_s * 1e-9;
     std::printf("  %-34s %9.3f ms  %8.1f GB/s  (the ceiling: bytes read + written)\n", "cudaMemcpy device to device",
                 copy_s * 1e3, copy_gbs);
+    gradsync::cuda::FinalizeScratch scratch;
+    report("finalize, 256 MiB float32 bucket",
+           median_seconds([&] { gradsync::cuda::finalize<float>(one.bucket, one.total, 0.5, scratch, nullptr); }),
+           one.bytes_moved(), copy_gbs, 0.9);
     const std::span<const gradsync::cuda::Segment> one_table(one.table, one.segments);
     report("pack, one 256 MiB tensor",
            median_seconds([&] { gradsync::cuda::pack<float>(one_table, one.bucket, one.total, nullptr); }),

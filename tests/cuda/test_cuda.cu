@@ -5,8 +5,11 @@
 #include <doctest/doctest.h>
 
 #include <gradsync/cuda/check.hpp>
+#include <gradsync/cuda/finalize.cuh>
 #include <gradsync/cuda/pack.cuh>
+#include <gradsync/detail/finalize.hpp>
 
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -38,6 +41,12 @@ struct DeviceArray {
     }
 };
 
+// Bitwise equality (NaN payloads, -0.0 and 16-bit values included).
+template <class T>
+bool same_bytes(const std::vector<T>& a, const std::vector<T>& b) {
+    return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
+}
+
 // Packs tensors of the given sizes (one element of slack before each, so that most start
 // unaligned) into a bucket on the device and back, against the host's copy.
 template <class T>
@@ -67,7 +76,7 @@ void check_pack_round_trip(const std::vector<std::size_t>& sizes) {
     gradsync::cuda::pack<T>({device_table.data, device_table.size}, bucket.data, expected.size(), nullptr);
     GRADSYNC_CUDA_CHECK(cudaDeviceSynchronize());
     const auto packed = bucket.download();
-    CHECK(std::memcmp(packed.data(), expected.data(), expected.size() * sizeof(T)) == 0);
+    CHECK(same_bytes(packed, expected));
 
     // Unpack a changed bucket: the tensors take its values, the slack elements keep theirs.
     std::vector<T> changed(expected.size());
@@ -85,7 +94,7 @@ void check_pack_round_trip(const std::vector<std::size_t>& sizes) {
         const std::size_t first = std::size_t(static_cast<T*>(s.data) - tensors.data);
         for (std::size_t i = 0; i < s.count; ++i) want[first + i] = changed[k++];
     }
-    CHECK(std::memcmp(after.data(), want.data(), want.size() * sizeof(T)) == 0);
+    CHECK(same_bytes(after, want));
 }
 
 template <class T>
@@ -97,6 +106,48 @@ void check_pack_sizes() {
     std::vector<std::size_t> many(2000, 7);  // many small tensors, one launch
     check_pack_round_trip<T>(many);
     check_pack_round_trip<T>({std::size_t(3) << 20});  // one tensor over many blocks
+}
+
+// The device pass against the host's (detail/finalize.hpp): the same values written, bit for bit,
+// and the same sum of squares up to summation order; the same sum again on a second run.
+template <class T>
+void check_finalize(std::size_t n, double factor, bool poison = false) {
+    std::mt19937 rng(3);
+    std::uniform_real_distribution<float> value(-4.0f, 4.0f);
+    std::vector<T> host(n);
+    for (auto& v : host) v = T(value(rng));
+    if (poison && n > 0) host[n / 2] = T(INFINITY);
+    std::vector<T> expected = host;
+    gradsync::detail::SquareSum sums;
+    gradsync::detail::scale_square_sum(expected.data(), n, factor, sums);
+
+    gradsync::cuda::FinalizeScratch scratch;
+    DeviceArray<T> data(n);
+    double sum[2] = {};
+    for (double& s : sum) {
+        data.upload(host);
+        gradsync::cuda::finalize<T>(data.data, n, factor, scratch, nullptr);
+        GRADSYNC_CUDA_CHECK(cudaMemcpy(&s, scratch.sum(), sizeof s, cudaMemcpyDeviceToHost));
+    }
+    const auto written = data.download();
+    CHECK(same_bytes(written, expected));
+    if (poison) {
+        CHECK_FALSE(std::isfinite(sum[0]));
+    } else {
+        CHECK(sum[0] == doctest::Approx(sums.total()).epsilon(1e-12));
+    }
+    CHECK(std::memcmp(&sum[0], &sum[1], sizeof(double)) == 0);  // deterministic
+}
+
+template <class T>
+void check_finalize_sizes() {
+    for (std::size_t n : {std::size_t(0), std::size_t(1), std::size_t(255), std::size_t(256), std::size_t(257),
+                          (std::size_t(1) << 20) + 3}) {
+        CAPTURE(n);
+        check_finalize<T>(n, 1.0 / 6.0);
+        check_finalize<T>(n, 1.0);
+    }
+    check_finalize<T>(100'000, 0.5, /*poison=*/true);
 }
 
 }  // namespace
@@ -130,6 +181,13 @@ TEST_SUITE("gpu") {
         check_pack_sizes<std::uint16_t>();  // float16, bfloat16
         check_pack_sizes<float>();
         check_pack_sizes<double>();
+    }
+
+    TEST_CASE("finalize: scale in place and sum of squares in one pass, as the host does, deterministic") {
+        check_finalize_sizes<float>();
+        check_finalize_sizes<double>();
+        check_finalize_sizes<gradsync::float16>();
+        check_finalize_sizes<gradsync::bfloat16>();
     }
 }
 
