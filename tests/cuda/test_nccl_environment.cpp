@@ -1,0 +1,107 @@
+// nccl_place_from_environment(): rank, GPU and NCCL's unique id from a launcher's variables.
+// Runs without a GPU: the device count is handed in, and an id from NCCL_COMM_ID opens nothing.
+#include <gradsync/backend/nccl_environment.hpp>
+
+#include <doctest/doctest.h>
+
+#include <cstdlib>  // for unsetenv
+#include <cstring>
+#include <map>
+#include <optional>
+#include <string>
+
+namespace {
+
+std::map<std::string, std::string> fake_env;
+
+std::optional<std::string> fake_lookup(const char* name) {
+    auto it = fake_env.find(name);
+    if (it == fake_env.end()) return std::nullopt;
+    return it->second;
+}
+
+gradsync::NcclPlace place(std::map<std::string, std::string> env, int devices = 8) {
+    fake_env = std::move(env);
+    struct Unset {
+        ~Unset() { unsetenv("NCCL_COMM_ID"); }
+    } unset;
+    return gradsync::detail::nccl_place_from(fake_lookup, devices, "no CUDA device: cudaErrorNoDevice (no device)");
+}
+
+std::string error_of(std::map<std::string, std::string> env, int devices = 8) {
+    try {
+        place(std::move(env), devices);
+    } catch (const gradsync::Error& e) {
+        return e.what();
+    }
+    return "";
+}
+
+bool same(const ncclUniqueId& a, const ncclUniqueId& b) { return std::memcmp(&a, &b, sizeof a) == 0; }
+
+std::map<std::string, std::string> torchrun(int rank, int local_rank) {
+    return {{"RANK", std::to_string(rank)}, {"WORLD_SIZE", "4"},          {"LOCAL_RANK", std::to_string(local_rank)},
+            {"LOCAL_WORLD_SIZE", "2"},      {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29500"}};
+}
+
+}  // namespace
+
+TEST_CASE("torchrun's variables: the rank, its GPU, and the same id on every rank without an exchange") {
+    const auto r0 = place(torchrun(0, 0));
+    const auto r3 = place(torchrun(3, 1));
+    CHECK(r0.place == gradsync::ProcessPlace{0, 4, 0, 2, "RANK/WORLD_SIZE"});
+    CHECK(r3.place.rank == 3);
+    CHECK(r0.device == 0);
+    CHECK(r3.device == 1);
+    CHECK(r0.comm_id == "127.0.0.1:29501");  // torchrun's store has MASTER_PORT itself
+    CHECK(same(r0.id, r3.id));
+    CHECK_FALSE(same(r0.id, ncclUniqueId{}));
+    auto elsewhere = torchrun(0, 0);
+    elsewhere["MASTER_PORT"] = "29600";
+    CHECK_FALSE(same(place(elsewhere).id, r0.id));  // another job, another id
+}
+
+TEST_CASE("NCCL_COMM_ID, when given, is the address") {
+    auto env = torchrun(1, 1);
+    env["NCCL_COMM_ID"] = "127.0.0.1:4000";
+    const auto p = place(env);
+    CHECK(p.comm_id == "127.0.0.1:4000");
+    env.erase("MASTER_ADDR");
+    env.erase("MASTER_PORT");
+    CHECK(same(place(env).id, p.id));
+}
+
+TEST_CASE("a world of one needs no address") {
+    const auto p = place({});
+    CHECK(p.place.world_size == 1);
+    CHECK(p.comm_id.empty());
+    CHECK_FALSE(same(p.id, ncclUniqueId{}));
+}
+
+TEST_CASE("missing or bad variables, no GPU, and more ranks than GPUs are errors that say what to do") {
+    auto no_address = torchrun(2, 0);
+    no_address.erase("MASTER_PORT");
+    CHECK(error_of(no_address) ==
+          "gradsync: rank 2 of 4 (RANK/WORLD_SIZE) has no address to meet the other ranks at: set MASTER_ADDR and "
+          "MASTER_PORT (torchrun does; NCCL listens on MASTER_PORT + 1), or NCCL_COMM_ID=host:port");
+    auto bad_port = torchrun(0, 0);
+    bad_port["MASTER_PORT"] = "65535";
+    CHECK(error_of(bad_port).find("MASTER_PORT=65535 is not a port from 1 to 65534") != std::string::npos);
+    CHECK(error_of(torchrun(0, 0), 0) ==
+          "gradsync: rank 0 of 4 (RANK/WORLD_SIZE) needs a CUDA device: no CUDA device: cudaErrorNoDevice (no device)");
+    auto shared = torchrun(1, 1);
+    shared["CUDA_VISIBLE_DEVICES"] = "3";
+    CHECK(error_of(shared, 1) ==
+          "gradsync: rank 1 of 4 (RANK/WORLD_SIZE): 2 ranks on this machine but 1 CUDA device visible "
+          "(CUDA_VISIBLE_DEVICES=3): ranks would share a GPU, which NCCL does not allow. Start one rank per GPU.");
+    auto disagree = torchrun(1, 1);
+    disagree["OMPI_COMM_WORLD_RANK"] = "2";
+    disagree["OMPI_COMM_WORLD_SIZE"] = "4";
+    CHECK(error_of(disagree).find("the launchers' variables disagree") != std::string::npos);
+    auto malformed = torchrun(0, 0);
+    malformed["NCCL_COMM_ID"] = "not an address";
+    const auto why = error_of(malformed);
+    CHECK(why.find("gradsync: rank 0 of 4 (RANK/WORLD_SIZE): ncclGetUniqueId failed: invalid argument") == 0);
+    CHECK(why.find("(Invalid NCCL_COMM_ID") != std::string::npos);
+    CHECK(why.find("NCCL_COMM_ID=not an address") != std::string::npos);
+}
