@@ -174,10 +174,10 @@ inline std::string join_advice(const ProcessPlace& place) {
 }
 
 // Processes started by a launcher that is not MPI's (torchrun-style RANK/WORLD_SIZE) are MPI
-// singletons, a world of one each. They meet through MPI's name service: rank 0 opens a port and
-// publishes it, each other rank looks it up and connects, and the group accepts newcomers one at
-// a time, merging as it grows; the result is ordered by RANK. A watchdog ends a join that has not
-// completed by the deadline (a rank that never starts), naming how many ranks arrived.
+// singletons, a world of one each. They meet through MPI's name service: rank 0 opens a port,
+// and the group, growing from rank 0, publishes it for each next rank in turn, accepts it and
+// merges it in. A watchdog ends a join that has not completed by the deadline (a rank that never
+// starts, or a RANK given twice), naming how many ranks arrived.
 inline MPI_Comm join_singletons(const ProcessPlace& place, std::chrono::seconds timeout) {
     const std::string who = "gradsync: rank " + std::to_string(place.rank) + " of " + std::to_string(place.world_size) +
                             " (" + place.source + ")";
@@ -198,8 +198,8 @@ inline MPI_Comm join_singletons(const ProcessPlace& place, std::chrono::seconds 
         std::unique_lock lock(mutex);
         if (wake.wait_for(lock, timeout, [&] { return done; })) return;
         std::fprintf(stderr,
-                     "%s: the ranks have not all joined after %lld s (%d of %d are in); a rank did not start, or "
-                     "they do not share a name server. %s\n",
+                     "%s: the ranks have not all joined after %lld s (%d of %d are in); a rank did not start, two "
+                     "were given the same RANK, or they do not share a name server. %s\n",
                      who.c_str(), static_cast<long long>(timeout.count()), joined.load(), place.world_size,
                      join_advice(place).c_str());
         std::fflush(stderr);
@@ -227,60 +227,59 @@ inline MPI_Comm join_singletons(const ProcessPlace& place, std::chrono::seconds 
             throw CollectiveError(who + ": " + call + " failed while joining the ranks: " + mpi_error_string(rc) +
                                   ". " + join_advice(place));
     };
+    // Ranks join one at a time, in order: the group publishes the port under rank r's own name
+    // only when it is ready to accept rank r, and connects every pair of its members before it
+    // publishes the next. Open MPI 4.1 can deadlock when a connect is pending while the group
+    // merges or opens connections (seen here with 4 ranks under load), and in order, the joined
+    // group is ordered by RANK as it grows.
     const std::string service = join_service(place);
+    const auto turn = [&](int rank) { return service + ":" + std::to_string(rank); };
+    const auto connect_all_pairs = [&](MPI_Comm comm) {
+        int size = 1;
+        MPI_Comm_size(comm, &size);
+        std::vector<int> out(static_cast<std::size_t>(size)), in(out.size());
+        check(MPI_Alltoall(out.data(), 1, MPI_INT, in.data(), 1, MPI_INT, comm), "MPI_Alltoall");
+    };
     char port[MPI_MAX_PORT_NAME] = {};
     MPI_Comm group = MPI_COMM_NULL;
     MPI_Comm inter = MPI_COMM_NULL;
     if (place.rank == 0) {
         check(MPI_Open_port(MPI_INFO_NULL, port), "MPI_Open_port");
-        const int rc = MPI_Publish_name(service.c_str(), MPI_INFO_NULL, port);
-        if (rc != MPI_SUCCESS)
-            throw CollectiveError(who + ": MPI_Publish_name(\"" + service + "\") failed: " + mpi_error_string(rc) +
-                                  ". Another job with the same MASTER_ADDR/MASTER_PORT is using the name server, "
-                                  "or two processes were given RANK=0.");
         check(MPI_Comm_dup(MPI_COMM_SELF, &group), "MPI_Comm_dup");
     } else {
-        // Not published yet, until rank 0 gets there; the watchdog bounds the wait.
-        while (MPI_Lookup_name(service.c_str(), MPI_INFO_NULL, port) != MPI_SUCCESS)
+        // Not published until the ranks before this one are in; the watchdog bounds the wait.
+        while (MPI_Lookup_name(turn(place.rank).c_str(), MPI_INFO_NULL, port) != MPI_SUCCESS)
             std::this_thread::sleep_for(std::chrono::milliseconds(20));
         check(MPI_Comm_connect(port, MPI_INFO_NULL, 0, MPI_COMM_SELF, &inter), "MPI_Comm_connect");
         check(MPI_Intercomm_merge(inter, 1, &group), "MPI_Intercomm_merge");
         MPI_Comm_free(&inter);
+        MPI_Comm_set_errhandler(group, MPI_ERRORS_RETURN);
+        connect_all_pairs(group);
     }
     MPI_Comm_set_errhandler(group, MPI_ERRORS_RETURN);  // inherited by the groups it grows into
     for (int size = 0; MPI_Comm_size(group, &size), size < place.world_size;) {
         joined = size;
+        const std::string name = turn(size);  // the next rank's
+        if (place.rank == 0) {
+            const int rc = MPI_Publish_name(name.c_str(), MPI_INFO_NULL, port);
+            if (rc != MPI_SUCCESS)
+                throw CollectiveError(who + ": MPI_Publish_name(\"" + name + "\") failed: " + mpi_error_string(rc) +
+                                      ". Another job with the same MASTER_ADDR/MASTER_PORT is using the name server, "
+                                      "or two processes were given RANK=0.");
+        }
         check(MPI_Comm_accept(port, MPI_INFO_NULL, 0, group, &inter), "MPI_Comm_accept");
+        if (place.rank == 0) MPI_Unpublish_name(name.c_str(), MPI_INFO_NULL, port);
         MPI_Comm grown = MPI_COMM_NULL;
         check(MPI_Intercomm_merge(inter, 0, &grown), "MPI_Intercomm_merge");
         MPI_Comm_free(&inter);
         MPI_Comm_free(&group);
         group = grown;
+        connect_all_pairs(group);
     }
     joined = place.world_size;
-    if (place.rank == 0) {
-        MPI_Unpublish_name(service.c_str(), MPI_INFO_NULL, port);
-        MPI_Close_port(port);
-    }
-    MPI_Comm world = MPI_COMM_NULL;
-    MPI_Comm_split(group, 0, place.rank, &world);
-    MPI_Comm_free(&group);
-    MPI_Comm_set_errhandler(world, MPI_ERRORS_ARE_FATAL);  // as MPI_COMM_WORLD's
-    // Two processes given the same RANK leave another rank missing: every rank must be its place.
-    std::vector<int> ranks(static_cast<std::size_t>(place.world_size));
-    MPI_Allgather(&place.rank, 1, MPI_INT, ranks.data(), 1, MPI_INT, world);
-    std::string given;
-    bool each_once = true;
-    for (std::size_t i = 0; i < ranks.size(); ++i) {
-        each_once = each_once && ranks[i] == int(i);
-        given += (i == 0 ? "" : ", ") + std::to_string(ranks[i]);
-    }
-    if (!each_once) {
-        MPI_Comm_free(&world);
-        throw CollectiveError(who + ": the joined processes were given the ranks " + given + "; each of 0.." +
-                              std::to_string(place.world_size - 1) + " must be given once.");
-    }
-    return world;
+    if (place.rank == 0) MPI_Close_port(port);
+    MPI_Comm_set_errhandler(group, MPI_ERRORS_ARE_FATAL);  // as MPI_COMM_WORLD's
+    return group;
 }
 
 // mpirun tells the processes it oversubscribes to yield the core while they wait for messages;
