@@ -1065,6 +1065,12 @@ void reduce_to_all(S* const* inputs, int n_in, S* const* outputs, int n_out, std
 }  // namespace gradsync::inline v0::detail
 // ---- end gradsync/detail/host_reduce.hpp ----
 
+// ---- begin gradsync/detail/async_collectives.hpp ----
+// AsyncCollectives: a rank's asynchronous collectives, run in launch order on a progress thread
+// started at the first launch. Synchronous collectives call wait_for_all() first, so that a
+// rank's collectives keep one order whichever thread runs them. Shared by the host backends.
+
+
 // ---- begin gradsync/detail/progress_thread.hpp ----
 // ProgressThread: runs a rank's asynchronous collectives, in launch order, on a thread of its
 // own, so that the caller returns to backward while they progress.
@@ -1124,6 +1130,52 @@ private:
 
 }  // namespace gradsync::inline v0::detail
 // ---- end gradsync/detail/progress_thread.hpp ----
+
+#include <chrono>
+#include <exception>
+#include <memory>
+#include <utility>  // for std::move
+
+namespace gradsync::inline v0::detail {
+
+class AsyncCollectives {
+public:
+    // Runs `body` on the progress thread after every earlier launch; `done` finishes with its
+    // outcome (the exception it threw, if any).
+    template <class F>
+    void launch(F body, std::shared_ptr<Completion> done) {
+        if (!thread_) thread_ = std::make_unique<ProgressThread>();
+        thread_->post([body = std::move(body), done]() mutable {
+            try {
+                body();
+                done->finish();
+            } catch (...) {
+                done->finish(std::current_exception());
+            }
+        });
+        last_ = std::move(done);
+    }
+
+    // Waits until every launched collective has finished (each ends by its own deadline).
+    void wait_for_all() {
+        if (!last_) return;
+        last_->wait_until(std::chrono::steady_clock::time_point::max());
+        last_.reset();
+    }
+
+    // Drains the queue and stops the thread.
+    void stop() {
+        thread_.reset();
+        last_.reset();
+    }
+
+private:
+    std::unique_ptr<ProgressThread> thread_;
+    std::shared_ptr<Completion> last_;
+};
+
+}  // namespace gradsync::inline v0::detail
+// ---- end gradsync/detail/async_collectives.hpp ----
 
 #include <algorithm>  // for std::min
 #include <atomic>
@@ -1608,8 +1660,7 @@ public:
             next_seq_ = other.next_seq_;
             faults_ = std::move(other.faults_);
             held_ = std::move(other.held_);
-            progress_ = std::move(other.progress_);
-            last_async_ = std::move(other.last_async_);
+            async_ = std::move(other.async_);
         }
         return *this;
     }
@@ -1776,10 +1827,7 @@ private:
     // Synchronous calls run on the caller's thread, after the rank's pending asynchronous ones.
     void run_now(const detail::LocalCall& call) {
         release_held();
-        if (last_async_) {
-            last_async_->wait_until(std::chrono::steady_clock::time_point::max());
-            last_async_.reset();
-        }
+        async_.wait_for_all();
         execute(*group_, rank_, call, fault_at(call.seq));
     }
 
@@ -1798,16 +1846,8 @@ private:
 
     void post(const detail::LocalCall& call, std::shared_ptr<detail::Completion> done,
               std::optional<LocalFault> fault) {
-        if (!progress_) progress_ = std::make_unique<detail::ProgressThread>();
-        progress_->post([group = group_, rank = rank_, call, done, fault] {
-            try {
-                execute(*group, rank, call, fault);
-                done->finish();
-            } catch (...) {
-                done->finish(std::current_exception());
-            }
-        });
-        last_async_ = std::move(done);
+        async_.launch([group = group_, rank = rank_, call, fault] { execute(*group, rank, call, fault); },
+                      std::move(done));
     }
 
     void release_held() {
@@ -1820,8 +1860,7 @@ private:
     void leave() {
         if (!group_) return;
         release_held();
-        progress_.reset();  // drains the queue: every task ends by its deadline
-        last_async_.reset();
+        async_.stop();  // drains the queue: every task ends by its deadline
         group_->depart(rank_);
         group_.reset();
     }
@@ -1836,8 +1875,7 @@ private:
     std::uint64_t next_seq_ = 0;
     std::vector<LocalFault> faults_;
     std::optional<Held> held_;  // a call a swap_with_next fault holds back
-    std::unique_ptr<detail::ProgressThread> progress_;
-    std::shared_ptr<detail::Completion> last_async_;
+    detail::AsyncCollectives async_;
 };
 
 }  // namespace gradsync::inline v0

@@ -3,23 +3,17 @@
 
 #include <doctest/doctest.h>
 
+#include "support/fake_env.hpp"
+
 #include <map>
 #include <optional>
 #include <string>
 
 namespace {
 
-std::map<std::string, std::string> fake_env;
-
-std::optional<std::string> fake_lookup(const char* name) {
-    auto it = fake_env.find(name);
-    if (it == fake_env.end()) return std::nullopt;
-    return it->second;
-}
-
 gradsync::ProcessPlace place(std::map<std::string, std::string> env) {
-    fake_env = std::move(env);
-    return gradsync::detail::place_from(fake_lookup);
+    fake_env::variables = std::move(env);
+    return gradsync::detail::place_from(fake_env::lookup);
 }
 
 }  // namespace

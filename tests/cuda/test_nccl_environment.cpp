@@ -4,6 +4,8 @@
 
 #include <doctest/doctest.h>
 
+#include "support/fake_env.hpp"
+
 #include <cstdlib>  // for unsetenv
 #include <cstring>
 #include <map>
@@ -12,20 +14,13 @@
 
 namespace {
 
-std::map<std::string, std::string> fake_env;
-
-std::optional<std::string> fake_lookup(const char* name) {
-    auto it = fake_env.find(name);
-    if (it == fake_env.end()) return std::nullopt;
-    return it->second;
-}
-
 gradsync::NcclPlace place(std::map<std::string, std::string> env, int devices = 8) {
-    fake_env = std::move(env);
+    fake_env::variables = std::move(env);
     struct Unset {
         ~Unset() { unsetenv("NCCL_COMM_ID"); }
     } unset;
-    return gradsync::detail::nccl_place_from(fake_lookup, devices, "no CUDA device: cudaErrorNoDevice (no device)");
+    return gradsync::detail::nccl_place_from(fake_env::lookup, devices,
+                                             "no CUDA device: cudaErrorNoDevice (no device)");
 }
 
 std::string error_of(std::map<std::string, std::string> env, int devices = 8) {

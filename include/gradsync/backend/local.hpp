@@ -6,7 +6,7 @@
 #include <gradsync/bytes.hpp>
 #include <gradsync/detail/aligned_bytes.hpp>
 #include <gradsync/detail/host_reduce.hpp>
-#include <gradsync/detail/progress_thread.hpp>
+#include <gradsync/detail/async_collectives.hpp>
 #include <gradsync/detail/wait.hpp>
 #include <gradsync/dtype.hpp>
 #include <gradsync/error.hpp>
@@ -495,8 +495,7 @@ public:
             next_seq_ = other.next_seq_;
             faults_ = std::move(other.faults_);
             held_ = std::move(other.held_);
-            progress_ = std::move(other.progress_);
-            last_async_ = std::move(other.last_async_);
+            async_ = std::move(other.async_);
         }
         return *this;
     }
@@ -663,10 +662,7 @@ private:
     // Synchronous calls run on the caller's thread, after the rank's pending asynchronous ones.
     void run_now(const detail::LocalCall& call) {
         release_held();
-        if (last_async_) {
-            last_async_->wait_until(std::chrono::steady_clock::time_point::max());
-            last_async_.reset();
-        }
+        async_.wait_for_all();
         execute(*group_, rank_, call, fault_at(call.seq));
     }
 
@@ -685,16 +681,8 @@ private:
 
     void post(const detail::LocalCall& call, std::shared_ptr<detail::Completion> done,
               std::optional<LocalFault> fault) {
-        if (!progress_) progress_ = std::make_unique<detail::ProgressThread>();
-        progress_->post([group = group_, rank = rank_, call, done, fault] {
-            try {
-                execute(*group, rank, call, fault);
-                done->finish();
-            } catch (...) {
-                done->finish(std::current_exception());
-            }
-        });
-        last_async_ = std::move(done);
+        async_.launch([group = group_, rank = rank_, call, fault] { execute(*group, rank, call, fault); },
+                      std::move(done));
     }
 
     void release_held() {
@@ -707,8 +695,7 @@ private:
     void leave() {
         if (!group_) return;
         release_held();
-        progress_.reset();  // drains the queue: every task ends by its deadline
-        last_async_.reset();
+        async_.stop();  // drains the queue: every task ends by its deadline
         group_->depart(rank_);
         group_.reset();
     }
@@ -723,8 +710,7 @@ private:
     std::uint64_t next_seq_ = 0;
     std::vector<LocalFault> faults_;
     std::optional<Held> held_;  // a call a swap_with_next fault holds back
-    std::unique_ptr<detail::ProgressThread> progress_;
-    std::shared_ptr<detail::Completion> last_async_;
+    detail::AsyncCollectives async_;
 };
 
 }  // namespace gradsync::inline v0

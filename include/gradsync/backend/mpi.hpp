@@ -12,7 +12,7 @@
 #include <gradsync/backend.hpp>
 #include <gradsync/bytes.hpp>
 #include <gradsync/detail/host_reduce.hpp>
-#include <gradsync/detail/progress_thread.hpp>
+#include <gradsync/detail/async_collectives.hpp>
 #include <gradsync/dtype.hpp>
 #include <gradsync/environment.hpp>
 #include <gradsync/error.hpp>
@@ -478,7 +478,7 @@ public:
     MpiBackend(const MpiBackend&) = delete;
     MpiBackend& operator=(const MpiBackend&) = delete;
     ~MpiBackend() {
-        progress_.reset();  // drains: every queued collective ends, or the watchdog ends the job
+        async_.stop();  // drains: every queued collective ends, or the watchdog ends the job
         {
             std::lock_guard lock(watch_mutex_);
             stop_ = true;
@@ -700,26 +700,14 @@ private:
     // Runs a collective on this thread, after every asynchronous one launched before it.
     template <class F>
     void run_now(const std::string& what, F&& body) {
-        if (last_async_) {
-            last_async_->wait_until(std::chrono::steady_clock::time_point::max());
-            last_async_.reset();
-        }
+        async_.wait_for_all();
         guarded(what, body);
     }
 
     template <class F>
     CollectiveHandle launch(std::string what, F body) {
         auto done = std::make_shared<detail::Completion>();
-        if (!progress_) progress_ = std::make_unique<detail::ProgressThread>();
-        progress_->post([this, what = std::move(what), body = std::move(body), done]() mutable {
-            try {
-                guarded(what, body);
-                done->finish();
-            } catch (...) {
-                done->finish(std::current_exception());
-            }
-        });
-        last_async_ = done;
+        async_.launch([this, what = std::move(what), body = std::move(body)]() mutable { guarded(what, body); }, done);
         return CollectiveHandle(std::move(done));
     }
 
@@ -805,8 +793,7 @@ private:
     std::vector<std::pair<std::uint64_t, std::function<std::string()>>> reporters_;
     std::uint64_t next_reporter_ = 0;
 
-    std::shared_ptr<detail::Completion> last_async_;
-    std::unique_ptr<detail::ProgressThread> progress_;  // last: destroyed first, drained before the rest
+    detail::AsyncCollectives async_;  // last: destroyed first, drained before the rest
 };
 
 }  // namespace gradsync::inline v0
