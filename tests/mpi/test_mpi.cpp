@@ -1,8 +1,7 @@
 // MpiBackend and DataParallel<Model, MpiBackend> across processes. Run under mpirun with 2, 3 and
 // 4 processes (ctest does, also over TCP): every process runs every test case, and a check that
 // fails on one rank fails the whole run. Results are compared across ranks through plain MPI.
-#define DOCTEST_CONFIG_IMPLEMENT
-#include <doctest/doctest.h>
+#include "mpi/doctest_main.hpp"
 
 #include <gradsync/backend/mpi.hpp>
 #include <gradsync/gradsync.hpp>
@@ -395,15 +394,4 @@ TEST_CASE("checkpoint over MPI: a file only rank 0 can read is broadcast; a bad 
     CHECK(model.w1 != std::vector<float>(model.w1.size(), 0.0f));
     MPI_Barrier(gradsync::mpi_world());
     if (world_rank() == 0) std::filesystem::remove(path);
-}
-
-int main(int argc, char** argv) {
-    gradsync::MpiSession mpi(argc, argv);
-    doctest::Context context(argc, argv);
-    context.setOption("no-colors", true);                       // ctest logs, not terminals
-    if (world_rank() != 0) context.setOption("minimal", true);  // one full report; every rank's failures
-    const int failed = context.run();
-    int any = failed != 0 ? 1 : 0, worst = 0;
-    MPI_Allreduce(&any, &worst, 1, MPI_INT, MPI_MAX, gradsync::mpi_world());
-    return worst;
 }

@@ -1,7 +1,6 @@
 // NCCL's unique id through MPI, under mpirun (ctest runs it with 3 processes). Needs NCCL's
 // library, not a GPU: creating the id opens the bootstrap socket only.
-#define DOCTEST_CONFIG_IMPLEMENT
-#include <doctest/doctest.h>
+#include "mpi/doctest_main.hpp"
 
 #include <gradsync/backend/nccl_mpi.hpp>
 
@@ -57,17 +56,4 @@ TEST_CASE("nccl_unique_id: a root that cannot make one fails every rank with NCC
     // Still usable afterwards.
     const ncclUniqueId id = gradsync::nccl_unique_id();
     for (const auto& other : gather(id)) CHECK(same(other, id));
-}
-
-int main(int argc, char** argv) {
-    gradsync::MpiSession mpi(argc, argv);
-    doctest::Context context(argc, argv);
-    context.setOption("no-colors", true);
-    int rank = 0;
-    MPI_Comm_rank(gradsync::mpi_world(), &rank);
-    if (rank != 0) context.setOption("minimal", true);
-    const int failed = context.run();
-    int any = failed != 0 ? 1 : 0, worst = 0;
-    MPI_Allreduce(&any, &worst, 1, MPI_INT, MPI_MAX, gradsync::mpi_world());
-    return worst;
 }

@@ -253,10 +253,9 @@ inline MPI_Comm join_singletons(const ProcessPlace& place, std::chrono::seconds 
         check(MPI_Comm_connect(port, MPI_INFO_NULL, 0, MPI_COMM_SELF, &inter), "MPI_Comm_connect");
         check(MPI_Intercomm_merge(inter, 1, &group), "MPI_Intercomm_merge");
         MPI_Comm_free(&inter);
-        MPI_Comm_set_errhandler(group, MPI_ERRORS_RETURN);
-        connect_all_pairs(group);
     }
     MPI_Comm_set_errhandler(group, MPI_ERRORS_RETURN);  // inherited by the groups it grows into
+    if (place.rank != 0) connect_all_pairs(group);
     for (int size = 0; MPI_Comm_size(group, &size), size < place.world_size;) {
         joined = size;
         const std::string name = turn(size);  // the next rank's
@@ -286,9 +285,8 @@ inline MPI_Comm join_singletons(const ProcessPlace& place, std::chrono::seconds 
 // processes that wait by spinning on fewer cores than processes slow each other down a
 // hundredfold. A torchrun-style launch has no mpirun to say so: say it for Open MPI, unless the
 // user did. Before MPI_Init, which reads it.
-inline void yield_when_oversubscribed() {
+inline void yield_when_oversubscribed([[maybe_unused]] const ProcessPlace& launcher) {
 #ifdef OPEN_MPI
-    const auto launcher = process_place();
     if (launcher.world_size <= 1 || real_env("OMPI_COMM_WORLD_SIZE") || real_env("OMPI_MCA_mpi_yield_when_idle"))
         return;
     if (unsigned(launcher.local_world_size) > std::thread::hardware_concurrency())
@@ -329,10 +327,11 @@ public:
 
 private:
     MpiSession(int* argc, char*** argv, std::chrono::seconds join_timeout) {
+        const auto launcher = process_place();
         int initialized = 0;
         MPI_Initialized(&initialized);
         if (!initialized) {
-            detail::yield_when_oversubscribed();
+            detail::yield_when_oversubscribed(launcher);
             int provided = MPI_THREAD_SINGLE;
             const int rc = MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided);
             if (rc != MPI_SUCCESS)
@@ -346,7 +345,6 @@ private:
                                   "progress thread calls MPI). Use an MPI library built with thread support.");
         int size = 1;
         MPI_Comm_size(MPI_COMM_WORLD, &size);
-        const auto launcher = process_place();
         if (size == 1 && launcher.world_size > 1 && detail::joined_world == MPI_COMM_NULL) {
             detail::joined_world = detail::join_singletons(launcher, join_timeout);
             joined_ = true;
