@@ -277,6 +277,21 @@ inline MPI_Comm join_singletons(const ProcessPlace& place, std::chrono::seconds 
     }
     joined = place.world_size;
     if (place.rank == 0) MPI_Close_port(port);
+    // A RANK given twice can still fill a later rank's place (its connect was pending on the same
+    // port): every process must sit where its RANK says.
+    std::vector<int> ranks(static_cast<std::size_t>(place.world_size));
+    check(MPI_Allgather(&place.rank, 1, MPI_INT, ranks.data(), 1, MPI_INT, group), "MPI_Allgather");
+    std::string given;
+    bool in_place = true;
+    for (std::size_t i = 0; i < ranks.size(); ++i) {
+        in_place = in_place && ranks[i] == int(i);
+        given += (i == 0 ? "" : ", ") + std::to_string(ranks[i]);
+    }
+    if (!in_place) {
+        MPI_Comm_free(&group);
+        throw CollectiveError(who + ": the joined processes were given the ranks " + given + "; each of 0.." +
+                              std::to_string(place.world_size - 1) + " must be given once.");
+    }
     MPI_Comm_set_errhandler(group, MPI_ERRORS_ARE_FATAL);  // as MPI_COMM_WORLD's
     return group;
 }
