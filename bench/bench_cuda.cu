@@ -1,7 +1,9 @@
 // GPU benchmarks, each beside the device-to-device copy bandwidth measured in the same run
 // (bytes read + written): the fused finalize of a 256 MiB bucket, pack and unpack of one 256 MiB
-// tensor, and packing the ResNet-50 layout (161 tensors) in one launch. Without a CUDA device it says so and exits 0.
-// Built and run by bench/gpu-check.sh.
+// tensor, and packing the ResNet-50 layout (161 tensors) in one launch; and NcclBackend's host
+// cost per collective beside raw NCCL calls on the same GPU. Without a CUDA device it says so and
+// exits 0. Built and run by bench/gpu-check.sh.
+#include <gradsync/backend/nccl.hpp>
 #include <gradsync/cuda/check.hpp>
 #include <gradsync/cuda/finalize.cuh>
 #include <gradsync/cuda/pack.cuh>
@@ -9,6 +11,7 @@
 #include "model_layouts.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <functional>
 #include <vector>
@@ -73,6 +76,69 @@ void report(const char* name, double seconds, double bytes, double copy_gbs, dou
                 gbs / copy_gbs, target, gbs / copy_gbs >= target ? "met" : "MISSED");
 }
 
+// Host time to queue `buckets` allreduces of 1 MiB, per bucket: raw ncclAllReduce + cudaEventRecord
+// on a communicator of its own, against NcclBackend::allreduce_async (handle, watchdog and all),
+// both in a world of one on this GPU. Medians of 21 rounds.
+void bench_nccl_host_cost() {
+    constexpr int buckets = 200;
+    constexpr std::size_t count = std::size_t(1) << 18;  // 1 MiB of float
+    float* data = nullptr;
+    GRADSYNC_CUDA_CHECK(cudaMalloc(&data, buckets * count * sizeof(float)));
+    GRADSYNC_CUDA_CHECK(cudaMemset(data, 0, buckets * count * sizeof(float)));
+    ncclUniqueId id{}, raw_id{};
+    if (ncclGetUniqueId(&id) != ncclSuccess || ncclGetUniqueId(&raw_id) != ncclSuccess)
+        throw gradsync::Error("ncclGetUniqueId failed");
+    gradsync::NcclBackend<> backend(0, 1, 0, id);
+    ncclComm_t raw = nullptr;
+    if (ncclCommInitRank(&raw, 1, raw_id, 0) != ncclSuccess) throw gradsync::Error("ncclCommInitRank failed");
+    cudaStream_t stream = nullptr;
+    GRADSYNC_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    std::vector<cudaEvent_t> events(buckets);
+    for (auto& e : events) GRADSYNC_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+
+    const auto per_bucket_us = [&](const std::function<void()>& queue, const std::function<void()>& finish) {
+        std::vector<double> times;
+        for (int round = 0; round < 22; ++round) {
+            const auto t0 = std::chrono::steady_clock::now();
+            queue();
+            const auto t1 = std::chrono::steady_clock::now();
+            finish();
+            if (round > 0) times.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count() / buckets);
+        }
+        std::nth_element(times.begin(), times.begin() + 10, times.end());
+        return times[10];
+    };
+    const double raw_us = per_bucket_us(
+        [&] {
+            for (int b = 0; b < buckets; ++b) {
+                if (ncclAllReduce(data + b * count, data + b * count, count, ncclFloat32, ncclAvg, raw, stream) !=
+                    ncclSuccess)
+                    throw gradsync::Error("ncclAllReduce failed");
+                GRADSYNC_CUDA_CHECK(cudaEventRecord(events[std::size_t(b)], stream));
+            }
+        },
+        [&] { GRADSYNC_CUDA_CHECK(cudaStreamSynchronize(stream)); });
+    std::vector<gradsync::NcclHandle> handles;
+    handles.reserve(buckets);
+    const double ours_us = per_bucket_us(
+        [&] {
+            for (int b = 0; b < buckets; ++b)
+                handles.push_back(backend.allreduce_async(
+                    gradsync::Buffer{data + b * count, count, gradsync::DType::float32}, gradsync::ReduceOp::average));
+        },
+        [&] {
+            for (auto& h : handles) h.wait();
+            handles.clear();
+        });
+    std::printf("  %-34s %9.2f us per bucket; raw ncclAllReduce + event %.2f us: added %.2f us  (target <= 10: %s)\n",
+                "NcclBackend host cost, 1 MiB", ours_us, raw_us, ours_us - raw_us,
+                ours_us - raw_us <= 10.0 ? "met" : "MISSED");
+    for (auto e : events) cudaEventDestroy(e);
+    cudaStreamDestroy(stream);
+    ncclCommDestroy(raw);
+    cudaFree(data);
+}
+
 }  // namespace
 
 int main() {
@@ -112,5 +178,6 @@ int main() {
     report("pack, ResNet-50 (161 tensors)",
            median_seconds([&] { gradsync::cuda::pack<float>(layout_table, layout.bucket, layout.total, nullptr); }),
            layout.bytes_moved(), copy_gbs, 0.7);
+    bench_nccl_host_cost();
     return 0;
 }

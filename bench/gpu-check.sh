@@ -3,8 +3,8 @@
 # H200, unless GRADSYNC_CUDA_ARCH says otherwise), runs them, and writes everything to a results
 # file (first argument, default gpu-check-results.txt). A few minutes. Without a GPU the "gpu"
 # suite and the benchmarks would only say "skipped": here that is a failure.
-# Needs nvcc and doctest's header (Debian's doctest-dev, or the folder holding doctest/ in
-# DOCTEST_INCLUDE).
+# Needs nvcc, NCCL (the CUDA toolkit's, or under NCCL_HOME) and doctest's header (Debian's
+# doctest-dev, or the folder holding doctest/ in DOCTEST_INCLUDE).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 nvcc=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
@@ -14,6 +14,8 @@ build=build/gpu-check
 mkdir -p "$build"
 flags=(-std=c++20 -O3 "-gencode=arch=compute_$arch,code=sm_$arch" -Iinclude -Ibench)
 [ -z "${DOCTEST_INCLUDE:-}" ] || flags+=(-isystem "$DOCTEST_INCLUDE")
+[ -z "${NCCL_HOME:-}" ] || flags+=(-isystem "$NCCL_HOME/include" -L"$NCCL_HOME/lib")
+flags+=(-lnccl)
 {
     echo "== $(date -u +%FT%TZ) gradsync GPU check"
     nvidia-smi -L || true

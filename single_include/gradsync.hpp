@@ -678,11 +678,25 @@ concept ScatteredAllreduce = Backend<B> && requires(B& b, std::span<const Segmen
 
 // Optional capabilities DataParallel uses when a backend has them.
 
-// Collectives that carry a CollectiveTag, checked against the other ranks' at every call.
+// Collectives that carry a CollectiveTag (to name them in errors, and to check them).
 template <class B>
 concept TaggedCollectives = Backend<B> &&
     requires(B& b, Buffer buf, std::span<const Segment> segs, DType t, ReduceOp op, CollectiveTag tag) {
     { b.allreduce_async(buf, op, tag) } -> Waitable;
+};
+
+// ...and checked against the other ranks' tags at every call (`static constexpr bool
+// checks_tags = true`), so that DataParallel needs no per-step history check of its own.
+template <class B>
+concept CheckedCollectives = TaggedCollectives<B> && requires {
+    requires B::checks_tags;
+};
+
+// A backend whose collectives take device memory (`static constexpr bool device_memory = true`,
+// NcclBackend): DataParallel's gradients must then lie on the device.
+template <class B>
+concept DeviceBackend = Backend<B> && requires {
+    requires B::device_memory;
 };
 
 // abort(reason): every pending and future collective of every rank fails with `reason`, so that
@@ -1637,6 +1651,8 @@ public:
 
 class LocalBackend {
 public:
+    static constexpr bool checks_tags = true;  // every collective's tag is compared with rank 0's
+
     // A group of `size` ranks; element r is rank r's handle. Hand each to its own thread; a
     // handle is used by one thread at a time.
     static std::vector<LocalBackend> create_group(int size, LocalGroupOptions options = {}) {
@@ -3357,6 +3373,15 @@ public:
         (std::is_same_v<packing_type, AutoPacking> && ScatteredAllreduce<BackendT>);
     using handle_type = typename detail::handle_of<BackendT, reduces_in_place>::type;
 
+    // Gradients on the device (NcclBackend) under the host memory policy: each bucket is reduced
+    // where it lies, as one contiguous buffer, and DataParallel touches no gradient memory
+    // itself. The passes that would (packing, unscaling, measuring, clipping, zeroing unused
+    // parameters) are refused with an error until a device memory policy takes them over.
+    static constexpr bool gradients_untouchable = DeviceBackend<BackendT> && std::is_same_v<memory_type, HostMemory>;
+    static_assert(!gradients_untouchable || !compression_type::compresses,
+                  "gradsync: wire compression of device gradients needs a device memory policy, which does not "
+                  "exist yet; use NoCompression with NcclBackend");
+
     // Lists the model's parameters and buffers, checks them on every rank, agrees on the layout
     // with every rank, and copies rank 0's parameter (and buffer) values to every rank. A problem
     // on any rank throws the same exception on every rank. Model and backend must outlive this.
@@ -3591,6 +3616,13 @@ private:
             phase_.store(Phase::synchronizing, std::memory_order_release);
             stats_ = Stats{};
             finalizing_ = want_stats || scaler_.scale() != 1.0f || options_.clip_norm > 0;
+            if constexpr (gradients_untouchable) {
+                if (finalizing_)
+                    throw Error("gradsync: rank " + std::to_string(rank()) +
+                                ": step(), loss scaling and clipping need the finalize pass over the gradients, "
+                                "which does not run on device gradients yet; call synchronize() and apply the "
+                                "optimizer (and any unscaling) yourself");
+            }
             if (overlapped) {
                 complete_readiness();
             } else if (backend_.size() > 1) {
@@ -3603,7 +3635,7 @@ private:
                 if (slots_[b].redo) reduce_again_in_float(b);
             if (options_.clip_norm > 0) clip();
             sync_buffers(/*at_construction=*/false);
-            if constexpr (!TaggedCollectives<BackendT>) verify_histories();
+            if constexpr (!CheckedCollectives<BackendT>) verify_histories();
             timeline_.span("step", current_step(), -1, step_began_, std::chrono::steady_clock::now());
             if (overlapped) maybe_rebuild();
             reset_step();
@@ -3635,6 +3667,9 @@ private:
         std::string problem = detail::find_model_problem(std::span<const Parameter>(params_),
                                                          std::span<const ModelBuffer>(buffers_), backend_);
         if (problem.empty()) plan_ = bucketer_.plan(params_);
+        if constexpr (gradients_untouchable) {
+            if (problem.empty()) problem = device_gradients_problem();
+        }
         if (backend_.size() == 1) {
             if (!problem.empty()) throw InvalidModel("gradsync: invalid model on rank 0: " + problem);
         } else {
@@ -3665,6 +3700,28 @@ private:
                     (reduces_in_place ? "reduced in place" : "packed") + ", wire " + to_string(compression_type::wire) +
                     ", " + std::to_string(view_buckets()) + " view buckets; bucket plan: " + to_string(plan_));
         }
+    }
+
+    // Why this model cannot go the device path as it stands: unused parameters would be zeroed by
+    // the host, and a bucket whose gradients are not one contiguous stretch would be packed by it.
+    [[nodiscard]] std::string device_gradients_problem() const {
+        if (options_.find_unused_parameters)
+            return "find_unused_parameters would zero device gradients on the host; it is not supported with " +
+                   std::string("device gradients yet");
+        for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
+            auto indices = plan_.buckets[b].parameters;
+            std::sort(indices.begin(), indices.end());
+            const std::size_t elem = size_of(plan_.buckets[b].dtype);
+            for (std::size_t k = 1; k < indices.size(); ++k) {
+                const auto& prev = params_[indices[k - 1]];
+                if (static_cast<const std::byte*>(prev.grad) + prev.count * elem != params_[indices[k]].grad)
+                    return "the gradients of bucket " + std::to_string(b) + " ('" + prev.name + "', '" +
+                           params_[indices[k]].name +
+                           "') are not adjacent in memory, and device gradients cannot be packed yet: give the "
+                           "model one gradient buffer in registration order (gradsync::ContiguousParameters)";
+            }
+        }
+        return {};
     }
 
     // (Re)builds the per-bucket state from plan_.
@@ -3838,7 +3895,8 @@ private:
     }
 
     // The backend's collectives, carrying the tag where the backend takes one.
-    void allreduce_now(std::span<const Segment> segs, DType t, ReduceOp op, CollectiveTag tag) {
+    void allreduce_now(std::span<const Segment> segs, DType t, ReduceOp op,
+                       CollectiveTag tag) requires ScatteredAllreduce<BackendT> {
         if constexpr (requires { backend_.allreduce(segs, t, op, tag); })
             backend_.allreduce(segs, t, op, tag);
         else
@@ -3850,7 +3908,8 @@ private:
         else
             backend_.allreduce(buf, op);
     }
-    handle_type allreduce_later(std::span<const Segment> segs, DType t, ReduceOp op, CollectiveTag tag) {
+    handle_type allreduce_later(std::span<const Segment> segs, DType t, ReduceOp op,
+                                CollectiveTag tag) requires ScatteredAllreduce<BackendT> {
         if constexpr (requires { backend_.allreduce_async(segs, t, op, tag); })
             return backend_.allreduce_async(segs, t, op, tag);
         else
@@ -4131,7 +4190,7 @@ private:
         return out;
     }
 
-    // Backends that cannot check tags: compare the collective histories once per step.
+    // Backends that do not check tags: compare the collective histories once per step.
     void verify_histories() {
         const int world = backend_.size();
         if (world == 1) return;
@@ -4175,8 +4234,9 @@ private:
     }
 
     // After the first overlapped step: buckets in the order rank 0 saw gradients become ready.
+    // Not for untouchable device gradients: the new buckets might not be contiguous.
     void maybe_rebuild() {
-        if (!options_.rebuild_buckets || rebuilt_) return;
+        if (gradients_untouchable || !options_.rebuild_buckets || rebuilt_) return;
         rebuilt_ = true;
         std::vector<std::uint64_t> order;
         std::vector<bool> seen(params_.size(), false);

@@ -164,11 +164,25 @@ concept ScatteredAllreduce = Backend<B> && requires(B& b, std::span<const Segmen
 
 // Optional capabilities DataParallel uses when a backend has them.
 
-// Collectives that carry a CollectiveTag, checked against the other ranks' at every call.
+// Collectives that carry a CollectiveTag (to name them in errors, and to check them).
 template <class B>
 concept TaggedCollectives = Backend<B> &&
     requires(B& b, Buffer buf, std::span<const Segment> segs, DType t, ReduceOp op, CollectiveTag tag) {
     { b.allreduce_async(buf, op, tag) } -> Waitable;
+};
+
+// ...and checked against the other ranks' tags at every call (`static constexpr bool
+// checks_tags = true`), so that DataParallel needs no per-step history check of its own.
+template <class B>
+concept CheckedCollectives = TaggedCollectives<B> && requires {
+    requires B::checks_tags;
+};
+
+// A backend whose collectives take device memory (`static constexpr bool device_memory = true`,
+// NcclBackend): DataParallel's gradients must then lie on the device.
+template <class B>
+concept DeviceBackend = Backend<B> && requires {
+    requires B::device_memory;
 };
 
 // abort(reason): every pending and future collective of every rank fails with `reason`, so that

@@ -4,7 +4,11 @@
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
+#include <gradsync/backend/nccl.hpp>
+#include <gradsync/backend/nccl_spawn.hpp>
+#include <gradsync/contiguous_parameters.hpp>
 #include <gradsync/cuda/check.hpp>
+#include <gradsync/data_parallel.hpp>
 #include <gradsync/cuda/finalize.cuh>
 #include <gradsync/cuda/pack.cuh>
 #include <gradsync/detail/finalize.hpp>
@@ -16,6 +20,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -150,6 +155,25 @@ void check_finalize_sizes() {
     check_finalize<T>(100'000, 0.5, /*poison=*/true);
 }
 
+// World of one: every allreduce leaves the values as they are (average) or scaled (pre-multiplied
+// sum); checked for one dtype, on device memory, with the result read back.
+template <class T>
+void check_world_of_one(gradsync::NcclBackend<>& backend, gradsync::DType dtype) {
+    std::vector<T> host(1000);
+    for (std::size_t i = 0; i < host.size(); ++i) host[i] = T(float(i % 97) - 48.0f);
+    DeviceArray<T> data(host.size());
+    data.upload(host);
+    gradsync::Buffer buf{data.data, data.size, dtype};
+    backend.allreduce_async(buf, gradsync::ReduceOp::average).wait();
+    CHECK(same_bytes(data.download(), host));
+    backend.allreduce(buf, gradsync::ReduceOp::sum);
+    CHECK(same_bytes(data.download(), host));
+    backend.allreduce_scaled_async(buf, 0.25).wait();  // a power of two: exact
+    std::vector<T> quarter = host;
+    for (auto& v : quarter) v = T(float(v) * 0.25f);
+    CHECK(same_bytes(data.download(), quarter));
+}
+
 }  // namespace
 
 TEST_SUITE("host") {
@@ -188,6 +212,146 @@ TEST_SUITE("gpu") {
         check_finalize_sizes<double>();
         check_finalize_sizes<gradsync::float16>();
         check_finalize_sizes<gradsync::bfloat16>();
+    }
+
+    TEST_CASE("NcclBackend, a world of one: every float dtype on the device, host buffers staged, broadcast") {
+        ncclUniqueId id{};
+        REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
+        gradsync::NcclBackend<> backend(0, 1, 0, id);
+        CHECK(backend.rank() == 0);
+        CHECK(backend.size() == 1);
+        check_world_of_one<float>(backend, gradsync::DType::float32);
+        check_world_of_one<double>(backend, gradsync::DType::float64);
+        check_world_of_one<gradsync::float16>(backend, gradsync::DType::float16);
+        check_world_of_one<gradsync::bfloat16>(backend, gradsync::DType::bfloat16);
+
+        std::vector<double> host = {1.5, -2.0, 3.25};  // host memory: staged through the device
+        backend.allreduce(gradsync::Buffer{host.data(), host.size(), gradsync::DType::float64},
+                          gradsync::ReduceOp::average);
+        CHECK(host == std::vector<double>{1.5, -2.0, 3.25});
+        std::vector<std::byte> bytes(100, std::byte{7});
+        backend.broadcast(bytes, 0);
+        CHECK(bytes == std::vector<std::byte>(100, std::byte{7}));
+        backend.barrier();
+
+        // A stream of the caller's waits for a collective without the host waiting.
+        DeviceArray<float> data(1 << 20);
+        auto handle = backend.allreduce_async(gradsync::Buffer{data.data, data.size, gradsync::DType::float32},
+                                              gradsync::ReduceOp::average);
+        cudaStream_t mine = nullptr;
+        GRADSYNC_CUDA_CHECK(cudaStreamCreateWithFlags(&mine, cudaStreamNonBlocking));
+        handle.then(mine);
+        GRADSYNC_CUDA_CHECK(cudaStreamSynchronize(mine));
+        CHECK(handle.ready());
+        GRADSYNC_CUDA_CHECK(cudaStreamDestroy(mine));
+
+        CHECK_THROWS_AS(
+            backend.allreduce(gradsync::Buffer{data.data, 1, gradsync::DType::int32}, gradsync::ReduceOp::sum),
+            gradsync::CollectiveError);
+        backend.abort("gradsync: rank 0: aborted by the test");
+        CHECK_THROWS_WITH_AS(backend.barrier(), "gradsync: rank 0: aborted by the test", gradsync::CollectiveError);
+    }
+
+    TEST_CASE("NcclBackend<Ring> and <Tree> join and reduce (NCCL_ALGO set for their initialization)") {
+        ncclUniqueId id{};
+        REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
+        gradsync::NcclBackend<gradsync::nccl::Ring> ring(0, 1, 0, id);
+        REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
+        gradsync::NcclBackend<gradsync::nccl::Tree> tree(0, 1, 0, id);
+        float one = 1;
+        ring.allreduce(gradsync::Buffer{&one, 1, gradsync::DType::float32}, gradsync::ReduceOp::sum);
+        tree.allreduce(gradsync::Buffer{&one, 1, gradsync::DType::float32}, gradsync::ReduceOp::sum);
+        CHECK(one == 1.0f);
+    }
+
+    TEST_CASE("nccl_spawn: one thread per GPU, each rank's values summed and averaged") {
+        const int n = gradsync::cuda_devices().count;
+        std::vector<float> sums(static_cast<std::size_t>(n)), averages(static_cast<std::size_t>(n));
+        gradsync::nccl_spawn(n, [&](gradsync::NcclBackend<>& backend) {
+            DeviceArray<float> data(4096);
+            const auto r = static_cast<std::size_t>(backend.rank());
+            data.upload(std::vector<float>(data.size, float(r + 1)));
+            backend.allreduce(gradsync::Buffer{data.data, data.size, gradsync::DType::float32},
+                              gradsync::ReduceOp::sum);
+            sums[r] = data.download().back();
+            data.upload(std::vector<float>(data.size, float(r + 1)));
+            backend.allreduce(gradsync::Buffer{data.data, data.size, gradsync::DType::float32},
+                              gradsync::ReduceOp::average);
+            averages[r] = data.download().front();
+        });
+        for (int r = 0; r < n; ++r) {
+            CHECK(sums[std::size_t(r)] == float(n * (n + 1) / 2));
+            CHECK(averages[std::size_t(r)] == doctest::Approx(float(n + 1) / 2.0f));
+        }
+    }
+
+    TEST_CASE("nccl_spawn: a rank that throws aborts the others and its exception is rethrown") {
+        const int n = gradsync::cuda_devices().count;
+        CHECK_THROWS_WITH_AS(gradsync::nccl_spawn(n,
+                                                  [](gradsync::NcclBackend<>& backend) {
+                                                      if (backend.rank() == 0) throw gradsync::Error("rank 0 fails");
+                                                      backend.barrier();  // waits for rank 0: ended by the abort
+                                                  }),
+                             "rank 0 fails", gradsync::Error);
+    }
+
+    TEST_CASE("NcclBackend: a rank that never joins ends the join at the deadline, naming it") {
+        ncclUniqueId id{};
+        REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
+        const auto began = std::chrono::steady_clock::now();
+        std::string what;
+        try {
+            gradsync::NcclBackend<> alone(0, 2, 0, id, gradsync::NcclOptions{.timeout = std::chrono::seconds(2)});
+        } catch (const gradsync::TimeoutError& e) {
+            what = e.what();
+        }
+        CHECK(what.find("gradsync: rank 0 of 2 (NCCL, GPU 0): the ranks did not all join the NCCL communicator "
+                        "within 2000 ms") == 0);
+        CHECK(std::chrono::steady_clock::now() - began < std::chrono::seconds(30));
+    }
+
+    TEST_CASE("NcclBackend: two ranks on one GPU are refused with NCCL's words, not a hang") {
+        ncclUniqueId id{};
+        REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
+        std::string errors[2];
+        std::vector<std::thread> threads;
+        for (int r = 0; r < 2; ++r) {
+            threads.emplace_back([&, r] {
+                try {
+                    gradsync::NcclBackend<> backend(r, 2, 0, id,
+                                                    gradsync::NcclOptions{.timeout = std::chrono::seconds(30)});
+                } catch (const gradsync::Error& e) {
+                    errors[r] = e.what();
+                }
+            });
+        }
+        for (auto& t : threads) t.join();
+        CAPTURE(errors[0]);
+        CAPTURE(errors[1]);
+        CHECK((errors[0].find("the same GPU") != std::string::npos ||
+               errors[1].find("the same GPU") != std::string::npos));
+    }
+
+    TEST_CASE(
+        "DataParallel<NcclBackend>, a world of one: contiguous device gradients synchronize; step() is "
+        "refused until the finalize pass runs on the device") {
+        ncclUniqueId id{};
+        REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
+        gradsync::NcclBackend<> backend(0, 1, 0, id);
+        const std::vector<std::size_t> sizes = {300, 7, 4096};
+        DeviceArray<float> weights(4403), grads(4403);
+        std::vector<float> g(4403);
+        for (std::size_t i = 0; i < g.size(); ++i) g[i] = float(i) * 0.5f;
+        grads.upload(g);
+        gradsync::ContiguousParameters<float> model(weights.data, grads.data, sizes);
+        gradsync::DataParallel dp(model, backend);
+        for (std::size_t i = 0; i < sizes.size(); ++i) dp.grad_ready(i);
+        dp.synchronize();
+        CHECK(same_bytes(grads.download(), g));
+        CHECK_THROWS_WITH_AS(dp.step([] {}),
+                             doctest::Contains("need the finalize pass over the gradients, which does not run on "
+                                               "device gradients yet"),
+                             gradsync::Error);
     }
 }
 

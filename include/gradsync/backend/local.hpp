@@ -472,6 +472,8 @@ public:
 
 class LocalBackend {
 public:
+    static constexpr bool checks_tags = true;  // every collective's tag is compared with rank 0's
+
     // A group of `size` ranks; element r is rank r's handle. Hand each to its own thread; a
     // handle is used by one thread at a time.
     static std::vector<LocalBackend> create_group(int size, LocalGroupOptions options = {}) {

@@ -1,0 +1,526 @@
+// NcclBackend<Algo>: gradsync's collectives over NCCL, one rank per GPU. A collective is queued
+// on the backend's communication stream and returns at once; its handle completes when the
+// stream has done it. The communicator is non-blocking, and a watchdog aborts it (ncclCommAbort)
+// when a collective misses its deadline or NCCL reports an asynchronous error, so that every
+// pending and later call throws, naming the rank, the operation and NCCL's words, instead of
+// hanging. Buffers in host memory (the library's small control messages: layout agreement,
+// barriers) are staged through device memory. Not included by <gradsync/gradsync.hpp>: needs
+// <nccl.h>, the CUDA runtime and NCCL's library.
+//
+//   auto place = gradsync::nccl_place_from_environment();  // torchrun-style variables
+//   gradsync::NcclBackend<> backend(place);
+#pragma once
+
+#include <gradsync/backend.hpp>
+#include <gradsync/backend/nccl_environment.hpp>
+#include <gradsync/bytes.hpp>
+#include <gradsync/cuda/check.hpp>
+#include <gradsync/detail/watchdog.hpp>
+#include <gradsync/error.hpp>
+#include <gradsync/half.hpp>
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <chrono>
+#include <cstdlib>  // for std::getenv, setenv, unsetenv
+#include <cstring>  // for std::memcpy
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <thread>
+#include <utility>  // for std::exchange
+#include <vector>
+
+namespace gradsync::inline v0 {
+
+// The allreduce algorithm of a communicator: NcclBackend<nccl::Ring>. NCCL has no per-communicator
+// setting for it; it reads NCCL_ALGO (uncached, through ncclGetEnv) while it tunes a communicator
+// at initialization. NcclBackend therefore sets NCCL_ALGO to "allreduce:ring" or "allreduce:tree"
+// for the span of its own initialization, under a process-wide lock, and restores it after, so
+// that other communicators of the process keep theirs. Auto leaves NCCL_ALGO as the user set it.
+namespace nccl {
+struct Auto {
+    static constexpr const char* allreduce = nullptr;
+};
+struct Ring {
+    static constexpr const char* allreduce = "allreduce:ring";
+};
+struct Tree {
+    static constexpr const char* allreduce = "allreduce:tree";
+};
+}  // namespace nccl
+
+struct NcclOptions {
+    // Joining the communicator, and every collective, must end by this long after it began;
+    // otherwise the communicator is aborted and the waiters throw.
+    std::chrono::milliseconds timeout{std::chrono::minutes(10)};
+    // The communication stream; null: the backend creates a non-blocking stream of its own.
+    cudaStream_t stream = nullptr;
+    // How often the watchdog thread looks at the pending collectives; zero: no thread, only the
+    // waiters look (a rank that never waits then only learns of a hang from its own sync).
+    std::chrono::milliseconds watchdog_period{100};
+};
+
+namespace detail {
+
+inline std::optional<ncclDataType_t> nccl_type(DType t) {
+    switch (t) {
+        case DType::float32: return ncclFloat32;
+        case DType::float64: return ncclFloat64;
+        case DType::float16: return ncclFloat16;
+        case DType::bfloat16: return ncclBfloat16;
+        case DType::int32: return ncclInt32;
+        case DType::int64: return ncclInt64;
+    }
+    return std::nullopt;
+}
+
+// "unhandled cuda error (...NCCL's last error...)"
+inline std::string nccl_words(ncclResult_t result, ncclComm_t comm) {
+    std::string out = ncclGetErrorString(result);
+    const char* last = ncclGetLastError(comm);
+    if (last != nullptr && *last != '\0') out += std::string(" (") + last + ")";
+    return out;
+}
+
+inline std::mutex& nccl_algo_mutex() {
+    static std::mutex mutex;
+    return mutex;
+}
+
+// Sets NCCL_ALGO while it lives (nothing for a null value), holding the process-wide lock so
+// that two communicators initializing at once do not see each other's choice; restores it.
+class ScopedNcclAlgo {
+public:
+    explicit ScopedNcclAlgo(const char* algo) {
+        if (algo == nullptr) return;
+        lock_ = std::unique_lock(nccl_algo_mutex());
+        if (const char* before = std::getenv("NCCL_ALGO")) before_ = before;
+        if (::setenv("NCCL_ALGO", algo, 1) != 0) throw Error("gradsync: cannot set NCCL_ALGO");
+    }
+    ScopedNcclAlgo(const ScopedNcclAlgo&) = delete;
+    ScopedNcclAlgo& operator=(const ScopedNcclAlgo&) = delete;
+    ~ScopedNcclAlgo() {
+        if (!lock_) return;
+        if (before_)
+            ::setenv("NCCL_ALGO", before_->c_str(), 1);
+        else
+            ::unsetenv("NCCL_ALGO");
+    }
+
+private:
+    std::unique_lock<std::mutex> lock_;
+    std::optional<std::string> before_;
+};
+
+// Makes `device` current while it lives and restores the caller's.
+class DeviceScope {
+public:
+    explicit DeviceScope(int device) {
+        GRADSYNC_CUDA_CHECK(cudaGetDevice(&before_));
+        if (before_ != device) GRADSYNC_CUDA_CHECK(cudaSetDevice(device));
+        changed_ = before_ != device;
+    }
+    DeviceScope(const DeviceScope&) = delete;
+    DeviceScope& operator=(const DeviceScope&) = delete;
+    ~DeviceScope() {
+        if (changed_) cudaSetDevice(before_);
+    }
+
+private:
+    int before_ = 0;
+    bool changed_ = false;
+};
+
+// True for memory the GPU can address (device or managed); false for host memory, which NCCL
+// cannot take.
+inline bool device_addressable(const void* p) {
+    cudaPointerAttributes attributes{};
+    if (cudaPointerGetAttributes(&attributes, p) != cudaSuccess) {
+        cudaGetLastError();
+        return false;
+    }
+    return attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged;
+}
+
+}  // namespace detail
+
+// Handle to a collective queued on an NcclBackend's stream (the Waitable concept). The buffers
+// must stay valid, and untouched, until it has completed.
+class NcclHandle {
+public:
+    NcclHandle() = default;  // an already completed no-op
+    NcclHandle(std::shared_ptr<detail::WatchedOp> op, std::shared_ptr<detail::Watchdog> watchdog)
+        : op_(std::move(op)), watchdog_(std::move(watchdog)) {}
+
+    [[nodiscard]] bool ready() const { return !op_ || watchdog_->ready(*op_); }
+    void wait() const { (void)wait_until(std::chrono::steady_clock::time_point::max()); }
+    // False when `deadline` passed first; throws when the communicator failed first.
+    [[nodiscard]] bool wait_until(std::chrono::steady_clock::time_point deadline) const {
+        return !op_ || watchdog_->wait_until(*op_, deadline);
+    }
+    // When the watchdog or a waiter saw it complete (for timelines); only meaningful once ready().
+    [[nodiscard]] std::chrono::steady_clock::time_point finished_at() const {
+        return op_ ? op_->finished_at : std::chrono::steady_clock::time_point{};
+    }
+    // Makes `stream` wait for this collective, without blocking the host.
+    void then(cudaStream_t stream) const {
+        if (!op_) return;
+        watchdog_->run([&] {
+            if (!op_->done.load(std::memory_order_acquire))
+                GRADSYNC_CUDA_CHECK(cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(op_->event), 0));
+        });
+    }
+
+private:
+    std::shared_ptr<detail::WatchedOp> op_;
+    std::shared_ptr<detail::Watchdog> watchdog_;
+};
+
+template <class Algo = nccl::Auto>
+class NcclBackend {
+public:
+    using algorithm = Algo;
+    static constexpr bool device_memory = true;  // collectives take device (or managed) memory
+
+    // Joins the communicator of `place` (nccl_place_from_environment()): selects its device,
+    // creates a non-blocking communicator and waits until every rank has joined, by the
+    // timeout. Every rank must construct its backend; one that never does ends the others' wait
+    // at the deadline with a TimeoutError.
+    explicit NcclBackend(const NcclPlace& place, NcclOptions options = {})
+        : NcclBackend(place.place.rank, place.place.world_size, place.device, place.id, options) {}
+
+    // Rank `rank` of `size` on CUDA device `device`, all ranks with the same `id`.
+    NcclBackend(int rank, int size, int device, const ncclUniqueId& id, NcclOptions options = {})
+        : state_(std::make_unique<State>()) {
+        auto& s = *state_;
+        s.rank = rank;
+        s.size = size;
+        s.device = device;
+        s.timeout = options.timeout;
+        s.who = "gradsync: rank " + std::to_string(rank) + " of " + std::to_string(size) + " (NCCL, GPU " +
+                std::to_string(device) + ")";
+        if (size < 1 || rank < 0 || rank >= size)
+            throw Error(s.who + ": the rank must be at least 0 and below the world size, which must be at least 1");
+        try {
+            GRADSYNC_CUDA_CHECK(cudaSetDevice(device));
+        } catch (const CudaError& e) {
+            throw CudaError(s.who + ": cannot use CUDA device " + std::to_string(device) + ": " + e.what(), e.code());
+        }
+        if (options.stream != nullptr) {
+            s.stream = options.stream;
+        } else {
+            GRADSYNC_CUDA_CHECK(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking));
+            s.own_stream = true;
+        }
+        join(id);
+        State* raw = state_.get();
+        s.watchdog = std::make_shared<detail::Watchdog>(
+            s.who,
+            detail::WatchedDevice{
+                .finished =
+                    [](void* event) {
+                        const cudaError_t code = cudaEventQuery(static_cast<cudaEvent_t>(event));
+                        if (code == cudaErrorNotReady) return false;
+                        GRADSYNC_CUDA_CHECK(code);
+                        return true;
+                    },
+                .error = [raw]() -> std::string {
+                    ncclResult_t async = ncclSuccess;
+                    const ncclResult_t got = ncclCommGetAsyncError(raw->comm, &async);
+                    if (got != ncclSuccess) return detail::nccl_words(got, raw->comm);
+                    if (async == ncclSuccess || async == ncclInProgress) return {};
+                    return detail::nccl_words(async, raw->comm);
+                },
+                .abort = [raw] { raw->abort_comm(); },
+                .release = [raw](void* event) { raw->events.push_back(static_cast<cudaEvent_t>(event)); }},
+            options.watchdog_period);
+    }
+
+    NcclBackend(NcclBackend&&) noexcept = default;
+    NcclBackend& operator=(NcclBackend&&) = delete;
+    NcclBackend(const NcclBackend&) = delete;
+    NcclBackend& operator=(const NcclBackend&) = delete;
+
+    // Flushes the communicator (ncclCommFinalize, by the timeout) and frees it; a failed or
+    // late one is aborted instead.
+    ~NcclBackend() {
+        if (!state_) return;
+        try {
+            state_->close();
+        } catch (...) {  // a destructor must not throw
+        }
+    }
+
+    [[nodiscard]] int rank() const { return state_->rank; }
+    [[nodiscard]] int size() const { return state_->size; }
+    [[nodiscard]] int device() const { return state_->device; }
+    [[nodiscard]] cudaStream_t stream() const { return state_->stream; }
+    [[nodiscard]] ncclComm_t comm() const { return state_->comm; }
+    [[nodiscard]] bool supports(DType t) const {
+        return t == DType::float32 || t == DType::float64 || t == DType::float16 || t == DType::bfloat16;
+    }
+
+    // Sum or average (ncclAvg: NCCL folds the 1/size into the reduction) of `buf` over the
+    // ranks, in place.
+    NcclHandle allreduce_async(Buffer buf, ReduceOp op, CollectiveTag tag = {}) {
+        const ncclDataType_t type = reducible_type(buf.dtype, "allreduce");
+        const ncclRedOp_t nop = op == ReduceOp::average ? ncclAvg : ncclSum;
+        return queue("allreduce", buf.data, buf.count * size_of(buf.dtype), buf.dtype, tag, [&](void* data, State& s) {
+            return ncclAllReduce(data, data, buf.count, type, nop, s.comm, s.stream);
+        });
+    }
+    void allreduce(Buffer buf, ReduceOp op, CollectiveTag tag = {}) { allreduce_async(buf, op, tag).wait(); }
+
+    // The sum over the ranks of `factor` times each rank's `buf`, in one pass (NCCL's
+    // pre-multiplied sum): folds an unscaling factor such as 1/(size * loss scale) into the
+    // reduction. Exact where the factor is a power of two.
+    NcclHandle allreduce_scaled_async(Buffer buf, double factor, CollectiveTag tag = {}) {
+        const ncclDataType_t type = reducible_type(buf.dtype, "allreduce");
+        return queue("allreduce", buf.data, buf.count * size_of(buf.dtype), buf.dtype, tag, [&](void* data, State& s) {
+            ncclRedOp_t op{};
+            const auto scalar = scalar_of(buf.dtype, factor);
+            ncclResult_t r = ncclRedOpCreatePreMulSum(&op, const_cast<std::byte*>(scalar.data()), type,
+                                                      ncclScalarHostImmediate, s.comm);
+            if (r != ncclSuccess) return r;
+            r = ncclAllReduce(data, data, buf.count, type, op, s.comm, s.stream);
+            // Allowed as soon as the last call given the operator has returned.
+            const ncclResult_t destroyed = ncclRedOpDestroy(op, s.comm);
+            return r != ncclSuccess ? r : destroyed;
+        });
+    }
+
+    // Copies `root`'s bytes to every rank.
+    NcclHandle broadcast_async(std::span<std::byte> bytes, int root, CollectiveTag tag = {}) {
+        check_root(root);
+        return queue("broadcast", bytes.data(), bytes.size(), std::nullopt, tag, [&](void* data, State& s) {
+            return ncclBroadcast(data, data, bytes.size(), ncclUint8, root, s.comm, s.stream);
+        });
+    }
+    void broadcast(std::span<std::byte> bytes, int root, CollectiveTag tag = {}) {
+        broadcast_async(bytes, root, tag).wait();
+    }
+
+    // Returns when every rank has reached it (an allreduce of one value), by the timeout.
+    void barrier() {
+        float one = 1;
+        allreduce(Buffer{&one, 1, DType::float32}, ReduceOp::sum);
+    }
+
+    // Fails every pending and later collective of this rank with `reason` and aborts the
+    // communicator, so that this rank stops waiting for its peers. Peers learn of it through
+    // their own deadline or NCCL's error.
+    void abort(const std::string& reason) { state_->watchdog->fail(reason); }
+
+private:
+    struct State {
+        int rank = 0, size = 1, device = 0;
+        std::chrono::milliseconds timeout{};
+        std::string who;
+        ncclComm_t comm = nullptr;
+        bool comm_alive = false;
+        cudaStream_t stream = nullptr;
+        bool own_stream = false;
+        std::vector<cudaEvent_t> events;  // free ones, under the watchdog's lock
+        std::vector<cudaEvent_t> all_events;
+        void* scratch = nullptr;  // device staging for host buffers
+        void* pinned = nullptr;   // host staging the device can copy to without blocking
+        std::size_t staging_bytes = 0;
+        std::shared_ptr<detail::Watchdog> watchdog;
+
+        void abort_comm() {
+            if (!comm_alive) return;
+            comm_alive = false;
+            ncclCommAbort(comm);
+        }
+
+        void close() {
+            if (watchdog) watchdog->stop();
+            detail::DeviceScope scope(device);
+            if (comm_alive && !(watchdog && watchdog->failed())) {
+                // Flush what is queued, by the deadline, then free; a communicator that cannot
+                // be flushed in time is aborted below.
+                ncclResult_t state = ncclCommFinalize(comm);
+                const auto deadline = std::chrono::steady_clock::now() + timeout;
+                while (state == ncclInProgress && std::chrono::steady_clock::now() < deadline) {
+                    std::this_thread::sleep_for(std::chrono::microseconds(200));
+                    if (ncclCommGetAsyncError(comm, &state) != ncclSuccess) break;
+                }
+                if (state == ncclSuccess && ncclCommDestroy(comm) == ncclSuccess) comm_alive = false;
+            }
+            abort_comm();
+            for (auto e : all_events) cudaEventDestroy(e);
+            if (scratch != nullptr) cudaFree(scratch);
+            if (pinned != nullptr) cudaFreeHost(pinned);
+            if (own_stream) cudaStreamDestroy(stream);
+        }
+    };
+
+    // Creates the communicator and waits, by the deadline, until every rank has joined.
+    void join(const ncclUniqueId& id) {
+        auto& s = *state_;
+        ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+        config.blocking = 0;  // every call returns at once; we poll, with a deadline
+        detail::ScopedNcclAlgo algo(Algo::allreduce);
+        ncclResult_t r = ncclCommInitRankConfig(&s.comm, s.size, id, s.rank, &config);
+        if (r != ncclSuccess && r != ncclInProgress) throw join_error(r);
+        s.comm_alive = true;
+        const auto deadline = std::chrono::steady_clock::now() + s.timeout;
+        for (;;) {
+            ncclResult_t state = ncclSuccess;
+            r = ncclCommGetAsyncError(s.comm, &state);
+            if (r != ncclSuccess) state = r;
+            if (state == ncclSuccess) return;
+            if (state != ncclInProgress) {
+                auto error = join_error(state);
+                s.abort_comm();
+                throw error;
+            }
+            if (std::chrono::steady_clock::now() >= deadline) {
+                s.abort_comm();
+                throw TimeoutError(s.who + ": the ranks did not all join the NCCL communicator within " +
+                                   std::to_string(s.timeout.count()) +
+                                   " ms; a rank did not start, failed before joining, or was given a different "
+                                   "NCCL_COMM_ID (MASTER_ADDR/MASTER_PORT) or world size");
+            }
+            std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        }
+    }
+
+    [[nodiscard]] CollectiveError join_error(ncclResult_t r) const {
+        const auto& s = *state_;
+        std::string hint;
+        if (r == ncclInvalidUsage)
+            hint =
+                ". If two ranks were given the same GPU: start one rank per GPU, each with its own LOCAL_RANK "
+                "(or CUDA_VISIBLE_DEVICES)";
+        return CollectiveError(s.who + ": joining the NCCL communicator failed: " +
+                               detail::nccl_words(r, s.comm_alive ? s.comm : nullptr) + hint);
+    }
+
+    ncclDataType_t reducible_type(DType t, const char* what) const {
+        if (!supports(t))
+            throw CollectiveError(state_->who + ": cannot " + what + " " + to_string(t) +
+                                  " (float32, float64, float16 and bfloat16 only)");
+        return *detail::nccl_type(t);
+    }
+
+    void check_root(int root) const {
+        if (root < 0 || root >= state_->size)
+            throw CollectiveError(state_->who + ": broadcast from rank " + std::to_string(root) +
+                                  ", which is not in the group of " + std::to_string(state_->size));
+    }
+
+    // The factor in `t`'s representation, for a pre-multiplied sum.
+    static std::vector<std::byte> scalar_of(DType t, double factor) {
+        std::vector<std::byte> out(size_of(t));
+        auto put = [&](auto v) { std::memcpy(out.data(), &v, sizeof v); };
+        switch (t) {
+            case DType::float64: put(factor); break;
+            case DType::float16: put(float16(static_cast<float>(factor))); break;
+            case DType::bfloat16: put(bfloat16(static_cast<float>(factor))); break;
+            default: put(static_cast<float>(factor)); break;
+        }
+        return out;
+    }
+
+    // Settles a call on the non-blocking communicator: ncclInProgress means NCCL is still
+    // queueing it (connecting to a peer the first time), and nothing may follow until it is done.
+    void settle(ncclResult_t r, const char* kind) {
+        auto& s = *state_;
+        const auto deadline = std::chrono::steady_clock::now() + s.timeout;
+        while (r == ncclInProgress) {
+            if (std::chrono::steady_clock::now() >= deadline) {
+                s.watchdog->fail(s.who + ": queueing " + kind + " did not finish within " +
+                                     std::to_string(s.timeout.count()) + " ms; the communicator was aborted",
+                                 true);
+                s.watchdog->rethrow_if_failed();
+            }
+            std::this_thread::yield();
+            ncclResult_t state = ncclSuccess;
+            r = ncclCommGetAsyncError(s.comm, &state);
+            if (r == ncclSuccess) r = state;
+        }
+        if (r != ncclSuccess) {
+            s.watchdog->fail(s.who + ": " + kind + " failed: " + detail::nccl_words(r, s.comm) +
+                             "; the communicator was aborted");
+            s.watchdog->rethrow_if_failed();
+        }
+    }
+
+    // Queues a collective on `bytes` at `data`, staging it through device memory when it lies in
+    // host memory; `call` issues it on a device pointer.
+    template <class Call>
+    NcclHandle queue(const char* kind, void* data, std::size_t bytes, std::optional<DType> dtype, CollectiveTag tag,
+                     Call&& call) {
+        auto& s = *state_;
+        if (bytes == 0) {
+            s.watchdog->rethrow_if_failed();
+            return NcclHandle{};
+        }
+        detail::DeviceScope scope(s.device);
+        if (!detail::device_addressable(data)) return staged(kind, data, bytes, dtype, tag, call);
+        return s.watchdog->run([&] {
+            settle(call(data, s), kind);
+            return track(kind, bytes, dtype, tag);
+        });
+    }
+
+    // Host memory: copied in, reduced on the device, copied out, and waited for here.
+    template <class Call>
+    NcclHandle staged(const char* kind, void* data, std::size_t bytes, std::optional<DType> dtype, CollectiveTag tag,
+                      Call& call) {
+        auto& s = *state_;
+        auto handle = s.watchdog->run([&] {
+            if (s.staging_bytes < bytes) {
+                // Old staging buffers may still be in use by queued copies: wait for the stream.
+                GRADSYNC_CUDA_CHECK(cudaStreamSynchronize(s.stream));
+                if (s.scratch != nullptr) GRADSYNC_CUDA_CHECK(cudaFree(s.scratch));
+                if (s.pinned != nullptr) GRADSYNC_CUDA_CHECK(cudaFreeHost(s.pinned));
+                s.scratch = s.pinned = nullptr;
+                s.staging_bytes = 0;
+                GRADSYNC_CUDA_CHECK(cudaMalloc(&s.scratch, bytes));
+                GRADSYNC_CUDA_CHECK(cudaMallocHost(&s.pinned, bytes));
+                s.staging_bytes = bytes;
+            }
+            std::memcpy(s.pinned, data, bytes);
+            GRADSYNC_CUDA_CHECK(cudaMemcpyAsync(s.scratch, s.pinned, bytes, cudaMemcpyHostToDevice, s.stream));
+            settle(call(s.scratch, s), kind);
+            GRADSYNC_CUDA_CHECK(cudaMemcpyAsync(s.pinned, s.scratch, bytes, cudaMemcpyDeviceToHost, s.stream));
+            return track(kind, bytes, dtype, tag);
+        });
+        handle.wait();  // by the collective's deadline
+        std::memcpy(data, s.pinned, bytes);
+        return NcclHandle{};
+    }
+
+    // Records the completion of what was just queued and hands it to the watchdog (under its lock).
+    NcclHandle track(const char* kind, std::size_t bytes, std::optional<DType> dtype, CollectiveTag tag) {
+        auto& s = *state_;
+        cudaEvent_t event = nullptr;
+        if (s.events.empty()) {
+            GRADSYNC_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+            s.all_events.push_back(event);
+        } else {
+            event = s.events.back();
+            s.events.pop_back();
+        }
+        GRADSYNC_CUDA_CHECK(cudaEventRecord(event, s.stream));
+        auto op = std::make_shared<detail::WatchedOp>();
+        op->kind = kind;
+        op->bytes = bytes;
+        op->dtype = dtype;
+        op->tag = tag;
+        op->deadline = std::chrono::steady_clock::now() + s.timeout;
+        op->event = event;
+        s.watchdog->watch(op);
+        return NcclHandle(std::move(op), s.watchdog);
+    }
+
+    std::unique_ptr<State> state_;
+};
+
+}  // namespace gradsync::inline v0

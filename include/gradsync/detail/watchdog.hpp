@@ -1,0 +1,203 @@
+// Watchdog: the asynchronous collectives of one communicator, in issue order, each with its
+// deadline, as a device (a CUDA stream under NCCL) runs them. Waiters and a thread of its own
+// check them; the first collective found late, or an error the device reports, fails the whole
+// communicator once: `abort` runs (so that nothing waits for peers any more) and every waiter,
+// now and later, throws the reason. Plain C++: the device is reached through callbacks, which
+// the tests fake.
+#pragma once
+
+#include <gradsync/backend.hpp>  // for CollectiveTag
+#include <gradsync/bytes.hpp>
+#include <gradsync/dtype.hpp>
+#include <gradsync/error.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>  // for std::fprintf
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>  // for std::move
+
+namespace gradsync::inline v0::detail {
+
+// One asynchronous collective, as the watchdog sees it. Described only when something fails.
+struct WatchedOp {
+    const char* kind = "allreduce";  // a string literal
+    std::size_t bytes = 0;
+    std::optional<DType> dtype;  // none: raw bytes
+    CollectiveTag tag;
+    std::chrono::steady_clock::time_point deadline;
+    void* event = nullptr;                              // the device's completion marker (a cudaEvent_t)
+    std::chrono::steady_clock::time_point finished_at;  // written before `done`
+    std::atomic<bool> done{false};
+
+    // "allreduce of 4.00 MiB float32 (step 3, bucket 2)"
+    [[nodiscard]] std::string describe() const {
+        std::string out = std::string(kind) + " of " + to_string(Bytes{bytes});
+        if (dtype) out += " " + to_string(*dtype);
+        if (tag.step >= 0) {
+            out += " (step " + std::to_string(tag.step);
+            if (tag.bucket >= 0) out += ", bucket " + std::to_string(tag.bucket);
+            out += ")";
+        }
+        return out;
+    }
+};
+
+// What the watchdog needs from the device. Every callback runs under the watchdog's lock.
+struct WatchedDevice {
+    std::function<bool(void* event)> finished;  // the device completed the op; may throw on a device error
+    std::function<std::string()> error;         // empty while the communicator is healthy
+    std::function<void()> abort;                // after it, no queued op waits for peers
+    std::function<void(void* event)> release;   // the op has retired: its event may be reused
+};
+
+class Watchdog {
+public:
+    using clock = std::chrono::steady_clock;
+
+    // `who` starts every message ("gradsync: rank 1 of 2 (NCCL, GPU 1)"). With a zero period
+    // there is no thread: only waiters check.
+    Watchdog(std::string who, WatchedDevice device, std::chrono::milliseconds period)
+        : who_(std::move(who)), device_(std::move(device)), period_(period) {
+        if (period_.count() > 0) thread_ = std::thread([this] { watch(); });
+    }
+    Watchdog(const Watchdog&) = delete;
+    Watchdog& operator=(const Watchdog&) = delete;
+    ~Watchdog() { stop(); }
+
+    // Ends the thread; waiters still check. Idempotent.
+    void stop() {
+        {
+            std::lock_guard lock(stop_mutex_);
+            stopping_ = true;
+        }
+        stop_cv_.notify_all();
+        if (thread_.joinable()) thread_.join();
+    }
+
+    // Runs f under the lock unless the communicator has failed (then throws why). The device's
+    // communication calls go through here, so that an abort never frees what a call is using.
+    template <class F>
+    decltype(auto) run(F&& f) {
+        std::lock_guard lock(mutex_);
+        rethrow_if_failed();
+        return f();
+    }
+
+    // Starts watching an op just queued; inside run().
+    void watch(std::shared_ptr<WatchedOp> op) { pending_.push_back(std::move(op)); }
+
+    // True once `op` completed or the communicator failed; never throws.
+    [[nodiscard]] bool ready(const WatchedOp& op) {
+        if (op.done.load(std::memory_order_acquire) || failed()) return true;
+        try {
+            check();
+        } catch (...) {
+        }
+        return op.done.load(std::memory_order_acquire) || failed();
+    }
+
+    // Waits for `op` until it completes (true) or `until` passes (false). Throws when the
+    // communicator fails first, which the op's own deadline guarantees it does if nothing else.
+    bool wait_until(const WatchedOp& op, clock::time_point until) {
+        for (int round = 0;; ++round) {
+            if (op.done.load(std::memory_order_acquire)) return true;
+            check();
+            if (op.done.load(std::memory_order_acquire)) return true;
+            rethrow_if_failed();
+            if (clock::now() >= until) return false;
+            if (round < 64)
+                std::this_thread::yield();
+            else
+                std::this_thread::sleep_for(std::chrono::microseconds(50));
+        }
+    }
+
+    // Fails the communicator with `reason` (the first reason wins) and aborts the device.
+    void fail(const std::string& reason, bool timed_out = false) {
+        std::lock_guard lock(mutex_);
+        if (failed_.load(std::memory_order_relaxed)) return;
+        error_ = timed_out ? std::make_exception_ptr(TimeoutError(reason))
+                           : std::make_exception_ptr(CollectiveError(reason));
+        failed_.store(true, std::memory_order_release);
+        // Printed as well: a rank blocked in its own stream synchronization never sees the exception.
+        std::fprintf(stderr, "%s\n", reason.c_str());
+        try {
+            device_.abort();
+        } catch (const std::exception& e) {
+            std::fprintf(stderr, "%s: aborting the communicator failed too: %s\n", who_.c_str(), e.what());
+        }
+        pending_.clear();  // never done: their waiters throw
+    }
+
+    [[nodiscard]] bool failed() const { return failed_.load(std::memory_order_acquire); }
+
+    void rethrow_if_failed() const {
+        if (failed()) std::rethrow_exception(error_);
+    }
+
+    // One look: retires the ops the device finished, in order, then fails the communicator on a
+    // device error or when the oldest op is past its deadline.
+    void check() {
+        std::lock_guard lock(mutex_);
+        if (failed()) return;
+        std::string why;
+        try {
+            while (!pending_.empty() && device_.finished(pending_.front()->event)) {
+                auto op = std::move(pending_.front());
+                pending_.pop_front();
+                device_.release(op->event);
+                op->finished_at = clock::now();
+                op->done.store(true, std::memory_order_release);
+            }
+            why = device_.error();
+        } catch (const std::exception& e) {
+            why = e.what();
+        }
+        if (!why.empty()) {
+            const std::string during = pending_.empty() ? "" : " during " + pending_.front()->describe();
+            return fail(who_ + ": the communicator failed" + during + ": " + why + "; it was aborted", false);
+        }
+        if (!pending_.empty() && clock::now() >= pending_.front()->deadline)
+            return fail(who_ + ": " + pending_.front()->describe() +
+                            " did not complete by its deadline; the communicator was aborted. A peer has "
+                            "probably failed, left, or issued different collectives: its own error says more",
+                        true);
+    }
+
+    [[nodiscard]] const std::string& who() const { return who_; }
+
+private:
+    void watch() {
+        std::unique_lock lock(stop_mutex_);
+        while (!stopping_) {
+            stop_cv_.wait_for(lock, period_, [this] { return stopping_; });
+            if (stopping_) return;
+            lock.unlock();
+            check();
+            lock.lock();
+        }
+    }
+
+    std::string who_;
+    WatchedDevice device_;
+    std::chrono::milliseconds period_;
+    std::recursive_mutex mutex_;  // run()'s callers may fail() the communicator themselves
+    std::deque<std::shared_ptr<WatchedOp>> pending_;
+    std::atomic<bool> failed_{false};
+    std::exception_ptr error_;  // written before failed_, read after it
+    std::mutex stop_mutex_;
+    std::condition_variable stop_cv_;
+    bool stopping_ = false;
+    std::thread thread_;  // last: starts after the members it uses
+};
+
+}  // namespace gradsync::inline v0::detail

@@ -1,0 +1,161 @@
+// detail::Watchdog, the no-hang guarantee of the NCCL backend, against a fake device: ops retire in
+// issue order as the device finishes them; a late op or a device error fails the communicator
+// once, aborts the device, and every waiter throws the reason naming the rank and the operation.
+#include <gradsync/detail/watchdog.hpp>
+
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+using namespace std::chrono_literals;
+using gradsync::detail::Watchdog;
+using gradsync::detail::WatchedOp;
+
+namespace {
+
+// A device whose ops finish when the test says so. Event k is the address of finished[k].
+struct FakeDevice {
+    std::atomic<bool> finished[8] = {};
+    std::atomic<int> aborts{0};
+    std::atomic<int> released{0};
+    std::string error;  // set before the watchdog looks
+    std::atomic<bool> error_set{false};
+
+    gradsync::detail::WatchedDevice callbacks() {
+        return {.finished = [](void* event) { return static_cast<std::atomic<bool>*>(event)->load(); },
+                .error = [this]() -> std::string { return error_set.load() ? error : std::string(); },
+                .abort = [this] { aborts.fetch_add(1); },
+                .release = [this](void*) { released.fetch_add(1); }};
+    }
+};
+
+std::shared_ptr<WatchedOp> op(FakeDevice& device, int k, std::chrono::steady_clock::duration within,
+                              std::int64_t step = 3, std::int32_t bucket = 2) {
+    auto o = std::make_shared<WatchedOp>();
+    o->bytes = 4u << 20;
+    o->dtype = gradsync::DType::float32;
+    o->tag = gradsync::CollectiveTag{0, step, bucket};
+    o->deadline = std::chrono::steady_clock::now() + within;
+    o->event = &device.finished[k];
+    return o;
+}
+
+std::string error_of(Watchdog& dog, const WatchedOp& o) {
+    try {
+        (void)dog.wait_until(o, std::chrono::steady_clock::time_point::max());
+    } catch (const gradsync::TimeoutError& e) {
+        return std::string("timeout: ") + e.what();
+    } catch (const gradsync::CollectiveError& e) {
+        return e.what();
+    }
+    return "no error";
+}
+
+}  // namespace
+
+TEST_CASE("watchdog: ops retire in issue order as the device finishes them") {
+    FakeDevice device;
+    Watchdog dog("gradsync: rank 1 of 2 (fake)", device.callbacks(), 0ms);
+    auto a = op(device, 0, 10s);
+    auto b = op(device, 1, 10s);
+    dog.run([&] {
+        dog.watch(a);
+        dog.watch(b);
+    });
+    CHECK_FALSE(dog.ready(*a));
+    device.finished[1] = true;  // the later one alone does not retire: the device runs them in order
+    CHECK_FALSE(dog.ready(*b));
+    CHECK_FALSE(dog.wait_until(*b, std::chrono::steady_clock::now() + 5ms));  // the caller's deadline: no failure
+    CHECK_FALSE(dog.failed());
+    device.finished[0] = true;
+    CHECK(dog.wait_until(*b, std::chrono::steady_clock::now() + 5s));
+    CHECK(a->done.load());
+    CHECK(device.released.load() == 2);
+    CHECK(device.aborts.load() == 0);
+}
+
+TEST_CASE("watchdog: a late op aborts the communicator once and every waiter throws, naming rank and op") {
+    FakeDevice device;
+    Watchdog dog("gradsync: rank 1 of 2 (fake)", device.callbacks(), 0ms);
+    auto late = op(device, 0, 20ms);
+    auto after = op(device, 1, 10s, 3, 3);
+    dog.run([&] {
+        dog.watch(late);
+        dog.watch(after);
+    });
+    const auto first = error_of(dog, *after);  // waiting on the later op still notices the earlier one is late
+    CHECK(first.find("timeout: gradsync: rank 1 of 2 (fake): allreduce of 4 MiB float32 (step 3, bucket 2) did "
+                     "not complete by its deadline; the communicator was aborted") == 0);
+    CHECK(error_of(dog, *late) == first);
+    CHECK(device.aborts.load() == 1);
+    CHECK_THROWS_AS(dog.run([] {}), gradsync::TimeoutError);  // nothing more may be queued
+    CHECK(dog.ready(*late));                                  // ready: waiting would not block
+}
+
+TEST_CASE("watchdog: an asynchronous device error fails the communicator during the oldest op") {
+    FakeDevice device;
+    Watchdog dog("gradsync: rank 0 of 4 (fake)", device.callbacks(), 0ms);
+    auto a = op(device, 0, 10s, 7, 0);
+    dog.run([&] { dog.watch(a); });
+    device.error = "remote process exited or there was a network error";
+    device.error_set = true;
+    const auto what = error_of(dog, *a);
+    CHECK(what ==
+          "gradsync: rank 0 of 4 (fake): the communicator failed during allreduce of 4 MiB float32 "
+          "(step 7, bucket 0): remote process exited or there was a network error; it was aborted");
+    CHECK(device.aborts.load() == 1);
+}
+
+TEST_CASE("watchdog: an op that completed before the failure still waits successfully") {
+    FakeDevice device;
+    Watchdog dog("gradsync: rank 0 of 2 (fake)", device.callbacks(), 0ms);
+    auto a = op(device, 0, 10s);
+    dog.run([&] { dog.watch(a); });
+    device.finished[0] = true;
+    CHECK(dog.wait_until(*a, std::chrono::steady_clock::time_point::max()));
+    dog.fail("gradsync: rank 0 of 2: aborted by the test");
+    CHECK(dog.wait_until(*a, std::chrono::steady_clock::time_point::max()));  // its data are final
+    auto b = op(device, 1, 10s);
+    CHECK_THROWS_WITH_AS(dog.run([&] { dog.watch(b); }), "gradsync: rank 0 of 2: aborted by the test",
+                         gradsync::CollectiveError);
+}
+
+TEST_CASE("watchdog: the thread aborts a hung communicator though nobody waits") {
+    FakeDevice device;
+    Watchdog dog("gradsync: rank 1 of 2 (fake)", device.callbacks(), 5ms);
+    auto late = op(device, 0, 10ms);
+    dog.run([&] { dog.watch(late); });
+    const auto until = std::chrono::steady_clock::now() + 10s;
+    while (device.aborts.load() == 0 && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(1ms);
+    CHECK(device.aborts.load() == 1);
+    CHECK(dog.failed());
+}
+
+TEST_CASE("watchdog: the first reason wins, abort runs once, whoever fails it from any thread") {
+    FakeDevice device;
+    Watchdog dog("gradsync: rank 0 of 2 (fake)", device.callbacks(), 1ms);
+    auto a = op(device, 0, 10s);
+    dog.run([&] { dog.watch(a); });
+    std::vector<std::thread> threads;
+    for (int t = 0; t < 4; ++t) threads.emplace_back([&dog, t] { dog.fail("gradsync: reason " + std::to_string(t)); });
+    for (auto& t : threads) t.join();
+    CHECK(device.aborts.load() == 1);
+    const auto what = error_of(dog, *a);
+    CHECK(what.find("gradsync: reason ") == 0);
+    CHECK(error_of(dog, *a) == what);
+}
+
+TEST_CASE("watchdog: an op without a step or dtype is described by its bytes") {
+    WatchedOp o;
+    o.kind = "broadcast";
+    o.bytes = 1536;
+    CHECK(o.describe() == "broadcast of 1.5 KiB");
+    o.dtype = gradsync::DType::bfloat16;
+    o.tag.step = 4;
+    CHECK(o.describe() == "broadcast of 1.5 KiB bfloat16 (step 4)");
+}
