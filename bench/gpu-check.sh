@@ -23,11 +23,28 @@ flags+=(-lnccl)
     echo "== build (sm_$arch)"
     "$nvcc" "${flags[@]}" tests/cuda/test_cuda.cu -o "$build/test_cuda"
     "$nvcc" "${flags[@]}" bench/bench_cuda.cu -o "$build/bench_cuda"
+    "$nvcc" "${flags[@]}" -Iexamples examples/train_mlp_nccl.cu -o "$build/train_mlp_nccl" -lcublas
     echo "== tests: host"
     "$build/test_cuda" --test-suite=host
     echo "== tests: gpu"
     "$build/test_cuda" --test-suite=gpu | tee "$build/gpu-tests.txt"
     ! grep -q "^skipped:" "$build/gpu-tests.txt" || { echo "FAIL: no usable CUDA device"; exit 1; }
+    echo "== example: train_mlp_nccl, one thread per GPU (nccl_spawn)"
+    "$build/train_mlp_nccl" | tee "$build/spawn.txt"
+    [ "$(grep checksum "$build/spawn.txt" | awk '{print $NF}' | sort -u | wc -l)" = 1 ] ||
+        { echo "FAIL: the ranks' parameters differ"; exit 1; }
+    gpus=$(nvidia-smi -L | wc -l)
+    echo "== example: train_mlp_nccl, one process per GPU from torchrun's variables ($gpus processes)"
+    pids=()
+    for ((r = 0; r < gpus; ++r)); do
+        RANK=$r WORLD_SIZE=$gpus LOCAL_RANK=$r LOCAL_WORLD_SIZE=$gpus MASTER_ADDR=127.0.0.1 MASTER_PORT=29517 \
+            "$build/train_mlp_nccl" > "$build/env.$r.txt" 2>&1 &
+        pids+=($!)
+    done
+    for pid in "${pids[@]}"; do wait "$pid"; done
+    cat "$build"/env.*.txt
+    [ "$(cat "$build"/env.*.txt | grep checksum | awk '{print $NF}' | sort -u | wc -l)" = 1 ] ||
+        { echo "FAIL: the ranks' parameters differ"; exit 1; }
     echo "== benchmarks"
     "$build/bench_cuda"
 } 2>&1 | tee "$results"

@@ -3261,6 +3261,11 @@ struct Options {
     // Above 0: after synchronize(), gradients whose global L2 norm exceeds it are scaled down to
     // it (PyTorch's clip_grad_norm_ with max_norm = clip_norm).
     double clip_norm = 0;
+    // Once per synchronize(), with a backend that cannot compare the ranks' collectives as they
+    // are issued (MpiBackend, NcclBackend), one small allreduce compares their histories, so that
+    // ranks that launched different buckets fail instead of mixing gradients. On the GPU it is a
+    // host synchronization per step: turn it off once a training program is known to be sound.
+    bool check_histories = true;
 };
 
 }  // namespace gradsync::inline v0
@@ -3635,7 +3640,9 @@ private:
                 if (slots_[b].redo) reduce_again_in_float(b);
             if (options_.clip_norm > 0) clip();
             sync_buffers(/*at_construction=*/false);
-            if constexpr (!CheckedCollectives<BackendT>) verify_histories();
+            if constexpr (!CheckedCollectives<BackendT>) {
+                if (options_.check_histories) verify_histories();
+            }
             timeline_.span("step", current_step(), -1, step_began_, std::chrono::steady_clock::now());
             if (overlapped) maybe_rebuild();
             reset_step();
@@ -3960,12 +3967,20 @@ private:
                        std::chrono::steady_clock::now());
     }
 
-    // Waits for every launched bucket, by the deadline, and finishes each.
+    // Waits for every launched bucket, by the deadline, and finishes each (on the device path:
+    // makes the trainer's stream wait for each).
     void wait_all() {
         const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
         for (std::size_t b = 0; b < slots_.size(); ++b) {
             auto& slot = slots_[b];
             if (!slot.handle) continue;
+            if constexpr (gradients_untouchable && requires { backend_.wait_on_device(*slot.handle); }) {
+                // Nothing to finish on the host: the trainer's stream waits for the reduction, the
+                // host goes on, and the backend's watchdog ends a collective that hangs.
+                backend_.wait_on_device(*slot.handle);
+                slot.handle.reset();
+                continue;
+            }
             if (!slot.handle->wait_until(deadline)) throw TimeoutError(diagnose_timeout(b));
             finish(b);
             if (timeline_.enabled()) {

@@ -145,6 +145,22 @@ TEST_CASE("buckets are launched in plan order with the planned sizes") {
     }
 }
 
+TEST_CASE("Options::check_histories = false: no per-step history comparison, only the buckets") {
+    std::vector<std::size_t> collectives(2);
+    gradsync::spawn(2, [&](LocalBackend& b) {
+        RecordingBackend rec(b);
+        Toy model({1000, 1000, 1000, 1000, 1000}, 0.0f);
+        DataParallel dp(model, rec, gradsync::SizeCappedBuckets{10_KiB, 4_KiB},
+                        gradsync::Options{.check_histories = false});
+        rec.log.clear();
+        dp.synchronize();
+        dp.synchronize();
+        collectives[static_cast<std::size_t>(b.rank())] = rec.log.size();
+        for (const auto& c : rec.log) CHECK(c.dtype == gradsync::DType::float32);
+    });
+    CHECK(collectives == std::vector<std::size_t>{6, 6});  // 3 buckets, twice
+}
+
 TEST_CASE("zero-sized parameters are skipped, not an error") {
     struct WithEmpty {
         std::vector<float> w = std::vector<float>(4, 1.0f), g = std::vector<float>(4, 2.0f);

@@ -27,6 +27,11 @@ struct Options {
     // Above 0: after synchronize(), gradients whose global L2 norm exceeds it are scaled down to
     // it (PyTorch's clip_grad_norm_ with max_norm = clip_norm).
     double clip_norm = 0;
+    // Once per synchronize(), with a backend that cannot compare the ranks' collectives as they
+    // are issued (MpiBackend, NcclBackend), one small allreduce compares their histories, so that
+    // ranks that launched different buckets fail instead of mixing gradients. On the GPU it is a
+    // host synchronization per step: turn it off once a training program is known to be sound.
+    bool check_histories = true;
 };
 
 }  // namespace gradsync::inline v0

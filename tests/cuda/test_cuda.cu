@@ -13,6 +13,7 @@
 #include <gradsync/cuda/pack.cuh>
 #include <gradsync/detail/finalize.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -174,6 +175,26 @@ void check_world_of_one(gradsync::NcclBackend<>& backend, gradsync::DType dtype)
     CHECK(same_bytes(data.download(), quarter));
 }
 
+// Spins for about `cycles` clock cycles, then writes `value` everywhere: a gradient that is
+// written late on its stream.
+__global__ void late_fill(float* data, std::size_t n, float value, long long cycles) {
+    if (threadIdx.x == 0) {
+        const long long start = clock64();
+        while (clock64() - start < cycles) {
+        }
+    }
+    __syncthreads();
+    for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n;
+         i += std::size_t(gridDim.x) * blockDim.x)
+        data[i] = value;
+}
+
+__global__ void add_one(float* data, std::size_t n) {
+    for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n;
+         i += std::size_t(gridDim.x) * blockDim.x)
+        data[i] += 1.0f;
+}
+
 }  // namespace
 
 TEST_SUITE("host") {
@@ -250,6 +271,31 @@ TEST_SUITE("gpu") {
             gradsync::CollectiveError);
         backend.abort("gradsync: rank 0: aborted by the test");
         CHECK_THROWS_WITH_AS(backend.barrier(), "gradsync: rank 0: aborted by the test", gradsync::CollectiveError);
+    }
+
+    TEST_CASE(
+        "NcclBackend: a collective reduces what the compute stream wrote before it was queued, however "
+        "late, and the compute stream's next work sees the result; the host waits for neither") {
+        ncclUniqueId id{};
+        REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
+        cudaStream_t compute = nullptr;
+        GRADSYNC_CUDA_CHECK(cudaStreamCreateWithFlags(&compute, cudaStreamNonBlocking));
+        gradsync::NcclBackend<> backend(0, 1, 0, id, gradsync::NcclOptions{.compute_stream = compute});
+        constexpr std::size_t n = 1 << 20;
+        DeviceArray<float> grad(n);
+        GRADSYNC_CUDA_CHECK(cudaMemset(grad.data, 0, n * sizeof(float)));
+        GRADSYNC_CUDA_CHECK(cudaDeviceSynchronize());
+        late_fill<<<64, 256, 0, compute>>>(grad.data, n, 2.0f, 200'000'000LL);  // ~0.1 s
+        auto handle = backend.allreduce_scaled_async(gradsync::Buffer{grad.data, n, gradsync::DType::float32}, 0.5);
+        backend.wait_on_device(handle);
+        add_one<<<64, 256, 0, compute>>>(grad.data, n);
+        CHECK(cudaStreamQuery(compute) == cudaErrorNotReady);  // the host queued it all without waiting
+        GRADSYNC_CUDA_CHECK(cudaStreamSynchronize(compute));
+        // 2 * 0.5 + 1. Reduced before the write: 3; added before the reduction: 1.5.
+        const auto result = grad.download();
+        CHECK(std::count(result.begin(), result.end(), 2.0f) == std::ptrdiff_t(n));
+        CHECK(handle.ready());
+        GRADSYNC_CUDA_CHECK(cudaStreamDestroy(compute));
     }
 
     TEST_CASE("NcclBackend<Ring> and <Tree> join and reduce (NCCL_ALGO set for their initialization)") {

@@ -1,11 +1,10 @@
 // NcclBackend<Algo>: gradsync's collectives over NCCL, one rank per GPU. A collective is queued
-// on the backend's communication stream and returns at once; its handle completes when the
-// stream has done it. The communicator is non-blocking, and a watchdog aborts it (ncclCommAbort)
-// when a collective misses its deadline or NCCL reports an asynchronous error, so that every
-// pending and later call throws, naming the rank, the operation and NCCL's words, instead of
-// hanging. Buffers in host memory (the library's small control messages: layout agreement,
-// barriers) are staged through device memory. Not included by <gradsync/gradsync.hpp>: needs
-// <nccl.h>, the CUDA runtime and NCCL's library.
+// on the backend's communication stream, behind the work already queued on the trainer's compute
+// stream, and returns at once; its handle completes when the stream has done it. The communicator is non-blocking, and
+// a watchdog aborts it (ncclCommAbort) when a collective misses its deadline or NCCL reports an asynchronous error, so
+// that every pending and later call throws, naming the rank, the operation and NCCL's words, instead of hanging.
+// Buffers in host memory (the library's small control messages: layout agreement, barriers) are staged through device
+// memory. Not included by <gradsync/gradsync.hpp>: needs <nccl.h>, the CUDA runtime and NCCL's library.
 //
 //   auto place = gradsync::nccl_place_from_environment();  // torchrun-style variables
 //   gradsync::NcclBackend<> backend(place);
@@ -59,6 +58,10 @@ struct NcclOptions {
     std::chrono::milliseconds timeout{std::chrono::minutes(10)};
     // The communication stream; null: the backend creates a non-blocking stream of its own.
     cudaStream_t stream = nullptr;
+    // The stream the trainer's backward runs on (null: the default stream). A collective queued
+    // now reduces what this stream has been given so far, once it has done it: the
+    // communication stream waits on an event recorded here, and the host does not wait at all.
+    cudaStream_t compute_stream = nullptr;
     // How often the watchdog thread looks at the pending collectives; zero: no thread, only the
     // waiters look (a rank that never waits then only learns of a hang from its own sync).
     std::chrono::milliseconds watchdog_period{100};
@@ -210,13 +213,23 @@ public:
         } catch (const CudaError& e) {
             throw CudaError(s.who + ": cannot use CUDA device " + std::to_string(device) + ": " + e.what(), e.code());
         }
-        if (options.stream != nullptr) {
-            s.stream = options.stream;
-        } else {
-            GRADSYNC_CUDA_CHECK(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking));
-            s.own_stream = true;
+        try {
+            s.compute = options.compute_stream;
+            GRADSYNC_CUDA_CHECK(cudaEventCreateWithFlags(&s.computed, cudaEventDisableTiming));
+            if (options.stream != nullptr) {
+                s.stream = options.stream;
+            } else {
+                GRADSYNC_CUDA_CHECK(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking));
+                s.own_stream = true;
+            }
+            join(id);
+        } catch (...) {
+            try {
+                s.close();  // no destructor runs for a constructor that throws
+            } catch (...) {
+            }
+            throw;
         }
-        join(id);
         State* raw = state_.get();
         s.watchdog = std::make_shared<detail::Watchdog>(
             s.who,
@@ -259,6 +272,7 @@ public:
     [[nodiscard]] int size() const { return state_->size; }
     [[nodiscard]] int device() const { return state_->device; }
     [[nodiscard]] cudaStream_t stream() const { return state_->stream; }
+    [[nodiscard]] cudaStream_t compute_stream() const { return state_->compute; }
     [[nodiscard]] ncclComm_t comm() const { return state_->comm; }
     [[nodiscard]] bool supports(DType t) const {
         return t == DType::float32 || t == DType::float64 || t == DType::float16 || t == DType::bfloat16;
@@ -310,6 +324,13 @@ public:
         allreduce(Buffer{&one, 1, DType::float32}, ReduceOp::sum);
     }
 
+    // Orders later collectives after `stream` instead (between steps, not while one is queued).
+    void set_compute_stream(cudaStream_t stream) { state_->compute = stream; }
+
+    // Makes the compute stream wait for the collective, without blocking the host: what the
+    // trainer queues next on it sees the reduced values.
+    void wait_on_device(const NcclHandle& handle) { handle.then(state_->compute); }
+
     // Fails every pending and later collective of this rank with `reason` and aborts the
     // communicator, so that this rank stops waiting for its peers. Peers learn of it through
     // their own deadline or NCCL's error.
@@ -324,6 +345,8 @@ private:
         bool comm_alive = false;
         cudaStream_t stream = nullptr;
         bool own_stream = false;
+        cudaStream_t compute = nullptr;
+        cudaEvent_t computed = nullptr;   // recorded on `compute` before each collective
         std::vector<cudaEvent_t> events;  // free ones, under the watchdog's lock
         std::vector<cudaEvent_t> all_events;
         void* scratch = nullptr;  // device staging for host buffers
@@ -353,6 +376,7 @@ private:
             }
             abort_comm();
             for (auto e : all_events) cudaEventDestroy(e);
+            if (computed != nullptr) cudaEventDestroy(computed);
             if (scratch != nullptr) cudaFree(scratch);
             if (pinned != nullptr) cudaFreeHost(pinned);
             if (own_stream) cudaStreamDestroy(stream);
@@ -464,6 +488,10 @@ private:
         detail::DeviceScope scope(s.device);
         if (!detail::device_addressable(data)) return staged(kind, data, bytes, dtype, tag, call);
         return s.watchdog->run([&] {
+            // After what the compute stream was given so far (one event, re-recorded each time:
+            // the wait takes the event as it is now).
+            GRADSYNC_CUDA_CHECK(cudaEventRecord(s.computed, s.compute));
+            GRADSYNC_CUDA_CHECK(cudaStreamWaitEvent(s.stream, s.computed, 0));
             settle(call(data, s), kind);
             return track(kind, bytes, dtype, tag);
         });

@@ -16,7 +16,8 @@
 
 namespace gradsync::inline v0 {
 
-// Calls fn(NcclBackend<Algo>&) on n threads, thread r as rank r on CUDA device r, and joins them.
+// Calls fn(NcclBackend<Algo>&) on n threads, thread r as rank r on CUDA device r (current when fn
+// runs), and joins them.
 // The communicators are created by the threads themselves, each with ncclCommInitRankConfig on
 // one unique id, rather than by ncclCommInitAll, whose communicators are blocking and so could
 // not be aborted by a watchdog. When a rank throws, every other rank's communicator is aborted,
