@@ -14,6 +14,7 @@
 #include <gradsync/backend/nccl_spawn.hpp>
 #include <gradsync/contiguous_parameters.hpp>
 #include <gradsync/cuda/check.hpp>
+#include <gradsync/cuda/memory.cuh>
 #include <gradsync/data_parallel.hpp>
 
 #include <cublas_v2.h>
@@ -124,7 +125,8 @@ void train(Backend& backend, cudaStream_t stream) {
     // [nccl-train]
     static constexpr std::string_view names[] = {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"};
     gradsync::ContiguousParameters<float> model(params, grads, sizes, names);
-    gradsync::DataParallel dp(model, backend);  // rank 0's parameters reach every rank
+    // Rank 0's parameters reach every rank; the passes over gradients are kernels on `stream`.
+    gradsync::DataParallel dp(model, backend, gradsync::CudaMemory{stream});
     // [/nccl-train]
     const int rank = backend.rank(), world = backend.size();
     for (int step = 0; step < steps; ++step) {
@@ -151,13 +153,15 @@ void train(Backend& backend, cudaStream_t stream) {
         column_sums<<<2, 256, 0, stream>>>(dh, gb1, batch, hidden);
         dp.grad_ready(1);
         dp.grad_ready(0);
-        dp.synchronize();  // the stream waits for the averaged gradients; the host does not
-        sgd<<<grid_for(total), 256, 0, stream>>>(params, grads, total, learning_rate);
+        // The stream waits for the averaged gradients, then measures them (the host waits for that
+        // norm: step() decides on it), then runs the optimizer.
+        const auto report =
+            dp.step([&] { sgd<<<grid_for(total), 256, 0, stream>>>(params, grads, total, learning_rate); });
         if (rank == 0) {
             float l = 0;  // read back for the printout only
             GRADSYNC_CUDA_CHECK(cudaMemcpyAsync(&l, loss, sizeof l, cudaMemcpyDeviceToHost, stream));
             GRADSYNC_CUDA_CHECK(cudaStreamSynchronize(stream));
-            std::printf("step %2d  loss %.4f\n", step, l / batch);
+            std::printf("step %2d  loss %.4f  gradient norm %.4f\n", step, l / batch, report.grad_norm);
         }
     }
     GRADSYNC_CUDA_CHECK(cudaMemcpyAsync(host.data(), params, total * sizeof(float), cudaMemcpyDeviceToHost, stream));

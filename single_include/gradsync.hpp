@@ -2501,8 +2501,26 @@ private:
 #include <algorithm>  // for std::min
 #include <cmath>      // for std::isfinite
 #include <cstddef>
+#include <string>
 
 namespace gradsync::inline v0::detail {
+
+template <class T>
+struct type_tag {
+    using type = T;
+};
+
+// Calls f(type_tag<T>{}) with the C++ type of a floating-point dtype.
+template <class F>
+void visit_float_dtype(DType t, F&& f) {
+    switch (t) {
+        case DType::float32: return f(type_tag<float>{});
+        case DType::float64: return f(type_tag<double>{});
+        case DType::float16: return f(type_tag<float16>{});
+        case DType::bfloat16: return f(type_tag<bfloat16>{});
+        default: throw Error("gradsync: internal error: " + to_string(t) + " is no floating-point dtype");
+    }
+}
 
 // Squares are summed in double, in simd_width lanes added in a fixed order, so the result is
 // deterministic and a large finite gradient never overflows it: the sum is non-finite exactly
@@ -3180,40 +3198,140 @@ struct NoLrRule {
 // ---- end gradsync/lr.hpp ----
 
 // ---- begin gradsync/memory.hpp ----
-// The memory layer under the buckets: where a packed bucket's bytes live (HostMemory here; device
-// memory with a stream in the CUDA headers) and whether gradients are packed at all.
+// The memory layer under the buckets: where a packed bucket's bytes live and who makes the passes
+// over gradient memory (HostMemory here; CudaMemory, device memory and a stream, in
+// cuda/memory.cuh), and whether gradients are packed at all.
 
 
 #include <cstddef>
-#include <cstring>  // for std::memcpy
+#include <cstring>  // for std::memcpy, std::memset
 #include <span>
+#include <vector>
 
 namespace gradsync::inline v0 {
 
-// Bucket buffers in host memory, allocated and touched once, never per step.
+// Every pass DataParallel makes over gradient memory goes through its memory policy, bucket by
+// bucket: pack into a bucket buffer, unpack, finalize (scale, and measure the sum of squares),
+// zero, scale. HostMemory does them on the calling thread; CudaMemory (cuda/memory.cuh) queues
+// them on a stream. A policy object lives in each DataParallel.
+//
+// Measurements land in numbered result slots (one per bucket) and are read together by
+// results(), so that a device reads them back once per step, not once per bucket.
 struct HostMemory {
     using policy_category = policy_category::memory;
     using Storage = detail::AlignedBytes;
+    static constexpr bool on_device = false;
 
-    static Storage allocate(Bytes size) { return Storage(size.count()); }
+    // A bucket's gradients, in bucket order, as the passes take them.
+    struct Table {
+        std::vector<Segment> segments;
+        DType dtype = DType::float32;
+    };
+
+    // Allocated and touched once, never per step.
+    Storage allocate(Bytes size) const { return Storage(size.count()); }
     static std::byte* data(const Storage& s) { return s.data(); }
+    Table table(std::span<const Segment> segments, DType t) const {
+        return Table{{segments.begin(), segments.end()}, t};
+    }
 
     // Copies the segments one after another into `dst`.
-    static void pack(std::byte* dst, std::span<const Segment> src, DType t) {
-        const std::size_t elem = size_of(t);
-        for (const auto& s : src) {
+    void pack(const Table& t, std::byte* dst) const {
+        const std::size_t elem = size_of(t.dtype);
+        for (const auto& s : t.segments) {
             std::memcpy(dst, s.data, s.count * elem);
             dst += s.count * elem;
         }
     }
     // Copies consecutive bytes of `src` back into the segments.
-    static void unpack(std::span<const Segment> dst, const std::byte* src, DType t) {
-        const std::size_t elem = size_of(t);
-        for (const auto& s : dst) {
+    void unpack(const Table& t, const std::byte* src) const {
+        const std::size_t elem = size_of(t.dtype);
+        for (const auto& s : t.segments) {
             std::memcpy(s.data, src, s.count * elem);
             src += s.count * elem;
         }
     }
+    // Packs float32 gradients into `dst` as `wire` values, each multiplied by `factor`.
+    void compress(const Table& t, std::byte* dst, DType wire, double factor) const {
+        detail::visit_float_dtype(wire, [&]<class W>(detail::type_tag<W>) {
+            auto* out = reinterpret_cast<W*>(dst);
+            for (const auto& s : t.segments) {
+                detail::scale_copy(static_cast<const float*>(s.data), out, s.count, factor);
+                out += s.count;
+            }
+        });
+    }
+    // No infinity or NaN among the `count` float16 values at `data`.
+    bool all_finite(const std::byte* data, std::size_t count) const {
+        return detail::all_finite(reinterpret_cast<const float16*>(data), count);
+    }
+
+    // Room for `slots` results, before any finalize (once per bucket plan).
+    void prepare_results(std::size_t slots) { results_.assign(slots, 0.0); }
+
+    // The finalize pass: gradients = `src` (a reduced bucket of `src_type`; null: the gradients
+    // themselves) times `factor`, and the sum of the squares of what was written into result slot
+    // `slot`. With nothing to scale in place, only measures.
+    // A `src_type` other than the gradients' is a wire dtype, and the gradients are then float32.
+    void finalize(const Table& t, const std::byte* src, DType src_type, double factor, std::size_t slot) {
+        double total = 0;
+        const auto unpack_measuring = [&]<class W, class T>(const W* in) {
+            for (const auto& s : t.segments) {
+                detail::SquareSum sums;
+                detail::scale_copy_square_sum(in, static_cast<T*>(s.data), s.count, factor, sums);
+                total += sums.total();
+                in += s.count;
+            }
+        };
+        if (src == nullptr) {
+            detail::visit_float_dtype(t.dtype, [&]<class T>(detail::type_tag<T>) {
+                for (const auto& s : t.segments) {
+                    detail::SquareSum sums;
+                    if (factor == 1.0)
+                        detail::square_sum(static_cast<const T*>(s.data), s.count, sums);
+                    else
+                        detail::scale_square_sum(static_cast<T*>(s.data), s.count, factor, sums);
+                    total += sums.total();
+                }
+            });
+        } else if (src_type == t.dtype) {
+            detail::visit_float_dtype(t.dtype, [&]<class T>(detail::type_tag<T>) {
+                unpack_measuring.template operator()<T, T>(reinterpret_cast<const T*>(src));
+            });
+        } else {
+            if (t.dtype != DType::float32)
+                throw Error("gradsync: internal error: a " + to_string(src_type) + " wire for " + to_string(t.dtype) +
+                            " gradients");
+            detail::visit_float_dtype(src_type, [&]<class W>(detail::type_tag<W>) {
+                unpack_measuring.template operator()<W, float>(reinterpret_cast<const W*>(src));
+            });
+        }
+        results_.at(slot) = total;
+    }
+    // The result slots as the last finalize of each left them.
+    std::span<const double> results() { return results_; }
+    // The sum of squares of each segment as it is now (to name those that are not finite).
+    std::vector<double> segment_sums(const Table& t) const {
+        std::vector<double> out;
+        detail::visit_float_dtype(t.dtype, [&]<class T>(detail::type_tag<T>) {
+            for (const auto& s : t.segments) {
+                detail::SquareSum sums;
+                detail::square_sum(static_cast<const T*>(s.data), s.count, sums);
+                out.push_back(sums.total());
+            }
+        });
+        return out;
+    }
+    // Multiplies every gradient of the bucket by `factor` (clipping's second pass).
+    void scale(const Table& t, double factor) const {
+        detail::visit_float_dtype(t.dtype, [&]<class T>(detail::type_tag<T>) {
+            for (const auto& s : t.segments) detail::scale_only(static_cast<T*>(s.data), s.count, factor);
+        });
+    }
+    void zero(Segment s, DType t) const { std::memset(s.data, 0, s.count * size_of(t)); }
+
+private:
+    std::vector<double> results_;
 };
 
 // Packing policies. By default DataParallel reduces gradients where they lie when the backend
@@ -3315,23 +3433,6 @@ struct StepReport {
 
 namespace detail {
 
-template <class T>
-struct type_tag {
-    using type = T;
-};
-
-// Calls f(type_tag<T>{}) with the C++ type of a floating-point dtype.
-template <class F>
-void visit_float_dtype(DType t, F&& f) {
-    switch (t) {
-        case DType::float32: return f(type_tag<float>{});
-        case DType::float64: return f(type_tag<double>{});
-        case DType::float16: return f(type_tag<float16>{});
-        case DType::bfloat16: return f(type_tag<bfloat16>{});
-        default: throw Error("gradsync: internal error: " + to_string(t) + " is no floating-point dtype");
-    }
-}
-
 template <class B, bool Scattered>
 struct handle_of {
     using type = decltype(std::declval<B&>().allreduce_async(std::declval<Buffer>(), ReduceOp::sum));
@@ -3382,7 +3483,12 @@ public:
     // where it lies, as one contiguous buffer, and DataParallel touches no gradient memory
     // itself. The passes that would (packing, unscaling, measuring, clipping, zeroing unused
     // parameters) are refused with an error until a device memory policy takes them over.
-    static constexpr bool gradients_untouchable = DeviceBackend<BackendT> && std::is_same_v<memory_type, HostMemory>;
+    static constexpr bool gradients_untouchable = DeviceBackend<BackendT> && !memory_type::on_device;
+    static_assert(!memory_type::on_device || DeviceBackend<BackendT>,
+                  "gradsync: a device memory policy (CudaMemory) needs a backend whose collectives take device "
+                  "memory (NcclBackend)");
+    static_assert(!memory_type::on_device || !compression_type::compresses,
+                  "gradsync: wire compression on the device is not built yet; use NoCompression with CudaMemory");
     static_assert(!gradients_untouchable || !compression_type::compresses,
                   "gradsync: wire compression of device gradients needs a device memory policy, which does not "
                   "exist yet; use NoCompression with NcclBackend");
@@ -3396,7 +3502,8 @@ public:
           bucketer_(detail::policy_value<bucketer_type>(std::tuple(policies...))),
           options_(detail::policy_value<Options>(std::tuple(policies...))),
           scaler_(detail::policy_value<loss_scaler_type>(std::tuple(policies...))),
-          lr_(detail::policy_value<lr_type>(std::tuple(policies...))) {
+          lr_(detail::policy_value<lr_type>(std::tuple(policies...))),
+          memory_(detail::policy_value<memory_type>(std::tuple(policies...))) {
         init();
     }
     DataParallel(Model& model, BackendT& backend) requires(sizeof...(Policies) > 0) : model_(model), backend_(backend) {
@@ -3598,6 +3705,8 @@ private:
         std::optional<Segment> view;       // set when they lie contiguously
         Route route = Route::in_place;
         DType wire = DType::float32;            // the dtype the collective moves
+        typename memory_type::Table table;      // the segments, as the memory policy's passes take them
+        bool measured = false;                  // finalized this step: its result slot is current
         typename memory_type::Storage buffer;   // packed or compressed, world > 1
         typename memory_type::Storage widened;  // a float32 copy, made once when a compressed sum overflowed
         std::size_t parameters = 0;
@@ -3616,6 +3725,7 @@ private:
     void synchronize_impl(bool want_stats) {
         if (no_sync_depth_.load(std::memory_order_relaxed) > 0) return;  // an accumulation micro-step
         guard([&] {
+            check_backend_health();
             const bool overlapped = any_ready_.load(std::memory_order_acquire);
             if (!overlapped) step_began_ = std::chrono::steady_clock::now();
             phase_.store(Phase::synchronizing, std::memory_order_release);
@@ -3638,6 +3748,8 @@ private:
                 for (std::size_t b = 0; b < slots_.size(); ++b) finalize_in_place(b);
             for (std::size_t b = 0; b < slots_.size(); ++b)
                 if (slots_[b].redo) reduce_again_in_float(b);
+            collect_stats();
+            check_backend_health();  // what the device did while the host did not wait
             if (options_.clip_norm > 0) clip();
             sync_buffers(/*at_construction=*/false);
             if constexpr (!CheckedCollectives<BackendT>) {
@@ -3767,9 +3879,11 @@ private:
             } else {
                 slot.route = contiguous ? Route::view : Route::packed;
             }
+            slot.table = memory_.table(slot.segments, bucket.dtype);
             if ((slot.route == Route::packed || slot.route == Route::compressed) && backend_.size() > 1)
-                slot.buffer = memory_type::allocate(Bytes{bucket.count * size_of(slot.wire)});
+                slot.buffer = memory_.allocate(Bytes{bucket.count * size_of(slot.wire)});
         }
+        memory_.prepare_results(n);
     }
 
     // Runs f; on an exception, aborts the group so that peers fail now, drains, and rethrows.
@@ -3842,7 +3956,7 @@ private:
             if (used_[p].load(std::memory_order_relaxed) != 0) {
                 mark_ready_locked(p);  // used in an accumulation micro-step: its sum is final
             } else if (options_.find_unused_parameters) {
-                std::memset(params_[p].grad, 0, params_[p].bytes().count());
+                memory_.zero(Segment{params_[p].grad, params_[p].count}, params_[p].dtype);
                 mark_ready_locked(p);
             } else {
                 missing.push_back(p);
@@ -3886,18 +4000,10 @@ private:
         const auto dtype = plan_.buckets[b].dtype;
         if (slot.route == Route::view) return Buffer{slot.view->data, slot.view->count, dtype};
         std::byte* data = memory_type::data(slot.buffer);
-        if (slot.route == Route::packed) {
-            memory_type::pack(data, slot.segments, dtype);
-        } else {
-            const double share = 1.0 / static_cast<double>(backend_.size());
-            detail::visit_float_dtype(slot.wire, [&]<class W>(detail::type_tag<W>) {
-                auto* out = reinterpret_cast<W*>(data);
-                for (const auto& seg : slot.segments) {
-                    detail::scale_copy(static_cast<const float*>(seg.data), out, seg.count, share);
-                    out += seg.count;
-                }
-            });
-        }
+        if (slot.route == Route::packed)
+            memory_.pack(slot.table, data);
+        else
+            memory_.compress(slot.table, data, slot.wire, 1.0 / static_cast<double>(backend_.size()));
         return Buffer{data, plan_.buckets[b].count, slot.wire};
     }
 
@@ -3951,12 +4057,18 @@ private:
                     "step " + std::to_string(current_step()) + ": launched bucket " + std::to_string(b));
     }
 
-    // Reduces bucket b on this thread (the path without grad_ready: no overlap to gain).
+    // Reduces bucket b on this thread (the path without grad_ready: no overlap to gain); on a
+    // device, queues it.
     void reduce_now(std::size_t b) {
         auto& slot = slots_[b];
         slot.ready_at = slot.launched_at = std::chrono::steady_clock::now();
         const auto& bucket = plan_.buckets[b];
         auto tag = next_tag(0, static_cast<std::int64_t>(b), bucket.count * size_of(slot.wire), slot.wire);
+        if constexpr (DeviceBackend<BackendT>) {
+            // Queued on the device like a launch; wait_all orders the trainer's stream after it.
+            slot.handle.emplace(allreduce_later(contiguous(b), op_of(slot), tag));
+            return;
+        }
         if (slot.route == Route::in_place) {
             if constexpr (reduces_in_place) allreduce_now(segments_of(slot), bucket.dtype, ReduceOp::average, tag);
         } else {
@@ -3974,11 +4086,13 @@ private:
         for (std::size_t b = 0; b < slots_.size(); ++b) {
             auto& slot = slots_[b];
             if (!slot.handle) continue;
-            if constexpr (gradients_untouchable && requires { backend_.wait_on_device(*slot.handle); }) {
-                // Nothing to finish on the host: the trainer's stream waits for the reduction, the
-                // host goes on, and the backend's watchdog ends a collective that hangs.
+            if constexpr (requires { backend_.wait_on_device(*slot.handle); }) {
+                // The trainer's stream waits for the reduction and then runs the finalize pass the
+                // memory policy queues on it; the host goes on, and the backend's watchdog ends a
+                // collective that hangs.
                 backend_.wait_on_device(*slot.handle);
                 slot.handle.reset();
+                finish(b);
                 continue;
             }
             if (!slot.handle->wait_until(deadline)) throw TimeoutError(diagnose_timeout(b));
@@ -3999,66 +4113,62 @@ private:
     // and the others are left alone.
     void finish(std::size_t b) {
         auto& slot = slots_[b];
-        const auto dtype = plan_.buckets[b].dtype;
         const std::byte* data = memory_type::data(slot.buffer);
         switch (slot.route) {
             case Route::in_place:
             case Route::view: return finalize_in_place(b);
             case Route::packed:
-                if (!finalizing_) return memory_type::unpack(slot.segments, data, dtype);
-                return detail::visit_float_dtype(dtype, [&]<class T>(detail::type_tag<T>) {
-                    unpack_finalizing<T, T>(slot, reinterpret_cast<const T*>(data));
-                });
+                if (!finalizing_) return memory_.unpack(slot.table, data);
+                return finalize_from(b, data, plan_.buckets[b].dtype);
             case Route::compressed:
                 // float16 sums can overflow where float32 would not: such a bucket is reduced again
                 // in float32 once every bucket is done, from the gradients, which are still intact.
-                if (slot.wire == DType::float16 &&
-                    !detail::all_finite(reinterpret_cast<const float16*>(data), plan_.buckets[b].count)) {
+                if (slot.wire == DType::float16 && !memory_.all_finite(data, plan_.buckets[b].count)) {
                     slot.redo = true;
                     return;
                 }
-                return detail::visit_float_dtype(slot.wire, [&]<class W>(detail::type_tag<W>) {
-                    unpack_finalizing<W, float>(slot, reinterpret_cast<const W*>(data));
-                });
+                return finalize_from(b, data, slot.wire);
         }
     }
 
-    // Reads the reduced bucket, of wire type W, from `data`, unscales it into the gradients, of
-    // type T, and measures it.
-    template <class W, class T>
-    void unpack_finalizing(const Slot& slot, const W* data) {
-        const double factor = 1.0 / static_cast<double>(scaler_.scale());
-        for (std::size_t k = 0; k < slot.segments.size(); ++k) {
-            const auto& seg = slot.segments[k];
-            detail::SquareSum sums;
-            detail::scale_copy_square_sum(data, static_cast<T*>(seg.data), seg.count, factor, sums);
-            record(slot.indices[k], sums);
-            data += seg.count;
-        }
+    // Unscales the reduced bucket at `data`, of `type`, into the gradients, and measures it.
+    void finalize_from(std::size_t b, const std::byte* data, DType type) {
+        memory_.finalize(slots_[b].table, data, type, 1.0 / static_cast<double>(scaler_.scale()), b);
+        slots_[b].measured = true;
     }
 
     // Unscales and measures bucket b's gradients where they lie.
     void finalize_in_place(std::size_t b) {
         if (!finalizing_) return;
-        const auto& slot = slots_[b];
-        const double factor = 1.0 / static_cast<double>(scaler_.scale());
-        for (std::size_t k = 0; k < slot.segments.size(); ++k) {
-            const auto& seg = slot.segments[k];
-            detail::SquareSum sums;
-            detail::visit_float_dtype(plan_.buckets[b].dtype, [&]<class T>(detail::type_tag<T>) {
-                if (factor == 1.0)
-                    detail::square_sum(static_cast<const T*>(seg.data), seg.count, sums);
-                else
-                    detail::scale_square_sum(static_cast<T*>(seg.data), seg.count, factor, sums);
-            });
-            record(slot.indices[k], sums);
-        }
+        memory_.finalize(slots_[b].table, nullptr, plan_.buckets[b].dtype, 1.0 / static_cast<double>(scaler_.scale()),
+                         b);
+        slots_[b].measured = true;
     }
 
-    void record(std::size_t param, const detail::SquareSum& sums) {
-        const double total = sums.total();
-        stats_.sum_squares += total;
-        if (!std::isfinite(total)) stats_.nonfinite.push_back(param);
+    // A backend whose collectives the host does not wait for (NcclBackend) reports a failure
+    // found by its watchdog here.
+    void check_backend_health() {
+        if constexpr (requires { backend_.throw_if_failed(); }) backend_.throw_if_failed();
+    }
+
+    // The finalize pass's measurements of this step, read once (from the device: the one host
+    // synchronization of a step that needs them). A bucket that is not finite is measured again
+    // tensor by tensor, to name its parameters.
+    void collect_stats() {
+        bool any = false;
+        for (const auto& slot : slots_) any = any || slot.measured;
+        if (!any) return;
+        const auto sums = memory_.results();
+        for (std::size_t b = 0; b < slots_.size(); ++b) {
+            auto& slot = slots_[b];
+            if (!slot.measured) continue;
+            slot.measured = false;
+            stats_.sum_squares += sums[b];
+            if (std::isfinite(sums[b])) continue;
+            const auto per_tensor = memory_.segment_sums(slot.table);
+            for (std::size_t k = 0; k < per_tensor.size(); ++k)
+                if (!std::isfinite(per_tensor[k])) stats_.nonfinite.push_back(slot.indices[k]);
+        }
     }
 
     // A compressed bucket whose float16 sum overflowed, reduced again in float32 (averaged), the
@@ -4074,12 +4184,12 @@ private:
             if (slot.view) {
                 buf.data = slot.view->data;
             } else {
-                if (slot.widened.size() == 0) slot.widened = memory_type::allocate(bucket.bytes());
+                if (slot.widened.size() == 0) slot.widened = memory_.allocate(bucket.bytes());
                 buf.data = memory_type::data(slot.widened);
-                memory_type::pack(memory_type::data(slot.widened), slot.segments, bucket.dtype);
+                memory_.pack(slot.table, memory_type::data(slot.widened));
             }
             allreduce_now(buf, ReduceOp::average, tag);
-            if (!slot.view) memory_type::unpack(slot.segments, memory_type::data(slot.widened), bucket.dtype);
+            if (!slot.view) memory_.unpack(slot.table, memory_type::data(slot.widened));
         }
         slot.redo = false;
         const bool was = finalizing_;
@@ -4097,11 +4207,7 @@ private:
         const double norm = grad_norm();
         if (!std::isfinite(norm) || norm <= options_.clip_norm) return;
         const double factor = options_.clip_norm / (norm + 1e-6);
-        for (const auto& p : params_) {
-            detail::visit_float_dtype(p.dtype, [&]<class T>(detail::type_tag<T>) {
-                detail::scale_only(static_cast<T*>(p.grad), p.count, factor);
-            });
-        }
+        for (const auto& slot : slots_) memory_.scale(slot.table, factor);
         stats_.clipped = true;
     }
 
@@ -4128,6 +4234,7 @@ private:
     }
 
     void reset_step() {
+        for (auto& slot : slots_) slot.measured = false;
         for (std::size_t p = 0; p < params_.size(); ++p) {
             ready_[p].store(0, std::memory_order_relaxed);
             used_[p].store(0, std::memory_order_relaxed);
@@ -4281,6 +4388,7 @@ private:
     Options options_{};
     loss_scaler_type scaler_{};
     lr_type lr_{};
+    memory_type memory_{};
     Stats stats_;
     bool finalizing_ = false;  // this synchronize() unscales and measures
     std::vector<Parameter> params_;

@@ -65,23 +65,6 @@ struct StepReport {
 
 namespace detail {
 
-template <class T>
-struct type_tag {
-    using type = T;
-};
-
-// Calls f(type_tag<T>{}) with the C++ type of a floating-point dtype.
-template <class F>
-void visit_float_dtype(DType t, F&& f) {
-    switch (t) {
-        case DType::float32: return f(type_tag<float>{});
-        case DType::float64: return f(type_tag<double>{});
-        case DType::float16: return f(type_tag<float16>{});
-        case DType::bfloat16: return f(type_tag<bfloat16>{});
-        default: throw Error("gradsync: internal error: " + to_string(t) + " is no floating-point dtype");
-    }
-}
-
 template <class B, bool Scattered>
 struct handle_of {
     using type = decltype(std::declval<B&>().allreduce_async(std::declval<Buffer>(), ReduceOp::sum));
@@ -132,7 +115,12 @@ public:
     // where it lies, as one contiguous buffer, and DataParallel touches no gradient memory
     // itself. The passes that would (packing, unscaling, measuring, clipping, zeroing unused
     // parameters) are refused with an error until a device memory policy takes them over.
-    static constexpr bool gradients_untouchable = DeviceBackend<BackendT> && std::is_same_v<memory_type, HostMemory>;
+    static constexpr bool gradients_untouchable = DeviceBackend<BackendT> && !memory_type::on_device;
+    static_assert(!memory_type::on_device || DeviceBackend<BackendT>,
+                  "gradsync: a device memory policy (CudaMemory) needs a backend whose collectives take device "
+                  "memory (NcclBackend)");
+    static_assert(!memory_type::on_device || !compression_type::compresses,
+                  "gradsync: wire compression on the device is not built yet; use NoCompression with CudaMemory");
     static_assert(!gradients_untouchable || !compression_type::compresses,
                   "gradsync: wire compression of device gradients needs a device memory policy, which does not "
                   "exist yet; use NoCompression with NcclBackend");
@@ -146,7 +134,8 @@ public:
           bucketer_(detail::policy_value<bucketer_type>(std::tuple(policies...))),
           options_(detail::policy_value<Options>(std::tuple(policies...))),
           scaler_(detail::policy_value<loss_scaler_type>(std::tuple(policies...))),
-          lr_(detail::policy_value<lr_type>(std::tuple(policies...))) {
+          lr_(detail::policy_value<lr_type>(std::tuple(policies...))),
+          memory_(detail::policy_value<memory_type>(std::tuple(policies...))) {
         init();
     }
     DataParallel(Model& model, BackendT& backend) requires(sizeof...(Policies) > 0) : model_(model), backend_(backend) {
@@ -348,6 +337,8 @@ private:
         std::optional<Segment> view;       // set when they lie contiguously
         Route route = Route::in_place;
         DType wire = DType::float32;            // the dtype the collective moves
+        typename memory_type::Table table;      // the segments, as the memory policy's passes take them
+        bool measured = false;                  // finalized this step: its result slot is current
         typename memory_type::Storage buffer;   // packed or compressed, world > 1
         typename memory_type::Storage widened;  // a float32 copy, made once when a compressed sum overflowed
         std::size_t parameters = 0;
@@ -366,6 +357,7 @@ private:
     void synchronize_impl(bool want_stats) {
         if (no_sync_depth_.load(std::memory_order_relaxed) > 0) return;  // an accumulation micro-step
         guard([&] {
+            check_backend_health();
             const bool overlapped = any_ready_.load(std::memory_order_acquire);
             if (!overlapped) step_began_ = std::chrono::steady_clock::now();
             phase_.store(Phase::synchronizing, std::memory_order_release);
@@ -388,6 +380,8 @@ private:
                 for (std::size_t b = 0; b < slots_.size(); ++b) finalize_in_place(b);
             for (std::size_t b = 0; b < slots_.size(); ++b)
                 if (slots_[b].redo) reduce_again_in_float(b);
+            collect_stats();
+            check_backend_health();  // what the device did while the host did not wait
             if (options_.clip_norm > 0) clip();
             sync_buffers(/*at_construction=*/false);
             if constexpr (!CheckedCollectives<BackendT>) {
@@ -517,9 +511,11 @@ private:
             } else {
                 slot.route = contiguous ? Route::view : Route::packed;
             }
+            slot.table = memory_.table(slot.segments, bucket.dtype);
             if ((slot.route == Route::packed || slot.route == Route::compressed) && backend_.size() > 1)
-                slot.buffer = memory_type::allocate(Bytes{bucket.count * size_of(slot.wire)});
+                slot.buffer = memory_.allocate(Bytes{bucket.count * size_of(slot.wire)});
         }
+        memory_.prepare_results(n);
     }
 
     // Runs f; on an exception, aborts the group so that peers fail now, drains, and rethrows.
@@ -592,7 +588,7 @@ private:
             if (used_[p].load(std::memory_order_relaxed) != 0) {
                 mark_ready_locked(p);  // used in an accumulation micro-step: its sum is final
             } else if (options_.find_unused_parameters) {
-                std::memset(params_[p].grad, 0, params_[p].bytes().count());
+                memory_.zero(Segment{params_[p].grad, params_[p].count}, params_[p].dtype);
                 mark_ready_locked(p);
             } else {
                 missing.push_back(p);
@@ -636,18 +632,10 @@ private:
         const auto dtype = plan_.buckets[b].dtype;
         if (slot.route == Route::view) return Buffer{slot.view->data, slot.view->count, dtype};
         std::byte* data = memory_type::data(slot.buffer);
-        if (slot.route == Route::packed) {
-            memory_type::pack(data, slot.segments, dtype);
-        } else {
-            const double share = 1.0 / static_cast<double>(backend_.size());
-            detail::visit_float_dtype(slot.wire, [&]<class W>(detail::type_tag<W>) {
-                auto* out = reinterpret_cast<W*>(data);
-                for (const auto& seg : slot.segments) {
-                    detail::scale_copy(static_cast<const float*>(seg.data), out, seg.count, share);
-                    out += seg.count;
-                }
-            });
-        }
+        if (slot.route == Route::packed)
+            memory_.pack(slot.table, data);
+        else
+            memory_.compress(slot.table, data, slot.wire, 1.0 / static_cast<double>(backend_.size()));
         return Buffer{data, plan_.buckets[b].count, slot.wire};
     }
 
@@ -701,12 +689,18 @@ private:
                     "step " + std::to_string(current_step()) + ": launched bucket " + std::to_string(b));
     }
 
-    // Reduces bucket b on this thread (the path without grad_ready: no overlap to gain).
+    // Reduces bucket b on this thread (the path without grad_ready: no overlap to gain); on a
+    // device, queues it.
     void reduce_now(std::size_t b) {
         auto& slot = slots_[b];
         slot.ready_at = slot.launched_at = std::chrono::steady_clock::now();
         const auto& bucket = plan_.buckets[b];
         auto tag = next_tag(0, static_cast<std::int64_t>(b), bucket.count * size_of(slot.wire), slot.wire);
+        if constexpr (DeviceBackend<BackendT>) {
+            // Queued on the device like a launch; wait_all orders the trainer's stream after it.
+            slot.handle.emplace(allreduce_later(contiguous(b), op_of(slot), tag));
+            return;
+        }
         if (slot.route == Route::in_place) {
             if constexpr (reduces_in_place) allreduce_now(segments_of(slot), bucket.dtype, ReduceOp::average, tag);
         } else {
@@ -724,11 +718,13 @@ private:
         for (std::size_t b = 0; b < slots_.size(); ++b) {
             auto& slot = slots_[b];
             if (!slot.handle) continue;
-            if constexpr (gradients_untouchable && requires { backend_.wait_on_device(*slot.handle); }) {
-                // Nothing to finish on the host: the trainer's stream waits for the reduction, the
-                // host goes on, and the backend's watchdog ends a collective that hangs.
+            if constexpr (requires { backend_.wait_on_device(*slot.handle); }) {
+                // The trainer's stream waits for the reduction and then runs the finalize pass the
+                // memory policy queues on it; the host goes on, and the backend's watchdog ends a
+                // collective that hangs.
                 backend_.wait_on_device(*slot.handle);
                 slot.handle.reset();
+                finish(b);
                 continue;
             }
             if (!slot.handle->wait_until(deadline)) throw TimeoutError(diagnose_timeout(b));
@@ -749,66 +745,62 @@ private:
     // and the others are left alone.
     void finish(std::size_t b) {
         auto& slot = slots_[b];
-        const auto dtype = plan_.buckets[b].dtype;
         const std::byte* data = memory_type::data(slot.buffer);
         switch (slot.route) {
             case Route::in_place:
             case Route::view: return finalize_in_place(b);
             case Route::packed:
-                if (!finalizing_) return memory_type::unpack(slot.segments, data, dtype);
-                return detail::visit_float_dtype(dtype, [&]<class T>(detail::type_tag<T>) {
-                    unpack_finalizing<T, T>(slot, reinterpret_cast<const T*>(data));
-                });
+                if (!finalizing_) return memory_.unpack(slot.table, data);
+                return finalize_from(b, data, plan_.buckets[b].dtype);
             case Route::compressed:
                 // float16 sums can overflow where float32 would not: such a bucket is reduced again
                 // in float32 once every bucket is done, from the gradients, which are still intact.
-                if (slot.wire == DType::float16 &&
-                    !detail::all_finite(reinterpret_cast<const float16*>(data), plan_.buckets[b].count)) {
+                if (slot.wire == DType::float16 && !memory_.all_finite(data, plan_.buckets[b].count)) {
                     slot.redo = true;
                     return;
                 }
-                return detail::visit_float_dtype(slot.wire, [&]<class W>(detail::type_tag<W>) {
-                    unpack_finalizing<W, float>(slot, reinterpret_cast<const W*>(data));
-                });
+                return finalize_from(b, data, slot.wire);
         }
     }
 
-    // Reads the reduced bucket, of wire type W, from `data`, unscales it into the gradients, of
-    // type T, and measures it.
-    template <class W, class T>
-    void unpack_finalizing(const Slot& slot, const W* data) {
-        const double factor = 1.0 / static_cast<double>(scaler_.scale());
-        for (std::size_t k = 0; k < slot.segments.size(); ++k) {
-            const auto& seg = slot.segments[k];
-            detail::SquareSum sums;
-            detail::scale_copy_square_sum(data, static_cast<T*>(seg.data), seg.count, factor, sums);
-            record(slot.indices[k], sums);
-            data += seg.count;
-        }
+    // Unscales the reduced bucket at `data`, of `type`, into the gradients, and measures it.
+    void finalize_from(std::size_t b, const std::byte* data, DType type) {
+        memory_.finalize(slots_[b].table, data, type, 1.0 / static_cast<double>(scaler_.scale()), b);
+        slots_[b].measured = true;
     }
 
     // Unscales and measures bucket b's gradients where they lie.
     void finalize_in_place(std::size_t b) {
         if (!finalizing_) return;
-        const auto& slot = slots_[b];
-        const double factor = 1.0 / static_cast<double>(scaler_.scale());
-        for (std::size_t k = 0; k < slot.segments.size(); ++k) {
-            const auto& seg = slot.segments[k];
-            detail::SquareSum sums;
-            detail::visit_float_dtype(plan_.buckets[b].dtype, [&]<class T>(detail::type_tag<T>) {
-                if (factor == 1.0)
-                    detail::square_sum(static_cast<const T*>(seg.data), seg.count, sums);
-                else
-                    detail::scale_square_sum(static_cast<T*>(seg.data), seg.count, factor, sums);
-            });
-            record(slot.indices[k], sums);
-        }
+        memory_.finalize(slots_[b].table, nullptr, plan_.buckets[b].dtype, 1.0 / static_cast<double>(scaler_.scale()),
+                         b);
+        slots_[b].measured = true;
     }
 
-    void record(std::size_t param, const detail::SquareSum& sums) {
-        const double total = sums.total();
-        stats_.sum_squares += total;
-        if (!std::isfinite(total)) stats_.nonfinite.push_back(param);
+    // A backend whose collectives the host does not wait for (NcclBackend) reports a failure
+    // found by its watchdog here.
+    void check_backend_health() {
+        if constexpr (requires { backend_.throw_if_failed(); }) backend_.throw_if_failed();
+    }
+
+    // The finalize pass's measurements of this step, read once (from the device: the one host
+    // synchronization of a step that needs them). A bucket that is not finite is measured again
+    // tensor by tensor, to name its parameters.
+    void collect_stats() {
+        bool any = false;
+        for (const auto& slot : slots_) any = any || slot.measured;
+        if (!any) return;
+        const auto sums = memory_.results();
+        for (std::size_t b = 0; b < slots_.size(); ++b) {
+            auto& slot = slots_[b];
+            if (!slot.measured) continue;
+            slot.measured = false;
+            stats_.sum_squares += sums[b];
+            if (std::isfinite(sums[b])) continue;
+            const auto per_tensor = memory_.segment_sums(slot.table);
+            for (std::size_t k = 0; k < per_tensor.size(); ++k)
+                if (!std::isfinite(per_tensor[k])) stats_.nonfinite.push_back(slot.indices[k]);
+        }
     }
 
     // A compressed bucket whose float16 sum overflowed, reduced again in float32 (averaged), the
@@ -824,12 +816,12 @@ private:
             if (slot.view) {
                 buf.data = slot.view->data;
             } else {
-                if (slot.widened.size() == 0) slot.widened = memory_type::allocate(bucket.bytes());
+                if (slot.widened.size() == 0) slot.widened = memory_.allocate(bucket.bytes());
                 buf.data = memory_type::data(slot.widened);
-                memory_type::pack(memory_type::data(slot.widened), slot.segments, bucket.dtype);
+                memory_.pack(slot.table, memory_type::data(slot.widened));
             }
             allreduce_now(buf, ReduceOp::average, tag);
-            if (!slot.view) memory_type::unpack(slot.segments, memory_type::data(slot.widened), bucket.dtype);
+            if (!slot.view) memory_.unpack(slot.table, memory_type::data(slot.widened));
         }
         slot.redo = false;
         const bool was = finalizing_;
@@ -847,11 +839,7 @@ private:
         const double norm = grad_norm();
         if (!std::isfinite(norm) || norm <= options_.clip_norm) return;
         const double factor = options_.clip_norm / (norm + 1e-6);
-        for (const auto& p : params_) {
-            detail::visit_float_dtype(p.dtype, [&]<class T>(detail::type_tag<T>) {
-                detail::scale_only(static_cast<T*>(p.grad), p.count, factor);
-            });
-        }
+        for (const auto& slot : slots_) memory_.scale(slot.table, factor);
         stats_.clipped = true;
     }
 
@@ -878,6 +866,7 @@ private:
     }
 
     void reset_step() {
+        for (auto& slot : slots_) slot.measured = false;
         for (std::size_t p = 0; p < params_.size(); ++p) {
             ready_[p].store(0, std::memory_order_relaxed);
             used_[p].store(0, std::memory_order_relaxed);
@@ -1031,6 +1020,7 @@ private:
     Options options_{};
     loss_scaler_type scaler_{};
     lr_type lr_{};
+    memory_type memory_{};
     Stats stats_;
     bool finalizing_ = false;  // this synchronize() unscales and measures
     std::vector<Parameter> params_;

@@ -10,6 +10,7 @@
 #include <gradsync/cuda/check.hpp>
 #include <gradsync/data_parallel.hpp>
 #include <gradsync/cuda/finalize.cuh>
+#include <gradsync/cuda/memory.cuh>
 #include <gradsync/cuda/pack.cuh>
 #include <gradsync/detail/finalize.hpp>
 
@@ -175,6 +176,47 @@ void check_world_of_one(gradsync::NcclBackend<>& backend, gradsync::DType dtype)
     CHECK(same_bytes(data.download(), quarter));
 }
 
+// Three parameters, each with its own device allocation: their gradients are no view, so
+// DataParallel packs them (world > 1) or finalizes them through the device table.
+struct ScatteredDeviceModel {
+    std::vector<std::size_t> sizes = {1000, 3, 70000};
+    std::vector<float*> weights, grads;
+    ScatteredDeviceModel() {
+        for (auto n : sizes) {
+            weights.push_back(nullptr);
+            grads.push_back(nullptr);
+            GRADSYNC_CUDA_CHECK(cudaMalloc(&weights.back(), n * sizeof(float)));
+            GRADSYNC_CUDA_CHECK(cudaMalloc(&grads.back(), (n + 64) * sizeof(float)));  // a gap after each
+            GRADSYNC_CUDA_CHECK(cudaMemset(weights.back(), 0, n * sizeof(float)));
+        }
+    }
+    ~ScatteredDeviceModel() {
+        for (auto* p : weights) cudaFree(p);
+        for (auto* p : grads) cudaFree(p);
+    }
+    std::vector<gradsync::Parameter> parameters() {
+        std::vector<gradsync::Parameter> out;
+        for (std::size_t i = 0; i < sizes.size(); ++i)
+            out.push_back({"p" + std::to_string(i), weights[i], grads[i], sizes[i], gradsync::DType::float32});
+        return out;
+    }
+    // Gradient i, element k: (k % 17 - 8) * scale.
+    std::vector<std::vector<float>> fill(float scale) {
+        std::vector<std::vector<float>> host;
+        for (std::size_t i = 0; i < sizes.size(); ++i) {
+            host.emplace_back(sizes[i]);
+            for (std::size_t k = 0; k < sizes[i]; ++k) host[i][k] = (float(k % 17) - 8.0f) * scale;
+            GRADSYNC_CUDA_CHECK(cudaMemcpy(grads[i], host[i].data(), sizes[i] * sizeof(float), cudaMemcpyHostToDevice));
+        }
+        return host;
+    }
+    std::vector<float> grad(std::size_t i) const {
+        std::vector<float> out(sizes[i]);
+        GRADSYNC_CUDA_CHECK(cudaMemcpy(out.data(), grads[i], sizes[i] * sizeof(float), cudaMemcpyDeviceToHost));
+        return out;
+    }
+};
+
 // Spins for about `cycles` clock cycles, then writes `value` everywhere: a gradient that is
 // written late on its stream.
 __global__ void late_fill(float* data, std::size_t n, float value, long long cycles) {
@@ -196,6 +238,9 @@ __global__ void add_one(float* data, std::size_t n) {
 }
 
 }  // namespace
+
+// Every member of DataParallel over NcclBackend with CudaMemory compiles.
+template class gradsync::DataParallel<ScatteredDeviceModel, gradsync::NcclBackend<>, gradsync::CudaMemory>;
 
 TEST_SUITE("host") {
     TEST_CASE("a failed CUDA call is a CudaError naming the call, the place and CUDA's words") {
@@ -296,6 +341,61 @@ TEST_SUITE("gpu") {
         CHECK(std::count(result.begin(), result.end(), 2.0f) == std::ptrdiff_t(n));
         CHECK(handle.ready());
         GRADSYNC_CUDA_CHECK(cudaStreamDestroy(compute));
+    }
+
+    TEST_CASE(
+        "DataParallel<NcclBackend, CudaMemory>, a world of one: step() unscales on the device and measures "
+        "the norm as the host does, names a parameter that overflowed and skips the step, clips") {
+        ncclUniqueId id{};
+        REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
+        cudaStream_t stream = nullptr;
+        GRADSYNC_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+        {
+            gradsync::NcclBackend<> backend(0, 1, 0, id, gradsync::NcclOptions{.compute_stream = stream});
+            ScatteredDeviceModel model;
+            gradsync::DataParallel dp(model, backend, gradsync::CudaMemory{stream},
+                                      gradsync::StaticLossScale{.value = 1024.0f});
+            // Scaled gradients in, unscaled out: exact (a power of two); the norm as the host sums it.
+            auto host = model.fill(1024.0f);
+            int applied = 0;
+            auto report = dp.step([&] { ++applied; });
+            CHECK(report.applied);
+            CHECK(applied == 1);
+            double squares = 0;
+            for (std::size_t i = 0; i < host.size(); ++i) {
+                const auto g = model.grad(i);
+                for (std::size_t k = 0; k < g.size(); ++k) {
+                    CHECK_MESSAGE(g[k] == host[i][k] / 1024.0f, "parameter ", i, " element ", k);
+                    if (g[k] != host[i][k] / 1024.0f) break;
+                    squares += double(g[k]) * double(g[k]);
+                }
+            }
+            CHECK(report.grad_norm == doctest::Approx(std::sqrt(squares)).epsilon(1e-12));
+
+            // An infinity in p2: the step is skipped and p2 is named.
+            model.fill(1024.0f);
+            const float inf = INFINITY;
+            GRADSYNC_CUDA_CHECK(cudaMemcpy(model.grads[2] + 5, &inf, sizeof inf, cudaMemcpyHostToDevice));
+            report = dp.step([&] { ++applied; });
+            CHECK_FALSE(report.applied);
+            CHECK(applied == 1);
+            CHECK(report.overflowed == std::vector<std::string>{"p2"});
+        }
+        {
+            gradsync::NcclBackend<> backend(0, 1, 0, id, gradsync::NcclOptions{.compute_stream = stream});
+            ScatteredDeviceModel model;
+            gradsync::DataParallel dp(model, backend, gradsync::CudaMemory{stream},
+                                      gradsync::Options{.clip_norm = 1.0});
+            model.fill(1.0f);
+            auto report = dp.step([] {});
+            CHECK(report.clipped);
+            GRADSYNC_CUDA_CHECK(cudaStreamSynchronize(stream));  // clipping is queued on the stream
+            double squares = 0;
+            for (std::size_t i = 0; i < model.sizes.size(); ++i)
+                for (float v : model.grad(i)) squares += double(v) * double(v);
+            CHECK(std::sqrt(squares) == doctest::Approx(1.0).epsilon(1e-5));
+        }
+        GRADSYNC_CUDA_CHECK(cudaStreamDestroy(stream));
     }
 
     TEST_CASE("NcclBackend<Ring> and <Tree> join and reduce (NCCL_ALGO set for their initialization)") {

@@ -324,6 +324,10 @@ public:
         allreduce(Buffer{&one, 1, DType::float32}, ReduceOp::sum);
     }
 
+    // Throws the communicator's failure, if the watchdog or a waiter found one: how a rank whose
+    // host never waits for a collective still learns of it.
+    void throw_if_failed() const { state_->watchdog->rethrow_if_failed(); }
+
     // Orders later collectives after `stream` instead (between steps, not while one is queued).
     void set_compute_stream(cudaStream_t stream) { state_->compute = stream; }
 

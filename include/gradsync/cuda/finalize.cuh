@@ -74,19 +74,10 @@ __device__ inline T narrow(device_accumulator_t<T> v) {
     return out;
 }
 
-template <class T>
-__global__ void __launch_bounds__(finalize_threads)
-    finalize_kernel(T* data, std::uint64_t n, device_accumulator_t<T> factor, double* block_sums, unsigned* ticket,
-                    double* sum) {
-    using A = device_accumulator_t<T>;
-    double squares = 0;
-    const std::uint64_t stride = std::uint64_t(gridDim.x) * blockDim.x;
-    for (std::uint64_t i = std::uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
-        const T written = narrow<T>(widen(data[i]) * factor);
-        data[i] = written;
-        const double w = static_cast<double>(widen(written));
-        squares += w * w;
-    }
+// Ends a pass that summed squares per thread: the block's sum goes to block_sums, and the last
+// block to arrive adds them in block order into *sum, so the total does not depend on timing.
+// Every thread of the block calls it.
+__device__ inline void sum_over_blocks(double squares, double* block_sums, unsigned* ticket, double* sum) {
     using BlockReduce = cub::BlockReduce<double, finalize_threads>;
     __shared__ typename BlockReduce::TempStorage temp;
     __shared__ bool last;
@@ -106,19 +97,35 @@ __global__ void __launch_bounds__(finalize_threads)
     }
 }
 
+template <class T>
+__global__ void __launch_bounds__(finalize_threads)
+    finalize_kernel(T* data, std::uint64_t n, device_accumulator_t<T> factor, double* block_sums, unsigned* ticket,
+                    double* sum) {
+    double squares = 0;
+    const std::uint64_t stride = std::uint64_t(gridDim.x) * blockDim.x;
+    for (std::uint64_t i = std::uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const T written = narrow<T>(widen(data[i]) * factor);
+        data[i] = written;
+        const double w = static_cast<double>(widen(written));
+        squares += w * w;
+    }
+    sum_over_blocks(squares, block_sums, ticket, sum);
+}
+
 }  // namespace detail
 
 // Scales data[0, n) by `factor` in place on `stream` and leaves the sum of the squares of the
-// results in *scratch.sum(). T is float, double, float16 or bfloat16; 16-bit values are scaled in
-// float and rounded to nearest even once, as the host pass does. Launches on one scratch must
-// not overlap (one stream does that).
+// results in *sum (device memory), by default *scratch.sum(). T is float, double, float16 or bfloat16; 16-bit values
+// are scaled in float and rounded to nearest even once, as the host pass does. Launches on one scratch must not overlap
+// (one stream does that).
 template <class T>
-void finalize(T* data, std::uint64_t n, double factor, FinalizeScratch& scratch, cudaStream_t stream) {
+void finalize(T* data, std::uint64_t n, double factor, FinalizeScratch& scratch, cudaStream_t stream,
+              double* sum = nullptr) {
     const std::uint64_t wanted = (n + finalize_threads - 1) / finalize_threads;
     const unsigned blocks = wanted == 0 ? 1u : wanted < finalize_blocks ? unsigned(wanted) : finalize_blocks;
-    detail::finalize_kernel<T>
-        <<<blocks, finalize_threads, 0, stream>>>(data, n, static_cast<detail::device_accumulator_t<T>>(factor),
-                                                  scratch.block_sums(), scratch.ticket(), scratch.sum());
+    detail::finalize_kernel<T><<<blocks, finalize_threads, 0, stream>>>(
+        data, n, static_cast<detail::device_accumulator_t<T>>(factor), scratch.block_sums(), scratch.ticket(),
+        sum != nullptr ? sum : scratch.sum());
     GRADSYNC_CUDA_CHECK(cudaGetLastError());
 }
 

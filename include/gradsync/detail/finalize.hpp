@@ -4,14 +4,34 @@
 #pragma once
 
 #include <gradsync/detail/host_reduce.hpp>
+#include <gradsync/dtype.hpp>
+#include <gradsync/error.hpp>
 #include <gradsync/half.hpp>
 #include <gradsync/version.hpp>
 
 #include <algorithm>  // for std::min
 #include <cmath>      // for std::isfinite
 #include <cstddef>
+#include <string>
 
 namespace gradsync::inline v0::detail {
+
+template <class T>
+struct type_tag {
+    using type = T;
+};
+
+// Calls f(type_tag<T>{}) with the C++ type of a floating-point dtype.
+template <class F>
+void visit_float_dtype(DType t, F&& f) {
+    switch (t) {
+        case DType::float32: return f(type_tag<float>{});
+        case DType::float64: return f(type_tag<double>{});
+        case DType::float16: return f(type_tag<float16>{});
+        case DType::bfloat16: return f(type_tag<bfloat16>{});
+        default: throw Error("gradsync: internal error: " + to_string(t) + " is no floating-point dtype");
+    }
+}
 
 // Squares are summed in double, in simd_width lanes added in a fixed order, so the result is
 // deterministic and a large finite gradient never overflows it: the sum is non-finite exactly
