@@ -1,10 +1,17 @@
 // GPU benchmarks, each beside the device-to-device copy bandwidth measured in the same run
 // (bytes read + written): the fused finalize of a 256 MiB bucket, pack and unpack of one 256 MiB
-// tensor, and packing the ResNet-50 layout (161 tensors) in one launch; and NcclBackend's host
-// cost per collective beside raw NCCL calls on the same GPU. Without a CUDA device it says so and
-// exits 0. Built and run by bench/gpu-check.sh.
+// tensor, and packing the ResNet-50 layout (161 tensors) in one launch; NcclBackend's host cost
+// per collective beside raw NCCL calls on the same GPU; and DataParallel::synchronize() on the
+// ResNet-50 layout beside one raw allreduce of a flat buffer of the same bytes, over NcclBackend
+// with every visible GPU (two or more) and over CudaLocalBackend with 2 ranks on one GPU. Without a CUDA device it says
+// so and exits 0. Built and run by bench/gpu-check.sh.
 #include <gradsync/backend/nccl.hpp>
+#include <gradsync/backend/nccl_spawn.hpp>
+#include <gradsync/contiguous_parameters.hpp>
 #include <gradsync/cuda/check.hpp>
+#include <gradsync/cuda/local_backend.cuh>
+#include <gradsync/cuda/memory.cuh>
+#include <gradsync/data_parallel.hpp>
 #include <gradsync/cuda/finalize.cuh>
 #include <gradsync/cuda/pack.cuh>
 
@@ -12,6 +19,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <utility>
 #include <cstdio>
 #include <functional>
 #include <vector>
@@ -139,6 +147,131 @@ void bench_nccl_host_cost() {
     cudaFree(data);
 }
 
+// The ResNet-50 layout's gradients on this rank's GPU, as one buffer (every bucket a view) or
+// one allocation per tensor (every bucket packed).
+struct DeviceLayout {
+    std::vector<std::size_t> sizes;
+    std::size_t total = 0;
+    bool scattered = false;
+    std::vector<float*> blocks;  // one, or one per tensor
+    std::vector<gradsync::Parameter> params;
+    DeviceLayout(bool scattered_, const std::vector<std::size_t>& sizes_) : sizes(sizes_), scattered(scattered_) {
+        for (auto n : sizes) total += n;
+        if (!scattered) blocks.push_back(nullptr);
+        for (std::size_t i = 0; i < (scattered ? sizes.size() : 1); ++i) {
+            const std::size_t n = scattered ? sizes[i] : total;
+            float* p = nullptr;
+            GRADSYNC_CUDA_CHECK(cudaMalloc(&p, 2 * n * sizeof(float)));  // weights, then gradients
+            GRADSYNC_CUDA_CHECK(cudaMemset(p, 0, 2 * n * sizeof(float)));
+            if (scattered)
+                blocks.push_back(p);
+            else
+                blocks[0] = p;
+        }
+        std::size_t at = 0;
+        for (std::size_t i = 0; i < sizes.size(); ++i) {
+            float* w = scattered ? blocks[i] : blocks[0] + at;
+            float* g = scattered ? blocks[i] + sizes[i] : blocks[0] + total + at;
+            params.push_back({"t" + std::to_string(i), w, g, sizes[i], gradsync::DType::float32});
+            at += sizes[i];
+        }
+    }
+    DeviceLayout(const DeviceLayout&) = delete;
+    DeviceLayout& operator=(const DeviceLayout&) = delete;
+    ~DeviceLayout() {
+        for (auto* p : blocks) cudaFree(p);
+    }
+    std::vector<gradsync::Parameter> parameters() const { return params; }
+};
+
+// Median over `rounds` of DataParallel::synchronize() and of one raw allreduce of a flat buffer
+// of the same bytes, interleaved, each timed on the host to the end of the compute stream.
+template <class Backend, class RawAllreduce>
+std::pair<double, double> time_synchronize(Backend& backend, cudaStream_t stream, bool scattered,
+                                           const RawAllreduce& raw) {
+    std::vector<std::size_t> sizes;
+    for (const auto& t : layouts::resnet50()) sizes.push_back(t.count);
+    DeviceLayout model(scattered, sizes);
+    gradsync::DataParallel dp(model, backend, gradsync::CudaMemory{stream},
+                              gradsync::Options{.check_histories = false});
+    float* flat = nullptr;
+    GRADSYNC_CUDA_CHECK(cudaMalloc(&flat, model.total * sizeof(float)));
+    GRADSYNC_CUDA_CHECK(cudaMemset(flat, 0, model.total * sizeof(float)));
+    std::vector<double> ours, theirs;
+    for (int round = 0; round < 22; ++round) {
+        backend.barrier();
+        auto t0 = std::chrono::steady_clock::now();
+        for (std::size_t i = sizes.size(); i-- > 0;) dp.grad_ready(i);
+        dp.synchronize();
+        GRADSYNC_CUDA_CHECK(cudaStreamSynchronize(stream));
+        auto t1 = std::chrono::steady_clock::now();
+        backend.barrier();
+        auto t2 = std::chrono::steady_clock::now();
+        raw(flat, model.total);
+        GRADSYNC_CUDA_CHECK(cudaStreamSynchronize(stream));
+        auto t3 = std::chrono::steady_clock::now();
+        if (round == 0) continue;  // warm-up
+        ours.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
+        theirs.push_back(std::chrono::duration<double, std::milli>(t3 - t2).count());
+    }
+    cudaFree(flat);
+    std::nth_element(ours.begin(), ours.begin() + 10, ours.end());
+    std::nth_element(theirs.begin(), theirs.begin() + 10, theirs.end());
+    return {ours[10], theirs[10]};
+}
+
+void report_synchronize(const char* what, bool scattered, std::pair<double, double> t) {
+    std::printf("  %-44s %s %8.3f ms  raw flat allreduce %8.3f ms  ratio %.3f  (target <= 1.05: %s)\n", what,
+                scattered ? "packed" : "view  ", t.first, t.second, t.first / t.second,
+                t.first / t.second <= 1.05 ? "met" : "MISSED");
+}
+
+// DataParallel over NcclBackend, one thread per visible GPU; needs two or more.
+void bench_nccl_synchronize(int gpus) {
+    if (gpus < 2) {
+        std::printf("  DataParallel<NcclBackend> synchronize, ResNet-50: skipped, needs 2 GPUs (%d visible)\n", gpus);
+        return;
+    }
+    for (bool scattered : {false, true}) {
+        std::pair<double, double> t;
+        gradsync::nccl_spawn(gpus, [&](gradsync::NcclBackend<>& backend) {
+            cudaStream_t stream = nullptr;
+            GRADSYNC_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+            backend.set_compute_stream(stream);
+            const auto r = time_synchronize(backend, stream, scattered, [&](float* flat, std::size_t n) {
+                backend.wait_on_device(backend.allreduce_async(gradsync::Buffer{flat, n, gradsync::DType::float32},
+                                                               gradsync::ReduceOp::average));
+            });
+            if (backend.rank() == 0) t = r;
+            GRADSYNC_CUDA_CHECK(cudaStreamSynchronize(stream));
+            cudaStreamDestroy(stream);
+        });
+        char what[64];
+        std::snprintf(what, sizeof what, "DataParallel<NcclBackend> ResNet-50, %d GPUs", gpus);
+        report_synchronize(what, scattered, t);
+    }
+}
+
+// DataParallel over CudaLocalBackend, 2 ranks on GPU 0: the device path's own overhead.
+void bench_local_synchronize() {
+    for (bool scattered : {false, true}) {
+        std::pair<double, double> t;
+        gradsync::cuda_local_spawn(2, [&](gradsync::CudaLocalBackend& backend) {
+            cudaStream_t stream = nullptr;
+            GRADSYNC_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+            backend.set_compute_stream(stream);
+            const auto r = time_synchronize(backend, stream, scattered, [&](float* flat, std::size_t n) {
+                backend.wait_on_device(backend.allreduce_async(gradsync::Buffer{flat, n, gradsync::DType::float32},
+                                                               gradsync::ReduceOp::average));
+            });
+            if (backend.rank() == 0) t = r;
+            GRADSYNC_CUDA_CHECK(cudaStreamSynchronize(stream));
+            cudaStreamDestroy(stream);
+        });
+        report_synchronize("DataParallel<CudaLocalBackend> ResNet-50, 2 ranks", scattered, t);
+    }
+}
+
 }  // namespace
 
 int main() {
@@ -179,5 +312,7 @@ int main() {
            median_seconds([&] { gradsync::cuda::pack<float>(layout_table, layout.bucket, layout.total, nullptr); }),
            layout.bytes_moved(), copy_gbs, 0.7);
     bench_nccl_host_cost();
+    bench_local_synchronize();
+    bench_nccl_synchronize(devices.count);
     return 0;
 }

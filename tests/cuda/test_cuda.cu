@@ -10,9 +10,11 @@
 #include <gradsync/cuda/check.hpp>
 #include <gradsync/data_parallel.hpp>
 #include <gradsync/cuda/finalize.cuh>
+#include <gradsync/cuda/local_backend.cuh>
 #include <gradsync/cuda/memory.cuh>
 #include <gradsync/cuda/pack.cuh>
 #include <gradsync/detail/finalize.hpp>
+#include <gradsync/detail/host_reduce.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -217,6 +219,35 @@ struct ScatteredDeviceModel {
     }
 };
 
+// n ranks on one GPU each allreduce `count` values of T (rank-dependent), against the host's
+// rank-order reduction of the same inputs: bitwise, on every rank.
+template <class T>
+void check_local_allreduce(int n, gradsync::DType dtype, std::size_t count) {
+    std::vector<std::vector<T>> inputs(static_cast<std::size_t>(n));
+    for (int r = 0; r < n; ++r)
+        for (std::size_t i = 0; i < count; ++i)
+            inputs[std::size_t(r)].push_back(T(float(int(i % 29) - 14) * 0.37f + float(r)));
+    std::vector<T*> pointers;
+    for (auto& in : inputs) pointers.push_back(in.data());
+    std::vector<T> expected(count);
+    T* out = expected.data();
+    using A = gradsync::detail::accumulator_t<T>;
+    gradsync::detail::AlignedBytes scratch(gradsync::detail::reduce_block_bytes);
+    gradsync::detail::reduce_to_all<T>(pointers.data(), n, &out, 1, count, true, A(1) / A(n), scratch.data());
+    std::vector<std::vector<T>> results(static_cast<std::size_t>(n));
+    gradsync::cuda_local_spawn(n, [&](gradsync::CudaLocalBackend& backend) {
+        const auto r = std::size_t(backend.rank());
+        DeviceArray<T> data(count);
+        data.upload(inputs[r]);
+        backend.allreduce(gradsync::Buffer{data.data, count, dtype}, gradsync::ReduceOp::average);
+        results[r] = data.download();
+    });
+    for (int r = 0; r < n; ++r) {
+        CAPTURE(r);
+        CHECK(same_bytes(results[std::size_t(r)], expected));
+    }
+}
+
 // Spins for about `cycles` clock cycles, then writes `value` everywhere: a gradient that is
 // written late on its stream.
 __global__ void late_fill(float* data, std::size_t n, float value, long long cycles) {
@@ -396,6 +427,105 @@ TEST_SUITE("gpu") {
             CHECK(std::sqrt(squares) == doctest::Approx(1.0).epsilon(1e-5));
         }
         GRADSYNC_CUDA_CHECK(cudaStreamDestroy(stream));
+    }
+
+    TEST_CASE("CudaLocalBackend: 2 to 4 ranks on one GPU reduce as LocalBackend does, bit for bit, every dtype") {
+        for (int n : {2, 3, 4}) {
+            CAPTURE(n);
+            check_local_allreduce<float>(n, gradsync::DType::float32, 100'003);
+            check_local_allreduce<double>(n, gradsync::DType::float64, 4097);
+            check_local_allreduce<gradsync::float16>(n, gradsync::DType::float16, 70'001);
+            check_local_allreduce<gradsync::bfloat16>(n, gradsync::DType::bfloat16, 1);
+        }
+        // Broadcast on the device and the host; a host allreduce.
+        std::vector<std::vector<float>> got(3);
+        std::vector<double> host_sums(3);
+        gradsync::cuda_local_spawn(3, [&](gradsync::CudaLocalBackend& backend) {
+            const auto r = std::size_t(backend.rank());
+            DeviceArray<float> data(1000);
+            data.upload(std::vector<float>(1000, float(r)));
+            backend.broadcast(std::as_writable_bytes(std::span(data.data, data.size)), 1);
+            got[r] = data.download();
+            double mine = double(r + 1);
+            backend.allreduce(gradsync::Buffer{&mine, 1, gradsync::DType::float64}, gradsync::ReduceOp::sum);
+            host_sums[r] = mine;
+            backend.barrier();
+        });
+        for (std::size_t r = 0; r < 3; ++r) {
+            CHECK(got[r] == std::vector<float>(1000, 1.0f));
+            CHECK(host_sums[r] == 6.0);
+        }
+    }
+
+    TEST_CASE("CudaLocalBackend: ranks that call different collectives fail alike, naming both calls") {
+        std::vector<std::string> errors(2);
+        CHECK_THROWS_AS(gradsync::cuda_local_spawn(2,
+                                                   [&](gradsync::CudaLocalBackend& backend) {
+                                                       DeviceArray<float> data(100);
+                                                       const std::size_t count = backend.rank() == 0 ? 100 : 50;
+                                                       try {
+                                                           backend.allreduce(gradsync::Buffer{data.data, count,
+                                                                                              gradsync::DType::float32},
+                                                                             gradsync::ReduceOp::sum);
+                                                       } catch (const gradsync::CollectiveError& e) {
+                                                           errors[std::size_t(backend.rank())] = e.what();
+                                                           throw;
+                                                       }
+                                                   }),
+                        gradsync::CollectiveError);
+        CHECK(errors[0] == errors[1]);
+        CHECK(errors[0].find("called different collectives: rank 0 allreduce of 100 x float32 (sum), rank 1 "
+                             "allreduce of 50 x float32 (sum)") != std::string::npos);
+    }
+
+    TEST_CASE(
+        "DataParallel<CudaLocalBackend, CudaMemory>: N ranks on one GPU end with the gradients of one process "
+        "with the whole batch, bit for bit alike on every rank; a gradient written late on a rank's stream "
+        "is still the one reduced") {
+        for (int n : {2, 3, 4}) {
+            CAPTURE(n);
+            std::vector<std::vector<std::vector<float>>> grads(static_cast<std::size_t>(n));
+            std::vector<double> norms(static_cast<std::size_t>(n));
+            gradsync::cuda_local_spawn(n, [&](gradsync::CudaLocalBackend& backend) {
+                const auto r = std::size_t(backend.rank());
+                cudaStream_t stream = nullptr;
+                GRADSYNC_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+                backend.set_compute_stream(stream);
+                ScatteredDeviceModel model;
+                gradsync::DataParallel dp(model, backend, gradsync::CudaMemory{stream},
+                                          gradsync::StaticLossScale{.value = 256.0f},
+                                          gradsync::SizeCappedBuckets{.cap = gradsync::Bytes{64 << 10},
+                                                                      .first_cap = gradsync::Bytes{4 << 10}});
+                for (int step = 0; step < 2; ++step) {
+                    model.fill(256.0f * float(r + 1));  // rank r's micro-batch gradient: (r + 1) g
+                    GRADSYNC_CUDA_CHECK(cudaDeviceSynchronize());
+                    // Backward, last parameter first; p2's gradient is written late on the stream.
+                    late_fill<<<64, 256, 0, stream>>>(model.grads[2], model.sizes[2], 256.0f * float(r + 1),
+                                                      50'000'000LL);
+                    for (std::size_t i = model.sizes.size(); i-- > 0;) dp.grad_ready(i);
+                    const auto report = dp.step([] {});
+                    CHECK(report.applied);
+                    norms[r] = report.grad_norm;
+                }
+                GRADSYNC_CUDA_CHECK(cudaStreamSynchronize(stream));
+                for (std::size_t i = 0; i < model.sizes.size(); ++i) grads[r].push_back(model.grad(i));
+                GRADSYNC_CUDA_CHECK(cudaStreamDestroy(stream));
+            });
+            // The whole batch's gradient: the mean of (r + 1) g over the ranks, (n + 1) / 2 g.
+            const float mean = float(n + 1) / 2.0f;
+            for (std::size_t i = 0; i < 3; ++i) {
+                const auto& g = grads[0][i];
+                for (std::size_t k = 0; k < g.size(); ++k) {
+                    const float want = i == 2 ? mean : (float(k % 17) - 8.0f) * mean;
+                    if (g[k] != doctest::Approx(want).epsilon(1e-6)) {
+                        FAIL_CHECK("parameter ", i, " element ", k, ": ", g[k], " != ", want);
+                        break;
+                    }
+                }
+                for (int r = 1; r < n; ++r) CHECK(same_bytes(grads[std::size_t(r)][i], g));
+            }
+            for (int r = 1; r < n; ++r) CHECK(std::memcmp(&norms[std::size_t(r)], &norms[0], sizeof(double)) == 0);
+        }
     }
 
     TEST_CASE("NcclBackend<Ring> and <Tree> join and reduce (NCCL_ALGO set for their initialization)") {
