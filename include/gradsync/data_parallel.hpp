@@ -119,8 +119,6 @@ public:
     static_assert(!memory_type::on_device || DeviceBackend<BackendT>,
                   "gradsync: a device memory policy (CudaMemory) needs a backend whose collectives take device "
                   "memory (NcclBackend)");
-    static_assert(!memory_type::on_device || !compression_type::compresses,
-                  "gradsync: wire compression on the device is not built yet; use NoCompression with CudaMemory");
     static_assert(!gradients_untouchable || !compression_type::compresses,
                   "gradsync: wire compression of device gradients needs a device memory policy, which does not "
                   "exist yet; use NoCompression with NcclBackend");
@@ -343,7 +341,6 @@ private:
         typename memory_type::Storage widened;  // a float32 copy, made once when a compressed sum overflowed
         std::size_t parameters = 0;
         std::optional<handle_type> handle;
-        bool redo = false;  // this step's float16 sum overflowed: reduce it again in float32
         std::chrono::steady_clock::time_point ready_at, launched_at;
     };
 
@@ -378,8 +375,6 @@ private:
             wait_all();
             if (backend_.size() == 1)
                 for (std::size_t b = 0; b < slots_.size(); ++b) finalize_in_place(b);
-            for (std::size_t b = 0; b < slots_.size(); ++b)
-                if (slots_[b].redo) reduce_again_in_float(b);
             collect_stats();
             check_backend_health();  // what the device did while the host did not wait
             if (options_.clip_norm > 0) clip();
@@ -753,12 +748,7 @@ private:
                 if (!finalizing_) return memory_.unpack(slot.table, data);
                 return finalize_from(b, data, plan_.buckets[b].dtype);
             case Route::compressed:
-                // float16 sums can overflow where float32 would not: such a bucket is reduced again
-                // in float32 once every bucket is done, from the gradients, which are still intact.
-                if (slot.wire == DType::float16 && !memory_.all_finite(data, plan_.buckets[b].count)) {
-                    slot.redo = true;
-                    return;
-                }
+                // A float16 sum that overflowed leaves the gradients intact: see collect_stats().
                 return finalize_from(b, data, slot.wire);
         }
     }
@@ -790,7 +780,20 @@ private:
         bool any = false;
         for (const auto& slot : slots_) any = any || slot.measured;
         if (!any) return;
-        const auto sums = memory_.results();
+        auto sums = memory_.results();
+        // float16 sums can overflow where float32 would not. The memory policy then leaves that
+        // bucket's gradients as they were and reports it not finite; it is reduced again in
+        // float32, alike on every rank (they all hold the same sum), and measured again.
+        bool again = false;
+        for (std::size_t b = 0; b < slots_.size(); ++b) {
+            const auto& slot = slots_[b];
+            if (slot.measured && slot.route == Route::compressed && slot.wire == DType::float16 &&
+                !std::isfinite(sums[b])) {
+                reduce_again_in_float(b);
+                again = true;
+            }
+        }
+        if (again) sums = memory_.results();
         for (std::size_t b = 0; b < slots_.size(); ++b) {
             auto& slot = slots_[b];
             if (!slot.measured) continue;
@@ -823,7 +826,6 @@ private:
             allreduce_now(buf, ReduceOp::average, tag);
             if (!slot.view) memory_.unpack(slot.table, memory_type::data(slot.widened));
         }
-        slot.redo = false;
         const bool was = finalizing_;
         finalizing_ = true;  // a compressed bucket is always finalized
         finalize_in_place(b);

@@ -12,6 +12,7 @@
 
 #include <cstddef>
 #include <cstring>  // for std::memcpy, std::memset
+#include <limits>   // for std::numeric_limits
 #include <span>
 #include <vector>
 
@@ -68,10 +69,6 @@ struct HostMemory {
             }
         });
     }
-    // No infinity or NaN among the `count` float16 values at `data`.
-    bool all_finite(const std::byte* data, std::size_t count) const {
-        return detail::all_finite(reinterpret_cast<const float16*>(data), count);
-    }
 
     // Room for `slots` results, before any finalize (once per bucket plan).
     void prepare_results(std::size_t slots) { results_.assign(slots, 0.0); }
@@ -80,7 +77,16 @@ struct HostMemory {
     // themselves) times `factor`, and the sum of the squares of what was written into result slot
     // `slot`. With nothing to scale in place, only measures.
     // A `src_type` other than the gradients' is a wire dtype, and the gradients are then float32.
+    // A float16 wire holding an infinity or NaN (a sum that overflowed float16) writes nothing:
+    // the gradients stay as they were, and the slot's result is NaN.
     void finalize(const Table& t, const std::byte* src, DType src_type, double factor, std::size_t slot) {
+        std::size_t total_count = 0;
+        for (const auto& s : t.segments) total_count += s.count;
+        if (src != nullptr && src_type != t.dtype && src_type == DType::float16 &&
+            !detail::all_finite(reinterpret_cast<const float16*>(src), total_count)) {
+            results_.at(slot) = std::numeric_limits<double>::quiet_NaN();
+            return;
+        }
         double total = 0;
         const auto unpack_measuring = [&]<class W, class T>(const W* in) {
             for (const auto& s : t.segments) {

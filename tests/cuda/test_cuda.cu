@@ -528,6 +528,44 @@ TEST_SUITE("gpu") {
         }
     }
 
+    TEST_CASE(
+        "DataParallel<CudaLocalBackend, CudaMemory>, float16 and bfloat16 on the wire: the mean within the "
+        "wire's precision; a float16 sum that overflows is reduced again in float32") {
+        const auto run = [](auto compression, float value) {
+            std::vector<std::vector<float>> grads(2);
+            gradsync::cuda_local_spawn(2, [&](gradsync::CudaLocalBackend& backend) {
+                const auto r = std::size_t(backend.rank());
+                cudaStream_t stream = nullptr;
+                GRADSYNC_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+                backend.set_compute_stream(stream);
+                ScatteredDeviceModel model;
+                gradsync::DataParallel dp(model, backend, gradsync::CudaMemory{stream}, compression);
+                model.fill(1.0f);
+                // p0 holds `value` on every rank; the rest of the model keeps fill()'s pattern.
+                std::vector<float> p0(model.sizes[0], value);
+                GRADSYNC_CUDA_CHECK(
+                    cudaMemcpy(model.grads[0], p0.data(), p0.size() * sizeof(float), cudaMemcpyHostToDevice));
+                dp.synchronize();
+                GRADSYNC_CUDA_CHECK(cudaStreamSynchronize(stream));
+                grads[r] = model.grad(0);
+                auto p2 = model.grad(2);
+                for (std::size_t k = 0; k < p2.size(); ++k)
+                    if (p2[k] != doctest::Approx(float(k % 17) - 8.0f).epsilon(1e-2)) {
+                        FAIL_CHECK("p2 element ", k, ": ", p2[k]);
+                        break;
+                    }
+                GRADSYNC_CUDA_CHECK(cudaStreamDestroy(stream));
+            });
+            CHECK(same_bytes(grads[0], grads[1]));
+            return grads[0];
+        };
+        // Each rank sends value / 2; the float16 sum of 1e5 overflows (the largest float16 is
+        // 65504), so the bucket is reduced again in float32: exactly 1e5.
+        CHECK(run(gradsync::Fp16Compression{}, 1e5f) == std::vector<float>(1000, 1e5f));
+        CHECK(run(gradsync::Fp16Compression{}, 3.0f) == std::vector<float>(1000, 3.0f));
+        CHECK(run(gradsync::Bf16Compression{}, 1e5f).front() == doctest::Approx(1e5f).epsilon(1e-2));
+    }
+
     TEST_CASE("NcclBackend<Ring> and <Tree> join and reduce (NCCL_ALGO set for their initialization)") {
         ncclUniqueId id{};
         REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);

@@ -9,7 +9,9 @@
 //   gradsync::NcclBackend<> backend(place, {.compute_stream = stream});
 //   gradsync::DataParallel dp(model, backend, gradsync::CudaMemory{stream});
 //
-// Needs nvcc. Not yet: wire compression on the device (fp16/bf16 kernels), vectorized loads.
+// Wire compression (NoCompression's float16 and bfloat16 twins) packs and converts in one launch;
+// a float16 sum that overflowed is found on the device and leaves the gradients untouched, so
+// DataParallel can reduce the bucket again in float32. Needs nvcc. Not yet: vectorized loads.
 #pragma once
 
 #include <gradsync/backend.hpp>
@@ -68,13 +70,18 @@ namespace detail {
 
 // Walks the bucket's tiles, block b taking tiles b, b + gridDim.x, ... (a grid that depends on
 // the bucket's size only, so the sum is the same on every GPU): each tensor element becomes
-// T(source * factor), from the packed bucket when there is one, else from the tensor itself
-// (in place), and its square, as written, joins the sum. `write` false only measures.
-template <class T>
+// T(source * factor), from the packed bucket of S when there is one, else from the tensor itself
+// (in place, S = T), and its square, as written, joins the sum. `write` false only measures. When
+// *skip is set (a float16 wire that overflowed), nothing is written and the sum is NaN.
+template <class S, class T>
 __global__ void __launch_bounds__(finalize_threads)
-    table_finalize_kernel(const Segment* table, std::size_t segments, const T* bucket, std::uint64_t total,
-                          device_accumulator_t<T> factor, bool write, double* block_sums, unsigned* ticket,
-                          double* sum) {
+    table_finalize_kernel(const Segment* table, std::size_t segments, const S* bucket, std::uint64_t total,
+                          device_accumulator_t<T> factor, bool write, const unsigned* skip, double* block_sums,
+                          unsigned* ticket, double* sum) {
+    if (skip != nullptr && *skip != 0) {
+        if (blockIdx.x == 0 && threadIdx.x == 0) *sum = __longlong_as_double(0x7ff8000000000000ll);
+        return;
+    }
     double squares = 0;
     for (std::uint64_t tile = blockIdx.x; tile * pack_tile < total; tile += gridDim.x) {
         const std::uint64_t begin = tile * pack_tile;
@@ -82,9 +89,12 @@ __global__ void __launch_bounds__(finalize_threads)
         for_each_piece(table, segments, begin, end,
                        [&](std::size_t s, std::uint64_t in_tensor, std::uint64_t in_bucket, std::uint64_t n) {
                            T* tensor = static_cast<T*>(table[s].data) + in_tensor;
-                           const T* source = bucket != nullptr ? bucket + in_bucket : tensor;
                            for (std::uint64_t i = threadIdx.x; i < n; i += blockDim.x) {
-                               const T written = write ? narrow<T>(widen(source[i]) * factor) : source[i];
+                               T written;
+                               if (bucket != nullptr)
+                                   written = narrow<T>(device_accumulator_t<T>(widen(bucket[in_bucket + i])) * factor);
+                               else
+                                   written = write ? narrow<T>(widen(tensor[i]) * factor) : tensor[i];
                                if (write) tensor[i] = written;
                                const double w = static_cast<double>(widen(written));
                                squares += w * w;
@@ -92,6 +102,31 @@ __global__ void __launch_bounds__(finalize_threads)
                        });
     }
     sum_over_blocks(squares, block_sums, ticket, sum);
+}
+
+// Wire compression: the float32 tensors into the bucket as W, each times `factor`, one launch.
+template <class W>
+__global__ void table_compress_kernel(const Segment* table, std::size_t segments, W* bucket, std::uint64_t total,
+                                      float factor) {
+    const std::uint64_t begin = std::uint64_t(blockIdx.x) * pack_tile;
+    const std::uint64_t end = begin + pack_tile < total ? begin + pack_tile : total;
+    for_each_piece(table, segments, begin, end,
+                   [&](std::size_t s, std::uint64_t in_tensor, std::uint64_t in_bucket, std::uint64_t n) {
+                       const float* tensor = static_cast<const float*>(table[s].data) + in_tensor;
+                       for (std::uint64_t i = threadIdx.x; i < n; i += blockDim.x)
+                           bucket[in_bucket + i] = narrow<W>(tensor[i] * factor);
+                   });
+}
+
+// Sets *flag when one of n float16 values is an infinity or NaN (an exponent of all ones). A
+// template only so that a header may define it.
+template <class = void>
+__global__ void nonfinite_float16_kernel(const float16* data, std::uint64_t n, unsigned* flag) {
+    bool found = false;
+    for (std::uint64_t i = std::uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+         i += std::uint64_t(gridDim.x) * blockDim.x)
+        found = found || (data[i].bits & 0x7c00u) == 0x7c00u;
+    if (__syncthreads_or(found) && threadIdx.x == 0) *flag = 1;
 }
 
 // One block per tensor: the sum of the squares of each, into sums[s].
@@ -172,8 +207,21 @@ public:
     void pack(const Table& t, std::byte* dst) const { copy<true>(t, dst); }
     void unpack(const Table& t, const std::byte* src) const { copy<false>(t, const_cast<std::byte*>(src)); }
 
-    void compress(const Table&, std::byte*, DType, double) const { not_built("wire compression"); }
-    bool all_finite(const std::byte*, std::size_t) const { not_built("wire compression"); }
+    // Wire compression: the float32 gradients into `dst` as `wire` values times `factor`.
+    void compress(const Table& t, std::byte* dst, DType wire, double factor) const {
+        if (t.total == 0) return;
+        const unsigned blocks = unsigned((t.total + cuda::pack_tile - 1) / cuda::pack_tile);
+        const auto f = static_cast<float>(factor);
+        if (wire == DType::float16)
+            cuda::detail::table_compress_kernel<float16><<<blocks, cuda::pack_threads, 0, stream_>>>(
+                t.entries().data(), t.host.size(), reinterpret_cast<float16*>(dst), t.total, f);
+        else if (wire == DType::bfloat16)
+            cuda::detail::table_compress_kernel<bfloat16><<<blocks, cuda::pack_threads, 0, stream_>>>(
+                t.entries().data(), t.host.size(), reinterpret_cast<bfloat16*>(dst), t.total, f);
+        else
+            throw Error("gradsync: CudaMemory: no wire compression to " + to_string(wire));
+        GRADSYNC_CUDA_CHECK(cudaGetLastError());
+    }
 
     void prepare_results(std::size_t slots) {
         state_->results = cuda::DeviceBytes((slots + 1) * sizeof(double));  // the last: for scale()
@@ -182,10 +230,34 @@ public:
     }
 
     // One launch: the tensors = `src` (the reduced bucket; null: the tensors themselves) times
-    // `factor`, and the sum of the squares written into result slot `slot` on the device.
+    // `factor`, and the sum of the squares written into result slot `slot` on the device. A
+    // float16 wire (float32 gradients) is first checked for an infinity or NaN, on the device: if
+    // it holds one, nothing is written and the slot's result is NaN.
     void finalize(const Table& t, const std::byte* src, DType src_type, double factor, std::size_t slot) {
-        if (src != nullptr && src_type != t.dtype) not_built("wire compression");
-        launch_finalize(t, src, factor, src != nullptr || factor != 1.0, result(slot));
+        if (src == nullptr || src_type == t.dtype)
+            return launch_finalize(t, src, factor, src != nullptr || factor != 1.0, result(slot));
+        if (t.dtype != DType::float32 || (src_type != DType::float16 && src_type != DType::bfloat16))
+            throw Error("gradsync: CudaMemory: a " + to_string(src_type) + " wire for " + to_string(t.dtype) +
+                        " gradients");
+        const unsigned* skip = nullptr;
+        if (src_type == DType::float16) {
+            unsigned* flag = state_->flag();
+            GRADSYNC_CUDA_CHECK(cudaMemsetAsync(flag, 0, sizeof(unsigned), stream_));
+            const std::uint64_t wanted = (t.total + 255) / 256;
+            const unsigned blocks = wanted == 0 ? 1u : wanted < 1024 ? unsigned(wanted) : 1024u;
+            auto* kernel = &cuda::detail::nonfinite_float16_kernel<void>;
+            kernel<<<blocks, 256, 0, stream_>>>(reinterpret_cast<const float16*>(src), t.total, flag);
+            GRADSYNC_CUDA_CHECK(cudaGetLastError());
+            skip = flag;
+        }
+        const auto launch = [&](auto wire) {
+            using W = decltype(wire);
+            launch_kernel<W, float>(t, reinterpret_cast<const W*>(src), factor, true, skip, result(slot));
+        };
+        if (src_type == DType::float16)
+            launch(float16{});
+        else
+            launch(bfloat16{});
     }
 
     // Reads every result slot back: waits for the stream (the step's one host synchronization).
@@ -227,28 +299,32 @@ private:
         cuda::FinalizeScratch scratch;
         cuda::DeviceBytes results;  // double per slot, on the device
         std::vector<double> host;   // the slots as last read back
-    };
+        cuda::DeviceBytes flags = cuda::DeviceBytes(sizeof(unsigned));
 
-    [[noreturn]] static void not_built(const char* what) {
-        throw Error(std::string("gradsync: CudaMemory: ") + what + " on the device is not built yet");
-    }
+        [[nodiscard]] unsigned* flag() const { return reinterpret_cast<unsigned*>(flags.data()); }
+    };
 
     [[nodiscard]] double* result(std::size_t slot) const {
         return reinterpret_cast<double*>(state_->results.data()) + slot;
     }
 
     void launch_finalize(const Table& t, const std::byte* src, double factor, bool write, double* sum) const {
+        cuda::detail::visit_dtype(t.dtype, [&]<class T>(T) {
+            launch_kernel<T, T>(t, reinterpret_cast<const T*>(src), factor, write, nullptr, sum);
+        });
+    }
+
+    template <class S, class T>
+    void launch_kernel(const Table& t, const S* src, double factor, bool write, const unsigned* skip,
+                       double* sum) const {
         const std::uint64_t tiles = (t.total + cuda::pack_tile - 1) / cuda::pack_tile;
         const unsigned blocks = tiles == 0                      ? 1u
                                 : tiles < cuda::finalize_blocks ? unsigned(tiles)
                                                                 : cuda::finalize_blocks;
         auto& scratch = state_->scratch;
-        cuda::detail::visit_dtype(t.dtype, [&]<class T>(T) {
-            cuda::detail::table_finalize_kernel<T><<<blocks, cuda::finalize_threads, 0, stream_>>>(
-                t.entries().data(), t.host.size(), reinterpret_cast<const T*>(src), t.total,
-                static_cast<cuda::detail::device_accumulator_t<T>>(factor), write, scratch.block_sums(),
-                scratch.ticket(), sum);
-        });
+        cuda::detail::table_finalize_kernel<S, T><<<blocks, cuda::finalize_threads, 0, stream_>>>(
+            t.entries().data(), t.host.size(), src, t.total, static_cast<cuda::detail::device_accumulator_t<T>>(factor),
+            write, skip, scratch.block_sums(), scratch.ticket(), sum);
         GRADSYNC_CUDA_CHECK(cudaGetLastError());
     }
 
