@@ -45,6 +45,9 @@ flags+=(-lnccl)
     cat "$build"/env.*.txt
     [ "$(cat "$build"/env.*.txt | grep checksum | awk '{print $NF}' | sort -u | wc -l)" = 1 ] ||
         { echo "FAIL: the ranks' parameters differ"; exit 1; }
+    echo "== NCCL_ALGO per communicator: what NCCL says it read while tuning each one"
+    NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=ENV,TUNING "$build/test_cuda" --test-suite=gpu \
+        --test-case="NcclBackend<Ring> and <Tree>*" 2>&1 | grep -i "NCCL_ALGO" || echo "(NCCL printed nothing about NCCL_ALGO)"
     echo "== benchmarks"
     "$build/bench_cuda"
 } 2>&1 | tee "$results"

@@ -115,6 +115,10 @@ void check_pack_sizes() {
     std::vector<std::size_t> many(2000, 7);  // many small tensors, one launch
     check_pack_round_trip<T>(many);
     check_pack_round_trip<T>({std::size_t(3) << 20});  // one tensor over many blocks
+    // Tensors 3 and 7 lie 4 and 8 elements off their bucket position: 16 bytes for float and
+    // double, and for 16-bit values at tensor 7, so those pieces move 16 bytes at a time, after a
+    // head of single elements; a tail follows.
+    check_pack_round_trip<T>({1, 1, 1, 100'003, 1, 1, 1, 100'005});
 }
 
 // The device pass against the host's (detail/finalize.hpp): the same values written, bit for bit,
@@ -309,6 +313,40 @@ TEST_SUITE("gpu") {
         check_finalize_sizes<double>();
         check_finalize_sizes<gradsync::float16>();
         check_finalize_sizes<gradsync::bfloat16>();
+    }
+
+    TEST_CASE("pack, unpack and finalize beyond 2^31 bytes (when the GPU has the memory)") {
+        std::size_t free_bytes = 0, total_bytes = 0;
+        GRADSYNC_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+        const std::size_t n = (std::size_t(1) << 29) + 77;  // floats: 2 GiB + 308 bytes
+        if (free_bytes < 3 * n * sizeof(float) + (std::size_t(1) << 30)) {
+            MESSAGE("skipped: needs ", 3 * n * sizeof(float) >> 20, " MiB of free device memory");
+            return;
+        }
+        DeviceArray<float> tensors(n + 1), bucket(n);
+        GRADSYNC_CUDA_CHECK(cudaMemset(tensors.data, 0, (n + 1) * sizeof(float)));
+        const float marks[3] = {1.5f, -2.5f, 4.0f};
+        const std::size_t at[3] = {1, n / 2 + 3, n};  // the last beyond 2^31 bytes
+        for (int k = 0; k < 3; ++k)
+            GRADSYNC_CUDA_CHECK(cudaMemcpy(tensors.data + at[k], &marks[k], sizeof(float), cudaMemcpyHostToDevice));
+        std::vector<gradsync::cuda::Segment> table = {{tensors.data + 1, n, 0}};  // unaligned by one element
+        DeviceArray<gradsync::cuda::Segment> device_table(1);
+        device_table.upload(table);
+        gradsync::cuda::pack<float>({device_table.data, 1}, bucket.data, n, nullptr);
+        float got[3] = {};
+        for (int k = 0; k < 3; ++k)
+            GRADSYNC_CUDA_CHECK(cudaMemcpy(&got[k], bucket.data + at[k] - 1, sizeof(float), cudaMemcpyDeviceToHost));
+        CHECK(got[0] == 1.5f);
+        CHECK(got[1] == -2.5f);
+        CHECK(got[2] == 4.0f);
+        gradsync::cuda::FinalizeScratch scratch;
+        gradsync::cuda::finalize<float>(bucket.data, n, 0.5, scratch, nullptr);
+        double sum = 0;
+        GRADSYNC_CUDA_CHECK(cudaMemcpy(&sum, scratch.sum(), sizeof sum, cudaMemcpyDeviceToHost));
+        CHECK(sum == 0.75 * 0.75 + 1.25 * 1.25 + 2.0 * 2.0);
+        gradsync::cuda::unpack<float>({device_table.data, 1}, bucket.data, n, nullptr);
+        GRADSYNC_CUDA_CHECK(cudaMemcpy(&got[2], tensors.data + n, sizeof(float), cudaMemcpyDeviceToHost));
+        CHECK(got[2] == 2.0f);
     }
 
     TEST_CASE("NcclBackend, a world of one: every float dtype on the device, host buffers staged, broadcast") {

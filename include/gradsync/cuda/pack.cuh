@@ -1,6 +1,7 @@
 // Pack and unpack a whole bucket in one kernel launch, from a device-side table of its tensors
 // (cuda/bucket_table.hpp): many small tensors must not mean many launches. Each block copies one
-// tile of the bucket; a tensor larger than a tile is shared by several blocks. Needs nvcc.
+// tile of the bucket; a tensor larger than a tile is shared by several blocks; pieces whose two
+// ends are aligned alike move 16 bytes at a time. Needs nvcc.
 #pragma once
 
 #include <gradsync/cuda/bucket_table.hpp>
@@ -21,6 +22,30 @@ inline constexpr int pack_threads = 256;
 
 namespace detail {
 
+// Copies n elements from src to dst with the threads of one block: 16 bytes per load and store
+// where both lie alike relative to a 16-byte boundary (a head of single elements takes them
+// there), element by element otherwise. Consecutive threads take consecutive pieces, so both
+// ways stay coalesced.
+template <class T>
+__device__ inline void copy_piece(T* dst, const T* src, std::uint64_t n) {
+    if constexpr (sizeof(T) < 16) {
+        constexpr std::uint64_t per_vector = 16 / sizeof(T);
+        const auto d = reinterpret_cast<std::uintptr_t>(dst);
+        const auto s = reinterpret_cast<std::uintptr_t>(src);
+        if ((d - s) % 16 == 0 && n >= 2 * per_vector) {
+            const std::uint64_t head = ((16 - d % 16) % 16) / sizeof(T);
+            for (std::uint64_t i = threadIdx.x; i < head; i += blockDim.x) dst[i] = src[i];
+            const std::uint64_t vectors = (n - head) / per_vector;
+            auto* vd = reinterpret_cast<uint4*>(dst + head);
+            const auto* vs = reinterpret_cast<const uint4*>(src + head);
+            for (std::uint64_t i = threadIdx.x; i < vectors; i += blockDim.x) vd[i] = vs[i];
+            for (std::uint64_t i = head + vectors * per_vector + threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
+            return;
+        }
+    }
+    for (std::uint64_t i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
+}
+
 // Copies between the tensors and the bucket; `to_bucket` chooses the direction.
 template <class T, bool to_bucket>
 __global__ void copy_bucket(const Segment* table, std::size_t segments, T* bucket, std::uint64_t total) {
@@ -30,12 +55,10 @@ __global__ void copy_bucket(const Segment* table, std::size_t segments, T* bucke
                    [&](std::size_t s, std::uint64_t in_tensor, std::uint64_t in_bucket, std::uint64_t n) {
                        T* tensor = static_cast<T*>(table[s].data) + in_tensor;
                        T* packed = bucket + in_bucket;
-                       for (std::uint64_t i = threadIdx.x; i < n; i += blockDim.x) {
-                           if constexpr (to_bucket)
-                               packed[i] = tensor[i];
-                           else
-                               tensor[i] = packed[i];
-                       }
+                       if constexpr (to_bucket)
+                           copy_piece(packed, tensor, n);
+                       else
+                           copy_piece(tensor, packed, n);
                    });
 }
 
