@@ -159,3 +159,15 @@ TEST_CASE("watchdog: an op without a step or dtype is described by its bytes") {
     o.tag.step = 4;
     CHECK(o.describe() == "broadcast of 1.5 KiB bfloat16 (step 4)");
 }
+
+TEST_CASE("watchdog: closing it (the backend goes away) aborts nothing; a handle left over throws the reason") {
+    FakeDevice device;
+    Watchdog dog("gradsync: rank 0 of 2 (fake)", device.callbacks(), 1ms);
+    auto a = op(device, 0, 10s);
+    dog.run([&] { dog.watch(a); });
+    dog.close("gradsync: rank 0 of 2 (fake): the backend was destroyed");
+    CHECK(device.aborts.load() == 0);
+    CHECK(error_of(dog, *a) == "gradsync: rank 0 of 2 (fake): the backend was destroyed");
+    dog.fail("later");  // the first reason stays
+    CHECK(device.aborts.load() == 0);
+}

@@ -8,7 +8,10 @@
 
 #include <doctest/doctest.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstdlib>  // for setenv, unsetenv, getenv
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -46,17 +49,15 @@ static_assert(gradsync::CheckedCollectives<gradsync::LocalBackend>);
 static_assert(gradsync::Waitable<gradsync::NcclHandle>);
 static_assert(gradsync::DataParallel<DeviceModel, gradsync::NcclBackend<>>::gradients_untouchable);
 
-TEST_CASE("NCCL_ALGO is set for one communicator's initialization only, and restored") {
+TEST_CASE("NCCL_ALGO is set while communicators initialize with it, and restored after") {
     ::unsetenv("NCCL_ALGO");
     {
         gradsync::detail::ScopedNcclAlgo ring(gradsync::nccl::Ring::allreduce);
         CHECK(env_or_none("NCCL_ALGO") == "allreduce:ring");
-        // Another communicator initializing now waits for this one.
-        CHECK_FALSE(gradsync::detail::nccl_algo_mutex().try_lock());
+        gradsync::detail::ScopedNcclAlgo same(gradsync::nccl::Ring::allreduce);  // the ranks of one spawn
+        CHECK(env_or_none("NCCL_ALGO") == "allreduce:ring");
     }
     CHECK(env_or_none("NCCL_ALGO") == "<unset>");
-    CHECK(gradsync::detail::nccl_algo_mutex().try_lock());
-    gradsync::detail::nccl_algo_mutex().unlock();
 
     ::setenv("NCCL_ALGO", "Tree", 1);  // the user's own choice
     {
@@ -67,10 +68,28 @@ TEST_CASE("NCCL_ALGO is set for one communicator's initialization only, and rest
     {
         gradsync::detail::ScopedNcclAlgo automatic(gradsync::nccl::Auto::allreduce);  // leaves it alone
         CHECK(env_or_none("NCCL_ALGO") == "Tree");
-        CHECK(gradsync::detail::nccl_algo_mutex().try_lock());  // and takes no lock
-        gradsync::detail::nccl_algo_mutex().unlock();
     }
     ::unsetenv("NCCL_ALGO");
+}
+
+TEST_CASE("NCCL_ALGO: a communicator of another choice waits until the others have initialized") {
+    ::unsetenv("NCCL_ALGO");
+    std::atomic<bool> inside{false};
+    std::string seen;
+    auto ring = std::make_unique<gradsync::detail::ScopedNcclAlgo>(gradsync::nccl::Ring::allreduce);
+    std::thread other([&] {
+        gradsync::detail::ScopedNcclAlgo tree(gradsync::nccl::Tree::allreduce);
+        inside = true;
+        seen = env_or_none("NCCL_ALGO");
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    CHECK_FALSE(inside.load());  // waiting for the Ring initialization
+    CHECK(env_or_none("NCCL_ALGO") == "allreduce:ring");
+    ring.reset();
+    other.join();
+    CHECK(inside.load());
+    CHECK(seen == "allreduce:tree");
+    CHECK(env_or_none("NCCL_ALGO") == "<unset>");
 }
 
 TEST_CASE("NCCL dtypes: the floating ones reduce; every gradsync dtype has an NCCL type") {

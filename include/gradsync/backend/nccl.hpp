@@ -22,6 +22,7 @@
 #include <nccl.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <cstdlib>  // for std::getenv, setenv, unsetenv
 #include <cstring>  // for std::memcpy
 #include <memory>
@@ -38,8 +39,9 @@ namespace gradsync::inline v0 {
 // The allreduce algorithm of a communicator: NcclBackend<nccl::Ring>. NCCL has no per-communicator
 // setting for it; it reads NCCL_ALGO (uncached, through ncclGetEnv) while it tunes a communicator
 // at initialization. NcclBackend therefore sets NCCL_ALGO to "allreduce:ring" or "allreduce:tree"
-// for the span of its own initialization, under a process-wide lock, and restores it after, so
-// that other communicators of the process keep theirs. Auto leaves NCCL_ALGO as the user set it.
+// for the span of its own initialization, and restores it after; communicators of the process
+// that initialize with another choice wait meanwhile, so each keeps its own. Auto leaves
+// NCCL_ALGO as the user set it.
 namespace nccl {
 struct Auto {
     static constexpr const char* allreduce = nullptr;
@@ -89,34 +91,57 @@ inline std::string nccl_words(ncclResult_t result, ncclComm_t comm) {
     return out;
 }
 
-inline std::mutex& nccl_algo_mutex() {
-    static std::mutex mutex;
-    return mutex;
-}
+// Who is initializing communicators now, and with which NCCL_ALGO: any number with the same
+// value at once (the ranks of one nccl_spawn must join together), one value at a time.
+struct NcclAlgoScopes {
+    std::mutex mutex;
+    std::condition_variable cv;
+    int holders = 0;
+    std::optional<std::string> current;  // the value set; none: the user's own environment
+    std::optional<std::string> before;   // the user's NCCL_ALGO, to restore
 
-// Sets NCCL_ALGO while it lives (nothing for a null value), holding the process-wide lock so
-// that two communicators initializing at once do not see each other's choice; restores it.
+    static NcclAlgoScopes& instance() {
+        static NcclAlgoScopes scopes;
+        return scopes;
+    }
+};
+
+// Sets NCCL_ALGO to `algo` while it lives (null: leaves the user's value), once no communicator
+// of the process is initializing with another value, and restores it after the last scope of
+// this value ends, so that no communicator sees another's choice.
 class ScopedNcclAlgo {
 public:
     explicit ScopedNcclAlgo(const char* algo) {
-        if (algo == nullptr) return;
-        lock_ = std::unique_lock(nccl_algo_mutex());
-        if (const char* before = std::getenv("NCCL_ALGO")) before_ = before;
-        if (::setenv("NCCL_ALGO", algo, 1) != 0) throw Error("gradsync: cannot set NCCL_ALGO");
+        auto& scopes = NcclAlgoScopes::instance();
+        std::unique_lock lock(scopes.mutex);
+        std::optional<std::string> wanted;
+        if (algo != nullptr) wanted = algo;
+        scopes.cv.wait(lock, [&] { return scopes.holders == 0 || scopes.current == wanted; });
+        if (scopes.holders == 0) {
+            scopes.current = wanted;
+            if (wanted) {
+                scopes.before.reset();
+                if (const char* before = std::getenv("NCCL_ALGO")) scopes.before = before;
+                if (::setenv("NCCL_ALGO", algo, 1) != 0) throw Error("gradsync: cannot set NCCL_ALGO");
+            }
+        }
+        ++scopes.holders;
     }
     ScopedNcclAlgo(const ScopedNcclAlgo&) = delete;
     ScopedNcclAlgo& operator=(const ScopedNcclAlgo&) = delete;
     ~ScopedNcclAlgo() {
-        if (!lock_) return;
-        if (before_)
-            ::setenv("NCCL_ALGO", before_->c_str(), 1);
-        else
-            ::unsetenv("NCCL_ALGO");
+        auto& scopes = NcclAlgoScopes::instance();
+        std::lock_guard lock(scopes.mutex);
+        if (--scopes.holders != 0) return;
+        if (scopes.current) {
+            if (scopes.before)
+                ::setenv("NCCL_ALGO", scopes.before->c_str(), 1);
+            else
+                ::unsetenv("NCCL_ALGO");
+        }
+        scopes.current.reset();
+        scopes.cv.notify_all();
     }
-
-private:
-    std::unique_lock<std::mutex> lock_;
-    std::optional<std::string> before_;
 };
 
 // Makes `device` current while it lives and restores the caller's.
@@ -365,9 +390,11 @@ private:
         }
 
         void close() {
-            if (watchdog) watchdog->stop();
+            const bool failed = watchdog && watchdog->failed();
+            // Handles that outlive the backend must not reach the communicator or this state.
+            if (watchdog) watchdog->close(who + ": the backend was destroyed");
             detail::DeviceScope scope(device);
-            if (comm_alive && !(watchdog && watchdog->failed())) {
+            if (comm_alive && !failed) {
                 // Flush what is queued, by the deadline, then free; a communicator that cannot
                 // be flushed in time is aborted below.
                 ncclResult_t state = ncclCommFinalize(comm);

@@ -138,6 +138,17 @@ public:
         pending_.clear();  // never done: their waiters throw
     }
 
+    // Ends the watch quietly when its device goes away (the backend is destroyed): nothing is
+    // aborted or printed, and a handle that outlives the backend throws `reason`.
+    void close(const std::string& reason) {
+        stop();
+        std::lock_guard lock(mutex_);
+        if (failed_.load(std::memory_order_relaxed)) return;
+        error_ = std::make_exception_ptr(CollectiveError(reason));
+        failed_.store(true, std::memory_order_release);
+        pending_.clear();
+    }
+
     [[nodiscard]] bool failed() const { return failed_.load(std::memory_order_acquire); }
 
     void rethrow_if_failed() const {
