@@ -32,6 +32,7 @@
 #include <string>
 #include <thread>
 #include <type_traits>  // for std::is_invocable_v
+#include <utility>      // for std::exchange, std::move
 #include <vector>
 
 namespace gradsync::inline v0 {
@@ -187,8 +188,9 @@ public:
         return ranks;
     }
 
-    CudaLocalBackend(CudaLocalBackend&&) noexcept = default;
-    CudaLocalBackend& operator=(CudaLocalBackend&&) noexcept = default;
+    CudaLocalBackend(CudaLocalBackend&& o) noexcept
+        : group_(std::move(o.group_)), rank_(o.rank_), compute_(o.compute_), ready_(std::exchange(o.ready_, nullptr)) {}
+    CudaLocalBackend& operator=(CudaLocalBackend&&) = delete;
     CudaLocalBackend(const CudaLocalBackend&) = delete;
     CudaLocalBackend& operator=(const CudaLocalBackend&) = delete;
     ~CudaLocalBackend() {
