@@ -226,6 +226,22 @@ void report_synchronize(const char* what, bool scattered, std::pair<double, doub
                 t.first / t.second <= 1.05 ? "met" : "MISSED");
 }
 
+// One rank's share of the synchronize benchmark: its own compute stream, the raw allreduce
+// through the same backend; rank 0's figures go to `out`.
+template <class Backend>
+void time_rank(Backend& backend, bool scattered, std::pair<double, double>& out) {
+    cudaStream_t stream = nullptr;
+    GRADSYNC_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    backend.set_compute_stream(stream);
+    const auto r = time_synchronize(backend, stream, scattered, [&](float* flat, std::size_t n) {
+        backend.wait_on_device(
+            backend.allreduce_async(gradsync::Buffer{flat, n, gradsync::DType::float32}, gradsync::ReduceOp::average));
+    });
+    if (backend.rank() == 0) out = r;
+    GRADSYNC_CUDA_CHECK(cudaStreamSynchronize(stream));
+    cudaStreamDestroy(stream);
+}
+
 // DataParallel over NcclBackend, one thread per visible GPU; needs two or more.
 void bench_nccl_synchronize(int gpus) {
     if (gpus < 2) {
@@ -234,18 +250,7 @@ void bench_nccl_synchronize(int gpus) {
     }
     for (bool scattered : {false, true}) {
         std::pair<double, double> t;
-        gradsync::nccl_spawn(gpus, [&](gradsync::NcclBackend<>& backend) {
-            cudaStream_t stream = nullptr;
-            GRADSYNC_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-            backend.set_compute_stream(stream);
-            const auto r = time_synchronize(backend, stream, scattered, [&](float* flat, std::size_t n) {
-                backend.wait_on_device(backend.allreduce_async(gradsync::Buffer{flat, n, gradsync::DType::float32},
-                                                               gradsync::ReduceOp::average));
-            });
-            if (backend.rank() == 0) t = r;
-            GRADSYNC_CUDA_CHECK(cudaStreamSynchronize(stream));
-            cudaStreamDestroy(stream);
-        });
+        gradsync::nccl_spawn(gpus, [&](gradsync::NcclBackend<>& backend) { time_rank(backend, scattered, t); });
         char what[64];
         std::snprintf(what, sizeof what, "DataParallel<NcclBackend> ResNet-50, %d GPUs", gpus);
         report_synchronize(what, scattered, t);
@@ -256,18 +261,7 @@ void bench_nccl_synchronize(int gpus) {
 void bench_local_synchronize() {
     for (bool scattered : {false, true}) {
         std::pair<double, double> t;
-        gradsync::cuda_local_spawn(2, [&](gradsync::CudaLocalBackend& backend) {
-            cudaStream_t stream = nullptr;
-            GRADSYNC_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-            backend.set_compute_stream(stream);
-            const auto r = time_synchronize(backend, stream, scattered, [&](float* flat, std::size_t n) {
-                backend.wait_on_device(backend.allreduce_async(gradsync::Buffer{flat, n, gradsync::DType::float32},
-                                                               gradsync::ReduceOp::average));
-            });
-            if (backend.rank() == 0) t = r;
-            GRADSYNC_CUDA_CHECK(cudaStreamSynchronize(stream));
-            cudaStreamDestroy(stream);
-        });
+        gradsync::cuda_local_spawn(2, [&](gradsync::CudaLocalBackend& backend) { time_rank(backend, scattered, t); });
         report_synchronize("DataParallel<CudaLocalBackend> ResNet-50, 2 ranks", scattered, t);
     }
 }

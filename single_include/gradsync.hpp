@@ -4647,8 +4647,52 @@ private:
 // in-process counterpart of paddle.distributed.spawn.
 
 
-#include <exception>  // for std::exception_ptr, std::rethrow_exception
+// ---- begin gradsync/detail/first_error.hpp ----
+// FirstError: the first exception thrown by any thread of a group (the cause, not the failures
+// it then causes in the others), kept to rethrow once they have all ended.
+
+
+#include <exception>
 #include <mutex>
+#include <string>
+
+namespace gradsync::inline v0::detail {
+
+class FirstError {
+public:
+    // In a catch handler: keeps the exception being handled if it is the first, and returns its
+    // what() for the message that tells the others.
+    std::string keep_current() {
+        std::string what = "unknown exception";
+        try {
+            throw;
+        } catch (const std::exception& e) {
+            what = e.what();
+        } catch (...) {
+        }
+        std::lock_guard lock(mutex_);
+        if (!first_) first_ = std::current_exception();
+        return what;
+    }
+
+    [[nodiscard]] bool any() const {
+        std::lock_guard lock(mutex_);
+        return first_ != nullptr;
+    }
+
+    // After the threads have ended.
+    void rethrow_if_any() const {
+        if (first_) std::rethrow_exception(first_);
+    }
+
+private:
+    mutable std::mutex mutex_;
+    std::exception_ptr first_;
+};
+
+}  // namespace gradsync::inline v0::detail
+// ---- end gradsync/detail/first_error.hpp ----
+
 #include <string>
 #include <thread>
 #include <type_traits>  // for std::is_invocable_v
@@ -4667,8 +4711,7 @@ template <class Fn>
 requires std::is_invocable_v<const Fn&, LocalBackend&>
 void spawn(int n, const Fn& fn, LocalGroupOptions options = {}) {
     auto ranks = LocalBackend::create_group(n, options);
-    std::mutex mutex;
-    std::exception_ptr first;
+    detail::FirstError errors;
     std::vector<std::thread> threads;
     threads.reserve(ranks.size());
     for (int r = 0; r < n; ++r) {
@@ -4676,24 +4719,13 @@ void spawn(int n, const Fn& fn, LocalGroupOptions options = {}) {
             try {
                 fn(backend);
             } catch (...) {
-                std::string what = "unknown exception";
-                try {
-                    throw;
-                } catch (const std::exception& e) {
-                    what = e.what();
-                } catch (...) {
-                }
-                {
-                    std::lock_guard lock(mutex);
-                    if (!first) first = std::current_exception();
-                }
-                backend.abort("rank " + std::to_string(r) + " threw: " + what);
+                backend.abort("rank " + std::to_string(r) + " threw: " + errors.keep_current());
             }
             LocalBackend leaving = std::move(backend);  // leaves the group at the end of this scope
         });
     }
     for (auto& t : threads) t.join();
-    if (first) std::rethrow_exception(first);
+    errors.rethrow_if_any();
 }
 
 }  // namespace gradsync::inline v0

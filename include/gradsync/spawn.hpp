@@ -3,10 +3,9 @@
 #pragma once
 
 #include <gradsync/backend/local.hpp>
+#include <gradsync/detail/first_error.hpp>
 #include <gradsync/error.hpp>
 
-#include <exception>  // for std::exception_ptr, std::rethrow_exception
-#include <mutex>
 #include <string>
 #include <thread>
 #include <type_traits>  // for std::is_invocable_v
@@ -25,8 +24,7 @@ template <class Fn>
 requires std::is_invocable_v<const Fn&, LocalBackend&>
 void spawn(int n, const Fn& fn, LocalGroupOptions options = {}) {
     auto ranks = LocalBackend::create_group(n, options);
-    std::mutex mutex;
-    std::exception_ptr first;
+    detail::FirstError errors;
     std::vector<std::thread> threads;
     threads.reserve(ranks.size());
     for (int r = 0; r < n; ++r) {
@@ -34,24 +32,13 @@ void spawn(int n, const Fn& fn, LocalGroupOptions options = {}) {
             try {
                 fn(backend);
             } catch (...) {
-                std::string what = "unknown exception";
-                try {
-                    throw;
-                } catch (const std::exception& e) {
-                    what = e.what();
-                } catch (...) {
-                }
-                {
-                    std::lock_guard lock(mutex);
-                    if (!first) first = std::current_exception();
-                }
-                backend.abort("rank " + std::to_string(r) + " threw: " + what);
+                backend.abort("rank " + std::to_string(r) + " threw: " + errors.keep_current());
             }
             LocalBackend leaving = std::move(backend);  // leaves the group at the end of this scope
         });
     }
     for (auto& t : threads) t.join();
-    if (first) std::rethrow_exception(first);
+    errors.rethrow_if_any();
 }
 
 }  // namespace gradsync::inline v0

@@ -163,16 +163,6 @@ private:
     bool changed_ = false;
 };
 
-// True for memory the GPU can address (device or managed); false for host memory, which NCCL
-// cannot take.
-inline bool device_addressable(const void* p) {
-    cudaPointerAttributes attributes{};
-    if (cudaPointerGetAttributes(&attributes, p) != cudaSuccess) {
-        cudaGetLastError();
-        return false;
-    }
-    return attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged;
-}
 
 }  // namespace detail
 

@@ -5,9 +5,9 @@
 
 #include <gradsync/backend/nccl.hpp>
 #include <gradsync/cuda/check.hpp>
+#include <gradsync/detail/first_error.hpp>
 #include <gradsync/error.hpp>
 
-#include <exception>  // for std::exception_ptr, std::rethrow_exception
 #include <mutex>
 #include <string>
 #include <thread>
@@ -35,20 +35,13 @@ requires std::is_invocable_v < const Fn&, NcclBackend<Algo>
     if (const ncclResult_t r = ncclGetUniqueId(&id); r != ncclSuccess)
         throw CollectiveError("gradsync: nccl_spawn: ncclGetUniqueId failed: " + detail::nccl_words(r, nullptr));
 
+    detail::FirstError errors;
     std::mutex mutex;
-    std::exception_ptr first;
     std::vector<NcclBackend<Algo>*> live(static_cast<std::size_t>(n), nullptr);  // under mutex
     // In a catch handler: keeps the first exception and aborts every live rank, this one included.
     auto fail_all = [&](int culprit) {
-        std::string what = "unknown exception";
-        try {
-            throw;
-        } catch (const std::exception& e) {
-            what = e.what();
-        } catch (...) {
-        }
+        const std::string what = errors.keep_current();
         std::lock_guard lock(mutex);
-        if (!first) first = std::current_exception();
         for (auto* backend : live)
             if (backend != nullptr) backend->abort("gradsync: rank " + std::to_string(culprit) + " threw: " + what);
     };
@@ -62,7 +55,7 @@ requires std::is_invocable_v < const Fn&, NcclBackend<Algo>
                 {
                     std::lock_guard lock(mutex);
                     slot = &backend;
-                    if (first)
+                    if (errors.any())
                         backend.abort("gradsync: rank " + std::to_string(r) + " joined after another rank failed");
                 }
                 try {
@@ -78,7 +71,7 @@ requires std::is_invocable_v < const Fn&, NcclBackend<Algo>
         });
     }
     for (auto& t : threads) t.join();
-    if (first) std::rethrow_exception(first);
+    errors.rethrow_if_any();
 }
 
 }  // namespace gradsync::inline v0

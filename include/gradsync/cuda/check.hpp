@@ -30,6 +30,17 @@ inline void check_cuda(cudaError_t code, const char* call, const char* file, int
                     code);
 }
 
+// True for memory the GPU can address (device or managed); false for host memory, which a
+// device collective cannot take as it is.
+inline bool device_addressable(const void* p) {
+    cudaPointerAttributes attributes{};
+    if (cudaPointerGetAttributes(&attributes, p) != cudaSuccess) {
+        cudaGetLastError();
+        return false;
+    }
+    return attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged;
+}
+
 }  // namespace detail
 
 // The CUDA devices this process sees. Without a device or a driver, count is 0 and `why` says

@@ -15,6 +15,7 @@
 #include <gradsync/cuda/finalize.cuh>  // for widen, narrow, device_accumulator_t
 #include <gradsync/detail/aligned_bytes.hpp>
 #include <gradsync/detail/finalize.hpp>  // for visit_float_dtype
+#include <gradsync/detail/first_error.hpp>
 #include <gradsync/detail/host_reduce.hpp>
 #include <gradsync/detail/rendezvous.hpp>
 #include <gradsync/dtype.hpp>
@@ -25,9 +26,7 @@
 
 #include <chrono>
 #include <cstring>  // for std::memcpy
-#include <exception>
 #include <memory>
-#include <mutex>
 #include <span>
 #include <string>
 #include <thread>
@@ -259,7 +258,7 @@ private:
     CudaLocalHandle collective(cuda::detail::LocalDeviceCall call) {
         GRADSYNC_CUDA_CHECK(cudaSetDevice(group_->options.device));
         const bool moves_data = call.kind != cuda::detail::LocalDeviceKind::barrier && call.count != 0;
-        call.on_device = moves_data && device_addressable(call.data);
+        call.on_device = moves_data && gradsync::detail::device_addressable(call.data);
         if (call.on_device) {
             if (ready_ == nullptr) GRADSYNC_CUDA_CHECK(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming));
             GRADSYNC_CUDA_CHECK(cudaEventRecord(ready_, compute_));
@@ -348,15 +347,6 @@ private:
         std::memcpy(mine, result.data(), bytes);
     }
 
-    static bool device_addressable(const void* p) {
-        cudaPointerAttributes attributes{};
-        if (cudaPointerGetAttributes(&attributes, p) != cudaSuccess) {
-            cudaGetLastError();
-            return false;
-        }
-        return attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged;
-    }
-
     std::shared_ptr<cuda::detail::LocalDeviceGroup> group_;
     int rank_ = 0;
     cudaStream_t compute_ = nullptr;
@@ -370,8 +360,7 @@ template <class Fn>
 requires std::is_invocable_v<const Fn&, CudaLocalBackend&>
 void cuda_local_spawn(int n, const Fn& fn, CudaLocalOptions options = {}) {
     auto ranks = CudaLocalBackend::create_group(n, options);
-    std::mutex mutex;
-    std::exception_ptr first;
+    gradsync::detail::FirstError errors;
     std::vector<std::thread> threads;
     for (int r = 0; r < n; ++r) {
         threads.emplace_back([&, r] {
@@ -380,23 +369,12 @@ void cuda_local_spawn(int n, const Fn& fn, CudaLocalOptions options = {}) {
                 GRADSYNC_CUDA_CHECK(cudaSetDevice(options.device));
                 fn(backend);
             } catch (...) {
-                std::string what = "unknown exception";
-                try {
-                    throw;
-                } catch (const std::exception& e) {
-                    what = e.what();
-                } catch (...) {
-                }
-                {
-                    std::lock_guard lock(mutex);
-                    if (!first) first = std::current_exception();
-                }
-                backend.abort("gradsync: rank " + std::to_string(r) + " threw: " + what);
+                backend.abort("gradsync: rank " + std::to_string(r) + " threw: " + errors.keep_current());
             }
         });
     }
     for (auto& t : threads) t.join();
-    if (first) std::rethrow_exception(first);
+    errors.rethrow_if_any();
 }
 
 }  // namespace gradsync::inline v0
