@@ -163,7 +163,6 @@ private:
     bool changed_ = false;
 };
 
-
 }  // namespace detail
 
 // Handle to a collective queued on an NcclBackend's stream (the Waitable concept). The buffers
