@@ -1,0 +1,223 @@
+// DataParallel's device path on the host: a LocalBackend that says its collectives take device
+// memory (as NcclBackend and CudaLocalBackend do), and HostMemory that says it is device memory
+// (as CudaMemory is). The control flow the GPU runs (stream waits instead of host waits, the
+// finalize pass queued after them, measurements read once, refusals of what host memory would
+// need) is tested here, under the sanitizers too; the kernels themselves in tests/cuda.
+#include <gradsync/data_parallel.hpp>
+#include <gradsync/spawn.hpp>
+
+#include <doctest/doctest.h>
+
+#include "support/toy_model.hpp"
+
+#include <algorithm>  // for std::fill
+#include <atomic>
+#include <cmath>  // for INFINITY
+#include <cstring>
+#include <string>
+#include <vector>
+
+using gradsync::DataParallel;
+using gradsync::LocalBackend;
+using testing_support::Toy;
+
+namespace {
+
+// LocalBackend's collectives, declared to take device memory. wait_on_device(h) is where a
+// device backend makes the trainer's stream wait; here the host waits, and the test counts it.
+class FakeDeviceBackend {
+public:
+    static constexpr bool device_memory = true;
+    static constexpr bool checks_tags = true;
+
+    explicit FakeDeviceBackend(LocalBackend& b) : b_(b) {}
+    [[nodiscard]] int rank() const { return b_.rank(); }
+    [[nodiscard]] int size() const { return b_.size(); }
+    [[nodiscard]] bool supports(gradsync::DType t) const { return b_.supports(t); }
+    gradsync::CollectiveHandle allreduce_async(gradsync::Buffer buf, gradsync::ReduceOp op,
+                                               gradsync::CollectiveTag tag = {}) {
+        return b_.allreduce_async(buf, op, tag);
+    }
+    void allreduce(gradsync::Buffer buf, gradsync::ReduceOp op, gradsync::CollectiveTag tag = {}) {
+        b_.allreduce(buf, op, tag);
+    }
+    void broadcast(std::span<std::byte> bytes, int root, gradsync::CollectiveTag tag = {}) {
+        b_.broadcast(bytes, root, tag);
+    }
+    void barrier() { b_.barrier(); }
+    void abort(const std::string& reason) { b_.abort(reason); }
+
+    void wait_on_device(const gradsync::CollectiveHandle& h) {
+        ++device_waits;
+        h.wait();
+    }
+    void throw_if_failed() const {
+        ++health_checks;
+        if (!failure.empty()) throw gradsync::CollectiveError(failure);
+    }
+
+    int device_waits = 0;
+    mutable int health_checks = 0;
+    std::string failure;  // what throw_if_failed reports, when set
+
+private:
+    LocalBackend& b_;
+};
+
+// HostMemory's passes, declared to be device memory, as CudaMemory is.
+struct FakeDeviceMemory : gradsync::HostMemory {
+    static constexpr bool on_device = true;
+};
+
+static_assert(gradsync::DeviceBackend<FakeDeviceBackend>);
+static_assert(gradsync::CheckedCollectives<FakeDeviceBackend>);
+static_assert(DataParallel<Toy, FakeDeviceBackend>::gradients_untouchable);
+static_assert(!DataParallel<Toy, FakeDeviceBackend, FakeDeviceMemory>::gradients_untouchable);
+
+// Toy's tensors, with every gradient in one buffer in registration order, as
+// ContiguousParameters lays them out.
+struct ContiguousToy {
+    std::vector<std::size_t> sizes;
+    std::vector<float> w, g;
+    explicit ContiguousToy(std::vector<std::size_t> s) : sizes(std::move(s)) {
+        std::size_t total = 0;
+        for (auto n : sizes) total += n;
+        w.assign(total, 0.0f);
+        g.assign(total, 0.0f);
+    }
+    std::vector<gradsync::Parameter> parameters() {
+        std::vector<gradsync::Parameter> out;
+        std::size_t at = 0;
+        for (std::size_t k = 0; k < sizes.size(); ++k) {
+            out.push_back({"t" + std::to_string(k), w.data() + at, g.data() + at, sizes[k], gradsync::DType::float32});
+            at += sizes[k];
+        }
+        return out;
+    }
+    void fill_grads(int rank) {
+        std::size_t at = 0;
+        for (std::size_t k = 0; k < sizes.size(); ++k)
+            for (std::size_t i = 0; i < sizes[k]; ++i) g[at++] = Toy::grad_value(rank, k, i);
+    }
+};
+
+template <class Fn>
+std::vector<std::string> messages_of(int world, Fn fn) {
+    std::vector<std::string> out(static_cast<std::size_t>(world));
+    gradsync::spawn(world, [&](LocalBackend& b) {
+        FakeDeviceBackend device(b);
+        try {
+            fn(device);
+        } catch (const gradsync::Error& e) {
+            out[static_cast<std::size_t>(b.rank())] = e.what();
+        }
+    });
+    return out;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "device gradients under HostMemory: contiguous ones are averaged where they lie, the stream waits for "
+    "each bucket, and the backend's health is polled") {
+    const std::vector<std::size_t> sizes{5, 3000, 1, 40000, 17};
+    std::atomic<int> wrong{0};
+    gradsync::spawn(3, [&](LocalBackend& b) {
+        FakeDeviceBackend device(b);
+        ContiguousToy model(sizes);
+        DataParallel dp(model, device, gradsync::SizeCappedBuckets{.cap = gradsync::Bytes{64 << 10}});
+        model.fill_grads(b.rank());
+        for (std::size_t i = sizes.size(); i-- > 0;) dp.grad_ready(i);
+        dp.synchronize();
+        CHECK(device.device_waits == static_cast<int>(dp.plan().buckets.size()));
+        CHECK(device.health_checks == 2);  // before the step's work and after its measurements
+        std::size_t at = 0;
+        for (std::size_t k = 0; k < sizes.size(); ++k)
+            for (std::size_t i = 0; i < sizes[k]; ++i)
+                wrong += model.g[at++] != testing_support::expected_average<float>(3, k, i);
+    });
+    CHECK(wrong.load() == 0);
+}
+
+TEST_CASE("device gradients under HostMemory: what would touch them on the host is refused on every rank") {
+    auto scattered = messages_of(2, [](FakeDeviceBackend& b) {
+        Toy model({100, 200}, 0.0f);  // a vector per tensor: not adjacent
+        DataParallel dp(model, b);
+    });
+    for (const auto& m : scattered) {
+        CHECK(m == scattered[0]);
+        CHECK(m.find("are not adjacent in memory, and device gradients cannot be packed yet") != std::string::npos);
+    }
+    auto unused = messages_of(2, [](FakeDeviceBackend& b) {
+        ContiguousToy model({10, 20});
+        DataParallel dp(model, b, gradsync::Options{.find_unused_parameters = true});
+    });
+    for (const auto& m : unused)
+        CHECK(m.find("find_unused_parameters would zero device gradients") != std::string::npos);
+    auto stepped = messages_of(2, [](FakeDeviceBackend& b) {
+        ContiguousToy model({10, 20});
+        DataParallel dp(model, b);
+        model.fill_grads(b.rank());
+        dp.step([] {});
+    });
+    for (std::size_t r = 0; r < stepped.size(); ++r)  // each rank refuses, naming itself
+        CHECK(stepped[r].find("gradsync: rank " + std::to_string(r) +
+                              ": step(), loss scaling and clipping need the finalize pass over the gradients, which "
+                              "does not run on device gradients yet") == 0);
+}
+
+TEST_CASE("device memory policy: packed, unscaled, measured and stepped as on the host, bit for bit") {
+    const std::vector<std::size_t> sizes{5, 3000, 1, 40000, 17};
+    std::vector<std::vector<float>> host(2), device(2);
+    std::vector<double> host_norm(2), device_norm(2);
+    gradsync::spawn(2, [&](LocalBackend& b) {
+        const auto r = static_cast<std::size_t>(b.rank());
+        {
+            Toy model(sizes, 0.0f);
+            DataParallel dp(model, b, gradsync::PackedBuckets{}, gradsync::StaticLossScale{.value = 8.0f});
+            model.fill_grads(b.rank());
+            host_norm[r] = dp.step([] {}).grad_norm;
+            for (const auto& t : model.tensors) host[r].insert(host[r].end(), t.g.begin(), t.g.end());
+        }
+        FakeDeviceBackend fake(b);
+        Toy model(sizes, 0.0f);
+        DataParallel dp(model, fake, FakeDeviceMemory{}, gradsync::StaticLossScale{.value = 8.0f});
+        model.fill_grads(b.rank());
+        for (std::size_t i = sizes.size(); i-- > 0;) dp.grad_ready(i);
+        const auto report = dp.step([] {});
+        CHECK(report.applied);
+        CHECK(fake.device_waits == static_cast<int>(dp.plan().buckets.size()));
+        device_norm[r] = report.grad_norm;
+        for (const auto& t : model.tensors) device[r].insert(device[r].end(), t.g.begin(), t.g.end());
+    });
+    for (std::size_t r = 0; r < 2; ++r) {
+        CHECK(device[r] == host[r]);
+        CHECK(std::memcmp(&device_norm[r], &host_norm[r], sizeof(double)) == 0);
+    }
+}
+
+TEST_CASE(
+    "device memory policy: a float16 sum that overflows is reduced again in float32, and an overflow in a "
+    "gradient is named; a failure the backend found is thrown at synchronize") {
+    gradsync::spawn(2, [&](LocalBackend& b) {
+        FakeDeviceBackend fake(b);
+        Toy model({1000, 10}, 0.0f);
+        DataParallel dp(model, fake, FakeDeviceMemory{}, gradsync::Fp16Compression{});
+        std::fill(model.tensors[0].g.begin(), model.tensors[0].g.end(), 1e5f);  // each rank sends 5e4: fine
+        std::fill(model.tensors[1].g.begin(), model.tensors[1].g.end(), 2.0f);
+        auto report = dp.step([] {});
+        CHECK(report.applied);
+        CHECK(model.tensors[0].g[7] == 1e5f);  // the float16 sum overflowed; reduced again in float32
+        CHECK(model.tensors[1].g[3] == 2.0f);
+
+        std::fill(model.tensors[0].g.begin(), model.tensors[0].g.end(), 1.0f);
+        model.tensors[1].g[4] = b.rank() == 1 ? INFINITY : 1.0f;
+        report = dp.step([] { FAIL("the optimizer ran on a non-finite gradient"); });
+        CHECK_FALSE(report.applied);
+        CHECK(report.overflowed == std::vector<std::string>{"t1"});
+
+        fake.barrier();  // both ranks are done with the step before either reports a failure
+        fake.failure = "gradsync: rank " + std::to_string(b.rank()) + ": the communicator failed";
+        CHECK_THROWS_WITH_AS(dp.synchronize(), doctest::Contains("the communicator failed"), gradsync::CollectiveError);
+    });
+}
