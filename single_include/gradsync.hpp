@@ -3203,6 +3203,7 @@ struct NoLrRule {
 // cuda/memory.cuh), and whether gradients are packed at all.
 
 
+#include <cmath>  // for std::isfinite
 #include <cstddef>
 #include <cstring>  // for std::memcpy, std::memset
 #include <limits>   // for std::numeric_limits
@@ -3210,6 +3211,13 @@ struct NoLrRule {
 #include <vector>
 
 namespace gradsync::inline v0 {
+
+// What the finalize pass found over all buckets of a step, where the memory policy keeps it (in
+// device memory for CudaMemory): read by an optimizer's kernels under step_on_device().
+struct StepVerdict {
+    double sum_squares = 0;  // of the unscaled averaged gradients
+    int finite = 1;          // 0: some gradient is an infinity or NaN; the step must change nothing
+};
 
 // Every pass DataParallel makes over gradient memory goes through its memory policy, bucket by
 // bucket: pack into a bucket buffer, unpack, finalize (scale, and measure the sum of squares),
@@ -3316,6 +3324,13 @@ struct HostMemory {
     }
     // The result slots as the last finalize of each left them.
     std::span<const double> results() { return results_; }
+    // Every slot combined, in slot order, where the policy keeps it.
+    const StepVerdict* verdict() {
+        double sum = 0;
+        for (double r : results_) sum += r;
+        verdict_ = StepVerdict{sum, std::isfinite(sum) ? 1 : 0};
+        return &verdict_;
+    }
     // The sum of squares of each segment as it is now (to name those that are not finite).
     std::vector<double> segment_sums(const Table& t) const {
         std::vector<double> out;
@@ -3338,6 +3353,7 @@ struct HostMemory {
 
 private:
     std::vector<double> results_;
+    StepVerdict verdict_;
 };
 
 // Packing policies. By default DataParallel reduces gradients where they lie when the backend
@@ -3613,6 +3629,34 @@ public:
         return report;
     }
 
+    // step() without the host: the verdict (whether every gradient is finite, and the sum of the
+    // squares for the norm) stays in device memory, and optimizer(verdict) (or optimizer(learning
+    // rate, verdict) with an LR policy) queues kernels that must read `verdict->finite` and leave
+    // parameters and state alone when it is 0. The host never waits for the device in the step.
+    // For CudaMemory, with no loss scaler or a static one (a dynamic scale is decided on the
+    // host), no clipping and no wire compression (both need the norm or the redo on the host).
+    template <class Optimizer>
+    void step_on_device(Optimizer&& optimizer) requires(memory_type::on_device) {
+        static_assert(!loss_scale_is_dynamic(),
+                      "gradsync: step_on_device() cannot update a DynamicLossScale, which decides on the host; use "
+                      "step(), or StaticLossScale");
+        static_assert(!compression_type::compresses,
+                      "gradsync: step_on_device() with wire compression: a float16 overflow is reduced again in "
+                      "float32, which the host decides; use step()");
+        if (options_.clip_norm > 0)
+            throw Error("gradsync: rank " + std::to_string(rank()) +
+                        ": step_on_device() cannot clip: the norm would have to come to the host; use step()");
+        if (no_sync_depth_.load(std::memory_order_relaxed) > 0)
+            throw ReadinessError("gradsync: rank " + std::to_string(rank()) + ": step_on_device() under no_sync()");
+        const std::uint64_t step = steps() + 1;
+        synchronize_impl(/*want_stats=*/true, /*read_stats=*/false);
+        if constexpr (!std::is_same_v<lr_type, NoLrRule>) {
+            optimizer(lr_.rate(world_size(), step - 1), verdict_);
+        } else {
+            optimizer(verdict_);
+        }
+    }
+
     // The factor to multiply the loss by before backward.
     [[nodiscard]] float loss_scale() const { return scaler_.scale(); }
     // The loss scaler, to save or restore its state (DynamicLossScale::state).
@@ -3623,7 +3667,8 @@ public:
     }
     // Of the last synchronize() that measured them (step(), or any synchronize() with a loss
     // scaler, compression or clipping): the global L2 norm of the unscaled averaged gradients
-    // before clipping, and whether all of them were finite.
+    // before clipping, and whether all of them were finite. step_on_device() leaves them on the
+    // device, in its verdict.
     [[nodiscard]] double grad_norm() const { return std::sqrt(stats_.sum_squares); }
     [[nodiscard]] bool gradients_finite() const { return std::isfinite(stats_.sum_squares); }
 
@@ -3725,7 +3770,9 @@ private:
         bool clipped = false;
     };
 
-    void synchronize_impl(bool want_stats) {
+    // `read_stats` false: the finalize pass's measurements stay where the memory policy put them
+    // (step_on_device), and the host never waits for the device.
+    void synchronize_impl(bool want_stats, bool read_stats = true) {
         if (no_sync_depth_.load(std::memory_order_relaxed) > 0) return;  // an accumulation micro-step
         guard([&] {
             check_backend_health();
@@ -3749,7 +3796,10 @@ private:
             wait_all();
             if (backend_.size() == 1)
                 for (std::size_t b = 0; b < slots_.size(); ++b) finalize_in_place(b);
-            collect_stats();
+            if (read_stats)
+                collect_stats();
+            else
+                verdict_ = memory_.verdict();
             check_backend_health();  // what the device did while the host did not wait
             if (options_.clip_norm > 0) clip();
             sync_buffers(/*at_construction=*/false);
@@ -4397,6 +4447,7 @@ private:
     loss_scaler_type scaler_{};
     lr_type lr_{};
     memory_type memory_{};
+    const StepVerdict* verdict_ = nullptr;  // in the memory policy's memory, after step_on_device
     Stats stats_;
     bool finalizing_ = false;  // this synchronize() unscales and measures
     std::vector<Parameter> params_;

@@ -221,3 +221,36 @@ TEST_CASE(
         CHECK_THROWS_WITH_AS(dp.synchronize(), doctest::Contains("the communicator failed"), gradsync::CollectiveError);
     });
 }
+
+TEST_CASE("step_on_device: the verdict stays where the memory policy keeps it, and the optimizer reads it") {
+    gradsync::spawn(2, [&](LocalBackend& b) {
+        FakeDeviceBackend fake(b);
+        Toy model({300, 20}, 0.0f);
+        DataParallel dp(model, fake, FakeDeviceMemory{}, gradsync::StaticLossScale{.value = 4.0f});
+        model.fill_grads(b.rank());
+        int applied = 0;
+        dp.step_on_device([&](const gradsync::StepVerdict* verdict) { applied += verdict->finite; });
+        CHECK(applied == 1);
+        CHECK(dp.steps() == 1);
+        CHECK(model.tensors[1].g[3] == testing_support::expected_average<float>(2, 1, 3) / 4.0f);
+
+        model.fill_grads(b.rank());
+        model.tensors[0].g[9] = b.rank() == 0 ? NAN : 1.0f;
+        double norm_squared = 0;
+        dp.step_on_device([&](const gradsync::StepVerdict* verdict) {
+            applied += verdict->finite;
+            norm_squared = verdict->sum_squares;
+        });
+        CHECK(applied == 1);  // every rank sees the same verdict: not finite
+        CHECK(std::isnan(norm_squared));
+        CHECK(dp.steps() == 2);
+    });
+    // Clipping needs the norm on the host.
+    gradsync::spawn(1, [&](LocalBackend& b) {
+        FakeDeviceBackend fake(b);
+        Toy model({10}, 0.0f);
+        DataParallel dp(model, fake, FakeDeviceMemory{}, gradsync::Options{.clip_norm = 1.0});
+        CHECK_THROWS_WITH_AS(dp.step_on_device([](const gradsync::StepVerdict*) {}),
+                             doctest::Contains("step_on_device() cannot clip"), gradsync::Error);
+    });
+}

@@ -239,6 +239,34 @@ public:
         return report;
     }
 
+    // step() without the host: the verdict (whether every gradient is finite, and the sum of the
+    // squares for the norm) stays in device memory, and optimizer(verdict) (or optimizer(learning
+    // rate, verdict) with an LR policy) queues kernels that must read `verdict->finite` and leave
+    // parameters and state alone when it is 0. The host never waits for the device in the step.
+    // For CudaMemory, with no loss scaler or a static one (a dynamic scale is decided on the
+    // host), no clipping and no wire compression (both need the norm or the redo on the host).
+    template <class Optimizer>
+    void step_on_device(Optimizer&& optimizer) requires(memory_type::on_device) {
+        static_assert(!loss_scale_is_dynamic(),
+                      "gradsync: step_on_device() cannot update a DynamicLossScale, which decides on the host; use "
+                      "step(), or StaticLossScale");
+        static_assert(!compression_type::compresses,
+                      "gradsync: step_on_device() with wire compression: a float16 overflow is reduced again in "
+                      "float32, which the host decides; use step()");
+        if (options_.clip_norm > 0)
+            throw Error("gradsync: rank " + std::to_string(rank()) +
+                        ": step_on_device() cannot clip: the norm would have to come to the host; use step()");
+        if (no_sync_depth_.load(std::memory_order_relaxed) > 0)
+            throw ReadinessError("gradsync: rank " + std::to_string(rank()) + ": step_on_device() under no_sync()");
+        const std::uint64_t step = steps() + 1;
+        synchronize_impl(/*want_stats=*/true, /*read_stats=*/false);
+        if constexpr (!std::is_same_v<lr_type, NoLrRule>) {
+            optimizer(lr_.rate(world_size(), step - 1), verdict_);
+        } else {
+            optimizer(verdict_);
+        }
+    }
+
     // The factor to multiply the loss by before backward.
     [[nodiscard]] float loss_scale() const { return scaler_.scale(); }
     // The loss scaler, to save or restore its state (DynamicLossScale::state).
@@ -249,7 +277,8 @@ public:
     }
     // Of the last synchronize() that measured them (step(), or any synchronize() with a loss
     // scaler, compression or clipping): the global L2 norm of the unscaled averaged gradients
-    // before clipping, and whether all of them were finite.
+    // before clipping, and whether all of them were finite. step_on_device() leaves them on the
+    // device, in its verdict.
     [[nodiscard]] double grad_norm() const { return std::sqrt(stats_.sum_squares); }
     [[nodiscard]] bool gradients_finite() const { return std::isfinite(stats_.sum_squares); }
 
@@ -351,7 +380,9 @@ private:
         bool clipped = false;
     };
 
-    void synchronize_impl(bool want_stats) {
+    // `read_stats` false: the finalize pass's measurements stay where the memory policy put them
+    // (step_on_device), and the host never waits for the device.
+    void synchronize_impl(bool want_stats, bool read_stats = true) {
         if (no_sync_depth_.load(std::memory_order_relaxed) > 0) return;  // an accumulation micro-step
         guard([&] {
             check_backend_health();
@@ -375,7 +406,10 @@ private:
             wait_all();
             if (backend_.size() == 1)
                 for (std::size_t b = 0; b < slots_.size(); ++b) finalize_in_place(b);
-            collect_stats();
+            if (read_stats)
+                collect_stats();
+            else
+                verdict_ = memory_.verdict();
             check_backend_health();  // what the device did while the host did not wait
             if (options_.clip_norm > 0) clip();
             sync_buffers(/*at_construction=*/false);
@@ -1023,6 +1057,7 @@ private:
     loss_scaler_type scaler_{};
     lr_type lr_{};
     memory_type memory_{};
+    const StepVerdict* verdict_ = nullptr;  // in the memory policy's memory, after step_on_device
     Stats stats_;
     bool finalizing_ = false;  // this synchronize() unscales and measures
     std::vector<Parameter> params_;

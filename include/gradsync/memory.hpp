@@ -10,6 +10,7 @@
 #include <gradsync/detail/policy.hpp>
 #include <gradsync/dtype.hpp>
 
+#include <cmath>  // for std::isfinite
 #include <cstddef>
 #include <cstring>  // for std::memcpy, std::memset
 #include <limits>   // for std::numeric_limits
@@ -17,6 +18,13 @@
 #include <vector>
 
 namespace gradsync::inline v0 {
+
+// What the finalize pass found over all buckets of a step, where the memory policy keeps it (in
+// device memory for CudaMemory): read by an optimizer's kernels under step_on_device().
+struct StepVerdict {
+    double sum_squares = 0;  // of the unscaled averaged gradients
+    int finite = 1;          // 0: some gradient is an infinity or NaN; the step must change nothing
+};
 
 // Every pass DataParallel makes over gradient memory goes through its memory policy, bucket by
 // bucket: pack into a bucket buffer, unpack, finalize (scale, and measure the sum of squares),
@@ -123,6 +131,13 @@ struct HostMemory {
     }
     // The result slots as the last finalize of each left them.
     std::span<const double> results() { return results_; }
+    // Every slot combined, in slot order, where the policy keeps it.
+    const StepVerdict* verdict() {
+        double sum = 0;
+        for (double r : results_) sum += r;
+        verdict_ = StepVerdict{sum, std::isfinite(sum) ? 1 : 0};
+        return &verdict_;
+    }
     // The sum of squares of each segment as it is now (to name those that are not finite).
     std::vector<double> segment_sums(const Table& t) const {
         std::vector<double> out;
@@ -145,6 +160,7 @@ struct HostMemory {
 
 private:
     std::vector<double> results_;
+    StepVerdict verdict_;
 };
 
 // Packing policies. By default DataParallel reduces gradients where they lie when the backend

@@ -266,6 +266,11 @@ __global__ void late_fill(float* data, std::size_t n, float value, long long cyc
         data[i] = value;
 }
 
+// An optimizer's kernel under step_on_device: counts the step only when the verdict allows it.
+__global__ void count_if_finite(const gradsync::StepVerdict* verdict, int* applied) {
+    if (verdict->finite != 0) ++*applied;
+}
+
 __global__ void add_one(float* data, std::size_t n) {
     for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n;
          i += std::size_t(gridDim.x) * blockDim.x)
@@ -602,6 +607,39 @@ TEST_SUITE("gpu") {
         CHECK(run(gradsync::Fp16Compression{}, 1e5f) == std::vector<float>(1000, 1e5f));
         CHECK(run(gradsync::Fp16Compression{}, 3.0f) == std::vector<float>(1000, 3.0f));
         CHECK(run(gradsync::Bf16Compression{}, 1e5f).front() == doctest::Approx(1e5f).epsilon(1e-2));
+    }
+
+    TEST_CASE("step_on_device: the optimizer's kernel reads the verdict on the device; the host waits for nothing") {
+        ncclUniqueId id{};
+        REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
+        cudaStream_t stream = nullptr;
+        GRADSYNC_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+        {
+            gradsync::NcclBackend<> backend(0, 1, 0, id, gradsync::NcclOptions{.compute_stream = stream});
+            ScatteredDeviceModel model;
+            gradsync::DataParallel dp(model, backend, gradsync::CudaMemory{stream},
+                                      gradsync::StaticLossScale{.value = 2.0f},
+                                      gradsync::Options{.check_histories = false});
+            DeviceArray<int> applied(1);
+            GRADSYNC_CUDA_CHECK(cudaMemset(applied.data, 0, sizeof(int)));
+            model.fill(2.0f);
+            GRADSYNC_CUDA_CHECK(cudaDeviceSynchronize());
+            late_fill<<<64, 256, 0, stream>>>(model.grads[2], model.sizes[2], 4.0f, 200'000'000LL);  // ~0.1 s
+            dp.step_on_device([&](const gradsync::StepVerdict* verdict) {
+                count_if_finite<<<1, 1, 0, stream>>>(verdict, applied.data);
+            });
+            CHECK(cudaStreamQuery(stream) == cudaErrorNotReady);  // the step is queued, not waited for
+            const float inf = INFINITY;
+            GRADSYNC_CUDA_CHECK(cudaStreamSynchronize(stream));
+            GRADSYNC_CUDA_CHECK(cudaMemcpy(model.grads[1], &inf, sizeof inf, cudaMemcpyHostToDevice));
+            dp.step_on_device([&](const gradsync::StepVerdict* verdict) {
+                count_if_finite<<<1, 1, 0, stream>>>(verdict, applied.data);
+            });
+            GRADSYNC_CUDA_CHECK(cudaStreamSynchronize(stream));
+            CHECK(applied.download() == std::vector<int>{1});  // the second step was not finite
+            CHECK(model.grad(2).front() == 2.0f);              // the late value, unscaled
+        }
+        GRADSYNC_CUDA_CHECK(cudaStreamDestroy(stream));
     }
 
     TEST_CASE("NcclBackend<Ring> and <Tree> join and reduce (NCCL_ALGO set for their initialization)") {

@@ -24,6 +24,7 @@
 #include <gradsync/dtype.hpp>
 #include <gradsync/error.hpp>
 #include <gradsync/half.hpp>
+#include <gradsync/memory.hpp>  // for StepVerdict
 
 #include <cuda_runtime.h>
 
@@ -143,6 +144,16 @@ __global__ void __launch_bounds__(finalize_threads) segment_squares_kernel(const
     __shared__ typename BlockReduce::TempStorage temp;
     const double total = BlockReduce(temp).Sum(squares);
     if (threadIdx.x == 0) sums[blockIdx.x] = total;
+}
+
+// Adds the slots in order into the verdict, on the device. A template only so that a header may
+// define it.
+template <class = void>
+__global__ void verdict_kernel(const double* slots, std::size_t n, StepVerdict* verdict) {
+    double sum = 0;
+    for (std::size_t i = 0; i < n; ++i) sum += slots[i];
+    verdict->sum_squares = sum;
+    verdict->finite = isfinite(sum) ? 1 : 0;
 }
 
 // Calls f(T{}) with the CUDA-side type of a floating-point dtype.
@@ -271,6 +282,15 @@ public:
         return s.host;
     }
 
+    // Every slot combined, in slot order, in device memory: no host synchronization.
+    const StepVerdict* verdict() {
+        auto* out = reinterpret_cast<StepVerdict*>(state_->verdict.data());
+        auto* kernel = &cuda::detail::verdict_kernel<void>;
+        kernel<<<1, 1, 0, stream_>>>(result(0), state_->host.size(), out);
+        GRADSYNC_CUDA_CHECK(cudaGetLastError());
+        return out;
+    }
+
     std::vector<double> segment_sums(const Table& t) const {
         std::vector<double> out(t.host.size());
         if (out.empty()) return out;
@@ -300,6 +320,7 @@ private:
         cuda::DeviceBytes results;  // double per slot, on the device
         std::vector<double> host;   // the slots as last read back
         cuda::DeviceBytes flags = cuda::DeviceBytes(sizeof(unsigned));
+        cuda::DeviceBytes verdict = cuda::DeviceBytes(sizeof(StepVerdict));
 
         [[nodiscard]] unsigned* flag() const { return reinterpret_cast<unsigned*>(flags.data()); }
     };
