@@ -3281,10 +3281,8 @@ struct HostMemory {
     // A float16 wire holding an infinity or NaN (a sum that overflowed float16) writes nothing:
     // the gradients stay as they were, and the slot's result is NaN.
     void finalize(const Table& t, const std::byte* src, DType src_type, double factor, std::size_t slot) {
-        std::size_t total_count = 0;
-        for (const auto& s : t.segments) total_count += s.count;
         if (src != nullptr && src_type != t.dtype && src_type == DType::float16 &&
-            !detail::all_finite(reinterpret_cast<const float16*>(src), total_count)) {
+            !detail::all_finite(reinterpret_cast<const float16*>(src), detail::total_count(t.segments))) {
             results_.at(slot) = std::numeric_limits<double>::quiet_NaN();
             return;
         }
@@ -3504,14 +3502,14 @@ public:
     // Gradients on the device (NcclBackend) under the host memory policy: each bucket is reduced
     // where it lies, as one contiguous buffer, and DataParallel touches no gradient memory
     // itself. The passes that would (packing, unscaling, measuring, clipping, zeroing unused
-    // parameters) are refused with an error until a device memory policy takes them over.
+    // parameters) are refused with an error that names the device memory policy, CudaMemory.
     static constexpr bool gradients_untouchable = DeviceBackend<BackendT> && !memory_type::on_device;
     static_assert(!memory_type::on_device || DeviceBackend<BackendT>,
                   "gradsync: a device memory policy (CudaMemory) needs a backend whose collectives take device "
                   "memory (NcclBackend)");
     static_assert(!gradients_untouchable || !compression_type::compresses,
-                  "gradsync: wire compression of device gradients needs a device memory policy, which does not "
-                  "exist yet; use NoCompression with NcclBackend");
+                  "gradsync: wire compression of device gradients needs a device memory policy: pass "
+                  "gradsync::CudaMemory{stream} (cuda/memory.cuh), or use NoCompression");
 
     // Lists the model's parameters and buffers, checks them on every rank, agrees on the layout
     // with every rank, and copies rank 0's parameter (and buffer) values to every rank. A problem
@@ -3785,7 +3783,8 @@ private:
                 if (finalizing_)
                     throw Error("gradsync: rank " + std::to_string(rank()) +
                                 ": step(), loss scaling and clipping need the finalize pass over the gradients, "
-                                "which does not run on device gradients yet; call synchronize() and apply the "
+                                "which device gradients get from a device memory policy: pass "
+                                "gradsync::CudaMemory{stream} (cuda/memory.cuh), or call synchronize() and apply the "
                                 "optimizer (and any unscaling) yourself");
             }
             if (overlapped) {
@@ -3872,24 +3871,33 @@ private:
         }
     }
 
-    // Why this model cannot go the device path as it stands: unused parameters would be zeroed by
-    // the host, and a bucket whose gradients are not one contiguous stretch would be packed by it.
+    // The first k whose segment does not start where segment k - 1 ends; 0 when they all follow
+    // each other in memory.
+    static std::size_t first_gap(std::span<const Segment> segs, DType t) {
+        const std::size_t elem = size_of(t);
+        for (std::size_t k = 1; k < segs.size(); ++k)
+            if (static_cast<const std::byte*>(segs[k - 1].data) + segs[k - 1].count * elem != segs[k].data) return k;
+        return 0;
+    }
+
+    // Why this model cannot go the device path without a device memory policy: unused parameters
+    // would be zeroed by the host, and a bucket whose gradients are not one contiguous stretch
+    // would be packed by it.
     [[nodiscard]] std::string device_gradients_problem() const {
         if (options_.find_unused_parameters)
-            return "find_unused_parameters would zero device gradients on the host; it is not supported with " +
-                   std::string("device gradients yet");
+            return "find_unused_parameters zeroes unused gradients, which device gradients need a device memory "
+                   "policy for: pass gradsync::CudaMemory{stream} (cuda/memory.cuh)";
         for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
             auto indices = plan_.buckets[b].parameters;
             std::sort(indices.begin(), indices.end());
-            const std::size_t elem = size_of(plan_.buckets[b].dtype);
-            for (std::size_t k = 1; k < indices.size(); ++k) {
-                const auto& prev = params_[indices[k - 1]];
-                if (static_cast<const std::byte*>(prev.grad) + prev.count * elem != params_[indices[k]].grad)
-                    return "the gradients of bucket " + std::to_string(b) + " ('" + prev.name + "', '" +
-                           params_[indices[k]].name +
-                           "') are not adjacent in memory, and device gradients cannot be packed yet: give the "
-                           "model one gradient buffer in registration order (gradsync::ContiguousParameters)";
-            }
+            std::vector<Segment> segs;
+            for (auto i : indices) segs.push_back(Segment{params_[i].grad, params_[i].count});
+            if (const auto k = first_gap(segs, plan_.buckets[b].dtype); k != 0)
+                return "the gradients of bucket " + std::to_string(b) + " ('" + params_[indices[k - 1]].name + "', '" +
+                       params_[indices[k]].name +
+                       "') are not adjacent in memory, and without a device memory policy they cannot be packed: "
+                       "pass gradsync::CudaMemory{stream} (cuda/memory.cuh), or give the model one gradient buffer "
+                       "in registration order (gradsync::ContiguousParameters)";
         }
         return {};
     }
@@ -3914,12 +3922,7 @@ private:
             slot.parameters = slot.indices.size();
             pending_[b].store(static_cast<std::int32_t>(slot.indices.size()));
             // Adjacent in memory in that order: the bucket is a view, reduced without copies.
-            bool contiguous = true;
-            const std::size_t elem = size_of(bucket.dtype);
-            for (std::size_t k = 1; k < slot.segments.size(); ++k) {
-                auto* end = static_cast<std::byte*>(slot.segments[k - 1].data) + slot.segments[k - 1].count * elem;
-                contiguous = contiguous && end == slot.segments[k].data;
-            }
+            const bool contiguous = first_gap(slot.segments, bucket.dtype) == 0;
             if (contiguous) slot.view = Segment{slot.segments.front().data, bucket.count};
             slot.wire = bucket.dtype;
             if (compression_type::compresses && bucket.dtype == DType::float32) {

@@ -88,10 +88,8 @@ struct HostMemory {
     // A float16 wire holding an infinity or NaN (a sum that overflowed float16) writes nothing:
     // the gradients stay as they were, and the slot's result is NaN.
     void finalize(const Table& t, const std::byte* src, DType src_type, double factor, std::size_t slot) {
-        std::size_t total_count = 0;
-        for (const auto& s : t.segments) total_count += s.count;
         if (src != nullptr && src_type != t.dtype && src_type == DType::float16 &&
-            !detail::all_finite(reinterpret_cast<const float16*>(src), total_count)) {
+            !detail::all_finite(reinterpret_cast<const float16*>(src), detail::total_count(t.segments))) {
             results_.at(slot) = std::numeric_limits<double>::quiet_NaN();
             return;
         }

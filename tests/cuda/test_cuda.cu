@@ -23,6 +23,7 @@
 #include <cstring>
 #include <numeric>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -48,6 +49,27 @@ struct DeviceArray {
         if (size != 0) GRADSYNC_CUDA_CHECK(cudaMemcpy(host.data(), data, size * sizeof(T), cudaMemcpyDeviceToHost));
         return host;
     }
+};
+
+// A fresh NCCL unique id: each test's communicators of their own.
+ncclUniqueId nccl_id() {
+    ncclUniqueId id{};
+    if (const ncclResult_t r = ncclGetUniqueId(&id); r != ncclSuccess)
+        throw std::runtime_error(std::string("ncclGetUniqueId failed: ") + ncclGetErrorString(r));
+    return id;
+}
+
+// A non-blocking stream, destroyed at the end of its scope once its work is done.
+struct Stream {
+    cudaStream_t s = nullptr;
+    Stream() { GRADSYNC_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
+    Stream(const Stream&) = delete;
+    Stream& operator=(const Stream&) = delete;
+    ~Stream() {
+        cudaStreamSynchronize(s);
+        cudaStreamDestroy(s);
+    }
+    operator cudaStream_t() const { return s; }
 };
 
 // Bitwise equality (NaN payloads, -0.0 and 16-bit values included).
@@ -355,8 +377,7 @@ TEST_SUITE("gpu") {
     }
 
     TEST_CASE("NcclBackend, a world of one: every float dtype on the device, host buffers staged, broadcast") {
-        ncclUniqueId id{};
-        REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
+        const ncclUniqueId id = nccl_id();
         gradsync::NcclBackend<> backend(0, 1, 0, id);
         CHECK(backend.rank() == 0);
         CHECK(backend.size() == 1);
@@ -378,12 +399,10 @@ TEST_SUITE("gpu") {
         DeviceArray<float> data(1 << 20);
         auto handle = backend.allreduce_async(gradsync::Buffer{data.data, data.size, gradsync::DType::float32},
                                               gradsync::ReduceOp::average);
-        cudaStream_t mine = nullptr;
-        GRADSYNC_CUDA_CHECK(cudaStreamCreateWithFlags(&mine, cudaStreamNonBlocking));
+        const Stream mine;
         handle.then(mine);
         GRADSYNC_CUDA_CHECK(cudaStreamSynchronize(mine));
         CHECK(handle.ready());
-        GRADSYNC_CUDA_CHECK(cudaStreamDestroy(mine));
 
         CHECK_THROWS_AS(
             backend.allreduce(gradsync::Buffer{data.data, 1, gradsync::DType::int32}, gradsync::ReduceOp::sum),
@@ -395,10 +414,8 @@ TEST_SUITE("gpu") {
     TEST_CASE(
         "NcclBackend: a collective reduces what the compute stream wrote before it was queued, however "
         "late, and the compute stream's next work sees the result; the host waits for neither") {
-        ncclUniqueId id{};
-        REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
-        cudaStream_t compute = nullptr;
-        GRADSYNC_CUDA_CHECK(cudaStreamCreateWithFlags(&compute, cudaStreamNonBlocking));
+        const ncclUniqueId id = nccl_id();
+        const Stream compute;
         gradsync::NcclBackend<> backend(0, 1, 0, id, gradsync::NcclOptions{.compute_stream = compute});
         constexpr std::size_t n = 1 << 20;
         DeviceArray<float> grad(n);
@@ -414,16 +431,13 @@ TEST_SUITE("gpu") {
         const auto result = grad.download();
         CHECK(std::count(result.begin(), result.end(), 2.0f) == std::ptrdiff_t(n));
         CHECK(handle.ready());
-        GRADSYNC_CUDA_CHECK(cudaStreamDestroy(compute));
     }
 
     TEST_CASE(
         "DataParallel<NcclBackend, CudaMemory>, a world of one: step() unscales on the device and measures "
         "the norm as the host does, names a parameter that overflowed and skips the step, clips") {
-        ncclUniqueId id{};
-        REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
-        cudaStream_t stream = nullptr;
-        GRADSYNC_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+        const ncclUniqueId id = nccl_id();
+        const Stream stream;
         {
             gradsync::NcclBackend<> backend(0, 1, 0, id, gradsync::NcclOptions{.compute_stream = stream});
             ScatteredDeviceModel model;
@@ -469,7 +483,6 @@ TEST_SUITE("gpu") {
                 for (float v : model.grad(i)) squares += double(v) * double(v);
             CHECK(std::sqrt(squares) == doctest::Approx(1.0).epsilon(1e-5));
         }
-        GRADSYNC_CUDA_CHECK(cudaStreamDestroy(stream));
     }
 
     TEST_CASE("CudaLocalBackend: 2 to 4 ranks on one GPU reduce as LocalBackend does, bit for bit, every dtype") {
@@ -531,8 +544,7 @@ TEST_SUITE("gpu") {
             std::vector<double> norms(static_cast<std::size_t>(n));
             gradsync::cuda_local_spawn(n, [&](gradsync::CudaLocalBackend& backend) {
                 const auto r = std::size_t(backend.rank());
-                cudaStream_t stream = nullptr;
-                GRADSYNC_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+                const Stream stream;
                 backend.set_compute_stream(stream);
                 ScatteredDeviceModel model;
                 gradsync::DataParallel dp(model, backend, gradsync::CudaMemory{stream},
@@ -552,7 +564,6 @@ TEST_SUITE("gpu") {
                 }
                 GRADSYNC_CUDA_CHECK(cudaStreamSynchronize(stream));
                 for (std::size_t i = 0; i < model.sizes.size(); ++i) grads[r].push_back(model.grad(i));
-                GRADSYNC_CUDA_CHECK(cudaStreamDestroy(stream));
             });
             // The whole batch's gradient: the mean of (r + 1) g over the ranks, (n + 1) / 2 g.
             const float mean = float(n + 1) / 2.0f;
@@ -578,8 +589,7 @@ TEST_SUITE("gpu") {
             std::vector<std::vector<float>> grads(2);
             gradsync::cuda_local_spawn(2, [&](gradsync::CudaLocalBackend& backend) {
                 const auto r = std::size_t(backend.rank());
-                cudaStream_t stream = nullptr;
-                GRADSYNC_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+                const Stream stream;
                 backend.set_compute_stream(stream);
                 ScatteredDeviceModel model;
                 gradsync::DataParallel dp(model, backend, gradsync::CudaMemory{stream}, compression);
@@ -597,7 +607,6 @@ TEST_SUITE("gpu") {
                         FAIL_CHECK("p2 element ", k, ": ", p2[k]);
                         break;
                     }
-                GRADSYNC_CUDA_CHECK(cudaStreamDestroy(stream));
             });
             CHECK(same_bytes(grads[0], grads[1]));
             return grads[0];
@@ -610,10 +619,8 @@ TEST_SUITE("gpu") {
     }
 
     TEST_CASE("step_on_device: the optimizer's kernel reads the verdict on the device; the host waits for nothing") {
-        ncclUniqueId id{};
-        REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
-        cudaStream_t stream = nullptr;
-        GRADSYNC_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+        const ncclUniqueId id = nccl_id();
+        const Stream stream;
         {
             gradsync::NcclBackend<> backend(0, 1, 0, id, gradsync::NcclOptions{.compute_stream = stream});
             ScatteredDeviceModel model;
@@ -639,15 +646,11 @@ TEST_SUITE("gpu") {
             CHECK(applied.download() == std::vector<int>{1});  // the second step was not finite
             CHECK(model.grad(2).front() == 2.0f);              // the late value, unscaled
         }
-        GRADSYNC_CUDA_CHECK(cudaStreamDestroy(stream));
     }
 
     TEST_CASE("NcclBackend<Ring> and <Tree> join and reduce (NCCL_ALGO set for their initialization)") {
-        ncclUniqueId id{};
-        REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
-        gradsync::NcclBackend<gradsync::nccl::Ring> ring(0, 1, 0, id);
-        REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
-        gradsync::NcclBackend<gradsync::nccl::Tree> tree(0, 1, 0, id);
+        gradsync::NcclBackend<gradsync::nccl::Ring> ring(0, 1, 0, nccl_id());
+        gradsync::NcclBackend<gradsync::nccl::Tree> tree(0, 1, 0, nccl_id());
         float one = 1;
         ring.allreduce(gradsync::Buffer{&one, 1, gradsync::DType::float32}, gradsync::ReduceOp::sum);
         tree.allreduce(gradsync::Buffer{&one, 1, gradsync::DType::float32}, gradsync::ReduceOp::sum);
@@ -686,8 +689,7 @@ TEST_SUITE("gpu") {
     }
 
     TEST_CASE("NcclBackend: a rank that never joins ends the join at the deadline, naming it") {
-        ncclUniqueId id{};
-        REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
+        const ncclUniqueId id = nccl_id();
         const auto began = std::chrono::steady_clock::now();
         std::string what;
         try {
@@ -701,8 +703,7 @@ TEST_SUITE("gpu") {
     }
 
     TEST_CASE("NcclBackend: two ranks on one GPU are refused with NCCL's words, not a hang") {
-        ncclUniqueId id{};
-        REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
+        const ncclUniqueId id = nccl_id();
         std::string errors[2];
         std::vector<std::thread> threads;
         for (int r = 0; r < 2; ++r) {
@@ -725,8 +726,7 @@ TEST_SUITE("gpu") {
     TEST_CASE(
         "DataParallel<NcclBackend>, a world of one: contiguous device gradients synchronize; step() is "
         "refused until the finalize pass runs on the device") {
-        ncclUniqueId id{};
-        REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
+        const ncclUniqueId id = nccl_id();
         gradsync::NcclBackend<> backend(0, 1, 0, id);
         const std::vector<std::size_t> sizes = {300, 7, 4096};
         DeviceArray<float> weights(4403), grads(4403);
@@ -739,8 +739,8 @@ TEST_SUITE("gpu") {
         dp.synchronize();
         CHECK(same_bytes(grads.download(), g));
         CHECK_THROWS_WITH_AS(dp.step([] {}),
-                             doctest::Contains("need the finalize pass over the gradients, which does not run on "
-                                               "device gradients yet"),
+                             doctest::Contains("need the finalize pass over the gradients, which device gradients "
+                                               "get from a device memory policy"),
                              gradsync::Error);
     }
 }

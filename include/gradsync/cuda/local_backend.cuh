@@ -296,18 +296,11 @@ private:
             const std::uint64_t blocks = (first.count + 255) / 256;
             const unsigned grid = blocks < 1024 ? unsigned(blocks) : 1024u;
             const bool average = first.op == ReduceOp::average;
-            auto launch = [&](auto zero) {
-                using T = decltype(zero);
+            gradsync::detail::visit_float_dtype(first.dtype, [&]<class T>(gradsync::detail::type_tag<T>) {
                 using A = cuda::detail::device_accumulator_t<T>;
                 cuda::detail::reduce_ranks_kernel<T>
                     <<<grid, 256, 0, g.stream>>>(ptrs, size(), first.count, average, A(1) / static_cast<A>(size()));
-            };
-            switch (first.dtype) {
-                case DType::float64: launch(double{}); break;
-                case DType::float16: launch(float16{}); break;
-                case DType::bfloat16: launch(bfloat16{}); break;
-                default: launch(float{}); break;
-            }
+            });
             GRADSYNC_CUDA_CHECK(cudaGetLastError());
         } else {
             for (std::size_t r = 0; r < calls.size(); ++r)

@@ -20,6 +20,7 @@
 #include <gradsync/cuda/check.hpp>
 #include <gradsync/cuda/finalize.cuh>
 #include <gradsync/cuda/pack.cuh>
+#include <gradsync/detail/finalize.hpp>  // for visit_float_dtype
 #include <gradsync/detail/policy.hpp>
 #include <gradsync/dtype.hpp>
 #include <gradsync/error.hpp>
@@ -156,18 +157,6 @@ __global__ void verdict_kernel(const double* slots, std::size_t n, StepVerdict* 
     verdict->finite = isfinite(sum) ? 1 : 0;
 }
 
-// Calls f(T{}) with the CUDA-side type of a floating-point dtype.
-template <class F>
-void visit_dtype(DType t, F&& f) {
-    switch (t) {
-        case DType::float32: return f(float{});
-        case DType::float64: return f(double{});
-        case DType::float16: return f(float16{});
-        case DType::bfloat16: return f(bfloat16{});
-        default: throw Error("gradsync: CudaMemory: " + to_string(t) + " gradients are not supported");
-    }
-}
-
 }  // namespace detail
 
 }  // namespace cuda
@@ -295,7 +284,7 @@ public:
         std::vector<double> out(t.host.size());
         if (out.empty()) return out;
         cuda::DeviceBytes sums(out.size() * sizeof(double));
-        cuda::detail::visit_dtype(t.dtype, [&]<class T>(T) {
+        gradsync::detail::visit_float_dtype(t.dtype, [&]<class T>(gradsync::detail::type_tag<T>) {
             cuda::detail::segment_squares_kernel<T><<<unsigned(out.size()), cuda::finalize_threads, 0, stream_>>>(
                 t.entries().data(), reinterpret_cast<double*>(sums.data()));
         });
@@ -330,7 +319,7 @@ private:
     }
 
     void launch_finalize(const Table& t, const std::byte* src, double factor, bool write, double* sum) const {
-        cuda::detail::visit_dtype(t.dtype, [&]<class T>(T) {
+        gradsync::detail::visit_float_dtype(t.dtype, [&]<class T>(gradsync::detail::type_tag<T>) {
             launch_kernel<T, T>(t, reinterpret_cast<const T*>(src), factor, write, nullptr, sum);
         });
     }
