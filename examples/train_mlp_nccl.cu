@@ -6,6 +6,8 @@
 //   train_mlp_nccl                   one process, one thread per visible GPU (nccl_spawn)
 //   torchrun --nproc-per-node=N train_mlp_nccl   one process per GPU, from RANK, WORLD_SIZE,
 //                                    LOCAL_RANK, MASTER_ADDR and MASTER_PORT
+//   train_mlp_nccl --local-ranks N   N ranks (2 to 8) sharing GPU 0, over CudaLocalBackend: the
+//                                    same device path where there is only one GPU
 //
 // Every rank prints a checksum of its parameters at the end: they are the same on every rank.
 #include "mlp.hpp"  // the synthetic data
@@ -14,13 +16,15 @@
 #include <gradsync/backend/nccl_spawn.hpp>
 #include <gradsync/contiguous_parameters.hpp>
 #include <gradsync/cuda/check.hpp>
+#include <gradsync/cuda/local_backend.cuh>
 #include <gradsync/cuda/memory.cuh>
 #include <gradsync/data_parallel.hpp>
 
 #include <cublas_v2.h>
 
 #include <cstdio>
-#include <cstdlib>  // for std::getenv
+#include <cstdlib>  // for std::getenv, std::atoi
+#include <cstring>  // for std::strcmp
 #include <stdexcept>
 #include <vector>
 
@@ -185,8 +189,16 @@ struct Stream {
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
     try {
+        if (argc == 3 && std::strcmp(argv[1], "--local-ranks") == 0) {
+            gradsync::cuda_local_spawn(std::atoi(argv[2]), [](gradsync::CudaLocalBackend& backend) {
+                Stream stream;
+                backend.set_compute_stream(stream.s);
+                train(backend, stream.s);
+            });
+            return 0;
+        }
         // [nccl-launch]
         if (std::getenv("RANK") != nullptr || std::getenv("OMPI_COMM_WORLD_RANK") != nullptr) {
             const auto place = gradsync::nccl_place_from_environment();  // one process per GPU

@@ -3377,6 +3377,7 @@ struct InPlaceBuckets {
 
 
 #include <chrono>
+#include <optional>
 #include <string>
 
 namespace gradsync::inline v0 {
@@ -3401,9 +3402,11 @@ struct Options {
     double clip_norm = 0;
     // Once per synchronize(), with a backend that cannot compare the ranks' collectives as they
     // are issued (MpiBackend, NcclBackend), one small allreduce compares their histories, so that
-    // ranks that launched different buckets fail instead of mixing gradients. On the GPU it is a
-    // host synchronization per step: turn it off once a training program is known to be sound.
-    bool check_histories = true;
+    // ranks that launched different buckets fail instead of mixing gradients. Unset: on where the
+    // host waits for the collectives anyway (MpiBackend), off on a device backend (NcclBackend),
+    // where it would make the host wait for the whole communication stream once per step. true
+    // turns it on there too (a debugging run), false off everywhere.
+    std::optional<bool> check_histories{};
 };
 
 }  // namespace gradsync::inline v0
@@ -3415,6 +3418,7 @@ struct Options {
 #include <cmath>  // for std::sqrt, std::isfinite
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>   // for std::snprintf
 #include <cstdlib>  // for std::getenv
 #include <cstring>  // for std::memset
 #include <exception>
@@ -3803,7 +3807,7 @@ private:
             if (options_.clip_norm > 0) clip();
             sync_buffers(/*at_construction=*/false);
             if constexpr (!CheckedCollectives<BackendT>) {
-                if (options_.check_histories) verify_histories();
+                if (options_.check_histories.value_or(!DeviceBackend<BackendT>)) verify_histories();
             }
             timeline_.span("step", current_step(), -1, step_began_, std::chrono::steady_clock::now());
             if (overlapped) maybe_rebuild();
@@ -3839,6 +3843,7 @@ private:
         if constexpr (gradients_untouchable) {
             if (problem.empty()) problem = device_gradients_problem();
         }
+        if (problem.empty()) problem = stream_problem();
         if (backend_.size() == 1) {
             if (!problem.empty()) throw InvalidModel("gradsync: invalid model on rank 0: " + problem);
         } else {
@@ -3898,6 +3903,27 @@ private:
                        "') are not adjacent in memory, and without a device memory policy they cannot be packed: "
                        "pass gradsync::CudaMemory{stream} (cuda/memory.cuh), or give the model one gradient buffer "
                        "in registration order (gradsync::ContiguousParameters)";
+        }
+        return {};
+    }
+
+    // The memory policy's passes (packing, the finalize pass) and the backend's collectives must
+    // be ordered on one stream: a collective queued after another stream's packing would reduce
+    // what that stream has not written yet.
+    [[nodiscard]] std::string stream_problem() const {
+        if constexpr (requires { backend_.compute_stream() == memory_.stream(); }) {
+            const auto collectives = backend_.compute_stream();
+            const auto passes = memory_.stream();
+            if (!(collectives == passes)) {
+                char text[160];
+                std::snprintf(text, sizeof text,
+                              "the memory policy's stream (%p) is not the backend's compute stream (%p)",
+                              static_cast<const void*>(passes), static_cast<const void*>(collectives));
+                return std::string(text) +
+                       ": the collectives would not wait for the gradients packed and scaled on the other. Give both "
+                       "the stream backward runs on: CudaMemory{stream} and NcclOptions::compute_stream (or the "
+                       "backend's set_compute_stream(stream)) before constructing the DataParallel";
+            }
         }
         return {};
     }

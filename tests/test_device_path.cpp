@@ -46,6 +46,8 @@ public:
     }
     void barrier() { b_.barrier(); }
     void abort(const std::string& reason) { b_.abort(reason); }
+    // The stream collectives are ordered after (a device backend's compute stream).
+    [[nodiscard]] const void* compute_stream() const { return stream; }
 
     void wait_on_device(const gradsync::CollectiveHandle& h) {
         ++device_waits;
@@ -58,15 +60,21 @@ public:
 
     int device_waits = 0;
     mutable int health_checks = 0;
-    std::string failure;  // what throw_if_failed reports, when set
+    std::string failure;           // what throw_if_failed reports, when set
+    const void* stream = nullptr;  // what compute_stream() says
 
 private:
     LocalBackend& b_;
 };
 
-// HostMemory's passes, declared to be device memory, as CudaMemory is.
+// HostMemory's passes, declared to be device memory, as CudaMemory is, with the stream its
+// passes would be queued on.
 struct FakeDeviceMemory : gradsync::HostMemory {
     static constexpr bool on_device = true;
+    FakeDeviceMemory() = default;
+    explicit FakeDeviceMemory(const void* stream) : on_stream(stream) {}
+    [[nodiscard]] const void* stream() const { return on_stream; }
+    const void* on_stream = nullptr;
 };
 
 static_assert(gradsync::DeviceBackend<FakeDeviceBackend>);
@@ -222,6 +230,65 @@ TEST_CASE(
         fake.failure = "gradsync: rank " + std::to_string(b.rank()) + ": the communicator failed";
         CHECK_THROWS_WITH_AS(dp.synchronize(), doctest::Contains("the communicator failed"), gradsync::CollectiveError);
     });
+}
+
+// A device backend that cannot compare tags (as NcclBackend), counting the float64 allreduces
+// that compare the ranks' collective histories.
+struct UncheckedDeviceBackend : FakeDeviceBackend {
+    static constexpr bool checks_tags = false;
+    using FakeDeviceBackend::FakeDeviceBackend;
+    void allreduce(gradsync::Buffer buf, gradsync::ReduceOp op, gradsync::CollectiveTag tag = {}) {
+        histories += buf.dtype == gradsync::DType::float64;
+        FakeDeviceBackend::allreduce(buf, op, tag);
+    }
+    int histories = 0;
+};
+static_assert(!gradsync::CheckedCollectives<UncheckedDeviceBackend>);
+
+TEST_CASE("history check on a device backend: off unless asked for, since it would make the host wait") {
+    std::vector<int> by_default(2), asked(2);
+    gradsync::spawn(2, [&](LocalBackend& b) {
+        const auto r = static_cast<std::size_t>(b.rank());
+        {
+            UncheckedDeviceBackend device(b);
+            ContiguousToy model({10, 20});
+            DataParallel dp(model, device);
+            device.histories = 0;  // construction agreed on the layout
+            dp.synchronize();
+            dp.synchronize();
+            by_default[r] = device.histories;
+        }
+        UncheckedDeviceBackend device(b);
+        ContiguousToy model({10, 20});
+        DataParallel dp(model, device, gradsync::Options{.check_histories = true});
+        device.histories = 0;
+        dp.synchronize();
+        dp.synchronize();
+        asked[r] = device.histories;
+    });
+    CHECK(by_default == std::vector<int>{0, 0});
+    CHECK(asked == std::vector<int>{2, 2});
+}
+
+TEST_CASE("a device memory policy on another stream than the backend's compute stream is refused on every rank") {
+    static int streams[2];
+    auto mismatched = messages_of(2, [](FakeDeviceBackend& b) {
+        b.stream = &streams[0];
+        ContiguousToy model({10, 20});
+        DataParallel dp(model, b, FakeDeviceMemory(b.rank() == 1 ? &streams[1] : &streams[0]));
+    });
+    for (const auto& m : mismatched) {
+        CHECK(m == mismatched[0]);
+        CHECK(m.find("gradsync: invalid model on rank 1: the memory policy's stream (0x") == 0);
+        CHECK(m.find("is not the backend's compute stream (0x") != std::string::npos);
+        CHECK(m.find("CudaMemory{stream} and NcclOptions::compute_stream") != std::string::npos);
+    }
+    auto same = messages_of(2, [](FakeDeviceBackend& b) {
+        b.stream = &streams[1];
+        ContiguousToy model({10, 20});
+        DataParallel dp(model, b, FakeDeviceMemory(&streams[1]));
+    });
+    CHECK(same == std::vector<std::string>(2));
 }
 
 TEST_CASE("step_on_device: the verdict stays where the memory policy keeps it, and the optimizer reads it") {

@@ -25,13 +25,39 @@ struct FakeDevice {
     std::atomic<int> released{0};
     std::string error;  // set before the watchdog looks
     std::atomic<bool> error_set{false};
+    std::atomic<bool> calling{false};        // a test's call is inside run()
+    std::atomic<int> aborts_during_call{0};  // must stay 0: an abort never frees what a call uses
+    std::atomic<int> untargeted_looks{0};    // device callbacks on the watchdog's thread before it chose the GPU
+    std::atomic<int> watchdog_looks{0};
 
     gradsync::detail::WatchedDevice callbacks() {
-        return {.finished = [](void* event) { return static_cast<std::atomic<bool>*>(event)->load(); },
-                .error = [this]() -> std::string { return error_set.load() ? error : std::string(); },
-                .abort = [this] { aborts.fetch_add(1); },
-                .release = [this](void*) { released.fetch_add(1); }};
+        return {.finished =
+                    [this](void* event) {
+                        note_look();
+                        return static_cast<std::atomic<bool>*>(event)->load();
+                    },
+                .error = [this]() -> std::string {
+                    note_look();
+                    return error_set.load() ? error : std::string();
+                },
+                .abort =
+                    [this] {
+                        aborts.fetch_add(1);
+                        if (calling.load()) aborts_during_call.fetch_add(1);
+                    },
+                .release = [this](void*) { released.fetch_add(1); },
+                .enter_thread = [this] { chosen = true; }};
     }
+
+private:
+    static inline thread_local bool chosen = false;  // this thread selected the device
+    void note_look() {
+        if (chosen)
+            watchdog_looks.fetch_add(1);
+        else if (std::this_thread::get_id() != main_thread)
+            untargeted_looks.fetch_add(1);
+    }
+    std::thread::id main_thread = std::this_thread::get_id();
 };
 
 std::shared_ptr<WatchedOp> op(FakeDevice& device, int k, std::chrono::steady_clock::duration within,
@@ -148,6 +174,87 @@ TEST_CASE("watchdog: the first reason wins, abort runs once, whoever fails it fr
     const auto what = error_of(dog, *a);
     CHECK(what.find("gradsync: reason ") == 0);
     CHECK(error_of(dog, *a) == what);
+}
+
+TEST_CASE("watchdog: an abort from another thread ends a call stuck in progress within a second, after it left") {
+    FakeDevice device;
+    Watchdog dog("gradsync: rank 1 of 2 (fake)", device.callbacks(), 5ms);
+    std::thread peer([&] {
+        std::this_thread::sleep_for(100ms);
+        dog.fail("gradsync: rank 1 of 2 (fake): aborted because rank 0 failed");
+    });
+    const auto began = std::chrono::steady_clock::now();
+    std::string what;
+    try {
+        dog.run([&] {
+            device.calling = true;
+            struct Left {
+                FakeDevice& d;
+                ~Left() { d.calling = false; }
+            } left{device};
+            // A non-blocking communicator's "in progress", for ever: only the abort can end it.
+            dog.settle([] { return gradsync::detail::QueueState{}; }, "allreduce", std::chrono::minutes(10));
+        });
+    } catch (const gradsync::CollectiveError& e) {
+        what = e.what();
+    }
+    peer.join();
+    CHECK(what == "gradsync: rank 1 of 2 (fake): aborted because rank 0 failed");
+    CHECK(std::chrono::steady_clock::now() - began < 1s);
+    CHECK(device.aborts.load() == 1);
+    CHECK(device.aborts_during_call.load() == 0);  // after the call had left run()
+}
+
+TEST_CASE("watchdog: a call queued past its deadline, or failing, fails the communicator naming it") {
+    FakeDevice device;
+    Watchdog late("gradsync: rank 0 of 2 (fake)", device.callbacks(), 0ms);
+    CHECK_THROWS_WITH_AS(
+        late.run([&] { late.settle([] { return gradsync::detail::QueueState{}; }, "broadcast", 30ms); }),
+        "gradsync: rank 0 of 2 (fake): queueing broadcast did not finish within 30 ms; the communicator was aborted",
+        gradsync::TimeoutError);
+    CHECK(device.aborts.load() == 1);
+
+    FakeDevice other;
+    Watchdog failing("gradsync: rank 1 of 2 (fake)", other.callbacks(), 0ms);
+    int polls = 0;
+    CHECK_THROWS_WITH_AS(failing.run([&] {
+        failing.settle(
+            [&]() -> gradsync::detail::QueueState {
+                if (++polls < 3) return std::nullopt;
+                return std::string("remote process exited");
+            },
+            "allreduce", std::chrono::minutes(1));
+    }),
+                         "gradsync: rank 1 of 2 (fake): allreduce failed: remote process exited; the communicator "
+                         "was aborted",
+                         gradsync::CollectiveError);
+    CHECK(other.aborts.load() == 1);
+
+    FakeDevice fine;
+    Watchdog settled("gradsync: rank 0 of 1 (fake)", fine.callbacks(), 0ms);
+    polls = 0;
+    settled.run([&] {
+        settled.settle(
+            [&]() -> gradsync::detail::QueueState {
+                return ++polls < 5 ? std::nullopt : std::optional<std::string>("");
+            },
+            "allreduce", std::chrono::minutes(1));
+    });
+    CHECK(polls == 5);
+    CHECK_FALSE(settled.failed());
+}
+
+TEST_CASE("watchdog: its thread selects the device before it looks at it") {
+    FakeDevice device;
+    Watchdog dog("gradsync: rank 0 of 2 (fake)", device.callbacks(), 1ms);
+    auto a = op(device, 0, 10s);
+    dog.run([&] { dog.watch(a); });
+    const auto until = std::chrono::steady_clock::now() + 10s;
+    while (device.watchdog_looks.load() < 3 && std::chrono::steady_clock::now() < until)
+        std::this_thread::sleep_for(1ms);
+    dog.stop();
+    CHECK(device.watchdog_looks.load() >= 3);
+    CHECK(device.untargeted_looks.load() == 0);
 }
 
 TEST_CASE("watchdog: an op without a step or dtype is described by its bytes") {

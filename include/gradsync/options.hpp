@@ -5,6 +5,7 @@
 #include <gradsync/detail/policy.hpp>
 
 #include <chrono>
+#include <optional>
 #include <string>
 
 namespace gradsync::inline v0 {
@@ -29,9 +30,11 @@ struct Options {
     double clip_norm = 0;
     // Once per synchronize(), with a backend that cannot compare the ranks' collectives as they
     // are issued (MpiBackend, NcclBackend), one small allreduce compares their histories, so that
-    // ranks that launched different buckets fail instead of mixing gradients. On the GPU it is a
-    // host synchronization per step: turn it off once a training program is known to be sound.
-    bool check_histories = true;
+    // ranks that launched different buckets fail instead of mixing gradients. Unset: on where the
+    // host waits for the collectives anyway (MpiBackend), off on a device backend (NcclBackend),
+    // where it would make the host wait for the whole communication stream once per step. true
+    // turns it on there too (a debugging run), false off everywhere.
+    std::optional<bool> check_histories{};
 };
 
 }  // namespace gradsync::inline v0

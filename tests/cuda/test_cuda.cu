@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>  // for setenv
 #include <cstring>
 #include <numeric>
 #include <random>
@@ -636,15 +637,19 @@ TEST_SUITE("gpu") {
                 count_if_finite<<<1, 1, 0, stream>>>(verdict, applied.data);
             });
             CHECK(cudaStreamQuery(stream) == cudaErrorNotReady);  // the step is queued, not waited for
-            const float inf = INFINITY;
             GRADSYNC_CUDA_CHECK(cudaStreamSynchronize(stream));
+            CHECK(model.grad(2).front() == 2.0f);  // the late value, unscaled once
+            // A second step on fresh gradients, one of them infinite: not applied, and p2 holds its
+            // own value unscaled (the pass scales in place, so the same data again would halve it).
+            model.fill(2.0f);
+            const float inf = INFINITY;
             GRADSYNC_CUDA_CHECK(cudaMemcpy(model.grads[1], &inf, sizeof inf, cudaMemcpyHostToDevice));
             dp.step_on_device([&](const gradsync::StepVerdict* verdict) {
                 count_if_finite<<<1, 1, 0, stream>>>(verdict, applied.data);
             });
             GRADSYNC_CUDA_CHECK(cudaStreamSynchronize(stream));
             CHECK(applied.download() == std::vector<int>{1});  // the second step was not finite
-            CHECK(model.grad(2).front() == 2.0f);              // the late value, unscaled
+            CHECK(model.grad(2).front() == -8.0f);             // fill(2): (0 - 8) * 2, unscaled by 2
         }
     }
 
@@ -746,6 +751,9 @@ TEST_SUITE("gpu") {
 }
 
 int main(int argc, char** argv) {
+    // Lazily loaded kernels synchronize when first launched; tests check that a stream is still
+    // busy after queueing a step, so every kernel is loaded up front (unless the caller chose).
+    setenv("CUDA_MODULE_LOADING", "EAGER", 0);
     doctest::Context context(argc, argv);
     context.setOption("no-colors", true);
     // The GPU suite without a GPU: skipped, with the reason, before any test runs.

@@ -72,6 +72,18 @@ TEST_CASE("NCCL_ALGO is set while communicators initialize with it, and restored
     ::unsetenv("NCCL_ALGO");
 }
 
+TEST_CASE("NCCL_ALGO that already holds the value is not written (the environment races with NCCL's readers)") {
+    ::setenv("NCCL_ALGO", "allreduce:ring", 1);
+    const char* before = std::getenv("NCCL_ALGO");  // setenv would give the variable new storage
+    {
+        gradsync::detail::ScopedNcclAlgo ring(gradsync::nccl::Ring::allreduce);
+        CHECK(std::getenv("NCCL_ALGO") == before);
+    }
+    CHECK(std::getenv("NCCL_ALGO") == before);
+    CHECK(env_or_none("NCCL_ALGO") == "allreduce:ring");
+    ::unsetenv("NCCL_ALGO");
+}
+
 TEST_CASE("NCCL_ALGO: a communicator of another choice waits until the others have initialized") {
     ::unsetenv("NCCL_ALGO");
     std::atomic<bool> inside{false};

@@ -56,6 +56,19 @@ TEST_CASE("torchrun's variables: the rank, its GPU, and the same id on every ran
     CHECK_FALSE(same(place(elsewhere).id, r0.id));  // another job, another id
 }
 
+TEST_CASE("each rank sees its own GPU through CUDA_VISIBLE_DEVICES: it drives that one, device 0") {
+    auto env = torchrun(3, 1);
+    env["CUDA_VISIBLE_DEVICES"] = "5";
+    const auto p = place(env, 1);
+    CHECK(p.device == 0);
+    CHECK(p.place.local_rank == 1);
+    auto all = torchrun(2, 0);  // every GPU visible to every rank: LOCAL_RANK picks
+    all["CUDA_VISIBLE_DEVICES"] = "4,5";
+    CHECK(place(all, 2).device == 0);
+    all["LOCAL_RANK"] = "1";
+    CHECK(place(all, 2).device == 1);
+}
+
 TEST_CASE("NCCL_COMM_ID, when given, is the address") {
     auto env = torchrun(1, 1);
     env["NCCL_COMM_ID"] = "127.0.0.1:4000";
@@ -84,11 +97,16 @@ TEST_CASE("missing or bad variables, no GPU, and more ranks than GPUs are errors
     CHECK(error_of(bad_port).find("MASTER_PORT=65535 is not a port from 1 to 65534") != std::string::npos);
     CHECK(error_of(torchrun(0, 0), 0) ==
           "gradsync: rank 0 of 4 (RANK/WORLD_SIZE) needs a CUDA device: no CUDA device: cudaErrorNoDevice (no device)");
-    auto shared = torchrun(1, 1);
-    shared["CUDA_VISIBLE_DEVICES"] = "3";
+    auto shared = torchrun(1, 1);  // two local ranks, two GPUs visible to neither: one
     CHECK(error_of(shared, 1) ==
-          "gradsync: rank 1 of 4 (RANK/WORLD_SIZE): 2 ranks on this machine but 1 CUDA device visible "
-          "(CUDA_VISIBLE_DEVICES=3): ranks would share a GPU, which NCCL does not allow. Start one rank per GPU.");
+          "gradsync: rank 1 of 4 (RANK/WORLD_SIZE): 2 ranks on this machine but 1 CUDA device visible: ranks "
+          "would share a GPU, which NCCL does not allow. Start one rank per GPU, or give each rank its own GPU "
+          "through CUDA_VISIBLE_DEVICES.");
+    auto fewer = torchrun(1, 1);  // 2 GPUs visible to each of 4 local ranks
+    fewer["LOCAL_WORLD_SIZE"] = "4";
+    fewer["CUDA_VISIBLE_DEVICES"] = "0,1";
+    CHECK(error_of(fewer, 2).find("4 ranks on this machine but 2 CUDA devices visible (CUDA_VISIBLE_DEVICES=0,1)") !=
+          std::string::npos);
     auto disagree = torchrun(1, 1);
     disagree["OMPI_COMM_WORLD_RANK"] = "2";
     disagree["OMPI_COMM_WORLD_SIZE"] = "4";

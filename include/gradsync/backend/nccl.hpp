@@ -3,8 +3,10 @@
 // stream, and returns at once; its handle completes when the stream has done it. The communicator is non-blocking, and
 // a watchdog aborts it (ncclCommAbort) when a collective misses its deadline or NCCL reports an asynchronous error, so
 // that every pending and later call throws, naming the rank, the operation and NCCL's words, instead of hanging.
-// Buffers in host memory (the library's small control messages: layout agreement, barriers) are staged through device
-// memory. Not included by <gradsync/gradsync.hpp>: needs <nccl.h>, the CUDA runtime and NCCL's library.
+// Buffers in host memory (the library's small control messages: layout agreement, barriers) are staged through a fixed
+// device buffer, piece by piece. Every thread that touches the GPU for this backend (the watchdog's included) selects
+// the rank's device first, so no process creates a context on a GPU it does not drive. Not included by
+// <gradsync/gradsync.hpp>: needs <nccl.h>, the CUDA runtime and NCCL's library.
 //
 //   auto place = gradsync::nccl_place_from_environment();  // torchrun-style variables
 //   gradsync::NcclBackend<> backend(place);
@@ -21,6 +23,8 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <algorithm>  // for std::min
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>  // for std::getenv, setenv, unsetenv
@@ -29,6 +33,7 @@
 #include <mutex>
 #include <optional>
 #include <span>
+#include <stop_token>
 #include <string>
 #include <thread>
 #include <utility>  // for std::exchange
@@ -67,6 +72,10 @@ struct NcclOptions {
     // How often the watchdog thread looks at the pending collectives; zero: no thread, only the
     // waiters look (a rank that never waits then only learns of a hang from its own sync).
     std::chrono::milliseconds watchdog_period{100};
+    // A stop requested through this token aborts the communicator, even while it is joining:
+    // the join and every pending and later collective throw CollectiveError. nccl_spawn uses one
+    // to end every rank at once when one of them fails.
+    std::stop_token stop{};
 };
 
 namespace detail {
@@ -97,8 +106,9 @@ struct NcclAlgoScopes {
     std::mutex mutex;
     std::condition_variable cv;
     int holders = 0;
-    std::optional<std::string> current;  // the value set; none: the user's own environment
+    std::optional<std::string> current;  // the value wanted; none: the user's own environment
     std::optional<std::string> before;   // the user's NCCL_ALGO, to restore
+    bool changed = false;                // NCCL_ALGO was set, and must be restored
 
     static NcclAlgoScopes& instance() {
         static NcclAlgoScopes scopes;
@@ -108,7 +118,11 @@ struct NcclAlgoScopes {
 
 // Sets NCCL_ALGO to `algo` while it lives (null: leaves the user's value), once no communicator
 // of the process is initializing with another value, and restores it after the last scope of
-// this value ends, so that no communicator sees another's choice.
+// this value ends, so that no communicator sees another's choice. Writing the environment races
+// with any thread reading it (NCCL's own threads read it through getenv), so the window is only
+// the communicator's initialization, and nothing is written when NCCL_ALGO already holds the
+// value. The rule for a process: create communicators of different algorithms one after the
+// other, and do not write the environment from other threads meanwhile.
 class ScopedNcclAlgo {
 public:
     explicit ScopedNcclAlgo(const char* algo) {
@@ -119,10 +133,12 @@ public:
         scopes.cv.wait(lock, [&] { return scopes.holders == 0 || scopes.current == wanted; });
         if (scopes.holders == 0) {
             scopes.current = wanted;
-            if (wanted) {
-                scopes.before.reset();
-                if (const char* before = std::getenv("NCCL_ALGO")) scopes.before = before;
+            scopes.changed = false;
+            scopes.before.reset();
+            if (const char* before = std::getenv("NCCL_ALGO")) scopes.before = before;
+            if (wanted && scopes.before != wanted) {
                 if (::setenv("NCCL_ALGO", algo, 1) != 0) throw Error("gradsync: cannot set NCCL_ALGO");
+                scopes.changed = true;
             }
         }
         ++scopes.holders;
@@ -133,12 +149,13 @@ public:
         auto& scopes = NcclAlgoScopes::instance();
         std::lock_guard lock(scopes.mutex);
         if (--scopes.holders != 0) return;
-        if (scopes.current) {
+        if (scopes.changed) {
             if (scopes.before)
                 ::setenv("NCCL_ALGO", scopes.before->c_str(), 1);
             else
                 ::unsetenv("NCCL_ALGO");
         }
+        scopes.changed = false;
         scopes.current.reset();
         scopes.cv.notify_all();
     }
@@ -170,8 +187,8 @@ private:
 class NcclHandle {
 public:
     NcclHandle() = default;  // an already completed no-op
-    NcclHandle(std::shared_ptr<detail::WatchedOp> op, std::shared_ptr<detail::Watchdog> watchdog)
-        : op_(std::move(op)), watchdog_(std::move(watchdog)) {}
+    NcclHandle(std::shared_ptr<detail::WatchedOp> op, std::shared_ptr<detail::Watchdog> watchdog, int device)
+        : op_(std::move(op)), watchdog_(std::move(watchdog)), device_(device) {}
 
     [[nodiscard]] bool ready() const { return !op_ || watchdog_->ready(*op_); }
     void wait() const { (void)wait_until(std::chrono::steady_clock::time_point::max()); }
@@ -187,6 +204,7 @@ public:
     void then(cudaStream_t stream) const {
         if (!op_) return;
         watchdog_->run([&] {
+            detail::DeviceScope scope(device_);
             if (!op_->done.load(std::memory_order_acquire))
                 GRADSYNC_CUDA_CHECK(cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(op_->event), 0));
         });
@@ -195,6 +213,7 @@ public:
 private:
     std::shared_ptr<detail::WatchedOp> op_;
     std::shared_ptr<detail::Watchdog> watchdog_;
+    int device_ = 0;
 };
 
 template <class Algo = nccl::Auto>
@@ -202,6 +221,8 @@ class NcclBackend {
 public:
     using algorithm = Algo;
     static constexpr bool device_memory = true;  // collectives take device (or managed) memory
+    // Host buffers are staged through device memory in pieces of at most this size.
+    static constexpr std::size_t staging_bytes = std::size_t(1) << 20;
 
     // Joins the communicator of `place` (nccl_place_from_environment()): selects its device,
     // creates a non-blocking communicator and waits until every rank has joined, by the
@@ -236,7 +257,14 @@ public:
                 GRADSYNC_CUDA_CHECK(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking));
                 s.own_stream = true;
             }
+            // Allocated once: growing it later would have to wait for the stream.
+            GRADSYNC_CUDA_CHECK(cudaMalloc(&s.scratch, staging_bytes));
+            GRADSYNC_CUDA_CHECK(cudaMallocHost(&s.pinned, staging_bytes));
+            s.watchdog = std::make_shared<detail::Watchdog>(s.who, watched_device(&s));
+            // Abortable from here on, through abort() or the stop token, even while joining.
+            if (options.stop.stop_possible()) s.on_stop.emplace(options.stop, StopRequest{&s});
             join(id);
+            s.watchdog->start(options.watchdog_period);
         } catch (...) {
             try {
                 s.close();  // no destructor runs for a constructor that throws
@@ -244,27 +272,6 @@ public:
             }
             throw;
         }
-        State* raw = state_.get();
-        s.watchdog = std::make_shared<detail::Watchdog>(
-            s.who,
-            detail::WatchedDevice{
-                .finished =
-                    [](void* event) {
-                        const cudaError_t code = cudaEventQuery(static_cast<cudaEvent_t>(event));
-                        if (code == cudaErrorNotReady) return false;
-                        GRADSYNC_CUDA_CHECK(code);
-                        return true;
-                    },
-                .error = [raw]() -> std::string {
-                    ncclResult_t async = ncclSuccess;
-                    const ncclResult_t got = ncclCommGetAsyncError(raw->comm, &async);
-                    if (got != ncclSuccess) return detail::nccl_words(got, raw->comm);
-                    if (async == ncclSuccess || async == ncclInProgress) return {};
-                    return detail::nccl_words(async, raw->comm);
-                },
-                .abort = [raw] { raw->abort_comm(); },
-                .release = [raw](void* event) { raw->events.push_back(static_cast<cudaEvent_t>(event)); }},
-            options.watchdog_period);
     }
 
     NcclBackend(NcclBackend&&) noexcept = default;
@@ -297,8 +304,8 @@ public:
     NcclHandle allreduce_async(Buffer buf, ReduceOp op, CollectiveTag tag = {}) {
         const ncclDataType_t type = reducible_type(buf.dtype, "allreduce");
         const ncclRedOp_t nop = op == ReduceOp::average ? ncclAvg : ncclSum;
-        return queue("allreduce", buf.data, buf.count * size_of(buf.dtype), buf.dtype, tag, [&](void* data, State& s) {
-            return ncclAllReduce(data, data, buf.count, type, nop, s.comm, s.stream);
+        return queue("allreduce", buf.data, buf.count, buf.dtype, tag, [&](void* data, std::size_t count, State& s) {
+            return ncclAllReduce(data, data, count, type, nop, s.comm, s.stream);
         });
     }
     void allreduce(Buffer buf, ReduceOp op, CollectiveTag tag = {}) { allreduce_async(buf, op, tag).wait(); }
@@ -308,13 +315,13 @@ public:
     // reduction. Exact where the factor is a power of two.
     NcclHandle allreduce_scaled_async(Buffer buf, double factor, CollectiveTag tag = {}) {
         const ncclDataType_t type = reducible_type(buf.dtype, "allreduce");
-        return queue("allreduce", buf.data, buf.count * size_of(buf.dtype), buf.dtype, tag, [&](void* data, State& s) {
+        return queue("allreduce", buf.data, buf.count, buf.dtype, tag, [&](void* data, std::size_t count, State& s) {
             ncclRedOp_t op{};
             const auto scalar = scalar_of(buf.dtype, factor);
             ncclResult_t r = ncclRedOpCreatePreMulSum(&op, const_cast<std::byte*>(scalar.data()), type,
                                                       ncclScalarHostImmediate, s.comm);
             if (r != ncclSuccess) return r;
-            r = ncclAllReduce(data, data, buf.count, type, op, s.comm, s.stream);
+            r = ncclAllReduce(data, data, count, type, op, s.comm, s.stream);
             // Allowed as soon as the last call given the operator has returned.
             const ncclResult_t destroyed = ncclRedOpDestroy(op, s.comm);
             return r != ncclSuccess ? r : destroyed;
@@ -324,9 +331,10 @@ public:
     // Copies `root`'s bytes to every rank.
     NcclHandle broadcast_async(std::span<std::byte> bytes, int root, CollectiveTag tag = {}) {
         check_root(root);
-        return queue("broadcast", bytes.data(), bytes.size(), std::nullopt, tag, [&](void* data, State& s) {
-            return ncclBroadcast(data, data, bytes.size(), ncclUint8, root, s.comm, s.stream);
-        });
+        return queue("broadcast", bytes.data(), bytes.size(), std::nullopt, tag,
+                     [&](void* data, std::size_t count, State& s) {
+                         return ncclBroadcast(data, data, count, ncclUint8, root, s.comm, s.stream);
+                     });
     }
     void broadcast(std::span<std::byte> bytes, int root, CollectiveTag tag = {}) {
         broadcast_async(bytes, root, tag).wait();
@@ -350,35 +358,53 @@ public:
     void wait_on_device(const NcclHandle& handle) { handle.then(state_->compute); }
 
     // Fails every pending and later collective of this rank with `reason` and aborts the
-    // communicator, so that this rank stops waiting for its peers. Peers learn of it through
-    // their own deadline or NCCL's error.
+    // communicator, so that this rank stops waiting for its peers; from any thread, at once (a
+    // call that is being queued ends at its next poll and the abort follows). Peers learn of it
+    // through their own deadline or NCCL's error.
     void abort(const std::string& reason) { state_->watchdog->fail(reason); }
 
 private:
+    struct State;
+
+    // The stop token's callback: fails the communicator (aborted at once, or by the call that
+    // is polling it, as it ends).
+    struct StopRequest {
+        State* s;
+        void operator()() const noexcept {
+            try {
+                s->watchdog->fail(s->who + ": stopped through NcclOptions::stop (in nccl_spawn: another rank failed)");
+            } catch (...) {
+            }
+        }
+    };
+
     struct State {
         int rank = 0, size = 1, device = 0;
         std::chrono::milliseconds timeout{};
         std::string who;
         ncclComm_t comm = nullptr;
-        bool comm_alive = false;
+        std::atomic<bool> comm_alive{false};
         cudaStream_t stream = nullptr;
         bool own_stream = false;
         cudaStream_t compute = nullptr;
         cudaEvent_t computed = nullptr;   // recorded on `compute` before each collective
         std::vector<cudaEvent_t> events;  // free ones, under the watchdog's lock
         std::vector<cudaEvent_t> all_events;
-        void* scratch = nullptr;  // device staging for host buffers
-        void* pinned = nullptr;   // host staging the device can copy to without blocking
-        std::size_t staging_bytes = 0;
+        void* scratch = nullptr;  // device staging for host buffers, staging_bytes
+        void* pinned = nullptr;   // host staging the device copies to and from without blocking
+        std::mutex staging;       // one staged collective at a time
         std::shared_ptr<detail::Watchdog> watchdog;
+        std::optional<std::stop_callback<StopRequest>> on_stop;
 
+        // Never while a call uses the communicator: the watchdog's gate, or the calling thread.
         void abort_comm() {
-            if (!comm_alive) return;
-            comm_alive = false;
+            if (!comm_alive.exchange(false)) return;
+            detail::DeviceScope scope(device);
             ncclCommAbort(comm);
         }
 
         void close() {
+            on_stop.reset();  // waits for a stop request in progress
             const bool failed = watchdog && watchdog->failed();
             // Handles that outlive the backend must not reach the communicator or this state.
             if (watchdog) watchdog->close(who + ": the backend was destroyed");
@@ -403,35 +429,66 @@ private:
         }
     };
 
-    // Creates the communicator and waits, by the deadline, until every rank has joined.
+    // The watchdog's view of this rank's GPU and communicator. Each callback selects the rank's
+    // device: it may run on any thread (the watchdog's own, or a waiter's).
+    static detail::WatchedDevice watched_device(State* s) {
+        return detail::WatchedDevice{
+            .finished =
+                [s](void* event) {
+                    detail::DeviceScope scope(s->device);
+                    const cudaError_t code = cudaEventQuery(static_cast<cudaEvent_t>(event));
+                    if (code == cudaErrorNotReady) return false;
+                    GRADSYNC_CUDA_CHECK(code);
+                    return true;
+                },
+            .error = [s]() -> std::string {
+                if (!s->comm_alive) return {};
+                ncclResult_t async = ncclSuccess;
+                const ncclResult_t got = ncclCommGetAsyncError(s->comm, &async);
+                if (got != ncclSuccess) return detail::nccl_words(got, s->comm);
+                if (async == ncclSuccess || async == ncclInProgress) return {};
+                return detail::nccl_words(async, s->comm);
+            },
+            .abort = [s] { s->abort_comm(); },
+            .release = [s](void* event) { s->events.push_back(static_cast<cudaEvent_t>(event)); },
+            .enter_thread = [s] { GRADSYNC_CUDA_CHECK(cudaSetDevice(s->device)); }};
+    }
+
+    // Creates the communicator and waits, by the deadline, until every rank has joined. Inside
+    // the watchdog's gate: an abort (abort(), the stop token) ends the wait at its next poll.
     void join(const ncclUniqueId& id) {
         auto& s = *state_;
-        ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-        config.blocking = 0;  // every call returns at once; we poll, with a deadline
-        detail::ScopedNcclAlgo algo(Algo::allreduce);
-        ncclResult_t r = ncclCommInitRankConfig(&s.comm, s.size, id, s.rank, &config);
-        if (r != ncclSuccess && r != ncclInProgress) throw join_error(r);
-        s.comm_alive = true;
-        const auto deadline = std::chrono::steady_clock::now() + s.timeout;
-        for (;;) {
-            ncclResult_t state = ncclSuccess;
-            r = ncclCommGetAsyncError(s.comm, &state);
-            if (r != ncclSuccess) state = r;
-            if (state == ncclSuccess) return;
-            if (state != ncclInProgress) {
-                auto error = join_error(state);
-                s.abort_comm();
-                throw error;
+        s.watchdog->run([&] {
+            ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+            config.blocking = 0;  // every call returns at once; we poll, with a deadline
+            // NCCL reads NCCL_ALGO while it initializes the communicator: set from here until
+            // every rank has joined, no longer.
+            detail::ScopedNcclAlgo algo(Algo::allreduce);
+            ncclResult_t r = ncclCommInitRankConfig(&s.comm, s.size, id, s.rank, &config);
+            if (r != ncclSuccess && r != ncclInProgress) throw join_error(r);
+            s.comm_alive = true;
+            const auto deadline = std::chrono::steady_clock::now() + s.timeout;
+            for (;;) {
+                ncclResult_t state = ncclSuccess;
+                r = ncclCommGetAsyncError(s.comm, &state);
+                if (r != ncclSuccess) state = r;
+                if (state == ncclSuccess) return;
+                if (state != ncclInProgress) {
+                    auto error = join_error(state);
+                    s.abort_comm();
+                    throw error;
+                }
+                s.watchdog->rethrow_if_failed();  // aborted meanwhile: the gate aborts as this returns
+                if (std::chrono::steady_clock::now() >= deadline) {
+                    s.abort_comm();
+                    throw TimeoutError(s.who + ": the ranks did not all join the NCCL communicator within " +
+                                       std::to_string(s.timeout.count()) +
+                                       " ms; a rank did not start, failed before joining, or was given a different "
+                                       "NCCL_COMM_ID (MASTER_ADDR/MASTER_PORT) or world size");
+                }
+                std::this_thread::sleep_for(std::chrono::milliseconds(1));
             }
-            if (std::chrono::steady_clock::now() >= deadline) {
-                s.abort_comm();
-                throw TimeoutError(s.who + ": the ranks did not all join the NCCL communicator within " +
-                                   std::to_string(s.timeout.count()) +
-                                   " ms; a rank did not start, failed before joining, or was given a different "
-                                   "NCCL_COMM_ID (MASTER_ADDR/MASTER_PORT) or world size");
-            }
-            std::this_thread::sleep_for(std::chrono::milliseconds(1));
-        }
+        });
     }
 
     [[nodiscard]] CollectiveError join_error(ncclResult_t r) const {
@@ -439,8 +496,8 @@ private:
         std::string hint;
         if (r == ncclInvalidUsage)
             hint =
-                ". If two ranks were given the same GPU: start one rank per GPU, each with its own LOCAL_RANK "
-                "(or CUDA_VISIBLE_DEVICES)";
+                ". If two ranks were given the same GPU: start one rank per GPU, each with its own LOCAL_RANK, "
+                "or each with CUDA_VISIBLE_DEVICES naming a different GPU";
         return CollectiveError(s.who + ": joining the NCCL communicator failed: " +
                                detail::nccl_words(r, s.comm_alive ? s.comm : nullptr) + hint);
     }
@@ -472,89 +529,88 @@ private:
     }
 
     // Settles a call on the non-blocking communicator: ncclInProgress means NCCL is still
-    // queueing it (connecting to a peer the first time), and nothing may follow until it is done.
+    // queueing it (from a thread of its own, for every multi-rank collective), and nothing may
+    // follow until it is done. Polls without a lock; an abort request ends the poll.
     void settle(ncclResult_t r, const char* kind) {
+        if (r == ncclSuccess) return;
         auto& s = *state_;
-        const auto deadline = std::chrono::steady_clock::now() + s.timeout;
-        while (r == ncclInProgress) {
-            if (std::chrono::steady_clock::now() >= deadline) {
-                s.watchdog->fail(s.who + ": queueing " + kind + " did not finish within " +
-                                     std::to_string(s.timeout.count()) + " ms; the communicator was aborted",
-                                 true);
-                s.watchdog->rethrow_if_failed();
-            }
-            std::this_thread::yield();
-            ncclResult_t state = ncclSuccess;
-            r = ncclCommGetAsyncError(s.comm, &state);
-            if (r == ncclSuccess) r = state;
-        }
-        if (r != ncclSuccess) {
-            s.watchdog->fail(s.who + ": " + kind + " failed: " + detail::nccl_words(r, s.comm) +
-                             "; the communicator was aborted");
-            s.watchdog->rethrow_if_failed();
-        }
+        s.watchdog->settle(
+            [&]() -> detail::QueueState {
+                if (r == ncclInProgress) {
+                    ncclResult_t state = ncclSuccess;
+                    r = ncclCommGetAsyncError(s.comm, &state);
+                    if (r == ncclSuccess) r = state;
+                }
+                if (r == ncclInProgress) return std::nullopt;
+                if (r == ncclSuccess) return std::string();
+                return detail::nccl_words(r, s.comm);
+            },
+            kind, s.timeout);
     }
 
-    // Queues a collective on `bytes` at `data`, staging it through device memory when it lies in
-    // host memory; `call` issues it on a device pointer.
+    // Queues a collective of `count` elements of `dtype` (bytes when none) at `data`, staging it
+    // through device memory when it lies in host memory; `call(data, count, state)` issues it
+    // on a device pointer.
     template <class Call>
-    NcclHandle queue(const char* kind, void* data, std::size_t bytes, std::optional<DType> dtype, CollectiveTag tag,
+    NcclHandle queue(const char* kind, void* data, std::size_t count, std::optional<DType> dtype, CollectiveTag tag,
                      Call&& call) {
         auto& s = *state_;
-        if (bytes == 0) {
+        const std::size_t unit = dtype ? size_of(*dtype) : 1;
+        if (count == 0) {
             s.watchdog->rethrow_if_failed();
             return NcclHandle{};
         }
         detail::DeviceScope scope(s.device);
-        if (!detail::device_addressable(data)) return staged(kind, data, bytes, dtype, tag, call);
+        if (!detail::device_addressable(data)) return staged(kind, data, count, unit, dtype, tag, call);
         return s.watchdog->run([&] {
             // After what the compute stream was given so far (one event, re-recorded each time:
             // the wait takes the event as it is now).
             GRADSYNC_CUDA_CHECK(cudaEventRecord(s.computed, s.compute));
             GRADSYNC_CUDA_CHECK(cudaStreamWaitEvent(s.stream, s.computed, 0));
-            settle(call(data, s), kind);
-            return track(kind, bytes, dtype, tag);
+            settle(call(data, count, s), kind);
+            return track(kind, count * unit, dtype, tag);
         });
     }
 
-    // Host memory: copied in, reduced on the device, copied out, and waited for here.
+    // Host memory: each piece copied in, reduced on the device, copied out and waited for (by
+    // the collective's deadline, outside the watchdog's gate), through the fixed staging buffers.
     template <class Call>
-    NcclHandle staged(const char* kind, void* data, std::size_t bytes, std::optional<DType> dtype, CollectiveTag tag,
-                      Call& call) {
+    NcclHandle staged(const char* kind, void* data, std::size_t count, std::size_t unit, std::optional<DType> dtype,
+                      CollectiveTag tag, Call& call) {
         auto& s = *state_;
-        auto handle = s.watchdog->run([&] {
-            if (s.staging_bytes < bytes) {
-                // Old staging buffers may still be in use by queued copies: wait for the stream.
-                GRADSYNC_CUDA_CHECK(cudaStreamSynchronize(s.stream));
-                if (s.scratch != nullptr) GRADSYNC_CUDA_CHECK(cudaFree(s.scratch));
-                if (s.pinned != nullptr) GRADSYNC_CUDA_CHECK(cudaFreeHost(s.pinned));
-                s.scratch = s.pinned = nullptr;
-                s.staging_bytes = 0;
-                GRADSYNC_CUDA_CHECK(cudaMalloc(&s.scratch, bytes));
-                GRADSYNC_CUDA_CHECK(cudaMallocHost(&s.pinned, bytes));
-                s.staging_bytes = bytes;
-            }
-            std::memcpy(s.pinned, data, bytes);
-            GRADSYNC_CUDA_CHECK(cudaMemcpyAsync(s.scratch, s.pinned, bytes, cudaMemcpyHostToDevice, s.stream));
-            settle(call(s.scratch, s), kind);
-            GRADSYNC_CUDA_CHECK(cudaMemcpyAsync(s.pinned, s.scratch, bytes, cudaMemcpyDeviceToHost, s.stream));
-            return track(kind, bytes, dtype, tag);
-        });
-        handle.wait();  // by the collective's deadline
-        std::memcpy(data, s.pinned, bytes);
+        std::lock_guard staging(s.staging);
+        auto* host = static_cast<std::byte*>(data);
+        const std::size_t per_piece = staging_bytes / unit;
+        for (std::size_t first = 0; first < count; first += per_piece) {
+            const std::size_t n = std::min(per_piece, count - first);
+            const std::size_t bytes = n * unit;
+            std::byte* at = host + first * unit;
+            auto handle = s.watchdog->run([&] {
+                std::memcpy(s.pinned, at, bytes);
+                GRADSYNC_CUDA_CHECK(cudaMemcpyAsync(s.scratch, s.pinned, bytes, cudaMemcpyHostToDevice, s.stream));
+                settle(call(s.scratch, n, s), kind);
+                GRADSYNC_CUDA_CHECK(cudaMemcpyAsync(s.pinned, s.scratch, bytes, cudaMemcpyDeviceToHost, s.stream));
+                return track(kind, bytes, dtype, tag);
+            });
+            handle.wait();  // by the collective's deadline; the staging buffers are free again after it
+            std::memcpy(at, s.pinned, bytes);
+        }
         return NcclHandle{};
     }
 
-    // Records the completion of what was just queued and hands it to the watchdog (under its lock).
+    // Records the completion of what was just queued and hands it to the watchdog (inside run()).
     NcclHandle track(const char* kind, std::size_t bytes, std::optional<DType> dtype, CollectiveTag tag) {
         auto& s = *state_;
         cudaEvent_t event = nullptr;
-        if (s.events.empty()) {
+        s.watchdog->with_lock([&] {  // the free list is shared with `release`, which runs under that lock
+            if (!s.events.empty()) {
+                event = s.events.back();
+                s.events.pop_back();
+            }
+        });
+        if (event == nullptr) {
             GRADSYNC_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
             s.all_events.push_back(event);
-        } else {
-            event = s.events.back();
-            s.events.pop_back();
         }
         GRADSYNC_CUDA_CHECK(cudaEventRecord(event, s.stream));
         auto op = std::make_shared<detail::WatchedOp>();
@@ -565,7 +621,7 @@ private:
         op->deadline = std::chrono::steady_clock::now() + s.timeout;
         op->event = event;
         s.watchdog->watch(op);
-        return NcclHandle(std::move(op), s.watchdog);
+        return NcclHandle(std::move(op), s.watchdog, s.device);
     }
 
     std::unique_ptr<State> state_;

@@ -1,6 +1,7 @@
 // One process per GPU, from the launcher's variables: which rank this is (process_place():
 // RANK/WORLD_SIZE/LOCAL_RANK as torchrun and paddle.distributed.launch set them, or Open MPI's,
-// PMI's, Slurm's), which GPU it drives (LOCAL_RANK among the visible ones), and NCCL's unique id,
+// PMI's, Slurm's), which GPU it drives (LOCAL_RANK among the visible ones, or the one GPU a rank
+// sees when CUDA_VISIBLE_DEVICES gives each rank its own), and NCCL's unique id,
 // made the same on every rank without any exchange by NCCL's own mechanism: NCCL_COMM_ID names
 // the address rank 0's NCCL listens on, and every rank derives the id from it. Not included by
 // <gradsync/gradsync.hpp>: needs <nccl.h> and the CUDA runtime.
@@ -52,14 +53,20 @@ inline NcclPlace nccl_place_from(EnvLookup lookup, int device_count, const std::
     const std::string who = "gradsync: rank " + std::to_string(p.place.rank) + " of " +
                             std::to_string(p.place.world_size) + " (" + p.place.source + ")";
     if (device_count == 0) throw Error(who + " needs a CUDA device: " + why_none);
-    if (p.place.local_world_size > device_count) {
-        const auto visible = lookup("CUDA_VISIBLE_DEVICES");
+    // LOCAL_RANK among the visible GPUs; or, where every rank sees one GPU of its own through
+    // CUDA_VISIBLE_DEVICES (as Slurm's --gpus-per-task=1 sets it), that one.
+    const auto visible = lookup("CUDA_VISIBLE_DEVICES");
+    if (p.place.local_world_size <= device_count) {
+        p.device = p.place.local_rank;
+    } else if (visible && device_count == 1) {
+        p.device = 0;
+    } else {
         throw Error(who + ": " + std::to_string(p.place.local_world_size) + " ranks on this machine but " +
                     std::to_string(device_count) + " CUDA device" + (device_count == 1 ? "" : "s") + " visible" +
                     (visible ? " (CUDA_VISIBLE_DEVICES=" + *visible + ")" : "") +
-                    ": ranks would share a GPU, which NCCL does not allow. Start one rank per GPU.");
+                    ": ranks would share a GPU, which NCCL does not allow. Start one rank per GPU, or give each "
+                    "rank its own GPU through CUDA_VISIBLE_DEVICES.");
     }
-    p.device = p.place.local_rank;
     p.comm_id = nccl_comm_id(lookup, p.place);
     // NCCL reads NCCL_COMM_ID from the process environment, here and in rank 0's ncclCommInitRank.
     if (!p.comm_id.empty() && ::setenv("NCCL_COMM_ID", p.comm_id.c_str(), 1) != 0)

@@ -8,7 +8,7 @@
 #include <gradsync/detail/first_error.hpp>
 #include <gradsync/error.hpp>
 
-#include <mutex>
+#include <stop_token>
 #include <string>
 #include <thread>
 #include <type_traits>  // for std::is_invocable_v
@@ -20,9 +20,11 @@ namespace gradsync::inline v0 {
 // runs), and joins them.
 // The communicators are created by the threads themselves, each with ncclCommInitRankConfig on
 // one unique id, rather than by ncclCommInitAll, whose communicators are blocking and so could
-// not be aborted by a watchdog. When a rank throws, every other rank's communicator is aborted,
-// so that peers blocked in collectives fail at once; after all threads have ended, the first
-// exception (the cause, not the peers' resulting failures) is rethrown.
+// not be aborted by a watchdog. When a rank throws, every other rank's communicator is aborted
+// (through NcclOptions::stop, so even a rank still joining stops waiting), and peers blocked in
+// collectives fail at once; after all threads have ended, the first exception (the cause, not
+// the peers' resulting failures) is rethrown. A stop requested through options.stop ends every
+// rank the same way.
 template <class Algo = nccl::Auto, class Fn>
 requires std::is_invocable_v < const Fn&, NcclBackend<Algo>
 & > void nccl_spawn(int n, const Fn& fn, NcclOptions options = {}) {
@@ -36,37 +38,27 @@ requires std::is_invocable_v < const Fn&, NcclBackend<Algo>
         throw CollectiveError("gradsync: nccl_spawn: ncclGetUniqueId failed: " + detail::nccl_words(r, nullptr));
 
     detail::FirstError errors;
-    std::mutex mutex;
-    std::vector<NcclBackend<Algo>*> live(static_cast<std::size_t>(n), nullptr);  // under mutex
-    // In a catch handler: keeps the first exception and aborts every live rank, this one included.
-    auto fail_all = [&](int culprit) {
-        const std::string what = errors.keep_current();
-        std::lock_guard lock(mutex);
-        for (auto* backend : live)
-            if (backend != nullptr) backend->abort("gradsync: rank " + std::to_string(culprit) + " threw: " + what);
-    };
+    std::stop_source stop;
+    // The caller's own stop request reaches every rank too.
+    const auto forward = [&stop]() noexcept { stop.request_stop(); };
+    std::stop_callback<decltype(forward)> caller(options.stop, forward);
+    options.stop = stop.get_token();
     std::vector<std::thread> threads;
     threads.reserve(static_cast<std::size_t>(n));
     for (int r = 0; r < n; ++r) {
         threads.emplace_back([&, r] {
             try {
                 NcclBackend<Algo> backend(r, n, r, id, options);
-                auto& slot = live[static_cast<std::size_t>(r)];
-                {
-                    std::lock_guard lock(mutex);
-                    slot = &backend;
-                    if (errors.any())
-                        backend.abort("gradsync: rank " + std::to_string(r) + " joined after another rank failed");
-                }
                 try {
                     fn(backend);
                 } catch (...) {
-                    fail_all(r);  // before the backend is destroyed: its communicator is aborted, not flushed
+                    // Before the backend is destroyed: its communicator is aborted, not flushed.
+                    errors.keep_current();
+                    stop.request_stop();
                 }
-                std::lock_guard lock(mutex);
-                slot = nullptr;
-            } catch (...) {
-                fail_all(r);  // could not join
+            } catch (...) {  // could not join
+                errors.keep_current();
+                stop.request_stop();
             }
         });
     }

@@ -51,7 +51,9 @@ struct RankPointers {
 };
 
 // For every element: the sum over the ranks' buffers in rank order, in the accumulator type,
-// times `factor` when `scaled`, written back to every rank's buffer.
+// times `factor` when `scaled`, written back to every rank's buffer. The loops over the ranks
+// are unrolled to the most there can be, so the pointer table stays in the kernel's parameters
+// instead of being copied to local memory for indexing at run time.
 template <class T>
 __global__ void reduce_ranks_kernel(RankPointers ptrs, int ranks, std::uint64_t n, bool scaled,
                                     device_accumulator_t<T> factor) {
@@ -59,9 +61,13 @@ __global__ void reduce_ranks_kernel(RankPointers ptrs, int ranks, std::uint64_t 
     for (std::uint64_t i = std::uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
          i += std::uint64_t(gridDim.x) * blockDim.x) {
         A sum = widen(static_cast<const T*>(ptrs.at[0])[i]);
-        for (int r = 1; r < ranks; ++r) sum += widen(static_cast<const T*>(ptrs.at[r])[i]);
+#pragma unroll
+        for (int r = 1; r < max_local_ranks; ++r)
+            if (r < ranks) sum += widen(static_cast<const T*>(ptrs.at[r])[i]);
         const T out = narrow<T>(scaled ? sum * factor : sum);
-        for (int r = 0; r < ranks; ++r) static_cast<T*>(ptrs.at[r])[i] = out;
+#pragma unroll
+        for (int r = 0; r < max_local_ranks; ++r)
+            if (r < ranks) static_cast<T*>(ptrs.at[r])[i] = out;
     }
 }
 

@@ -11,7 +11,7 @@
 //
 // Wire compression (NoCompression's float16 and bfloat16 twins) packs and converts in one launch;
 // a float16 sum that overflowed is found on the device and leaves the gradients untouched, so
-// DataParallel can reduce the bucket again in float32. Needs nvcc. Not yet: vectorized loads.
+// DataParallel can reduce the bucket again in float32. Needs nvcc.
 #pragma once
 
 #include <gradsync/backend.hpp>
@@ -91,16 +91,8 @@ __global__ void __launch_bounds__(finalize_threads)
         for_each_piece(table, segments, begin, end,
                        [&](std::size_t s, std::uint64_t in_tensor, std::uint64_t in_bucket, std::uint64_t n) {
                            T* tensor = static_cast<T*>(table[s].data) + in_tensor;
-                           for (std::uint64_t i = threadIdx.x; i < n; i += blockDim.x) {
-                               T written;
-                               if (bucket != nullptr)
-                                   written = narrow<T>(device_accumulator_t<T>(widen(bucket[in_bucket + i])) * factor);
-                               else
-                                   written = write ? narrow<T>(widen(tensor[i]) * factor) : tensor[i];
-                               if (write) tensor[i] = written;
-                               const double w = static_cast<double>(widen(written));
-                               squares += w * w;
-                           }
+                           finalize_range<S, T>(tensor, bucket != nullptr ? bucket + in_bucket : nullptr, n, factor,
+                                                write, threadIdx.x, blockDim.x, squares);
                        });
     }
     sum_over_blocks(squares, block_sums, ticket, sum);

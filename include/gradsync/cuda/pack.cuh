@@ -1,7 +1,7 @@
 // Pack and unpack a whole bucket in one kernel launch, from a device-side table of its tensors
 // (cuda/bucket_table.hpp): many small tensors must not mean many launches. Each block copies one
 // tile of the bucket; a tensor larger than a tile is shared by several blocks; pieces whose two
-// ends are aligned alike move 16 bytes at a time. Needs nvcc.
+// ends are aligned alike move 16 bytes at a time, several per thread in flight. Needs nvcc.
 #pragma once
 
 #include <gradsync/cuda/bucket_table.hpp>
@@ -22,12 +22,15 @@ inline constexpr int pack_threads = 256;
 
 namespace detail {
 
+// Vectors each thread keeps in flight while copying: all loaded before any is stored.
+inline constexpr int copy_unroll = 4;
+
 // Copies n elements from src to dst with the threads of one block: 16 bytes per load and store
 // where both lie alike relative to a 16-byte boundary (a head of single elements takes them
 // there), element by element otherwise. Consecutive threads take consecutive pieces, so both
 // ways stay coalesced.
 template <class T>
-__device__ inline void copy_piece(T* dst, const T* src, std::uint64_t n) {
+__device__ inline void copy_piece(T* __restrict__ dst, const T* __restrict__ src, std::uint64_t n) {
     if constexpr (sizeof(T) < 16) {
         constexpr std::uint64_t per_vector = 16 / sizeof(T);
         const auto d = reinterpret_cast<std::uintptr_t>(dst);
@@ -36,9 +39,22 @@ __device__ inline void copy_piece(T* dst, const T* src, std::uint64_t n) {
             const std::uint64_t head = ((16 - d % 16) % 16) / sizeof(T);
             for (std::uint64_t i = threadIdx.x; i < head; i += blockDim.x) dst[i] = src[i];
             const std::uint64_t vectors = (n - head) / per_vector;
-            auto* vd = reinterpret_cast<uint4*>(dst + head);
-            const auto* vs = reinterpret_cast<const uint4*>(src + head);
-            for (std::uint64_t i = threadIdx.x; i < vectors; i += blockDim.x) vd[i] = vs[i];
+            auto* __restrict__ vd = reinterpret_cast<uint4*>(dst + head);
+            const auto* __restrict__ vs = reinterpret_cast<const uint4*>(src + head);
+            const std::uint64_t threads = blockDim.x;
+            for (std::uint64_t first = threadIdx.x; first < vectors; first += copy_unroll * threads) {
+                uint4 v[copy_unroll];
+#pragma unroll
+                for (int u = 0; u < copy_unroll; ++u) {
+                    const std::uint64_t i = first + std::uint64_t(u) * threads;
+                    if (i < vectors) v[u] = vs[i];
+                }
+#pragma unroll
+                for (int u = 0; u < copy_unroll; ++u) {
+                    const std::uint64_t i = first + std::uint64_t(u) * threads;
+                    if (i < vectors) vd[i] = v[u];
+                }
+            }
             for (std::uint64_t i = head + vectors * per_vector + threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
             return;
         }
