@@ -8,14 +8,14 @@
 // visible GPU (two or more) and over CudaLocalBackend with 2 ranks on one GPU. Without a CUDA
 // device it says so and exits 0. Built and run by bench/gpu-check.sh.
 #include <gradsync/backend/nccl.hpp>
-#include <gradsync/backend/nccl_spawn.hpp>
-#include <gradsync/contiguous_parameters.hpp>
+#include <gradsync/launch/nccl_spawn.hpp>
+#include <gradsync/model/contiguous_parameters.hpp>
 #include <gradsync/cuda/check.hpp>
-#include <gradsync/cuda/local_backend.cuh>
-#include <gradsync/cuda/memory.cuh>
+#include <gradsync/backend/cuda_local.cuh>
+#include <gradsync/memory/cuda.cuh>
 #include <gradsync/data_parallel.hpp>
-#include <gradsync/cuda/finalize.cuh>
-#include <gradsync/cuda/pack.cuh>
+#include <gradsync/memory/cuda/finalize.cuh>
+#include <gradsync/memory/cuda/pack.cuh>
 
 #include "model_layouts.hpp"
 

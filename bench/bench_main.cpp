@@ -1,5 +1,5 @@
 // Runs every benchmark, then prints a summary: each figure beside its ceiling or baseline
-// measured in the same run, their ratio, and the target the issue set for it.
+// measured in the same run, their ratio, and the target set for it.
 #include <benchmark/benchmark.h>
 
 #include "results.hpp"
@@ -163,7 +163,7 @@ void print_summary() {
             *f_in, *f_packed, *h_ms, *b_ms);
     }
 
-    std::printf("\nTargets (issue #2)\n");
+    std::printf("\nTargets: collectives and synchronize()\n");
     std::printf("  %-46s %-12s %-26s %6s   %-9s %s\n", "figure", "measured", "ceiling / baseline", "ratio", "target",
                 "");
     auto ar = seconds("allreduce_2_ranks/bytes:67108864");
@@ -188,7 +188,7 @@ void print_summary() {
         target_row("extra memory ResNet-50 / gradient bytes", gradsync::to_string(it->second.first),
                    "grads " + gradsync::to_string(it->second.second), ratio, "<= 1.00", ratio <= 1.0);
     }
-    std::printf("\nTargets (issue #3)\n");
+    std::printf("\nTargets: overlap and views\n");
     if (worst.ratio > 0) {
         target_row("exposed / last bucket, comm <= compute, worst", fmt("%.2f x", worst.ratio), worst.where,
                    worst.ratio, "<= 1.50", worst.ratio <= 1.5);
@@ -199,7 +199,7 @@ void print_summary() {
         target_row("ResNet-50 synchronize(): pack/unpack / views", fmt("%.2f ms", *view), fmt("copies %.2f ms", *copy),
                    *copy_view, ">= 1.20", *copy_view >= 1.2);
     }
-    std::printf("\nTargets (issue #4)\n");
+    std::printf("\nTargets: mixed precision\n");
     if (fused_bw && copy_bw && fused_ms && unfused_ms) {
         target_row("fused finalize / memcpy, bytes read + written", fmt("%.1f GB/s", *fused_bw),
                    fmt("memcpy %.1f GB/s", *copy_bw), *fused_bw / *copy_bw, ">= 0.80", *fused_bw / *copy_bw >= 0.8);

@@ -2,8 +2,8 @@
 // allocated buffer per tensor (as most frameworks hold them), or one blob for all (as llm.c).
 #pragma once
 
-#include <gradsync/contiguous_parameters.hpp>
-#include <gradsync/model.hpp>
+#include <gradsync/model/contiguous_parameters.hpp>
+#include <gradsync/model/model.hpp>
 
 #include "model_layouts.hpp"
 

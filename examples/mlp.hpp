@@ -3,7 +3,7 @@
 // Weights and gradients are std::vector<float>; parameters() is the one line of gradsync glue.
 #pragma once
 
-#include <gradsync/model.hpp>
+#include <gradsync/model/model.hpp>
 
 #include <algorithm>  // for std::max_element, std::fill
 #include <cmath>

@@ -10,7 +10,7 @@
 //   OMPI_MCA_pmix_server_uri=file:/tmp/ompi.uri torchrun --nproc_per_node 4 --no_python ./train_mlp_mpi
 #include "mlp.hpp"
 #include <gradsync/backend/mpi.hpp>
-#include <gradsync/checkpoint.hpp>
+#include <gradsync/checkpoint/checkpoint.hpp>
 #include <gradsync/gradsync.hpp>
 
 #include <cstdio>

@@ -13,11 +13,11 @@
 #include "mlp.hpp"  // the synthetic data
 
 #include <gradsync/backend/nccl.hpp>
-#include <gradsync/backend/nccl_spawn.hpp>
-#include <gradsync/contiguous_parameters.hpp>
+#include <gradsync/launch/nccl_spawn.hpp>
+#include <gradsync/model/contiguous_parameters.hpp>
 #include <gradsync/cuda/check.hpp>
-#include <gradsync/cuda/local_backend.cuh>
-#include <gradsync/cuda/memory.cuh>
+#include <gradsync/backend/cuda_local.cuh>
+#include <gradsync/memory/cuda.cuh>
 #include <gradsync/data_parallel.hpp>
 
 #include <cublas_v2.h>

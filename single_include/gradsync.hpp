@@ -4,22 +4,18 @@
 
 // ---- begin gradsync/gradsync.hpp ----
 // gradsync: data-parallel training for C++ trainers. This umbrella header includes every public
-// header that needs nothing beyond the C++ standard library.
+// header that needs nothing beyond the C++ standard library, layer by layer (scripts/check_layers.py).
+
+// The vocabulary.
+
+// ---- begin gradsync/buffer.hpp ----
+// The vocabulary of collectives: memory to reduce (a Buffer, or Segments of one dtype), the
+// reduction operator, and the tag that says what a collective is for.
 
 
-// ---- begin gradsync/amp.hpp ----
-// Loss scaling for mixed precision: multiply the loss by dp.loss_scale() before backward, and
-// DataParallel divides the reduced gradients by the same scale in its finalize pass; step()
-// skips the optimizer when a gradient overflowed and tells the scaler either way.
-
-
-// ---- begin gradsync/detail/policy.hpp ----
-// Policy categories and the selection of one policy per category from DataParallel's pack, in
-// any order, each defaulted; two of one category, or a type that is no policy, is a clear error.
-
-
-// ---- begin gradsync/detail/meta.hpp ----
-// Small metaprogramming helpers shared by the public headers. Users never include detail/.
+// ---- begin gradsync/dtype.hpp ----
+// DType: the element type of a parameter or gradient buffer, known at run time, because one
+// model may hold tensors of several types and the backends (NCCL, MPI) take types at run time.
 
 
 // ---- begin gradsync/version.hpp ----
@@ -42,406 +38,6 @@ inline constexpr Version version{GRADSYNC_VERSION_MAJOR, GRADSYNC_VERSION_MINOR,
 
 }  // namespace gradsync::inline v0
 // ---- end gradsync/version.hpp ----
-
-namespace gradsync::inline v0::detail {
-
-// static_assert(false) inside a template, which g++ 12 rejects before instantiation otherwise.
-template <class...>
-inline constexpr bool dependent_false = false;
-
-}  // namespace gradsync::inline v0::detail
-// ---- end gradsync/detail/meta.hpp ----
-
-#include <tuple>
-#include <type_traits>
-
-namespace gradsync::inline v0 {
-
-// A policy type says which category it belongs to with `using policy_category = ...;`.
-namespace policy_category {
-struct bucketer {};     // groups parameters into buckets (bucket.hpp)
-struct memory {};       // where packed bucket buffers live (memory.hpp)
-struct packing {};      // whether gradients are copied into bucket buffers (memory.hpp)
-struct buffers {};      // what happens to non-parameter state such as batch-norm statistics (buffers.hpp)
-struct options {};      // run-time settings (options.hpp)
-struct loss_scaler {};  // mixed-precision loss scaling (amp.hpp)
-struct compression {};  // the dtype gradients travel in (compression.hpp)
-struct lr_rule {};      // the learning rate step() passes to the optimizer (lr.hpp)
-}  // namespace policy_category
-
-namespace detail {
-
-struct no_policy {};
-
-template <class A, class B>
-struct two_policies_of_one_category {
-    static_assert(dependent_false<A, B>,
-                  "gradsync: two policies of the same category were given to DataParallel "
-                  "(both are named in the instantiation note of two_policies_of_one_category); "
-                  "keep one");
-    using type = A;
-};
-
-template <bool Match, class Found, class P>
-struct merge_policy {
-    using type = Found;
-};
-template <class P>
-struct merge_policy<true, no_policy, P> {
-    using type = P;
-};
-template <class Found, class P>
-struct merge_policy<true, Found, P> : two_policies_of_one_category<Found, P> {};
-
-template <class P>
-concept is_policy = requires {
-    typename P::policy_category;
-};
-
-// P's category, or void for a type that is no policy (reported by check_policy).
-template <class P>
-struct category_of {
-    using type = void;
-};
-template <is_policy P>
-struct category_of<P> {
-    using type = typename P::policy_category;
-};
-
-template <class Category, class Found, class... Ps>
-struct find_policy {
-    using type = Found;
-};
-template <class Category, class Found, class P, class... Rest>
-struct find_policy<Category, Found, P, Rest...>
-    : find_policy<Category,
-                  typename merge_policy<std::is_same_v<typename category_of<P>::type, Category>, Found, P>::type,
-                  Rest...> {};
-
-template <class P>
-constexpr bool check_policy() {
-    static_assert(is_policy<P>,
-                  "gradsync: a DataParallel template argument after Model and Backend is not a "
-                  "policy (it has no `policy_category` member type); see detail/policy.hpp");
-    return true;
-}
-
-// The policy of `Category` in Ps..., or Default when there is none.
-template <class Category, class Default, class... Ps>
-using select_policy =
-    std::conditional_t<std::is_same_v<typename find_policy<Category, no_policy, Ps...>::type, no_policy>, Default,
-                       typename find_policy<Category, no_policy, Ps...>::type>;
-
-// The value of the policy of type P from a tuple of given policies, or a default-constructed P.
-template <class P, class... Ps>
-P policy_value(const std::tuple<Ps...>& given) {
-    if constexpr ((std::is_same_v<P, Ps> || ...)) {
-        return std::get<P>(given);
-    } else {
-        return P{};
-    }
-}
-
-}  // namespace detail
-}  // namespace gradsync::inline v0
-// ---- end gradsync/detail/policy.hpp ----
-
-// ---- begin gradsync/error.hpp ----
-// The exceptions gradsync throws. Every message names the rank, the operation and, where there
-// is one, the parameter, and says what to do about it.
-
-
-#include <stdexcept>  // for std::runtime_error
-#include <string>
-
-namespace gradsync::inline v0 {
-
-// Base of every gradsync exception.
-class Error : public std::runtime_error {
-public:
-    using std::runtime_error::runtime_error;
-};
-
-// The model handed to gradsync is unusable: null gradient, unsupported dtype, aliased buffers.
-class InvalidModel : public Error {
-public:
-    using Error::Error;
-};
-
-// Ranks disagree on the model's parameter layout. Thrown on every rank with the same message.
-class LayoutMismatch : public Error {
-public:
-    using Error::Error;
-};
-
-// A collective failed: a peer failed or left, ranks called different collectives, bad arguments.
-class CollectiveError : public Error {
-public:
-    using Error::Error;
-};
-
-// A collective did not complete before its deadline.
-class TimeoutError : public CollectiveError {
-public:
-    using CollectiveError::CollectiveError;
-};
-
-}  // namespace gradsync::inline v0
-// ---- end gradsync/error.hpp ----
-
-#include <algorithm>  // for std::min, std::max
-#include <cstdint>
-#include <string>
-
-namespace gradsync::inline v0 {
-
-// No scaling: the loss is used as it is (float32 training, or bfloat16 with its float range).
-struct NoLossScaling {
-    using policy_category = policy_category::loss_scaler;
-    [[nodiscard]] float scale() const { return 1.0f; }
-    void update(bool /*overflow*/) {}
-};
-
-// A fixed scale, such as PaddlePaddle's GradScaler(init_loss_scaling=1024,
-// use_dynamic_loss_scaling=False). Steps that overflow are still skipped.
-struct StaticLossScale {
-    using policy_category = policy_category::loss_scaler;
-    float value = 1024.0f;
-    [[nodiscard]] float scale() const { return value; }
-    void update(bool /*overflow*/) {}
-};
-
-// The scale grows by growth_factor after growth_interval steps in a row without overflow, and
-// backs off by backoff_factor after backoff_after overflowing steps in a row, within
-// [min_scale, max_scale]. Defaults match PyTorch's GradScaler and PaddlePaddle's (2.5 and later)
-// GradScaler: 65536, x2, x0.5, 2000 steps, backing off at every overflow. Unlike both, the scale
-// is clamped to [1, 2^24] by default, and an overflow at the minimum is not fatal: the step is
-// skipped, the overflowing tensors are reported, and training goes on. backoff_after is
-// PaddlePaddle's decr_every_n_nan_or_inf and DeepSpeed's hysteresis.
-struct DynamicLossScale {
-    using policy_category = policy_category::loss_scaler;
-
-    float init_scale = 65536.0f;
-    float growth_factor = 2.0f;
-    float backoff_factor = 0.5f;
-    std::uint32_t growth_interval = 2000;
-    std::uint32_t backoff_after = 1;
-    float min_scale = 1.0f;
-    float max_scale = 16777216.0f;
-
-    // What a checkpoint saves and restores.
-    struct State {
-        float scale = 0;               // 0: not started, init_scale
-        std::uint32_t good_steps = 0;  // in a row without overflow
-        std::uint32_t bad_steps = 0;   // in a row with overflow
-        friend bool operator==(const State&, const State&) = default;
-    };
-    State state{};
-
-    [[nodiscard]] float scale() const { return state.scale != 0 ? state.scale : clamp(init_scale); }
-
-    void update(bool overflow) {
-        check();
-        state.scale = scale();
-        if (overflow) {
-            state.good_steps = 0;
-            if (++state.bad_steps >= backoff_after) {
-                state.scale = clamp(state.scale * backoff_factor);
-                state.bad_steps = 0;
-            }
-        } else {
-            state.bad_steps = 0;
-            if (++state.good_steps >= growth_interval) {
-                state.scale = clamp(state.scale * growth_factor);
-                state.good_steps = 0;
-            }
-        }
-    }
-
-    [[nodiscard]] bool at_minimum() const { return scale() <= min_scale; }
-
-private:
-    [[nodiscard]] float clamp(float s) const { return std::min(max_scale, std::max(min_scale, s)); }
-    void check() const {
-        if (!(min_scale > 0) || !(max_scale >= min_scale) || !(growth_factor >= 1) || !(backoff_factor > 0) ||
-            !(backoff_factor <= 1) || growth_interval == 0 || backoff_after == 0)
-            throw Error(
-                "gradsync: DynamicLossScale needs 0 < min_scale <= max_scale, growth_factor >= 1, "
-                "0 < backoff_factor <= 1, growth_interval >= 1 and backoff_after >= 1");
-    }
-};
-
-}  // namespace gradsync::inline v0
-// ---- end gradsync/amp.hpp ----
-
-// ---- begin gradsync/backend.hpp ----
-// What a communication backend provides (the Backend concept) and the vocabulary its collectives
-// speak: buffers with a run-time dtype, reduction operators, and handles to wait on.
-
-
-// ---- begin gradsync/bytes.hpp ----
-// Bytes: a typed memory size, so that no size in the API is a bare number whose unit a user
-// must guess. Literals 4_KiB, 25_MiB, 1_GiB live in gradsync::literals.
-
-
-#include <compare>  // for operator<=>
-#include <cstddef>
-#include <cstdint>
-#include <ostream>
-#include <string>
-
-namespace gradsync::inline v0 {
-
-class Bytes {
-public:
-    constexpr Bytes() = default;
-    constexpr explicit Bytes(std::uint64_t count) : count_(count) {}
-
-    [[nodiscard]] constexpr std::uint64_t count() const { return count_; }
-
-    friend constexpr auto operator<=>(Bytes, Bytes) = default;
-    friend constexpr Bytes operator+(Bytes a, Bytes b) { return Bytes{a.count_ + b.count_}; }
-    friend constexpr Bytes operator-(Bytes a, Bytes b) { return Bytes{a.count_ - b.count_}; }
-    friend constexpr Bytes operator*(Bytes a, std::uint64_t k) { return Bytes{a.count_ * k}; }
-    friend constexpr Bytes operator*(std::uint64_t k, Bytes a) { return Bytes{a.count_ * k}; }
-    constexpr Bytes& operator+=(Bytes b) {
-        count_ += b.count_;
-        return *this;
-    }
-
-private:
-    std::uint64_t count_ = 0;
-};
-
-// "1.5 MiB", "512 B": binary units, at most one decimal.
-inline std::string to_string(Bytes b) {
-    static constexpr const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-    auto value = static_cast<double>(b.count());
-    int unit = 0;
-    while (value >= 1024.0 && unit < 4) {
-        value /= 1024.0;
-        ++unit;
-    }
-    // Appends one piece at a time: g++ 12 at -O3 warns (-Wrestrict) on `"." + std::to_string(x)`.
-    std::string text = std::to_string(unit == 0 ? b.count() : static_cast<std::uint64_t>(value * 10.0 + 0.5) / 10);
-    if (unit != 0) {
-        auto tenths = static_cast<std::uint64_t>(value * 10.0 + 0.5) % 10;
-        if (tenths != 0) {
-            text.push_back('.');
-            text.push_back(static_cast<char>('0' + tenths));
-        }
-    }
-    text.push_back(' ');
-    text.append(units[unit]);
-    return text;
-}
-
-inline std::ostream& operator<<(std::ostream& os, Bytes b) { return os << to_string(b); }
-
-namespace literals {
-constexpr Bytes operator""_B(unsigned long long n) { return Bytes{n}; }
-constexpr Bytes operator""_KiB(unsigned long long n) { return Bytes{n << 10}; }
-constexpr Bytes operator""_MiB(unsigned long long n) { return Bytes{n << 20}; }
-constexpr Bytes operator""_GiB(unsigned long long n) { return Bytes{n << 30}; }
-}  // namespace literals
-
-}  // namespace gradsync::inline v0
-// ---- end gradsync/bytes.hpp ----
-
-// ---- begin gradsync/detail/wait.hpp ----
-// Waiting without burning a core and without sleeping through a wake-up: spin briefly (the
-// common case, when the peer is running on another core), then yield, then sleep on a Doorbell.
-
-
-#include <atomic>
-#include <chrono>
-#include <condition_variable>
-#include <cstdint>
-#include <mutex>
-#include <thread>  // for std::this_thread::yield
-
-namespace gradsync::inline v0::detail {
-
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    asm volatile("yield");
-#endif
-}
-
-// Wakes the threads that went to sleep waiting for some shared state to change. Ringing costs a
-// single load when nobody sleeps, so the fast path never enters the kernel.
-class Doorbell {
-public:
-    // Call after publishing the change (with a seq_cst store or read-modify-write).
-    void ring() {
-        if (sleepers_.load(std::memory_order_seq_cst) > 0) {
-            std::lock_guard lock(mutex_);
-            cv_.notify_all();
-        }
-    }
-
-    // Sleeps until `ready()` holds, someone rings, or `slice` passes, whichever is first.
-    template <class Ready>
-    void sleep(Ready&& ready, std::chrono::nanoseconds slice) {
-        std::unique_lock lock(mutex_);
-        sleepers_.fetch_add(1, std::memory_order_seq_cst);
-        if (!ready()) cv_.wait_for(lock, slice);
-        sleepers_.fetch_sub(1, std::memory_order_seq_cst);
-    }
-
-private:
-    std::mutex mutex_;
-    std::condition_variable cv_;
-    std::atomic<int> sleepers_{0};
-};
-
-// How long a waiter spins before yielding and then sleeping.
-struct SpinPolicy {
-    std::uint32_t spins = 1u << 14;  // busy iterations with a pause instruction
-    std::uint32_t yields = 1u << 8;  // sched_yield calls after that
-    std::chrono::nanoseconds sleep_slice = std::chrono::milliseconds(5);
-
-    // Spinning only pays when every waiting thread has a core of its own.
-    static SpinPolicy for_threads(unsigned threads) {
-        SpinPolicy p;
-        unsigned cores = std::thread::hardware_concurrency();
-        if (cores != 0 && threads > cores) {
-            p.spins = 64;
-            p.yields = 64;
-        }
-        return p;
-    }
-};
-
-// Waits until ready() holds. check() runs every few hundred spins and on every wake-up; it throws
-// to end the wait (abort, deadline). Returns as soon as ready() is seen.
-template <class Ready, class Check>
-void wait_until(Ready&& ready, Check&& check, Doorbell& bell, const SpinPolicy& policy) {
-    for (std::uint32_t i = 0; i < policy.spins; ++i) {
-        if (ready()) return;
-        if ((i & 255u) == 255u) check();
-        cpu_relax();
-    }
-    for (std::uint32_t i = 0; i < policy.yields; ++i) {
-        if (ready()) return;
-        check();
-        std::this_thread::yield();
-    }
-    while (!ready()) {
-        check();
-        bell.sleep(ready, policy.sleep_slice);
-    }
-}
-
-}  // namespace gradsync::inline v0::detail
-// ---- end gradsync/detail/wait.hpp ----
-
-// ---- begin gradsync/dtype.hpp ----
-// DType: the element type of a parameter or gradient buffer, known at run time, because one
-// model may hold tensors of several types and the backends (NCCL, MPI) take types at run time.
-
 
 #include <cstddef>
 #include <cstdint>
@@ -521,14 +117,8 @@ inline constexpr DType dtype_of = dtype_traits<std::remove_cv_t<T>>::value;
 }  // namespace gradsync::inline v0
 // ---- end gradsync/dtype.hpp ----
 
-#include <atomic>
-#include <chrono>
-#include <concepts>  // for std::convertible_to
 #include <cstddef>
 #include <cstdint>
-#include <exception>   // for std::exception_ptr
-#include <functional>  // for std::function
-#include <memory>      // for std::shared_ptr
 #include <span>
 #include <string>
 
@@ -572,251 +162,253 @@ struct CollectiveTag {
 
 namespace detail {
 
-// The dtypes the host backends reduce: the floating ones (16-bit accumulated in float).
-inline bool reducible(DType t) {
-    return t == DType::float32 || t == DType::float64 || t == DType::float16 || t == DType::bfloat16;
-}
-
 inline std::size_t total_count(std::span<const Segment> segs) {
     std::size_t n = 0;
     for (const auto& s : segs) n += s.count;
     return n;
 }
 
-// Shared state of one asynchronous operation: set once by the thread that runs it.
-struct Completion {
-    // Waiters spin only where the thread doing the work is sure to have a core of its own.
-    explicit Completion(SpinPolicy waiting = {}) : spin(waiting) {}
-
-    SpinPolicy spin;
-    std::atomic<bool> done{false};
-    std::exception_ptr error;                           // written before `done`, read after it
-    std::chrono::steady_clock::time_point finished_at;  // likewise
-    Doorbell bell;
-
-    void finish(std::exception_ptr e = nullptr) {
-        error = std::move(e);
-        finished_at = std::chrono::steady_clock::now();
-        done.store(true, std::memory_order_seq_cst);
-        bell.ring();
-    }
-    // True when done by `deadline`.
-    bool wait_until(std::chrono::steady_clock::time_point deadline) {
-        struct Expired {};
-        try {
-            detail::wait_until([this] { return done.load(std::memory_order_acquire); },
-                               [deadline] {
-                                   if (std::chrono::steady_clock::now() >= deadline) throw Expired{};
-                               },
-                               bell, spin);
-        } catch (Expired) {
-            return done.load(std::memory_order_acquire);
-        }
-        return true;
-    }
-};
-
 }  // namespace detail
 
-// Handle to an asynchronous collective. wait() returns when it has completed and rethrows its
-// error, if any; every collective ends by its backend's deadline, so wait() cannot hang forever.
-// wait_until() also gives up at a deadline of the caller's. The buffers the collective works on
-// must stay valid, and untouched by the caller, until it has completed.
-class CollectiveHandle {
+}  // namespace gradsync::inline v0
+// ---- end gradsync/buffer.hpp ----
+
+// ---- begin gradsync/bytes.hpp ----
+// Bytes: a typed memory size, so that no size in the API is a bare number whose unit a user
+// must guess. Literals 4_KiB, 25_MiB, 1_GiB live in gradsync::literals.
+
+
+#include <compare>  // for operator<=>
+#include <cstddef>
+#include <cstdint>
+#include <ostream>
+#include <string>
+
+namespace gradsync::inline v0 {
+
+class Bytes {
 public:
-    CollectiveHandle() = default;  // an already completed no-op
-    explicit CollectiveHandle(std::shared_ptr<detail::Completion> state) : state_(std::move(state)) {}
+    constexpr Bytes() = default;
+    constexpr explicit Bytes(std::uint64_t count) : count_(count) {}
 
-    [[nodiscard]] bool ready() const { return !state_ || state_->done.load(std::memory_order_acquire); }
+    [[nodiscard]] constexpr std::uint64_t count() const { return count_; }
 
-    void wait() const { (void)wait_until(std::chrono::steady_clock::time_point::max()); }
-
-    // False when the deadline passed first; otherwise rethrows the collective's error, if any.
-    [[nodiscard]] bool wait_until(std::chrono::steady_clock::time_point deadline) const {
-        if (!state_) return true;
-        if (!state_->wait_until(deadline)) return false;
-        if (state_->error) std::rethrow_exception(state_->error);
-        return true;
-    }
-
-    // When the collective completed (for timelines); only meaningful once ready().
-    [[nodiscard]] std::chrono::steady_clock::time_point finished_at() const {
-        return state_ ? state_->finished_at : std::chrono::steady_clock::time_point{};
+    friend constexpr auto operator<=>(Bytes, Bytes) = default;
+    friend constexpr Bytes operator+(Bytes a, Bytes b) { return Bytes{a.count_ + b.count_}; }
+    friend constexpr Bytes operator-(Bytes a, Bytes b) { return Bytes{a.count_ - b.count_}; }
+    friend constexpr Bytes operator*(Bytes a, std::uint64_t k) { return Bytes{a.count_ * k}; }
+    friend constexpr Bytes operator*(std::uint64_t k, Bytes a) { return Bytes{a.count_ * k}; }
+    constexpr Bytes& operator+=(Bytes b) {
+        count_ += b.count_;
+        return *this;
     }
 
 private:
-    std::shared_ptr<detail::Completion> state_;
+    std::uint64_t count_ = 0;
 };
 
-template <class H>
-concept Waitable = requires(const H& h, std::chrono::steady_clock::time_point deadline) {
-    h.wait();
-    { h.ready() } -> std::convertible_to<bool>;
-    { h.wait_until(deadline) } -> std::convertible_to<bool>;
+// "1.5 MiB", "512 B": binary units, at most one decimal.
+inline std::string to_string(Bytes b) {
+    static constexpr const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+    auto value = static_cast<double>(b.count());
+    int unit = 0;
+    while (value >= 1024.0 && unit < 4) {
+        value /= 1024.0;
+        ++unit;
+    }
+    // Appends one piece at a time: g++ 12 at -O3 warns (-Wrestrict) on `"." + std::to_string(x)`.
+    std::string text = std::to_string(unit == 0 ? b.count() : static_cast<std::uint64_t>(value * 10.0 + 0.5) / 10);
+    if (unit != 0) {
+        auto tenths = static_cast<std::uint64_t>(value * 10.0 + 0.5) % 10;
+        if (tenths != 0) {
+            text.push_back('.');
+            text.push_back(static_cast<char>('0' + tenths));
+        }
+    }
+    text.push_back(' ');
+    text.append(units[unit]);
+    return text;
+}
+
+inline std::ostream& operator<<(std::ostream& os, Bytes b) { return os << to_string(b); }
+
+namespace literals {
+constexpr Bytes operator""_B(unsigned long long n) { return Bytes{n}; }
+constexpr Bytes operator""_KiB(unsigned long long n) { return Bytes{n << 10}; }
+constexpr Bytes operator""_MiB(unsigned long long n) { return Bytes{n << 20}; }
+constexpr Bytes operator""_GiB(unsigned long long n) { return Bytes{n << 30}; }
+}  // namespace literals
+
+}  // namespace gradsync::inline v0
+// ---- end gradsync/bytes.hpp ----
+
+// ---- begin gradsync/environment.hpp ----
+// Where this process stands in a multi-process run: rank, world size, local rank and local world
+// size, read from the variables launchers set (torchrun and paddle.distributed.launch, Open MPI's
+// mpirun, MPICH/PMI, Slurm's srun), with a clear error when they are missing or disagree.
+
+
+// ---- begin gradsync/error.hpp ----
+// The exceptions gradsync throws. Every message names the rank, the operation and, where there
+// is one, the parameter, and says what to do about it.
+
+
+#include <stdexcept>  // for std::runtime_error
+#include <string>
+
+namespace gradsync::inline v0 {
+
+// Base of every gradsync exception.
+class Error : public std::runtime_error {
+public:
+    using std::runtime_error::runtime_error;
 };
 
-// A backend runs collectives among the ranks of one group. Every rank calls the same collectives
-// in the same order; a backend reports a mismatch as an exception rather than hanging.
-template <class B>
-concept Backend = requires(B& b, const B& cb, Buffer buf, ReduceOp op, std::span<std::byte> bytes, int root, DType t) {
-    { cb.rank() } -> std::convertible_to<int>;
-    { cb.size() } -> std::convertible_to<int>;
-    { cb.supports(t) } -> std::convertible_to<bool>;
-    b.allreduce(buf, op);
-    { b.allreduce_async(buf, op) } -> Waitable;
-    b.broadcast(bytes, root);
-    b.barrier();
+// The model handed to gradsync is unusable: null gradient, unsupported dtype, aliased buffers.
+class InvalidModel : public Error {
+public:
+    using Error::Error;
 };
 
-// A backend that reduces gradients where they lie, over a list of segments, so DataParallel
-// needs no bucket buffer and no pack or unpack copy (LocalBackend, in shared memory).
-template <class B>
-concept ScatteredAllreduce = Backend<B> && requires(B& b, std::span<const Segment> segs, DType t, ReduceOp op) {
-    b.allreduce(segs, t, op);
-    { b.allreduce_async(segs, t, op) } -> Waitable;
+// Ranks disagree on the model's parameter layout. Thrown on every rank with the same message.
+class LayoutMismatch : public Error {
+public:
+    using Error::Error;
 };
 
-// Optional capabilities DataParallel uses when a backend has them.
-
-// Collectives that carry a CollectiveTag (to name them in errors, and to check them).
-template <class B>
-concept TaggedCollectives = Backend<B> &&
-    requires(B& b, Buffer buf, std::span<const Segment> segs, DType t, ReduceOp op, CollectiveTag tag) {
-    { b.allreduce_async(buf, op, tag) } -> Waitable;
+// A collective failed: a peer failed or left, ranks called different collectives, bad arguments.
+class CollectiveError : public Error {
+public:
+    using Error::Error;
 };
 
-// ...and checked against the other ranks' tags at every call (`static constexpr bool
-// checks_tags = true`), so that DataParallel needs no per-step history check of its own.
-template <class B>
-concept CheckedCollectives = TaggedCollectives<B> && requires {
-    requires B::checks_tags;
-};
-
-// A backend whose collectives take device memory (`static constexpr bool device_memory = true`,
-// NcclBackend): DataParallel's gradients must then lie on the device.
-template <class B>
-concept DeviceBackend = Backend<B> && requires {
-    requires B::device_memory;
-};
-
-// abort(reason): every pending and future collective of every rank fails with `reason`, so that
-// a failure on one rank reaches the others at once rather than at their deadline.
-template <class B>
-concept Abortable = Backend<B> && requires(B& b, const std::string& reason) {
-    b.abort(reason);
-};
-
-// Each rank can leave reporters that say where it stands; the backend quotes them when one of
-// this rank's collectives misses its deadline (MpiBackend).
-template <class B>
-concept StatusReporting = Backend<B> && requires(B& b, std::function<std::string()> reporter, std::uint64_t id) {
-    { b.add_status_reporter(reporter) } -> std::convertible_to<std::uint64_t>;
-    b.remove_status_reporter(id);
-};
-
-// ...and peers can call them, without a collective, when they need to say why this rank is late
-// (LocalBackend: shared memory).
-template <class B>
-concept PeerStatus = StatusReporting<B> && requires(const B& cb, int rank) {
-    { cb.peer_status(rank) } -> std::convertible_to<std::string>;
-    { cb.peer_collectives(rank) } -> std::convertible_to<std::uint64_t>;  // how many it has entered
+// A collective did not complete before its deadline.
+class TimeoutError : public CollectiveError {
+public:
+    using CollectiveError::CollectiveError;
 };
 
 namespace detail {
 
-template <class B>
-constexpr bool check_backend() {
-    if constexpr (!Backend<B>) {
-        static_assert(
-            requires(const B& b) {
-                { b.rank() } -> std::convertible_to<int>;
-            },
-            "gradsync: a Backend needs `int rank() const`");
-        static_assert(
-            requires(const B& b) {
-                { b.size() } -> std::convertible_to<int>;
-            },
-            "gradsync: a Backend needs `int size() const`");
-        static_assert(
-            requires(const B& b, DType t) {
-                { b.supports(t) } -> std::convertible_to<bool>;
-            },
-            "gradsync: a Backend needs `bool supports(gradsync::DType) const`");
-        static_assert(
-            requires(B & b, Buffer buf, ReduceOp op) { b.allreduce(buf, op); },
-            "gradsync: a Backend needs `void allreduce(gradsync::Buffer, gradsync::ReduceOp)`");
-        static_assert(
-            requires(B & b, Buffer buf, ReduceOp op) {
-                { b.allreduce_async(buf, op) } -> Waitable;
-            },
-            "gradsync: a Backend needs `Handle allreduce_async(gradsync::Buffer, gradsync::ReduceOp)` "
-            "returning a handle with `void wait() const`, `bool ready() const` and "
-            "`bool wait_until(std::chrono::steady_clock::time_point) const`");
-        static_assert(
-            requires(B & b, std::span<std::byte> bytes, int root) { b.broadcast(bytes, root); },
-            "gradsync: a Backend needs `void broadcast(std::span<std::byte>, int root)`");
-        static_assert(
-            requires(B & b) { b.barrier(); }, "gradsync: a Backend needs `void barrier()`");
-    }
-    return Backend<B>;
+// How every message about one rank begins: "gradsync: rank 3".
+inline std::string rank_prefix(int rank) { return "gradsync: rank " + std::to_string(rank); }
+
+// ...and with its group and where it runs: "gradsync: rank 3 of 4 (NCCL, GPU 3)".
+inline std::string rank_prefix(int rank, int size, const std::string& where = {}) {
+    return rank_prefix(rank) + " of " + std::to_string(size) + (where.empty() ? "" : " (" + where + ")");
 }
 
 }  // namespace detail
 
 }  // namespace gradsync::inline v0
-// ---- end gradsync/backend.hpp ----
+// ---- end gradsync/error.hpp ----
 
-// ---- begin gradsync/backend/local.hpp ----
-// LocalBackend: ranks are threads of one process and collectives run in shared memory. A group
-// of N yields N rank handles; each is driven by one thread (spawn.hpp does this for you).
+#include <cstdlib>  // for std::getenv
+#include <optional>
+#include <string>
+#include <vector>
 
+namespace gradsync::inline v0 {
 
-// ---- begin gradsync/detail/aligned_bytes.hpp ----
-// AlignedBytes: an owning, cache-line aligned byte buffer whose pages are touched at allocation,
-// so the first training step does not pay for page faults.
+struct ProcessPlace {
+    int rank = 0;
+    int world_size = 1;
+    int local_rank = 0;
+    int local_world_size = 1;
+    std::string source;  // which launcher's variables said so, e.g. "RANK/WORLD_SIZE"
 
-
-#include <cstddef>
-#include <cstdlib>  // for std::aligned_alloc, std::free
-#include <cstring>  // for std::memset
-#include <memory>   // for std::unique_ptr
-#include <new>      // for std::bad_alloc
-
-namespace gradsync::inline v0::detail {
-
-inline constexpr std::size_t cache_line = 64;
-
-class AlignedBytes {
-public:
-    AlignedBytes() = default;
-    explicit AlignedBytes(std::size_t size) : size_(size) {
-        if (size == 0) return;
-        std::size_t rounded = (size + cache_line - 1) / cache_line * cache_line;
-        void* p = std::aligned_alloc(cache_line, rounded);
-        if (p == nullptr) throw std::bad_alloc();
-        std::memset(p, 0, rounded);  // touch every page now
-        data_.reset(static_cast<std::byte*>(p));
-    }
-
-    [[nodiscard]] std::byte* data() const { return data_.get(); }
-    [[nodiscard]] std::size_t size() const { return size_; }
-
-private:
-    struct Free {
-        void operator()(std::byte* p) const { std::free(p); }
-    };
-    std::unique_ptr<std::byte, Free> data_;
-    std::size_t size_ = 0;
+    friend bool operator==(const ProcessPlace&, const ProcessPlace&) = default;
 };
 
-}  // namespace gradsync::inline v0::detail
-// ---- end gradsync/detail/aligned_bytes.hpp ----
+namespace detail {
 
-// ---- begin gradsync/detail/host_reduce.hpp ----
-// Host reduction loops. Written as fixed-width inner loops over restrict pointers so that g++
-// vectorizes them at -O2 as well as -O3; the sum order is always rank 0, 1, 2, ... so every
-// algorithm and every rank produces bitwise identical results.
+// Reads an environment variable; `lookup` is swappable so that tests need not touch the process's.
+using EnvLookup = std::optional<std::string> (*)(const char*);
 
+inline std::optional<std::string> real_env(const char* name) {
+    const char* v = std::getenv(name);
+    if (v == nullptr) return std::nullopt;
+    return std::string(v);
+}
+
+inline int parse_count(const char* name, const std::string& text) {
+    std::size_t used = 0;
+    long value = -1;
+    try {
+        value = std::stol(text, &used);
+    } catch (...) {
+        used = 0;
+    }
+    if (used != text.size() || text.empty() || value < 0 || value > 1'000'000)
+        throw Error("gradsync: environment variable " + std::string(name) + "='" + text +
+                    "' is not a non-negative whole number");
+    return static_cast<int>(value);
+}
+
+struct Scheme {
+    const char* rank;
+    const char* size;
+    const char* local_rank;
+    const char* local_size;
+};
+
+// In order of preference: the explicit torchrun/Paddle variables, then what each launcher sets.
+inline constexpr Scheme schemes[] = {
+    {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"},
+    {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"},
+    {"PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"},
+    {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", nullptr},
+};
+
+inline ProcessPlace place_from(EnvLookup lookup) {
+    std::vector<ProcessPlace> found;
+    for (const auto& s : schemes) {
+        auto rank = lookup(s.rank);
+        auto size = lookup(s.size);
+        if (!rank && !size) continue;
+        const std::string source = std::string(s.rank) + "/" + s.size;
+        if (!rank || !size)
+            throw Error("gradsync: " + std::string(rank ? s.rank : s.size) + " is set but " +
+                        std::string(rank ? s.size : s.rank) + " is not; a launcher sets both");
+        ProcessPlace p;
+        p.source = source;
+        p.rank = parse_count(s.rank, *rank);
+        p.world_size = parse_count(s.size, *size);
+        if (p.world_size < 1 || p.rank >= p.world_size)
+            throw Error("gradsync: " + std::string(s.rank) + "=" + std::to_string(p.rank) + " is not a rank of " +
+                        s.size + "=" + std::to_string(p.world_size));
+        // Without local variables: one process per machine, as far as anyone said.
+        p.local_rank = 0;
+        if (auto lr = lookup(s.local_rank)) p.local_rank = parse_count(s.local_rank, *lr);
+        p.local_world_size = p.local_rank + 1;
+        if (s.local_size != nullptr) {
+            if (auto ls = lookup(s.local_size)) p.local_world_size = parse_count(s.local_size, *ls);
+        }
+        if (p.local_rank >= p.local_world_size)
+            throw Error("gradsync: local rank " + std::to_string(p.local_rank) + " from " + s.local_rank +
+                        " is not below the local world size " + std::to_string(p.local_world_size));
+        found.push_back(p);
+    }
+    if (found.empty()) return ProcessPlace{0, 1, 0, 1, "no launcher variables: a single process"};
+    for (std::size_t i = 1; i < found.size(); ++i) {
+        if (found[i].rank != found[0].rank || found[i].world_size != found[0].world_size)
+            throw Error("gradsync: the launchers' variables disagree: " + found[0].source + " say rank " +
+                        std::to_string(found[0].rank) + " of " + std::to_string(found[0].world_size) + ", " +
+                        found[i].source + " say rank " + std::to_string(found[i].rank) + " of " +
+                        std::to_string(found[i].world_size));
+    }
+    return found[0];
+}
+
+}  // namespace detail
+
+// This process's place, from the environment the launcher left. A process started without a
+// launcher is rank 0 of 1. Throws when the variables are malformed, incomplete or contradict
+// each other.
+inline ProcessPlace process_place() { return detail::place_from(detail::real_env); }
+
+}  // namespace gradsync::inline v0
+// ---- end gradsync/environment.hpp ----
 
 // ---- begin gradsync/half.hpp ----
 // float16 and bfloat16: portable 16-bit floating-point storage types for the host, with
@@ -981,928 +573,126 @@ struct dtype_traits<bfloat16> {
 
 }  // namespace gradsync::inline v0
 // ---- end gradsync/half.hpp ----
+// Model access.
 
-#include <algorithm>  // for std::min
-#include <cstddef>
-#include <cstring>      // for std::memcpy
-#include <type_traits>  // for std::is_same_v
+// ---- begin gradsync/model/buffers.hpp ----
+// Model buffers: non-parameter state such as batch-norm running statistics, listed through the
+// customization point gradsync::buffers(model), and the policies that keep them in step.
+
+
+// ---- begin gradsync/detail/policy.hpp ----
+// Policy categories and the selection of one policy per category from DataParallel's pack, in
+// any order, each defaulted; two of one category, or a type that is no policy, is a clear error.
+
+
+// ---- begin gradsync/detail/meta.hpp ----
+// Small metaprogramming helpers shared by the public headers. Users never include detail/.
+
 
 namespace gradsync::inline v0::detail {
 
-inline constexpr std::size_t reduce_block_bytes = 8192;  // one block of every input fits in L1
-inline constexpr std::size_t simd_width = 16;
-
-template <class T>
-inline void add_two(T* __restrict out, const T* __restrict a, const T* __restrict b, std::size_t n) {
-    const std::size_t full = n - n % simd_width;
-    std::size_t i = 0;
-    for (; i < full; i += simd_width)
-        for (std::size_t j = 0; j < simd_width; ++j) out[i + j] = a[i + j] + b[i + j];
-    for (; i < n; ++i) out[i] = a[i] + b[i];
-}
-
-template <class T>
-inline void add_into(T* __restrict out, const T* __restrict a, std::size_t n) {
-    const std::size_t full = n - n % simd_width;
-    std::size_t i = 0;
-    for (; i < full; i += simd_width)
-        for (std::size_t j = 0; j < simd_width; ++j) out[i + j] += a[i + j];
-    for (; i < n; ++i) out[i] += a[i];
-}
-
-template <class T>
-inline void scale_in_place(T* __restrict out, T factor, std::size_t n) {
-    const std::size_t full = n - n % simd_width;
-    std::size_t i = 0;
-    for (; i < full; i += simd_width)
-        for (std::size_t j = 0; j < simd_width; ++j) out[i + j] *= factor;
-    for (; i < n; ++i) out[i] *= factor;
-}
-
-// What a storage type is summed in: itself, or float for the 16-bit types.
-template <class S>
-struct accumulator {
-    using type = S;
-};
-template <>
-struct accumulator<float16> {
-    using type = float;
-};
-template <>
-struct accumulator<bfloat16> {
-    using type = float;
-};
-template <class S>
-using accumulator_t = typename accumulator<S>::type;
-
-// For every i < n: the sum of inputs[0..n_in)[i] in rank order, in the accumulator type, times
-// `factor` when `scaled`, written to every outputs[0..n_out)[i]. Outputs may alias inputs: each
-// block is read in full into `scratch` (reduce_block_bytes, aligned) before any of it is written.
-template <class S>
-void reduce_to_all(S* const* inputs, int n_in, S* const* outputs, int n_out, std::size_t n, bool scaled,
-                   accumulator_t<S> factor, void* scratch) {
-    using A = accumulator_t<S>;
-    if constexpr (std::is_same_v<S, A>) {
-        constexpr std::size_t block = reduce_block_bytes / sizeof(S);
-        auto* tmp = static_cast<S*>(scratch);
-        for (std::size_t off = 0; off < n; off += block) {
-            std::size_t k = std::min(block, n - off);
-            if (n_in == 1) {
-                std::memcpy(tmp, inputs[0] + off, k * sizeof(S));
-            } else {
-                add_two(tmp, inputs[0] + off, inputs[1] + off, k);
-                for (int s = 2; s < n_in; ++s) add_into(tmp, inputs[s] + off, k);
-            }
-            if (scaled) scale_in_place(tmp, factor, k);
-            for (int o = 0; o < n_out; ++o) std::memcpy(outputs[o] + off, tmp, k * sizeof(S));
-        }
-    } else {
-        // Widen into A, sum there, narrow once (rounding to nearest even), copy to every output.
-        constexpr std::size_t block = reduce_block_bytes / (2 * sizeof(A) + sizeof(S)) / simd_width * simd_width;
-        auto* acc = static_cast<A*>(scratch);
-        auto* wide = acc + block;
-        auto* narrowed = reinterpret_cast<S*>(wide + block);
-        for (std::size_t off = 0; off < n; off += block) {
-            std::size_t k = std::min(block, n - off);
-            widen_to_float(inputs[0] + off, acc, k);
-            for (int s = 1; s < n_in; ++s) {
-                widen_to_float(inputs[s] + off, wide, k);
-                add_into(acc, wide, k);
-            }
-            if (scaled) scale_in_place(acc, factor, k);
-            narrow_from_float(acc, narrowed, k);
-            for (int o = 0; o < n_out; ++o) std::memcpy(outputs[o] + off, narrowed, k * sizeof(S));
-        }
-    }
-}
+// static_assert(false) inside a template, which g++ 12 rejects before instantiation otherwise.
+template <class...>
+inline constexpr bool dependent_false = false;
 
 }  // namespace gradsync::inline v0::detail
-// ---- end gradsync/detail/host_reduce.hpp ----
+// ---- end gradsync/detail/meta.hpp ----
 
-// ---- begin gradsync/detail/async_collectives.hpp ----
-// AsyncCollectives: a rank's asynchronous collectives, run in launch order on a progress thread
-// started at the first launch. Synchronous collectives call wait_for_all() first, so that a
-// rank's collectives keep one order whichever thread runs them. Shared by the host backends.
-
-
-// ---- begin gradsync/detail/progress_thread.hpp ----
-// ProgressThread: runs a rank's asynchronous collectives, in launch order, on a thread of its
-// own, so that the caller returns to backward while they progress.
-
-
-#include <condition_variable>
-#include <deque>
-#include <functional>  // for std::function
-#include <mutex>
-#include <thread>
-#include <utility>  // for std::move
-
-namespace gradsync::inline v0::detail {
-
-class ProgressThread {
-public:
-    ProgressThread() : thread_([this] { run(); }) {}
-    ProgressThread(const ProgressThread&) = delete;
-    ProgressThread& operator=(const ProgressThread&) = delete;
-    ~ProgressThread() {
-        {
-            std::lock_guard lock(mutex_);
-            stop_ = true;
-        }
-        cv_.notify_one();
-        thread_.join();  // after the queue is drained
-    }
-
-    void post(std::function<void()> task) {
-        {
-            std::lock_guard lock(mutex_);
-            queue_.push_back(std::move(task));
-        }
-        cv_.notify_one();
-    }
-
-private:
-    void run() {
-        std::unique_lock lock(mutex_);
-        for (;;) {
-            cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
-            if (queue_.empty()) return;  // stop_ and nothing left
-            auto task = std::move(queue_.front());
-            queue_.pop_front();
-            lock.unlock();
-            task();
-            lock.lock();
-        }
-    }
-
-    std::mutex mutex_;
-    std::condition_variable cv_;
-    std::deque<std::function<void()>> queue_;
-    bool stop_ = false;
-    std::thread thread_;  // last: starts after the members it uses
-};
-
-}  // namespace gradsync::inline v0::detail
-// ---- end gradsync/detail/progress_thread.hpp ----
-
-#include <chrono>
-#include <exception>
-#include <memory>
-#include <utility>  // for std::move
-
-namespace gradsync::inline v0::detail {
-
-class AsyncCollectives {
-public:
-    // Runs `body` on the progress thread after every earlier launch; `done` finishes with its
-    // outcome (the exception it threw, if any).
-    template <class F>
-    void launch(F body, std::shared_ptr<Completion> done) {
-        if (!thread_) thread_ = std::make_unique<ProgressThread>();
-        thread_->post([body = std::move(body), done]() mutable {
-            try {
-                body();
-                done->finish();
-            } catch (...) {
-                done->finish(std::current_exception());
-            }
-        });
-        last_ = std::move(done);
-    }
-
-    // Waits until every launched collective has finished (each ends by its own deadline).
-    void wait_for_all() {
-        if (!last_) return;
-        last_->wait_until(std::chrono::steady_clock::time_point::max());
-        last_.reset();
-    }
-
-    // Drains the queue and stops the thread.
-    void stop() {
-        thread_.reset();
-        last_.reset();
-    }
-
-private:
-    std::unique_ptr<ProgressThread> thread_;
-    std::shared_ptr<Completion> last_;
-};
-
-}  // namespace gradsync::inline v0::detail
-// ---- end gradsync/detail/async_collectives.hpp ----
-
-#include <algorithm>  // for std::min
-#include <atomic>
-#include <chrono>
-#include <condition_variable>
-#include <cstddef>
-#include <cstdint>
-#include <cstring>  // for std::memcpy
-#include <deque>
-#include <exception>   // for std::exception_ptr, std::current_exception
-#include <functional>  // for std::function
-#include <limits>      // for std::numeric_limits
-#include <memory>
-#include <mutex>
-#include <optional>
-#include <span>
-#include <string>
-#include <thread>
-#include <type_traits>  // for std::is_trivially_copyable_v
-#include <utility>      // for std::move, std::exchange
-#include <vector>
+#include <tuple>
+#include <type_traits>
 
 namespace gradsync::inline v0 {
 
-// How a LocalBackend group reduces. Both algorithms sum in rank order, so they give bitwise
-// identical results and `automatic` may switch between them by size without changing numbers.
-enum class LocalAlgorithm : std::uint8_t {
-    // one_shot for messages up to LocalGroupOptions::one_shot_max, reduce_scatter_all_gather above.
-    automatic,
-    // Latency-optimal: every rank copies its input to a staging slot, one barrier, and every rank
-    // sums all slots into its own buffer. One synchronization; each rank reads n times the bytes.
-    one_shot,
-    // Bandwidth-optimal: rank r owns 1/n of the elements, sums them from every rank's buffer and
-    // writes the result straight into every rank's buffer (reduce-scatter and all-gather fused,
-    // which shared memory allows): each rank reads and writes each of its bytes once.
-    reduce_scatter_all_gather,
-};
-
-struct LocalGroupOptions {
-    LocalAlgorithm algorithm = LocalAlgorithm::automatic;
-    // Size of each rank's one-shot staging slot; `automatic` uses one-shot at or below it.
-    // On 2 ranks of a 2-core machine one-shot wins up to about 3 KiB (bench: allreduce latency).
-    Bytes one_shot_max = Bytes{2u << 10};
-    // Every wait inside a collective ends by then: a rank that does not arrive fails the group.
-    std::chrono::milliseconds timeout = std::chrono::seconds(600);
-};
+// A policy type says which category it belongs to with `using policy_category = ...;`.
+namespace policy_category {
+struct bucketer {};     // groups parameters into buckets (bucket.hpp)
+struct memory {};       // where packed bucket buffers live (memory.hpp)
+struct packing {};      // whether gradients are copied into bucket buffers (memory.hpp)
+struct buffers {};      // what happens to non-parameter state such as batch-norm statistics (buffers.hpp)
+struct options {};      // run-time settings (options.hpp)
+struct loss_scaler {};  // mixed-precision loss scaling (amp.hpp)
+struct compression {};  // the dtype gradients travel in (compression.hpp)
+struct lr_rule {};      // the learning rate step() passes to the optimizer (lr.hpp)
+}  // namespace policy_category
 
 namespace detail {
 
-enum class LocalCallKind : std::uint8_t { allreduce, broadcast, barrier };
+struct no_policy {};
 
-// The description of one collective that each rank publishes, so that the others can check they
-// are in the same call and find its buffers.
-struct LocalCall {
-    LocalCallKind kind = LocalCallKind::barrier;
-    DType dtype = DType::float32;
-    ReduceOp op = ReduceOp::sum;
-    int root = 0;
-    std::size_t count = 0;              // elements (allreduce) or bytes (broadcast)
-    std::uint64_t seq = 0;              // 1 for the rank's first collective
-    const Segment* segments = nullptr;  // null: the one segment is `single`
-    std::size_t segment_count = 0;
-    Segment single{};
-    CollectiveTag tag{};
-
-    [[nodiscard]] std::span<const Segment> segs() const {
-        return segments != nullptr ? std::span<const Segment>(segments, segment_count)
-                                   : std::span<const Segment>(&single, 1);
-    }
-    [[nodiscard]] bool same_collective(const LocalCall& o) const {
-        return kind == o.kind && dtype == o.dtype && op == o.op && root == o.root && count == o.count && seq == o.seq &&
-               tag == o.tag;
-    }
-    [[nodiscard]] std::string describe() const {
-        std::string what;
-        switch (kind) {
-            case LocalCallKind::allreduce:
-                what = "allreduce #" + std::to_string(seq) + " (" + std::to_string(count) + " x " + to_string(dtype) +
-                       ", " + to_string(op);
-                break;
-            case LocalCallKind::broadcast:
-                what = "broadcast #" + std::to_string(seq) + " (" + std::to_string(count) + " bytes from rank " +
-                       std::to_string(root);
-                break;
-            case LocalCallKind::barrier: what = "barrier #" + std::to_string(seq) + " ("; break;
-        }
-        if (tag.step >= 0) what += (what.back() == '(' ? "" : "; ") + std::string("step ") + std::to_string(tag.step);
-        if (tag.bucket >= 0) what += ", bucket " + std::to_string(tag.bucket);
-        if (what.back() == '(') return what.substr(0, what.size() - 2);
-        return what + ")";
-    }
+template <class A, class B>
+struct two_policies_of_one_category {
+    static_assert(dependent_false<A, B>,
+                  "gradsync: two policies of the same category were given to DataParallel "
+                  "(both are named in the instantiation note of two_policies_of_one_category); "
+                  "keep one");
+    using type = A;
 };
 
-// Walks a list of segments element by element.
-class SegmentCursor {
-public:
-    SegmentCursor(std::span<const Segment> segs, std::size_t start, std::size_t elem_size)
-        : it_(segs.data()), end_(segs.data() + segs.size()), elem_(elem_size) {
-        while (it_ != end_ && start >= it_->count) {
-            start -= it_->count;
-            ++it_;
-        }
-        offset_ = start;
-        skip_empty();
-    }
-    [[nodiscard]] std::size_t left() const { return it_ == end_ ? 0 : it_->count - offset_; }
-    [[nodiscard]] std::byte* ptr() const { return static_cast<std::byte*>(it_->data) + offset_ * elem_; }
-    void advance(std::size_t k) {
-        offset_ += k;
-        skip_empty();
-    }
+template <bool Match, class Found, class P>
+struct merge_policy {
+    using type = Found;
+};
+template <class P>
+struct merge_policy<true, no_policy, P> {
+    using type = P;
+};
+template <class Found, class P>
+struct merge_policy<true, Found, P> : two_policies_of_one_category<Found, P> {};
 
-private:
-    void skip_empty() {
-        while (it_ != end_ && offset_ >= it_->count) {
-            offset_ -= it_->count;
-            ++it_;
-        }
-    }
-    const Segment* it_;
-    const Segment* end_;
-    std::size_t offset_ = 0;
-    std::size_t elem_;
+template <class P>
+concept is_policy = requires {
+    typename P::policy_category;
 };
 
-// One rank's slot in the group: written by that rank, read by its peers.
-struct alignas(cache_line) LocalRankState {
-    std::atomic<std::uint64_t> epoch{0};  // barrier rounds this rank has arrived at
-    alignas(cache_line) std::atomic<bool> departed{false};
-    std::atomic<std::uint64_t> calls_entered{0};
-    LocalCall calls[2];       // the current collective, by round parity
-    AlignedBytes staging[2];  // one-shot input copies, by round parity
-    // Scratch for the thread executing this rank's collectives.
-    AlignedBytes block;  // reduce_block_bytes
-    std::vector<SegmentCursor> cursors;
-    std::vector<void*> pointers;
+// P's category, or void for a type that is no policy (reported by check_policy).
+template <class P>
+struct category_of {
+    using type = void;
+};
+template <is_policy P>
+struct category_of<P> {
+    using type = typename P::policy_category;
 };
 
-class LocalGroupState {
-public:
-    LocalGroupState(int size, LocalGroupOptions options)
-        : size_(size),
-          options_(options),
-          spin_(SpinPolicy::for_threads(static_cast<unsigned>(size))),
-          ranks_(static_cast<std::size_t>(size)),
-          reporters_(static_cast<std::size_t>(size)) {
-        std::size_t slot = std::max<std::size_t>(4096, options.one_shot_max.count());
-        slot = (slot + cache_line - 1) / cache_line * cache_line;
-        staging_bytes_ = slot;
-        for (auto& r : ranks_) {
-            r.staging[0] = AlignedBytes(slot);
-            r.staging[1] = AlignedBytes(slot);
-            r.block = AlignedBytes(reduce_block_bytes);
-            r.pointers.resize(static_cast<std::size_t>(size));
-            r.cursors.reserve(static_cast<std::size_t>(size));
-        }
-    }
-
-    [[nodiscard]] int size() const { return size_; }
-    [[nodiscard]] const LocalGroupOptions& options() const { return options_; }
-    [[nodiscard]] Bytes memory_per_rank() const { return Bytes{2 * staging_bytes_ + reduce_block_bytes}; }
-
-    // Runs one collective for `rank` on the calling thread.
-    void execute(int rank, const LocalCall& call) {
-        auto deadline = std::chrono::steady_clock::now() + options_.timeout;
-        throw_if_aborted(rank, call);
-        ranks_[idx(rank)].calls_entered.store(call.seq, std::memory_order_relaxed);
-        if (size_ == 1) return execute_alone(rank, call);
-        switch (call.kind) {
-            case LocalCallKind::allreduce:
-                if (call.dtype == DType::float32) return allreduce<float>(rank, call, deadline);
-                if (call.dtype == DType::float64) return allreduce<double>(rank, call, deadline);
-                if (call.dtype == DType::float16) return allreduce<float16>(rank, call, deadline);
-                if (call.dtype == DType::bfloat16) return allreduce<bfloat16>(rank, call, deadline);
-                fail(rank, call, "LocalBackend reduces floating-point types only, not " + to_string(call.dtype));
-            case LocalCallKind::broadcast: return broadcast(rank, call, deadline);
-            case LocalCallKind::barrier: return barrier(rank, call, deadline);
-        }
-    }
-
-    // Fails every pending and future collective of every rank with `reason`. First reason wins.
-    void abort(const std::string& reason) {
-        {
-            std::lock_guard lock(abort_mutex_);
-            if (aborted_.load(std::memory_order_relaxed)) return;
-            abort_reason_ = reason;
-            aborted_.store(true, std::memory_order_seq_cst);
-        }
-        bell_.ring();
-    }
-    [[nodiscard]] bool aborted() const { return aborted_.load(std::memory_order_acquire); }
-
-    // The rank's handle is gone: peers waiting for it fail instead of waiting for the deadline.
-    void depart(int rank) {
-        ranks_[idx(rank)].departed.store(true, std::memory_order_seq_cst);
-        bell_.ring();
-    }
-
-    std::uint64_t add_status_reporter(int rank, std::function<std::string()> reporter) {
-        std::lock_guard lock(status_mutex_);
-        reporters_[idx(rank)].push_back({++next_reporter_, std::move(reporter)});
-        return next_reporter_;
-    }
-    void remove_status_reporter(int rank, std::uint64_t id) {
-        std::lock_guard lock(status_mutex_);
-        auto& list = reporters_[idx(rank)];
-        std::erase_if(list, [id](const Reporter& r) { return r.id == id; });
-    }
-
-    // What rank `rank` says about itself, for a peer's diagnosis: its reporters' words.
-    [[nodiscard]] std::string status_of(int rank) {
-        if (ranks_[idx(rank)].departed.load(std::memory_order_acquire)) return "it has left the group";
-        std::lock_guard lock(status_mutex_);
-        std::string out;
-        for (const auto& reporter : reporters_[idx(rank)]) out += (out.empty() ? "" : "; ") + reporter.report();
-        return out;
-    }
-    [[nodiscard]] std::uint64_t collectives_entered(int rank) const {
-        return ranks_[idx(rank)].calls_entered.load(std::memory_order_relaxed);
-    }
-
-private:
-    static std::size_t idx(int rank) { return static_cast<std::size_t>(rank); }
-
-    [[noreturn]] void fail(int rank, const LocalCall& call, const std::string& reason) {
-        std::string msg = "gradsync: rank " + std::to_string(rank) + ", " + call.describe() + ": " + reason;
-        abort(msg);
-        throw CollectiveError(msg);
-    }
-
-    void throw_if_aborted(int rank, const LocalCall& call) {
-        if (!aborted()) return;
-        std::string reason;
-        {
-            std::lock_guard lock(abort_mutex_);
-            reason = abort_reason_;
-        }
-        throw CollectiveError("gradsync: rank " + std::to_string(rank) + ", " + call.describe() +
-                              ": the group was aborted: " + reason);
-    }
-
-    void execute_alone(int rank, const LocalCall& call) {
-        if (call.kind == LocalCallKind::allreduce && !reducible(call.dtype))
-            fail(rank, call, "LocalBackend reduces floating-point types only, not " + to_string(call.dtype));
-        if (call.kind == LocalCallKind::broadcast && call.root != 0)
-            fail(rank, call, "root " + std::to_string(call.root) + " is not a rank of this group of 1");
-        // One rank: sum and average are the identity, broadcast and barrier are no-ops.
-    }
-
-    // Arrive at the next round and wait until every rank has. Returns the round's parity.
-    unsigned round(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
-        auto& me = ranks_[idx(rank)];
-        std::uint64_t target = me.epoch.load(std::memory_order_relaxed) + 1;
-        me.epoch.store(target, std::memory_order_seq_cst);
-        bell_.ring();
-        for (int s = 0; s < size_; ++s) {
-            if (s == rank) continue;
-            auto& peer = ranks_[idx(s)];
-            auto ready = [&] { return peer.epoch.load(std::memory_order_acquire) >= target; };
-            if (ready()) continue;
-            wait_until(
-                ready, [&] { check_wait(rank, s, target, call, deadline); }, bell_, spin_);
-        }
-        return static_cast<unsigned>((target - 1) & 1u);
-    }
-
-    void check_wait(int rank, int peer_rank, std::uint64_t target, const LocalCall& call,
-                    std::chrono::steady_clock::time_point deadline) {
-        throw_if_aborted(rank, call);
-        auto& peer = ranks_[idx(peer_rank)];
-        if (peer.departed.load(std::memory_order_seq_cst) && peer.epoch.load(std::memory_order_seq_cst) < target) {
-            fail(rank, call,
-                 "rank " + std::to_string(peer_rank) +
-                     " left the group (its LocalBackend was destroyed, or its spawn function returned) "
-                     "without entering this collective; it had entered " +
-                     std::to_string(peer.calls_entered.load(std::memory_order_relaxed)) + " collectives");
-        }
-        if (std::chrono::steady_clock::now() >= deadline) {
-            std::string msg = "gradsync: rank " + std::to_string(rank) + ", " + call.describe() + ": timed out after " +
-                              std::to_string(options_.timeout.count()) + " ms waiting for rank " +
-                              std::to_string(peer_rank) + ", which has entered " +
-                              std::to_string(collectives_entered(peer_rank)) + " collectives" +
-                              [&] {
-                                  auto status = status_of(peer_rank);
-                                  return status.empty() ? std::string() : " (" + status + ")";
-                              }() +
-                              ". Raise the timeout if the work is just slow";
-            abort(msg);
-            throw TimeoutError(msg);
-        }
-    }
-
-    // After the first round: every rank checks every rank's call against rank 0's, so that all
-    // of them find the same first difference and throw the same message.
-    void validate(int rank, const LocalCall& call, unsigned parity) {
-        const LocalCall& ref = ranks_[0].calls[parity];
-        for (int s = 1; s < size_; ++s) {
-            const LocalCall& other = ranks_[idx(s)].calls[parity];
-            if (!other.same_collective(ref)) {
-                fail(rank, call,
-                     "collective mismatch: rank 0 is in " + ref.describe() + " but rank " + std::to_string(s) +
-                         " is in " + other.describe() +
-                         "; every rank must call the same collectives in the same order with the same sizes");
-            }
-        }
-    }
-
-    void check_root(int rank, const LocalCall& call) {
-        if (call.root < 0 || call.root >= size_)
-            fail(rank, call,
-                 "root " + std::to_string(call.root) + " is not a rank of this group of " + std::to_string(size_));
-    }
-
-    template <class T>
-    void allreduce(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
-        bool one_shot =
-            options_.algorithm == LocalAlgorithm::one_shot || (options_.algorithm == LocalAlgorithm::automatic &&
-                                                               call.count * sizeof(T) <= options_.one_shot_max.count());
-        if (one_shot)
-            allreduce_one_shot<T>(rank, call, deadline);
-        else
-            allreduce_two_phase<T>(rank, call, deadline);
-    }
-
-    template <class T>
-    void allreduce_one_shot(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
-        auto& me = ranks_[idx(rank)];
-        const std::size_t piece = staging_bytes_ / sizeof(T);
-        const auto factor = accumulator_t<T>(1) / static_cast<accumulator_t<T>>(size_);
-        SegmentCursor in(call.segs(), 0, sizeof(T));
-        SegmentCursor out(call.segs(), 0, sizeof(T));
-        std::size_t pos = 0;
-        bool first = true;
-        do {
-            std::size_t len = std::min(piece, call.count - pos);
-            unsigned parity = static_cast<unsigned>(me.epoch.load(std::memory_order_relaxed) & 1u);
-            // Gather this piece of my input into my staging slot.
-            auto* slot = me.staging[parity].data();
-            for (std::size_t done = 0; done < len;) {
-                std::size_t k = std::min(len - done, in.left());
-                std::memcpy(slot + done * sizeof(T), in.ptr(), k * sizeof(T));
-                in.advance(k);
-                done += k;
-            }
-            if (first) me.calls[parity] = call;
-            round(rank, call, deadline);
-            if (first) validate(rank, call, parity);
-            first = false;
-            // Sum every rank's slot, in rank order, into my own buffer.
-            auto** inputs = reinterpret_cast<T**>(me.pointers.data());
-            for (int s = 0; s < size_; ++s) inputs[s] = reinterpret_cast<T*>(ranks_[idx(s)].staging[parity].data());
-            for (std::size_t done = 0; done < len;) {
-                std::size_t k = std::min(len - done, out.left());
-                T* dst = reinterpret_cast<T*>(out.ptr());
-                reduce_to_all<T>(inputs, size_, &dst, 1, k, call.op == ReduceOp::average, factor, me.block.data());
-                for (int s = 0; s < size_; ++s) inputs[s] += k;
-                out.advance(k);
-                done += k;
-            }
-            pos += len;
-        } while (pos < call.count);
-    }
-
-    template <class T>
-    void allreduce_two_phase(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
-        auto& me = ranks_[idx(rank)];
-        unsigned parity = static_cast<unsigned>(me.epoch.load(std::memory_order_relaxed) & 1u);
-        me.calls[parity] = call;
-        round(rank, call, deadline);
-        validate(rank, call, parity);
-
-        // My share: a cache-line aligned 1/n of the elements. (Claiming pieces from a shared
-        // counter instead was tried: slower below 4 MiB and no better above, even overlapped.)
-        const std::size_t n = call.count;
-        const std::size_t align = cache_line / sizeof(T);
-        std::size_t chunk = (n + static_cast<std::size_t>(size_) - 1) / static_cast<std::size_t>(size_);
-        chunk = (chunk + align - 1) / align * align;
-        std::size_t lo = std::min(n, static_cast<std::size_t>(rank) * chunk);
-        std::size_t hi = std::min(n, lo + chunk);
-        if (lo < hi) {
-            const auto factor = accumulator_t<T>(1) / static_cast<accumulator_t<T>>(size_);
-            me.cursors.clear();
-            for (int s = 0; s < size_; ++s) me.cursors.emplace_back(ranks_[idx(s)].calls[parity].segs(), lo, sizeof(T));
-            auto** ptrs = reinterpret_cast<T**>(me.pointers.data());
-            for (std::size_t pos = lo; pos < hi;) {
-                std::size_t k = hi - pos;
-                for (const auto& c : me.cursors) k = std::min(k, c.left());
-                for (int s = 0; s < size_; ++s) ptrs[s] = reinterpret_cast<T*>(me.cursors[idx(s)].ptr());
-                reduce_to_all<T>(ptrs, size_, ptrs, size_, k, call.op == ReduceOp::average, factor, me.block.data());
-                for (auto& c : me.cursors) c.advance(k);
-                pos += k;
-            }
-        }
-        // Nobody returns, and reuses its buffer, before every share is written.
-        round(rank, call, deadline);
-    }
-
-    void broadcast(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
-        check_root(rank, call);
-        auto& me = ranks_[idx(rank)];
-        unsigned parity = static_cast<unsigned>(me.epoch.load(std::memory_order_relaxed) & 1u);
-        me.calls[parity] = call;
-        round(rank, call, deadline);
-        validate(rank, call, parity);
-        if (rank != call.root && call.count != 0) {
-            std::memcpy(call.single.data, ranks_[idx(call.root)].calls[parity].single.data, call.count);
-        }
-        round(rank, call, deadline);
-    }
-
-    void barrier(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
-        auto& me = ranks_[idx(rank)];
-        unsigned parity = static_cast<unsigned>(me.epoch.load(std::memory_order_relaxed) & 1u);
-        me.calls[parity] = call;
-        round(rank, call, deadline);
-        validate(rank, call, parity);
-    }
-
-    int size_;
-    LocalGroupOptions options_;
-    SpinPolicy spin_;
-    std::size_t staging_bytes_ = 0;
-    std::vector<LocalRankState> ranks_;
-    Doorbell bell_;
-    std::atomic<bool> aborted_{false};
-    std::mutex abort_mutex_;
-    std::string abort_reason_;
-    struct Reporter {
-        std::uint64_t id;
-        std::function<std::string()> report;
-    };
-    std::mutex status_mutex_;
-    std::uint64_t next_reporter_ = 0;
-    std::vector<std::vector<Reporter>> reporters_;  // per rank
+template <class Category, class Found, class... Ps>
+struct find_policy {
+    using type = Found;
 };
+template <class Category, class Found, class P, class... Rest>
+struct find_policy<Category, Found, P, Rest...>
+    : find_policy<Category,
+                  typename merge_policy<std::is_same_v<typename category_of<P>::type, Category>, Found, P>::type,
+                  Rest...> {};
+
+template <class P>
+constexpr bool check_policy() {
+    static_assert(is_policy<P>,
+                  "gradsync: a DataParallel template argument after Model and Backend is not a "
+                  "policy (it has no `policy_category` member type); see detail/policy.hpp");
+    return true;
+}
+
+// The policy of `Category` in Ps..., or Default when there is none.
+template <class Category, class Default, class... Ps>
+using select_policy =
+    std::conditional_t<std::is_same_v<typename find_policy<Category, no_policy, Ps...>::type, no_policy>, Default,
+                       typename find_policy<Category, no_policy, Ps...>::type>;
+
+// The value of the policy of type P from a tuple of given policies, or a default-constructed P.
+template <class P, class... Ps>
+P policy_value(const std::tuple<Ps...>& given) {
+    if constexpr ((std::is_same_v<P, Ps> || ...)) {
+        return std::get<P>(given);
+    } else {
+        return P{};
+    }
+}
 
 }  // namespace detail
-
-// Test-facing fault injection: makes one rank misbehave at its k-th collective (counting from 1,
-// every collective it calls), so that every failure path is a unit test on the CPU.
-struct LocalFault {
-    enum class Kind : std::uint8_t {
-        delay,           // sleeps for `delay` before taking part
-        throw_error,     // the call throws InjectedFault on this rank
-        vanish,          // never takes part: waits, silent, until the group is aborted
-        swap_with_next,  // asynchronous calls only: runs the next call first, then this one
-        plant_nan,       // writes a NaN into the first element of this rank's allreduce input
-    };
-    Kind kind = Kind::delay;
-    std::uint64_t at_call = 1;
-    std::chrono::milliseconds delay{0};
-};
-
-// What a LocalFault of kind throw_error throws.
-class InjectedFault : public Error {
-public:
-    using Error::Error;
-};
-
-class LocalBackend {
-public:
-    static constexpr bool checks_tags = true;  // every collective's tag is compared with rank 0's
-
-    // A group of `size` ranks; element r is rank r's handle. Hand each to its own thread; a
-    // handle is used by one thread at a time.
-    static std::vector<LocalBackend> create_group(int size, LocalGroupOptions options = {}) {
-        if (size < 1) throw Error("gradsync: a LocalBackend group needs at least 1 rank, got " + std::to_string(size));
-        if (options.timeout.count() <= 0)
-            throw Error("gradsync: LocalGroupOptions::timeout must be positive, got " +
-                        std::to_string(options.timeout.count()) + " ms");
-        auto group = std::make_shared<detail::LocalGroupState>(size, options);
-        std::vector<LocalBackend> ranks;
-        ranks.reserve(static_cast<std::size_t>(size));
-        for (int r = 0; r < size; ++r) ranks.push_back(LocalBackend(group, r));
-        return ranks;
-    }
-
-    LocalBackend(LocalBackend&&) noexcept = default;
-    LocalBackend& operator=(LocalBackend&& other) noexcept {
-        if (this != &other) {
-            leave();
-            group_ = std::move(other.group_);
-            rank_ = other.rank_;
-            next_seq_ = other.next_seq_;
-            faults_ = std::move(other.faults_);
-            held_ = std::move(other.held_);
-            async_ = std::move(other.async_);
-        }
-        return *this;
-    }
-    LocalBackend(const LocalBackend&) = delete;
-    LocalBackend& operator=(const LocalBackend&) = delete;
-    // Finishes the rank's pending collectives, then leaves the group: peers still waiting for this
-    // rank fail at once instead of at their deadline.
-    ~LocalBackend() { leave(); }
-
-    [[nodiscard]] int rank() const { return rank_; }
-    [[nodiscard]] int size() const { return group_->size(); }
-    // float32, float64, and float16 and bfloat16 (summed in float).
-    [[nodiscard]] bool supports(DType t) const { return detail::reducible(t); }
-    [[nodiscard]] const LocalGroupOptions& options() const { return group_->options(); }
-    // Staging and scratch memory this rank's collectives use.
-    [[nodiscard]] Bytes memory_footprint() const { return group_->memory_per_rank(); }
-    // How many collectives this rank has called so far (the next one is number calls_made() + 1).
-    [[nodiscard]] std::uint64_t calls_made() const { return next_seq_; }
-
-    // In-place allreduce of a contiguous buffer. The tag, when given, must match on every rank.
-    void allreduce(Buffer buf, ReduceOp op, CollectiveTag tag = {}) { run_now(allreduce_call(buf, op, tag)); }
-    CollectiveHandle allreduce_async(Buffer buf, ReduceOp op, CollectiveTag tag = {}) {
-        return launch(allreduce_call(buf, op, tag));
-    }
-
-    // In-place allreduce of the concatenation of `segments`: gradients reduced where they lie.
-    // The segment list must stay valid until the collective completes.
-    void allreduce(std::span<const Segment> segments, DType dtype, ReduceOp op, CollectiveTag tag = {}) {
-        run_now(scattered_call(segments, dtype, op, tag));
-    }
-    CollectiveHandle allreduce_async(std::span<const Segment> segments, DType dtype, ReduceOp op,
-                                     CollectiveTag tag = {}) {
-        return launch(scattered_call(segments, dtype, op, tag));
-    }
-
-    template <HasDType T>
-    void allreduce(std::span<T> data, ReduceOp op = ReduceOp::sum) {
-        allreduce(buffer_of(data), op);
-    }
-    template <HasDType T>
-    CollectiveHandle allreduce_async(std::span<T> data, ReduceOp op = ReduceOp::sum) {
-        return allreduce_async(buffer_of(data), op);
-    }
-
-    // Copies `root`'s bytes into every other rank's buffer of the same size.
-    void broadcast(std::span<std::byte> bytes, int root, CollectiveTag tag = {}) {
-        run_now(broadcast_call(bytes, root, tag));
-    }
-    CollectiveHandle broadcast_async(std::span<std::byte> bytes, int root, CollectiveTag tag = {}) {
-        return launch(broadcast_call(bytes, root, tag));
-    }
-    template <class T>
-    requires std::is_trivially_copyable_v<T>
-    void broadcast(std::span<T> data, int root) { broadcast(std::as_writable_bytes(data), root); }
-
-    void barrier() {
-        detail::LocalCall call;
-        call.kind = detail::LocalCallKind::barrier;
-        call.seq = ++next_seq_;
-        run_now(call);
-    }
-
-    // Fails every pending and future collective of every rank of the group, with `reason`.
-    void abort(const std::string& reason) { group_->abort(reason); }
-
-    // `reporter` says where this rank stands; a peer that times out waiting for this rank quotes
-    // it. It runs on the peer's thread, so it may only read what is safe to read from there.
-    std::uint64_t add_status_reporter(std::function<std::string()> reporter) {
-        return group_->add_status_reporter(rank_, std::move(reporter));
-    }
-    void remove_status_reporter(std::uint64_t id) { group_->remove_status_reporter(rank_, id); }
-    [[nodiscard]] std::string peer_status(int rank) const { return group_->status_of(rank); }
-    [[nodiscard]] std::uint64_t peer_collectives(int rank) const { return group_->collectives_entered(rank); }
-
-    // Makes this rank misbehave at its fault.at_call-th collective; see LocalFault.
-    void inject_fault(LocalFault fault) { faults_.push_back(fault); }
-
-private:
-    LocalBackend(std::shared_ptr<detail::LocalGroupState> group, int rank) : group_(std::move(group)), rank_(rank) {}
-
-    detail::LocalCall allreduce_call(Buffer buf, ReduceOp op, CollectiveTag tag) {
-        detail::LocalCall call;
-        call.kind = detail::LocalCallKind::allreduce;
-        call.dtype = buf.dtype;
-        call.op = op;
-        call.count = buf.count;
-        call.single = Segment{buf.data, buf.count};
-        call.tag = tag;
-        call.seq = ++next_seq_;
-        return call;
-    }
-    detail::LocalCall scattered_call(std::span<const Segment> segments, DType dtype, ReduceOp op, CollectiveTag tag) {
-        detail::LocalCall call;
-        call.kind = detail::LocalCallKind::allreduce;
-        call.dtype = dtype;
-        call.op = op;
-        call.count = detail::total_count(segments);
-        call.segments = segments.data();
-        call.segment_count = segments.size();
-        call.tag = tag;
-        call.seq = ++next_seq_;
-        return call;
-    }
-    detail::LocalCall broadcast_call(std::span<std::byte> bytes, int root, CollectiveTag tag) {
-        detail::LocalCall call;
-        call.kind = detail::LocalCallKind::broadcast;
-        call.root = root;
-        call.count = bytes.size();
-        call.single = Segment{bytes.data(), bytes.size()};
-        call.tag = tag;
-        call.seq = ++next_seq_;
-        return call;
-    }
-
-    // The fault planned for this call, if any.
-    [[nodiscard]] std::optional<LocalFault> fault_at(std::uint64_t seq) const {
-        for (const auto& f : faults_)
-            if (f.at_call == seq) return f;
-        return std::nullopt;
-    }
-
-    // Runs the call on this thread, misbehaving first if a fault is planned for it. A failure
-    // here is the group's failure: it is aborted, so that peers do not wait for this rank.
-    static void execute(detail::LocalGroupState& group, int rank, const detail::LocalCall& call,
-                        std::optional<LocalFault> fault) {
-        try {
-            misbehave(group, rank, call, fault);
-            group.execute(rank, call);
-        } catch (const std::exception& e) {
-            group.abort(e.what());
-            throw;
-        }
-    }
-
-    static void misbehave(detail::LocalGroupState& group, int rank, const detail::LocalCall& call,
-                          std::optional<LocalFault> fault) {
-        using Kind = LocalFault::Kind;
-        if (!fault) return;
-        if (fault->kind == Kind::delay) std::this_thread::sleep_for(fault->delay);
-        if (fault->kind == Kind::throw_error)
-            throw InjectedFault("gradsync: injected fault: rank " + std::to_string(rank) + " throws at " +
-                                call.describe());
-        if (fault->kind == Kind::vanish) {
-            while (!group.aborted()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-            throw CollectiveError("gradsync: injected fault: rank " + std::to_string(rank) + " vanished at " +
-                                  call.describe());
-        }
-        if (fault->kind == Kind::plant_nan && call.kind == detail::LocalCallKind::allreduce) {
-            for (const auto& seg : call.segs()) {
-                if (seg.count == 0) continue;
-                if (call.dtype == DType::float32)
-                    *static_cast<float*>(seg.data) = std::numeric_limits<float>::quiet_NaN();
-                if (call.dtype == DType::float64)
-                    *static_cast<double*>(seg.data) = std::numeric_limits<double>::quiet_NaN();
-                if (call.dtype == DType::float16)
-                    *static_cast<float16*>(seg.data) = float16(std::numeric_limits<float>::quiet_NaN());
-                if (call.dtype == DType::bfloat16)
-                    *static_cast<bfloat16*>(seg.data) = bfloat16(std::numeric_limits<float>::quiet_NaN());
-                break;
-            }
-        }
-    }
-
-    // Synchronous calls run on the caller's thread, after the rank's pending asynchronous ones.
-    void run_now(const detail::LocalCall& call) {
-        release_held();
-        async_.wait_for_all();
-        execute(*group_, rank_, call, fault_at(call.seq));
-    }
-
-    CollectiveHandle launch(const detail::LocalCall& call) {
-        // Each rank's caller and progress thread: 2n threads that may want a core at once.
-        auto done = std::make_shared<detail::Completion>(detail::SpinPolicy::for_threads(2u * unsigned(size())));
-        auto fault = fault_at(call.seq);
-        if (fault && fault->kind == LocalFault::Kind::swap_with_next) {
-            held_ = Held{call, done};  // posted after the next call
-            return CollectiveHandle(std::move(done));
-        }
-        post(call, done, fault);
-        release_held();
-        return CollectiveHandle(std::move(done));
-    }
-
-    void post(const detail::LocalCall& call, std::shared_ptr<detail::Completion> done,
-              std::optional<LocalFault> fault) {
-        async_.launch([group = group_, rank = rank_, call, fault] { execute(*group, rank, call, fault); },
-                      std::move(done));
-    }
-
-    void release_held() {
-        if (!held_) return;
-        auto held = std::move(*held_);
-        held_.reset();
-        post(held.call, std::move(held.done), std::nullopt);
-    }
-
-    void leave() {
-        if (!group_) return;
-        release_held();
-        async_.stop();  // drains the queue: every task ends by its deadline
-        group_->depart(rank_);
-        group_.reset();
-    }
-
-    struct Held {
-        detail::LocalCall call;
-        std::shared_ptr<detail::Completion> done;
-    };
-
-    std::shared_ptr<detail::LocalGroupState> group_;
-    int rank_ = 0;
-    std::uint64_t next_seq_ = 0;
-    std::vector<LocalFault> faults_;
-    std::optional<Held> held_;  // a call a swap_with_next fault holds back
-    detail::AsyncCollectives async_;
-};
-
 }  // namespace gradsync::inline v0
-// ---- end gradsync/backend/local.hpp ----
+// ---- end gradsync/detail/policy.hpp ----
 
-// ---- begin gradsync/bucket.hpp ----
-// Buckets: how parameters are grouped into fusion buffers, one allreduce each. A BucketPlan is a
-// value (==, hash, printer) and a deterministic function of the parameter layout and the policy.
-
-
-// ---- begin gradsync/model.hpp ----
+// ---- begin gradsync/model/model.hpp ----
 // Model access: how gradsync lists a model's parameters as (name, data, gradient, count, dtype).
 // The customization point gradsync::parameters(model) tries, in order, a model_traits<M>
 // specialization, a member m.parameters(), and a free function parameters(m) found by ADL.
@@ -2040,15 +830,227 @@ constexpr bool check_model_access() {
 }  // namespace detail
 
 }  // namespace gradsync::inline v0
-// ---- end gradsync/model.hpp ----
+// ---- end gradsync/model/model.hpp ----
 
-#include <algorithm>  // for std::find_if
-#include <concepts>   // for std::same_as
+#include <cstddef>
+#include <ranges>
+#include <span>
+#include <string>
+#include <type_traits>  // for std::remove_cvref_t
+#include <utility>      // for std::move
+#include <vector>
+
+namespace gradsync::inline v0 {
+
+// One state tensor of `count` elements of `dtype`; buffers have no gradient.
+struct ModelBuffer {
+    std::string name;
+    void* data = nullptr;
+    std::size_t count = 0;
+    DType dtype = DType::float32;
+
+    [[nodiscard]] Bytes bytes() const { return Bytes{count * size_of(dtype)}; }
+};
+
+template <class T>
+requires std::ranges::contiguous_range<T> && std::ranges::sized_range<T> && HasDType<std::ranges::range_value_t<T>>
+    ModelBuffer model_buffer(std::string name, T& data) {
+    return ModelBuffer{std::move(name), std::ranges::data(data), std::ranges::size(data),
+                       dtype_of<std::ranges::range_value_t<T>>};
+}
+
+template <class R>
+concept ModelBufferRange =
+    std::ranges::input_range<R> && std::convertible_to<std::ranges::range_reference_t<R>, ModelBuffer>;
+
+namespace detail::buffers_cpo {
+
+void buffers() = delete;  // hides gradsync::buffers from the ADL call below
+
+template <class M>
+concept has_traits = requires(M& m) {
+    { model_traits<std::remove_cvref_t<M>>::buffers(m) } -> ModelBufferRange;
+};
+template <class M>
+concept has_member = requires(M& m) {
+    { m.buffers() } -> ModelBufferRange;
+};
+template <class M>
+concept has_adl = requires(M& m) {
+    { buffers(m) } -> ModelBufferRange;
+};
+
+template <class R>
+std::vector<ModelBuffer> to_vector(R&& range) {
+    std::vector<ModelBuffer> out;
+    for (auto&& b : range) out.push_back(static_cast<ModelBuffer>(b));
+    return out;
+}
+
+struct fn {
+    // Same order as gradsync::parameters; a model without buffers has none.
+    template <class M>
+    std::vector<ModelBuffer> operator()(M& model) const {
+        if constexpr (has_traits<M>) {
+            return to_vector(model_traits<std::remove_cvref_t<M>>::buffers(model));
+        } else if constexpr (has_member<M>) {
+            return to_vector(model.buffers());
+        } else if constexpr (has_adl<M>) {
+            return to_vector(buffers(model));
+        } else {
+            return {};
+        }
+    }
+};
+
+}  // namespace detail::buffers_cpo
+
+// gradsync::buffers(model): the model's buffers, or none when it lists none.
+inline constexpr detail::buffers_cpo::fn buffers{};
+
+// Buffer policies: what DataParallel does with the model's buffers.
+enum class BufferSync : unsigned char { broadcast_every_step, broadcast_once, average_every_step, ignore };
+
+// Rank 0's buffers are copied to every rank at construction and at the end of every synchronize()
+// (PyTorch DDP's broadcast_buffers=True). The default.
+struct BroadcastBuffers {
+    using policy_category = policy_category::buffers;
+    static constexpr BufferSync mode = BufferSync::broadcast_every_step;
+};
+// Copied from rank 0 at construction only.
+struct BroadcastBuffersOnce {
+    using policy_category = policy_category::buffers;
+    static constexpr BufferSync mode = BufferSync::broadcast_once;
+};
+// Copied from rank 0 at construction; averaged over the ranks at the end of every synchronize()
+// (buffers of a dtype the backend cannot reduce are copied from rank 0 instead).
+struct AverageBuffers {
+    using policy_category = policy_category::buffers;
+    static constexpr BufferSync mode = BufferSync::average_every_step;
+};
+// Left alone: each rank keeps its own.
+struct IgnoreBuffers {
+    using policy_category = policy_category::buffers;
+    static constexpr BufferSync mode = BufferSync::ignore;
+};
+
+}  // namespace gradsync::inline v0
+// ---- end gradsync/model/buffers.hpp ----
+
+// ---- begin gradsync/model/contiguous_parameters.hpp ----
+// ContiguousParameters: a model adapter for the llm.c layout, where every parameter lives in one
+// blob, every gradient in a second blob of the same layout, and a table gives each tensor's size.
+
+
+#include <cstddef>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace gradsync::inline v0 {
+
+template <HasDType T>
+class ContiguousParameters {
+public:
+    // `sizes[i]` is the element count of tensor i; tensors follow each other without gaps.
+    // `names` is empty (tensors are called "param0", "param1", ...) or one name per tensor.
+    ContiguousParameters(T* params, T* grads, std::span<const std::size_t> sizes,
+                         std::span<const std::string_view> names = {})
+        : params_(params), grads_(grads), sizes_(sizes.begin(), sizes.end()) {
+        if (!names.empty() && names.size() != sizes.size()) {
+            throw InvalidModel("gradsync: ContiguousParameters got " + std::to_string(sizes.size()) +
+                               " tensor sizes but " + std::to_string(names.size()) +
+                               " names; give one name per tensor or none");
+        }
+        names_.reserve(sizes.size());
+        for (std::size_t i = 0; i < sizes.size(); ++i) {
+            names_.push_back(names.empty() ? "param" + std::to_string(i) : std::string(names[i]));
+        }
+    }
+
+    [[nodiscard]] std::vector<Parameter> parameters() const {
+        std::vector<Parameter> out;
+        out.reserve(sizes_.size());
+        std::size_t offset = 0;
+        for (std::size_t i = 0; i < sizes_.size(); ++i) {
+            out.push_back(gradsync::parameter(names_[i], params_ + offset, grads_ + offset, sizes_[i]));
+            offset += sizes_[i];
+        }
+        return out;
+    }
+
+    [[nodiscard]] std::size_t total_count() const {
+        std::size_t n = 0;
+        for (auto s : sizes_) n += s;
+        return n;
+    }
+    [[nodiscard]] T* params() const { return params_; }
+    [[nodiscard]] T* grads() const { return grads_; }
+
+private:
+    T* params_;
+    T* grads_;
+    std::vector<std::size_t> sizes_;
+    std::vector<std::string> names_;
+};
+
+}  // namespace gradsync::inline v0
+// ---- end gradsync/model/contiguous_parameters.hpp ----
+// Bucket planning.
+
+// ---- begin gradsync/bucket/bucketers.hpp ----
+// Bucketers: the policies that group parameters into buckets (fusion buffers, one allreduce
+// each), and the Bucketer concept with its check. A plan is a deterministic function of the
+// parameter layout and the policy.
+
+
+// ---- begin gradsync/bucket/plan.hpp ----
+// A bucket plan: which parameters are reduced together, in which order. A BucketPlan is a value
+// (==, hash, printer), the same on every rank for the same layout and policy, so it can be logged
+// at start-up, compared across ranks and asserted in tests.
+
+
+// ---- begin gradsync/detail/hash.hpp ----
+// The one hash: 64-bit FNV-1a over 64-bit words, byte by byte, so that the same values give the
+// same hash in every process and on every machine (bucket plans, layouts, collective histories).
+
+
+#include <cstdint>
+
+namespace gradsync::inline v0::detail {
+
+inline constexpr std::uint64_t fnv1a_basis = 14695981039346656037ull;
+
+// h with the 8 bytes of v folded in, lowest first.
+constexpr std::uint64_t fnv1a(std::uint64_t h, std::uint64_t v) {
+    for (int i = 0; i < 8; ++i) {
+        h ^= (v >> (8 * i)) & 0xffu;
+        h *= 1099511628211ull;
+    }
+    return h;
+}
+
+// Folds values in one after another: Fnv1a h; h.add(a).add(b); h.value().
+class Fnv1a {
+public:
+    constexpr Fnv1a& add(std::uint64_t v) {
+        h_ = fnv1a(h_, v);
+        return *this;
+    }
+    [[nodiscard]] constexpr std::uint64_t value() const { return h_; }
+
+private:
+    std::uint64_t h_ = fnv1a_basis;
+};
+
+}  // namespace gradsync::inline v0::detail
+// ---- end gradsync/detail/hash.hpp ----
+
 #include <cstddef>
 #include <cstdint>
 #include <functional>  // for std::hash
 #include <ostream>
-#include <span>
 #include <sstream>  // for std::ostringstream
 #include <string>
 #include <vector>
@@ -2076,23 +1078,15 @@ struct BucketPlan {
         for (const auto& b : buckets) total += b.bytes();
         return total;
     }
+    // Over (dtype, count, parameter indices) of every bucket: the same in every process.
     [[nodiscard]] std::uint64_t hash() const {
-        // FNV-1a over (dtype, count, parameter indices) of every bucket: stable across processes.
-        std::uint64_t h = 14695981039346656037ull;
-        auto mix = [&h](std::uint64_t v) {
-            for (int i = 0; i < 8; ++i) {
-                h ^= (v >> (8 * i)) & 0xffu;
-                h *= 1099511628211ull;
-            }
-        };
-        mix(buckets.size());
+        detail::Fnv1a h;
+        h.add(buckets.size());
         for (const auto& b : buckets) {
-            mix(static_cast<std::uint64_t>(b.dtype));
-            mix(b.count);
-            mix(b.parameters.size());
-            for (auto p : b.parameters) mix(p);
+            h.add(static_cast<std::uint64_t>(b.dtype)).add(b.count).add(b.parameters.size());
+            for (auto p : b.parameters) h.add(p);
         }
-        return h;
+        return h.value();
     }
     friend bool operator==(const BucketPlan&, const BucketPlan&) = default;
 };
@@ -2118,6 +1112,26 @@ inline std::string to_string(const BucketPlan& plan) {
     os << plan;
     return os.str();
 }
+
+}  // namespace gradsync::inline v0
+
+template <>
+struct std::hash<gradsync::BucketPlan> {
+    std::size_t operator()(const gradsync::BucketPlan& plan) const noexcept {
+        return static_cast<std::size_t>(plan.hash());
+    }
+};
+// ---- end gradsync/bucket/plan.hpp ----
+
+#include <algorithm>  // for std::find_if
+#include <concepts>   // for std::same_as
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace gradsync::inline v0 {
 
 // A bucketer turns the parameter list (registration order) and the order in which their
 // gradients are expected to become ready into a plan. An empty order means reverse registration
@@ -2273,235 +1287,770 @@ constexpr bool check_bucketer() {
 }  // namespace detail
 
 }  // namespace gradsync::inline v0
+// ---- end gradsync/bucket/bucketers.hpp ----
+// Backends.
 
-template <>
-struct std::hash<gradsync::BucketPlan> {
-    std::size_t operator()(const gradsync::BucketPlan& plan) const noexcept {
-        return static_cast<std::size_t>(plan.hash());
-    }
-};
-// ---- end gradsync/bucket.hpp ----
-
-// ---- begin gradsync/buffers.hpp ----
-// Model buffers: non-parameter state such as batch-norm running statistics, listed through the
-// customization point gradsync::buffers(model), and the policies that keep them in step.
+// ---- begin gradsync/backend/concepts.hpp ----
+// What a communication backend provides: the Backend concept (the required core: rank, size,
+// allreduce, broadcast, barrier) and one named concept per optional ability DataParallel uses
+// when a backend has it, each with a check that names what is missing.
 
 
-#include <cstddef>
-#include <ranges>
-#include <span>
-#include <string>
-#include <type_traits>  // for std::remove_cvref_t
-#include <utility>      // for std::move
-#include <vector>
+// ---- begin gradsync/backend/handle.hpp ----
+// Handles to asynchronous collectives: what a backend's allreduce_async returns (the Waitable
+// concept), and the completion state the host backends share between the thread that runs a
+// collective and the ones that wait for it.
 
-namespace gradsync::inline v0 {
 
-// One state tensor of `count` elements of `dtype`; buffers have no gradient.
-struct ModelBuffer {
-    std::string name;
-    void* data = nullptr;
-    std::size_t count = 0;
-    DType dtype = DType::float32;
+// ---- begin gradsync/detail/wait.hpp ----
+// Waiting without burning a core and without sleeping through a wake-up: spin briefly (the
+// common case, when the peer is running on another core), then yield, then sleep on a Doorbell.
 
-    [[nodiscard]] Bytes bytes() const { return Bytes{count * size_of(dtype)}; }
-};
 
-template <class T>
-requires std::ranges::contiguous_range<T> && std::ranges::sized_range<T> && HasDType<std::ranges::range_value_t<T>>
-    ModelBuffer model_buffer(std::string name, T& data) {
-    return ModelBuffer{std::move(name), std::ranges::data(data), std::ranges::size(data),
-                       dtype_of<std::ranges::range_value_t<T>>};
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <thread>  // for std::this_thread::yield
+
+namespace gradsync::inline v0::detail {
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield");
+#endif
 }
 
-template <class R>
-concept ModelBufferRange =
-    std::ranges::input_range<R> && std::convertible_to<std::ranges::range_reference_t<R>, ModelBuffer>;
-
-namespace detail::buffers_cpo {
-
-void buffers() = delete;  // hides gradsync::buffers from the ADL call below
-
-template <class M>
-concept has_traits = requires(M& m) {
-    { model_traits<std::remove_cvref_t<M>>::buffers(m) } -> ModelBufferRange;
-};
-template <class M>
-concept has_member = requires(M& m) {
-    { m.buffers() } -> ModelBufferRange;
-};
-template <class M>
-concept has_adl = requires(M& m) {
-    { buffers(m) } -> ModelBufferRange;
-};
-
-template <class R>
-std::vector<ModelBuffer> to_vector(R&& range) {
-    std::vector<ModelBuffer> out;
-    for (auto&& b : range) out.push_back(static_cast<ModelBuffer>(b));
-    return out;
-}
-
-struct fn {
-    // Same order as gradsync::parameters; a model without buffers has none.
-    template <class M>
-    std::vector<ModelBuffer> operator()(M& model) const {
-        if constexpr (has_traits<M>) {
-            return to_vector(model_traits<std::remove_cvref_t<M>>::buffers(model));
-        } else if constexpr (has_member<M>) {
-            return to_vector(model.buffers());
-        } else if constexpr (has_adl<M>) {
-            return to_vector(buffers(model));
-        } else {
-            return {};
-        }
-    }
-};
-
-}  // namespace detail::buffers_cpo
-
-// gradsync::buffers(model): the model's buffers, or none when it lists none.
-inline constexpr detail::buffers_cpo::fn buffers{};
-
-// Buffer policies: what DataParallel does with the model's buffers.
-enum class BufferSync : unsigned char { broadcast_every_step, broadcast_once, average_every_step, ignore };
-
-// Rank 0's buffers are copied to every rank at construction and at the end of every synchronize()
-// (PyTorch DDP's broadcast_buffers=True). The default.
-struct BroadcastBuffers {
-    using policy_category = policy_category::buffers;
-    static constexpr BufferSync mode = BufferSync::broadcast_every_step;
-};
-// Copied from rank 0 at construction only.
-struct BroadcastBuffersOnce {
-    using policy_category = policy_category::buffers;
-    static constexpr BufferSync mode = BufferSync::broadcast_once;
-};
-// Copied from rank 0 at construction; averaged over the ranks at the end of every synchronize()
-// (buffers of a dtype the backend cannot reduce are copied from rank 0 instead).
-struct AverageBuffers {
-    using policy_category = policy_category::buffers;
-    static constexpr BufferSync mode = BufferSync::average_every_step;
-};
-// Left alone: each rank keeps its own.
-struct IgnoreBuffers {
-    using policy_category = policy_category::buffers;
-    static constexpr BufferSync mode = BufferSync::ignore;
-};
-
-}  // namespace gradsync::inline v0
-// ---- end gradsync/buffers.hpp ----
-
-// ---- begin gradsync/compression.hpp ----
-// Wire compression: float32 gradients travel as float16 or bfloat16, converted while packing and
-// widened again in the finalize pass, halving the bytes every collective moves.
-
-
-namespace gradsync::inline v0 {
-
-// Gradients travel in their own dtype. The default.
-struct NoCompression {
-    using policy_category = policy_category::compression;
-    static constexpr DType wire = DType::float32;
-    static constexpr bool compresses = false;
-};
-
-// float32 buckets travel as float16. Each rank sends its gradient divided by the world size, so
-// the sum keeps the loss scale's headroom; a bucket whose float16 sum overflows is reduced again
-// in float32, so compression never overflows where float32 would not.
-struct Fp16Compression {
-    using policy_category = policy_category::compression;
-    static constexpr DType wire = DType::float16;
-    static constexpr bool compresses = true;
-};
-
-// float32 buckets travel as bfloat16: float32's range, 8 bits of precision.
-struct Bf16Compression {
-    using policy_category = policy_category::compression;
-    static constexpr DType wire = DType::bfloat16;
-    static constexpr bool compresses = true;
-};
-
-}  // namespace gradsync::inline v0
-// ---- end gradsync/compression.hpp ----
-
-// ---- begin gradsync/contiguous_parameters.hpp ----
-// ContiguousParameters: a model adapter for the llm.c layout, where every parameter lives in one
-// blob, every gradient in a second blob of the same layout, and a table gives each tensor's size.
-
-
-#include <cstddef>
-#include <span>
-#include <string>
-#include <string_view>
-#include <vector>
-
-namespace gradsync::inline v0 {
-
-template <HasDType T>
-class ContiguousParameters {
+// Wakes the threads that went to sleep waiting for some shared state to change. Ringing costs a
+// single load when nobody sleeps, so the fast path never enters the kernel.
+class Doorbell {
 public:
-    // `sizes[i]` is the element count of tensor i; tensors follow each other without gaps.
-    // `names` is empty (tensors are called "param0", "param1", ...) or one name per tensor.
-    ContiguousParameters(T* params, T* grads, std::span<const std::size_t> sizes,
-                         std::span<const std::string_view> names = {})
-        : params_(params), grads_(grads), sizes_(sizes.begin(), sizes.end()) {
-        if (!names.empty() && names.size() != sizes.size()) {
-            throw InvalidModel("gradsync: ContiguousParameters got " + std::to_string(sizes.size()) +
-                               " tensor sizes but " + std::to_string(names.size()) +
-                               " names; give one name per tensor or none");
-        }
-        names_.reserve(sizes.size());
-        for (std::size_t i = 0; i < sizes.size(); ++i) {
-            names_.push_back(names.empty() ? "param" + std::to_string(i) : std::string(names[i]));
+    // Call after publishing the change (with a seq_cst store or read-modify-write).
+    void ring() {
+        if (sleepers_.load(std::memory_order_seq_cst) > 0) {
+            std::lock_guard lock(mutex_);
+            cv_.notify_all();
         }
     }
 
-    [[nodiscard]] std::vector<Parameter> parameters() const {
-        std::vector<Parameter> out;
-        out.reserve(sizes_.size());
-        std::size_t offset = 0;
-        for (std::size_t i = 0; i < sizes_.size(); ++i) {
-            out.push_back(gradsync::parameter(names_[i], params_ + offset, grads_ + offset, sizes_[i]));
-            offset += sizes_[i];
+    // Sleeps until `ready()` holds, someone rings, or `slice` passes, whichever is first.
+    template <class Ready>
+    void sleep(Ready&& ready, std::chrono::nanoseconds slice) {
+        std::unique_lock lock(mutex_);
+        sleepers_.fetch_add(1, std::memory_order_seq_cst);
+        if (!ready()) cv_.wait_for(lock, slice);
+        sleepers_.fetch_sub(1, std::memory_order_seq_cst);
+    }
+
+private:
+    std::mutex mutex_;
+    std::condition_variable cv_;
+    std::atomic<int> sleepers_{0};
+};
+
+// How long a waiter spins before yielding and then sleeping.
+struct SpinPolicy {
+    std::uint32_t spins = 1u << 14;  // busy iterations with a pause instruction
+    std::uint32_t yields = 1u << 8;  // sched_yield calls after that
+    std::chrono::nanoseconds sleep_slice = std::chrono::milliseconds(5);
+
+    // Spinning only pays when every waiting thread has a core of its own.
+    static SpinPolicy for_threads(unsigned threads) {
+        SpinPolicy p;
+        unsigned cores = std::thread::hardware_concurrency();
+        if (cores != 0 && threads > cores) {
+            p.spins = 64;
+            p.yields = 64;
+        }
+        return p;
+    }
+};
+
+// Waits until ready() holds. check() runs every few hundred spins and on every wake-up; it throws
+// to end the wait (abort, deadline). Returns as soon as ready() is seen.
+template <class Ready, class Check>
+void wait_until(Ready&& ready, Check&& check, Doorbell& bell, const SpinPolicy& policy) {
+    for (std::uint32_t i = 0; i < policy.spins; ++i) {
+        if (ready()) return;
+        if ((i & 255u) == 255u) check();
+        cpu_relax();
+    }
+    for (std::uint32_t i = 0; i < policy.yields; ++i) {
+        if (ready()) return;
+        check();
+        std::this_thread::yield();
+    }
+    while (!ready()) {
+        check();
+        bell.sleep(ready, policy.sleep_slice);
+    }
+}
+
+}  // namespace gradsync::inline v0::detail
+// ---- end gradsync/detail/wait.hpp ----
+
+#include <atomic>
+#include <chrono>
+#include <concepts>   // for std::convertible_to
+#include <exception>  // for std::exception_ptr
+#include <memory>     // for std::shared_ptr
+#include <utility>    // for std::move
+
+namespace gradsync::inline v0 {
+
+namespace detail {
+
+// Shared state of one asynchronous operation: set once by the thread that runs it.
+struct Completion {
+    // Waiters spin only where the thread doing the work is sure to have a core of its own.
+    explicit Completion(SpinPolicy waiting = {}) : spin(waiting) {}
+
+    SpinPolicy spin;
+    std::atomic<bool> done{false};
+    std::exception_ptr error;                           // written before `done`, read after it
+    std::chrono::steady_clock::time_point finished_at;  // likewise
+    Doorbell bell;
+
+    void finish(std::exception_ptr e = nullptr) {
+        error = std::move(e);
+        finished_at = std::chrono::steady_clock::now();
+        done.store(true, std::memory_order_seq_cst);
+        bell.ring();
+    }
+    // True when done by `deadline`.
+    bool wait_until(std::chrono::steady_clock::time_point deadline) {
+        struct Expired {};
+        try {
+            detail::wait_until([this] { return done.load(std::memory_order_acquire); },
+                               [deadline] {
+                                   if (std::chrono::steady_clock::now() >= deadline) throw Expired{};
+                               },
+                               bell, spin);
+        } catch (Expired) {
+            return done.load(std::memory_order_acquire);
+        }
+        return true;
+    }
+};
+
+}  // namespace detail
+
+// Handle to an asynchronous collective. wait() returns when it has completed and rethrows its
+// error, if any; every collective ends by its backend's deadline, so wait() cannot hang forever.
+// wait_until() also gives up at a deadline of the caller's. The buffers the collective works on
+// must stay valid, and untouched by the caller, until it has completed.
+class CollectiveHandle {
+public:
+    CollectiveHandle() = default;  // an already completed no-op
+    explicit CollectiveHandle(std::shared_ptr<detail::Completion> state) : state_(std::move(state)) {}
+
+    [[nodiscard]] bool ready() const { return !state_ || state_->done.load(std::memory_order_acquire); }
+
+    void wait() const { (void)wait_until(std::chrono::steady_clock::time_point::max()); }
+
+    // False when the deadline passed first; otherwise rethrows the collective's error, if any.
+    [[nodiscard]] bool wait_until(std::chrono::steady_clock::time_point deadline) const {
+        if (!state_) return true;
+        if (!state_->wait_until(deadline)) return false;
+        if (state_->error) std::rethrow_exception(state_->error);
+        return true;
+    }
+
+    // When the collective completed (for timelines); only meaningful once ready().
+    [[nodiscard]] std::chrono::steady_clock::time_point finished_at() const {
+        return state_ ? state_->finished_at : std::chrono::steady_clock::time_point{};
+    }
+
+private:
+    std::shared_ptr<detail::Completion> state_;
+};
+
+// What every backend's asynchronous collectives return.
+template <class H>
+concept Waitable = requires(const H& h, std::chrono::steady_clock::time_point deadline) {
+    h.wait();
+    { h.ready() } -> std::convertible_to<bool>;
+    { h.wait_until(deadline) } -> std::convertible_to<bool>;
+};
+
+}  // namespace gradsync::inline v0
+// ---- end gradsync/backend/handle.hpp ----
+
+#include <concepts>  // for std::convertible_to
+#include <cstdint>
+#include <functional>  // for std::function
+#include <span>
+#include <string>
+
+namespace gradsync::inline v0 {
+
+namespace detail {
+
+// The dtypes the host backends reduce: the floating ones (16-bit accumulated in float).
+inline bool reducible(DType t) {
+    return t == DType::float32 || t == DType::float64 || t == DType::float16 || t == DType::bfloat16;
+}
+
+}  // namespace detail
+
+// A backend runs collectives among the ranks of one group. Every rank calls the same collectives
+// in the same order; a backend reports a mismatch as an exception rather than hanging.
+template <class B>
+concept Backend = requires(B& b, const B& cb, Buffer buf, ReduceOp op, std::span<std::byte> bytes, int root, DType t) {
+    { cb.rank() } -> std::convertible_to<int>;
+    { cb.size() } -> std::convertible_to<int>;
+    { cb.supports(t) } -> std::convertible_to<bool>;
+    b.allreduce(buf, op);
+    { b.allreduce_async(buf, op) } -> Waitable;
+    b.broadcast(bytes, root);
+    b.barrier();
+};
+
+// A backend that reduces gradients where they lie, over a list of segments, so DataParallel
+// needs no bucket buffer and no pack or unpack copy (LocalBackend, in shared memory).
+template <class B>
+concept ScatteredAllreduce = Backend<B> && requires(B& b, std::span<const Segment> segs, DType t, ReduceOp op) {
+    b.allreduce(segs, t, op);
+    { b.allreduce_async(segs, t, op) } -> Waitable;
+};
+
+// Optional abilities. DataParallel asks these concepts, never the members themselves.
+
+// Collectives that carry a CollectiveTag (to name them in errors, and to check them): the
+// allreduce and the broadcast, and the scattered allreduce where there is one.
+template <class B>
+concept TaggedCollectives = Backend<B> &&
+    requires(B& b, Buffer buf, std::span<std::byte> bytes, ReduceOp op, CollectiveTag tag) {
+    b.allreduce(buf, op, tag);
+    { b.allreduce_async(buf, op, tag) } -> Waitable;
+    b.broadcast(bytes, 0, tag);
+};
+
+// ...and checked against the other ranks' tags at every call (`static constexpr bool
+// checks_tags = true`), so that DataParallel needs no per-step history check of its own.
+template <class B>
+concept CheckedCollectives = TaggedCollectives<B> && requires {
+    requires B::checks_tags;
+};
+
+// A backend whose collectives take device memory (`static constexpr bool device_memory = true`,
+// NcclBackend): DataParallel's gradients must then lie on the device.
+template <class B>
+concept DeviceBackend = Backend<B> && requires {
+    requires B::device_memory;
+};
+
+// abort(reason): every pending and future collective of every rank fails with `reason`, so that
+// a failure on one rank reaches the others at once rather than at their deadline.
+template <class B>
+concept Abortable = Backend<B> && requires(B& b, const std::string& reason) {
+    b.abort(reason);
+};
+
+// Each rank can leave reporters that say where it stands; the backend quotes them when one of
+// this rank's collectives misses its deadline (MpiBackend).
+template <class B>
+concept StatusReporting = Backend<B> && requires(B& b, std::function<std::string()> reporter, std::uint64_t id) {
+    { b.add_status_reporter(reporter) } -> std::convertible_to<std::uint64_t>;
+    b.remove_status_reporter(id);
+};
+
+// ...and peers can call them, without a collective, when they need to say why this rank is late
+// (LocalBackend: shared memory).
+template <class B>
+concept PeerStatus = StatusReporting<B> && requires(const B& cb, int rank) {
+    { cb.peer_status(rank) } -> std::convertible_to<std::string>;
+    { cb.peer_collectives(rank) } -> std::convertible_to<std::uint64_t>;  // how many it has entered
+};
+
+// The sum over the ranks of a factor times each rank's buffer, in one pass (NcclBackend's
+// pre-multiplied sum): folds an unscaling factor into the reduction.
+template <class B>
+concept PreScaledAllreduce = Backend<B> && requires(B& b, Buffer buf, double factor) {
+    { b.allreduce_scaled_async(buf, factor) } -> Waitable;
+};
+
+// A backend whose host does not wait for its collectives (NcclBackend) and so learns of a
+// failure only when asked: throw_if_failed() throws what its watchdog found.
+template <class B>
+concept HealthPolling = Backend<B> && requires(const B& cb) {
+    cb.throw_if_failed();
+};
+
+// Collectives ordered on the device: each one waits for what the trainer's compute stream was
+// given before it, and wait_on_device(handle) makes that stream wait for it, the host for
+// neither (NcclBackend, CudaLocalBackend).
+template <class B>
+concept StreamOrdered = DeviceBackend<B> && requires(B& b, const B& cb, Buffer buf, ReduceOp op) {
+    cb.compute_stream();
+    b.wait_on_device(b.allreduce_async(buf, op));
+};
+
+namespace detail {
+
+template <class B>
+constexpr bool check_backend() {
+    if constexpr (!Backend<B>) {
+        static_assert(
+            requires(const B& b) {
+                { b.rank() } -> std::convertible_to<int>;
+            },
+            "gradsync: a Backend needs `int rank() const`");
+        static_assert(
+            requires(const B& b) {
+                { b.size() } -> std::convertible_to<int>;
+            },
+            "gradsync: a Backend needs `int size() const`");
+        static_assert(
+            requires(const B& b, DType t) {
+                { b.supports(t) } -> std::convertible_to<bool>;
+            },
+            "gradsync: a Backend needs `bool supports(gradsync::DType) const`");
+        static_assert(
+            requires(B & b, Buffer buf, ReduceOp op) { b.allreduce(buf, op); },
+            "gradsync: a Backend needs `void allreduce(gradsync::Buffer, gradsync::ReduceOp)`");
+        static_assert(
+            requires(B & b, Buffer buf, ReduceOp op) {
+                { b.allreduce_async(buf, op) } -> Waitable;
+            },
+            "gradsync: a Backend needs `Handle allreduce_async(gradsync::Buffer, gradsync::ReduceOp)` "
+            "returning a handle with `void wait() const`, `bool ready() const` and "
+            "`bool wait_until(std::chrono::steady_clock::time_point) const`");
+        static_assert(
+            requires(B & b, std::span<std::byte> bytes, int root) { b.broadcast(bytes, root); },
+            "gradsync: a Backend needs `void broadcast(std::span<std::byte>, int root)`");
+        static_assert(
+            requires(B & b) { b.barrier(); }, "gradsync: a Backend needs `void barrier()`");
+    }
+    return Backend<B>;
+}
+
+}  // namespace detail
+
+namespace detail {
+
+// A backend's collectives with the tag where it takes one, without it where it does not: the
+// one place that decides.
+template <Backend B>
+void allreduce_tagged(B& b, Buffer buf, ReduceOp op, CollectiveTag tag) {
+    if constexpr (TaggedCollectives<B>)
+        b.allreduce(buf, op, tag);
+    else
+        b.allreduce(buf, op);
+}
+template <Backend B>
+auto allreduce_async_tagged(B& b, Buffer buf, ReduceOp op, CollectiveTag tag) {
+    if constexpr (TaggedCollectives<B>)
+        return b.allreduce_async(buf, op, tag);
+    else
+        return b.allreduce_async(buf, op);
+}
+template <ScatteredAllreduce B>
+void allreduce_tagged(B& b, std::span<const Segment> segs, DType t, ReduceOp op, CollectiveTag tag) {
+    if constexpr (requires { b.allreduce(segs, t, op, tag); })
+        b.allreduce(segs, t, op, tag);
+    else
+        b.allreduce(segs, t, op);
+}
+template <ScatteredAllreduce B>
+auto allreduce_async_tagged(B& b, std::span<const Segment> segs, DType t, ReduceOp op, CollectiveTag tag) {
+    if constexpr (requires { b.allreduce_async(segs, t, op, tag); })
+        return b.allreduce_async(segs, t, op, tag);
+    else
+        return b.allreduce_async(segs, t, op);
+}
+template <Backend B>
+void broadcast_tagged(B& b, std::span<std::byte> bytes, int root, CollectiveTag tag) {
+    if constexpr (TaggedCollectives<B>)
+        b.broadcast(bytes, root, tag);
+    else
+        b.broadcast(bytes, root);
+}
+
+// What a scattered-allreduce backend lacks, named (InPlaceBuckets needs one).
+template <class B>
+constexpr bool check_scattered_allreduce() {
+    static_assert(
+        requires(B & b, std::span<const Segment> segs, DType t, ReduceOp op) { b.allreduce(segs, t, op); },
+        "gradsync: InPlaceBuckets needs a backend that reduces scattered segments (the ScatteredAllreduce "
+        "concept, e.g. LocalBackend): `void allreduce(std::span<const gradsync::Segment>, gradsync::DType, "
+        "gradsync::ReduceOp)`; use PackedBuckets or AutoPacking");
+    static_assert(
+        requires(B & b, std::span<const Segment> segs, DType t, ReduceOp op) {
+            { b.allreduce_async(segs, t, op) } -> Waitable;
+        },
+        "gradsync: InPlaceBuckets needs a backend that reduces scattered segments (the ScatteredAllreduce "
+        "concept): `Handle allreduce_async(std::span<const gradsync::Segment>, gradsync::DType, "
+        "gradsync::ReduceOp)`; use PackedBuckets or AutoPacking");
+    return true;
+}
+
+// What a backend for device gradients lacks, named (a device memory policy needs one).
+template <class B>
+constexpr bool check_stream_ordered() {
+    static_assert(DeviceBackend<B>,
+                  "gradsync: a device memory policy (CudaMemory) needs a backend whose collectives take device "
+                  "memory (NcclBackend, CudaLocalBackend): `static constexpr bool device_memory = true`");
+    static_assert(
+        requires(const B& b) { b.compute_stream(); },
+        "gradsync: a device memory policy (CudaMemory) needs a backend that orders its collectives after the "
+        "trainer's stream: `cudaStream_t compute_stream() const`");
+    static_assert(
+        requires(B & b, Buffer buf, ReduceOp op) { b.wait_on_device(b.allreduce_async(buf, op)); },
+        "gradsync: a device memory policy (CudaMemory) needs a backend whose collectives the trainer's stream "
+        "can wait for: `void wait_on_device(const Handle&)`");
+    return true;
+}
+
+}  // namespace detail
+
+}  // namespace gradsync::inline v0
+// ---- end gradsync/backend/concepts.hpp ----
+
+// ---- begin gradsync/backend/local.hpp ----
+// LocalBackend: ranks are threads of one process and collectives run in shared memory. A group
+// of N yields N rank handles; each is driven by one thread (launch/spawn.hpp does this for you).
+
+
+// ---- begin gradsync/backend/collective.hpp ----
+// One collective as every part of gradsync describes it (each backend's errors, the NCCL
+// watchdog, a rendezvous of CUDA ranks, DataParallel's diagnosis): its kind, its number on this
+// rank, its size and type, and the tag that says what it is for.
+//
+//   allreduce #7 of 300 x float32 (1.2 KiB), average (step 1, bucket 1)
+//   broadcast #2 of 1.5 KiB from rank 0
+//   barrier #4
+
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+
+namespace gradsync::inline v0 {
+
+enum class CollectiveKind : std::uint8_t { allreduce, broadcast, barrier };
+
+inline std::string to_string(CollectiveKind k) {
+    switch (k) {
+        case CollectiveKind::allreduce: return "allreduce";
+        case CollectiveKind::broadcast: return "broadcast";
+        case CollectiveKind::barrier: return "barrier";
+    }
+    return "collective";
+}
+
+struct CollectiveCall {
+    CollectiveKind kind = CollectiveKind::barrier;
+    std::uint64_t seq = 0;         // 1 for the rank's first collective; 0: not numbered
+    std::size_t count = 0;         // elements of `dtype`, or bytes when there is none
+    std::optional<DType> dtype{};  // none: raw bytes (a broadcast)
+    ReduceOp op = ReduceOp::sum;
+    int root = 0;  // a broadcast's
+    CollectiveTag tag{};
+
+    [[nodiscard]] Bytes bytes() const { return Bytes{count * (dtype ? size_of(*dtype) : 1)}; }
+
+    [[nodiscard]] std::string describe() const {
+        std::string out = to_string(kind);
+        if (seq != 0) out += " #" + std::to_string(seq);
+        if (kind != CollectiveKind::barrier) {
+            out += " of ";
+            if (dtype)
+                out += std::to_string(count) + " x " + to_string(*dtype) + " (" + to_string(bytes()) + ")";
+            else
+                out += to_string(bytes());
+        }
+        if (kind == CollectiveKind::allreduce) out += ", " + to_string(op);
+        if (kind == CollectiveKind::broadcast) out += " from rank " + std::to_string(root);
+        if (tag.step >= 0) {
+            out += " (step " + std::to_string(tag.step);
+            if (tag.bucket >= 0) out += ", bucket " + std::to_string(tag.bucket);
+            out += ")";
         }
         return out;
     }
 
-    [[nodiscard]] std::size_t total_count() const {
-        std::size_t n = 0;
-        for (auto s : sizes_) n += s;
-        return n;
+    // The same collective on two ranks: every field alike.
+    [[nodiscard]] bool same_as(const CollectiveCall& o) const {
+        return kind == o.kind && seq == o.seq && count == o.count && dtype == o.dtype && op == o.op && root == o.root &&
+               tag == o.tag;
     }
-    [[nodiscard]] T* params() const { return params_; }
-    [[nodiscard]] T* grads() const { return grads_; }
-
-private:
-    T* params_;
-    T* grads_;
-    std::vector<std::size_t> sizes_;
-    std::vector<std::string> names_;
 };
 
 }  // namespace gradsync::inline v0
-// ---- end gradsync/contiguous_parameters.hpp ----
+// ---- end gradsync/backend/collective.hpp ----
 
-// ---- begin gradsync/data_parallel.hpp ----
-// DataParallel<Model, Backend, Policies...>: wraps a model so that every rank holds the average of
-// all ranks' gradients after synchronize(). With grad_ready() calls during backward, each bucket's
-// allreduce starts as soon as its last gradient is ready, overlapping communication with backward.
+// ---- begin gradsync/backend/detail/async_collectives.hpp ----
+// AsyncCollectives: a rank's asynchronous collectives, run in launch order on a progress thread
+// started at the first launch. Synchronous collectives call wait_for_all() first, so that a
+// rank's collectives keep one order whichever thread runs them. Shared by the host backends.
 
 
-// ---- begin gradsync/detail/finalize.hpp ----
-// The fused finalize pass over reduced gradients: scale (1 / (world size x loss scale)), sum of
-// squares for the global norm, and detection of non-finite values, in one read and one write of
-// each element, widening or narrowing between storage types on the way.
+// ---- begin gradsync/backend/detail/progress_thread.hpp ----
+// ProgressThread: runs a rank's asynchronous collectives, in launch order, on a thread of its
+// own, so that the caller returns to backward while they progress.
+
+
+#include <condition_variable>
+#include <deque>
+#include <functional>  // for std::function
+#include <mutex>
+#include <thread>
+#include <utility>  // for std::move
+
+namespace gradsync::inline v0::detail {
+
+class ProgressThread {
+public:
+    ProgressThread() : thread_([this] { run(); }) {}
+    ProgressThread(const ProgressThread&) = delete;
+    ProgressThread& operator=(const ProgressThread&) = delete;
+    ~ProgressThread() {
+        {
+            std::lock_guard lock(mutex_);
+            stop_ = true;
+        }
+        cv_.notify_one();
+        thread_.join();  // after the queue is drained
+    }
+
+    void post(std::function<void()> task) {
+        {
+            std::lock_guard lock(mutex_);
+            queue_.push_back(std::move(task));
+        }
+        cv_.notify_one();
+    }
+
+private:
+    void run() {
+        std::unique_lock lock(mutex_);
+        for (;;) {
+            cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+            if (queue_.empty()) return;  // stop_ and nothing left
+            auto task = std::move(queue_.front());
+            queue_.pop_front();
+            lock.unlock();
+            task();
+            lock.lock();
+        }
+    }
+
+    std::mutex mutex_;
+    std::condition_variable cv_;
+    std::deque<std::function<void()>> queue_;
+    bool stop_ = false;
+    std::thread thread_;  // last: starts after the members it uses
+};
+
+}  // namespace gradsync::inline v0::detail
+// ---- end gradsync/backend/detail/progress_thread.hpp ----
+
+#include <chrono>
+#include <exception>
+#include <memory>
+#include <utility>  // for std::move
+
+namespace gradsync::inline v0::detail {
+
+class AsyncCollectives {
+public:
+    // Runs `body` on the progress thread after every earlier launch; `done` finishes with its
+    // outcome (the exception it threw, if any).
+    template <class F>
+    void launch(F body, std::shared_ptr<Completion> done) {
+        if (!thread_) thread_ = std::make_unique<ProgressThread>();
+        thread_->post([body = std::move(body), done]() mutable {
+            try {
+                body();
+                done->finish();
+            } catch (...) {
+                done->finish(std::current_exception());
+            }
+        });
+        last_ = std::move(done);
+    }
+
+    // Waits until every launched collective has finished (each ends by its own deadline).
+    void wait_for_all() {
+        if (!last_) return;
+        last_->wait_until(std::chrono::steady_clock::time_point::max());
+        last_.reset();
+    }
+
+    // Drains the queue and stops the thread.
+    void stop() {
+        thread_.reset();
+        last_.reset();
+    }
+
+private:
+    std::unique_ptr<ProgressThread> thread_;
+    std::shared_ptr<Completion> last_;
+};
+
+}  // namespace gradsync::inline v0::detail
+// ---- end gradsync/backend/detail/async_collectives.hpp ----
+
+// ---- begin gradsync/backend/detail/local_group.hpp ----
+// The shared state of a LocalBackend group: each rank's slot (its current call, staging, the
+// barrier rounds it has arrived at) and the collectives themselves, run by the ranks' threads in
+// shared memory, with the checks that every rank called the same one and that nobody waits past
+// the deadline.
+
+
+// ---- begin gradsync/backend/detail/host_reduce.hpp ----
+// Host reduction loops. Written as fixed-width inner loops over restrict pointers so that g++
+// vectorizes them at -O2 as well as -O3; the sum order is always rank 0, 1, 2, ... so every
+// algorithm and every rank produces bitwise identical results.
 
 
 #include <algorithm>  // for std::min
-#include <cmath>      // for std::isfinite
 #include <cstddef>
-#include <string>
+#include <cstring>      // for std::memcpy
+#include <type_traits>  // for std::is_same_v
+
+namespace gradsync::inline v0::detail {
+
+inline constexpr std::size_t reduce_block_bytes = 8192;  // one block of every input fits in L1
+inline constexpr std::size_t simd_width = 16;
+
+template <class T>
+inline void add_two(T* __restrict out, const T* __restrict a, const T* __restrict b, std::size_t n) {
+    const std::size_t full = n - n % simd_width;
+    std::size_t i = 0;
+    for (; i < full; i += simd_width)
+        for (std::size_t j = 0; j < simd_width; ++j) out[i + j] = a[i + j] + b[i + j];
+    for (; i < n; ++i) out[i] = a[i] + b[i];
+}
+
+template <class T>
+inline void add_into(T* __restrict out, const T* __restrict a, std::size_t n) {
+    const std::size_t full = n - n % simd_width;
+    std::size_t i = 0;
+    for (; i < full; i += simd_width)
+        for (std::size_t j = 0; j < simd_width; ++j) out[i + j] += a[i + j];
+    for (; i < n; ++i) out[i] += a[i];
+}
+
+template <class T>
+inline void scale_in_place(T* __restrict out, T factor, std::size_t n) {
+    const std::size_t full = n - n % simd_width;
+    std::size_t i = 0;
+    for (; i < full; i += simd_width)
+        for (std::size_t j = 0; j < simd_width; ++j) out[i + j] *= factor;
+    for (; i < n; ++i) out[i] *= factor;
+}
+
+// What a storage type is summed in: itself, or float for the 16-bit types.
+template <class S>
+struct accumulator {
+    using type = S;
+};
+template <>
+struct accumulator<float16> {
+    using type = float;
+};
+template <>
+struct accumulator<bfloat16> {
+    using type = float;
+};
+template <class S>
+using accumulator_t = typename accumulator<S>::type;
+
+// For every i < n: the sum of inputs[0..n_in)[i] in rank order, in the accumulator type, times
+// `factor` when `scaled`, written to every outputs[0..n_out)[i]. Outputs may alias inputs: each
+// block is read in full into `scratch` (reduce_block_bytes, aligned) before any of it is written.
+template <class S>
+void reduce_to_all(S* const* inputs, int n_in, S* const* outputs, int n_out, std::size_t n, bool scaled,
+                   accumulator_t<S> factor, void* scratch) {
+    using A = accumulator_t<S>;
+    if constexpr (std::is_same_v<S, A>) {
+        constexpr std::size_t block = reduce_block_bytes / sizeof(S);
+        auto* tmp = static_cast<S*>(scratch);
+        for (std::size_t off = 0; off < n; off += block) {
+            std::size_t k = std::min(block, n - off);
+            if (n_in == 1) {
+                std::memcpy(tmp, inputs[0] + off, k * sizeof(S));
+            } else {
+                add_two(tmp, inputs[0] + off, inputs[1] + off, k);
+                for (int s = 2; s < n_in; ++s) add_into(tmp, inputs[s] + off, k);
+            }
+            if (scaled) scale_in_place(tmp, factor, k);
+            for (int o = 0; o < n_out; ++o) std::memcpy(outputs[o] + off, tmp, k * sizeof(S));
+        }
+    } else {
+        // Widen into A, sum there, narrow once (rounding to nearest even), copy to every output.
+        constexpr std::size_t block = reduce_block_bytes / (2 * sizeof(A) + sizeof(S)) / simd_width * simd_width;
+        auto* acc = static_cast<A*>(scratch);
+        auto* wide = acc + block;
+        auto* narrowed = reinterpret_cast<S*>(wide + block);
+        for (std::size_t off = 0; off < n; off += block) {
+            std::size_t k = std::min(block, n - off);
+            widen_to_float(inputs[0] + off, acc, k);
+            for (int s = 1; s < n_in; ++s) {
+                widen_to_float(inputs[s] + off, wide, k);
+                add_into(acc, wide, k);
+            }
+            if (scaled) scale_in_place(acc, factor, k);
+            narrow_from_float(acc, narrowed, k);
+            for (int o = 0; o < n_out; ++o) std::memcpy(outputs[o] + off, narrowed, k * sizeof(S));
+        }
+    }
+}
+
+}  // namespace gradsync::inline v0::detail
+// ---- end gradsync/backend/detail/host_reduce.hpp ----
+
+// ---- begin gradsync/detail/aligned_bytes.hpp ----
+// AlignedBytes: an owning, cache-line aligned byte buffer whose pages are touched at allocation,
+// so the first training step does not pay for page faults.
+
+
+#include <cstddef>
+#include <cstdlib>  // for std::aligned_alloc, std::free
+#include <cstring>  // for std::memset
+#include <memory>   // for std::unique_ptr
+#include <new>      // for std::bad_alloc
+
+namespace gradsync::inline v0::detail {
+
+inline constexpr std::size_t cache_line = 64;
+
+class AlignedBytes {
+public:
+    AlignedBytes() = default;
+    explicit AlignedBytes(std::size_t size) : size_(size) {
+        if (size == 0) return;
+        std::size_t rounded = (size + cache_line - 1) / cache_line * cache_line;
+        void* p = std::aligned_alloc(cache_line, rounded);
+        if (p == nullptr) throw std::bad_alloc();
+        std::memset(p, 0, rounded);  // touch every page now
+        data_.reset(static_cast<std::byte*>(p));
+    }
+
+    [[nodiscard]] std::byte* data() const { return data_.get(); }
+    [[nodiscard]] std::size_t size() const { return size_; }
+
+private:
+    struct Free {
+        void operator()(std::byte* p) const { std::free(p); }
+    };
+    std::unique_ptr<std::byte, Free> data_;
+    std::size_t size_ = 0;
+};
+
+}  // namespace gradsync::inline v0::detail
+// ---- end gradsync/detail/aligned_bytes.hpp ----
+
+// ---- begin gradsync/detail/dtype_visit.hpp ----
+// The one dtype visitor: turns a floating-point DType known at run time into its C++ type, for
+// code written once as a template over the element type.
+
 
 namespace gradsync::inline v0::detail {
 
@@ -2521,6 +2070,617 @@ void visit_float_dtype(DType t, F&& f) {
         default: throw Error("gradsync: internal error: " + to_string(t) + " is no floating-point dtype");
     }
 }
+
+}  // namespace gradsync::inline v0::detail
+// ---- end gradsync/detail/dtype_visit.hpp ----
+
+#include <algorithm>  // for std::min, std::max
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>     // for std::memcpy
+#include <functional>  // for std::function
+#include <mutex>
+#include <span>
+#include <string>
+#include <utility>  // for std::move
+#include <vector>
+
+namespace gradsync::inline v0 {
+
+// How a LocalBackend group reduces. Both algorithms sum in rank order, so they give bitwise
+// identical results and `automatic` may switch between them by size without changing numbers.
+enum class LocalAlgorithm : std::uint8_t {
+    // one_shot for messages up to LocalGroupOptions::one_shot_max, reduce_scatter_all_gather above.
+    automatic,
+    // Latency-optimal: every rank copies its input to a staging slot, one barrier, and every rank
+    // sums all slots into its own buffer. One synchronization; each rank reads n times the bytes.
+    one_shot,
+    // Bandwidth-optimal: rank r owns 1/n of the elements, sums them from every rank's buffer and
+    // writes the result straight into every rank's buffer (reduce-scatter and all-gather fused,
+    // which shared memory allows): each rank reads and writes each of its bytes once.
+    reduce_scatter_all_gather,
+};
+
+struct LocalGroupOptions {
+    LocalAlgorithm algorithm = LocalAlgorithm::automatic;
+    // Size of each rank's one-shot staging slot; `automatic` uses one-shot at or below it.
+    // On 2 ranks of a 2-core machine one-shot wins up to about 3 KiB (bench: allreduce latency).
+    Bytes one_shot_max = Bytes{2u << 10};
+    // Every wait inside a collective ends by then: a rank that does not arrive fails the group.
+    std::chrono::milliseconds timeout = std::chrono::seconds(600);
+};
+
+namespace detail {
+
+// One rank's collective (what every rank's must equal), with its buffers, published so that its
+// peers can check they are in the same call and find the memory it reduces.
+struct LocalCall : CollectiveCall {
+    const Segment* segments = nullptr;  // null: the one segment is `single`
+    std::size_t segment_count = 0;
+    Segment single{};
+
+    [[nodiscard]] std::span<const Segment> segs() const {
+        return segments != nullptr ? std::span<const Segment>(segments, segment_count)
+                                   : std::span<const Segment>(&single, 1);
+    }
+};
+
+// Walks a list of segments element by element.
+class SegmentCursor {
+public:
+    SegmentCursor(std::span<const Segment> segs, std::size_t start, std::size_t elem_size)
+        : it_(segs.data()), end_(segs.data() + segs.size()), elem_(elem_size) {
+        while (it_ != end_ && start >= it_->count) {
+            start -= it_->count;
+            ++it_;
+        }
+        offset_ = start;
+        skip_empty();
+    }
+    [[nodiscard]] std::size_t left() const { return it_ == end_ ? 0 : it_->count - offset_; }
+    [[nodiscard]] std::byte* ptr() const { return static_cast<std::byte*>(it_->data) + offset_ * elem_; }
+    void advance(std::size_t k) {
+        offset_ += k;
+        skip_empty();
+    }
+
+private:
+    void skip_empty() {
+        while (it_ != end_ && offset_ >= it_->count) {
+            offset_ -= it_->count;
+            ++it_;
+        }
+    }
+    const Segment* it_;
+    const Segment* end_;
+    std::size_t offset_ = 0;
+    std::size_t elem_;
+};
+
+// One rank's slot in the group: written by that rank, read by its peers.
+struct alignas(cache_line) LocalRankState {
+    std::atomic<std::uint64_t> epoch{0};  // barrier rounds this rank has arrived at
+    alignas(cache_line) std::atomic<bool> departed{false};
+    std::atomic<std::uint64_t> calls_entered{0};
+    LocalCall calls[2];       // the current collective, by round parity
+    AlignedBytes staging[2];  // one-shot input copies, by round parity
+    // Scratch for the thread executing this rank's collectives.
+    AlignedBytes block;  // reduce_block_bytes
+    std::vector<SegmentCursor> cursors;
+    std::vector<void*> pointers;
+};
+
+class LocalGroupState {
+public:
+    LocalGroupState(int size, LocalGroupOptions options)
+        : size_(size),
+          options_(options),
+          spin_(SpinPolicy::for_threads(static_cast<unsigned>(size))),
+          ranks_(static_cast<std::size_t>(size)),
+          reporters_(static_cast<std::size_t>(size)) {
+        std::size_t slot = std::max<std::size_t>(4096, options.one_shot_max.count());
+        slot = (slot + cache_line - 1) / cache_line * cache_line;
+        staging_bytes_ = slot;
+        for (auto& r : ranks_) {
+            r.staging[0] = AlignedBytes(slot);
+            r.staging[1] = AlignedBytes(slot);
+            r.block = AlignedBytes(reduce_block_bytes);
+            r.pointers.resize(static_cast<std::size_t>(size));
+            r.cursors.reserve(static_cast<std::size_t>(size));
+        }
+    }
+
+    [[nodiscard]] int size() const { return size_; }
+    [[nodiscard]] const LocalGroupOptions& options() const { return options_; }
+    [[nodiscard]] Bytes memory_per_rank() const { return Bytes{2 * staging_bytes_ + reduce_block_bytes}; }
+
+    // Runs one collective for `rank` on the calling thread.
+    void execute(int rank, const LocalCall& call) {
+        auto deadline = std::chrono::steady_clock::now() + options_.timeout;
+        throw_if_aborted(rank, call);
+        ranks_[idx(rank)].calls_entered.store(call.seq, std::memory_order_relaxed);
+        if (size_ == 1) return execute_alone(rank, call);
+        switch (call.kind) {
+            case CollectiveKind::allreduce:
+                if (!reducible(*call.dtype))
+                    fail(rank, call, "LocalBackend reduces floating-point types only, not " + to_string(*call.dtype));
+                return visit_float_dtype(*call.dtype,
+                                         [&]<class T>(type_tag<T>) { allreduce<T>(rank, call, deadline); });
+            case CollectiveKind::broadcast: return broadcast(rank, call, deadline);
+            case CollectiveKind::barrier: return barrier(rank, call, deadline);
+        }
+    }
+
+    // Fails every pending and future collective of every rank with `reason`. First reason wins.
+    void abort(const std::string& reason) {
+        {
+            std::lock_guard lock(abort_mutex_);
+            if (aborted_.load(std::memory_order_relaxed)) return;
+            abort_reason_ = reason;
+            aborted_.store(true, std::memory_order_seq_cst);
+        }
+        bell_.ring();
+    }
+    [[nodiscard]] bool aborted() const { return aborted_.load(std::memory_order_acquire); }
+
+    // The rank's handle is gone: peers waiting for it fail instead of waiting for the deadline.
+    void depart(int rank) {
+        ranks_[idx(rank)].departed.store(true, std::memory_order_seq_cst);
+        bell_.ring();
+    }
+
+    std::uint64_t add_status_reporter(int rank, std::function<std::string()> reporter) {
+        std::lock_guard lock(status_mutex_);
+        reporters_[idx(rank)].push_back({++next_reporter_, std::move(reporter)});
+        return next_reporter_;
+    }
+    void remove_status_reporter(int rank, std::uint64_t id) {
+        std::lock_guard lock(status_mutex_);
+        auto& list = reporters_[idx(rank)];
+        std::erase_if(list, [id](const Reporter& r) { return r.id == id; });
+    }
+
+    // What rank `rank` says about itself, for a peer's diagnosis: its reporters' words.
+    [[nodiscard]] std::string status_of(int rank) {
+        if (ranks_[idx(rank)].departed.load(std::memory_order_acquire)) return "it has left the group";
+        std::lock_guard lock(status_mutex_);
+        std::string out;
+        for (const auto& reporter : reporters_[idx(rank)]) out += (out.empty() ? "" : "; ") + reporter.report();
+        return out;
+    }
+    [[nodiscard]] std::uint64_t collectives_entered(int rank) const {
+        return ranks_[idx(rank)].calls_entered.load(std::memory_order_relaxed);
+    }
+
+private:
+    static std::size_t idx(int rank) { return static_cast<std::size_t>(rank); }
+
+    [[noreturn]] void fail(int rank, const LocalCall& call, const std::string& reason) {
+        std::string msg = rank_prefix(rank) + ", " + call.describe() + ": " + reason;
+        abort(msg);
+        throw CollectiveError(msg);
+    }
+
+    void throw_if_aborted(int rank, const LocalCall& call) {
+        if (!aborted()) return;
+        std::string reason;
+        {
+            std::lock_guard lock(abort_mutex_);
+            reason = abort_reason_;
+        }
+        throw CollectiveError(rank_prefix(rank) + ", " + call.describe() + ": the group was aborted: " + reason);
+    }
+
+    void execute_alone(int rank, const LocalCall& call) {
+        if (call.kind == CollectiveKind::allreduce && !reducible(*call.dtype))
+            fail(rank, call, "LocalBackend reduces floating-point types only, not " + to_string(*call.dtype));
+        if (call.kind == CollectiveKind::broadcast && call.root != 0)
+            fail(rank, call, "root " + std::to_string(call.root) + " is not a rank of this group of 1");
+        // One rank: sum and average are the identity, broadcast and barrier are no-ops.
+    }
+
+    // Arrive at the next round and wait until every rank has. Returns the round's parity.
+    unsigned round(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
+        auto& me = ranks_[idx(rank)];
+        std::uint64_t target = me.epoch.load(std::memory_order_relaxed) + 1;
+        me.epoch.store(target, std::memory_order_seq_cst);
+        bell_.ring();
+        for (int s = 0; s < size_; ++s) {
+            if (s == rank) continue;
+            auto& peer = ranks_[idx(s)];
+            auto ready = [&] { return peer.epoch.load(std::memory_order_acquire) >= target; };
+            if (ready()) continue;
+            wait_until(
+                ready, [&] { check_wait(rank, s, target, call, deadline); }, bell_, spin_);
+        }
+        return static_cast<unsigned>((target - 1) & 1u);
+    }
+
+    void check_wait(int rank, int peer_rank, std::uint64_t target, const LocalCall& call,
+                    std::chrono::steady_clock::time_point deadline) {
+        throw_if_aborted(rank, call);
+        auto& peer = ranks_[idx(peer_rank)];
+        if (peer.departed.load(std::memory_order_seq_cst) && peer.epoch.load(std::memory_order_seq_cst) < target) {
+            fail(rank, call,
+                 "rank " + std::to_string(peer_rank) +
+                     " left the group (its LocalBackend was destroyed, or its spawn function returned) "
+                     "without entering this collective; it had entered " +
+                     std::to_string(peer.calls_entered.load(std::memory_order_relaxed)) + " collectives");
+        }
+        if (std::chrono::steady_clock::now() >= deadline) {
+            std::string msg = rank_prefix(rank) + ", " + call.describe() + ": timed out after " +
+                              std::to_string(options_.timeout.count()) + " ms waiting for rank " +
+                              std::to_string(peer_rank) + ", which has entered " +
+                              std::to_string(collectives_entered(peer_rank)) + " collectives" +
+                              [&] {
+                                  auto status = status_of(peer_rank);
+                                  return status.empty() ? std::string() : " (" + status + ")";
+                              }() +
+                              ". Raise the timeout if the work is just slow";
+            abort(msg);
+            throw TimeoutError(msg);
+        }
+    }
+
+    // After the first round: every rank checks every rank's call against rank 0's, so that all
+    // of them find the same first difference and throw the same message.
+    void validate(int rank, const LocalCall& call, unsigned parity) {
+        const LocalCall& ref = ranks_[0].calls[parity];
+        for (int s = 1; s < size_; ++s) {
+            const LocalCall& other = ranks_[idx(s)].calls[parity];
+            if (!other.same_as(ref)) {
+                fail(rank, call,
+                     "collective mismatch: rank 0 is in " + ref.describe() + " but rank " + std::to_string(s) +
+                         " is in " + other.describe() +
+                         "; every rank must call the same collectives in the same order with the same sizes");
+            }
+        }
+    }
+
+    void check_root(int rank, const LocalCall& call) {
+        if (call.root < 0 || call.root >= size_)
+            fail(rank, call,
+                 "root " + std::to_string(call.root) + " is not a rank of this group of " + std::to_string(size_));
+    }
+
+    template <class T>
+    void allreduce(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
+        bool one_shot =
+            options_.algorithm == LocalAlgorithm::one_shot || (options_.algorithm == LocalAlgorithm::automatic &&
+                                                               call.count * sizeof(T) <= options_.one_shot_max.count());
+        if (one_shot)
+            allreduce_one_shot<T>(rank, call, deadline);
+        else
+            allreduce_two_phase<T>(rank, call, deadline);
+    }
+
+    template <class T>
+    void allreduce_one_shot(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
+        auto& me = ranks_[idx(rank)];
+        const std::size_t piece = staging_bytes_ / sizeof(T);
+        const auto factor = accumulator_t<T>(1) / static_cast<accumulator_t<T>>(size_);
+        SegmentCursor in(call.segs(), 0, sizeof(T));
+        SegmentCursor out(call.segs(), 0, sizeof(T));
+        std::size_t pos = 0;
+        bool first = true;
+        do {
+            std::size_t len = std::min(piece, call.count - pos);
+            unsigned parity = static_cast<unsigned>(me.epoch.load(std::memory_order_relaxed) & 1u);
+            // Gather this piece of my input into my staging slot.
+            auto* slot = me.staging[parity].data();
+            for (std::size_t done = 0; done < len;) {
+                std::size_t k = std::min(len - done, in.left());
+                std::memcpy(slot + done * sizeof(T), in.ptr(), k * sizeof(T));
+                in.advance(k);
+                done += k;
+            }
+            if (first) me.calls[parity] = call;
+            round(rank, call, deadline);
+            if (first) validate(rank, call, parity);
+            first = false;
+            // Sum every rank's slot, in rank order, into my own buffer.
+            auto** inputs = reinterpret_cast<T**>(me.pointers.data());
+            for (int s = 0; s < size_; ++s) inputs[s] = reinterpret_cast<T*>(ranks_[idx(s)].staging[parity].data());
+            for (std::size_t done = 0; done < len;) {
+                std::size_t k = std::min(len - done, out.left());
+                T* dst = reinterpret_cast<T*>(out.ptr());
+                reduce_to_all<T>(inputs, size_, &dst, 1, k, call.op == ReduceOp::average, factor, me.block.data());
+                for (int s = 0; s < size_; ++s) inputs[s] += k;
+                out.advance(k);
+                done += k;
+            }
+            pos += len;
+        } while (pos < call.count);
+    }
+
+    template <class T>
+    void allreduce_two_phase(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
+        auto& me = ranks_[idx(rank)];
+        unsigned parity = static_cast<unsigned>(me.epoch.load(std::memory_order_relaxed) & 1u);
+        me.calls[parity] = call;
+        round(rank, call, deadline);
+        validate(rank, call, parity);
+
+        // My share: a cache-line aligned 1/n of the elements. (Claiming pieces from a shared
+        // counter instead was tried: slower below 4 MiB and no better above, even overlapped.)
+        const std::size_t n = call.count;
+        const std::size_t align = cache_line / sizeof(T);
+        std::size_t chunk = (n + static_cast<std::size_t>(size_) - 1) / static_cast<std::size_t>(size_);
+        chunk = (chunk + align - 1) / align * align;
+        std::size_t lo = std::min(n, static_cast<std::size_t>(rank) * chunk);
+        std::size_t hi = std::min(n, lo + chunk);
+        if (lo < hi) {
+            const auto factor = accumulator_t<T>(1) / static_cast<accumulator_t<T>>(size_);
+            me.cursors.clear();
+            for (int s = 0; s < size_; ++s) me.cursors.emplace_back(ranks_[idx(s)].calls[parity].segs(), lo, sizeof(T));
+            auto** ptrs = reinterpret_cast<T**>(me.pointers.data());
+            for (std::size_t pos = lo; pos < hi;) {
+                std::size_t k = hi - pos;
+                for (const auto& c : me.cursors) k = std::min(k, c.left());
+                for (int s = 0; s < size_; ++s) ptrs[s] = reinterpret_cast<T*>(me.cursors[idx(s)].ptr());
+                reduce_to_all<T>(ptrs, size_, ptrs, size_, k, call.op == ReduceOp::average, factor, me.block.data());
+                for (auto& c : me.cursors) c.advance(k);
+                pos += k;
+            }
+        }
+        // Nobody returns, and reuses its buffer, before every share is written.
+        round(rank, call, deadline);
+    }
+
+    void broadcast(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
+        check_root(rank, call);
+        auto& me = ranks_[idx(rank)];
+        unsigned parity = static_cast<unsigned>(me.epoch.load(std::memory_order_relaxed) & 1u);
+        me.calls[parity] = call;
+        round(rank, call, deadline);
+        validate(rank, call, parity);
+        if (rank != call.root && call.count != 0) {
+            std::memcpy(call.single.data, ranks_[idx(call.root)].calls[parity].single.data, call.count);
+        }
+        round(rank, call, deadline);
+    }
+
+    void barrier(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
+        auto& me = ranks_[idx(rank)];
+        unsigned parity = static_cast<unsigned>(me.epoch.load(std::memory_order_relaxed) & 1u);
+        me.calls[parity] = call;
+        round(rank, call, deadline);
+        validate(rank, call, parity);
+    }
+
+    int size_;
+    LocalGroupOptions options_;
+    SpinPolicy spin_;
+    std::size_t staging_bytes_ = 0;
+    std::vector<LocalRankState> ranks_;
+    Doorbell bell_;
+    std::atomic<bool> aborted_{false};
+    std::mutex abort_mutex_;
+    std::string abort_reason_;
+    struct Reporter {
+        std::uint64_t id;
+        std::function<std::string()> report;
+    };
+    std::mutex status_mutex_;
+    std::uint64_t next_reporter_ = 0;
+    std::vector<std::vector<Reporter>> reporters_;  // per rank
+};
+
+}  // namespace detail
+
+}  // namespace gradsync::inline v0
+// ---- end gradsync/backend/detail/local_group.hpp ----
+
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <functional>  // for std::function
+#include <memory>
+#include <span>
+#include <string>
+#include <type_traits>  // for std::is_trivially_copyable_v
+#include <utility>      // for std::move
+#include <vector>
+
+namespace gradsync::inline v0 {
+
+class LocalBackend {
+public:
+    static constexpr bool checks_tags = true;  // every collective's tag is compared with rank 0's
+
+    // A group of `size` ranks; element r is rank r's handle. Hand each to its own thread; a
+    // handle is used by one thread at a time.
+    static std::vector<LocalBackend> create_group(int size, LocalGroupOptions options = {}) {
+        if (size < 1) throw Error("gradsync: a LocalBackend group needs at least 1 rank, got " + std::to_string(size));
+        if (options.timeout.count() <= 0)
+            throw Error("gradsync: LocalGroupOptions::timeout must be positive, got " +
+                        std::to_string(options.timeout.count()) + " ms");
+        auto group = std::make_shared<detail::LocalGroupState>(size, options);
+        std::vector<LocalBackend> ranks;
+        ranks.reserve(static_cast<std::size_t>(size));
+        for (int r = 0; r < size; ++r) ranks.push_back(LocalBackend(group, r));
+        return ranks;
+    }
+
+    LocalBackend(LocalBackend&&) noexcept = default;
+    LocalBackend& operator=(LocalBackend&& other) noexcept {
+        if (this != &other) {
+            leave();
+            group_ = std::move(other.group_);
+            rank_ = other.rank_;
+            next_seq_ = other.next_seq_;
+            async_ = std::move(other.async_);
+        }
+        return *this;
+    }
+    LocalBackend(const LocalBackend&) = delete;
+    LocalBackend& operator=(const LocalBackend&) = delete;
+    // Finishes the rank's pending collectives, then leaves the group: peers still waiting for this
+    // rank fail at once instead of at their deadline.
+    ~LocalBackend() { leave(); }
+
+    [[nodiscard]] int rank() const { return rank_; }
+    [[nodiscard]] int size() const { return group_->size(); }
+    // float32, float64, and float16 and bfloat16 (summed in float).
+    [[nodiscard]] bool supports(DType t) const { return detail::reducible(t); }
+    [[nodiscard]] const LocalGroupOptions& options() const { return group_->options(); }
+    // Staging and scratch memory this rank's collectives use.
+    [[nodiscard]] Bytes memory_footprint() const { return group_->memory_per_rank(); }
+    // How many collectives this rank has called so far (the next one is number calls_made() + 1).
+    [[nodiscard]] std::uint64_t calls_made() const { return next_seq_; }
+
+    // In-place allreduce of a contiguous buffer. The tag, when given, must match on every rank.
+    void allreduce(Buffer buf, ReduceOp op, CollectiveTag tag = {}) { run_now(allreduce_call(buf, op, tag)); }
+    CollectiveHandle allreduce_async(Buffer buf, ReduceOp op, CollectiveTag tag = {}) {
+        return launch(allreduce_call(buf, op, tag));
+    }
+
+    // In-place allreduce of the concatenation of `segments`: gradients reduced where they lie.
+    // The segment list must stay valid until the collective completes.
+    void allreduce(std::span<const Segment> segments, DType dtype, ReduceOp op, CollectiveTag tag = {}) {
+        run_now(scattered_call(segments, dtype, op, tag));
+    }
+    CollectiveHandle allreduce_async(std::span<const Segment> segments, DType dtype, ReduceOp op,
+                                     CollectiveTag tag = {}) {
+        return launch(scattered_call(segments, dtype, op, tag));
+    }
+
+    template <HasDType T>
+    void allreduce(std::span<T> data, ReduceOp op = ReduceOp::sum) {
+        allreduce(buffer_of(data), op);
+    }
+    template <HasDType T>
+    CollectiveHandle allreduce_async(std::span<T> data, ReduceOp op = ReduceOp::sum) {
+        return allreduce_async(buffer_of(data), op);
+    }
+
+    // Copies `root`'s bytes into every other rank's buffer of the same size.
+    void broadcast(std::span<std::byte> bytes, int root, CollectiveTag tag = {}) {
+        run_now(broadcast_call(bytes, root, tag));
+    }
+    CollectiveHandle broadcast_async(std::span<std::byte> bytes, int root, CollectiveTag tag = {}) {
+        return launch(broadcast_call(bytes, root, tag));
+    }
+    template <class T>
+    requires std::is_trivially_copyable_v<T>
+    void broadcast(std::span<T> data, int root) { broadcast(std::as_writable_bytes(data), root); }
+
+    void barrier() {
+        detail::LocalCall call;
+        call.kind = CollectiveKind::barrier;
+        call.seq = ++next_seq_;
+        run_now(call);
+    }
+
+    // Fails every pending and future collective of every rank of the group, with `reason`.
+    void abort(const std::string& reason) { group_->abort(reason); }
+
+    // `reporter` says where this rank stands; a peer that times out waiting for this rank quotes
+    // it. It runs on the peer's thread, so it may only read what is safe to read from there.
+    std::uint64_t add_status_reporter(std::function<std::string()> reporter) {
+        return group_->add_status_reporter(rank_, std::move(reporter));
+    }
+    void remove_status_reporter(std::uint64_t id) { group_->remove_status_reporter(rank_, id); }
+    [[nodiscard]] std::string peer_status(int rank) const { return group_->status_of(rank); }
+    [[nodiscard]] std::uint64_t peer_collectives(int rank) const { return group_->collectives_entered(rank); }
+
+private:
+    LocalBackend(std::shared_ptr<detail::LocalGroupState> group, int rank) : group_(std::move(group)), rank_(rank) {}
+
+    detail::LocalCall allreduce_call(Buffer buf, ReduceOp op, CollectiveTag tag) {
+        detail::LocalCall call;
+        call.kind = CollectiveKind::allreduce;
+        call.dtype = buf.dtype;
+        call.op = op;
+        call.count = buf.count;
+        call.single = Segment{buf.data, buf.count};
+        call.tag = tag;
+        call.seq = ++next_seq_;
+        return call;
+    }
+    detail::LocalCall scattered_call(std::span<const Segment> segments, DType dtype, ReduceOp op, CollectiveTag tag) {
+        detail::LocalCall call;
+        call.kind = CollectiveKind::allreduce;
+        call.dtype = dtype;
+        call.op = op;
+        call.count = detail::total_count(segments);
+        call.segments = segments.data();
+        call.segment_count = segments.size();
+        call.tag = tag;
+        call.seq = ++next_seq_;
+        return call;
+    }
+    detail::LocalCall broadcast_call(std::span<std::byte> bytes, int root, CollectiveTag tag) {
+        detail::LocalCall call;
+        call.kind = CollectiveKind::broadcast;
+        call.root = root;
+        call.count = bytes.size();
+        call.single = Segment{bytes.data(), bytes.size()};
+        call.tag = tag;
+        call.seq = ++next_seq_;
+        return call;
+    }
+
+    // Runs the call on this thread. A failure here is the group's failure: it is aborted, so that
+    // peers do not wait for this rank.
+    static void execute(detail::LocalGroupState& group, int rank, const detail::LocalCall& call) {
+        try {
+            group.execute(rank, call);
+        } catch (const std::exception& e) {
+            group.abort(e.what());
+            throw;
+        }
+    }
+
+    // Synchronous calls run on the caller's thread, after the rank's pending asynchronous ones.
+    void run_now(const detail::LocalCall& call) {
+        async_.wait_for_all();
+        execute(*group_, rank_, call);
+    }
+
+    CollectiveHandle launch(const detail::LocalCall& call) {
+        // Each rank's caller and progress thread: 2n threads that may want a core at once.
+        auto done = std::make_shared<detail::Completion>(detail::SpinPolicy::for_threads(2u * unsigned(size())));
+        async_.launch([group = group_, rank = rank_, call] { execute(*group, rank, call); }, done);
+        return CollectiveHandle(std::move(done));
+    }
+
+    void leave() {
+        if (!group_) return;
+        async_.stop();  // drains the queue: every task ends by its deadline
+        group_->depart(rank_);
+        group_.reset();
+    }
+
+    std::shared_ptr<detail::LocalGroupState> group_;
+    int rank_ = 0;
+    std::uint64_t next_seq_ = 0;
+    detail::AsyncCollectives async_;
+};
+
+}  // namespace gradsync::inline v0
+// ---- end gradsync/backend/local.hpp ----
+// Memory policies.
+
+// ---- begin gradsync/memory/host.hpp ----
+// HostMemory: the memory policy for gradients in host memory. Bucket buffers are aligned host
+// allocations, and every pass over gradient memory runs on the calling thread.
+
+
+// ---- begin gradsync/memory/detail/host_passes.hpp ----
+// The fused finalize pass over reduced gradients: scale (1 / (world size x loss scale)), sum of
+// squares for the global norm, and detection of non-finite values, in one read and one write of
+// each element, widening or narrowing between storage types on the way.
+
+
+#include <algorithm>  // for std::min
+#include <cmath>      // for std::isfinite
+#include <cstddef>
+#include <string>
+
+namespace gradsync::inline v0::detail {
 
 // Squares are summed in double, in simd_width lanes added in a fixed order, so the result is
 // deterministic and a large finite gradient never overflows it: the sum is non-finite exactly
@@ -2693,520 +2853,18 @@ void scale_only(T* __restrict data, std::size_t n, double factor) {
 }
 
 }  // namespace gradsync::inline v0::detail
-// ---- end gradsync/detail/finalize.hpp ----
+// ---- end gradsync/memory/detail/host_passes.hpp ----
 
-// ---- begin gradsync/detail/layout_agreement.hpp ----
-// Construction-time agreement between ranks: each rank checks its own parameter list, then all
-// ranks compare layouts and bucket plans by hash and, only on a difference, exchange the
-// details, so that every rank throws the same message naming the first differing parameter.
+// ---- begin gradsync/memory/policy.hpp ----
+// The contract of a memory policy: every pass DataParallel makes over gradient memory goes
+// through one, bucket by bucket (pack, unpack, compress, finalize, zero, scale), and it says
+// where bucket buffers live. HostMemory (memory/host.hpp) runs the passes on the calling thread;
+// CudaMemory (memory/cuda.cuh) queues them on a stream. The MemoryPolicy concept, and a check
+// that names the first missing member.
 
 
-#include <algorithm>  // for std::sort
+#include <concepts>  // for std::same_as, std::convertible_to
 #include <cstddef>
-#include <cstdint>
-#include <cstring>  // for std::memcpy
-#include <span>
-#include <string>
-#include <vector>
-
-namespace gradsync::inline v0::detail {
-
-// The first problem with this rank's parameters and buffers, or "" when there is none.
-template <class B>
-std::string find_model_problem(std::span<const Parameter> params, std::span<const ModelBuffer> buffers,
-                               const B& backend) {
-    for (const auto& b : buffers) {
-        const std::string who = "buffer '" + b.name + "'";
-        if (!is_known(b.dtype))
-            return who + " has an unknown dtype (code " + std::to_string(static_cast<unsigned>(b.dtype)) + ")";
-        if (b.data == nullptr && b.count != 0) return who + " has a null data pointer";
-    }
-    for (const auto& p : params) {
-        const std::string who = "parameter '" + p.name + "'";
-        if (!is_known(p.dtype))
-            return who + " has an unknown dtype (code " + std::to_string(static_cast<unsigned>(p.dtype)) + ")";
-        if (!backend.supports(p.dtype)) return who + " is " + to_string(p.dtype) + ", which this backend cannot reduce";
-        if (p.data == nullptr) return who + " has a null data pointer";
-        if (p.grad == nullptr) return who + " has a null gradient pointer";
-    }
-    struct Range {
-        std::uintptr_t begin, end;
-        const Parameter* param;
-    };
-    std::vector<Range> ranges;
-    ranges.reserve(params.size());
-    for (const auto& p : params) {
-        auto begin = reinterpret_cast<std::uintptr_t>(p.grad);
-        ranges.push_back({begin, begin + p.bytes().count(), &p});
-    }
-    std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) { return a.begin < b.begin; });
-    for (std::size_t i = 1; i < ranges.size(); ++i) {
-        if (ranges[i].begin < ranges[i - 1].end) {
-            return "parameters '" + ranges[i - 1].param->name + "' and '" + ranges[i].param->name +
-                   "' share gradient memory; give each parameter a gradient buffer of its own";
-        }
-    }
-    return {};
-}
-
-inline std::uint64_t fnv1a(std::uint64_t h, std::uint64_t v) {
-    for (int i = 0; i < 8; ++i) {
-        h ^= (v >> (8 * i)) & 0xffu;
-        h *= 1099511628211ull;
-    }
-    return h;
-}
-
-// One tensor of the layout that must agree across ranks: a parameter or a buffer.
-struct LayoutEntry {
-    bool is_buffer = false;
-    std::size_t index = 0;  // among the parameters, or among the buffers
-    std::string name;
-    std::uint64_t count = 0;
-    DType dtype = DType::float32;
-};
-
-inline std::vector<LayoutEntry> layout_of(std::span<const Parameter> params, std::span<const ModelBuffer> buffers) {
-    std::vector<LayoutEntry> out;
-    for (std::size_t i = 0; i < params.size(); ++i)
-        out.push_back({false, i, params[i].name, params[i].count, params[i].dtype});
-    for (std::size_t i = 0; i < buffers.size(); ++i)
-        out.push_back({true, i, buffers[i].name, buffers[i].count, buffers[i].dtype});
-    return out;
-}
-
-// What must agree: the kind, element count and dtype of every tensor, in order. Names need not.
-inline std::uint64_t layout_hash(const std::vector<LayoutEntry>& layout) {
-    std::uint64_t h = fnv1a(14695981039346656037ull, layout.size());
-    for (const auto& e : layout)
-        h = fnv1a(fnv1a(fnv1a(h, e.is_buffer ? 1 : 0), e.count), static_cast<std::uint64_t>(e.dtype));
-    return h;
-}
-
-inline void put(std::vector<std::byte>& out, const void* p, std::size_t n) {
-    auto* b = static_cast<const std::byte*>(p);
-    out.insert(out.end(), b, b + n);
-}
-
-inline std::vector<std::byte> serialize_layout(const std::vector<LayoutEntry>& layout) {
-    std::vector<std::byte> out;
-    for (const auto& e : layout) {
-        std::uint8_t kind = e.is_buffer ? 1 : 0;
-        std::uint64_t index = e.index, count = e.count, name_size = e.name.size();
-        auto dtype = static_cast<std::uint8_t>(e.dtype);
-        put(out, &kind, sizeof kind);
-        put(out, &index, sizeof index);
-        put(out, &count, sizeof count);
-        put(out, &dtype, sizeof dtype);
-        put(out, &name_size, sizeof name_size);
-        put(out, e.name.data(), e.name.size());
-    }
-    return out;
-}
-
-inline std::vector<LayoutEntry> parse_layout(std::span<const std::byte> bytes) {
-    std::vector<LayoutEntry> out;
-    std::size_t pos = 0;
-    auto get = [&](void* dst, std::size_t n) {
-        if (pos + n > bytes.size()) throw Error("gradsync: internal error: truncated layout record");
-        std::memcpy(dst, bytes.data() + pos, n);
-        pos += n;
-    };
-    while (pos < bytes.size()) {
-        LayoutEntry e;
-        std::uint8_t kind = 0, dtype = 0;
-        std::uint64_t index = 0, name_size = 0;
-        get(&kind, sizeof kind);
-        get(&index, sizeof index);
-        get(&e.count, sizeof e.count);
-        get(&dtype, sizeof dtype);
-        get(&name_size, sizeof name_size);
-        e.is_buffer = kind != 0;
-        e.index = static_cast<std::size_t>(index);
-        e.dtype = static_cast<DType>(dtype);
-        e.name.resize(name_size);
-        get(e.name.data(), name_size);
-        out.push_back(std::move(e));
-    }
-    return out;
-}
-
-inline std::string describe_entry(const LayoutEntry& e) {
-    return std::string(e.is_buffer ? "buffer #" : "parameter #") + std::to_string(e.index) + " '" + e.name + "' (" +
-           std::to_string(e.count) + " x " + to_string(e.dtype) + ")";
-}
-
-// Names the first tensor where rank a's and rank b's layouts differ.
-inline std::string describe_layout_difference(int a, const std::vector<LayoutEntry>& la, int b,
-                                              const std::vector<LayoutEntry>& lb) {
-    std::string prefix = "gradsync: the model's layout differs across ranks: ";
-    std::string suffix =
-        ". Every rank must register the same parameters and buffers, in the same order, with the same sizes and "
-        "dtypes (zero-sized parameters are skipped and not compared)";
-    std::size_t n = std::min(la.size(), lb.size());
-    for (std::size_t i = 0; i < n; ++i) {
-        if (la[i].is_buffer != lb[i].is_buffer || la[i].count != lb[i].count || la[i].dtype != lb[i].dtype) {
-            return prefix + "rank " + std::to_string(a) + " has " + describe_entry(la[i]) + " where rank " +
-                   std::to_string(b) + " has " + describe_entry(lb[i]) + suffix;
-        }
-    }
-    const auto& longer = la.size() > lb.size() ? la : lb;
-    int longer_rank = la.size() > lb.size() ? a : b;
-    return prefix + "rank " + std::to_string(a) + " has " + std::to_string(la.size()) + " tensors and rank " +
-           std::to_string(b) + " has " + std::to_string(lb.size()) + "; " + describe_entry(longer[n]) +
-           " exists only on rank " + std::to_string(longer_rank) + suffix;
-}
-
-// Every rank calls this with its own parameters, plan and local problem ("" if none). Returns
-// when all ranks agree; otherwise throws the same exception, with the same message, on every rank.
-template <class B>
-void agree_on_layout(B& backend, std::span<const Parameter> params, std::span<const ModelBuffer> buffers,
-                     const BucketPlan& plan, const std::string& problem) {
-    const int world = backend.size();
-    const int me = backend.rank();
-    const auto entries = layout_of(params, buffers);
-    auto layout = serialize_layout(entries);
-    const std::string problem_text =
-        problem.empty() ? std::string() : "gradsync: invalid model on rank " + std::to_string(me) + ": " + problem;
-
-    // Each rank fills its own row; a sum-allreduce then hands every rank every row.
-    enum { layout_hi, layout_lo, plan_hi, plan_lo, problem_size, layout_size, row };
-    std::vector<double> table(static_cast<std::size_t>(world) * row, 0.0);
-    auto split = [](std::uint64_t h, double* hi, double* lo) {
-        *hi = static_cast<double>(h >> 32);
-        *lo = static_cast<double>(h & 0xffffffffu);
-    };
-    double* mine = table.data() + static_cast<std::size_t>(me) * row;
-    split(layout_hash(entries), mine + layout_hi, mine + layout_lo);
-    split(plan.hash(), mine + plan_hi, mine + plan_lo);
-    mine[problem_size] = static_cast<double>(problem_text.size());
-    mine[layout_size] = static_cast<double>(layout.size());
-    backend.allreduce(Buffer{table.data(), table.size(), DType::float64}, ReduceOp::sum);
-    auto at = [&](int r, int field) {
-        return table[static_cast<std::size_t>(r) * row + static_cast<std::size_t>(field)];
-    };
-
-    // Fetches rank r's bytes of the given size: its own copy on r, the broadcast elsewhere.
-    auto fetch = [&](int r, std::size_t size, const std::byte* own) {
-        std::vector<std::byte> bytes(size);
-        if (r == me && size != 0) std::memcpy(bytes.data(), own, size);
-        backend.broadcast(std::span<std::byte>(bytes), r);
-        return bytes;
-    };
-
-    for (int r = 0; r < world; ++r) {
-        if (at(r, problem_size) == 0) continue;
-        auto bytes = fetch(r, static_cast<std::size_t>(at(r, problem_size)),
-                           reinterpret_cast<const std::byte*>(problem_text.data()));
-        throw InvalidModel(std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
-    }
-    for (int r = 1; r < world; ++r) {
-        if (at(r, layout_hi) == at(0, layout_hi) && at(r, layout_lo) == at(0, layout_lo)) continue;
-        auto l0 = parse_layout(fetch(0, static_cast<std::size_t>(at(0, layout_size)), layout.data()));
-        auto lr = parse_layout(fetch(r, static_cast<std::size_t>(at(r, layout_size)), layout.data()));
-        throw LayoutMismatch(describe_layout_difference(0, l0, r, lr));
-    }
-    for (int r = 1; r < world; ++r) {
-        if (at(r, plan_hi) == at(0, plan_hi) && at(r, plan_lo) == at(0, plan_lo)) continue;
-        throw LayoutMismatch("gradsync: the bucket plans of rank 0 and rank " + std::to_string(r) +
-                             " differ although their parameters agree; pass the same bucketer, with the same "
-                             "caps, on every rank");
-    }
-}
-
-}  // namespace gradsync::inline v0::detail
-// ---- end gradsync/detail/layout_agreement.hpp ----
-
-// ---- begin gradsync/detail/log.hpp ----
-// Rank-prefixed logging, with the level taken from GRADSYNC_LOG (info or debug). Lines go to
-// stderr, or with GRADSYNC_LOG_FILE=path one file per rank: "%r" in the path becomes the rank
-// (logs/rank%r.log), and without "%r" the rank is appended (path.3).
-
-
-#include <algorithm>  // for std::min
-#include <cstdio>
-#include <cstdlib>  // for std::getenv
-#include <map>
-#include <mutex>
-#include <string>
-#include <string_view>
-
-namespace gradsync::inline v0::detail {
-
-enum class LogLevel : int { off = 0, info = 1, debug = 2 };
-
-struct LogSettings {
-    LogLevel level = LogLevel::off;
-    std::string file;  // empty: stderr
-};
-
-inline LogSettings settings_from_env() {
-    LogSettings s;
-    const char* level = std::getenv("GRADSYNC_LOG");
-    std::string_view v = level != nullptr ? level : "";
-    if (v == "debug") s.level = LogLevel::debug;
-    if (v == "info") s.level = LogLevel::info;
-    if (const char* file = std::getenv("GRADSYNC_LOG_FILE")) s.file = file;
-    return s;
-}
-
-// Read once from the environment; tests may change it (between log calls of other threads).
-inline LogSettings& log_settings() {
-    static LogSettings settings = settings_from_env();
-    return settings;
-}
-
-inline LogLevel log_level() { return log_settings().level; }
-
-inline bool logging(LogLevel level) { return static_cast<int>(log_level()) >= static_cast<int>(level); }
-
-inline std::string log_file_of(const std::string& pattern, int rank) {
-    const auto at = pattern.find("%r");
-    if (at == std::string::npos) return pattern + "." + std::to_string(rank);
-    return pattern.substr(0, at) + std::to_string(rank) + pattern.substr(at + 2);
-}
-
-struct LogFiles {
-    std::mutex mutex;
-    std::map<std::string, std::FILE*> open;
-    ~LogFiles() { close(); }
-    void close() {
-        for (auto& [path, f] : open)
-            if (f != stderr) std::fclose(f);
-        open.clear();
-    }
-};
-
-inline LogFiles& log_files() {
-    static LogFiles files;
-    return files;
-}
-
-// "[gradsync rank 3] message", the prefix on every line; lines of concurrent ranks never interleave.
-// A log file that cannot be opened falls back to stderr, saying so once.
-inline void log(LogLevel level, int rank, const std::string& message) {
-    if (!logging(level)) return;
-    auto& files = log_files();
-    std::lock_guard lock(files.mutex);
-    std::FILE* out = stderr;
-    const auto& pattern = log_settings().file;
-    if (!pattern.empty()) {
-        const auto path = log_file_of(pattern, rank);
-        auto it = files.open.find(path);
-        if (it == files.open.end()) {
-            std::FILE* f = std::fopen(path.c_str(), "a");
-            if (f == nullptr)
-                std::fprintf(stderr, "[gradsync rank %d] cannot open log file %s; logging to stderr\n", rank,
-                             path.c_str());
-            it = files.open.emplace(path, f != nullptr ? f : stderr).first;
-        }
-        out = it->second;
-    }
-    std::size_t begin = 0;  // every line of a multi-line message carries the prefix
-    do {
-        const auto end = std::min(message.find('\n', begin), message.size());
-        std::fprintf(out, "[gradsync rank %d] %.*s\n", rank, static_cast<int>(end - begin), message.data() + begin);
-        begin = end + 1;
-    } while (begin < message.size());
-    std::fflush(out);
-}
-
-}  // namespace gradsync::inline v0::detail
-// ---- end gradsync/detail/log.hpp ----
-
-// ---- begin gradsync/detail/timeline.hpp ----
-// A Chrome trace of the buckets' lives (open in ui.perfetto.dev or chrome://tracing). Ranks of
-// one process writing to the same path share one sink, so their events land in one file on one
-// clock; the file is written when the last of them is done.
-
-
-#include <chrono>
-#include <cstdint>
-#include <cstdio>
-#include <map>
-#include <memory>
-#include <mutex>
-#include <string>
-#include <utility>
-#include <vector>
-
-namespace gradsync::inline v0::detail {
-
-class TimelineSink {
-public:
-    explicit TimelineSink(std::string path) : path_(std::move(path)), origin_(std::chrono::steady_clock::now()) {}
-    TimelineSink(const TimelineSink&) = delete;
-    TimelineSink& operator=(const TimelineSink&) = delete;
-    ~TimelineSink() { write(); }
-
-    // The sink of `path`, shared with every other user of the same path in this process.
-    static std::shared_ptr<TimelineSink> open(const std::string& path) {
-        static std::mutex mutex;
-        static std::map<std::string, std::weak_ptr<TimelineSink>> sinks;
-        std::lock_guard lock(mutex);
-        auto& slot = sinks[path];
-        auto sink = slot.lock();
-        if (!sink) {
-            sink = std::make_shared<TimelineSink>(path);
-            slot = sink;
-        }
-        return sink;
-    }
-
-    [[nodiscard]] double micros(std::chrono::steady_clock::time_point t) const {
-        return std::chrono::duration<double, std::micro>(t - origin_).count();
-    }
-
-    void add(std::string event) {
-        std::lock_guard lock(mutex_);
-        events_.push_back(std::move(event));
-    }
-
-    // Writes every event so far; also done at destruction.
-    void write() {
-        std::lock_guard lock(mutex_);
-        std::FILE* f = std::fopen(path_.c_str(), "w");
-        if (f == nullptr) return;  // a trace is a diagnostic aid: never fail the training for it
-        std::fputs("{\"displayTimeUnit\":\"ms\",\"traceEvents\":[\n", f);
-        for (std::size_t i = 0; i < events_.size(); ++i) {
-            std::fputs(events_[i].c_str(), f);
-            std::fputs(i + 1 < events_.size() ? ",\n" : "\n", f);
-        }
-        std::fputs("]}\n", f);
-        std::fclose(f);
-    }
-
-private:
-    std::string path_;
-    std::chrono::steady_clock::time_point origin_;
-    std::mutex mutex_;
-    std::vector<std::string> events_;
-};
-
-// One rank's view of a sink: the rank is the process id; thread 0 holds the steps, thread b + 1
-// bucket b.
-class Timeline {
-public:
-    Timeline() = default;
-    Timeline(const std::string& path_pattern, int rank) : rank_(rank) {
-        if (path_pattern.empty()) return;
-        std::string path = path_pattern;
-        if (auto at = path.find("{rank}"); at != std::string::npos) path.replace(at, 6, std::to_string(rank));
-        sink_ = TimelineSink::open(path);
-        sink_->add(R"({"name":"process_name","ph":"M","pid":)" + std::to_string(rank) + R"(,"args":{"name":"rank )" +
-                   std::to_string(rank) + R"("}})");
-    }
-
-    [[nodiscard]] bool enabled() const { return sink_ != nullptr; }
-
-    // A moment: "ready" or "launched" of a bucket in a step.
-    void instant(const char* name, std::int64_t step, int bucket, std::chrono::steady_clock::time_point t) {
-        if (!sink_) return;
-        sink_->add(std::string(R"({"name":")") + name + R"(","ph":"i","s":"t","ts":)" + number(sink_->micros(t)) +
-                   R"(,"pid":)" + std::to_string(rank_) + R"(,"tid":)" + std::to_string(bucket + 1) +
-                   args(step, bucket) + "}");
-    }
-
-    // A span: a bucket's allreduce from launch to completion, or a whole step (bucket -1).
-    void span(const char* name, std::int64_t step, int bucket, std::chrono::steady_clock::time_point begin,
-              std::chrono::steady_clock::time_point end) {
-        if (!sink_) return;
-        double b = sink_->micros(begin), e = sink_->micros(end);
-        sink_->add(std::string(R"({"name":")") + name + R"(","ph":"X","ts":)" + number(b) + R"(,"dur":)" +
-                   number(e > b ? e - b : 0.0) + R"(,"pid":)" + std::to_string(rank_) + R"(,"tid":)" +
-                   std::to_string(bucket + 1) + args(step, bucket) + "}");
-    }
-
-private:
-    static std::string number(double v) {
-        char buf[32];
-        std::snprintf(buf, sizeof buf, "%.3f", v);
-        return buf;
-    }
-    static std::string args(std::int64_t step, int bucket) {
-        return R"(,"args":{"step":)" + std::to_string(step) + R"(,"bucket":)" + std::to_string(bucket) + "}";
-    }
-
-    std::shared_ptr<TimelineSink> sink_;
-    int rank_ = 0;
-};
-
-}  // namespace gradsync::inline v0::detail
-// ---- end gradsync/detail/timeline.hpp ----
-
-// ---- begin gradsync/lr.hpp ----
-// Learning-rate rules: the learning rate for the global batch (micro-batch x accumulation steps x
-// world size) from the base rate tuned for a reference batch, unscaled, linearly or by the square
-// root, with an optional gradual warm-up (Goyal et al. 2017). PaddlePaddle's `base_lr * num_gpus`
-// is LinearLr with the reference batch equal to the micro-batch.
-
-
-#include <cmath>  // for std::sqrt
-#include <cstdint>
-#include <string>
-
-namespace gradsync::inline v0 {
-
-enum class LrScaling : unsigned char { none, linear, square_root };
-
-// The learning rate at `step` (0 for the first): base_lr scaled for global_batch against
-// reference_batch; during the first warmup_steps steps it rises linearly from base_lr, reaching
-// the scaled rate at step warmup_steps. A pure function: usable with any optimizer.
-inline double learning_rate(double base_lr, LrScaling scaling, std::uint64_t reference_batch,
-                            std::uint64_t global_batch, std::uint64_t step, std::uint64_t warmup_steps = 0) {
-    if (reference_batch == 0 || global_batch == 0)
-        throw Error("gradsync: learning_rate needs a reference batch and a global batch above 0, got " +
-                    std::to_string(reference_batch) + " and " + std::to_string(global_batch));
-    const double ratio = static_cast<double>(global_batch) / static_cast<double>(reference_batch);
-    double target = base_lr;
-    if (scaling == LrScaling::linear) target = base_lr * ratio;
-    if (scaling == LrScaling::square_root) target = base_lr * std::sqrt(ratio);
-    if (step >= warmup_steps) return target;
-    return base_lr + (target - base_lr) * (static_cast<double>(step) / static_cast<double>(warmup_steps));
-}
-
-// The LR policies of DataParallel: step() passes rate(world size, step) to the optimizer.
-template <LrScaling Scaling>
-struct ScaledLr {
-    using policy_category = policy_category::lr_rule;
-
-    double base_lr = 0;
-    std::uint64_t micro_batch = 1;         // examples per rank per backward
-    std::uint64_t reference_batch = 0;     // the batch base_lr was tuned for; 0: micro_batch
-    std::uint64_t accumulation_steps = 1;  // backwards per step (no_sync micro-steps + 1)
-    std::uint64_t warmup_steps = 0;
-
-    [[nodiscard]] std::uint64_t global_batch(int world_size) const {
-        return micro_batch * accumulation_steps * static_cast<std::uint64_t>(world_size);
-    }
-    [[nodiscard]] double rate(int world_size, std::uint64_t step) const {
-        return learning_rate(base_lr, Scaling, reference_batch != 0 ? reference_batch : micro_batch,
-                             global_batch(world_size), step, warmup_steps);
-    }
-};
-
-using UnscaledLr = ScaledLr<LrScaling::none>;
-using LinearLr = ScaledLr<LrScaling::linear>;
-using SqrtLr = ScaledLr<LrScaling::square_root>;
-
-// No LR policy: step() calls the optimizer without a learning rate. The default.
-struct NoLrRule {
-    using policy_category = policy_category::lr_rule;
-};
-
-}  // namespace gradsync::inline v0
-// ---- end gradsync/lr.hpp ----
-
-// ---- begin gradsync/memory.hpp ----
-// The memory layer under the buckets: where a packed bucket's bytes live and who makes the passes
-// over gradient memory (HostMemory here; CudaMemory, device memory and a stream, in
-// cuda/memory.cuh), and whether gradients are packed at all.
-
-
-#include <cmath>  // for std::isfinite
-#include <cstddef>
-#include <cstring>  // for std::memcpy, std::memset
-#include <limits>   // for std::numeric_limits
 #include <span>
 #include <vector>
 
@@ -3218,6 +2876,78 @@ struct StepVerdict {
     double sum_squares = 0;  // of the unscaled averaged gradients
     int finite = 1;          // 0: some gradient is an infinity or NaN; the step must change nothing
 };
+
+template <class M>
+concept MemoryPolicy = requires(M& m, const M& cm, std::span<const Segment> segs, DType t, Bytes size, std::byte* bytes,
+                                double factor, std::size_t slot) {
+    typename M::Storage;
+    typename M::Table;
+    { M::on_device } -> std::convertible_to<bool>;
+    { cm.allocate(size) } -> std::same_as<typename M::Storage>;
+    { M::data(std::declval<const typename M::Storage&>()) } -> std::same_as<std::byte*>;
+    { cm.table(segs, t) } -> std::same_as<typename M::Table>;
+    cm.pack(std::declval<const typename M::Table&>(), bytes);
+    cm.unpack(std::declval<const typename M::Table&>(), bytes);
+    cm.compress(std::declval<const typename M::Table&>(), bytes, t, factor);
+    m.prepare_results(slot);
+    m.finalize(std::declval<const typename M::Table&>(), bytes, t, factor, slot);
+    { m.results() } -> std::convertible_to<std::span<const double>>;
+    { m.verdict() } -> std::convertible_to<const StepVerdict*>;
+    { cm.segment_sums(std::declval<const typename M::Table&>()) } -> std::convertible_to<std::vector<double>>;
+    cm.scale(std::declval<const typename M::Table&>(), factor);
+    cm.zero(Segment{}, t);
+};
+
+namespace detail {
+
+template <class M>
+constexpr bool check_memory_policy() {
+    if constexpr (!MemoryPolicy<M>) {
+        static_assert(
+            requires {
+                typename M::Storage;
+                typename M::Table;
+            },
+            "gradsync: a memory policy needs member types `Storage` (a bucket buffer) and `Table` (a "
+            "bucket's gradients as its passes take them)");
+        static_assert(
+            requires { M::on_device; }, "gradsync: a memory policy needs `static constexpr bool on_device`");
+        static_assert(
+            requires(const M& m, Bytes size) { m.allocate(size); },
+            "gradsync: a memory policy needs `Storage allocate(gradsync::Bytes) const`");
+        static_assert(
+            requires(const M& m, std::span<const Segment> segs, DType t) { m.table(segs, t); },
+            "gradsync: a memory policy needs `Table table(std::span<const gradsync::Segment>, "
+            "gradsync::DType) const`");
+        static_assert(
+            requires(M & m, const typename M::Table& t, std::byte* b, DType d, double f, std::size_t s) {
+                m.finalize(t, b, d, f, s);
+                m.results();
+                m.verdict();
+            },
+            "gradsync: a memory policy needs the finalize pass: `void finalize(const Table&, const std::byte* "
+            "src, gradsync::DType, double factor, std::size_t slot)`, `std::span<const double> results()` and "
+            "`const gradsync::StepVerdict* verdict()`");
+        static_assert(dependent_false<M>,
+                      "gradsync: a memory policy needs pack, unpack, compress, prepare_results, segment_sums, "
+                      "scale and zero as HostMemory has them (memory/host.hpp)");
+    }
+    return true;
+}
+
+}  // namespace detail
+
+}  // namespace gradsync::inline v0
+// ---- end gradsync/memory/policy.hpp ----
+
+#include <cmath>  // for std::isfinite
+#include <cstddef>
+#include <cstring>  // for std::memcpy, std::memset
+#include <limits>   // for std::numeric_limits
+#include <span>
+#include <vector>
+
+namespace gradsync::inline v0 {
 
 // Every pass DataParallel makes over gradient memory goes through its memory policy, bucket by
 // bucket: pack into a bucket buffer, unpack, finalize (scale, and measure the sum of squares),
@@ -3354,24 +3084,1590 @@ private:
     StepVerdict verdict_;
 };
 
+}  // namespace gradsync::inline v0
+// ---- end gradsync/memory/host.hpp ----
+
+// ---- begin gradsync/memory/packing.hpp ----
+// Whether DataParallel copies gradients into bucket buffers: a policy of its own, since the
+// answer depends on the backend (one that reduces scattered memory needs no copy).
+
+
+#include <cstdint>
+
+namespace gradsync::inline v0 {
+
+enum class PackingMode : std::uint8_t {
+    automatic,  // in place where the backend can (ScatteredAllreduce), packed where it cannot
+    packed,     // always through bucket buffers
+    in_place,   // never: the backend must reduce scattered memory
+};
+
 // Packing policies. By default DataParallel reduces gradients where they lie when the backend
 // can (ScatteredAllreduce), and packs them into bucket buffers when it cannot.
 struct AutoPacking {
     using policy_category = policy_category::packing;
+    static constexpr PackingMode mode = PackingMode::automatic;
 };
 // Always copy gradients into bucket buffers of the memory policy, allreduce those, copy back.
 struct PackedBuckets {
     using policy_category = policy_category::packing;
+    static constexpr PackingMode mode = PackingMode::packed;
 };
 // Never copy: reduce the gradient buffers themselves. Needs a ScatteredAllreduce backend.
 struct InPlaceBuckets {
     using policy_category = policy_category::packing;
+    static constexpr PackingMode mode = PackingMode::in_place;
 };
 
 }  // namespace gradsync::inline v0
-// ---- end gradsync/memory.hpp ----
+// ---- end gradsync/memory/packing.hpp ----
+// Mixed precision and learning rates.
 
-// ---- begin gradsync/options.hpp ----
+// ---- begin gradsync/amp/compression.hpp ----
+// Wire compression: float32 gradients travel as float16 or bfloat16, converted while packing and
+// widened again in the finalize pass, halving the bytes every collective moves.
+
+
+#include <concepts>  // for std::convertible_to
+
+namespace gradsync::inline v0 {
+
+// Gradients travel in their own dtype. The default.
+struct NoCompression {
+    using policy_category = policy_category::compression;
+    static constexpr DType wire = DType::float32;
+    static constexpr bool compresses = false;
+};
+
+// float32 buckets travel as float16. Each rank sends its gradient divided by the world size, so
+// the sum keeps the loss scale's headroom; a bucket whose float16 sum overflows is reduced again
+// in float32, so compression never overflows where float32 would not.
+struct Fp16Compression {
+    using policy_category = policy_category::compression;
+    static constexpr DType wire = DType::float16;
+    static constexpr bool compresses = true;
+};
+
+// float32 buckets travel as bfloat16: float32's range, 8 bits of precision.
+struct Bf16Compression {
+    using policy_category = policy_category::compression;
+    static constexpr DType wire = DType::bfloat16;
+    static constexpr bool compresses = true;
+};
+
+// What DataParallel needs of a wire compression policy: the dtype float32 gradients travel in,
+// and whether that is a compression at all.
+template <class C>
+concept WireCompression = requires {
+    { C::wire } -> std::convertible_to<DType>;
+    { C::compresses } -> std::convertible_to<bool>;
+};
+
+namespace detail {
+
+template <class C>
+constexpr bool check_compression() {
+    static_assert(
+        requires {
+            { C::wire } -> std::convertible_to<DType>;
+        },
+        "gradsync: a compression policy needs `static constexpr gradsync::DType wire`, the dtype float32 "
+        "gradients travel in");
+    static_assert(
+        requires {
+            { C::compresses } -> std::convertible_to<bool>;
+        },
+        "gradsync: a compression policy needs `static constexpr bool compresses`");
+    return true;
+}
+
+}  // namespace detail
+
+}  // namespace gradsync::inline v0
+// ---- end gradsync/amp/compression.hpp ----
+
+// ---- begin gradsync/amp/loss_scale.hpp ----
+// Loss scaling for mixed precision: multiply the loss by dp.loss_scale() before backward, and
+// DataParallel divides the reduced gradients by the same scale in its finalize pass; step()
+// skips the optimizer when a gradient overflowed and tells the scaler either way.
+
+
+#include <algorithm>  // for std::min, std::max
+#include <concepts>   // for std::convertible_to
+#include <cstdint>
+#include <string>
+
+namespace gradsync::inline v0 {
+
+// No scaling: the loss is used as it is (float32 training, or bfloat16 with its float range).
+struct NoLossScaling {
+    using policy_category = policy_category::loss_scaler;
+    [[nodiscard]] float scale() const { return 1.0f; }
+    void update(bool /*overflow*/) {}
+};
+
+// A fixed scale, such as PaddlePaddle's GradScaler(init_loss_scaling=1024,
+// use_dynamic_loss_scaling=False). Steps that overflow are still skipped.
+struct StaticLossScale {
+    using policy_category = policy_category::loss_scaler;
+    float value = 1024.0f;
+    [[nodiscard]] float scale() const { return value; }
+    void update(bool /*overflow*/) {}
+};
+
+// The scale grows by growth_factor after growth_interval steps in a row without overflow, and
+// backs off by backoff_factor after backoff_after overflowing steps in a row, within
+// [min_scale, max_scale]. Defaults match PyTorch's GradScaler and PaddlePaddle's (2.5 and later)
+// GradScaler: 65536, x2, x0.5, 2000 steps, backing off at every overflow. Unlike both, the scale
+// is clamped to [1, 2^24] by default, and an overflow at the minimum is not fatal: the step is
+// skipped, the overflowing tensors are reported, and training goes on. backoff_after is
+// PaddlePaddle's decr_every_n_nan_or_inf and DeepSpeed's hysteresis.
+struct DynamicLossScale {
+    using policy_category = policy_category::loss_scaler;
+    // The scale follows the gradients (a step's outcome decides the next scale, on the host).
+    static constexpr bool adaptive = true;
+
+    float init_scale = 65536.0f;
+    float growth_factor = 2.0f;
+    float backoff_factor = 0.5f;
+    std::uint32_t growth_interval = 2000;
+    std::uint32_t backoff_after = 1;
+    float min_scale = 1.0f;
+    float max_scale = 16777216.0f;
+
+    // What a checkpoint saves and restores.
+    struct State {
+        float scale = 0;               // 0: not started, init_scale
+        std::uint32_t good_steps = 0;  // in a row without overflow
+        std::uint32_t bad_steps = 0;   // in a row with overflow
+        friend bool operator==(const State&, const State&) = default;
+    };
+    State state{};
+
+    [[nodiscard]] float scale() const { return state.scale != 0 ? state.scale : clamp(init_scale); }
+
+    void update(bool overflow) {
+        check();
+        state.scale = scale();
+        if (overflow) {
+            state.good_steps = 0;
+            if (++state.bad_steps >= backoff_after) {
+                state.scale = clamp(state.scale * backoff_factor);
+                state.bad_steps = 0;
+            }
+        } else {
+            state.bad_steps = 0;
+            if (++state.good_steps >= growth_interval) {
+                state.scale = clamp(state.scale * growth_factor);
+                state.good_steps = 0;
+            }
+        }
+    }
+
+    [[nodiscard]] bool at_minimum() const { return scale() <= min_scale; }
+
+private:
+    [[nodiscard]] float clamp(float s) const { return std::min(max_scale, std::max(min_scale, s)); }
+    void check() const {
+        if (!(min_scale > 0) || !(max_scale >= min_scale) || !(growth_factor >= 1) || !(backoff_factor > 0) ||
+            !(backoff_factor <= 1) || growth_interval == 0 || backoff_after == 0)
+            throw Error(
+                "gradsync: DynamicLossScale needs 0 < min_scale <= max_scale, growth_factor >= 1, "
+                "0 < backoff_factor <= 1, growth_interval >= 1 and backoff_after >= 1");
+    }
+};
+
+// What DataParallel needs of a loss scaler: the factor the loss is multiplied by, and to learn
+// each step's outcome. A scaler whose scale follows the outcomes says `static constexpr bool
+// adaptive = true` (step_on_device() cannot decide it on the device).
+template <class S>
+concept LossScaler = requires(S& s, const S& cs, bool overflow) {
+    { cs.scale() } -> std::convertible_to<float>;
+    s.update(overflow);
+};
+
+template <class S>
+inline constexpr bool adaptive_loss_scale = requires {
+    requires S::adaptive;
+};
+
+namespace detail {
+
+template <class S>
+constexpr bool check_loss_scaler() {
+    static_assert(
+        requires(const S& s) {
+            { s.scale() } -> std::convertible_to<float>;
+        },
+        "gradsync: a loss scaler needs `float scale() const`, the factor the loss is multiplied by");
+    static_assert(
+        requires(S & s, bool overflow) { s.update(overflow); },
+        "gradsync: a loss scaler needs `void update(bool overflow)`, told each step whether a gradient was not "
+        "finite");
+    return true;
+}
+
+}  // namespace detail
+
+}  // namespace gradsync::inline v0
+// ---- end gradsync/amp/loss_scale.hpp ----
+
+// ---- begin gradsync/lr.hpp ----
+// Learning-rate rules: the learning rate for the global batch (micro-batch x accumulation steps x
+// world size) from the base rate tuned for a reference batch, unscaled, linearly or by the square
+// root, with an optional gradual warm-up (Goyal et al. 2017). PaddlePaddle's `base_lr * num_gpus`
+// is LinearLr with the reference batch equal to the micro-batch.
+
+
+#include <cmath>     // for std::sqrt
+#include <concepts>  // for std::convertible_to
+#include <cstdint>
+#include <string>
+#include <type_traits>  // for std::is_same_v
+
+namespace gradsync::inline v0 {
+
+enum class LrScaling : unsigned char { none, linear, square_root };
+
+// The learning rate at `step` (0 for the first): base_lr scaled for global_batch against
+// reference_batch; during the first warmup_steps steps it rises linearly from base_lr, reaching
+// the scaled rate at step warmup_steps. A pure function: usable with any optimizer.
+inline double learning_rate(double base_lr, LrScaling scaling, std::uint64_t reference_batch,
+                            std::uint64_t global_batch, std::uint64_t step, std::uint64_t warmup_steps = 0) {
+    if (reference_batch == 0 || global_batch == 0)
+        throw Error("gradsync: learning_rate needs a reference batch and a global batch above 0, got " +
+                    std::to_string(reference_batch) + " and " + std::to_string(global_batch));
+    const double ratio = static_cast<double>(global_batch) / static_cast<double>(reference_batch);
+    double target = base_lr;
+    if (scaling == LrScaling::linear) target = base_lr * ratio;
+    if (scaling == LrScaling::square_root) target = base_lr * std::sqrt(ratio);
+    if (step >= warmup_steps) return target;
+    return base_lr + (target - base_lr) * (static_cast<double>(step) / static_cast<double>(warmup_steps));
+}
+
+// The LR policies of DataParallel: step() passes rate(world size, step) to the optimizer.
+template <LrScaling Scaling>
+struct ScaledLr {
+    using policy_category = policy_category::lr_rule;
+
+    double base_lr = 0;
+    std::uint64_t micro_batch = 1;         // examples per rank per backward
+    std::uint64_t reference_batch = 0;     // the batch base_lr was tuned for; 0: micro_batch
+    std::uint64_t accumulation_steps = 1;  // backwards per step (no_sync micro-steps + 1)
+    std::uint64_t warmup_steps = 0;
+
+    [[nodiscard]] std::uint64_t global_batch(int world_size) const {
+        return micro_batch * accumulation_steps * static_cast<std::uint64_t>(world_size);
+    }
+    [[nodiscard]] double rate(int world_size, std::uint64_t step) const {
+        return learning_rate(base_lr, Scaling, reference_batch != 0 ? reference_batch : micro_batch,
+                             global_batch(world_size), step, warmup_steps);
+    }
+};
+
+using UnscaledLr = ScaledLr<LrScaling::none>;
+using LinearLr = ScaledLr<LrScaling::linear>;
+using SqrtLr = ScaledLr<LrScaling::square_root>;
+
+// No LR policy: step() calls the optimizer without a learning rate. The default.
+struct NoLrRule {
+    using policy_category = policy_category::lr_rule;
+};
+
+// An LR rule gives the learning rate step() passes to the optimizer, from the world size and the
+// step number (from 0). NoLrRule is none: step() then calls the optimizer without one.
+template <class R>
+concept LrRule = requires(const R& r, int world, std::uint64_t step) {
+    { r.rate(world, step) } -> std::convertible_to<double>;
+};
+
+namespace detail {
+
+template <class R>
+constexpr bool check_lr_rule() {
+    static_assert(std::is_same_v<R, NoLrRule> || LrRule<R>,
+                  "gradsync: an LR rule policy needs `double rate(int world_size, std::uint64_t step) const` (or "
+                  "use gradsync::NoLrRule for none)");
+    return true;
+}
+
+}  // namespace detail
+
+}  // namespace gradsync::inline v0
+// ---- end gradsync/lr.hpp ----
+// DataParallel.
+
+// ---- begin gradsync/data_parallel.hpp ----
+// DataParallel<Model, Backend, Policies...>: wraps a model so that every rank holds the average of
+// all ranks' gradients after synchronize(). With grad_ready() calls during backward, each bucket's
+// allreduce starts as soon as its last gradient is ready, overlapping communication with backward.
+// The front of the parts in data_parallel/: readiness (which gradients are final), the bucket
+// engine (launch, wait, finalize pass), the finalize step (norm, clipping, the step's decision),
+// the collective history, buffer sync and diagnosis.
+
+
+// ---- begin gradsync/data_parallel/buffer_sync.hpp ----
+// The model's buffers (batch-norm statistics and the like) kept in step across ranks, as the
+// buffer policy says: rank 0's copied to every rank at construction, and after every
+// synchronize() copied again, averaged, or left alone.
+
+
+// ---- begin gradsync/data_parallel/history.hpp ----
+// CollectiveHistory: every collective a DataParallel issues gets a tag that says what it is for
+// (which step, which bucket) and a fingerprint that folds in every collective before it, so that
+// ranks whose histories diverged are caught: at each call by a backend that compares tags
+// (CheckedCollectives), or once per step by comparing fingerprints with one small allreduce.
+
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+// What a DataParallel collective is for.
+enum class CollectivePurpose : std::uint8_t {
+    bucket,            // a bucket's gradients
+    buffer_broadcast,  // a model buffer, rank 0's copied to every rank
+    buffer_average,    // a model buffer, averaged
+    float_redo,        // a bucket again, in float32, after its float16 sum overflowed
+};
+
+class CollectiveHistory {
+public:
+    // The tag of the next collective: `index` is the bucket's, or the buffer's.
+    CollectiveTag next(CollectivePurpose purpose, std::int64_t step, std::size_t index, std::uint64_t bytes,
+                       DType dtype) {
+        ++count_;
+        fingerprint_ = fnv1a(fingerprint_, count_);
+        fingerprint_ = fnv1a(fingerprint_, static_cast<std::uint64_t>(purpose));
+        fingerprint_ = fnv1a(fingerprint_, index);
+        fingerprint_ = fnv1a(fingerprint_, bytes);
+        fingerprint_ = fnv1a(fingerprint_, static_cast<std::uint64_t>(dtype));
+        const bool of_bucket = purpose == CollectivePurpose::bucket || purpose == CollectivePurpose::float_redo;
+        return CollectiveTag{fingerprint_, step, of_bucket ? static_cast<std::int32_t>(index) : -1};
+    }
+
+    [[nodiscard]] std::uint64_t fingerprint() const { return fingerprint_; }
+    [[nodiscard]] std::uint64_t count() const { return count_; }
+
+    // Compares every rank's history with rank 0's (one allreduce of a small table); throws the
+    // same CollectiveError on every rank when one differs.
+    template <Backend B>
+    void verify(B& backend, std::int64_t step) const {
+        const int world = backend.size();
+        if (world == 1) return;
+        std::vector<double> table(static_cast<std::size_t>(world) * 3, 0.0);
+        double* mine = table.data() + static_cast<std::size_t>(backend.rank()) * 3;
+        mine[0] = static_cast<double>(fingerprint_ >> 32);
+        mine[1] = static_cast<double>(fingerprint_ & 0xffffffffu);
+        mine[2] = static_cast<double>(count_);
+        backend.allreduce(Buffer{table.data(), table.size(), DType::float64}, ReduceOp::sum);
+        for (int r = 1; r < world; ++r) {
+            const double* theirs = table.data() + static_cast<std::size_t>(r) * 3;
+            if (theirs[0] == table[0] && theirs[1] == table[1]) continue;
+            throw CollectiveError("gradsync: step " + std::to_string(step) +
+                                  ": the ranks' collective histories diverged: rank 0 issued " +
+                                  std::to_string(static_cast<std::uint64_t>(table[2])) + " collectives and rank " +
+                                  std::to_string(r) + " " + std::to_string(static_cast<std::uint64_t>(theirs[2])) +
+                                  ", with different fingerprints; every rank must launch the same buckets in the "
+                                  "same order");
+        }
+    }
+
+private:
+    std::uint64_t fingerprint_ = fnv1a_basis;
+    std::uint64_t count_ = 0;
+};
+
+}  // namespace gradsync::inline v0::detail
+// ---- end gradsync/data_parallel/history.hpp ----
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+namespace gradsync::inline v0::detail {
+
+template <Backend B>
+void sync_buffers(B& backend, std::span<const ModelBuffer> buffers, BufferSync mode, bool at_construction,
+                  CollectiveHistory& history, std::int64_t step) {
+    if (backend.size() == 1 || buffers.empty() || mode == BufferSync::ignore) return;
+    if (!at_construction && mode == BufferSync::broadcast_once) return;
+    for (std::size_t i = 0; i < buffers.size(); ++i) {
+        const auto& buf = buffers[i];
+        const bool average = !at_construction && mode == BufferSync::average_every_step && backend.supports(buf.dtype);
+        const auto tag = history.next(average ? CollectivePurpose::buffer_average : CollectivePurpose::buffer_broadcast,
+                                      step, i, buf.bytes().count(), buf.dtype);
+        if (average)
+            allreduce_tagged(backend, Buffer{buf.data, buf.count, buf.dtype}, ReduceOp::average, tag);
+        else
+            broadcast_tagged(backend, std::span(static_cast<std::byte*>(buf.data), buf.bytes().count()), 0, tag);
+    }
+}
+
+}  // namespace gradsync::inline v0::detail
+// ---- end gradsync/data_parallel/buffer_sync.hpp ----
+
+// ---- begin gradsync/data_parallel/bucket_engine.hpp ----
+// BucketEngine: each bucket's storage and its collective in the current step. A bucket travels
+// one of four ways: reduced where its gradients lie (a backend that takes scattered segments),
+// as one view when they lie contiguously, through a packed copy, or packed into a narrower wire
+// dtype. The engine launches a bucket's collective (during backward) or runs it now (at
+// synchronize()), waits for the launched ones by a deadline (or, on the device, makes the
+// trainer's stream wait), and then runs the finalize pass over the bucket through the memory
+// policy: unpack, unscale, measure.
+
+
+// ---- begin gradsync/detail/log.hpp ----
+// Rank-prefixed logging, with the level taken from GRADSYNC_LOG (info or debug). Lines go to
+// stderr, or with GRADSYNC_LOG_FILE=path one file per rank: "%r" in the path becomes the rank
+// (logs/rank%r.log), and without "%r" the rank is appended (path.3).
+
+
+#include <algorithm>  // for std::min
+#include <cstdio>
+#include <cstdlib>  // for std::getenv
+#include <map>
+#include <mutex>
+#include <string>
+#include <type_traits>  // for std::is_invocable_r_v
+#include <string_view>
+
+namespace gradsync::inline v0::detail {
+
+enum class LogLevel : int { off = 0, info = 1, debug = 2 };
+
+struct LogSettings {
+    LogLevel level = LogLevel::off;
+    std::string file;  // empty: stderr
+};
+
+inline LogSettings settings_from_env() {
+    LogSettings s;
+    const char* level = std::getenv("GRADSYNC_LOG");
+    std::string_view v = level != nullptr ? level : "";
+    if (v == "debug") s.level = LogLevel::debug;
+    if (v == "info") s.level = LogLevel::info;
+    if (const char* file = std::getenv("GRADSYNC_LOG_FILE")) s.file = file;
+    return s;
+}
+
+// Read once from the environment; tests may change it (between log calls of other threads).
+inline LogSettings& log_settings() {
+    static LogSettings settings = settings_from_env();
+    return settings;
+}
+
+inline LogLevel log_level() { return log_settings().level; }
+
+inline bool logging(LogLevel level) { return static_cast<int>(log_level()) >= static_cast<int>(level); }
+
+inline std::string log_file_of(const std::string& pattern, int rank) {
+    const auto at = pattern.find("%r");
+    if (at == std::string::npos) return pattern + "." + std::to_string(rank);
+    return pattern.substr(0, at) + std::to_string(rank) + pattern.substr(at + 2);
+}
+
+struct LogFiles {
+    std::mutex mutex;
+    std::map<std::string, std::FILE*> open;
+    ~LogFiles() { close(); }
+    void close() {
+        for (auto& [path, f] : open)
+            if (f != stderr) std::fclose(f);
+        open.clear();
+    }
+};
+
+inline LogFiles& log_files() {
+    static LogFiles files;
+    return files;
+}
+
+// "[gradsync rank 3] message", the prefix on every line; lines of concurrent ranks never interleave.
+// A log file that cannot be opened falls back to stderr, saying so once.
+inline void log(LogLevel level, int rank, const std::string& message) {
+    if (!logging(level)) return;
+    auto& files = log_files();
+    std::lock_guard lock(files.mutex);
+    std::FILE* out = stderr;
+    const auto& pattern = log_settings().file;
+    if (!pattern.empty()) {
+        const auto path = log_file_of(pattern, rank);
+        auto it = files.open.find(path);
+        if (it == files.open.end()) {
+            std::FILE* f = std::fopen(path.c_str(), "a");
+            if (f == nullptr)
+                std::fprintf(stderr, "[gradsync rank %d] cannot open log file %s; logging to stderr\n", rank,
+                             path.c_str());
+            it = files.open.emplace(path, f != nullptr ? f : stderr).first;
+        }
+        out = it->second;
+    }
+    std::size_t begin = 0;  // every line of a multi-line message carries the prefix
+    do {
+        const auto end = std::min(message.find('\n', begin), message.size());
+        std::fprintf(out, "[gradsync rank %d] %.*s\n", rank, static_cast<int>(end - begin), message.data() + begin);
+        begin = end + 1;
+    } while (begin < message.size());
+    std::fflush(out);
+}
+
+// The same, with the message made only when it will be written: make() returns it.
+template <class Make>
+requires std::is_invocable_r_v<std::string, Make&>
+void log(LogLevel level, int rank, Make&& make) {
+    if (logging(level)) log(level, rank, std::string(make()));
+}
+
+}  // namespace gradsync::inline v0::detail
+// ---- end gradsync/detail/log.hpp ----
+
+#include <algorithm>  // for std::sort
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <utility>  // for std::declval
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+// The first k whose segment does not start where segment k - 1 ends; 0 when they all follow each
+// other in memory.
+inline std::size_t first_gap(std::span<const Segment> segs, DType t) {
+    const std::size_t elem = size_of(t);
+    for (std::size_t k = 1; k < segs.size(); ++k)
+        if (static_cast<const std::byte*>(segs[k - 1].data) + segs[k - 1].count * elem != segs[k].data) return k;
+    return 0;
+}
+
+// How a bucket travels.
+enum class Route : std::uint8_t { in_place, view, packed, compressed };
+
+template <Backend BackendT, MemoryPolicy Memory, DType Wire, bool InPlace>
+class BucketEngine {
+    static constexpr bool compresses = Wire != DType::float32;
+    using clock = std::chrono::steady_clock;
+
+    static auto async_of(BackendT& b) {
+        if constexpr (InPlace)
+            return allreduce_async_tagged(b, std::span<const Segment>{}, DType::float32, ReduceOp::sum,
+                                          CollectiveTag{});
+        else
+            return allreduce_async_tagged(b, Buffer{}, ReduceOp::sum, CollectiveTag{});
+    }
+
+public:
+    using handle_type = decltype(async_of(std::declval<BackendT&>()));
+
+    // One bucket's storage and the state of its collective in the current step.
+    struct Slot {
+        std::vector<Segment> segments;     // its gradients, by parameter index
+        std::vector<std::size_t> indices;  // their parameters
+        std::optional<Segment> view;       // set when they lie contiguously
+        Route route = Route::in_place;
+        DType dtype = DType::float32;      // the gradients'
+        DType wire = DType::float32;       // what the collective moves
+        std::size_t count = 0;             // elements
+        typename Memory::Table table;      // the segments, as the memory policy's passes take them
+        bool measured = false;             // finalized this step: its result slot is current
+        typename Memory::Storage buffer;   // packed or compressed, world > 1
+        typename Memory::Storage widened;  // a float32 copy, made once when a compressed sum overflowed
+        std::optional<handle_type> handle;
+        clock::time_point launched_at, finished_at;
+    };
+
+    BucketEngine(BackendT& backend, Memory memory) : backend_(backend), memory_(std::move(memory)) {}
+
+    // (Re)builds every bucket's state from the plan; between steps.
+    void setup(const BucketPlan& plan, std::span<const Parameter> params) {
+        slots_.clear();
+        slots_.resize(plan.buckets.size());
+        for (std::size_t b = 0; b < slots_.size(); ++b) {
+            const auto& bucket = plan.buckets[b];
+            auto& slot = slots_[b];
+            slot.indices = bucket.parameters;
+            std::sort(slot.indices.begin(), slot.indices.end());  // the element layout every rank shares
+            for (auto i : slot.indices) slot.segments.push_back(Segment{params[i].grad, params[i].count});
+            slot.dtype = slot.wire = bucket.dtype;
+            slot.count = bucket.count;
+            const bool contiguous = first_gap(slot.segments, bucket.dtype) == 0;
+            if (contiguous) slot.view = Segment{slot.segments.front().data, bucket.count};
+            if (compresses && bucket.dtype == DType::float32) {
+                slot.route = Route::compressed;
+                slot.wire = Wire;
+            } else if (InPlace) {
+                slot.route = Route::in_place;
+            } else {
+                slot.route = contiguous ? Route::view : Route::packed;
+            }
+            slot.table = memory_.table(slot.segments, bucket.dtype);
+            if ((slot.route == Route::packed || slot.route == Route::compressed) && backend_.size() > 1)
+                slot.buffer = memory_.allocate(Bytes{bucket.count * size_of(slot.wire)});
+        }
+        memory_.prepare_results(slots_.size());
+    }
+
+    // Whether this step's finalize pass unscales and measures (by `unscale`), or, without a loss
+    // scaler, compression, clipping or step(), only unpacks packed buckets.
+    void begin_step(bool finalizing, double unscale) {
+        finalizing_ = finalizing;
+        unscale_ = unscale;
+    }
+
+    // Bucket b's collective, started asynchronously (during backward, in plan order).
+    void launch(std::size_t b, CollectiveTag tag) {
+        auto& slot = slots_[b];
+        slot.launched_at = clock::now();
+        if (backend_.size() == 1) return;  // the local gradient is already the average
+        if (slot.route == Route::in_place) {
+            if constexpr (InPlace)
+                slot.handle.emplace(
+                    allreduce_async_tagged(backend_, segments_of(slot), slot.dtype, ReduceOp::average, tag));
+        } else {
+            slot.handle.emplace(allreduce_async_tagged(backend_, contiguous(b), op_of(slot), tag));
+        }
+    }
+
+    // Bucket b's collective run now, on this thread (no overlap to gain), and finished; on a
+    // device, queued like a launch.
+    void reduce_now(std::size_t b, CollectiveTag tag) {
+        auto& slot = slots_[b];
+        slot.launched_at = clock::now();
+        if constexpr (DeviceBackend<BackendT>) {
+            slot.handle.emplace(allreduce_async_tagged(backend_, contiguous(b), op_of(slot), tag));
+            return;
+        }
+        if (slot.route == Route::in_place) {
+            if constexpr (InPlace) allreduce_tagged(backend_, segments_of(slot), slot.dtype, ReduceOp::average, tag);
+        } else {
+            allreduce_tagged(backend_, contiguous(b), op_of(slot), tag);
+        }
+        finish(b);
+        slot.finished_at = clock::now();
+    }
+
+    // Waits for every launched bucket by `deadline` and finishes each; diagnose(b) says why one
+    // was late. On the device path the trainer's stream waits for each instead, and the finalize
+    // pass is queued behind it: the host goes on, and the backend's watchdog ends a collective
+    // that hangs.
+    template <class Diagnose>
+    void wait_all(clock::time_point deadline, Diagnose&& diagnose) {
+        for (std::size_t b = 0; b < slots_.size(); ++b) {
+            auto& slot = slots_[b];
+            if (!slot.handle) continue;
+            if constexpr (StreamOrdered<BackendT>) {
+                backend_.wait_on_device(*slot.handle);
+                slot.handle.reset();
+                finish(b);
+                continue;
+            }
+            if (!slot.handle->wait_until(deadline)) throw TimeoutError(diagnose(b));
+            finish(b);
+            slot.finished_at = slot.handle->finished_at();
+            slot.handle.reset();
+        }
+    }
+
+    // Unscales and measures bucket b's gradients where they lie (a world of one has nothing to
+    // reduce, but a step still needs its norm).
+    void finalize_in_place(std::size_t b) {
+        if (!finalizing_) return;
+        memory_.finalize(slots_[b].table, nullptr, slots_[b].dtype, unscale_, b);
+        slots_[b].measured = true;
+    }
+
+    // A compressed bucket whose float16 sum overflowed, reduced again in float32 (averaged) and
+    // finalized, the same on every rank: they all hold the same sum, so they all decide alike.
+    void reduce_again_in_float(std::size_t b, CollectiveTag tag) {
+        auto& slot = slots_[b];
+        if constexpr (InPlace) {
+            allreduce_tagged(backend_, segments_of(slot), slot.dtype, ReduceOp::average, tag);
+        } else {
+            Buffer buf{nullptr, slot.count, slot.dtype};
+            if (slot.view) {
+                buf.data = slot.view->data;
+            } else {
+                if (slot.widened.size() == 0) slot.widened = memory_.allocate(Bytes{slot.count * size_of(slot.dtype)});
+                buf.data = Memory::data(slot.widened);
+                memory_.pack(slot.table, Memory::data(slot.widened));
+            }
+            allreduce_tagged(backend_, buf, ReduceOp::average, tag);
+            if (!slot.view) memory_.unpack(slot.table, Memory::data(slot.widened));
+        }
+        const bool was = finalizing_;
+        finalizing_ = true;  // a compressed bucket is always finalized
+        finalize_in_place(b);
+        finalizing_ = was;
+    }
+
+    // Scales every gradient by `factor` (clipping's second pass).
+    void scale_all(double factor) {
+        for (const auto& slot : slots_) memory_.scale(slot.table, factor);
+    }
+
+    [[nodiscard]] bool in_flight() const {
+        for (const auto& s : slots_)
+            if (s.handle) return true;
+        return false;
+    }
+
+    // Waits for collectives in flight until `deadline`, ignoring their errors: after an abort
+    // they end at once.
+    void drain(clock::time_point deadline) {
+        for (auto& slot : slots_) {
+            if (!slot.handle) continue;
+            try {
+                (void)slot.handle->wait_until(deadline);
+            } catch (...) {
+            }
+            slot.handle.reset();
+        }
+    }
+
+    void end_step() {
+        for (auto& slot : slots_) slot.measured = false;
+    }
+
+    [[nodiscard]] std::span<Slot> slots() { return slots_; }
+    [[nodiscard]] std::span<const Slot> slots() const { return slots_; }
+    [[nodiscard]] Memory& memory() { return memory_; }
+    [[nodiscard]] const Memory& memory() const { return memory_; }
+
+    // Buckets whose gradients already lie contiguously in memory, reduced without a copy.
+    [[nodiscard]] std::size_t view_buckets() const {
+        std::size_t n = 0;
+        for (const auto& s : slots_) n += s.view.has_value() && s.route != Route::compressed;
+        return n;
+    }
+    // Bucket buffers and bookkeeping, beyond the model's own memory.
+    [[nodiscard]] Bytes memory_held() const {
+        Bytes total;
+        for (const auto& s : slots_)
+            total += Bytes{s.buffer.size() + s.widened.size() + s.segments.capacity() * sizeof(Segment) +
+                           s.indices.capacity() * sizeof(std::size_t)};
+        return total;
+    }
+
+private:
+    // The bucket's gradients where they lie: one segment when they are a view.
+    static std::span<const Segment> segments_of(const Slot& slot) {
+        return slot.view ? std::span<const Segment>(&*slot.view, 1) : std::span<const Segment>(slot.segments);
+    }
+
+    // A compressed bucket is summed (each rank sent its share); every other one averaged.
+    [[nodiscard]] static ReduceOp op_of(const Slot& slot) {
+        return slot.route == Route::compressed ? ReduceOp::sum : ReduceOp::average;
+    }
+
+    // The bucket's collective as one contiguous buffer, packing (and converting) first when it is
+    // no view. A compressed bucket's ranks send their share of the average: each value divided by
+    // the world size, so that the sum keeps the headroom the loss scale left.
+    Buffer contiguous(std::size_t b) {
+        auto& slot = slots_[b];
+        if (slot.route == Route::view) return Buffer{slot.view->data, slot.count, slot.dtype};
+        std::byte* data = Memory::data(slot.buffer);
+        if (slot.route == Route::packed)
+            memory_.pack(slot.table, data);
+        else
+            memory_.compress(slot.table, data, slot.wire, 1.0 / static_cast<double>(backend_.size()));
+        return Buffer{data, slot.count, slot.wire};
+    }
+
+    // After bucket b's reduction: the finalize pass. Packed buckets are unpacked in it; compressed
+    // ones widened (a float16 sum that overflowed leaves the gradients intact, and its result is
+    // not finite: the step then reduces it again in float32); the others scaled where they lie.
+    void finish(std::size_t b) {
+        auto& slot = slots_[b];
+        const std::byte* data = Memory::data(slot.buffer);
+        switch (slot.route) {
+            case Route::in_place:
+            case Route::view: return finalize_in_place(b);
+            case Route::packed:
+                if (!finalizing_) return memory_.unpack(slot.table, data);
+                return finalize_from(b, data, slot.dtype);
+            case Route::compressed: return finalize_from(b, data, slot.wire);
+        }
+    }
+
+    void finalize_from(std::size_t b, const std::byte* data, DType type) {
+        memory_.finalize(slots_[b].table, data, type, unscale_, b);
+        slots_[b].measured = true;
+    }
+
+    BackendT& backend_;
+    Memory memory_;
+    std::vector<Slot> slots_;
+    bool finalizing_ = false;
+    double unscale_ = 1.0;
+};
+
+}  // namespace gradsync::inline v0::detail
+// ---- end gradsync/data_parallel/bucket_engine.hpp ----
+
+// ---- begin gradsync/data_parallel/diagnosis.hpp ----
+// Diagnosis: what to say when a deadline passes. For this rank, which bucket was late, and which
+// ranks are behind (from their collective counts, where the backend can tell); for a peer that
+// asks, where this rank stands: in backward waiting for which gradients, or in synchronize().
+
+
+// ---- begin gradsync/data_parallel/readiness.hpp ----
+// Readiness: which parameters' gradients are final in the current step, which buckets that
+// completes, and the order buckets may go in: plan order, whatever order gradients arrive in, so
+// that every rank launches the same collectives in the same order. Also no_sync() (accumulation
+// micro-steps) and the readiness order the first step saw (for a bucket rebuild). grad_ready may
+// come from several threads (backward hooks); a peer's diagnosis reads the state from another.
+
+
+#include <algorithm>  // for std::fill, std::min
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <utility>  // for std::exchange
+#include <vector>
+
+namespace gradsync::inline v0 {
+
+// synchronize() found parameters that never got grad_ready (and find_unused_parameters is off),
+// or grad_ready was misused. Peers receive the same message in a CollectiveError.
+class ReadinessError : public Error {
+public:
+    using Error::Error;
+};
+
+namespace detail {
+
+class Readiness {
+public:
+    enum class Phase : int { idle, backward, synchronizing };
+    // What a grad_ready found.
+    enum class Mark : std::uint8_t {
+        accepted,     // ready for this step
+        accumulated,  // under no_sync(): only noted as used
+        twice,        // already ready this step: a misuse
+    };
+
+    // Per parameter `bucket_of[p]`; per bucket the number of its parameters. Between steps.
+    void plan(std::span<const std::size_t> bucket_of, std::span<const std::size_t> bucket_sizes) {
+        const std::size_t params = bucket_of.size();
+        if (!ready_ || params != params_) {
+            params_ = params;
+            ready_ = std::make_unique<std::atomic<std::uint8_t>[]>(params);
+            used_ = std::make_unique<std::atomic<std::uint8_t>[]>(params);
+        }
+        bucket_of_.assign(bucket_of.begin(), bucket_of.end());
+        sizes_.assign(bucket_sizes.begin(), bucket_sizes.end());
+        pending_ = std::make_unique<std::atomic<std::int32_t>[]>(sizes_.size());
+        std::lock_guard lock(mutex_);
+        complete_.assign(sizes_.size(), 0);
+        completed_at_.assign(sizes_.size(), {});
+        reset_locked();
+    }
+
+    // Keeps the order in which parameters become ready, until stop_recording().
+    void record_arrivals() { arrivals_.resize(params_); }
+    [[nodiscard]] std::vector<std::size_t> arrivals() const {
+        const auto n = std::min(arrived_.load(std::memory_order_acquire), arrivals_.size());
+        return {arrivals_.begin(), arrivals_.begin() + static_cast<std::ptrdiff_t>(n)};
+    }
+    void stop_recording() {
+        arrivals_.clear();
+        arrivals_.shrink_to_fit();
+    }
+    [[nodiscard]] std::size_t recording_capacity() const { return arrivals_.capacity(); }
+
+    // Parameter p's gradient is final. When that completes a bucket, calls launch(b) for it and
+    // for every complete bucket after it that may go now, in plan order, under the lock.
+    template <class Launch>
+    Mark mark(std::size_t p, Launch&& launch) {
+        if (no_sync_.load(std::memory_order_relaxed) > 0) {
+            used_[p].store(1, std::memory_order_relaxed);
+            return Mark::accumulated;
+        }
+        if (ready_[p].exchange(1, std::memory_order_acq_rel) != 0) return Mark::twice;
+        used_[p].store(1, std::memory_order_relaxed);
+        if (!any_.exchange(true, std::memory_order_acq_rel)) {
+            began_ = std::chrono::steady_clock::now();
+            phase_.store(Phase::backward, std::memory_order_release);
+        }
+        if (!arrivals_.empty()) {
+            const auto at = arrived_.fetch_add(1, std::memory_order_relaxed);
+            if (at < arrivals_.size()) arrivals_[at] = p;
+        }
+        const auto b = bucket_of_[p];
+        if (pending_[b].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+            std::lock_guard lock(mutex_);
+            bucket_complete_locked(b, launch);
+        }
+        return Mark::accepted;
+    }
+
+    // At synchronize(): every parameter without grad_ready this step was either accumulated in a
+    // no_sync() micro-step (its sum is final), or is unused: then `unused(p)` decides, returning
+    // true when it counts as ready (a zero gradient). Every bucket is launched. Returns the
+    // parameters that are neither.
+    template <class Launch, class Unused>
+    std::vector<std::size_t> complete(Launch&& launch, Unused&& unused) {
+        std::lock_guard lock(mutex_);
+        std::vector<std::size_t> missing;
+        for (std::size_t p = 0; p < params_; ++p) {
+            if (ready_[p].load(std::memory_order_acquire) != 0) continue;
+            if (used_[p].load(std::memory_order_relaxed) != 0 || unused(p)) {
+                ready_[p].store(1, std::memory_order_release);
+                const auto b = bucket_of_[p];
+                if (pending_[b].fetch_sub(1, std::memory_order_acq_rel) == 1) bucket_complete_locked(b, launch);
+            } else {
+                missing.push_back(p);
+            }
+        }
+        return missing;
+    }
+
+    // After a step (or a failed one): nothing is ready, nothing launched.
+    void reset() {
+        std::lock_guard lock(mutex_);
+        reset_locked();
+    }
+
+    // While a guard lives, gradients only accumulate: grad_ready() notes the parameter as used and
+    // synchronize() communicates nothing.
+    class NoSyncGuard {
+    public:
+        explicit NoSyncGuard(Readiness& r) : r_(&r) { r_->no_sync_.fetch_add(1); }
+        NoSyncGuard(NoSyncGuard&& o) noexcept : r_(std::exchange(o.r_, nullptr)) {}
+        NoSyncGuard(const NoSyncGuard&) = delete;
+        NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+        NoSyncGuard& operator=(NoSyncGuard&&) = delete;
+        ~NoSyncGuard() {
+            if (r_) r_->no_sync_.fetch_sub(1);
+        }
+
+    private:
+        Readiness* r_;
+    };
+    [[nodiscard]] bool accumulating() const { return no_sync_.load(std::memory_order_acquire) > 0; }
+
+    // Some grad_ready came this step: synchronize() finds buckets launched during backward.
+    [[nodiscard]] bool any_ready() const { return any_.load(std::memory_order_acquire); }
+    // When the first of them came (read after every grad_ready of the step has returned).
+    [[nodiscard]] std::chrono::steady_clock::time_point began() const { return began_; }
+    [[nodiscard]] Phase phase() const { return phase_.load(std::memory_order_acquire); }
+    void set_phase(Phase p) { phase_.store(p, std::memory_order_release); }
+    [[nodiscard]] std::size_t launched() const { return launched_.load(std::memory_order_acquire); }
+    [[nodiscard]] bool ready(std::size_t p) const { return ready_[p].load(std::memory_order_acquire) != 0; }
+    [[nodiscard]] std::size_t bucket_of(std::size_t p) const { return bucket_of_[p]; }
+    // When bucket b's last gradient became ready this step (read after synchronize()'s waits).
+    [[nodiscard]] std::chrono::steady_clock::time_point completed_at(std::size_t b) const { return completed_at_[b]; }
+    [[nodiscard]] std::size_t buckets() const { return sizes_.size(); }
+
+private:
+    template <class Launch>
+    void bucket_complete_locked(std::size_t b, Launch& launch) {
+        complete_[b] = 1;
+        completed_at_[b] = std::chrono::steady_clock::now();
+        while (next_ < complete_.size() && complete_[next_]) launch(next_++);
+        launched_.store(next_, std::memory_order_release);
+    }
+
+    void reset_locked() {
+        for (std::size_t p = 0; p < params_; ++p) {
+            ready_[p].store(0, std::memory_order_relaxed);
+            used_[p].store(0, std::memory_order_relaxed);
+        }
+        for (std::size_t b = 0; b < sizes_.size(); ++b)
+            pending_[b].store(static_cast<std::int32_t>(sizes_[b]), std::memory_order_relaxed);
+        std::fill(complete_.begin(), complete_.end(), 0);
+        next_ = 0;
+        launched_.store(0, std::memory_order_release);
+        arrived_.store(0, std::memory_order_relaxed);
+        any_.store(false, std::memory_order_release);
+    }
+
+    std::size_t params_ = 0;
+    std::vector<std::size_t> bucket_of_;  // per parameter
+    std::vector<std::size_t> sizes_;      // per bucket, its parameters
+    // Atomics: grad_ready may come from several threads, and a peer's diagnosis reads them.
+    std::unique_ptr<std::atomic<std::uint8_t>[]> ready_;    // grad_ready this step
+    std::unique_ptr<std::atomic<std::uint8_t>[]> used_;     // grad_ready since the last synchronized step
+    std::unique_ptr<std::atomic<std::int32_t>[]> pending_;  // per bucket, parameters not yet ready
+    std::atomic<bool> any_{false};
+    std::chrono::steady_clock::time_point began_;  // written by the first grad_ready of a step
+    std::atomic<int> no_sync_{0};
+    std::atomic<Phase> phase_{Phase::idle};
+    std::atomic<std::size_t> launched_{0};
+    std::mutex mutex_;
+    std::vector<std::uint8_t> complete_;                               // under mutex_
+    std::vector<std::chrono::steady_clock::time_point> completed_at_;  // under mutex_
+    std::size_t next_ = 0;                                             // the next bucket to launch, under mutex_
+    std::vector<std::size_t> arrivals_;                                // readiness order, recorded until the rebuild
+    std::atomic<std::size_t> arrived_{0};
+};
+
+}  // namespace detail
+}  // namespace gradsync::inline v0
+// ---- end gradsync/data_parallel/readiness.hpp ----
+
+#include <algorithm>  // for std::max
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <utility>  // for std::forward
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+// Up to `most` of the named parameters, quoted: "'a', 'b', ...".
+inline std::string quoted_names(std::span<const std::size_t> indices, std::span<const Parameter> params,
+                                std::size_t most) {
+    std::string out;
+    for (std::size_t k = 0; k < indices.size() && k < most; ++k)
+        out += (k ? ", '" : "'") + params[indices[k]].name + "'";
+    if (indices.size() > most) out += ", ...";
+    return out;
+}
+
+// "gradsync: rank 0, step 7: bucket 3 of 6 (1.0 MiB, 4 parameters: 'a', ...) was not reduced
+// within 600000 ms. Behind the furthest rank (9): rank 2 has entered 8 collectives; rank 2: ..."
+template <Backend B>
+std::string diagnose_timeout(const B& backend, std::int64_t step, const BucketPlan& plan,
+                             std::span<const Parameter> params, std::size_t b, std::chrono::milliseconds timeout) {
+    const auto& bucket = plan.buckets[b];
+    std::string msg = rank_prefix(backend.rank()) + ", step " + std::to_string(step) + ": bucket " + std::to_string(b) +
+                      " of " + std::to_string(plan.buckets.size()) + " (" + to_string(bucket.bytes()) + ", " +
+                      std::to_string(bucket.parameters.size()) +
+                      " parameters: " + quoted_names(bucket.parameters, params, 4) + ") was not reduced within " +
+                      std::to_string(timeout.count()) + " ms";
+    if constexpr (PeerStatus<B>) {
+        // The ranks that entered fewer collectives than the furthest are the ones holding it up.
+        const int world = backend.size();
+        std::uint64_t furthest = 0;
+        for (int r = 0; r < world; ++r) furthest = std::max(furthest, backend.peer_collectives(r));
+        std::string behind;
+        for (int r = 0; r < world; ++r) {
+            const auto entered = backend.peer_collectives(r);
+            if (entered < furthest)
+                behind += (behind.empty() ? "" : ", ") + ("rank " + std::to_string(r)) + " has entered " +
+                          std::to_string(entered) + " collectives";
+        }
+        if (!behind.empty()) msg += ". Behind the furthest rank (" + std::to_string(furthest) + "): " + behind;
+        for (int r = 0; r < world; ++r) {
+            const auto status = backend.peer_status(r);
+            if (!status.empty())
+                msg += "; rank " + std::to_string(r) + (r == backend.rank() ? " (this rank)" : "") + ": " + status;
+        }
+    }
+    return msg;
+}
+
+// Where this rank stands, for a peer's diagnosis: runs on the peer's thread, and reads only the
+// readiness atomics (and the plan, under the caller's lock against a rebuild).
+inline std::string describe_rank(const Readiness& readiness, std::int64_t step, const BucketPlan& plan,
+                                 std::span<const Parameter> params) {
+    const auto at = std::to_string(step);
+    if (readiness.accumulating()) return "accumulating under no_sync() before step " + at;
+    switch (readiness.phase()) {
+        case Readiness::Phase::idle: return "in step " + at + ", before any grad_ready() or synchronize()";
+        case Readiness::Phase::synchronizing: return "in synchronize() of step " + at;
+        case Readiness::Phase::backward: break;
+    }
+    const auto launched = readiness.launched();
+    std::string out = "in the backward of step " + at + ", " + std::to_string(launched) + " of " +
+                      std::to_string(plan.buckets.size()) + " buckets launched";
+    if (launched < plan.buckets.size()) {
+        const auto& bucket = plan.buckets[launched];
+        std::vector<std::size_t> missing;
+        for (auto p : bucket.parameters)
+            if (!readiness.ready(p)) missing.push_back(p);
+        out += "; bucket " + std::to_string(launched) + " waits for grad_ready of " + quoted_names(missing, params, 6) +
+               " (" + std::to_string(missing.size()) + " of " + std::to_string(bucket.parameters.size()) +
+               " parameters)";
+    }
+    return out;
+}
+
+// synchronize() found no grad_ready for these parameters: "'a' (bucket 2), 'b' (bucket 0) ...".
+inline std::string missing_gradients(std::span<const std::size_t> missing, std::span<const Parameter> params,
+                                     const Readiness& readiness) {
+    std::string names;
+    for (std::size_t k = 0; k < missing.size() && k < 8; ++k)
+        names += (k ? ", '" : "'") + params[missing[k]].name + "' (bucket " +
+                 std::to_string(readiness.bucket_of(missing[k])) + ")";
+    if (missing.size() > 8) names += " and " + std::to_string(missing.size() - 8) + " more";
+    return "synchronize() found no grad_ready for " + std::to_string(missing.size()) + " parameter" +
+           (missing.size() == 1 ? "" : "s") + ": " + names +
+           ". Call grad_ready for every parameter backward produced a gradient for, or pass "
+           "gradsync::Options{.find_unused_parameters = true} to count the others as zero";
+}
+
+// A reporter left with a backend that quotes it when a collective is late (StatusReporting),
+// for as long as this lives; with other backends, nothing.
+template <Backend B>
+class StatusRegistration {
+public:
+    StatusRegistration() = default;
+    StatusRegistration(const StatusRegistration&) = delete;
+    StatusRegistration& operator=(const StatusRegistration&) = delete;
+    ~StatusRegistration() {
+        if constexpr (StatusReporting<B>)
+            if (backend_ != nullptr) backend_->remove_status_reporter(id_);
+    }
+
+    template <class Report>
+    void start(B& backend, Report&& report) {
+        if constexpr (StatusReporting<B>) {
+            id_ = backend.add_status_reporter(std::forward<Report>(report));
+            backend_ = &backend;
+        }
+    }
+
+private:
+    B* backend_ = nullptr;
+    std::uint64_t id_ = 0;
+};
+
+}  // namespace gradsync::inline v0::detail
+// ---- end gradsync/data_parallel/diagnosis.hpp ----
+
+// ---- begin gradsync/data_parallel/finalize_step.hpp ----
+// The finalize step: after the buckets' reductions, what the finalize pass measured (the sum of
+// squares of the averaged, unscaled gradients, and so whether every one is finite), read once per
+// step; a float16 wire sum that overflowed, reduced again in float32; clipping by the global
+// norm; and the step's decision: the optimizer runs, with the LR rule's rate, only when every
+// gradient is finite, and the loss scaler learns the outcome either way. The decision is taken on
+// the reduced gradients, which every rank holds alike, so every rank decides alike.
+
+
+#include <cmath>  // for std::sqrt, std::isfinite
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <type_traits>  // for std::is_invocable_v
+#include <vector>
+
+namespace gradsync::inline v0 {
+
+// What step() did.
+struct StepReport {
+    bool applied = false;       // the optimizer ran: every gradient was finite
+    float loss_scale = 1;       // the scale this step's gradients carried
+    float next_loss_scale = 1;  // the scale for the next step's loss
+    double grad_norm = 0;       // L2 norm of all averaged, unscaled gradients, before clipping; not finite on overflow
+    bool clipped = false;       // the gradients were scaled down to Options::clip_norm
+    double learning_rate = 0;   // what the LR policy gave the optimizer (0 without one)
+    std::uint64_t step = 0;     // 1 for the first step
+    std::vector<std::string> overflowed;  // parameters whose gradients were not finite
+};
+
+namespace detail {
+
+// The finalize pass's findings in one step.
+struct StepStats {
+    double sum_squares = 0;              // of the unscaled averaged gradients
+    std::vector<std::size_t> nonfinite;  // parameters with an infinity or NaN
+    bool clipped = false;
+
+    [[nodiscard]] double norm() const { return std::sqrt(sum_squares); }
+    [[nodiscard]] bool finite() const { return std::isfinite(sum_squares); }
+};
+
+// Reads the buckets' measurements once (from the device: the one host synchronization of a step
+// that needs them). A float16 wire sum that overflowed left its gradients as they were: that
+// bucket is reduced again in float32 (redo(b) does it) and measured again. A bucket that is not
+// finite is measured again tensor by tensor, to name its parameters.
+template <class Engine, class Redo>
+StepStats collect_stats(Engine& engine, Redo&& redo) {
+    StepStats stats;
+    auto slots = engine.slots();
+    bool any = false;
+    for (const auto& slot : slots) any = any || slot.measured;
+    if (!any) return stats;
+    auto sums = engine.memory().results();
+    bool again = false;
+    for (std::size_t b = 0; b < slots.size(); ++b) {
+        const auto& slot = slots[b];
+        if (slot.measured && slot.route == Route::compressed && slot.wire == DType::float16 &&
+            !std::isfinite(sums[b])) {
+            redo(b);
+            again = true;
+        }
+    }
+    if (again) sums = engine.memory().results();
+    for (std::size_t b = 0; b < slots.size(); ++b) {
+        auto& slot = slots[b];
+        if (!slot.measured) continue;
+        slot.measured = false;
+        stats.sum_squares += sums[b];
+        if (std::isfinite(sums[b])) continue;
+        const auto per_tensor = engine.memory().segment_sums(slot.table);
+        for (std::size_t k = 0; k < per_tensor.size(); ++k)
+            if (!std::isfinite(per_tensor[k])) stats.nonfinite.push_back(slot.indices[k]);
+    }
+    return stats;
+}
+
+// Scales every gradient down to `clip_norm` when the global norm exceeds it: a second pass, only
+// when it changes something.
+template <class Engine>
+void clip(Engine& engine, StepStats& stats, double clip_norm) {
+    const double norm = stats.norm();
+    if (!std::isfinite(norm) || norm <= clip_norm) return;
+    engine.scale_all(clip_norm / (norm + 1e-6));
+    stats.clipped = true;
+}
+
+// What step(optimizer) calls: optimizer(learning rate) or optimizer() with an LR rule,
+// optimizer() without one.
+template <class Optimizer, bool HasLrRule>
+constexpr bool check_optimizer() {
+    static_assert(!HasLrRule || std::is_invocable_v<Optimizer&, double> || std::is_invocable_v<Optimizer&>,
+                  "gradsync: step(optimizer) calls optimizer(double learning_rate) or optimizer()");
+    static_assert(HasLrRule || std::is_invocable_v<Optimizer&>,
+                  "gradsync: without an LR policy (UnscaledLr, LinearLr, SqrtLr) step(optimizer) calls optimizer() "
+                  "with no arguments");
+    return true;
+}
+
+// step_on_device() decides on the device: nothing may need the host to decide.
+template <class Scaler, class Compression>
+constexpr bool check_step_on_device() {
+    static_assert(!adaptive_loss_scale<Scaler>,
+                  "gradsync: step_on_device() cannot update a DynamicLossScale, which decides on the host; use step(), "
+                  "or StaticLossScale");
+    static_assert(!Compression::compresses,
+                  "gradsync: step_on_device() with wire compression: a float16 overflow is reduced again in float32, "
+                  "which the host decides; use step()");
+    return true;
+}
+
+// The step's decision: `optimizer` runs when every gradient is finite, given the LR rule's rate
+// (optimizer(rate), or optimizer() without a rate or an LR rule); the scaler learns the outcome.
+// `name(p)` names parameter p in the report.
+template <class Scaler, class Lr, class Optimizer, class Name>
+StepReport decide_step(const StepStats& stats, Scaler& scaler, const Lr& lr, int world, std::uint64_t step,
+                       Optimizer& optimizer, Name&& name, int rank) {
+    StepReport report;
+    report.step = step;
+    report.loss_scale = scaler.scale();
+    report.grad_norm = stats.norm();
+    report.clipped = stats.clipped;
+    if (stats.finite()) {
+        if constexpr (LrRule<Lr>) {
+            report.learning_rate = lr.rate(world, step - 1);
+            if constexpr (std::is_invocable_v<Optimizer&, double>)
+                optimizer(report.learning_rate);
+            else
+                optimizer();
+        } else {
+            optimizer();
+        }
+        report.applied = true;
+    } else {
+        for (auto p : stats.nonfinite) report.overflowed.push_back(name(p));
+    }
+    scaler.update(!report.applied);
+    report.next_loss_scale = scaler.scale();
+    if (!report.applied && report.next_loss_scale >= report.loss_scale && adaptive_loss_scale<Scaler>)
+        log(LogLevel::info, rank,
+            "step " + std::to_string(report.step) + " skipped at the minimum loss scale " +
+                std::to_string(report.loss_scale) + "; " + std::to_string(report.overflowed.size()) +
+                " parameters overflowed, the first '" +
+                (report.overflowed.empty() ? std::string("?") : report.overflowed.front()) + "'");
+    return report;
+}
+
+}  // namespace detail
+}  // namespace gradsync::inline v0
+// ---- end gradsync/data_parallel/finalize_step.hpp ----
+
+// ---- begin gradsync/data_parallel/layout_agreement.hpp ----
+// Construction-time agreement between ranks: each rank checks its own parameter list, then all
+// ranks compare layouts and bucket plans by hash and, only on a difference, exchange the
+// details, so that every rank throws the same message naming the first differing parameter.
+
+
+#include <algorithm>  // for std::sort
+#include <cstddef>
+#include <cstdint>
+#include <cstring>  // for std::memcpy
+#include <span>
+#include <string>
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+// The first problem with this rank's parameters and buffers, or "" when there is none.
+template <class B>
+std::string find_model_problem(std::span<const Parameter> params, std::span<const ModelBuffer> buffers,
+                               const B& backend) {
+    for (const auto& b : buffers) {
+        const std::string who = "buffer '" + b.name + "'";
+        if (!is_known(b.dtype))
+            return who + " has an unknown dtype (code " + std::to_string(static_cast<unsigned>(b.dtype)) + ")";
+        if (b.data == nullptr && b.count != 0) return who + " has a null data pointer";
+    }
+    for (const auto& p : params) {
+        const std::string who = "parameter '" + p.name + "'";
+        if (!is_known(p.dtype))
+            return who + " has an unknown dtype (code " + std::to_string(static_cast<unsigned>(p.dtype)) + ")";
+        if (!backend.supports(p.dtype)) return who + " is " + to_string(p.dtype) + ", which this backend cannot reduce";
+        if (p.data == nullptr) return who + " has a null data pointer";
+        if (p.grad == nullptr) return who + " has a null gradient pointer";
+    }
+    struct Range {
+        std::uintptr_t begin, end;
+        const Parameter* param;
+    };
+    std::vector<Range> ranges;
+    ranges.reserve(params.size());
+    for (const auto& p : params) {
+        auto begin = reinterpret_cast<std::uintptr_t>(p.grad);
+        ranges.push_back({begin, begin + p.bytes().count(), &p});
+    }
+    std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) { return a.begin < b.begin; });
+    for (std::size_t i = 1; i < ranges.size(); ++i) {
+        if (ranges[i].begin < ranges[i - 1].end) {
+            return "parameters '" + ranges[i - 1].param->name + "' and '" + ranges[i].param->name +
+                   "' share gradient memory; give each parameter a gradient buffer of its own";
+        }
+    }
+    return {};
+}
+
+// One tensor of the layout that must agree across ranks: a parameter or a buffer.
+struct LayoutEntry {
+    bool is_buffer = false;
+    std::size_t index = 0;  // among the parameters, or among the buffers
+    std::string name;
+    std::uint64_t count = 0;
+    DType dtype = DType::float32;
+};
+
+inline std::vector<LayoutEntry> layout_of(std::span<const Parameter> params, std::span<const ModelBuffer> buffers) {
+    std::vector<LayoutEntry> out;
+    for (std::size_t i = 0; i < params.size(); ++i)
+        out.push_back({false, i, params[i].name, params[i].count, params[i].dtype});
+    for (std::size_t i = 0; i < buffers.size(); ++i)
+        out.push_back({true, i, buffers[i].name, buffers[i].count, buffers[i].dtype});
+    return out;
+}
+
+// What must agree: the kind, element count and dtype of every tensor, in order. Names need not.
+inline std::uint64_t layout_hash(const std::vector<LayoutEntry>& layout) {
+    Fnv1a h;
+    h.add(layout.size());
+    for (const auto& e : layout) h.add(e.is_buffer ? 1 : 0).add(e.count).add(static_cast<std::uint64_t>(e.dtype));
+    return h.value();
+}
+
+inline void put(std::vector<std::byte>& out, const void* p, std::size_t n) {
+    auto* b = static_cast<const std::byte*>(p);
+    out.insert(out.end(), b, b + n);
+}
+
+inline std::vector<std::byte> serialize_layout(const std::vector<LayoutEntry>& layout) {
+    std::vector<std::byte> out;
+    for (const auto& e : layout) {
+        std::uint8_t kind = e.is_buffer ? 1 : 0;
+        std::uint64_t index = e.index, count = e.count, name_size = e.name.size();
+        auto dtype = static_cast<std::uint8_t>(e.dtype);
+        put(out, &kind, sizeof kind);
+        put(out, &index, sizeof index);
+        put(out, &count, sizeof count);
+        put(out, &dtype, sizeof dtype);
+        put(out, &name_size, sizeof name_size);
+        put(out, e.name.data(), e.name.size());
+    }
+    return out;
+}
+
+inline std::vector<LayoutEntry> parse_layout(std::span<const std::byte> bytes) {
+    std::vector<LayoutEntry> out;
+    std::size_t pos = 0;
+    auto get = [&](void* dst, std::size_t n) {
+        if (pos + n > bytes.size()) throw Error("gradsync: internal error: truncated layout record");
+        std::memcpy(dst, bytes.data() + pos, n);
+        pos += n;
+    };
+    while (pos < bytes.size()) {
+        LayoutEntry e;
+        std::uint8_t kind = 0, dtype = 0;
+        std::uint64_t index = 0, name_size = 0;
+        get(&kind, sizeof kind);
+        get(&index, sizeof index);
+        get(&e.count, sizeof e.count);
+        get(&dtype, sizeof dtype);
+        get(&name_size, sizeof name_size);
+        e.is_buffer = kind != 0;
+        e.index = static_cast<std::size_t>(index);
+        e.dtype = static_cast<DType>(dtype);
+        e.name.resize(name_size);
+        get(e.name.data(), name_size);
+        out.push_back(std::move(e));
+    }
+    return out;
+}
+
+inline std::string describe_entry(const LayoutEntry& e) {
+    return std::string(e.is_buffer ? "buffer #" : "parameter #") + std::to_string(e.index) + " '" + e.name + "' (" +
+           std::to_string(e.count) + " x " + to_string(e.dtype) + ")";
+}
+
+// Names the first tensor where rank a's and rank b's layouts differ.
+inline std::string describe_layout_difference(int a, const std::vector<LayoutEntry>& la, int b,
+                                              const std::vector<LayoutEntry>& lb) {
+    std::string prefix = "gradsync: the model's layout differs across ranks: ";
+    std::string suffix =
+        ". Every rank must register the same parameters and buffers, in the same order, with the same sizes and "
+        "dtypes (zero-sized parameters are skipped and not compared)";
+    std::size_t n = std::min(la.size(), lb.size());
+    for (std::size_t i = 0; i < n; ++i) {
+        if (la[i].is_buffer != lb[i].is_buffer || la[i].count != lb[i].count || la[i].dtype != lb[i].dtype) {
+            return prefix + "rank " + std::to_string(a) + " has " + describe_entry(la[i]) + " where rank " +
+                   std::to_string(b) + " has " + describe_entry(lb[i]) + suffix;
+        }
+    }
+    const auto& longer = la.size() > lb.size() ? la : lb;
+    int longer_rank = la.size() > lb.size() ? a : b;
+    return prefix + "rank " + std::to_string(a) + " has " + std::to_string(la.size()) + " tensors and rank " +
+           std::to_string(b) + " has " + std::to_string(lb.size()) + "; " + describe_entry(longer[n]) +
+           " exists only on rank " + std::to_string(longer_rank) + suffix;
+}
+
+// Every rank calls this with its own parameters, plan and local problem ("" if none). Returns
+// when all ranks agree; otherwise throws the same exception, with the same message, on every rank.
+template <class B>
+void agree_on_layout(B& backend, std::span<const Parameter> params, std::span<const ModelBuffer> buffers,
+                     const BucketPlan& plan, const std::string& problem) {
+    const int world = backend.size();
+    const int me = backend.rank();
+    const auto entries = layout_of(params, buffers);
+    auto layout = serialize_layout(entries);
+    const std::string problem_text =
+        problem.empty() ? std::string() : "gradsync: invalid model on rank " + std::to_string(me) + ": " + problem;
+
+    // Each rank fills its own row; a sum-allreduce then hands every rank every row.
+    enum { layout_hi, layout_lo, plan_hi, plan_lo, problem_size, layout_size, row };
+    std::vector<double> table(static_cast<std::size_t>(world) * row, 0.0);
+    auto split = [](std::uint64_t h, double* hi, double* lo) {
+        *hi = static_cast<double>(h >> 32);
+        *lo = static_cast<double>(h & 0xffffffffu);
+    };
+    double* mine = table.data() + static_cast<std::size_t>(me) * row;
+    split(layout_hash(entries), mine + layout_hi, mine + layout_lo);
+    split(plan.hash(), mine + plan_hi, mine + plan_lo);
+    mine[problem_size] = static_cast<double>(problem_text.size());
+    mine[layout_size] = static_cast<double>(layout.size());
+    backend.allreduce(Buffer{table.data(), table.size(), DType::float64}, ReduceOp::sum);
+    auto at = [&](int r, int field) {
+        return table[static_cast<std::size_t>(r) * row + static_cast<std::size_t>(field)];
+    };
+
+    // Fetches rank r's bytes of the given size: its own copy on r, the broadcast elsewhere.
+    auto fetch = [&](int r, std::size_t size, const std::byte* own) {
+        std::vector<std::byte> bytes(size);
+        if (r == me && size != 0) std::memcpy(bytes.data(), own, size);
+        backend.broadcast(std::span<std::byte>(bytes), r);
+        return bytes;
+    };
+
+    for (int r = 0; r < world; ++r) {
+        if (at(r, problem_size) == 0) continue;
+        auto bytes = fetch(r, static_cast<std::size_t>(at(r, problem_size)),
+                           reinterpret_cast<const std::byte*>(problem_text.data()));
+        throw InvalidModel(std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
+    }
+    for (int r = 1; r < world; ++r) {
+        if (at(r, layout_hi) == at(0, layout_hi) && at(r, layout_lo) == at(0, layout_lo)) continue;
+        auto l0 = parse_layout(fetch(0, static_cast<std::size_t>(at(0, layout_size)), layout.data()));
+        auto lr = parse_layout(fetch(r, static_cast<std::size_t>(at(r, layout_size)), layout.data()));
+        throw LayoutMismatch(describe_layout_difference(0, l0, r, lr));
+    }
+    for (int r = 1; r < world; ++r) {
+        if (at(r, plan_hi) == at(0, plan_hi) && at(r, plan_lo) == at(0, plan_lo)) continue;
+        throw LayoutMismatch("gradsync: the bucket plans of rank 0 and rank " + std::to_string(r) +
+                             " differ although their parameters agree; pass the same bucketer, with the same "
+                             "caps, on every rank");
+    }
+}
+
+}  // namespace gradsync::inline v0::detail
+// ---- end gradsync/data_parallel/layout_agreement.hpp ----
+
+// ---- begin gradsync/data_parallel/model_layout.hpp ----
+// The model as DataParallel sees it: its parameters in registration order without the zero-sized
+// ones (the list bucket plans index into), the model's own index of each, its parameters by name,
+// and its buffers.
+
+
+#include <cstddef>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <utility>  // for std::move
+#include <variant>
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+struct ModelLayout {
+    static constexpr std::size_t none = static_cast<std::size_t>(-1);  // a zero-sized parameter
+    static constexpr std::size_t ambiguous = none - 1;                 // a name several parameters have
+
+    std::vector<Parameter> params;
+    std::vector<ModelBuffer> buffers;
+    std::vector<std::size_t> param_of_model_index;  // none for zero-sized parameters
+    std::unordered_map<std::string, std::size_t> by_name;
+
+    template <class Model>
+    static ModelLayout of(Model& model, bool with_buffers) {
+        ModelLayout out;
+        const auto listed = gradsync::parameters(model);
+        for (std::size_t i = 0; i < listed.size(); ++i) {
+            if (listed[i].count == 0) {
+                out.param_of_model_index.push_back(none);
+            } else {
+                out.param_of_model_index.push_back(out.params.size());
+                out.params.push_back(listed[i]);
+            }
+            auto [it, fresh] = out.by_name.emplace(listed[i].name, out.param_of_model_index.back());
+            if (!fresh) it->second = ambiguous;
+        }
+        if (with_buffers)
+            for (auto& b : gradsync::buffers(model))
+                if (b.count != 0) out.buffers.push_back(std::move(b));
+        return out;
+    }
+
+    // The parameter at the model's `index` (zero-sized: none), or an error message.
+    [[nodiscard]] std::variant<std::size_t, std::string> at_model_index(std::size_t index) const {
+        if (index < param_of_model_index.size()) return param_of_model_index[index];
+        return "grad_ready(" + std::to_string(index) + ") but the model has " +
+               std::to_string(param_of_model_index.size()) + " parameters";
+    }
+    // The parameter named `name` (zero-sized: none), or an error message.
+    [[nodiscard]] std::variant<std::size_t, std::string> named(std::string_view name) const {
+        auto it = by_name.find(std::string(name));
+        if (it != by_name.end() && it->second != ambiguous) return it->second;
+        return "grad_ready(\"" + std::string(name) + "\"): " +
+               (it == by_name.end() ? "no parameter has this name"
+                                    : "several parameters have this name; use grad_ready(index)");
+    }
+};
+
+}  // namespace gradsync::inline v0::detail
+// ---- end gradsync/data_parallel/model_layout.hpp ----
+
+// ---- begin gradsync/data_parallel/options.hpp ----
 // Options: the run-time settings of a DataParallel, passed like a policy (in any position after
 // the backend), e.g. DataParallel dp(model, backend, gradsync::Options{.find_unused_parameters = true}).
 
@@ -3410,110 +4706,371 @@ struct Options {
 };
 
 }  // namespace gradsync::inline v0
-// ---- end gradsync/options.hpp ----
+// ---- end gradsync/data_parallel/options.hpp ----
 
-#include <algorithm>  // for std::sort, std::min
-#include <atomic>
-#include <chrono>
-#include <cmath>  // for std::sqrt, std::isfinite
+// ---- begin gradsync/data_parallel/policies.hpp ----
+// The policies of one DataParallel: one of each kind picked from its template arguments, in any
+// order, each defaulted, and each checked against its kind's concept with an error that names
+// what is missing; and what they imply together (whether gradients are reduced in place, whether
+// they lie where the host must not touch them).
+
+
+#include <concepts>  // for std::convertible_to
+#include <tuple>
+
+namespace gradsync::inline v0::detail {
+
+template <class P>
+constexpr bool check_buffer_policy() {
+    static_assert(
+        requires {
+            { P::mode } -> std::convertible_to<BufferSync>;
+        },
+        "gradsync: a buffer policy needs `static constexpr gradsync::BufferSync mode`");
+    return true;
+}
+
+template <class P>
+constexpr bool check_packing_policy() {
+    static_assert(
+        requires {
+            { P::mode } -> std::convertible_to<PackingMode>;
+        },
+        "gradsync: a packing policy needs `static constexpr gradsync::PackingMode mode`");
+    return true;
+}
+
+// The check, only where the policies need the ability.
+template <class B, bool Needed>
+constexpr bool check_scattered_allreduce_if() {
+    if constexpr (Needed) return check_scattered_allreduce<B>();
+    return true;
+}
+template <class B, bool Needed>
+constexpr bool check_stream_ordered_if() {
+    if constexpr (Needed) return check_stream_ordered<B>();
+    return true;
+}
+
+template <class BackendT, class... Policies>
+struct PolicySet {
+    static_assert((check_policy<Policies>() && ...));
+
+    using bucketer = select_policy<policy_category::bucketer, SizeCappedBuckets, Policies...>;
+    using packing = select_policy<policy_category::packing, AutoPacking, Policies...>;
+    using memory = select_policy<policy_category::memory, HostMemory, Policies...>;
+    using buffers = select_policy<policy_category::buffers, BroadcastBuffers, Policies...>;
+    using loss_scaler = select_policy<policy_category::loss_scaler, NoLossScaling, Policies...>;
+    using compression = select_policy<policy_category::compression, NoCompression, Policies...>;
+    using lr_rule = select_policy<policy_category::lr_rule, NoLrRule, Policies...>;
+
+    static_assert(check_bucketer<bucketer>() && check_packing_policy<packing>() && check_memory_policy<memory>() &&
+                  check_buffer_policy<buffers>() && check_loss_scaler<loss_scaler>() &&
+                  check_compression<compression>() && check_lr_rule<lr_rule>());
+
+    // Gradients reduced where they lie, with no bucket buffer and no copies.
+    static constexpr bool in_place = packing::mode == PackingMode::in_place ||
+                                     (packing::mode == PackingMode::automatic && ScatteredAllreduce<BackendT>);
+    static_assert(check_scattered_allreduce_if<BackendT, packing::mode == PackingMode::in_place>());
+
+    // Gradients on the device (a device backend) under a host memory policy: each bucket is
+    // reduced where it lies, as one contiguous buffer, and DataParallel touches no gradient memory
+    // itself; what would (packing, unscaling, measuring, clipping, zeroing unused parameters) is
+    // refused with an error that names the device memory policy.
+    static constexpr bool gradients_untouchable = DeviceBackend<BackendT> && !memory::on_device;
+    static_assert(check_stream_ordered_if<BackendT, memory::on_device>());
+    static_assert(!gradients_untouchable || !compression::compresses,
+                  "gradsync: wire compression of device gradients needs a device memory policy: pass "
+                  "gradsync::CudaMemory{stream} (memory/cuda.cuh), or use NoCompression");
+
+    static constexpr bool has_lr_rule = LrRule<lr_rule>;
+
+    // The value of the policy of type P among those given, or a default one.
+    template <class P>
+    static P value(const std::tuple<Policies...>& given) {
+        return policy_value<P>(given);
+    }
+};
+
+}  // namespace gradsync::inline v0::detail
+// ---- end gradsync/data_parallel/policies.hpp ----
+
+// ---- begin gradsync/data_parallel/rebuild.hpp ----
+// Bucket rebuild: after the first overlapped step, the plan made again in the order rank 0 saw
+// gradients become ready (as PyTorch DDP does), so that buckets fill in the order backward
+// really finishes them. Every rank plans with rank 0's order, so the plans agree.
+
+
 #include <cstddef>
 #include <cstdint>
-#include <cstdio>   // for std::snprintf
-#include <cstdlib>  // for std::getenv
-#include <cstring>  // for std::memset
-#include <exception>
+#include <span>
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+// `arrived`: this rank's readiness order (parameters that never came through grad_ready keep
+// their place, at the end, in reverse registration order).
+template <Backend B, Bucketer P>
+BucketPlan plan_in_readiness_order(B& backend, const P& bucketer, std::span<const Parameter> params,
+                                   std::span<const std::size_t> arrived) {
+    std::vector<std::uint64_t> order(arrived.begin(), arrived.end());
+    std::vector<bool> seen(params.size(), false);
+    for (auto p : arrived) seen[p] = true;
+    for (std::size_t p = params.size(); p-- > 0;)
+        if (!seen[p]) order.push_back(p);
+    if (backend.size() > 1) backend.broadcast(std::as_writable_bytes(std::span<std::uint64_t>(order)), 0);
+    return bucketer.plan(params, std::vector<std::size_t>(order.begin(), order.end()));
+}
+
+}  // namespace gradsync::inline v0::detail
+// ---- end gradsync/data_parallel/rebuild.hpp ----
+
+// ---- begin gradsync/data_parallel/setup_checks.hpp ----
+// What a rank checks of its own set-up before the ranks agree on the layout: problems that would
+// make its gradients wrong, found here so that every rank refuses alike (through the agreement)
+// instead of failing later, or silently.
+
+
+#include <algorithm>  // for std::sort
+#include <cstdio>     // for std::snprintf
+#include <span>
+#include <string>
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+// Why device gradients cannot go without a device memory policy: unused parameters would be
+// zeroed by the host, and a bucket whose gradients are not one contiguous stretch would be packed
+// by it.
+inline std::string device_gradients_problem(const BucketPlan& plan, std::span<const Parameter> params,
+                                            const Options& options) {
+    if (options.find_unused_parameters)
+        return "find_unused_parameters zeroes unused gradients, which device gradients need a device memory "
+               "policy for: pass gradsync::CudaMemory{stream} (memory/cuda.cuh)";
+    for (std::size_t b = 0; b < plan.buckets.size(); ++b) {
+        auto indices = plan.buckets[b].parameters;
+        std::sort(indices.begin(), indices.end());
+        std::vector<Segment> segs;
+        for (auto i : indices) segs.push_back(Segment{params[i].grad, params[i].count});
+        if (const auto k = first_gap(segs, plan.buckets[b].dtype); k != 0)
+            return "the gradients of bucket " + std::to_string(b) + " ('" + params[indices[k - 1]].name + "', '" +
+                   params[indices[k]].name +
+                   "') are not adjacent in memory, and without a device memory policy they cannot be packed: pass "
+                   "gradsync::CudaMemory{stream} (memory/cuda.cuh), or give the model one gradient buffer in "
+                   "registration order (gradsync::ContiguousParameters)";
+    }
+    return {};
+}
+
+// The memory policy's passes (packing, the finalize pass) and the backend's collectives must be
+// ordered on one stream: a collective queued after another stream's packing would reduce what
+// that stream has not written yet.
+template <class B, class M>
+std::string stream_problem(const B& backend, const M& memory) {
+    if constexpr (requires { backend.compute_stream() == memory.stream(); }) {
+        const auto collectives = backend.compute_stream();
+        const auto passes = memory.stream();
+        if (!(collectives == passes)) {
+            char text[160];
+            std::snprintf(text, sizeof text, "the memory policy's stream (%p) is not the backend's compute stream (%p)",
+                          static_cast<const void*>(passes), static_cast<const void*>(collectives));
+            return std::string(text) +
+                   ": the collectives would not wait for the gradients packed and scaled on the other. Give both the "
+                   "stream backward runs on: CudaMemory{stream} and NcclOptions::compute_stream (or the backend's "
+                   "set_compute_stream(stream)) before constructing the DataParallel";
+        }
+    }
+    return {};
+}
+
+// Device gradients under a host memory policy, asked for a pass the host would make over them.
+inline std::string untouchable_gradients(int rank) {
+    return rank_prefix(rank) +
+           ": step(), loss scaling and clipping need the finalize pass over the gradients, which device gradients "
+           "get from a device memory policy: pass gradsync::CudaMemory{stream} (memory/cuda.cuh), or call "
+           "synchronize() and apply the optimizer (and any unscaling) yourself";
+}
+
+}  // namespace gradsync::inline v0::detail
+// ---- end gradsync/data_parallel/setup_checks.hpp ----
+
+// ---- begin gradsync/data_parallel/timeline.hpp ----
+// A Chrome trace of the buckets' lives (open in ui.perfetto.dev or chrome://tracing). Ranks of
+// one process writing to the same path share one sink, so their events land in one file on one
+// clock; the file is written when the last of them is done.
+
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <map>
 #include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+class TimelineSink {
+public:
+    explicit TimelineSink(std::string path) : path_(std::move(path)), origin_(std::chrono::steady_clock::now()) {}
+    TimelineSink(const TimelineSink&) = delete;
+    TimelineSink& operator=(const TimelineSink&) = delete;
+    ~TimelineSink() { write(); }
+
+    // The sink of `path`, shared with every other user of the same path in this process.
+    static std::shared_ptr<TimelineSink> open(const std::string& path) {
+        static std::mutex mutex;
+        static std::map<std::string, std::weak_ptr<TimelineSink>> sinks;
+        std::lock_guard lock(mutex);
+        auto& slot = sinks[path];
+        auto sink = slot.lock();
+        if (!sink) {
+            sink = std::make_shared<TimelineSink>(path);
+            slot = sink;
+        }
+        return sink;
+    }
+
+    [[nodiscard]] double micros(std::chrono::steady_clock::time_point t) const {
+        return std::chrono::duration<double, std::micro>(t - origin_).count();
+    }
+
+    void add(std::string event) {
+        std::lock_guard lock(mutex_);
+        events_.push_back(std::move(event));
+    }
+
+    // Writes every event so far; also done at destruction.
+    void write() {
+        std::lock_guard lock(mutex_);
+        std::FILE* f = std::fopen(path_.c_str(), "w");
+        if (f == nullptr) return;  // a trace is a diagnostic aid: never fail the training for it
+        std::fputs("{\"displayTimeUnit\":\"ms\",\"traceEvents\":[\n", f);
+        for (std::size_t i = 0; i < events_.size(); ++i) {
+            std::fputs(events_[i].c_str(), f);
+            std::fputs(i + 1 < events_.size() ? ",\n" : "\n", f);
+        }
+        std::fputs("]}\n", f);
+        std::fclose(f);
+    }
+
+private:
+    std::string path_;
+    std::chrono::steady_clock::time_point origin_;
+    std::mutex mutex_;
+    std::vector<std::string> events_;
+};
+
+// One rank's view of a sink: the rank is the process id; thread 0 holds the steps, thread b + 1
+// bucket b.
+class Timeline {
+public:
+    Timeline() = default;
+    Timeline(const std::string& path_pattern, int rank) : rank_(rank) {
+        if (path_pattern.empty()) return;
+        std::string path = path_pattern;
+        if (auto at = path.find("{rank}"); at != std::string::npos) path.replace(at, 6, std::to_string(rank));
+        sink_ = TimelineSink::open(path);
+        sink_->add(R"({"name":"process_name","ph":"M","pid":)" + std::to_string(rank) + R"(,"args":{"name":"rank )" +
+                   std::to_string(rank) + R"("}})");
+    }
+
+    [[nodiscard]] bool enabled() const { return sink_ != nullptr; }
+
+    // A moment: "ready" or "launched" of a bucket in a step.
+    void instant(const char* name, std::int64_t step, int bucket, std::chrono::steady_clock::time_point t) {
+        if (!sink_) return;
+        sink_->add(std::string(R"({"name":")") + name + R"(","ph":"i","s":"t","ts":)" + number(sink_->micros(t)) +
+                   R"(,"pid":)" + std::to_string(rank_) + R"(,"tid":)" + std::to_string(bucket + 1) +
+                   args(step, bucket) + "}");
+    }
+
+    // A span: a bucket's allreduce from launch to completion, or a whole step (bucket -1).
+    void span(const char* name, std::int64_t step, int bucket, std::chrono::steady_clock::time_point begin,
+              std::chrono::steady_clock::time_point end) {
+        if (!sink_) return;
+        double b = sink_->micros(begin), e = sink_->micros(end);
+        sink_->add(std::string(R"({"name":")") + name + R"(","ph":"X","ts":)" + number(b) + R"(,"dur":)" +
+                   number(e > b ? e - b : 0.0) + R"(,"pid":)" + std::to_string(rank_) + R"(,"tid":)" +
+                   std::to_string(bucket + 1) + args(step, bucket) + "}");
+    }
+
+private:
+    static std::string number(double v) {
+        char buf[32];
+        std::snprintf(buf, sizeof buf, "%.3f", v);
+        return buf;
+    }
+    static std::string args(std::int64_t step, int bucket) {
+        return R"(,"args":{"step":)" + std::to_string(step) + R"(,"bucket":)" + std::to_string(bucket) + "}";
+    }
+
+    std::shared_ptr<TimelineSink> sink_;
+    int rank_ = 0;
+};
+
+// One step's events: each bucket's allreduce (launched to done), and, when backward launched
+// them, the moments its last gradient was ready and it was launched; then the step itself.
+// `slots` are the bucket engine's; completed_at(b) is when bucket b's last gradient was ready.
+template <class Slots, class CompletedAt>
+void record_step(Timeline& timeline, std::int64_t step, const Slots& slots, bool overlapped, CompletedAt&& completed_at,
+                 std::chrono::steady_clock::time_point began) {
+    if (!timeline.enabled()) return;
+    for (std::size_t b = 0; b < slots.size(); ++b) {
+        const auto& slot = slots[b];
+        if (slot.finished_at == std::chrono::steady_clock::time_point{}) continue;  // not timed (the device's)
+        if (overlapped) {
+            timeline.instant("ready", step, static_cast<int>(b), completed_at(b));
+            timeline.instant("launched", step, static_cast<int>(b), slot.launched_at);
+        }
+        timeline.span("allreduce", step, static_cast<int>(b), slot.launched_at, slot.finished_at);
+    }
+    timeline.span("step", step, -1, began, std::chrono::steady_clock::now());
+}
+
+}  // namespace gradsync::inline v0::detail
+// ---- end gradsync/data_parallel/timeline.hpp ----
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>  // for std::getenv
+#include <exception>
 #include <mutex>
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 #include <tuple>
-#include <type_traits>  // for std::is_same_v
-#include <unordered_map>
-#include <utility>  // for std::declval
+#include <variant>
+#include <utility>  // for std::exchange
 #include <vector>
 
 namespace gradsync::inline v0 {
 
-// synchronize() found parameters that never got grad_ready (and find_unused_parameters is off),
-// or grad_ready was misused. Peers receive the same message in a CollectiveError.
-class ReadinessError : public Error {
-public:
-    using Error::Error;
-};
-
-// What step() did.
-struct StepReport {
-    bool applied = false;       // the optimizer ran: every gradient was finite
-    float loss_scale = 1;       // the scale this step's gradients carried
-    float next_loss_scale = 1;  // the scale for the next step's loss
-    double grad_norm = 0;       // L2 norm of all averaged, unscaled gradients, before clipping; not finite on overflow
-    bool clipped = false;       // the gradients were scaled down to Options::clip_norm
-    double learning_rate = 0;   // what the LR policy gave the optimizer (0 without one)
-    std::uint64_t step = 0;     // 1 for the first step
-    std::vector<std::string> overflowed;  // parameters whose gradients were not finite
-};
-
-namespace detail {
-
-template <class B, bool Scattered>
-struct handle_of {
-    using type = decltype(std::declval<B&>().allreduce_async(std::declval<Buffer>(), ReduceOp::sum));
-};
-template <class B>
-struct handle_of<B, true> {
-    using type = decltype(std::declval<B&>().allreduce_async(std::declval<std::span<const Segment>>(), DType::float32,
-                                                             ReduceOp::sum));
-};
-
-}  // namespace detail
-
-// Policies, in any order, each optional:
-//   bucketer  SizeCappedBuckets (default), SingleBucket, PerParameterBuckets
-//   packing   AutoPacking (default), PackedBuckets, InPlaceBuckets
-//   memory    HostMemory (default)
-//   buffers   BroadcastBuffers (default), BroadcastBuffersOnce, AverageBuffers, IgnoreBuffers
-//   options   Options (timeout, unused parameters, bucket rebuild, timeline, clipping)
-//   loss scaler  NoLossScaling (default), StaticLossScale, DynamicLossScale
-//   compression  NoCompression (default), Fp16Compression, Bf16Compression
-//   LR rule      NoLrRule (default), UnscaledLr, LinearLr, SqrtLr
+// Policies, in any order, each optional (data_parallel/policies.hpp): bucketer, packing, memory,
+// buffers, Options, loss scaler, compression, LR rule.
 template <class Model, class BackendT, class... Policies>
 class DataParallel {
     static_assert(detail::check_model_access<Model>());
     static_assert(detail::check_backend<BackendT>());
-    static_assert((detail::check_policy<Policies>() && ...));
+    using Set = detail::PolicySet<BackendT, Policies...>;
+    using Phase = detail::Readiness::Phase;
 
 public:
-    using bucketer_type = detail::select_policy<policy_category::bucketer, SizeCappedBuckets, Policies...>;
-    using packing_type = detail::select_policy<policy_category::packing, AutoPacking, Policies...>;
-    using memory_type = detail::select_policy<policy_category::memory, HostMemory, Policies...>;
-    using buffers_type = detail::select_policy<policy_category::buffers, BroadcastBuffers, Policies...>;
-    using loss_scaler_type = detail::select_policy<policy_category::loss_scaler, NoLossScaling, Policies...>;
-    using compression_type = detail::select_policy<policy_category::compression, NoCompression, Policies...>;
-    using lr_type = detail::select_policy<policy_category::lr_rule, NoLrRule, Policies...>;
-    static_assert(detail::check_bucketer<bucketer_type>());
-    static_assert(!std::is_same_v<packing_type, InPlaceBuckets> || ScatteredAllreduce<BackendT>,
-                  "gradsync: InPlaceBuckets needs a backend that reduces scattered segments "
-                  "(the ScatteredAllreduce concept, e.g. LocalBackend); use PackedBuckets or AutoPacking");
-
-    // True when gradients are reduced where they lie, with no bucket buffer and no copies.
-    static constexpr bool reduces_in_place =
-        std::is_same_v<packing_type, InPlaceBuckets> ||
-        (std::is_same_v<packing_type, AutoPacking> && ScatteredAllreduce<BackendT>);
-    using handle_type = typename detail::handle_of<BackendT, reduces_in_place>::type;
-
-    // Gradients on the device (NcclBackend) under the host memory policy: each bucket is reduced
-    // where it lies, as one contiguous buffer, and DataParallel touches no gradient memory
-    // itself. The passes that would (packing, unscaling, measuring, clipping, zeroing unused
-    // parameters) are refused with an error that names the device memory policy, CudaMemory.
-    static constexpr bool gradients_untouchable = DeviceBackend<BackendT> && !memory_type::on_device;
-    static_assert(!memory_type::on_device || DeviceBackend<BackendT>,
-                  "gradsync: a device memory policy (CudaMemory) needs a backend whose collectives take device "
-                  "memory (NcclBackend)");
-    static_assert(!gradients_untouchable || !compression_type::compresses,
-                  "gradsync: wire compression of device gradients needs a device memory policy: pass "
-                  "gradsync::CudaMemory{stream} (cuda/memory.cuh), or use NoCompression");
+    using bucketer_type = typename Set::bucketer;
+    using packing_type = typename Set::packing;
+    using memory_type = typename Set::memory;
+    using buffers_type = typename Set::buffers;
+    using loss_scaler_type = typename Set::loss_scaler;
+    using compression_type = typename Set::compression;
+    using lr_type = typename Set::lr_rule;
+    static constexpr bool reduces_in_place = Set::in_place;
+    static constexpr bool gradients_untouchable = Set::gradients_untouchable;
+    using engine_type = detail::BucketEngine<BackendT, memory_type, compression_type::wire, reduces_in_place>;
+    using handle_type = typename engine_type::handle_type;
 
     // Lists the model's parameters and buffers, checks them on every rank, agrees on the layout
     // with every rank, and copies rank 0's parameter (and buffer) values to every rank. A problem
@@ -3521,31 +5078,28 @@ public:
     DataParallel(Model& model, BackendT& backend, Policies... policies)
         : model_(model),
           backend_(backend),
-          bucketer_(detail::policy_value<bucketer_type>(std::tuple(policies...))),
-          options_(detail::policy_value<Options>(std::tuple(policies...))),
-          scaler_(detail::policy_value<loss_scaler_type>(std::tuple(policies...))),
-          lr_(detail::policy_value<lr_type>(std::tuple(policies...))),
-          memory_(detail::policy_value<memory_type>(std::tuple(policies...))) {
+          bucketer_(Set::template value<bucketer_type>(std::tuple(policies...))),
+          options_(Set::template value<Options>(std::tuple(policies...))),
+          scaler_(Set::template value<loss_scaler_type>(std::tuple(policies...))),
+          lr_(Set::template value<lr_type>(std::tuple(policies...))),
+          engine_(backend, Set::template value<memory_type>(std::tuple(policies...))) {
         init();
     }
-    DataParallel(Model& model, BackendT& backend) requires(sizeof...(Policies) > 0) : model_(model), backend_(backend) {
+    DataParallel(Model& model, BackendT& backend) requires(sizeof...(Policies) > 0)
+        : model_(model), backend_(backend), engine_(backend, memory_type{}) {
         init();
     }
-
     DataParallel(const DataParallel&) = delete;
     DataParallel& operator=(const DataParallel&) = delete;
 
     // A DataParallel destroyed in the middle of a step (after an exception, say) aborts the group,
     // so that peers fail at once, and waits for its collectives in flight before it goes.
     ~DataParallel() {
-        if constexpr (StatusReporting<BackendT>) {
-            if (reporter_) backend_.remove_status_reporter(*reporter_);
-        }
         try {
-            if (in_flight()) {
-                abort_group("gradsync: rank " + std::to_string(rank()) + " destroyed its DataParallel in step " +
+            if (engine_.in_flight()) {
+                abort_group(detail::rank_prefix(rank()) + " destroyed its DataParallel in step " +
                             std::to_string(current_step()) + " with collectives in flight");
-                drain();
+                engine_.drain(std::chrono::steady_clock::now() + options_.timeout);
             }
         } catch (...) {  // a destructor must not throw
         }
@@ -3556,27 +5110,10 @@ public:
     // before it that is complete are launched, in plan order. Safe to call from several threads
     // (backward hooks); all calls of a step must return before synchronize() is called.
     void grad_ready(std::size_t index) {
-        guard([&] {
-            if (index >= model_index_to_param_.size())
-                throw ReadinessError("gradsync: rank " + std::to_string(rank()) + ", step " +
-                                     std::to_string(current_step()) + ": grad_ready(" + std::to_string(index) +
-                                     ") but the model has " + std::to_string(model_index_to_param_.size()) +
-                                     " parameters");
-            auto p = model_index_to_param_[index];
-            if (p != npos) mark_ready(p);
-        });
+        guard([&] { mark(layout_.at_model_index(index)); });
     }
     void grad_ready(std::string_view name) {
-        guard([&] {
-            auto it = by_name_.find(std::string(name));
-            if (it == by_name_.end() || it->second == ambiguous)
-                throw ReadinessError("gradsync: rank " + std::to_string(rank()) + ", step " +
-                                     std::to_string(current_step()) + ": grad_ready(\"" + std::string(name) + "\"): " +
-                                     (it == by_name_.end() ? "no parameter has this name"
-                                                           : "several parameters have this name; use "
-                                                             "grad_ready(index)"));
-            if (it->second != npos) mark_ready(it->second);
-        });
+        guard([&] { mark(layout_.named(name)); });
     }
 
     // Averages every parameter's gradient over all ranks. Call on every rank after backward. With
@@ -3587,48 +5124,19 @@ public:
 
     // synchronize(), then the optimizer if every gradient is finite: optimizer(learning rate)
     // with an LR policy, optimizer() without. The loss scaler learns of the outcome either way. A
-    // skipped step leaves parameters and optimizer state untouched. The decision is the same on
-    // every rank: it is taken on the reduced gradients, which every rank holds alike.
+    // skipped step leaves parameters and optimizer state untouched, on every rank alike.
     template <class Optimizer>
     StepReport step(Optimizer&& optimizer) {
-        constexpr bool with_lr = !std::is_same_v<lr_type, NoLrRule>;
-        static_assert(!with_lr || std::is_invocable_v<Optimizer&, double> || std::is_invocable_v<Optimizer&>,
-                      "gradsync: step(optimizer) calls optimizer(double learning_rate) or optimizer()");
-        static_assert(with_lr || std::is_invocable_v<Optimizer&>,
-                      "gradsync: without an LR policy (UnscaledLr, LinearLr, SqrtLr) step(optimizer) calls "
-                      "optimizer() with no arguments");
-        if (no_sync_depth_.load(std::memory_order_relaxed) > 0)
-            throw ReadinessError("gradsync: rank " + std::to_string(rank()) +
-                                 ": step() under no_sync(); call it after "
-                                 "the guard is gone, on the step that synchronizes");
-        StepReport report;
-        report.step = steps() + 1;
-        report.loss_scale = scaler_.scale();
+        static_assert(detail::check_optimizer<Optimizer, Set::has_lr_rule>());
+        if (readiness_.accumulating())
+            throw ReadinessError(detail::rank_prefix(rank()) +
+                                 ": step() under no_sync(); call it after the guard is gone, on the step that "
+                                 "synchronizes");
+        const std::uint64_t step = steps() + 1;
         synchronize_impl(/*want_stats=*/true);
-        report.grad_norm = grad_norm();
-        report.clipped = stats_.clipped;
-        if (gradients_finite()) {
-            if constexpr (with_lr) {
-                report.learning_rate = lr_.rate(world_size(), report.step - 1);
-                if constexpr (std::is_invocable_v<Optimizer&, double>)
-                    optimizer(report.learning_rate);
-                else
-                    optimizer();
-            } else {
-                optimizer();
-            }
-            report.applied = true;
-        } else {
-            for (auto p : stats_.nonfinite) report.overflowed.push_back(params_[p].name);
-        }
-        scaler_.update(!report.applied);
-        report.next_loss_scale = scaler_.scale();
-        if (!report.applied && report.next_loss_scale >= report.loss_scale && loss_scale_is_dynamic())
-            detail::log(detail::LogLevel::info, rank(),
-                        "step " + std::to_string(report.step) + " skipped at the minimum loss scale " +
-                            std::to_string(report.loss_scale) + "; " + std::to_string(report.overflowed.size()) +
-                            " parameters overflowed, the first '" + report.overflowed.front() + "'");
-        return report;
+        return detail::decide_step(
+            stats_, scaler_, lr_, world_size(), step, optimizer,
+            [this](std::size_t p) { return layout_.params[p].name; }, rank());
     }
 
     // step() without the host: the verdict (whether every gradient is finite, and the sum of the
@@ -3639,24 +5147,18 @@ public:
     // host), no clipping and no wire compression (both need the norm or the redo on the host).
     template <class Optimizer>
     void step_on_device(Optimizer&& optimizer) requires(memory_type::on_device) {
-        static_assert(!loss_scale_is_dynamic(),
-                      "gradsync: step_on_device() cannot update a DynamicLossScale, which decides on the host; use "
-                      "step(), or StaticLossScale");
-        static_assert(!compression_type::compresses,
-                      "gradsync: step_on_device() with wire compression: a float16 overflow is reduced again in "
-                      "float32, which the host decides; use step()");
+        static_assert(detail::check_step_on_device<loss_scaler_type, compression_type>());
         if (options_.clip_norm > 0)
-            throw Error("gradsync: rank " + std::to_string(rank()) +
+            throw Error(detail::rank_prefix(rank()) +
                         ": step_on_device() cannot clip: the norm would have to come to the host; use step()");
-        if (no_sync_depth_.load(std::memory_order_relaxed) > 0)
-            throw ReadinessError("gradsync: rank " + std::to_string(rank()) + ": step_on_device() under no_sync()");
+        if (readiness_.accumulating())
+            throw ReadinessError(detail::rank_prefix(rank()) + ": step_on_device() under no_sync()");
         const std::uint64_t step = steps() + 1;
         synchronize_impl(/*want_stats=*/true, /*read_stats=*/false);
-        if constexpr (!std::is_same_v<lr_type, NoLrRule>) {
+        if constexpr (Set::has_lr_rule)
             optimizer(lr_.rate(world_size(), step - 1), verdict_);
-        } else {
+        else
             optimizer(verdict_);
-        }
     }
 
     // The factor to multiply the loss by before backward.
@@ -3664,47 +5166,31 @@ public:
     // The loss scaler, to save or restore its state (DynamicLossScale::state).
     [[nodiscard]] loss_scaler_type& loss_scaler() { return scaler_; }
     // The learning rate step() will pass next (an LR policy is required).
-    [[nodiscard]] double learning_rate() const requires(!std::is_same_v<lr_type, NoLrRule>) {
-        return lr_.rate(world_size(), steps());
-    }
+    [[nodiscard]] double learning_rate() const requires(Set::has_lr_rule) { return lr_.rate(world_size(), steps()); }
     // Of the last synchronize() that measured them (step(), or any synchronize() with a loss
     // scaler, compression or clipping): the global L2 norm of the unscaled averaged gradients
     // before clipping, and whether all of them were finite. step_on_device() leaves them on the
     // device, in its verdict.
-    [[nodiscard]] double grad_norm() const { return std::sqrt(stats_.sum_squares); }
-    [[nodiscard]] bool gradients_finite() const { return std::isfinite(stats_.sum_squares); }
+    [[nodiscard]] double grad_norm() const { return stats_.norm(); }
+    [[nodiscard]] bool gradients_finite() const { return stats_.finite(); }
 
-    class NoSyncGuard {
-    public:
-        explicit NoSyncGuard(DataParallel& dp) : dp_(&dp) { dp_->no_sync_depth_.fetch_add(1); }
-        NoSyncGuard(NoSyncGuard&& o) noexcept : dp_(std::exchange(o.dp_, nullptr)) {}
-        NoSyncGuard(const NoSyncGuard&) = delete;
-        NoSyncGuard& operator=(const NoSyncGuard&) = delete;
-        NoSyncGuard& operator=(NoSyncGuard&&) = delete;
-        ~NoSyncGuard() {
-            if (dp_) dp_->no_sync_depth_.fetch_sub(1);
-        }
-
-    private:
-        DataParallel* dp_;
-    };
+    using NoSyncGuard = detail::Readiness::NoSyncGuard;
 
     // While the guard lives, backward accumulates gradients locally: grad_ready() only notes the
     // parameter as used and synchronize() communicates nothing. The next synchronized step
     // reduces the accumulated sums.
     [[nodiscard]] NoSyncGuard no_sync() {
-        if (any_ready_.load(std::memory_order_acquire))
-            throw ReadinessError("gradsync: rank " + std::to_string(rank()) + ", step " +
-                                 std::to_string(current_step()) +
+        if (readiness_.any_ready())
+            throw ReadinessError(where() +
                                  ": no_sync() after grad_ready() calls of the same step; enter no_sync() before "
                                  "the backward whose gradients should only accumulate");
-        return NoSyncGuard(*this);
+        return NoSyncGuard(readiness_);
     }
 
     // Copies rank 0's parameter values into every rank's parameters.
     void broadcast_parameters() {
         if (backend_.size() == 1) return;
-        for (const auto& p : params_)
+        for (const auto& p : layout_.params)
             backend_.broadcast(std::span(static_cast<std::byte*>(p.data), p.bytes().count()), 0);
     }
 
@@ -3712,8 +5198,8 @@ public:
     [[nodiscard]] const BucketPlan& plan() const { return plan_; }
     // The parameters gradsync synchronizes: the model's, in registration order, without the
     // zero-sized ones. Bucket::parameters index into this list.
-    [[nodiscard]] std::span<const Parameter> parameters() const { return params_; }
-    [[nodiscard]] std::span<const ModelBuffer> buffers() const { return buffers_; }
+    [[nodiscard]] std::span<const Parameter> parameters() const { return layout_.params; }
+    [[nodiscard]] std::span<const ModelBuffer> buffers() const { return layout_.buffers; }
     [[nodiscard]] int rank() const { return backend_.rank(); }
     [[nodiscard]] int world_size() const { return backend_.size(); }
     // Synchronized steps completed (accumulation micro-steps under no_sync() do not count).
@@ -3726,244 +5212,112 @@ public:
     [[nodiscard]] const Options& options() const { return options_; }
     [[nodiscard]] Bytes gradient_bytes() const { return plan_.bytes(); }
     // Buckets whose gradients already lie contiguously in memory, reduced without a copy.
-    [[nodiscard]] std::size_t view_buckets() const {
-        std::size_t n = 0;
-        for (const auto& s : slots_) n += s.view.has_value() && s.route != Route::compressed;
-        return n;
-    }
+    [[nodiscard]] std::size_t view_buckets() const { return engine_.view_buckets(); }
     // Memory this object holds for synchronization beyond the model's own buffers.
     [[nodiscard]] Bytes extra_memory() const {
-        Bytes total{(params_.size() * 2 + arrivals_.capacity()) * sizeof(std::size_t)};
-        for (const auto& s : slots_)
-            total += Bytes{s.buffer.size() + s.widened.size() + s.segments.capacity() * sizeof(Segment) +
-                           s.indices.capacity() * sizeof(std::size_t)};
-        return total;
+        return Bytes{(layout_.params.size() * 2 + readiness_.recording_capacity()) * sizeof(std::size_t)} +
+               engine_.memory_held();
     }
 
 private:
-    static constexpr std::size_t npos = static_cast<std::size_t>(-1);
-    static constexpr std::size_t ambiguous = npos - 1;
-    enum class Phase : int { idle, backward, synchronizing };
+    [[nodiscard]] std::int64_t current_step() const { return static_cast<std::int64_t>(steps()) + 1; }
+    [[nodiscard]] std::string where() const {
+        return detail::rank_prefix(rank()) + ", step " + std::to_string(current_step());
+    }
 
-    // How a bucket travels: reduced where its gradients lie (one segment when they are
-    // contiguous), through a packed copy, or packed into a narrower wire dtype.
-    enum class Route { in_place, view, packed, compressed };
+    void mark(const std::variant<std::size_t, std::string>& found) {
+        if (const auto* problem = std::get_if<std::string>(&found)) throw ReadinessError(where() + ": " + *problem);
+        const auto p = std::get<std::size_t>(found);
+        if (p == detail::ModelLayout::none) return;
+        if (readiness_.mark(p, [this](std::size_t b) { launch(b); }) == detail::Readiness::Mark::twice)
+            throw ReadinessError(where() + ": grad_ready for parameter '" + layout_.params[p].name +
+                                 "' was called twice in one step");
+    }
 
-    // One bucket's storage and the state of its collective in the current step.
-    struct Slot {
-        std::vector<Segment> segments;     // its gradients, by parameter index
-        std::vector<std::size_t> indices;  // their parameters
-        std::optional<Segment> view;       // set when they lie contiguously
-        Route route = Route::in_place;
-        DType wire = DType::float32;            // the dtype the collective moves
-        typename memory_type::Table table;      // the segments, as the memory policy's passes take them
-        bool measured = false;                  // finalized this step: its result slot is current
-        typename memory_type::Storage buffer;   // packed or compressed, world > 1
-        typename memory_type::Storage widened;  // a float32 copy, made once when a compressed sum overflowed
-        std::size_t parameters = 0;
-        std::optional<handle_type> handle;
-        std::chrono::steady_clock::time_point ready_at, launched_at;
-    };
+    // Bucket b goes now (during backward, under the readiness lock).
+    void launch(std::size_t b) {
+        engine_.launch(b, tag_of(b, detail::CollectivePurpose::bucket));
+        detail::log(detail::LogLevel::debug, rank(), [&] {
+            return "step " + std::to_string(current_step()) + ": launched bucket " + std::to_string(b);
+        });
+    }
 
-    // The finalize pass's findings this step.
-    struct Stats {
-        double sum_squares = 0;              // of the unscaled averaged gradients
-        std::vector<std::size_t> nonfinite;  // parameters with an infinity or NaN
-        bool clipped = false;
-    };
+    CollectiveTag tag_of(std::size_t b, detail::CollectivePurpose purpose) {
+        const auto& slot = engine_.slots()[b];
+        const DType dtype = purpose == detail::CollectivePurpose::float_redo ? slot.dtype : slot.wire;
+        return history_.next(purpose, current_step(), b, slot.count * size_of(dtype), dtype);
+    }
 
     // `read_stats` false: the finalize pass's measurements stay where the memory policy put them
     // (step_on_device), and the host never waits for the device.
     void synchronize_impl(bool want_stats, bool read_stats = true) {
-        if (no_sync_depth_.load(std::memory_order_relaxed) > 0) return;  // an accumulation micro-step
+        if (readiness_.accumulating()) return;  // an accumulation micro-step
         guard([&] {
             check_backend_health();
-            const bool overlapped = any_ready_.load(std::memory_order_acquire);
-            if (!overlapped) step_began_ = std::chrono::steady_clock::now();
-            phase_.store(Phase::synchronizing, std::memory_order_release);
-            stats_ = Stats{};
-            finalizing_ = want_stats || scaler_.scale() != 1.0f || options_.clip_norm > 0;
-            if constexpr (gradients_untouchable) {
-                if (finalizing_)
-                    throw Error("gradsync: rank " + std::to_string(rank()) +
-                                ": step(), loss scaling and clipping need the finalize pass over the gradients, "
-                                "which device gradients get from a device memory policy: pass "
-                                "gradsync::CudaMemory{stream} (cuda/memory.cuh), or call synchronize() and apply the "
-                                "optimizer (and any unscaling) yourself");
-            }
+            const bool overlapped = readiness_.any_ready();
+            const auto began = overlapped ? readiness_.began() : std::chrono::steady_clock::now();
+            readiness_.set_phase(Phase::synchronizing);
+            stats_ = {};
+            const bool finalizing = want_stats || scaler_.scale() != 1.0f || options_.clip_norm > 0;
+            if (gradients_untouchable && finalizing) throw Error(detail::untouchable_gradients(rank()));
+            engine_.begin_step(finalizing, 1.0 / static_cast<double>(scaler_.scale()));
             if (overlapped) {
                 complete_readiness();
             } else if (backend_.size() > 1) {
-                for (std::size_t b = 0; b < slots_.size(); ++b) reduce_now(b);
+                for (std::size_t b = 0; b < plan_.buckets.size(); ++b)
+                    engine_.reduce_now(b, tag_of(b, detail::CollectivePurpose::bucket));
             }
-            wait_all();
+            engine_.wait_all(std::chrono::steady_clock::now() + options_.timeout, [&](std::size_t b) {
+                return detail::diagnose_timeout(backend_, current_step(), plan_, parameters(), b, options_.timeout);
+            });
             if (backend_.size() == 1)
-                for (std::size_t b = 0; b < slots_.size(); ++b) finalize_in_place(b);
+                for (std::size_t b = 0; b < plan_.buckets.size(); ++b) engine_.finalize_in_place(b);
             if (read_stats)
-                collect_stats();
+                stats_ = detail::collect_stats(engine_, [&](std::size_t b) { reduce_again_in_float(b); });
             else
-                verdict_ = memory_.verdict();
+                verdict_ = engine_.memory().verdict();
             check_backend_health();  // what the device did while the host did not wait
-            if (options_.clip_norm > 0) clip();
-            sync_buffers(/*at_construction=*/false);
+            if (options_.clip_norm > 0) detail::clip(engine_, stats_, options_.clip_norm);
+            detail::sync_buffers(backend_, buffers(), buffers_type::mode, false, history_, current_step());
             if constexpr (!CheckedCollectives<BackendT>) {
-                if (options_.check_histories.value_or(!DeviceBackend<BackendT>)) verify_histories();
+                if (options_.check_histories.value_or(!DeviceBackend<BackendT>))
+                    history_.verify(backend_, current_step());
             }
-            timeline_.span("step", current_step(), -1, step_began_, std::chrono::steady_clock::now());
+            detail::record_step(
+                timeline_, current_step(), engine_.slots(), overlapped,
+                [&](std::size_t b) { return readiness_.completed_at(b); }, began);
             if (overlapped) maybe_rebuild();
-            reset_step();
+            end_step();
             steps_.fetch_add(1, std::memory_order_acq_rel);
-            phase_.store(Phase::idle, std::memory_order_release);
         });
     }
 
-    [[nodiscard]] std::int64_t current_step() const {
-        return static_cast<std::int64_t>(steps_.load(std::memory_order_acquire)) + 1;
+    // At synchronize(): every parameter without grad_ready is either accumulated earlier (ready),
+    // unused (zero, with find_unused_parameters) or an error; then every bucket is launched.
+    void complete_readiness() {
+        const auto missing =
+            readiness_.complete([this](std::size_t b) { launch(b); },
+                                [this](std::size_t p) {
+                                    if (!options_.find_unused_parameters) return false;
+                                    const auto& param = layout_.params[p];
+                                    engine_.memory().zero(Segment{param.grad, param.count}, param.dtype);
+                                    return true;
+                                });
+        if (!missing.empty())
+            throw ReadinessError(where() + ": " + detail::missing_gradients(missing, parameters(), readiness_));
     }
 
-    void init() {
-        const auto listed = gradsync::parameters(model_);
-        for (std::size_t i = 0; i < listed.size(); ++i) {
-            if (listed[i].count == 0) {
-                model_index_to_param_.push_back(npos);
-            } else {
-                model_index_to_param_.push_back(params_.size());
-                params_.push_back(listed[i]);
-            }
-            auto [it, fresh] = by_name_.emplace(listed[i].name, model_index_to_param_.back());
-            if (!fresh) it->second = ambiguous;
-        }
-        if constexpr (buffers_type::mode != BufferSync::ignore) {
-            for (auto& b : gradsync::buffers(model_))
-                if (b.count != 0) buffers_.push_back(std::move(b));
-        }
-        std::string problem = detail::find_model_problem(std::span<const Parameter>(params_),
-                                                         std::span<const ModelBuffer>(buffers_), backend_);
-        if (problem.empty()) plan_ = bucketer_.plan(params_);
-        if constexpr (gradients_untouchable) {
-            if (problem.empty()) problem = device_gradients_problem();
-        }
-        if (problem.empty()) problem = stream_problem();
-        if (backend_.size() == 1) {
-            if (!problem.empty()) throw InvalidModel("gradsync: invalid model on rank 0: " + problem);
-        } else {
-            detail::agree_on_layout(backend_, std::span<const Parameter>(params_),
-                                    std::span<const ModelBuffer>(buffers_), plan_, problem);
-        }
-        broadcast_parameters();
-        sync_buffers(/*at_construction=*/true);
-
-        ready_ = std::make_unique<std::atomic<std::uint8_t>[]>(params_.size());
-        used_ = std::make_unique<std::atomic<std::uint8_t>[]>(params_.size());
-        if (options_.rebuild_buckets) arrivals_.resize(params_.size());
-        setup_buckets();
-
-        std::string timeline = options_.timeline;
-        if (timeline.empty()) {
-            if (const char* env = std::getenv("GRADSYNC_TIMELINE")) timeline = env;
-        }
-        timeline_ = detail::Timeline(timeline, rank());
-        if constexpr (StatusReporting<BackendT>) {
-            if (backend_.size() > 1) reporter_ = backend_.add_status_reporter([this] { return describe_self(); });
-        }
-        if (detail::logging(detail::LogLevel::info)) {
-            detail::log(
-                detail::LogLevel::info, rank(),
-                "DataParallel: " + std::to_string(params_.size()) + " parameters, " + std::to_string(buffers_.size()) +
-                    " buffers, world size " + std::to_string(backend_.size()) + ", " +
-                    (reduces_in_place ? "reduced in place" : "packed") + ", wire " + to_string(compression_type::wire) +
-                    ", " + std::to_string(view_buckets()) + " view buckets; bucket plan: " + to_string(plan_));
-        }
+    void reduce_again_in_float(std::size_t b) {
+        engine_.reduce_again_in_float(b, tag_of(b, detail::CollectivePurpose::float_redo));
+        detail::log(detail::LogLevel::info, rank(),
+                    "step " + std::to_string(current_step()) + ": bucket " + std::to_string(b) +
+                        " overflowed float16 on the wire and was reduced again in float32");
     }
 
-    // The first k whose segment does not start where segment k - 1 ends; 0 when they all follow
-    // each other in memory.
-    static std::size_t first_gap(std::span<const Segment> segs, DType t) {
-        const std::size_t elem = size_of(t);
-        for (std::size_t k = 1; k < segs.size(); ++k)
-            if (static_cast<const std::byte*>(segs[k - 1].data) + segs[k - 1].count * elem != segs[k].data) return k;
-        return 0;
-    }
-
-    // Why this model cannot go the device path without a device memory policy: unused parameters
-    // would be zeroed by the host, and a bucket whose gradients are not one contiguous stretch
-    // would be packed by it.
-    [[nodiscard]] std::string device_gradients_problem() const {
-        if (options_.find_unused_parameters)
-            return "find_unused_parameters zeroes unused gradients, which device gradients need a device memory "
-                   "policy for: pass gradsync::CudaMemory{stream} (cuda/memory.cuh)";
-        for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
-            auto indices = plan_.buckets[b].parameters;
-            std::sort(indices.begin(), indices.end());
-            std::vector<Segment> segs;
-            for (auto i : indices) segs.push_back(Segment{params_[i].grad, params_[i].count});
-            if (const auto k = first_gap(segs, plan_.buckets[b].dtype); k != 0)
-                return "the gradients of bucket " + std::to_string(b) + " ('" + params_[indices[k - 1]].name + "', '" +
-                       params_[indices[k]].name +
-                       "') are not adjacent in memory, and without a device memory policy they cannot be packed: "
-                       "pass gradsync::CudaMemory{stream} (cuda/memory.cuh), or give the model one gradient buffer "
-                       "in registration order (gradsync::ContiguousParameters)";
-        }
-        return {};
-    }
-
-    // The memory policy's passes (packing, the finalize pass) and the backend's collectives must
-    // be ordered on one stream: a collective queued after another stream's packing would reduce
-    // what that stream has not written yet.
-    [[nodiscard]] std::string stream_problem() const {
-        if constexpr (requires { backend_.compute_stream() == memory_.stream(); }) {
-            const auto collectives = backend_.compute_stream();
-            const auto passes = memory_.stream();
-            if (!(collectives == passes)) {
-                char text[160];
-                std::snprintf(text, sizeof text,
-                              "the memory policy's stream (%p) is not the backend's compute stream (%p)",
-                              static_cast<const void*>(passes), static_cast<const void*>(collectives));
-                return std::string(text) +
-                       ": the collectives would not wait for the gradients packed and scaled on the other. Give both "
-                       "the stream backward runs on: CudaMemory{stream} and NcclOptions::compute_stream (or the "
-                       "backend's set_compute_stream(stream)) before constructing the DataParallel";
-            }
-        }
-        return {};
-    }
-
-    // (Re)builds the per-bucket state from plan_.
-    void setup_buckets() {
-        const std::size_t n = plan_.buckets.size();
-        bucket_of_.assign(params_.size(), npos);
-        slots_.clear();
-        slots_.resize(n);
-        pending_ = std::make_unique<std::atomic<std::int32_t>[]>(n);
-        bucket_ready_.assign(n, 0);
-        for (std::size_t b = 0; b < n; ++b) {
-            const auto& bucket = plan_.buckets[b];
-            auto& slot = slots_[b];
-            slot.indices = bucket.parameters;
-            std::sort(slot.indices.begin(), slot.indices.end());  // the element layout every rank shares
-            for (auto i : slot.indices) {
-                bucket_of_[i] = b;
-                slot.segments.push_back(Segment{params_[i].grad, params_[i].count});
-            }
-            slot.parameters = slot.indices.size();
-            pending_[b].store(static_cast<std::int32_t>(slot.indices.size()));
-            // Adjacent in memory in that order: the bucket is a view, reduced without copies.
-            const bool contiguous = first_gap(slot.segments, bucket.dtype) == 0;
-            if (contiguous) slot.view = Segment{slot.segments.front().data, bucket.count};
-            slot.wire = bucket.dtype;
-            if (compression_type::compresses && bucket.dtype == DType::float32) {
-                slot.route = Route::compressed;
-                slot.wire = compression_type::wire;
-            } else if (reduces_in_place) {
-                slot.route = Route::in_place;
-            } else {
-                slot.route = contiguous ? Route::view : Route::packed;
-            }
-            slot.table = memory_.table(slot.segments, bucket.dtype);
-            if ((slot.route == Route::packed || slot.route == Route::compressed) && backend_.size() > 1)
-                slot.buffer = memory_.allocate(Bytes{bucket.count * size_of(slot.wire)});
-        }
-        memory_.prepare_results(n);
+    // A backend whose collectives the host does not wait for reports a failure its watchdog
+    // found here.
+    void check_backend_health() {
+        if constexpr (HealthPolling<BackendT>) backend_.throw_if_failed();
     }
 
     // Runs f; on an exception, aborts the group so that peers fail now, drains, and rethrows.
@@ -3973,9 +5327,8 @@ private:
             f();
         } catch (const std::exception& e) {
             abort_group(e.what());
-            drain();
-            reset_step();
-            phase_.store(Phase::idle, std::memory_order_release);
+            engine_.drain(std::chrono::steady_clock::now() + options_.timeout);
+            end_step();
             throw;
         }
     }
@@ -3986,460 +5339,53 @@ private:
         }
     }
 
-    void mark_ready(std::size_t p) {
-        if (no_sync_depth_.load(std::memory_order_relaxed) > 0) {
-            used_[p].store(1, std::memory_order_relaxed);
-            return;
+    void end_step() {
+        engine_.end_step();
+        readiness_.reset();
+        readiness_.set_phase(Phase::idle);
+    }
+
+    // Lists the model, checks this rank's set-up, agrees with every rank, and starts in step.
+    void init() {
+        layout_ = detail::ModelLayout::of(model_, buffers_type::mode != BufferSync::ignore);
+        std::string problem = detail::find_model_problem(parameters(), buffers(), backend_);
+        if (problem.empty()) plan_ = bucketer_.plan(layout_.params, std::span<const std::size_t>{});
+        if (problem.empty() && gradients_untouchable)
+            problem = detail::device_gradients_problem(plan_, parameters(), options_);
+        if (problem.empty()) problem = detail::stream_problem(backend_, engine_.memory());
+        if (backend_.size() == 1 && !problem.empty())
+            throw InvalidModel("gradsync: invalid model on rank 0: " + problem);
+        if (backend_.size() > 1) detail::agree_on_layout(backend_, parameters(), buffers(), plan_, problem);
+        broadcast_parameters();
+        detail::sync_buffers(backend_, buffers(), buffers_type::mode, true, history_, current_step());
+        setup_buckets();
+        if (options_.rebuild_buckets) readiness_.record_arrivals();
+        std::string timeline = options_.timeline;
+        if (const char* env = std::getenv("GRADSYNC_TIMELINE"); timeline.empty() && env != nullptr) timeline = env;
+        timeline_ = detail::Timeline(timeline, rank());
+        if (backend_.size() > 1)
+            reporter_.start(backend_, [this] {
+                std::lock_guard lock(plan_mutex_);
+                return detail::describe_rank(readiness_, current_step(), plan_, parameters());
+            });
+        detail::log(detail::LogLevel::info, rank(), [&] {
+            return "DataParallel: " + std::to_string(layout_.params.size()) + " parameters, " +
+                   std::to_string(layout_.buffers.size()) + " buffers, world size " + std::to_string(world_size()) +
+                   ", " + (reduces_in_place ? "reduced in place" : "packed") + ", wire " +
+                   to_string(compression_type::wire) + ", " + std::to_string(view_buckets()) +
+                   " view buckets; bucket plan: " + to_string(plan_);
+        });
+    }
+
+    // (Re)builds the engine's and readiness's per-bucket state from plan_.
+    void setup_buckets() {
+        engine_.setup(plan_, parameters());
+        std::vector<std::size_t> bucket_of(layout_.params.size()), sizes;
+        for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
+            for (auto p : plan_.buckets[b].parameters) bucket_of[p] = b;
+            sizes.push_back(plan_.buckets[b].parameters.size());
         }
-        if (ready_[p].exchange(1, std::memory_order_acq_rel) != 0)
-            throw ReadinessError("gradsync: rank " + std::to_string(rank()) + ", step " +
-                                 std::to_string(current_step()) + ": grad_ready for parameter '" + params_[p].name +
-                                 "' was called twice in one step");
-        used_[p].store(1, std::memory_order_relaxed);
-        if (!any_ready_.exchange(true, std::memory_order_acq_rel)) {
-            step_began_ = std::chrono::steady_clock::now();
-            phase_.store(Phase::backward, std::memory_order_release);
-        }
-        if (!arrivals_.empty()) {
-            auto at = arrival_count_.fetch_add(1, std::memory_order_relaxed);
-            if (at < arrivals_.size()) arrivals_[at] = p;
-        }
-        const auto b = bucket_of_[p];
-        if (pending_[b].fetch_sub(1, std::memory_order_acq_rel) == 1) {
-            std::lock_guard lock(launch_mutex_);
-            bucket_ready_locked(b);
-        }
-    }
-
-    // Bucket b is complete: launch it and every complete bucket after it, in plan order.
-    void bucket_ready_locked(std::size_t b) {
-        slots_[b].ready_at = std::chrono::steady_clock::now();
-        bucket_ready_[b] = 1;
-        while (next_launch_ < slots_.size() && bucket_ready_[next_launch_]) launch(next_launch_++);
-        launched_.store(next_launch_, std::memory_order_release);
-    }
-
-    // Marks a parameter ready on the caller's behalf (under launch_mutex_).
-    void mark_ready_locked(std::size_t p) {
-        ready_[p].store(1, std::memory_order_release);
-        const auto b = bucket_of_[p];
-        if (pending_[b].fetch_sub(1, std::memory_order_acq_rel) == 1) bucket_ready_locked(b);
-    }
-
-    // At synchronize(): every parameter without grad_ready is either accumulated earlier (ready),
-    // unused (zero, with find_unused_parameters) or an error; then every bucket is launched.
-    void complete_readiness() {
-        std::lock_guard lock(launch_mutex_);
-        std::vector<std::size_t> missing;
-        for (std::size_t p = 0; p < params_.size(); ++p) {
-            if (ready_[p].load(std::memory_order_acquire) != 0) continue;
-            if (used_[p].load(std::memory_order_relaxed) != 0) {
-                mark_ready_locked(p);  // used in an accumulation micro-step: its sum is final
-            } else if (options_.find_unused_parameters) {
-                memory_.zero(Segment{params_[p].grad, params_[p].count}, params_[p].dtype);
-                mark_ready_locked(p);
-            } else {
-                missing.push_back(p);
-            }
-        }
-        if (!missing.empty()) {
-            std::string names;
-            for (std::size_t k = 0; k < missing.size() && k < 8; ++k) {
-                names += (k ? ", '" : "'") + params_[missing[k]].name + "' (bucket " +
-                         std::to_string(bucket_of_[missing[k]]) + ")";
-            }
-            if (missing.size() > 8) names += " and " + std::to_string(missing.size() - 8) + " more";
-            throw ReadinessError("gradsync: rank " + std::to_string(rank()) + ", step " +
-                                 std::to_string(current_step()) + ": synchronize() found no grad_ready for " +
-                                 std::to_string(missing.size()) + " parameter" + (missing.size() == 1 ? "" : "s") +
-                                 ": " + names +
-                                 ". Call grad_ready for every parameter backward produced a gradient for, or pass "
-                                 "gradsync::Options{.find_unused_parameters = true} to count the others as zero");
-        }
-    }
-
-    CollectiveTag next_tag(std::uint64_t kind, std::int64_t bucket, std::uint64_t bytes, DType dtype) {
-        fingerprint_ = detail::fnv1a(fingerprint_, ++collectives_);
-        fingerprint_ = detail::fnv1a(fingerprint_, kind);
-        fingerprint_ = detail::fnv1a(fingerprint_, static_cast<std::uint64_t>(bucket));
-        fingerprint_ = detail::fnv1a(fingerprint_, bytes);
-        fingerprint_ = detail::fnv1a(fingerprint_, static_cast<std::uint64_t>(dtype));
-        return CollectiveTag{fingerprint_, current_step(), static_cast<std::int32_t>(bucket)};
-    }
-
-    // The bucket's gradients where they lie: one segment when they are a view.
-    static std::span<const Segment> segments_of(const Slot& slot) {
-        return slot.view ? std::span<const Segment>(&*slot.view, 1) : std::span<const Segment>(slot.segments);
-    }
-
-    // The bucket's collective as one contiguous buffer, packing (and converting) first when it is
-    // no view. A compressed bucket's ranks send their share of the average: each value divided by
-    // the world size, so that the sum keeps the headroom the loss scale left.
-    Buffer contiguous(std::size_t b) {
-        auto& slot = slots_[b];
-        const auto dtype = plan_.buckets[b].dtype;
-        if (slot.route == Route::view) return Buffer{slot.view->data, slot.view->count, dtype};
-        std::byte* data = memory_type::data(slot.buffer);
-        if (slot.route == Route::packed)
-            memory_.pack(slot.table, data);
-        else
-            memory_.compress(slot.table, data, slot.wire, 1.0 / static_cast<double>(backend_.size()));
-        return Buffer{data, plan_.buckets[b].count, slot.wire};
-    }
-
-    // The backend's collectives, carrying the tag where the backend takes one.
-    void allreduce_now(std::span<const Segment> segs, DType t, ReduceOp op,
-                       CollectiveTag tag) requires ScatteredAllreduce<BackendT> {
-        if constexpr (requires { backend_.allreduce(segs, t, op, tag); })
-            backend_.allreduce(segs, t, op, tag);
-        else
-            backend_.allreduce(segs, t, op);
-    }
-    void allreduce_now(Buffer buf, ReduceOp op, CollectiveTag tag) {
-        if constexpr (requires { backend_.allreduce(buf, op, tag); })
-            backend_.allreduce(buf, op, tag);
-        else
-            backend_.allreduce(buf, op);
-    }
-    handle_type allreduce_later(std::span<const Segment> segs, DType t, ReduceOp op,
-                                CollectiveTag tag) requires ScatteredAllreduce<BackendT> {
-        if constexpr (requires { backend_.allreduce_async(segs, t, op, tag); })
-            return backend_.allreduce_async(segs, t, op, tag);
-        else
-            return backend_.allreduce_async(segs, t, op);
-    }
-    handle_type allreduce_later(Buffer buf, ReduceOp op, CollectiveTag tag) {
-        if constexpr (requires { backend_.allreduce_async(buf, op, tag); })
-            return backend_.allreduce_async(buf, op, tag);
-        else
-            return backend_.allreduce_async(buf, op);
-    }
-
-    // A compressed bucket is summed (each rank sent its share); every other one averaged.
-    [[nodiscard]] static ReduceOp op_of(const Slot& slot) {
-        return slot.route == Route::compressed ? ReduceOp::sum : ReduceOp::average;
-    }
-
-    // Starts bucket b's allreduce asynchronously (under launch_mutex_).
-    void launch(std::size_t b) {
-        auto& slot = slots_[b];
-        slot.launched_at = std::chrono::steady_clock::now();
-        if (backend_.size() == 1) return;  // the local gradient is already the average
-        const auto& bucket = plan_.buckets[b];
-        auto tag = next_tag(0, static_cast<std::int64_t>(b), bucket.count * size_of(slot.wire), slot.wire);
-        if (slot.route == Route::in_place) {
-            if constexpr (reduces_in_place)
-                slot.handle.emplace(allreduce_later(segments_of(slot), bucket.dtype, ReduceOp::average, tag));
-        } else {
-            slot.handle.emplace(allreduce_later(contiguous(b), op_of(slot), tag));
-        }
-        detail::log(detail::LogLevel::debug, rank(),
-                    "step " + std::to_string(current_step()) + ": launched bucket " + std::to_string(b));
-    }
-
-    // Reduces bucket b on this thread (the path without grad_ready: no overlap to gain); on a
-    // device, queues it.
-    void reduce_now(std::size_t b) {
-        auto& slot = slots_[b];
-        slot.ready_at = slot.launched_at = std::chrono::steady_clock::now();
-        const auto& bucket = plan_.buckets[b];
-        auto tag = next_tag(0, static_cast<std::int64_t>(b), bucket.count * size_of(slot.wire), slot.wire);
-        if constexpr (DeviceBackend<BackendT>) {
-            // Queued on the device like a launch; wait_all orders the trainer's stream after it.
-            slot.handle.emplace(allreduce_later(contiguous(b), op_of(slot), tag));
-            return;
-        }
-        if (slot.route == Route::in_place) {
-            if constexpr (reduces_in_place) allreduce_now(segments_of(slot), bucket.dtype, ReduceOp::average, tag);
-        } else {
-            allreduce_now(contiguous(b), op_of(slot), tag);
-        }
-        finish(b);
-        timeline_.span("allreduce", current_step(), static_cast<int>(b), slot.launched_at,
-                       std::chrono::steady_clock::now());
-    }
-
-    // Waits for every launched bucket, by the deadline, and finishes each (on the device path:
-    // makes the trainer's stream wait for each).
-    void wait_all() {
-        const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
-        for (std::size_t b = 0; b < slots_.size(); ++b) {
-            auto& slot = slots_[b];
-            if (!slot.handle) continue;
-            if constexpr (requires { backend_.wait_on_device(*slot.handle); }) {
-                // The trainer's stream waits for the reduction and then runs the finalize pass the
-                // memory policy queues on it; the host goes on, and the backend's watchdog ends a
-                // collective that hangs.
-                backend_.wait_on_device(*slot.handle);
-                slot.handle.reset();
-                finish(b);
-                continue;
-            }
-            if (!slot.handle->wait_until(deadline)) throw TimeoutError(diagnose_timeout(b));
-            finish(b);
-            if (timeline_.enabled()) {
-                timeline_.instant("ready", current_step(), static_cast<int>(b), slot.ready_at);
-                timeline_.instant("launched", current_step(), static_cast<int>(b), slot.launched_at);
-                timeline_.span("allreduce", current_step(), static_cast<int>(b), slot.launched_at,
-                               slot.handle->finished_at());
-            }
-            slot.handle.reset();
-        }
-    }
-
-    // After bucket b's reduction: the finalize pass. Packed buckets are unpacked in it; compressed
-    // ones widened; the others scaled where they lie, or only measured when there is nothing to
-    // scale. Without a loss scaler, compression, clipping or step(), a packed bucket is unpacked
-    // and the others are left alone.
-    void finish(std::size_t b) {
-        auto& slot = slots_[b];
-        const std::byte* data = memory_type::data(slot.buffer);
-        switch (slot.route) {
-            case Route::in_place:
-            case Route::view: return finalize_in_place(b);
-            case Route::packed:
-                if (!finalizing_) return memory_.unpack(slot.table, data);
-                return finalize_from(b, data, plan_.buckets[b].dtype);
-            case Route::compressed:
-                // A float16 sum that overflowed leaves the gradients intact: see collect_stats().
-                return finalize_from(b, data, slot.wire);
-        }
-    }
-
-    // Unscales the reduced bucket at `data`, of `type`, into the gradients, and measures it.
-    void finalize_from(std::size_t b, const std::byte* data, DType type) {
-        memory_.finalize(slots_[b].table, data, type, 1.0 / static_cast<double>(scaler_.scale()), b);
-        slots_[b].measured = true;
-    }
-
-    // Unscales and measures bucket b's gradients where they lie.
-    void finalize_in_place(std::size_t b) {
-        if (!finalizing_) return;
-        memory_.finalize(slots_[b].table, nullptr, plan_.buckets[b].dtype, 1.0 / static_cast<double>(scaler_.scale()),
-                         b);
-        slots_[b].measured = true;
-    }
-
-    // A backend whose collectives the host does not wait for (NcclBackend) reports a failure
-    // found by its watchdog here.
-    void check_backend_health() {
-        if constexpr (requires { backend_.throw_if_failed(); }) backend_.throw_if_failed();
-    }
-
-    // The finalize pass's measurements of this step, read once (from the device: the one host
-    // synchronization of a step that needs them). A bucket that is not finite is measured again
-    // tensor by tensor, to name its parameters.
-    void collect_stats() {
-        bool any = false;
-        for (const auto& slot : slots_) any = any || slot.measured;
-        if (!any) return;
-        auto sums = memory_.results();
-        // float16 sums can overflow where float32 would not. The memory policy then leaves that
-        // bucket's gradients as they were and reports it not finite; it is reduced again in
-        // float32, alike on every rank (they all hold the same sum), and measured again.
-        bool again = false;
-        for (std::size_t b = 0; b < slots_.size(); ++b) {
-            const auto& slot = slots_[b];
-            if (slot.measured && slot.route == Route::compressed && slot.wire == DType::float16 &&
-                !std::isfinite(sums[b])) {
-                reduce_again_in_float(b);
-                again = true;
-            }
-        }
-        if (again) sums = memory_.results();
-        for (std::size_t b = 0; b < slots_.size(); ++b) {
-            auto& slot = slots_[b];
-            if (!slot.measured) continue;
-            slot.measured = false;
-            stats_.sum_squares += sums[b];
-            if (std::isfinite(sums[b])) continue;
-            const auto per_tensor = memory_.segment_sums(slot.table);
-            for (std::size_t k = 0; k < per_tensor.size(); ++k)
-                if (!std::isfinite(per_tensor[k])) stats_.nonfinite.push_back(slot.indices[k]);
-        }
-    }
-
-    // A compressed bucket whose float16 sum overflowed, reduced again in float32 (averaged), the
-    // same on every rank: they all hold the same sum, so they all decide alike.
-    void reduce_again_in_float(std::size_t b) {
-        auto& slot = slots_[b];
-        const auto& bucket = plan_.buckets[b];
-        auto tag = next_tag(3, static_cast<std::int64_t>(b), bucket.bytes().count(), bucket.dtype);
-        if constexpr (ScatteredAllreduce<BackendT>) {
-            allreduce_now(segments_of(slot), bucket.dtype, ReduceOp::average, tag);
-        } else {
-            Buffer buf{nullptr, bucket.count, bucket.dtype};
-            if (slot.view) {
-                buf.data = slot.view->data;
-            } else {
-                if (slot.widened.size() == 0) slot.widened = memory_.allocate(bucket.bytes());
-                buf.data = memory_type::data(slot.widened);
-                memory_.pack(slot.table, memory_type::data(slot.widened));
-            }
-            allreduce_now(buf, ReduceOp::average, tag);
-            if (!slot.view) memory_.unpack(slot.table, memory_type::data(slot.widened));
-        }
-        const bool was = finalizing_;
-        finalizing_ = true;  // a compressed bucket is always finalized
-        finalize_in_place(b);
-        finalizing_ = was;
-        detail::log(detail::LogLevel::info, rank(),
-                    "step " + std::to_string(current_step()) + ": bucket " + std::to_string(b) +
-                        " overflowed float16 on the wire and was reduced again in float32");
-    }
-
-    // Scales every gradient down to Options::clip_norm, when the global norm exceeds it: a
-    // second pass, only when it changes something.
-    void clip() {
-        const double norm = grad_norm();
-        if (!std::isfinite(norm) || norm <= options_.clip_norm) return;
-        const double factor = options_.clip_norm / (norm + 1e-6);
-        for (const auto& slot : slots_) memory_.scale(slot.table, factor);
-        stats_.clipped = true;
-    }
-
-    [[nodiscard]] static constexpr bool loss_scale_is_dynamic() {
-        return std::is_same_v<loss_scaler_type, DynamicLossScale>;
-    }
-
-    [[nodiscard]] bool in_flight() const {
-        for (const auto& s : slots_)
-            if (s.handle) return true;
-        return false;
-    }
-
-    // Waits for collectives in flight, ignoring their errors: after an abort they end at once.
-    void drain() {
-        for (auto& slot : slots_) {
-            if (!slot.handle) continue;
-            try {
-                (void)slot.handle->wait_until(std::chrono::steady_clock::now() + options_.timeout);
-            } catch (...) {
-            }
-            slot.handle.reset();
-        }
-    }
-
-    void reset_step() {
-        for (auto& slot : slots_) slot.measured = false;
-        for (std::size_t p = 0; p < params_.size(); ++p) {
-            ready_[p].store(0, std::memory_order_relaxed);
-            used_[p].store(0, std::memory_order_relaxed);
-        }
-        std::lock_guard lock(launch_mutex_);
-        for (std::size_t b = 0; b < slots_.size(); ++b)
-            pending_[b].store(static_cast<std::int32_t>(slots_[b].parameters), std::memory_order_relaxed);
-        std::fill(bucket_ready_.begin(), bucket_ready_.end(), 0);
-        next_launch_ = 0;
-        launched_.store(0, std::memory_order_release);
-        arrival_count_.store(0, std::memory_order_relaxed);
-        any_ready_.store(false, std::memory_order_release);
-    }
-
-    // "rank 0, step 7: bucket 3 of 6 (...) not reduced within 600000 ms; rank 1: ..."
-    std::string diagnose_timeout(std::size_t b) {
-        const auto& bucket = plan_.buckets[b];
-        std::string names;
-        for (std::size_t k = 0; k < bucket.parameters.size() && k < 4; ++k)
-            names += (k ? ", '" : "'") + params_[bucket.parameters[k]].name + "'";
-        if (bucket.parameters.size() > 4) names += ", ...";
-        std::string msg = "gradsync: rank " + std::to_string(rank()) + ", step " + std::to_string(current_step()) +
-                          ": bucket " + std::to_string(b) + " of " + std::to_string(slots_.size()) + " (" +
-                          to_string(bucket.bytes()) + ", " + std::to_string(bucket.parameters.size()) +
-                          " parameters: " + names + ") was not reduced within " +
-                          std::to_string(options_.timeout.count()) + " ms";
-        if constexpr (PeerStatus<BackendT>) {
-            // The ranks that entered fewer collectives than the furthest are the ones holding it up.
-            const int world = backend_.size();
-            std::uint64_t furthest = 0;
-            for (int r = 0; r < world; ++r) furthest = std::max(furthest, backend_.peer_collectives(r));
-            std::string behind;
-            for (int r = 0; r < world; ++r) {
-                auto entered = backend_.peer_collectives(r);
-                if (entered < furthest)
-                    behind += (behind.empty() ? "" : ", ") + ("rank " + std::to_string(r)) + " has entered " +
-                              std::to_string(entered) + " collectives";
-            }
-            if (!behind.empty()) msg += ". Behind the furthest rank (" + std::to_string(furthest) + "): " + behind;
-            for (int r = 0; r < world; ++r) {
-                auto status = backend_.peer_status(r);
-                if (!status.empty())
-                    msg += "; rank " + std::to_string(r) + (r == rank() ? " (this rank)" : "") + ": " + status;
-            }
-        }
-        return msg;
-    }
-
-    // Where this rank stands, for a peer's diagnosis. Runs on the peer's thread: reads atomics.
-    std::string describe_self() const {
-        std::lock_guard lock(plan_mutex_);
-        const auto step = std::to_string(current_step());
-        if (no_sync_depth_.load(std::memory_order_acquire) > 0)
-            return "accumulating under no_sync() before step " + step;
-        switch (phase_.load(std::memory_order_acquire)) {
-            case Phase::idle: return "in step " + step + ", before any grad_ready() or synchronize()";
-            case Phase::synchronizing: return "in synchronize() of step " + step;
-            case Phase::backward: break;
-        }
-        const auto launched = launched_.load(std::memory_order_acquire);
-        std::string out = "in the backward of step " + step + ", " + std::to_string(launched) + " of " +
-                          std::to_string(slots_.size()) + " buckets launched";
-        if (launched < slots_.size()) {
-            const auto& bucket = plan_.buckets[launched];
-            std::string names;
-            std::size_t missing = 0;
-            for (auto p : bucket.parameters) {
-                if (ready_[p].load(std::memory_order_acquire) != 0) continue;
-                if (missing++ < 6) names += (names.empty() ? "'" : ", '") + params_[p].name + "'";
-            }
-            if (missing > 6) names += ", ...";
-            out += "; bucket " + std::to_string(launched) + " waits for grad_ready of " + names + " (" +
-                   std::to_string(missing) + " of " + std::to_string(bucket.parameters.size()) + " parameters)";
-        }
-        return out;
-    }
-
-    // Backends that do not check tags: compare the collective histories once per step.
-    void verify_histories() {
-        const int world = backend_.size();
-        if (world == 1) return;
-        std::vector<double> table(static_cast<std::size_t>(world) * 3, 0.0);
-        double* mine = table.data() + static_cast<std::size_t>(rank()) * 3;
-        mine[0] = static_cast<double>(fingerprint_ >> 32);
-        mine[1] = static_cast<double>(fingerprint_ & 0xffffffffu);
-        mine[2] = static_cast<double>(collectives_);
-        backend_.allreduce(Buffer{table.data(), table.size(), DType::float64}, ReduceOp::sum);
-        for (int r = 1; r < world; ++r) {
-            const double* theirs = table.data() + static_cast<std::size_t>(r) * 3;
-            if (theirs[0] == table[0] && theirs[1] == table[1]) continue;
-            throw CollectiveError("gradsync: step " + std::to_string(current_step()) +
-                                  ": the ranks' collective histories diverged: rank 0 issued " +
-                                  std::to_string(static_cast<std::uint64_t>(table[2])) + " collectives and rank " +
-                                  std::to_string(r) + " " + std::to_string(static_cast<std::uint64_t>(theirs[2])) +
-                                  ", with different fingerprints; every rank must launch the same buckets in the "
-                                  "same order");
-        }
-    }
-
-    void sync_buffers(bool at_construction) {
-        constexpr auto mode = buffers_type::mode;
-        if (backend_.size() == 1 || buffers_.empty() || mode == BufferSync::ignore) return;
-        if (!at_construction && mode == BufferSync::broadcast_once) return;
-        for (std::size_t i = 0; i < buffers_.size(); ++i) {
-            auto& buf = buffers_[i];
-            const bool average =
-                !at_construction && mode == BufferSync::average_every_step && backend_.supports(buf.dtype);
-            auto tag = next_tag(average ? 2 : 1, -2 - static_cast<std::int64_t>(i), buf.bytes().count(), buf.dtype);
-            if (average) {
-                allreduce_now(Buffer{buf.data, buf.count, buf.dtype}, ReduceOp::average, tag);
-            } else {
-                std::span<std::byte> bytes(static_cast<std::byte*>(buf.data), buf.bytes().count());
-                if constexpr (requires { backend_.broadcast(bytes, 0, tag); })
-                    backend_.broadcast(bytes, 0, tag);
-                else
-                    backend_.broadcast(bytes, 0);
-            }
-        }
+        readiness_.plan(bucket_of, sizes);
     }
 
     // After the first overlapped step: buckets in the order rank 0 saw gradients become ready.
@@ -4447,25 +5393,13 @@ private:
     void maybe_rebuild() {
         if (gradients_untouchable || !options_.rebuild_buckets || rebuilt_) return;
         rebuilt_ = true;
-        std::vector<std::uint64_t> order;
-        std::vector<bool> seen(params_.size(), false);
-        const auto arrived = std::min(arrival_count_.load(std::memory_order_acquire), arrivals_.size());
-        for (std::size_t k = 0; k < arrived; ++k) {
-            order.push_back(arrivals_[k]);
-            seen[arrivals_[k]] = true;
-        }
-        for (std::size_t p = params_.size(); p-- > 0;)
-            if (!seen[p]) order.push_back(p);  // never ready through grad_ready: where they were
-        if (backend_.size() > 1) backend_.broadcast(std::as_writable_bytes(std::span<std::uint64_t>(order)), 0);
-        std::vector<std::size_t> as_indices(order.begin(), order.end());
-        auto rebuilt = bucketer_.plan(params_, as_indices);
+        auto rebuilt = detail::plan_in_readiness_order(backend_, bucketer_, parameters(), readiness_.arrivals());
         {
             std::lock_guard lock(plan_mutex_);
             plan_ = std::move(rebuilt);
             setup_buckets();
         }
-        arrivals_.clear();
-        arrivals_.shrink_to_fit();
+        readiness_.stop_recording();
         detail::log(detail::LogLevel::info, rank(), "buckets rebuilt in rank 0's readiness order: " + to_string(plan_));
     }
 
@@ -4475,160 +5409,25 @@ private:
     Options options_{};
     loss_scaler_type scaler_{};
     lr_type lr_{};
-    memory_type memory_{};
+    engine_type engine_;
+    detail::Readiness readiness_;
+    detail::CollectiveHistory history_;
+    detail::StepStats stats_;
     const StepVerdict* verdict_ = nullptr;  // in the memory policy's memory, after step_on_device
-    Stats stats_;
-    bool finalizing_ = false;  // this synchronize() unscales and measures
-    std::vector<Parameter> params_;
-    std::vector<ModelBuffer> buffers_;
-    std::vector<std::size_t> model_index_to_param_;  // npos for zero-sized parameters
-    std::unordered_map<std::string, std::size_t> by_name_;
+    detail::ModelLayout layout_;
     BucketPlan plan_;
-    std::vector<Slot> slots_;             // per bucket
-    std::vector<std::size_t> bucket_of_;  // per parameter
-
-    // Readiness of the current step. Atomics: grad_ready may come from several threads, and a
-    // peer's diagnosis reads them.
-    std::unique_ptr<std::atomic<std::uint8_t>[]> ready_;    // grad_ready this step
-    std::unique_ptr<std::atomic<std::uint8_t>[]> used_;     // grad_ready since the last synchronized step
-    std::unique_ptr<std::atomic<std::int32_t>[]> pending_;  // per bucket, parameters not yet ready
-    std::atomic<bool> any_ready_{false};
-    std::atomic<int> no_sync_depth_{0};
-    std::atomic<Phase> phase_{Phase::idle};
-    std::atomic<std::uint64_t> steps_{0};
-    std::atomic<std::size_t> launched_{0};
-    std::mutex launch_mutex_;
-    std::vector<std::uint8_t> bucket_ready_;  // under launch_mutex_
-    std::size_t next_launch_ = 0;             // under launch_mutex_
-    std::vector<std::size_t> arrivals_;       // readiness order, recorded until the rebuild
-    std::atomic<std::size_t> arrival_count_{0};
-    bool rebuilt_ = false;
     mutable std::mutex plan_mutex_;  // a peer's diagnosis against a rebuild
-
-    std::uint64_t fingerprint_ = 14695981039346656037ull;
-    std::uint64_t collectives_ = 0;
-    std::optional<std::uint64_t> reporter_;
+    std::atomic<std::uint64_t> steps_{0};
+    bool rebuilt_ = false;
     detail::Timeline timeline_;
-    std::chrono::steady_clock::time_point step_began_;
+    detail::StatusRegistration<BackendT> reporter_;  // last: gone before what it reads
 };
 
 }  // namespace gradsync::inline v0
 // ---- end gradsync/data_parallel.hpp ----
+// Launching ranks.
 
-// ---- begin gradsync/environment.hpp ----
-// Where this process stands in a multi-process run: rank, world size, local rank and local world
-// size, read from the variables launchers set (torchrun and paddle.distributed.launch, Open MPI's
-// mpirun, MPICH/PMI, Slurm's srun), with a clear error when they are missing or disagree.
-
-
-#include <cstdlib>  // for std::getenv
-#include <optional>
-#include <string>
-#include <vector>
-
-namespace gradsync::inline v0 {
-
-struct ProcessPlace {
-    int rank = 0;
-    int world_size = 1;
-    int local_rank = 0;
-    int local_world_size = 1;
-    std::string source;  // which launcher's variables said so, e.g. "RANK/WORLD_SIZE"
-
-    friend bool operator==(const ProcessPlace&, const ProcessPlace&) = default;
-};
-
-namespace detail {
-
-// Reads an environment variable; `lookup` is swappable so that tests need not touch the process's.
-using EnvLookup = std::optional<std::string> (*)(const char*);
-
-inline std::optional<std::string> real_env(const char* name) {
-    const char* v = std::getenv(name);
-    if (v == nullptr) return std::nullopt;
-    return std::string(v);
-}
-
-inline int parse_count(const char* name, const std::string& text) {
-    std::size_t used = 0;
-    long value = -1;
-    try {
-        value = std::stol(text, &used);
-    } catch (...) {
-        used = 0;
-    }
-    if (used != text.size() || text.empty() || value < 0 || value > 1'000'000)
-        throw Error("gradsync: environment variable " + std::string(name) + "='" + text +
-                    "' is not a non-negative whole number");
-    return static_cast<int>(value);
-}
-
-struct Scheme {
-    const char* rank;
-    const char* size;
-    const char* local_rank;
-    const char* local_size;
-};
-
-// In order of preference: the explicit torchrun/Paddle variables, then what each launcher sets.
-inline constexpr Scheme schemes[] = {
-    {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"},
-    {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"},
-    {"PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"},
-    {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", nullptr},
-};
-
-inline ProcessPlace place_from(EnvLookup lookup) {
-    std::vector<ProcessPlace> found;
-    for (const auto& s : schemes) {
-        auto rank = lookup(s.rank);
-        auto size = lookup(s.size);
-        if (!rank && !size) continue;
-        const std::string source = std::string(s.rank) + "/" + s.size;
-        if (!rank || !size)
-            throw Error("gradsync: " + std::string(rank ? s.rank : s.size) + " is set but " +
-                        std::string(rank ? s.size : s.rank) + " is not; a launcher sets both");
-        ProcessPlace p;
-        p.source = source;
-        p.rank = parse_count(s.rank, *rank);
-        p.world_size = parse_count(s.size, *size);
-        if (p.world_size < 1 || p.rank >= p.world_size)
-            throw Error("gradsync: " + std::string(s.rank) + "=" + std::to_string(p.rank) + " is not a rank of " +
-                        s.size + "=" + std::to_string(p.world_size));
-        // Without local variables: one process per machine, as far as anyone said.
-        p.local_rank = 0;
-        if (auto lr = lookup(s.local_rank)) p.local_rank = parse_count(s.local_rank, *lr);
-        p.local_world_size = p.local_rank + 1;
-        if (s.local_size != nullptr) {
-            if (auto ls = lookup(s.local_size)) p.local_world_size = parse_count(s.local_size, *ls);
-        }
-        if (p.local_rank >= p.local_world_size)
-            throw Error("gradsync: local rank " + std::to_string(p.local_rank) + " from " + s.local_rank +
-                        " is not below the local world size " + std::to_string(p.local_world_size));
-        found.push_back(p);
-    }
-    if (found.empty()) return ProcessPlace{0, 1, 0, 1, "no launcher variables: a single process"};
-    for (std::size_t i = 1; i < found.size(); ++i) {
-        if (found[i].rank != found[0].rank || found[i].world_size != found[0].world_size)
-            throw Error("gradsync: the launchers' variables disagree: " + found[0].source + " say rank " +
-                        std::to_string(found[0].rank) + " of " + std::to_string(found[0].world_size) + ", " +
-                        found[i].source + " say rank " + std::to_string(found[i].rank) + " of " +
-                        std::to_string(found[i].world_size));
-    }
-    return found[0];
-}
-
-}  // namespace detail
-
-// This process's place, from the environment the launcher left. A process started without a
-// launcher is rank 0 of 1. Throws when the variables are malformed, incomplete or contradict
-// each other.
-inline ProcessPlace process_place() { return detail::place_from(detail::real_env); }
-
-}  // namespace gradsync::inline v0
-// ---- end gradsync/environment.hpp ----
-
-// ---- begin gradsync/sampler.hpp ----
+// ---- begin gradsync/launch/sampler.hpp ----
 // ShardedSampler: each rank's share of a dataset's indices for an epoch, shuffled the same way on
 // every rank from a seed, and the same number of them on every rank: uneven batch counts are the
 // classic data-parallel deadlock (one rank stops calling synchronize() before the others).
@@ -4720,9 +5519,9 @@ private:
 };
 
 }  // namespace gradsync::inline v0
-// ---- end gradsync/sampler.hpp ----
+// ---- end gradsync/launch/sampler.hpp ----
 
-// ---- begin gradsync/spawn.hpp ----
+// ---- begin gradsync/launch/spawn.hpp ----
 // spawn(n, fn): runs fn(backend) for each rank of a new LocalBackend group on n threads, the
 // in-process counterpart of paddle.distributed.spawn.
 
@@ -4809,5 +5608,5 @@ void spawn(int n, const Fn& fn, LocalGroupOptions options = {}) {
 }
 
 }  // namespace gradsync::inline v0
-// ---- end gradsync/spawn.hpp ----
+// ---- end gradsync/launch/spawn.hpp ----
 // ---- end gradsync/gradsync.hpp ----

@@ -1,6 +1,6 @@
 // Bucket planning: properties that every plan must have, checked on randomized layouts, and
 // the exact plans for layouts small enough to work out by hand.
-#include <gradsync/bucket.hpp>
+#include <gradsync/bucket/bucketers.hpp>
 
 #include <doctest/doctest.h>
 

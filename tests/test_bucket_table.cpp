@@ -3,7 +3,7 @@
 // in order, whatever the tile size and the tensors' sizes (0, 1, many small, one huge, gaps).
 #include <doctest/doctest.h>
 
-#include <gradsync/cuda/bucket_table.hpp>
+#include <gradsync/memory/cuda/bucket_table.hpp>
 
 #include <cstdint>
 #include <numeric>

@@ -1,6 +1,6 @@
 // Checkpoints: the safetensors file format, atomic writes that survive a crash at any byte,
 // clear errors for corrupt or mismatched files on every rank, and exact resume.
-#include <gradsync/checkpoint.hpp>
+#include <gradsync/checkpoint/checkpoint.hpp>
 #include <gradsync/gradsync.hpp>
 
 #include <doctest/doctest.h>

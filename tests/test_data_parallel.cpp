@@ -1,7 +1,7 @@
 // DataParallel on LocalBackend: construction (broadcast, layout agreement, input checks) and
 // synchronize() (averaging, bucket order, packing), with errors raised on every rank alike.
 #include <gradsync/data_parallel.hpp>
-#include <gradsync/spawn.hpp>
+#include <gradsync/launch/spawn.hpp>
 
 #include <doctest/doctest.h>
 

@@ -4,7 +4,7 @@
 // finalize pass queued after them, measurements read once, refusals of what host memory would
 // need) is tested here, under the sanitizers too; the kernels themselves in tests/cuda.
 #include <gradsync/data_parallel.hpp>
-#include <gradsync/spawn.hpp>
+#include <gradsync/launch/spawn.hpp>
 
 #include <doctest/doctest.h>
 

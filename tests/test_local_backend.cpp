@@ -2,7 +2,7 @@
 // size from 1 to 8, and the failures that must become exceptions rather than hangs.
 #include <gradsync/backend/local.hpp>
 #include <gradsync/half.hpp>
-#include <gradsync/spawn.hpp>
+#include <gradsync/launch/spawn.hpp>
 
 #include <doctest/doctest.h>
 
@@ -269,8 +269,8 @@ TEST_CASE("ranks that call different collectives all get the same error, not a h
         }
     });
     for (const auto& m : messages) {
-        CHECK(m.find("collective mismatch: rank 0 is in allreduce #1 (100 x float32, sum) but rank 1 is in "
-                     "broadcast #1 (400 bytes from rank 0)") != std::string::npos);
+        CHECK(m.find("collective mismatch: rank 0 is in allreduce #1 of 100 x float32 (400 B), sum but rank 1 is in "
+                     "broadcast #1 of 400 B from rank 0") != std::string::npos);
     }
 
     // Same kind, different sizes.
@@ -283,7 +283,8 @@ TEST_CASE("ranks that call different collectives all get the same error, not a h
             sizes[static_cast<std::size_t>(b.rank())] = e.what();
         }
     });
-    for (const auto& m : sizes) CHECK(m.find("rank 2 is in allreduce #1 (7 x float64, average)") != std::string::npos);
+    for (const auto& m : sizes)
+        CHECK(m.find("rank 2 is in allreduce #1 of 7 x float64 (56 B), average") != std::string::npos);
 }
 
 TEST_CASE("a rank that leaves the group fails its peers at once, not at the deadline") {
@@ -299,7 +300,7 @@ TEST_CASE("a rank that leaves the group fails its peers at once, not at the dead
         }
     });
     CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(30));  // the deadline is 600 s
-    CHECK(message.find("rank 0, allreduce #1 (10 x float32, sum): rank 1 left the group") != std::string::npos);
+    CHECK(message.find("rank 0, allreduce #1 of 10 x float32 (40 B), sum: rank 1 left the group") != std::string::npos);
 }
 
 TEST_CASE("a rank that never arrives makes the others time out with a diagnosis") {

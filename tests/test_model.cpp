@@ -1,7 +1,7 @@
 // Model access: the three tiers of the gradsync::parameters customization point, the parameter()
 // helpers, and the contiguous-blob adapter for llm.c-style models.
-#include <gradsync/contiguous_parameters.hpp>
-#include <gradsync/model.hpp>
+#include <gradsync/model/contiguous_parameters.hpp>
+#include <gradsync/model/model.hpp>
 
 #include <doctest/doctest.h>
 

@@ -1,7 +1,7 @@
 // detail::Rendezvous, the host half of the device LocalBackend: every rank sees every rank's call
 // of the same round, round after round; a rank that does not come ends the wait at the deadline,
 // naming it; an abort ends every wait with its reason.
-#include <gradsync/detail/rendezvous.hpp>
+#include <gradsync/backend/detail/rendezvous.hpp>
 
 #include <doctest/doctest.h>
 

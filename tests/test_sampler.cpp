@@ -1,5 +1,5 @@
 // ShardedSampler: disjoint shards of equal length, the same shuffle on every rank, per epoch.
-#include <gradsync/sampler.hpp>
+#include <gradsync/launch/sampler.hpp>
 
 #include <doctest/doctest.h>
 

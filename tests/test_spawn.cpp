@@ -1,5 +1,5 @@
 // spawn: one thread per rank, joined, and the first exception rethrown once all are released.
-#include <gradsync/spawn.hpp>
+#include <gradsync/launch/spawn.hpp>
 
 #include <doctest/doctest.h>
 

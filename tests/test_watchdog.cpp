@@ -1,7 +1,7 @@
 // detail::Watchdog, the no-hang guarantee of the NCCL backend, against a fake device: ops retire in
 // issue order as the device finishes them; a late op or a device error fails the communicator
 // once, aborts the device, and every waiter throws the reason naming the rank and the operation.
-#include <gradsync/detail/watchdog.hpp>
+#include <gradsync/backend/detail/watchdog.hpp>
 
 #include <doctest/doctest.h>
 
@@ -63,9 +63,12 @@ private:
 std::shared_ptr<WatchedOp> op(FakeDevice& device, int k, std::chrono::steady_clock::duration within,
                               std::int64_t step = 3, std::int32_t bucket = 2) {
     auto o = std::make_shared<WatchedOp>();
-    o->bytes = 4u << 20;
-    o->dtype = gradsync::DType::float32;
-    o->tag = gradsync::CollectiveTag{0, step, bucket};
+    o->call = gradsync::CollectiveCall{.kind = gradsync::CollectiveKind::allreduce,
+                                       .seq = 5,
+                                       .count = 1u << 20,
+                                       .dtype = gradsync::DType::float32,
+                                       .op = gradsync::ReduceOp::average,
+                                       .tag = gradsync::CollectiveTag{0, step, bucket}};
     o->deadline = std::chrono::steady_clock::now() + within;
     o->event = &device.finished[k];
     return o;
@@ -115,8 +118,8 @@ TEST_CASE("watchdog: a late op aborts the communicator once and every waiter thr
         dog.watch(after);
     });
     const auto first = error_of(dog, *after);  // waiting on the later op still notices the earlier one is late
-    CHECK(first.find("timeout: gradsync: rank 1 of 2 (fake): allreduce of 4 MiB float32 (step 3, bucket 2) did "
-                     "not complete by its deadline; the communicator was aborted") == 0);
+    CHECK(first.find("timeout: gradsync: rank 1 of 2 (fake): allreduce #5 of 1048576 x float32 (4 MiB), average "
+                     "(step 3, bucket 2) did not complete by its deadline; the communicator was aborted") == 0);
     CHECK(error_of(dog, *late) == first);
     CHECK(device.aborts.load() == 1);
     CHECK_THROWS_AS(dog.run([] {}), gradsync::TimeoutError);  // nothing more may be queued
@@ -132,8 +135,9 @@ TEST_CASE("watchdog: an asynchronous device error fails the communicator during 
     device.error_set = true;
     const auto what = error_of(dog, *a);
     CHECK(what ==
-          "gradsync: rank 0 of 4 (fake): the communicator failed during allreduce of 4 MiB float32 "
-          "(step 7, bucket 0): remote process exited or there was a network error; it was aborted");
+          "gradsync: rank 0 of 4 (fake): the communicator failed during allreduce #5 of 1048576 x float32 "
+          "(4 MiB), average (step 7, bucket 0): remote process exited or there was a network error; it was "
+          "aborted");
     CHECK(device.aborts.load() == 1);
 }
 
@@ -257,14 +261,25 @@ TEST_CASE("watchdog: its thread selects the device before it looks at it") {
     CHECK(device.untargeted_looks.load() == 0);
 }
 
-TEST_CASE("watchdog: an op without a step or dtype is described by its bytes") {
-    WatchedOp o;
-    o.kind = "broadcast";
-    o.bytes = 1536;
-    CHECK(o.describe() == "broadcast of 1.5 KiB");
-    o.dtype = gradsync::DType::bfloat16;
-    o.tag.step = 4;
-    CHECK(o.describe() == "broadcast of 1.5 KiB bfloat16 (step 4)");
+TEST_CASE("a collective is described the same way everywhere: kind, number, size, operator, purpose") {
+    gradsync::CollectiveCall c{.kind = gradsync::CollectiveKind::broadcast, .count = 1536};
+    CHECK(c.describe() == "broadcast of 1.5 KiB from rank 0");
+    c.seq = 2;
+    c.root = 1;
+    c.tag.step = 4;
+    CHECK(c.describe() == "broadcast #2 of 1.5 KiB from rank 1 (step 4)");
+    c = {.kind = gradsync::CollectiveKind::allreduce,
+         .seq = 7,
+         .count = 300,
+         .dtype = gradsync::DType::float32,
+         .op = gradsync::ReduceOp::average,
+         .tag = {0, 1, 1}};
+    CHECK(c.describe() == "allreduce #7 of 300 x float32 (1.2 KiB), average (step 1, bucket 1)");
+    CHECK(gradsync::CollectiveCall{.kind = gradsync::CollectiveKind::barrier, .seq = 4}.describe() == "barrier #4");
+    auto other = c;
+    CHECK(other.same_as(c));
+    other.count = 200;
+    CHECK_FALSE(other.same_as(c));
 }
 
 TEST_CASE("watchdog: closing it (the backend goes away) aborts nothing; a handle left over throws the reason") {

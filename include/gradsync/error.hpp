@@ -39,4 +39,16 @@ public:
     using CollectiveError::CollectiveError;
 };
 
+namespace detail {
+
+// How every message about one rank begins: "gradsync: rank 3".
+inline std::string rank_prefix(int rank) { return "gradsync: rank " + std::to_string(rank); }
+
+// ...and with its group and where it runs: "gradsync: rank 3 of 4 (NCCL, GPU 3)".
+inline std::string rank_prefix(int rank, int size, const std::string& where = {}) {
+    return rank_prefix(rank) + " of " + std::to_string(size) + (where.empty() ? "" : " (" + where + ")");
+}
+
+}  // namespace detail
+
 }  // namespace gradsync::inline v0

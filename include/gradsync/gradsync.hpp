@@ -1,24 +1,37 @@
 // gradsync: data-parallel training for C++ trainers. This umbrella header includes every public
-// header that needs nothing beyond the C++ standard library.
+// header that needs nothing beyond the C++ standard library, layer by layer (scripts/check_layers.py).
 #pragma once
 
-#include <gradsync/amp.hpp>
-#include <gradsync/backend.hpp>
-#include <gradsync/backend/local.hpp>
-#include <gradsync/bucket.hpp>
-#include <gradsync/buffers.hpp>
+// The vocabulary.
+#include <gradsync/buffer.hpp>
 #include <gradsync/bytes.hpp>
-#include <gradsync/compression.hpp>
-#include <gradsync/contiguous_parameters.hpp>
-#include <gradsync/data_parallel.hpp>
 #include <gradsync/dtype.hpp>
 #include <gradsync/environment.hpp>
 #include <gradsync/error.hpp>
 #include <gradsync/half.hpp>
-#include <gradsync/lr.hpp>
-#include <gradsync/memory.hpp>
-#include <gradsync/model.hpp>
-#include <gradsync/options.hpp>
-#include <gradsync/sampler.hpp>
-#include <gradsync/spawn.hpp>
 #include <gradsync/version.hpp>
+// Model access.
+#include <gradsync/model/buffers.hpp>
+#include <gradsync/model/contiguous_parameters.hpp>
+#include <gradsync/model/model.hpp>
+// Bucket planning.
+#include <gradsync/bucket/bucketers.hpp>
+#include <gradsync/bucket/plan.hpp>
+// Backends.
+#include <gradsync/backend/concepts.hpp>
+#include <gradsync/backend/handle.hpp>
+#include <gradsync/backend/local.hpp>
+// Memory policies.
+#include <gradsync/memory/host.hpp>
+#include <gradsync/memory/packing.hpp>
+#include <gradsync/memory/policy.hpp>
+// Mixed precision and learning rates.
+#include <gradsync/amp/compression.hpp>
+#include <gradsync/amp/loss_scale.hpp>
+#include <gradsync/lr.hpp>
+// DataParallel.
+#include <gradsync/data_parallel.hpp>
+#include <gradsync/data_parallel/options.hpp>
+// Launching ranks.
+#include <gradsync/launch/sampler.hpp>
+#include <gradsync/launch/spawn.hpp>

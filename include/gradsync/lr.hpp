@@ -7,9 +7,11 @@
 #include <gradsync/detail/policy.hpp>
 #include <gradsync/error.hpp>
 
-#include <cmath>  // for std::sqrt
+#include <cmath>     // for std::sqrt
+#include <concepts>  // for std::convertible_to
 #include <cstdint>
 #include <string>
+#include <type_traits>  // for std::is_same_v
 
 namespace gradsync::inline v0 {
 
@@ -59,5 +61,24 @@ using SqrtLr = ScaledLr<LrScaling::square_root>;
 struct NoLrRule {
     using policy_category = policy_category::lr_rule;
 };
+
+// An LR rule gives the learning rate step() passes to the optimizer, from the world size and the
+// step number (from 0). NoLrRule is none: step() then calls the optimizer without one.
+template <class R>
+concept LrRule = requires(const R& r, int world, std::uint64_t step) {
+    { r.rate(world, step) } -> std::convertible_to<double>;
+};
+
+namespace detail {
+
+template <class R>
+constexpr bool check_lr_rule() {
+    static_assert(std::is_same_v<R, NoLrRule> || LrRule<R>,
+                  "gradsync: an LR rule policy needs `double rate(int world_size, std::uint64_t step) const` (or "
+                  "use gradsync::NoLrRule for none)");
+    return true;
+}
+
+}  // namespace detail
 
 }  // namespace gradsync::inline v0

@@ -1,6 +1,6 @@
 // spawn calls one fn from every rank's thread: a mutable lambda would race on its own state.
 // expect: is_invocable_v<const Fn&, gradsync::v0::LocalBackend&>
-#include <gradsync/spawn.hpp>
+#include <gradsync/launch/spawn.hpp>
 
 int main() {
     int calls = 0;

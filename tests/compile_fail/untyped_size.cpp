@@ -1,6 +1,6 @@
 // Sizes are typed: a bare number is not a bucket cap, 25_MiB is.
 // expect: could not convert [^ ]*25[^ ]* from [^ ]*int[^ ]* to [^ ]*gradsync::v0::Bytes
-#include <gradsync/bucket.hpp>
+#include <gradsync/bucket/bucketers.hpp>
 
 using namespace gradsync::literals;
 

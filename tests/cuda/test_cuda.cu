@@ -5,16 +5,16 @@
 #include <doctest/doctest.h>
 
 #include <gradsync/backend/nccl.hpp>
-#include <gradsync/backend/nccl_spawn.hpp>
-#include <gradsync/contiguous_parameters.hpp>
+#include <gradsync/launch/nccl_spawn.hpp>
+#include <gradsync/model/contiguous_parameters.hpp>
 #include <gradsync/cuda/check.hpp>
 #include <gradsync/data_parallel.hpp>
-#include <gradsync/cuda/finalize.cuh>
-#include <gradsync/cuda/local_backend.cuh>
-#include <gradsync/cuda/memory.cuh>
-#include <gradsync/cuda/pack.cuh>
-#include <gradsync/detail/finalize.hpp>
-#include <gradsync/detail/host_reduce.hpp>
+#include <gradsync/memory/cuda/finalize.cuh>
+#include <gradsync/backend/cuda_local.cuh>
+#include <gradsync/memory/cuda.cuh>
+#include <gradsync/memory/cuda/pack.cuh>
+#include <gradsync/memory/detail/host_passes.hpp>
+#include <gradsync/backend/detail/host_reduce.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -531,8 +531,8 @@ TEST_SUITE("gpu") {
                                                    }),
                         gradsync::CollectiveError);
         CHECK(errors[0] == errors[1]);
-        CHECK(errors[0].find("called different collectives: rank 0 allreduce of 100 x float32 (sum), rank 1 "
-                             "allreduce of 50 x float32 (sum)") != std::string::npos);
+        CHECK(errors[0].find("called different collectives: rank 0 allreduce #1 of 100 x float32 (400 B), sum; rank 1 "
+                             "allreduce #1 of 50 x float32 (200 B), sum") != std::string::npos);
     }
 
     TEST_CASE(

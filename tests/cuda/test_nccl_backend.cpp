@@ -3,7 +3,7 @@
 // The collectives themselves are tested in the "gpu" suite of tests/cuda/test_cuda.cu.
 #include <gradsync/backend/local.hpp>
 #include <gradsync/backend/nccl.hpp>
-#include <gradsync/backend/nccl_spawn.hpp>
+#include <gradsync/launch/nccl_spawn.hpp>
 #include <gradsync/data_parallel.hpp>
 
 #include <doctest/doctest.h>

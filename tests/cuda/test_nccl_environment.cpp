@@ -1,6 +1,6 @@
 // nccl_place_from_environment(): rank, GPU and NCCL's unique id from a launcher's variables.
 // Runs without a GPU: the device count is handed in, and an id from NCCL_COMM_ID opens nothing.
-#include <gradsync/backend/nccl_environment.hpp>
+#include <gradsync/backend/nccl/place.hpp>
 
 #include <doctest/doctest.h>
 

@@ -2,7 +2,7 @@
 // logs every collective, so tests can check what a policy made happen, not only final numbers.
 #pragma once
 
-#include <gradsync/backend.hpp>
+#include <gradsync/backend/concepts.hpp>
 #include <gradsync/backend/local.hpp>
 
 #include <cstddef>

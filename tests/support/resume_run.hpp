@@ -5,7 +5,7 @@
 // the weights: 10 steps straight must equal 5, save, a new group, load, 5 more, bit for bit.
 #pragma once
 
-#include <gradsync/checkpoint.hpp>
+#include <gradsync/checkpoint/checkpoint.hpp>
 #include <gradsync/gradsync.hpp>
 
 #include "mlp.hpp"

@@ -2,8 +2,8 @@
 // that averages are exact and tests can demand bitwise equality.
 #pragma once
 
-#include <gradsync/buffers.hpp>
-#include <gradsync/model.hpp>
+#include <gradsync/model/buffers.hpp>
+#include <gradsync/model/model.hpp>
 
 #include <cstddef>
 #include <cstdint>

@@ -12,11 +12,15 @@
 //   gradsync::NcclBackend<> backend(place);
 #pragma once
 
-#include <gradsync/backend.hpp>
-#include <gradsync/backend/nccl_environment.hpp>
+#include <gradsync/backend/collective.hpp>
+#include <gradsync/backend/concepts.hpp>
+#include <gradsync/backend/detail/watchdog.hpp>
+#include <gradsync/backend/nccl/algorithm.hpp>
+#include <gradsync/backend/nccl/handle.hpp>
+#include <gradsync/backend/nccl/place.hpp>
 #include <gradsync/bytes.hpp>
 #include <gradsync/cuda/check.hpp>
-#include <gradsync/detail/watchdog.hpp>
+#include <gradsync/detail/dtype_visit.hpp>
 #include <gradsync/error.hpp>
 #include <gradsync/half.hpp>
 
@@ -26,8 +30,6 @@
 #include <algorithm>  // for std::min
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
-#include <cstdlib>  // for std::getenv, setenv, unsetenv
 #include <cstring>  // for std::memcpy
 #include <memory>
 #include <mutex>
@@ -36,28 +38,11 @@
 #include <stop_token>
 #include <string>
 #include <thread>
-#include <utility>  // for std::exchange
+#include <type_traits>  // for std::conditional_t, std::is_same_v
+#include <utility>      // for std::exchange
 #include <vector>
 
 namespace gradsync::inline v0 {
-
-// The allreduce algorithm of a communicator: NcclBackend<nccl::Ring>. NCCL has no per-communicator
-// setting for it; it reads NCCL_ALGO (uncached, through ncclGetEnv) while it tunes a communicator
-// at initialization. NcclBackend therefore sets NCCL_ALGO to "allreduce:ring" or "allreduce:tree"
-// for the span of its own initialization, and restores it after; communicators of the process
-// that initialize with another choice wait meanwhile, so each keeps its own. Auto leaves
-// NCCL_ALGO as the user set it.
-namespace nccl {
-struct Auto {
-    static constexpr const char* allreduce = nullptr;
-};
-struct Ring {
-    static constexpr const char* allreduce = "allreduce:ring";
-};
-struct Tree {
-    static constexpr const char* allreduce = "allreduce:tree";
-};
-}  // namespace nccl
 
 struct NcclOptions {
     // Joining the communicator, and every collective, must end by this long after it began;
@@ -76,144 +61,6 @@ struct NcclOptions {
     // the join and every pending and later collective throw CollectiveError. nccl_spawn uses one
     // to end every rank at once when one of them fails.
     std::stop_token stop{};
-};
-
-namespace detail {
-
-inline std::optional<ncclDataType_t> nccl_type(DType t) {
-    switch (t) {
-        case DType::float32: return ncclFloat32;
-        case DType::float64: return ncclFloat64;
-        case DType::float16: return ncclFloat16;
-        case DType::bfloat16: return ncclBfloat16;
-        case DType::int32: return ncclInt32;
-        case DType::int64: return ncclInt64;
-    }
-    return std::nullopt;
-}
-
-// "unhandled cuda error (...NCCL's last error...)"
-inline std::string nccl_words(ncclResult_t result, ncclComm_t comm) {
-    std::string out = ncclGetErrorString(result);
-    const char* last = ncclGetLastError(comm);
-    if (last != nullptr && *last != '\0') out += std::string(" (") + last + ")";
-    return out;
-}
-
-// Who is initializing communicators now, and with which NCCL_ALGO: any number with the same
-// value at once (the ranks of one nccl_spawn must join together), one value at a time.
-struct NcclAlgoScopes {
-    std::mutex mutex;
-    std::condition_variable cv;
-    int holders = 0;
-    std::optional<std::string> current;  // the value wanted; none: the user's own environment
-    std::optional<std::string> before;   // the user's NCCL_ALGO, to restore
-    bool changed = false;                // NCCL_ALGO was set, and must be restored
-
-    static NcclAlgoScopes& instance() {
-        static NcclAlgoScopes scopes;
-        return scopes;
-    }
-};
-
-// Sets NCCL_ALGO to `algo` while it lives (null: leaves the user's value), once no communicator
-// of the process is initializing with another value, and restores it after the last scope of
-// this value ends, so that no communicator sees another's choice. Writing the environment races
-// with any thread reading it (NCCL's own threads read it through getenv), so the window is only
-// the communicator's initialization, and nothing is written when NCCL_ALGO already holds the
-// value. The rule for a process: create communicators of different algorithms one after the
-// other, and do not write the environment from other threads meanwhile.
-class ScopedNcclAlgo {
-public:
-    explicit ScopedNcclAlgo(const char* algo) {
-        auto& scopes = NcclAlgoScopes::instance();
-        std::unique_lock lock(scopes.mutex);
-        std::optional<std::string> wanted;
-        if (algo != nullptr) wanted = algo;
-        scopes.cv.wait(lock, [&] { return scopes.holders == 0 || scopes.current == wanted; });
-        if (scopes.holders == 0) {
-            scopes.current = wanted;
-            scopes.changed = false;
-            scopes.before.reset();
-            if (const char* before = std::getenv("NCCL_ALGO")) scopes.before = before;
-            if (wanted && scopes.before != wanted) {
-                if (::setenv("NCCL_ALGO", algo, 1) != 0) throw Error("gradsync: cannot set NCCL_ALGO");
-                scopes.changed = true;
-            }
-        }
-        ++scopes.holders;
-    }
-    ScopedNcclAlgo(const ScopedNcclAlgo&) = delete;
-    ScopedNcclAlgo& operator=(const ScopedNcclAlgo&) = delete;
-    ~ScopedNcclAlgo() {
-        auto& scopes = NcclAlgoScopes::instance();
-        std::lock_guard lock(scopes.mutex);
-        if (--scopes.holders != 0) return;
-        if (scopes.changed) {
-            if (scopes.before)
-                ::setenv("NCCL_ALGO", scopes.before->c_str(), 1);
-            else
-                ::unsetenv("NCCL_ALGO");
-        }
-        scopes.changed = false;
-        scopes.current.reset();
-        scopes.cv.notify_all();
-    }
-};
-
-// Makes `device` current while it lives and restores the caller's.
-class DeviceScope {
-public:
-    explicit DeviceScope(int device) {
-        GRADSYNC_CUDA_CHECK(cudaGetDevice(&before_));
-        if (before_ != device) GRADSYNC_CUDA_CHECK(cudaSetDevice(device));
-        changed_ = before_ != device;
-    }
-    DeviceScope(const DeviceScope&) = delete;
-    DeviceScope& operator=(const DeviceScope&) = delete;
-    ~DeviceScope() {
-        if (changed_) cudaSetDevice(before_);
-    }
-
-private:
-    int before_ = 0;
-    bool changed_ = false;
-};
-
-}  // namespace detail
-
-// Handle to a collective queued on an NcclBackend's stream (the Waitable concept). The buffers
-// must stay valid, and untouched, until it has completed.
-class NcclHandle {
-public:
-    NcclHandle() = default;  // an already completed no-op
-    NcclHandle(std::shared_ptr<detail::WatchedOp> op, std::shared_ptr<detail::Watchdog> watchdog, int device)
-        : op_(std::move(op)), watchdog_(std::move(watchdog)), device_(device) {}
-
-    [[nodiscard]] bool ready() const { return !op_ || watchdog_->ready(*op_); }
-    void wait() const { (void)wait_until(std::chrono::steady_clock::time_point::max()); }
-    // False when `deadline` passed first; throws when the communicator failed first.
-    [[nodiscard]] bool wait_until(std::chrono::steady_clock::time_point deadline) const {
-        return !op_ || watchdog_->wait_until(*op_, deadline);
-    }
-    // When the watchdog or a waiter saw it complete (for timelines); only meaningful once ready().
-    [[nodiscard]] std::chrono::steady_clock::time_point finished_at() const {
-        return op_ ? op_->finished_at : std::chrono::steady_clock::time_point{};
-    }
-    // Makes `stream` wait for this collective, without blocking the host.
-    void then(cudaStream_t stream) const {
-        if (!op_) return;
-        watchdog_->run([&] {
-            detail::DeviceScope scope(device_);
-            if (!op_->done.load(std::memory_order_acquire))
-                GRADSYNC_CUDA_CHECK(cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(op_->event), 0));
-        });
-    }
-
-private:
-    std::shared_ptr<detail::WatchedOp> op_;
-    std::shared_ptr<detail::Watchdog> watchdog_;
-    int device_ = 0;
 };
 
 template <class Algo = nccl::Auto>
@@ -239,8 +86,7 @@ public:
         s.size = size;
         s.device = device;
         s.timeout = options.timeout;
-        s.who = "gradsync: rank " + std::to_string(rank) + " of " + std::to_string(size) + " (NCCL, GPU " +
-                std::to_string(device) + ")";
+        s.who = detail::rank_prefix(rank, size, "NCCL, GPU " + std::to_string(device));
         if (size < 1 || rank < 0 || rank >= size)
             throw Error(s.who + ": the rank must be at least 0 and below the world size, which must be at least 1");
         try {
@@ -304,7 +150,7 @@ public:
     NcclHandle allreduce_async(Buffer buf, ReduceOp op, CollectiveTag tag = {}) {
         const ncclDataType_t type = reducible_type(buf.dtype, "allreduce");
         const ncclRedOp_t nop = op == ReduceOp::average ? ncclAvg : ncclSum;
-        return queue("allreduce", buf.data, buf.count, buf.dtype, tag, [&](void* data, std::size_t count, State& s) {
+        return queue(allreduce_call(buf, op, tag), buf.data, [&](void* data, std::size_t count, State& s) {
             return ncclAllReduce(data, data, count, type, nop, s.comm, s.stream);
         });
     }
@@ -315,7 +161,7 @@ public:
     // reduction. Exact where the factor is a power of two.
     NcclHandle allreduce_scaled_async(Buffer buf, double factor, CollectiveTag tag = {}) {
         const ncclDataType_t type = reducible_type(buf.dtype, "allreduce");
-        return queue("allreduce", buf.data, buf.count, buf.dtype, tag, [&](void* data, std::size_t count, State& s) {
+        return queue(allreduce_call(buf, ReduceOp::sum, tag), buf.data, [&](void* data, std::size_t count, State& s) {
             ncclRedOp_t op{};
             const auto scalar = scalar_of(buf.dtype, factor);
             ncclResult_t r = ncclRedOpCreatePreMulSum(&op, const_cast<std::byte*>(scalar.data()), type,
@@ -331,10 +177,11 @@ public:
     // Copies `root`'s bytes to every rank.
     NcclHandle broadcast_async(std::span<std::byte> bytes, int root, CollectiveTag tag = {}) {
         check_root(root);
-        return queue("broadcast", bytes.data(), bytes.size(), std::nullopt, tag,
-                     [&](void* data, std::size_t count, State& s) {
-                         return ncclBroadcast(data, data, count, ncclUint8, root, s.comm, s.stream);
-                     });
+        const CollectiveCall call{
+            .kind = CollectiveKind::broadcast, .seq = ++state_->calls, .count = bytes.size(), .root = root, .tag = tag};
+        return queue(call, bytes.data(), [&](void* data, std::size_t count, State& s) {
+            return ncclBroadcast(data, data, count, ncclUint8, root, s.comm, s.stream);
+        });
     }
     void broadcast(std::span<std::byte> bytes, int root, CollectiveTag tag = {}) {
         broadcast_async(bytes, root, tag).wait();
@@ -382,6 +229,7 @@ private:
         int rank = 0, size = 1, device = 0;
         std::chrono::milliseconds timeout{};
         std::string who;
+        std::atomic<std::uint64_t> calls{0};  // collectives called, to number them
         ncclComm_t comm = nullptr;
         std::atomic<bool> comm_alive{false};
         cudaStream_t stream = nullptr;
@@ -518,20 +366,18 @@ private:
     // The factor in `t`'s representation, for a pre-multiplied sum.
     static std::vector<std::byte> scalar_of(DType t, double factor) {
         std::vector<std::byte> out(size_of(t));
-        auto put = [&](auto v) { std::memcpy(out.data(), &v, sizeof v); };
-        switch (t) {
-            case DType::float64: put(factor); break;
-            case DType::float16: put(float16(static_cast<float>(factor))); break;
-            case DType::bfloat16: put(bfloat16(static_cast<float>(factor))); break;
-            default: put(static_cast<float>(factor)); break;
-        }
+        detail::visit_float_dtype(t, [&]<class T>(detail::type_tag<T>) {
+            using Wide = std::conditional_t<std::is_same_v<T, double>, double, float>;
+            const T value(static_cast<Wide>(factor));
+            std::memcpy(out.data(), &value, sizeof value);
+        });
         return out;
     }
 
     // Settles a call on the non-blocking communicator: ncclInProgress means NCCL is still
     // queueing it (from a thread of its own, for every multi-rank collective), and nothing may
     // follow until it is done. Polls without a lock; an abort request ends the poll.
-    void settle(ncclResult_t r, const char* kind) {
+    void settle(ncclResult_t r, const std::string& what) {
         if (r == ncclSuccess) return;
         auto& s = *state_;
         s.watchdog->settle(
@@ -545,52 +391,58 @@ private:
                 if (r == ncclSuccess) return std::string();
                 return detail::nccl_words(r, s.comm);
             },
-            kind, s.timeout);
+            what, s.timeout);
     }
 
-    // Queues a collective of `count` elements of `dtype` (bytes when none) at `data`, staging it
-    // through device memory when it lies in host memory; `call(data, count, state)` issues it
-    // on a device pointer.
-    template <class Call>
-    NcclHandle queue(const char* kind, void* data, std::size_t count, std::optional<DType> dtype, CollectiveTag tag,
-                     Call&& call) {
+    CollectiveCall allreduce_call(Buffer buf, ReduceOp op, CollectiveTag tag) {
+        return CollectiveCall{.kind = CollectiveKind::allreduce,
+                              .seq = ++state_->calls,
+                              .count = buf.count,
+                              .dtype = buf.dtype,
+                              .op = op,
+                              .tag = tag};
+    }
+
+    // Queues `call` on the memory at `data`, staging it through device memory when it lies in
+    // host memory; `issue(data, count, state)` issues it on a device pointer.
+    template <class Issue>
+    NcclHandle queue(const CollectiveCall& call, void* data, Issue&& issue) {
         auto& s = *state_;
-        const std::size_t unit = dtype ? size_of(*dtype) : 1;
-        if (count == 0) {
+        if (call.count == 0) {
             s.watchdog->rethrow_if_failed();
             return NcclHandle{};
         }
         detail::DeviceScope scope(s.device);
-        if (!detail::device_addressable(data)) return staged(kind, data, count, unit, dtype, tag, call);
+        if (!detail::device_addressable(data)) return staged(call, data, issue);
         return s.watchdog->run([&] {
             // After what the compute stream was given so far (one event, re-recorded each time:
             // the wait takes the event as it is now).
             GRADSYNC_CUDA_CHECK(cudaEventRecord(s.computed, s.compute));
             GRADSYNC_CUDA_CHECK(cudaStreamWaitEvent(s.stream, s.computed, 0));
-            settle(call(data, count, s), kind);
-            return track(kind, count * unit, dtype, tag);
+            settle(issue(data, call.count, s), call.describe());
+            return track(call);
         });
     }
 
     // Host memory: each piece copied in, reduced on the device, copied out and waited for (by
     // the collective's deadline, outside the watchdog's gate), through the fixed staging buffers.
-    template <class Call>
-    NcclHandle staged(const char* kind, void* data, std::size_t count, std::size_t unit, std::optional<DType> dtype,
-                      CollectiveTag tag, Call& call) {
+    template <class Issue>
+    NcclHandle staged(const CollectiveCall& call, void* data, Issue& issue) {
         auto& s = *state_;
         std::lock_guard staging(s.staging);
+        const std::size_t unit = call.dtype ? size_of(*call.dtype) : 1;
         auto* host = static_cast<std::byte*>(data);
         const std::size_t per_piece = staging_bytes / unit;
-        for (std::size_t first = 0; first < count; first += per_piece) {
-            const std::size_t n = std::min(per_piece, count - first);
+        for (std::size_t first = 0; first < call.count; first += per_piece) {
+            const std::size_t n = std::min(per_piece, call.count - first);
             const std::size_t bytes = n * unit;
             std::byte* at = host + first * unit;
             auto handle = s.watchdog->run([&] {
                 std::memcpy(s.pinned, at, bytes);
                 GRADSYNC_CUDA_CHECK(cudaMemcpyAsync(s.scratch, s.pinned, bytes, cudaMemcpyHostToDevice, s.stream));
-                settle(call(s.scratch, n, s), kind);
+                settle(issue(s.scratch, n, s), call.describe());
                 GRADSYNC_CUDA_CHECK(cudaMemcpyAsync(s.pinned, s.scratch, bytes, cudaMemcpyDeviceToHost, s.stream));
-                return track(kind, bytes, dtype, tag);
+                return track(call);
             });
             handle.wait();  // by the collective's deadline; the staging buffers are free again after it
             std::memcpy(at, s.pinned, bytes);
@@ -599,7 +451,7 @@ private:
     }
 
     // Records the completion of what was just queued and hands it to the watchdog (inside run()).
-    NcclHandle track(const char* kind, std::size_t bytes, std::optional<DType> dtype, CollectiveTag tag) {
+    NcclHandle track(const CollectiveCall& call) {
         auto& s = *state_;
         cudaEvent_t event = nullptr;
         s.watchdog->with_lock([&] {  // the free list is shared with `release`, which runs under that lock
@@ -614,10 +466,7 @@ private:
         }
         GRADSYNC_CUDA_CHECK(cudaEventRecord(event, s.stream));
         auto op = std::make_shared<detail::WatchedOp>();
-        op->kind = kind;
-        op->bytes = bytes;
-        op->dtype = dtype;
-        op->tag = tag;
+        op->call = call;
         op->deadline = std::chrono::steady_clock::now() + s.timeout;
         op->event = event;
         s.watchdog->watch(op);

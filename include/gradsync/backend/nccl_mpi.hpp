@@ -39,7 +39,7 @@ inline ncclUniqueId nccl_unique_id(MPI_Comm comm = mpi_world(), int root = 0) {
     }
     const int rc = MPI_Bcast(&message, sizeof message, MPI_BYTE, root, comm);
     if (rc != MPI_SUCCESS)
-        throw CollectiveError("gradsync: rank " + std::to_string(rank) +
+        throw CollectiveError(detail::rank_prefix(rank) +
                               ": MPI_Bcast of NCCL's unique id failed: " + detail::mpi_error_string(rc));
     if (message.result != ncclSuccess)
         throw CollectiveError("gradsync: ncclGetUniqueId failed on rank " + std::to_string(root) + ": " +

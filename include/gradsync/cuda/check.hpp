@@ -30,6 +30,9 @@ inline void check_cuda(cudaError_t code, const char* call, const char* file, int
                     code);
 }
 
+// Checks a CUDA runtime call: GRADSYNC_CUDA_CHECK(cudaMalloc(&p, bytes));
+#define GRADSYNC_CUDA_CHECK(call) ::gradsync::detail::check_cuda((call), #call, __FILE__, __LINE__)
+
 // True for memory the GPU can address (device or managed); false for host memory, which a
 // device collective cannot take as it is.
 inline bool device_addressable(const void* p) {
@@ -59,7 +62,27 @@ inline CudaDevices cuda_devices() {
     return {0, std::string("no CUDA device: ") + cudaGetErrorName(code) + " (" + cudaGetErrorString(code) + ")"};
 }
 
-}  // namespace gradsync::inline v0
+namespace detail {
 
-// Checks a CUDA runtime call: GRADSYNC_CUDA_CHECK(cudaMalloc(&p, bytes));
-#define GRADSYNC_CUDA_CHECK(call) ::gradsync::detail::check_cuda((call), #call, __FILE__, __LINE__)
+// Makes `device` current while it lives and restores the caller's.
+class DeviceScope {
+public:
+    explicit DeviceScope(int device) {
+        GRADSYNC_CUDA_CHECK(cudaGetDevice(&before_));
+        if (before_ != device) GRADSYNC_CUDA_CHECK(cudaSetDevice(device));
+        changed_ = before_ != device;
+    }
+    DeviceScope(const DeviceScope&) = delete;
+    DeviceScope& operator=(const DeviceScope&) = delete;
+    ~DeviceScope() {
+        if (changed_) cudaSetDevice(before_);
+    }
+
+private:
+    int before_ = 0;
+    bool changed_ = false;
+};
+
+}  // namespace detail
+
+}  // namespace gradsync::inline v0

@@ -11,6 +11,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <type_traits>  // for std::is_invocable_r_v
 #include <string_view>
 
 namespace gradsync::inline v0::detail {
@@ -91,6 +92,13 @@ inline void log(LogLevel level, int rank, const std::string& message) {
         begin = end + 1;
     } while (begin < message.size());
     std::fflush(out);
+}
+
+// The same, with the message made only when it will be written: make() returns it.
+template <class Make>
+requires std::is_invocable_r_v<std::string, Make&>
+void log(LogLevel level, int rank, Make&& make) {
+    if (logging(level)) log(level, rank, std::string(make()));
 }
 
 }  // namespace gradsync::inline v0::detail

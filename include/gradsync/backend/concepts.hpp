@@ -1,0 +1,240 @@
+// What a communication backend provides: the Backend concept (the required core: rank, size,
+// allreduce, broadcast, barrier) and one named concept per optional ability DataParallel uses
+// when a backend has it, each with a check that names what is missing.
+#pragma once
+
+#include <gradsync/backend/handle.hpp>
+#include <gradsync/buffer.hpp>
+#include <gradsync/bytes.hpp>
+#include <gradsync/detail/meta.hpp>
+#include <gradsync/dtype.hpp>
+
+#include <concepts>  // for std::convertible_to
+#include <cstdint>
+#include <functional>  // for std::function
+#include <span>
+#include <string>
+
+namespace gradsync::inline v0 {
+
+namespace detail {
+
+// The dtypes the host backends reduce: the floating ones (16-bit accumulated in float).
+inline bool reducible(DType t) {
+    return t == DType::float32 || t == DType::float64 || t == DType::float16 || t == DType::bfloat16;
+}
+
+}  // namespace detail
+
+// A backend runs collectives among the ranks of one group. Every rank calls the same collectives
+// in the same order; a backend reports a mismatch as an exception rather than hanging.
+template <class B>
+concept Backend = requires(B& b, const B& cb, Buffer buf, ReduceOp op, std::span<std::byte> bytes, int root, DType t) {
+    { cb.rank() } -> std::convertible_to<int>;
+    { cb.size() } -> std::convertible_to<int>;
+    { cb.supports(t) } -> std::convertible_to<bool>;
+    b.allreduce(buf, op);
+    { b.allreduce_async(buf, op) } -> Waitable;
+    b.broadcast(bytes, root);
+    b.barrier();
+};
+
+// A backend that reduces gradients where they lie, over a list of segments, so DataParallel
+// needs no bucket buffer and no pack or unpack copy (LocalBackend, in shared memory).
+template <class B>
+concept ScatteredAllreduce = Backend<B> && requires(B& b, std::span<const Segment> segs, DType t, ReduceOp op) {
+    b.allreduce(segs, t, op);
+    { b.allreduce_async(segs, t, op) } -> Waitable;
+};
+
+// Optional abilities. DataParallel asks these concepts, never the members themselves.
+
+// Collectives that carry a CollectiveTag (to name them in errors, and to check them): the
+// allreduce and the broadcast, and the scattered allreduce where there is one.
+template <class B>
+concept TaggedCollectives = Backend<B> &&
+    requires(B& b, Buffer buf, std::span<std::byte> bytes, ReduceOp op, CollectiveTag tag) {
+    b.allreduce(buf, op, tag);
+    { b.allreduce_async(buf, op, tag) } -> Waitable;
+    b.broadcast(bytes, 0, tag);
+};
+
+// ...and checked against the other ranks' tags at every call (`static constexpr bool
+// checks_tags = true`), so that DataParallel needs no per-step history check of its own.
+template <class B>
+concept CheckedCollectives = TaggedCollectives<B> && requires {
+    requires B::checks_tags;
+};
+
+// A backend whose collectives take device memory (`static constexpr bool device_memory = true`,
+// NcclBackend): DataParallel's gradients must then lie on the device.
+template <class B>
+concept DeviceBackend = Backend<B> && requires {
+    requires B::device_memory;
+};
+
+// abort(reason): every pending and future collective of every rank fails with `reason`, so that
+// a failure on one rank reaches the others at once rather than at their deadline.
+template <class B>
+concept Abortable = Backend<B> && requires(B& b, const std::string& reason) {
+    b.abort(reason);
+};
+
+// Each rank can leave reporters that say where it stands; the backend quotes them when one of
+// this rank's collectives misses its deadline (MpiBackend).
+template <class B>
+concept StatusReporting = Backend<B> && requires(B& b, std::function<std::string()> reporter, std::uint64_t id) {
+    { b.add_status_reporter(reporter) } -> std::convertible_to<std::uint64_t>;
+    b.remove_status_reporter(id);
+};
+
+// ...and peers can call them, without a collective, when they need to say why this rank is late
+// (LocalBackend: shared memory).
+template <class B>
+concept PeerStatus = StatusReporting<B> && requires(const B& cb, int rank) {
+    { cb.peer_status(rank) } -> std::convertible_to<std::string>;
+    { cb.peer_collectives(rank) } -> std::convertible_to<std::uint64_t>;  // how many it has entered
+};
+
+// The sum over the ranks of a factor times each rank's buffer, in one pass (NcclBackend's
+// pre-multiplied sum): folds an unscaling factor into the reduction.
+template <class B>
+concept PreScaledAllreduce = Backend<B> && requires(B& b, Buffer buf, double factor) {
+    { b.allreduce_scaled_async(buf, factor) } -> Waitable;
+};
+
+// A backend whose host does not wait for its collectives (NcclBackend) and so learns of a
+// failure only when asked: throw_if_failed() throws what its watchdog found.
+template <class B>
+concept HealthPolling = Backend<B> && requires(const B& cb) {
+    cb.throw_if_failed();
+};
+
+// Collectives ordered on the device: each one waits for what the trainer's compute stream was
+// given before it, and wait_on_device(handle) makes that stream wait for it, the host for
+// neither (NcclBackend, CudaLocalBackend).
+template <class B>
+concept StreamOrdered = DeviceBackend<B> && requires(B& b, const B& cb, Buffer buf, ReduceOp op) {
+    cb.compute_stream();
+    b.wait_on_device(b.allreduce_async(buf, op));
+};
+
+namespace detail {
+
+template <class B>
+constexpr bool check_backend() {
+    if constexpr (!Backend<B>) {
+        static_assert(
+            requires(const B& b) {
+                { b.rank() } -> std::convertible_to<int>;
+            },
+            "gradsync: a Backend needs `int rank() const`");
+        static_assert(
+            requires(const B& b) {
+                { b.size() } -> std::convertible_to<int>;
+            },
+            "gradsync: a Backend needs `int size() const`");
+        static_assert(
+            requires(const B& b, DType t) {
+                { b.supports(t) } -> std::convertible_to<bool>;
+            },
+            "gradsync: a Backend needs `bool supports(gradsync::DType) const`");
+        static_assert(
+            requires(B & b, Buffer buf, ReduceOp op) { b.allreduce(buf, op); },
+            "gradsync: a Backend needs `void allreduce(gradsync::Buffer, gradsync::ReduceOp)`");
+        static_assert(
+            requires(B & b, Buffer buf, ReduceOp op) {
+                { b.allreduce_async(buf, op) } -> Waitable;
+            },
+            "gradsync: a Backend needs `Handle allreduce_async(gradsync::Buffer, gradsync::ReduceOp)` "
+            "returning a handle with `void wait() const`, `bool ready() const` and "
+            "`bool wait_until(std::chrono::steady_clock::time_point) const`");
+        static_assert(
+            requires(B & b, std::span<std::byte> bytes, int root) { b.broadcast(bytes, root); },
+            "gradsync: a Backend needs `void broadcast(std::span<std::byte>, int root)`");
+        static_assert(
+            requires(B & b) { b.barrier(); }, "gradsync: a Backend needs `void barrier()`");
+    }
+    return Backend<B>;
+}
+
+}  // namespace detail
+
+namespace detail {
+
+// A backend's collectives with the tag where it takes one, without it where it does not: the
+// one place that decides.
+template <Backend B>
+void allreduce_tagged(B& b, Buffer buf, ReduceOp op, CollectiveTag tag) {
+    if constexpr (TaggedCollectives<B>)
+        b.allreduce(buf, op, tag);
+    else
+        b.allreduce(buf, op);
+}
+template <Backend B>
+auto allreduce_async_tagged(B& b, Buffer buf, ReduceOp op, CollectiveTag tag) {
+    if constexpr (TaggedCollectives<B>)
+        return b.allreduce_async(buf, op, tag);
+    else
+        return b.allreduce_async(buf, op);
+}
+template <ScatteredAllreduce B>
+void allreduce_tagged(B& b, std::span<const Segment> segs, DType t, ReduceOp op, CollectiveTag tag) {
+    if constexpr (requires { b.allreduce(segs, t, op, tag); })
+        b.allreduce(segs, t, op, tag);
+    else
+        b.allreduce(segs, t, op);
+}
+template <ScatteredAllreduce B>
+auto allreduce_async_tagged(B& b, std::span<const Segment> segs, DType t, ReduceOp op, CollectiveTag tag) {
+    if constexpr (requires { b.allreduce_async(segs, t, op, tag); })
+        return b.allreduce_async(segs, t, op, tag);
+    else
+        return b.allreduce_async(segs, t, op);
+}
+template <Backend B>
+void broadcast_tagged(B& b, std::span<std::byte> bytes, int root, CollectiveTag tag) {
+    if constexpr (TaggedCollectives<B>)
+        b.broadcast(bytes, root, tag);
+    else
+        b.broadcast(bytes, root);
+}
+
+// What a scattered-allreduce backend lacks, named (InPlaceBuckets needs one).
+template <class B>
+constexpr bool check_scattered_allreduce() {
+    static_assert(
+        requires(B & b, std::span<const Segment> segs, DType t, ReduceOp op) { b.allreduce(segs, t, op); },
+        "gradsync: InPlaceBuckets needs a backend that reduces scattered segments (the ScatteredAllreduce "
+        "concept, e.g. LocalBackend): `void allreduce(std::span<const gradsync::Segment>, gradsync::DType, "
+        "gradsync::ReduceOp)`; use PackedBuckets or AutoPacking");
+    static_assert(
+        requires(B & b, std::span<const Segment> segs, DType t, ReduceOp op) {
+            { b.allreduce_async(segs, t, op) } -> Waitable;
+        },
+        "gradsync: InPlaceBuckets needs a backend that reduces scattered segments (the ScatteredAllreduce "
+        "concept): `Handle allreduce_async(std::span<const gradsync::Segment>, gradsync::DType, "
+        "gradsync::ReduceOp)`; use PackedBuckets or AutoPacking");
+    return true;
+}
+
+// What a backend for device gradients lacks, named (a device memory policy needs one).
+template <class B>
+constexpr bool check_stream_ordered() {
+    static_assert(DeviceBackend<B>,
+                  "gradsync: a device memory policy (CudaMemory) needs a backend whose collectives take device "
+                  "memory (NcclBackend, CudaLocalBackend): `static constexpr bool device_memory = true`");
+    static_assert(
+        requires(const B& b) { b.compute_stream(); },
+        "gradsync: a device memory policy (CudaMemory) needs a backend that orders its collectives after the "
+        "trainer's stream: `cudaStream_t compute_stream() const`");
+    static_assert(
+        requires(B & b, Buffer buf, ReduceOp op) { b.wait_on_device(b.allreduce_async(buf, op)); },
+        "gradsync: a device memory policy (CudaMemory) needs a backend whose collectives the trainer's stream "
+        "can wait for: `void wait_on_device(const Handle&)`");
+    return true;
+}
+
+}  // namespace detail
+
+}  // namespace gradsync::inline v0

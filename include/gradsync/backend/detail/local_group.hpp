@@ -1,0 +1,415 @@
+// The shared state of a LocalBackend group: each rank's slot (its current call, staging, the
+// barrier rounds it has arrived at) and the collectives themselves, run by the ranks' threads in
+// shared memory, with the checks that every rank called the same one and that nobody waits past
+// the deadline.
+#pragma once
+
+#include <gradsync/backend/collective.hpp>
+#include <gradsync/backend/concepts.hpp>
+#include <gradsync/backend/detail/host_reduce.hpp>
+#include <gradsync/buffer.hpp>
+#include <gradsync/bytes.hpp>
+#include <gradsync/detail/aligned_bytes.hpp>
+#include <gradsync/detail/dtype_visit.hpp>
+#include <gradsync/detail/wait.hpp>
+#include <gradsync/dtype.hpp>
+#include <gradsync/error.hpp>
+#include <gradsync/half.hpp>
+
+#include <algorithm>  // for std::min, std::max
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>     // for std::memcpy
+#include <functional>  // for std::function
+#include <mutex>
+#include <span>
+#include <string>
+#include <utility>  // for std::move
+#include <vector>
+
+namespace gradsync::inline v0 {
+
+// How a LocalBackend group reduces. Both algorithms sum in rank order, so they give bitwise
+// identical results and `automatic` may switch between them by size without changing numbers.
+enum class LocalAlgorithm : std::uint8_t {
+    // one_shot for messages up to LocalGroupOptions::one_shot_max, reduce_scatter_all_gather above.
+    automatic,
+    // Latency-optimal: every rank copies its input to a staging slot, one barrier, and every rank
+    // sums all slots into its own buffer. One synchronization; each rank reads n times the bytes.
+    one_shot,
+    // Bandwidth-optimal: rank r owns 1/n of the elements, sums them from every rank's buffer and
+    // writes the result straight into every rank's buffer (reduce-scatter and all-gather fused,
+    // which shared memory allows): each rank reads and writes each of its bytes once.
+    reduce_scatter_all_gather,
+};
+
+struct LocalGroupOptions {
+    LocalAlgorithm algorithm = LocalAlgorithm::automatic;
+    // Size of each rank's one-shot staging slot; `automatic` uses one-shot at or below it.
+    // On 2 ranks of a 2-core machine one-shot wins up to about 3 KiB (bench: allreduce latency).
+    Bytes one_shot_max = Bytes{2u << 10};
+    // Every wait inside a collective ends by then: a rank that does not arrive fails the group.
+    std::chrono::milliseconds timeout = std::chrono::seconds(600);
+};
+
+namespace detail {
+
+// One rank's collective (what every rank's must equal), with its buffers, published so that its
+// peers can check they are in the same call and find the memory it reduces.
+struct LocalCall : CollectiveCall {
+    const Segment* segments = nullptr;  // null: the one segment is `single`
+    std::size_t segment_count = 0;
+    Segment single{};
+
+    [[nodiscard]] std::span<const Segment> segs() const {
+        return segments != nullptr ? std::span<const Segment>(segments, segment_count)
+                                   : std::span<const Segment>(&single, 1);
+    }
+};
+
+// Walks a list of segments element by element.
+class SegmentCursor {
+public:
+    SegmentCursor(std::span<const Segment> segs, std::size_t start, std::size_t elem_size)
+        : it_(segs.data()), end_(segs.data() + segs.size()), elem_(elem_size) {
+        while (it_ != end_ && start >= it_->count) {
+            start -= it_->count;
+            ++it_;
+        }
+        offset_ = start;
+        skip_empty();
+    }
+    [[nodiscard]] std::size_t left() const { return it_ == end_ ? 0 : it_->count - offset_; }
+    [[nodiscard]] std::byte* ptr() const { return static_cast<std::byte*>(it_->data) + offset_ * elem_; }
+    void advance(std::size_t k) {
+        offset_ += k;
+        skip_empty();
+    }
+
+private:
+    void skip_empty() {
+        while (it_ != end_ && offset_ >= it_->count) {
+            offset_ -= it_->count;
+            ++it_;
+        }
+    }
+    const Segment* it_;
+    const Segment* end_;
+    std::size_t offset_ = 0;
+    std::size_t elem_;
+};
+
+// One rank's slot in the group: written by that rank, read by its peers.
+struct alignas(cache_line) LocalRankState {
+    std::atomic<std::uint64_t> epoch{0};  // barrier rounds this rank has arrived at
+    alignas(cache_line) std::atomic<bool> departed{false};
+    std::atomic<std::uint64_t> calls_entered{0};
+    LocalCall calls[2];       // the current collective, by round parity
+    AlignedBytes staging[2];  // one-shot input copies, by round parity
+    // Scratch for the thread executing this rank's collectives.
+    AlignedBytes block;  // reduce_block_bytes
+    std::vector<SegmentCursor> cursors;
+    std::vector<void*> pointers;
+};
+
+class LocalGroupState {
+public:
+    LocalGroupState(int size, LocalGroupOptions options)
+        : size_(size),
+          options_(options),
+          spin_(SpinPolicy::for_threads(static_cast<unsigned>(size))),
+          ranks_(static_cast<std::size_t>(size)),
+          reporters_(static_cast<std::size_t>(size)) {
+        std::size_t slot = std::max<std::size_t>(4096, options.one_shot_max.count());
+        slot = (slot + cache_line - 1) / cache_line * cache_line;
+        staging_bytes_ = slot;
+        for (auto& r : ranks_) {
+            r.staging[0] = AlignedBytes(slot);
+            r.staging[1] = AlignedBytes(slot);
+            r.block = AlignedBytes(reduce_block_bytes);
+            r.pointers.resize(static_cast<std::size_t>(size));
+            r.cursors.reserve(static_cast<std::size_t>(size));
+        }
+    }
+
+    [[nodiscard]] int size() const { return size_; }
+    [[nodiscard]] const LocalGroupOptions& options() const { return options_; }
+    [[nodiscard]] Bytes memory_per_rank() const { return Bytes{2 * staging_bytes_ + reduce_block_bytes}; }
+
+    // Runs one collective for `rank` on the calling thread.
+    void execute(int rank, const LocalCall& call) {
+        auto deadline = std::chrono::steady_clock::now() + options_.timeout;
+        throw_if_aborted(rank, call);
+        ranks_[idx(rank)].calls_entered.store(call.seq, std::memory_order_relaxed);
+        if (size_ == 1) return execute_alone(rank, call);
+        switch (call.kind) {
+            case CollectiveKind::allreduce:
+                if (!reducible(*call.dtype))
+                    fail(rank, call, "LocalBackend reduces floating-point types only, not " + to_string(*call.dtype));
+                return visit_float_dtype(*call.dtype,
+                                         [&]<class T>(type_tag<T>) { allreduce<T>(rank, call, deadline); });
+            case CollectiveKind::broadcast: return broadcast(rank, call, deadline);
+            case CollectiveKind::barrier: return barrier(rank, call, deadline);
+        }
+    }
+
+    // Fails every pending and future collective of every rank with `reason`. First reason wins.
+    void abort(const std::string& reason) {
+        {
+            std::lock_guard lock(abort_mutex_);
+            if (aborted_.load(std::memory_order_relaxed)) return;
+            abort_reason_ = reason;
+            aborted_.store(true, std::memory_order_seq_cst);
+        }
+        bell_.ring();
+    }
+    [[nodiscard]] bool aborted() const { return aborted_.load(std::memory_order_acquire); }
+
+    // The rank's handle is gone: peers waiting for it fail instead of waiting for the deadline.
+    void depart(int rank) {
+        ranks_[idx(rank)].departed.store(true, std::memory_order_seq_cst);
+        bell_.ring();
+    }
+
+    std::uint64_t add_status_reporter(int rank, std::function<std::string()> reporter) {
+        std::lock_guard lock(status_mutex_);
+        reporters_[idx(rank)].push_back({++next_reporter_, std::move(reporter)});
+        return next_reporter_;
+    }
+    void remove_status_reporter(int rank, std::uint64_t id) {
+        std::lock_guard lock(status_mutex_);
+        auto& list = reporters_[idx(rank)];
+        std::erase_if(list, [id](const Reporter& r) { return r.id == id; });
+    }
+
+    // What rank `rank` says about itself, for a peer's diagnosis: its reporters' words.
+    [[nodiscard]] std::string status_of(int rank) {
+        if (ranks_[idx(rank)].departed.load(std::memory_order_acquire)) return "it has left the group";
+        std::lock_guard lock(status_mutex_);
+        std::string out;
+        for (const auto& reporter : reporters_[idx(rank)]) out += (out.empty() ? "" : "; ") + reporter.report();
+        return out;
+    }
+    [[nodiscard]] std::uint64_t collectives_entered(int rank) const {
+        return ranks_[idx(rank)].calls_entered.load(std::memory_order_relaxed);
+    }
+
+private:
+    static std::size_t idx(int rank) { return static_cast<std::size_t>(rank); }
+
+    [[noreturn]] void fail(int rank, const LocalCall& call, const std::string& reason) {
+        std::string msg = rank_prefix(rank) + ", " + call.describe() + ": " + reason;
+        abort(msg);
+        throw CollectiveError(msg);
+    }
+
+    void throw_if_aborted(int rank, const LocalCall& call) {
+        if (!aborted()) return;
+        std::string reason;
+        {
+            std::lock_guard lock(abort_mutex_);
+            reason = abort_reason_;
+        }
+        throw CollectiveError(rank_prefix(rank) + ", " + call.describe() + ": the group was aborted: " + reason);
+    }
+
+    void execute_alone(int rank, const LocalCall& call) {
+        if (call.kind == CollectiveKind::allreduce && !reducible(*call.dtype))
+            fail(rank, call, "LocalBackend reduces floating-point types only, not " + to_string(*call.dtype));
+        if (call.kind == CollectiveKind::broadcast && call.root != 0)
+            fail(rank, call, "root " + std::to_string(call.root) + " is not a rank of this group of 1");
+        // One rank: sum and average are the identity, broadcast and barrier are no-ops.
+    }
+
+    // Arrive at the next round and wait until every rank has. Returns the round's parity.
+    unsigned round(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
+        auto& me = ranks_[idx(rank)];
+        std::uint64_t target = me.epoch.load(std::memory_order_relaxed) + 1;
+        me.epoch.store(target, std::memory_order_seq_cst);
+        bell_.ring();
+        for (int s = 0; s < size_; ++s) {
+            if (s == rank) continue;
+            auto& peer = ranks_[idx(s)];
+            auto ready = [&] { return peer.epoch.load(std::memory_order_acquire) >= target; };
+            if (ready()) continue;
+            wait_until(
+                ready, [&] { check_wait(rank, s, target, call, deadline); }, bell_, spin_);
+        }
+        return static_cast<unsigned>((target - 1) & 1u);
+    }
+
+    void check_wait(int rank, int peer_rank, std::uint64_t target, const LocalCall& call,
+                    std::chrono::steady_clock::time_point deadline) {
+        throw_if_aborted(rank, call);
+        auto& peer = ranks_[idx(peer_rank)];
+        if (peer.departed.load(std::memory_order_seq_cst) && peer.epoch.load(std::memory_order_seq_cst) < target) {
+            fail(rank, call,
+                 "rank " + std::to_string(peer_rank) +
+                     " left the group (its LocalBackend was destroyed, or its spawn function returned) "
+                     "without entering this collective; it had entered " +
+                     std::to_string(peer.calls_entered.load(std::memory_order_relaxed)) + " collectives");
+        }
+        if (std::chrono::steady_clock::now() >= deadline) {
+            std::string msg = rank_prefix(rank) + ", " + call.describe() + ": timed out after " +
+                              std::to_string(options_.timeout.count()) + " ms waiting for rank " +
+                              std::to_string(peer_rank) + ", which has entered " +
+                              std::to_string(collectives_entered(peer_rank)) + " collectives" +
+                              [&] {
+                                  auto status = status_of(peer_rank);
+                                  return status.empty() ? std::string() : " (" + status + ")";
+                              }() +
+                              ". Raise the timeout if the work is just slow";
+            abort(msg);
+            throw TimeoutError(msg);
+        }
+    }
+
+    // After the first round: every rank checks every rank's call against rank 0's, so that all
+    // of them find the same first difference and throw the same message.
+    void validate(int rank, const LocalCall& call, unsigned parity) {
+        const LocalCall& ref = ranks_[0].calls[parity];
+        for (int s = 1; s < size_; ++s) {
+            const LocalCall& other = ranks_[idx(s)].calls[parity];
+            if (!other.same_as(ref)) {
+                fail(rank, call,
+                     "collective mismatch: rank 0 is in " + ref.describe() + " but rank " + std::to_string(s) +
+                         " is in " + other.describe() +
+                         "; every rank must call the same collectives in the same order with the same sizes");
+            }
+        }
+    }
+
+    void check_root(int rank, const LocalCall& call) {
+        if (call.root < 0 || call.root >= size_)
+            fail(rank, call,
+                 "root " + std::to_string(call.root) + " is not a rank of this group of " + std::to_string(size_));
+    }
+
+    template <class T>
+    void allreduce(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
+        bool one_shot =
+            options_.algorithm == LocalAlgorithm::one_shot || (options_.algorithm == LocalAlgorithm::automatic &&
+                                                               call.count * sizeof(T) <= options_.one_shot_max.count());
+        if (one_shot)
+            allreduce_one_shot<T>(rank, call, deadline);
+        else
+            allreduce_two_phase<T>(rank, call, deadline);
+    }
+
+    template <class T>
+    void allreduce_one_shot(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
+        auto& me = ranks_[idx(rank)];
+        const std::size_t piece = staging_bytes_ / sizeof(T);
+        const auto factor = accumulator_t<T>(1) / static_cast<accumulator_t<T>>(size_);
+        SegmentCursor in(call.segs(), 0, sizeof(T));
+        SegmentCursor out(call.segs(), 0, sizeof(T));
+        std::size_t pos = 0;
+        bool first = true;
+        do {
+            std::size_t len = std::min(piece, call.count - pos);
+            unsigned parity = static_cast<unsigned>(me.epoch.load(std::memory_order_relaxed) & 1u);
+            // Gather this piece of my input into my staging slot.
+            auto* slot = me.staging[parity].data();
+            for (std::size_t done = 0; done < len;) {
+                std::size_t k = std::min(len - done, in.left());
+                std::memcpy(slot + done * sizeof(T), in.ptr(), k * sizeof(T));
+                in.advance(k);
+                done += k;
+            }
+            if (first) me.calls[parity] = call;
+            round(rank, call, deadline);
+            if (first) validate(rank, call, parity);
+            first = false;
+            // Sum every rank's slot, in rank order, into my own buffer.
+            auto** inputs = reinterpret_cast<T**>(me.pointers.data());
+            for (int s = 0; s < size_; ++s) inputs[s] = reinterpret_cast<T*>(ranks_[idx(s)].staging[parity].data());
+            for (std::size_t done = 0; done < len;) {
+                std::size_t k = std::min(len - done, out.left());
+                T* dst = reinterpret_cast<T*>(out.ptr());
+                reduce_to_all<T>(inputs, size_, &dst, 1, k, call.op == ReduceOp::average, factor, me.block.data());
+                for (int s = 0; s < size_; ++s) inputs[s] += k;
+                out.advance(k);
+                done += k;
+            }
+            pos += len;
+        } while (pos < call.count);
+    }
+
+    template <class T>
+    void allreduce_two_phase(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
+        auto& me = ranks_[idx(rank)];
+        unsigned parity = static_cast<unsigned>(me.epoch.load(std::memory_order_relaxed) & 1u);
+        me.calls[parity] = call;
+        round(rank, call, deadline);
+        validate(rank, call, parity);
+
+        // My share: a cache-line aligned 1/n of the elements. (Claiming pieces from a shared
+        // counter instead was tried: slower below 4 MiB and no better above, even overlapped.)
+        const std::size_t n = call.count;
+        const std::size_t align = cache_line / sizeof(T);
+        std::size_t chunk = (n + static_cast<std::size_t>(size_) - 1) / static_cast<std::size_t>(size_);
+        chunk = (chunk + align - 1) / align * align;
+        std::size_t lo = std::min(n, static_cast<std::size_t>(rank) * chunk);
+        std::size_t hi = std::min(n, lo + chunk);
+        if (lo < hi) {
+            const auto factor = accumulator_t<T>(1) / static_cast<accumulator_t<T>>(size_);
+            me.cursors.clear();
+            for (int s = 0; s < size_; ++s) me.cursors.emplace_back(ranks_[idx(s)].calls[parity].segs(), lo, sizeof(T));
+            auto** ptrs = reinterpret_cast<T**>(me.pointers.data());
+            for (std::size_t pos = lo; pos < hi;) {
+                std::size_t k = hi - pos;
+                for (const auto& c : me.cursors) k = std::min(k, c.left());
+                for (int s = 0; s < size_; ++s) ptrs[s] = reinterpret_cast<T*>(me.cursors[idx(s)].ptr());
+                reduce_to_all<T>(ptrs, size_, ptrs, size_, k, call.op == ReduceOp::average, factor, me.block.data());
+                for (auto& c : me.cursors) c.advance(k);
+                pos += k;
+            }
+        }
+        // Nobody returns, and reuses its buffer, before every share is written.
+        round(rank, call, deadline);
+    }
+
+    void broadcast(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
+        check_root(rank, call);
+        auto& me = ranks_[idx(rank)];
+        unsigned parity = static_cast<unsigned>(me.epoch.load(std::memory_order_relaxed) & 1u);
+        me.calls[parity] = call;
+        round(rank, call, deadline);
+        validate(rank, call, parity);
+        if (rank != call.root && call.count != 0) {
+            std::memcpy(call.single.data, ranks_[idx(call.root)].calls[parity].single.data, call.count);
+        }
+        round(rank, call, deadline);
+    }
+
+    void barrier(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
+        auto& me = ranks_[idx(rank)];
+        unsigned parity = static_cast<unsigned>(me.epoch.load(std::memory_order_relaxed) & 1u);
+        me.calls[parity] = call;
+        round(rank, call, deadline);
+        validate(rank, call, parity);
+    }
+
+    int size_;
+    LocalGroupOptions options_;
+    SpinPolicy spin_;
+    std::size_t staging_bytes_ = 0;
+    std::vector<LocalRankState> ranks_;
+    Doorbell bell_;
+    std::atomic<bool> aborted_{false};
+    std::mutex abort_mutex_;
+    std::string abort_reason_;
+    struct Reporter {
+        std::uint64_t id;
+        std::function<std::string()> report;
+    };
+    std::mutex status_mutex_;
+    std::uint64_t next_reporter_ = 0;
+    std::vector<std::vector<Reporter>> reporters_;  // per rank
+};
+
+}  // namespace detail
+
+}  // namespace gradsync::inline v0

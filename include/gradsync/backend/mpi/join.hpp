@@ -1,0 +1,159 @@
+// The torchrun-style join: processes that a launcher other than MPI's started (RANK and
+// WORLD_SIZE set, each process a world of one to MPI) meet through MPI's name service and become
+// one communicator, by a deadline.
+#pragma once
+
+#include <gradsync/backend/detail/watcher_thread.hpp>
+#include <gradsync/backend/mpi/mpi_api.hpp>
+#include <gradsync/environment.hpp>
+#include <gradsync/error.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>   // for std::fprintf
+#include <cstdlib>  // for setenv
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+// The communicator MpiSession built by joining processes that MPI did not start; MPI_COMM_NULL
+// when there is none (MPI_COMM_WORLD holds every rank).
+inline MPI_Comm joined_world = MPI_COMM_NULL;
+
+// The name rank 0 publishes its port under: one per job, so that jobs sharing a name server
+// do not meet.
+inline std::string join_service(const ProcessPlace& place) {
+    std::string name = "gradsync";
+    for (const char* variable : {"MASTER_ADDR", "MASTER_PORT"})
+        if (auto value = real_env(variable)) name += ":" + *value;
+    return name + ":" + std::to_string(place.world_size);
+}
+
+inline std::string join_advice(const ProcessPlace& place) {
+    return "Start the processes with mpirun -np " + std::to_string(place.world_size) +
+           " (or srun), or give them a name server to meet through: run `ompi-server -r FILE` once and set "
+           "OMPI_MCA_pmix_server_uri=file:FILE for every process.";
+}
+
+// Processes started by a launcher that is not MPI's (torchrun-style RANK/WORLD_SIZE) are MPI
+// singletons, a world of one each. They meet through MPI's name service: rank 0 opens a port,
+// and the group, growing from rank 0, publishes it for each next rank in turn, accepts it and
+// merges it in. A watchdog ends a join that has not completed by the deadline (a rank that never
+// starts, or a RANK given twice), naming how many ranks arrived.
+inline MPI_Comm join_singletons(const ProcessPlace& place, std::chrono::seconds timeout) {
+    const std::string who = rank_prefix(place.rank, place.world_size, place.source);
+#ifdef OPEN_MPI
+    // Without a name server each singleton publishes and looks up only in its own world: the
+    // lookup would fail until the deadline. Say so at once.
+    if (!real_env("OMPI_MCA_pmix_server_uri"))
+        throw CollectiveError(who +
+                              " was not started by an MPI launcher, and OMPI_MCA_pmix_server_uri names no "
+                              "name server through which the ranks could connect. " +
+                              join_advice(place));
+#endif
+    std::atomic<int> joined{1};
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    WatcherThread watcher([deadline] { return deadline; },
+                          [&] {
+                              std::fprintf(stderr,
+                                           "%s: the ranks have not all joined after %lld s (%d of %d are in); a rank "
+                                           "did not start, two were given the same RANK, or they do not share a "
+                                           "name server. %s\n",
+                                           who.c_str(), static_cast<long long>(timeout.count()), joined.load(),
+                                           place.world_size, join_advice(place).c_str());
+                              std::fflush(stderr);
+                              MPI_Abort(MPI_COMM_SELF, 1);
+                          });
+
+    ErrorsReturned self_errors(MPI_COMM_SELF);
+    ErrorsReturned world_errors(MPI_COMM_WORLD);
+    auto check = [&](int rc, const char* call) {
+        if (rc != MPI_SUCCESS)
+            throw CollectiveError(who + ": " + call + " failed while joining the ranks: " + mpi_error_string(rc) +
+                                  ". " + join_advice(place));
+    };
+    // Ranks join one at a time, in order: the group publishes the port under rank r's own name
+    // only when it is ready to accept rank r, and connects every pair of its members before it
+    // publishes the next. Open MPI 4.1 can deadlock when a connect is pending while the group
+    // merges or opens connections (seen here with 4 ranks under load), and in order, the joined
+    // group is ordered by RANK as it grows.
+    const std::string service = join_service(place);
+    const auto turn = [&](int rank) { return service + ":" + std::to_string(rank); };
+    const auto connect_all_pairs = [&](MPI_Comm comm) {
+        int size = 1;
+        MPI_Comm_size(comm, &size);
+        std::vector<int> out(static_cast<std::size_t>(size)), in(out.size());
+        check(MPI_Alltoall(out.data(), 1, MPI_INT, in.data(), 1, MPI_INT, comm), "MPI_Alltoall");
+    };
+    char port[MPI_MAX_PORT_NAME] = {};
+    MPI_Comm group = MPI_COMM_NULL;
+    MPI_Comm inter = MPI_COMM_NULL;
+    if (place.rank == 0) {
+        check(MPI_Open_port(MPI_INFO_NULL, port), "MPI_Open_port");
+        check(MPI_Comm_dup(MPI_COMM_SELF, &group), "MPI_Comm_dup");
+    } else {
+        // Not published until the ranks before this one are in; the watchdog bounds the wait.
+        while (MPI_Lookup_name(turn(place.rank).c_str(), MPI_INFO_NULL, port) != MPI_SUCCESS)
+            std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        check(MPI_Comm_connect(port, MPI_INFO_NULL, 0, MPI_COMM_SELF, &inter), "MPI_Comm_connect");
+        check(MPI_Intercomm_merge(inter, 1, &group), "MPI_Intercomm_merge");
+        MPI_Comm_free(&inter);
+    }
+    MPI_Comm_set_errhandler(group, MPI_ERRORS_RETURN);  // inherited by the groups it grows into
+    if (place.rank != 0) connect_all_pairs(group);
+    for (int size = 0; MPI_Comm_size(group, &size), size < place.world_size;) {
+        joined = size;
+        const std::string name = turn(size);  // the next rank's
+        if (place.rank == 0) {
+            const int rc = MPI_Publish_name(name.c_str(), MPI_INFO_NULL, port);
+            if (rc != MPI_SUCCESS)
+                throw CollectiveError(who + ": MPI_Publish_name(\"" + name + "\") failed: " + mpi_error_string(rc) +
+                                      ". Another job with the same MASTER_ADDR/MASTER_PORT is using the name server, "
+                                      "or two processes were given RANK=0.");
+        }
+        check(MPI_Comm_accept(port, MPI_INFO_NULL, 0, group, &inter), "MPI_Comm_accept");
+        if (place.rank == 0) MPI_Unpublish_name(name.c_str(), MPI_INFO_NULL, port);
+        MPI_Comm grown = MPI_COMM_NULL;
+        check(MPI_Intercomm_merge(inter, 0, &grown), "MPI_Intercomm_merge");
+        MPI_Comm_free(&inter);
+        MPI_Comm_free(&group);
+        group = grown;
+        connect_all_pairs(group);
+    }
+    joined = place.world_size;
+    if (place.rank == 0) MPI_Close_port(port);
+    // A RANK given twice can still fill a later rank's place (its connect was pending on the same
+    // port): every process must sit where its RANK says.
+    std::vector<int> ranks(static_cast<std::size_t>(place.world_size));
+    check(MPI_Allgather(&place.rank, 1, MPI_INT, ranks.data(), 1, MPI_INT, group), "MPI_Allgather");
+    std::string given;
+    bool in_place = true;
+    for (std::size_t i = 0; i < ranks.size(); ++i) {
+        in_place = in_place && ranks[i] == int(i);
+        given += (i == 0 ? "" : ", ") + std::to_string(ranks[i]);
+    }
+    if (!in_place) {
+        MPI_Comm_free(&group);
+        throw CollectiveError(who + ": the joined processes were given the ranks " + given + "; each of 0.." +
+                              std::to_string(place.world_size - 1) + " must be given once.");
+    }
+    MPI_Comm_set_errhandler(group, MPI_ERRORS_ARE_FATAL);  // as MPI_COMM_WORLD's
+    return group;
+}
+
+// mpirun tells the processes it oversubscribes to yield the core while they wait for messages;
+// processes that wait by spinning on fewer cores than processes slow each other down a
+// hundredfold. A torchrun-style launch has no mpirun to say so: say it for Open MPI, unless the
+// user did. Before MPI_Init, which reads it.
+inline void yield_when_oversubscribed([[maybe_unused]] const ProcessPlace& launcher) {
+#ifdef OPEN_MPI
+    if (launcher.world_size <= 1 || real_env("OMPI_COMM_WORLD_SIZE") || real_env("OMPI_MCA_mpi_yield_when_idle"))
+        return;
+    if (unsigned(launcher.local_world_size) > std::thread::hardware_concurrency())
+        ::setenv("OMPI_MCA_mpi_yield_when_idle", "1", 0);
+#endif
+}
+
+}  // namespace gradsync::inline v0::detail

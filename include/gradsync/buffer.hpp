@@ -1,0 +1,60 @@
+// The vocabulary of collectives: memory to reduce (a Buffer, or Segments of one dtype), the
+// reduction operator, and the tag that says what a collective is for.
+#pragma once
+
+#include <gradsync/dtype.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+
+namespace gradsync::inline v0 {
+
+enum class ReduceOp : std::uint8_t {
+    sum,
+    average,  // sum divided by the number of ranks
+};
+
+inline std::string to_string(ReduceOp op) { return op == ReduceOp::sum ? "sum" : "average"; }
+
+// `count` elements at `data`; the dtype travels beside it.
+struct Segment {
+    void* data = nullptr;
+    std::size_t count = 0;
+};
+
+// A contiguous buffer of `count` elements of `dtype`.
+struct Buffer {
+    void* data = nullptr;
+    std::size_t count = 0;
+    DType dtype = DType::float32;
+};
+
+template <HasDType T>
+Buffer buffer_of(std::span<T> s) {
+    return Buffer{s.data(), s.size(), dtype_of<T>};
+}
+
+// What a collective is for, so that a mismatch across ranks is named in terms the user knows.
+// `fingerprint` folds every collective the caller issued so far: equal fingerprints mean equal
+// histories, so a divergence is caught even where the current calls happen to look alike.
+struct CollectiveTag {
+    std::uint64_t fingerprint = 0;
+    std::int64_t step = -1;    // -1: not a training step's collective
+    std::int32_t bucket = -1;  // -1: not a bucket's collective
+
+    friend bool operator==(const CollectiveTag&, const CollectiveTag&) = default;
+};
+
+namespace detail {
+
+inline std::size_t total_count(std::span<const Segment> segs) {
+    std::size_t n = 0;
+    for (const auto& s : segs) n += s.count;
+    return n;
+}
+
+}  // namespace detail
+
+}  // namespace gradsync::inline v0

@@ -1,0 +1,302 @@
+// BucketEngine: each bucket's storage and its collective in the current step. A bucket travels
+// one of four ways: reduced where its gradients lie (a backend that takes scattered segments),
+// as one view when they lie contiguously, through a packed copy, or packed into a narrower wire
+// dtype. The engine launches a bucket's collective (during backward) or runs it now (at
+// synchronize()), waits for the launched ones by a deadline (or, on the device, makes the
+// trainer's stream wait), and then runs the finalize pass over the bucket through the memory
+// policy: unpack, unscale, measure.
+#pragma once
+
+#include <gradsync/backend/concepts.hpp>
+#include <gradsync/bucket/plan.hpp>
+#include <gradsync/buffer.hpp>
+#include <gradsync/bytes.hpp>
+#include <gradsync/detail/log.hpp>
+#include <gradsync/dtype.hpp>
+#include <gradsync/error.hpp>
+#include <gradsync/memory/policy.hpp>
+#include <gradsync/model/model.hpp>
+
+#include <algorithm>  // for std::sort
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <utility>  // for std::declval
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+// The first k whose segment does not start where segment k - 1 ends; 0 when they all follow each
+// other in memory.
+inline std::size_t first_gap(std::span<const Segment> segs, DType t) {
+    const std::size_t elem = size_of(t);
+    for (std::size_t k = 1; k < segs.size(); ++k)
+        if (static_cast<const std::byte*>(segs[k - 1].data) + segs[k - 1].count * elem != segs[k].data) return k;
+    return 0;
+}
+
+// How a bucket travels.
+enum class Route : std::uint8_t { in_place, view, packed, compressed };
+
+template <Backend BackendT, MemoryPolicy Memory, DType Wire, bool InPlace>
+class BucketEngine {
+    static constexpr bool compresses = Wire != DType::float32;
+    using clock = std::chrono::steady_clock;
+
+    static auto async_of(BackendT& b) {
+        if constexpr (InPlace)
+            return allreduce_async_tagged(b, std::span<const Segment>{}, DType::float32, ReduceOp::sum,
+                                          CollectiveTag{});
+        else
+            return allreduce_async_tagged(b, Buffer{}, ReduceOp::sum, CollectiveTag{});
+    }
+
+public:
+    using handle_type = decltype(async_of(std::declval<BackendT&>()));
+
+    // One bucket's storage and the state of its collective in the current step.
+    struct Slot {
+        std::vector<Segment> segments;     // its gradients, by parameter index
+        std::vector<std::size_t> indices;  // their parameters
+        std::optional<Segment> view;       // set when they lie contiguously
+        Route route = Route::in_place;
+        DType dtype = DType::float32;      // the gradients'
+        DType wire = DType::float32;       // what the collective moves
+        std::size_t count = 0;             // elements
+        typename Memory::Table table;      // the segments, as the memory policy's passes take them
+        bool measured = false;             // finalized this step: its result slot is current
+        typename Memory::Storage buffer;   // packed or compressed, world > 1
+        typename Memory::Storage widened;  // a float32 copy, made once when a compressed sum overflowed
+        std::optional<handle_type> handle;
+        clock::time_point launched_at, finished_at;
+    };
+
+    BucketEngine(BackendT& backend, Memory memory) : backend_(backend), memory_(std::move(memory)) {}
+
+    // (Re)builds every bucket's state from the plan; between steps.
+    void setup(const BucketPlan& plan, std::span<const Parameter> params) {
+        slots_.clear();
+        slots_.resize(plan.buckets.size());
+        for (std::size_t b = 0; b < slots_.size(); ++b) {
+            const auto& bucket = plan.buckets[b];
+            auto& slot = slots_[b];
+            slot.indices = bucket.parameters;
+            std::sort(slot.indices.begin(), slot.indices.end());  // the element layout every rank shares
+            for (auto i : slot.indices) slot.segments.push_back(Segment{params[i].grad, params[i].count});
+            slot.dtype = slot.wire = bucket.dtype;
+            slot.count = bucket.count;
+            const bool contiguous = first_gap(slot.segments, bucket.dtype) == 0;
+            if (contiguous) slot.view = Segment{slot.segments.front().data, bucket.count};
+            if (compresses && bucket.dtype == DType::float32) {
+                slot.route = Route::compressed;
+                slot.wire = Wire;
+            } else if (InPlace) {
+                slot.route = Route::in_place;
+            } else {
+                slot.route = contiguous ? Route::view : Route::packed;
+            }
+            slot.table = memory_.table(slot.segments, bucket.dtype);
+            if ((slot.route == Route::packed || slot.route == Route::compressed) && backend_.size() > 1)
+                slot.buffer = memory_.allocate(Bytes{bucket.count * size_of(slot.wire)});
+        }
+        memory_.prepare_results(slots_.size());
+    }
+
+    // Whether this step's finalize pass unscales and measures (by `unscale`), or, without a loss
+    // scaler, compression, clipping or step(), only unpacks packed buckets.
+    void begin_step(bool finalizing, double unscale) {
+        finalizing_ = finalizing;
+        unscale_ = unscale;
+    }
+
+    // Bucket b's collective, started asynchronously (during backward, in plan order).
+    void launch(std::size_t b, CollectiveTag tag) {
+        auto& slot = slots_[b];
+        slot.launched_at = clock::now();
+        if (backend_.size() == 1) return;  // the local gradient is already the average
+        if (slot.route == Route::in_place) {
+            if constexpr (InPlace)
+                slot.handle.emplace(
+                    allreduce_async_tagged(backend_, segments_of(slot), slot.dtype, ReduceOp::average, tag));
+        } else {
+            slot.handle.emplace(allreduce_async_tagged(backend_, contiguous(b), op_of(slot), tag));
+        }
+    }
+
+    // Bucket b's collective run now, on this thread (no overlap to gain), and finished; on a
+    // device, queued like a launch.
+    void reduce_now(std::size_t b, CollectiveTag tag) {
+        auto& slot = slots_[b];
+        slot.launched_at = clock::now();
+        if constexpr (DeviceBackend<BackendT>) {
+            slot.handle.emplace(allreduce_async_tagged(backend_, contiguous(b), op_of(slot), tag));
+            return;
+        }
+        if (slot.route == Route::in_place) {
+            if constexpr (InPlace) allreduce_tagged(backend_, segments_of(slot), slot.dtype, ReduceOp::average, tag);
+        } else {
+            allreduce_tagged(backend_, contiguous(b), op_of(slot), tag);
+        }
+        finish(b);
+        slot.finished_at = clock::now();
+    }
+
+    // Waits for every launched bucket by `deadline` and finishes each; diagnose(b) says why one
+    // was late. On the device path the trainer's stream waits for each instead, and the finalize
+    // pass is queued behind it: the host goes on, and the backend's watchdog ends a collective
+    // that hangs.
+    template <class Diagnose>
+    void wait_all(clock::time_point deadline, Diagnose&& diagnose) {
+        for (std::size_t b = 0; b < slots_.size(); ++b) {
+            auto& slot = slots_[b];
+            if (!slot.handle) continue;
+            if constexpr (StreamOrdered<BackendT>) {
+                backend_.wait_on_device(*slot.handle);
+                slot.handle.reset();
+                finish(b);
+                continue;
+            }
+            if (!slot.handle->wait_until(deadline)) throw TimeoutError(diagnose(b));
+            finish(b);
+            slot.finished_at = slot.handle->finished_at();
+            slot.handle.reset();
+        }
+    }
+
+    // Unscales and measures bucket b's gradients where they lie (a world of one has nothing to
+    // reduce, but a step still needs its norm).
+    void finalize_in_place(std::size_t b) {
+        if (!finalizing_) return;
+        memory_.finalize(slots_[b].table, nullptr, slots_[b].dtype, unscale_, b);
+        slots_[b].measured = true;
+    }
+
+    // A compressed bucket whose float16 sum overflowed, reduced again in float32 (averaged) and
+    // finalized, the same on every rank: they all hold the same sum, so they all decide alike.
+    void reduce_again_in_float(std::size_t b, CollectiveTag tag) {
+        auto& slot = slots_[b];
+        if constexpr (InPlace) {
+            allreduce_tagged(backend_, segments_of(slot), slot.dtype, ReduceOp::average, tag);
+        } else {
+            Buffer buf{nullptr, slot.count, slot.dtype};
+            if (slot.view) {
+                buf.data = slot.view->data;
+            } else {
+                if (slot.widened.size() == 0) slot.widened = memory_.allocate(Bytes{slot.count * size_of(slot.dtype)});
+                buf.data = Memory::data(slot.widened);
+                memory_.pack(slot.table, Memory::data(slot.widened));
+            }
+            allreduce_tagged(backend_, buf, ReduceOp::average, tag);
+            if (!slot.view) memory_.unpack(slot.table, Memory::data(slot.widened));
+        }
+        const bool was = finalizing_;
+        finalizing_ = true;  // a compressed bucket is always finalized
+        finalize_in_place(b);
+        finalizing_ = was;
+    }
+
+    // Scales every gradient by `factor` (clipping's second pass).
+    void scale_all(double factor) {
+        for (const auto& slot : slots_) memory_.scale(slot.table, factor);
+    }
+
+    [[nodiscard]] bool in_flight() const {
+        for (const auto& s : slots_)
+            if (s.handle) return true;
+        return false;
+    }
+
+    // Waits for collectives in flight until `deadline`, ignoring their errors: after an abort
+    // they end at once.
+    void drain(clock::time_point deadline) {
+        for (auto& slot : slots_) {
+            if (!slot.handle) continue;
+            try {
+                (void)slot.handle->wait_until(deadline);
+            } catch (...) {
+            }
+            slot.handle.reset();
+        }
+    }
+
+    void end_step() {
+        for (auto& slot : slots_) slot.measured = false;
+    }
+
+    [[nodiscard]] std::span<Slot> slots() { return slots_; }
+    [[nodiscard]] std::span<const Slot> slots() const { return slots_; }
+    [[nodiscard]] Memory& memory() { return memory_; }
+    [[nodiscard]] const Memory& memory() const { return memory_; }
+
+    // Buckets whose gradients already lie contiguously in memory, reduced without a copy.
+    [[nodiscard]] std::size_t view_buckets() const {
+        std::size_t n = 0;
+        for (const auto& s : slots_) n += s.view.has_value() && s.route != Route::compressed;
+        return n;
+    }
+    // Bucket buffers and bookkeeping, beyond the model's own memory.
+    [[nodiscard]] Bytes memory_held() const {
+        Bytes total;
+        for (const auto& s : slots_)
+            total += Bytes{s.buffer.size() + s.widened.size() + s.segments.capacity() * sizeof(Segment) +
+                           s.indices.capacity() * sizeof(std::size_t)};
+        return total;
+    }
+
+private:
+    // The bucket's gradients where they lie: one segment when they are a view.
+    static std::span<const Segment> segments_of(const Slot& slot) {
+        return slot.view ? std::span<const Segment>(&*slot.view, 1) : std::span<const Segment>(slot.segments);
+    }
+
+    // A compressed bucket is summed (each rank sent its share); every other one averaged.
+    [[nodiscard]] static ReduceOp op_of(const Slot& slot) {
+        return slot.route == Route::compressed ? ReduceOp::sum : ReduceOp::average;
+    }
+
+    // The bucket's collective as one contiguous buffer, packing (and converting) first when it is
+    // no view. A compressed bucket's ranks send their share of the average: each value divided by
+    // the world size, so that the sum keeps the headroom the loss scale left.
+    Buffer contiguous(std::size_t b) {
+        auto& slot = slots_[b];
+        if (slot.route == Route::view) return Buffer{slot.view->data, slot.count, slot.dtype};
+        std::byte* data = Memory::data(slot.buffer);
+        if (slot.route == Route::packed)
+            memory_.pack(slot.table, data);
+        else
+            memory_.compress(slot.table, data, slot.wire, 1.0 / static_cast<double>(backend_.size()));
+        return Buffer{data, slot.count, slot.wire};
+    }
+
+    // After bucket b's reduction: the finalize pass. Packed buckets are unpacked in it; compressed
+    // ones widened (a float16 sum that overflowed leaves the gradients intact, and its result is
+    // not finite: the step then reduces it again in float32); the others scaled where they lie.
+    void finish(std::size_t b) {
+        auto& slot = slots_[b];
+        const std::byte* data = Memory::data(slot.buffer);
+        switch (slot.route) {
+            case Route::in_place:
+            case Route::view: return finalize_in_place(b);
+            case Route::packed:
+                if (!finalizing_) return memory_.unpack(slot.table, data);
+                return finalize_from(b, data, slot.dtype);
+            case Route::compressed: return finalize_from(b, data, slot.wire);
+        }
+    }
+
+    void finalize_from(std::size_t b, const std::byte* data, DType type) {
+        memory_.finalize(slots_[b].table, data, type, unscale_, b);
+        slots_[b].measured = true;
+    }
+
+    BackendT& backend_;
+    Memory memory_;
+    std::vector<Slot> slots_;
+    bool finalizing_ = false;
+    double unscale_ = 1.0;
+};
+
+}  // namespace gradsync::inline v0::detail

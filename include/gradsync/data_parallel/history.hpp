@@ -1,0 +1,74 @@
+// CollectiveHistory: every collective a DataParallel issues gets a tag that says what it is for
+// (which step, which bucket) and a fingerprint that folds in every collective before it, so that
+// ranks whose histories diverged are caught: at each call by a backend that compares tags
+// (CheckedCollectives), or once per step by comparing fingerprints with one small allreduce.
+#pragma once
+
+#include <gradsync/backend/concepts.hpp>
+#include <gradsync/buffer.hpp>
+#include <gradsync/detail/hash.hpp>
+#include <gradsync/dtype.hpp>
+#include <gradsync/error.hpp>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+// What a DataParallel collective is for.
+enum class CollectivePurpose : std::uint8_t {
+    bucket,            // a bucket's gradients
+    buffer_broadcast,  // a model buffer, rank 0's copied to every rank
+    buffer_average,    // a model buffer, averaged
+    float_redo,        // a bucket again, in float32, after its float16 sum overflowed
+};
+
+class CollectiveHistory {
+public:
+    // The tag of the next collective: `index` is the bucket's, or the buffer's.
+    CollectiveTag next(CollectivePurpose purpose, std::int64_t step, std::size_t index, std::uint64_t bytes,
+                       DType dtype) {
+        ++count_;
+        fingerprint_ = fnv1a(fingerprint_, count_);
+        fingerprint_ = fnv1a(fingerprint_, static_cast<std::uint64_t>(purpose));
+        fingerprint_ = fnv1a(fingerprint_, index);
+        fingerprint_ = fnv1a(fingerprint_, bytes);
+        fingerprint_ = fnv1a(fingerprint_, static_cast<std::uint64_t>(dtype));
+        const bool of_bucket = purpose == CollectivePurpose::bucket || purpose == CollectivePurpose::float_redo;
+        return CollectiveTag{fingerprint_, step, of_bucket ? static_cast<std::int32_t>(index) : -1};
+    }
+
+    [[nodiscard]] std::uint64_t fingerprint() const { return fingerprint_; }
+    [[nodiscard]] std::uint64_t count() const { return count_; }
+
+    // Compares every rank's history with rank 0's (one allreduce of a small table); throws the
+    // same CollectiveError on every rank when one differs.
+    template <Backend B>
+    void verify(B& backend, std::int64_t step) const {
+        const int world = backend.size();
+        if (world == 1) return;
+        std::vector<double> table(static_cast<std::size_t>(world) * 3, 0.0);
+        double* mine = table.data() + static_cast<std::size_t>(backend.rank()) * 3;
+        mine[0] = static_cast<double>(fingerprint_ >> 32);
+        mine[1] = static_cast<double>(fingerprint_ & 0xffffffffu);
+        mine[2] = static_cast<double>(count_);
+        backend.allreduce(Buffer{table.data(), table.size(), DType::float64}, ReduceOp::sum);
+        for (int r = 1; r < world; ++r) {
+            const double* theirs = table.data() + static_cast<std::size_t>(r) * 3;
+            if (theirs[0] == table[0] && theirs[1] == table[1]) continue;
+            throw CollectiveError("gradsync: step " + std::to_string(step) +
+                                  ": the ranks' collective histories diverged: rank 0 issued " +
+                                  std::to_string(static_cast<std::uint64_t>(table[2])) + " collectives and rank " +
+                                  std::to_string(r) + " " + std::to_string(static_cast<std::uint64_t>(theirs[2])) +
+                                  ", with different fingerprints; every rank must launch the same buckets in the "
+                                  "same order");
+        }
+    }
+
+private:
+    std::uint64_t fingerprint_ = fnv1a_basis;
+    std::uint64_t count_ = 0;
+};
+
+}  // namespace gradsync::inline v0::detail

@@ -1,0 +1,219 @@
+// Construction-time agreement between ranks: each rank checks its own parameter list, then all
+// ranks compare layouts and bucket plans by hash and, only on a difference, exchange the
+// details, so that every rank throws the same message naming the first differing parameter.
+#pragma once
+
+#include <gradsync/backend/concepts.hpp>
+#include <gradsync/bucket/plan.hpp>
+#include <gradsync/model/buffers.hpp>
+#include <gradsync/detail/hash.hpp>
+#include <gradsync/dtype.hpp>
+#include <gradsync/error.hpp>
+#include <gradsync/model/model.hpp>
+
+#include <algorithm>  // for std::sort
+#include <cstddef>
+#include <cstdint>
+#include <cstring>  // for std::memcpy
+#include <span>
+#include <string>
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+// The first problem with this rank's parameters and buffers, or "" when there is none.
+template <class B>
+std::string find_model_problem(std::span<const Parameter> params, std::span<const ModelBuffer> buffers,
+                               const B& backend) {
+    for (const auto& b : buffers) {
+        const std::string who = "buffer '" + b.name + "'";
+        if (!is_known(b.dtype))
+            return who + " has an unknown dtype (code " + std::to_string(static_cast<unsigned>(b.dtype)) + ")";
+        if (b.data == nullptr && b.count != 0) return who + " has a null data pointer";
+    }
+    for (const auto& p : params) {
+        const std::string who = "parameter '" + p.name + "'";
+        if (!is_known(p.dtype))
+            return who + " has an unknown dtype (code " + std::to_string(static_cast<unsigned>(p.dtype)) + ")";
+        if (!backend.supports(p.dtype)) return who + " is " + to_string(p.dtype) + ", which this backend cannot reduce";
+        if (p.data == nullptr) return who + " has a null data pointer";
+        if (p.grad == nullptr) return who + " has a null gradient pointer";
+    }
+    struct Range {
+        std::uintptr_t begin, end;
+        const Parameter* param;
+    };
+    std::vector<Range> ranges;
+    ranges.reserve(params.size());
+    for (const auto& p : params) {
+        auto begin = reinterpret_cast<std::uintptr_t>(p.grad);
+        ranges.push_back({begin, begin + p.bytes().count(), &p});
+    }
+    std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) { return a.begin < b.begin; });
+    for (std::size_t i = 1; i < ranges.size(); ++i) {
+        if (ranges[i].begin < ranges[i - 1].end) {
+            return "parameters '" + ranges[i - 1].param->name + "' and '" + ranges[i].param->name +
+                   "' share gradient memory; give each parameter a gradient buffer of its own";
+        }
+    }
+    return {};
+}
+
+// One tensor of the layout that must agree across ranks: a parameter or a buffer.
+struct LayoutEntry {
+    bool is_buffer = false;
+    std::size_t index = 0;  // among the parameters, or among the buffers
+    std::string name;
+    std::uint64_t count = 0;
+    DType dtype = DType::float32;
+};
+
+inline std::vector<LayoutEntry> layout_of(std::span<const Parameter> params, std::span<const ModelBuffer> buffers) {
+    std::vector<LayoutEntry> out;
+    for (std::size_t i = 0; i < params.size(); ++i)
+        out.push_back({false, i, params[i].name, params[i].count, params[i].dtype});
+    for (std::size_t i = 0; i < buffers.size(); ++i)
+        out.push_back({true, i, buffers[i].name, buffers[i].count, buffers[i].dtype});
+    return out;
+}
+
+// What must agree: the kind, element count and dtype of every tensor, in order. Names need not.
+inline std::uint64_t layout_hash(const std::vector<LayoutEntry>& layout) {
+    Fnv1a h;
+    h.add(layout.size());
+    for (const auto& e : layout) h.add(e.is_buffer ? 1 : 0).add(e.count).add(static_cast<std::uint64_t>(e.dtype));
+    return h.value();
+}
+
+inline void put(std::vector<std::byte>& out, const void* p, std::size_t n) {
+    auto* b = static_cast<const std::byte*>(p);
+    out.insert(out.end(), b, b + n);
+}
+
+inline std::vector<std::byte> serialize_layout(const std::vector<LayoutEntry>& layout) {
+    std::vector<std::byte> out;
+    for (const auto& e : layout) {
+        std::uint8_t kind = e.is_buffer ? 1 : 0;
+        std::uint64_t index = e.index, count = e.count, name_size = e.name.size();
+        auto dtype = static_cast<std::uint8_t>(e.dtype);
+        put(out, &kind, sizeof kind);
+        put(out, &index, sizeof index);
+        put(out, &count, sizeof count);
+        put(out, &dtype, sizeof dtype);
+        put(out, &name_size, sizeof name_size);
+        put(out, e.name.data(), e.name.size());
+    }
+    return out;
+}
+
+inline std::vector<LayoutEntry> parse_layout(std::span<const std::byte> bytes) {
+    std::vector<LayoutEntry> out;
+    std::size_t pos = 0;
+    auto get = [&](void* dst, std::size_t n) {
+        if (pos + n > bytes.size()) throw Error("gradsync: internal error: truncated layout record");
+        std::memcpy(dst, bytes.data() + pos, n);
+        pos += n;
+    };
+    while (pos < bytes.size()) {
+        LayoutEntry e;
+        std::uint8_t kind = 0, dtype = 0;
+        std::uint64_t index = 0, name_size = 0;
+        get(&kind, sizeof kind);
+        get(&index, sizeof index);
+        get(&e.count, sizeof e.count);
+        get(&dtype, sizeof dtype);
+        get(&name_size, sizeof name_size);
+        e.is_buffer = kind != 0;
+        e.index = static_cast<std::size_t>(index);
+        e.dtype = static_cast<DType>(dtype);
+        e.name.resize(name_size);
+        get(e.name.data(), name_size);
+        out.push_back(std::move(e));
+    }
+    return out;
+}
+
+inline std::string describe_entry(const LayoutEntry& e) {
+    return std::string(e.is_buffer ? "buffer #" : "parameter #") + std::to_string(e.index) + " '" + e.name + "' (" +
+           std::to_string(e.count) + " x " + to_string(e.dtype) + ")";
+}
+
+// Names the first tensor where rank a's and rank b's layouts differ.
+inline std::string describe_layout_difference(int a, const std::vector<LayoutEntry>& la, int b,
+                                              const std::vector<LayoutEntry>& lb) {
+    std::string prefix = "gradsync: the model's layout differs across ranks: ";
+    std::string suffix =
+        ". Every rank must register the same parameters and buffers, in the same order, with the same sizes and "
+        "dtypes (zero-sized parameters are skipped and not compared)";
+    std::size_t n = std::min(la.size(), lb.size());
+    for (std::size_t i = 0; i < n; ++i) {
+        if (la[i].is_buffer != lb[i].is_buffer || la[i].count != lb[i].count || la[i].dtype != lb[i].dtype) {
+            return prefix + "rank " + std::to_string(a) + " has " + describe_entry(la[i]) + " where rank " +
+                   std::to_string(b) + " has " + describe_entry(lb[i]) + suffix;
+        }
+    }
+    const auto& longer = la.size() > lb.size() ? la : lb;
+    int longer_rank = la.size() > lb.size() ? a : b;
+    return prefix + "rank " + std::to_string(a) + " has " + std::to_string(la.size()) + " tensors and rank " +
+           std::to_string(b) + " has " + std::to_string(lb.size()) + "; " + describe_entry(longer[n]) +
+           " exists only on rank " + std::to_string(longer_rank) + suffix;
+}
+
+// Every rank calls this with its own parameters, plan and local problem ("" if none). Returns
+// when all ranks agree; otherwise throws the same exception, with the same message, on every rank.
+template <class B>
+void agree_on_layout(B& backend, std::span<const Parameter> params, std::span<const ModelBuffer> buffers,
+                     const BucketPlan& plan, const std::string& problem) {
+    const int world = backend.size();
+    const int me = backend.rank();
+    const auto entries = layout_of(params, buffers);
+    auto layout = serialize_layout(entries);
+    const std::string problem_text =
+        problem.empty() ? std::string() : "gradsync: invalid model on rank " + std::to_string(me) + ": " + problem;
+
+    // Each rank fills its own row; a sum-allreduce then hands every rank every row.
+    enum { layout_hi, layout_lo, plan_hi, plan_lo, problem_size, layout_size, row };
+    std::vector<double> table(static_cast<std::size_t>(world) * row, 0.0);
+    auto split = [](std::uint64_t h, double* hi, double* lo) {
+        *hi = static_cast<double>(h >> 32);
+        *lo = static_cast<double>(h & 0xffffffffu);
+    };
+    double* mine = table.data() + static_cast<std::size_t>(me) * row;
+    split(layout_hash(entries), mine + layout_hi, mine + layout_lo);
+    split(plan.hash(), mine + plan_hi, mine + plan_lo);
+    mine[problem_size] = static_cast<double>(problem_text.size());
+    mine[layout_size] = static_cast<double>(layout.size());
+    backend.allreduce(Buffer{table.data(), table.size(), DType::float64}, ReduceOp::sum);
+    auto at = [&](int r, int field) {
+        return table[static_cast<std::size_t>(r) * row + static_cast<std::size_t>(field)];
+    };
+
+    // Fetches rank r's bytes of the given size: its own copy on r, the broadcast elsewhere.
+    auto fetch = [&](int r, std::size_t size, const std::byte* own) {
+        std::vector<std::byte> bytes(size);
+        if (r == me && size != 0) std::memcpy(bytes.data(), own, size);
+        backend.broadcast(std::span<std::byte>(bytes), r);
+        return bytes;
+    };
+
+    for (int r = 0; r < world; ++r) {
+        if (at(r, problem_size) == 0) continue;
+        auto bytes = fetch(r, static_cast<std::size_t>(at(r, problem_size)),
+                           reinterpret_cast<const std::byte*>(problem_text.data()));
+        throw InvalidModel(std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
+    }
+    for (int r = 1; r < world; ++r) {
+        if (at(r, layout_hi) == at(0, layout_hi) && at(r, layout_lo) == at(0, layout_lo)) continue;
+        auto l0 = parse_layout(fetch(0, static_cast<std::size_t>(at(0, layout_size)), layout.data()));
+        auto lr = parse_layout(fetch(r, static_cast<std::size_t>(at(r, layout_size)), layout.data()));
+        throw LayoutMismatch(describe_layout_difference(0, l0, r, lr));
+    }
+    for (int r = 1; r < world; ++r) {
+        if (at(r, plan_hi) == at(0, plan_hi) && at(r, plan_lo) == at(0, plan_lo)) continue;
+        throw LayoutMismatch("gradsync: the bucket plans of rank 0 and rank " + std::to_string(r) +
+                             " differ although their parameters agree; pass the same bucketer, with the same "
+                             "caps, on every rank");
+    }
+}
+
+}  // namespace gradsync::inline v0::detail
