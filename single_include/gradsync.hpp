@@ -1529,6 +1529,14 @@ concept TaggedCollectives = Backend<B> &&
     b.broadcast(bytes, 0, tag);
 };
 
+// ...and the scattered allreduce too.
+template <class B>
+concept TaggedScatteredAllreduce = ScatteredAllreduce<B> &&
+    requires(B& b, std::span<const Segment> segs, DType t, ReduceOp op, CollectiveTag tag) {
+    b.allreduce(segs, t, op, tag);
+    { b.allreduce_async(segs, t, op, tag) } -> Waitable;
+};
+
 // ...and checked against the other ranks' tags at every call (`static constexpr bool
 // checks_tags = true`), so that DataParallel needs no per-step history check of its own.
 template <class B>
@@ -1650,14 +1658,14 @@ auto allreduce_async_tagged(B& b, Buffer buf, ReduceOp op, CollectiveTag tag) {
 }
 template <ScatteredAllreduce B>
 void allreduce_tagged(B& b, std::span<const Segment> segs, DType t, ReduceOp op, CollectiveTag tag) {
-    if constexpr (requires { b.allreduce(segs, t, op, tag); })
+    if constexpr (TaggedScatteredAllreduce<B>)
         b.allreduce(segs, t, op, tag);
     else
         b.allreduce(segs, t, op);
 }
 template <ScatteredAllreduce B>
 auto allreduce_async_tagged(B& b, std::span<const Segment> segs, DType t, ReduceOp op, CollectiveTag tag) {
-    if constexpr (requires { b.allreduce_async(segs, t, op, tag); })
+    if constexpr (TaggedScatteredAllreduce<B>)
         return b.allreduce_async(segs, t, op, tag);
     else
         return b.allreduce_async(segs, t, op);
@@ -2898,6 +2906,13 @@ concept MemoryPolicy = requires(M& m, const M& cm, std::span<const Segment> segs
     cm.zero(Segment{}, t);
 };
 
+// A memory policy whose passes run on a stream (CudaMemory): the backend's collectives must be
+// ordered on the same one.
+template <class M>
+concept StreamMemory = MemoryPolicy<M> && requires(const M& m) {
+    m.stream();
+};
+
 namespace detail {
 
 template <class M>
@@ -3915,6 +3930,70 @@ private:
 // asks, where this rank stands: in backward waiting for which gradients, or in synchronize().
 
 
+// ---- begin gradsync/data_parallel/model_layout.hpp ----
+// The model as DataParallel sees it: its parameters in registration order without the zero-sized
+// ones (the list bucket plans index into), the model's own index of each, its parameters by name,
+// and its buffers.
+
+
+#include <cstddef>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <utility>  // for std::move
+#include <variant>
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+struct ModelLayout {
+    static constexpr std::size_t none = static_cast<std::size_t>(-1);  // a zero-sized parameter
+    static constexpr std::size_t ambiguous = none - 1;                 // a name several parameters have
+
+    std::vector<Parameter> params;
+    std::vector<ModelBuffer> buffers;
+    std::vector<std::size_t> param_of_model_index;  // none for zero-sized parameters
+    std::unordered_map<std::string, std::size_t> by_name;
+
+    template <class Model>
+    static ModelLayout of(Model& model, bool with_buffers) {
+        ModelLayout out;
+        const auto listed = gradsync::parameters(model);
+        for (std::size_t i = 0; i < listed.size(); ++i) {
+            if (listed[i].count == 0) {
+                out.param_of_model_index.push_back(none);
+            } else {
+                out.param_of_model_index.push_back(out.params.size());
+                out.params.push_back(listed[i]);
+            }
+            auto [it, fresh] = out.by_name.emplace(listed[i].name, out.param_of_model_index.back());
+            if (!fresh) it->second = ambiguous;
+        }
+        if (with_buffers)
+            for (auto& b : gradsync::buffers(model))
+                if (b.count != 0) out.buffers.push_back(std::move(b));
+        return out;
+    }
+
+    // The parameter at the model's `index` (zero-sized: none), or an error message.
+    [[nodiscard]] std::variant<std::size_t, std::string> at_model_index(std::size_t index) const {
+        if (index < param_of_model_index.size()) return param_of_model_index[index];
+        return "grad_ready(" + std::to_string(index) + ") but the model has " +
+               std::to_string(param_of_model_index.size()) + " parameters";
+    }
+    // The parameter named `name` (zero-sized: none), or an error message.
+    [[nodiscard]] std::variant<std::size_t, std::string> named(std::string_view name) const {
+        auto it = by_name.find(std::string(name));
+        if (it != by_name.end() && it->second != ambiguous) return it->second;
+        return "grad_ready(\"" + std::string(name) + "\"): " +
+               (it == by_name.end() ? "no parameter has this name"
+                                    : "several parameters have this name; use grad_ready(index)");
+    }
+};
+
+}  // namespace gradsync::inline v0::detail
+// ---- end gradsync/data_parallel/model_layout.hpp ----
+
 // ---- begin gradsync/data_parallel/readiness.hpp ----
 // Readiness: which parameters' gradients are final in the current step, which buckets that
 // completes, and the order buckets may go in: plan order, whatever order gradients arrive in, so
@@ -3955,16 +4034,19 @@ public:
         twice,        // already ready this step: a misuse
     };
 
-    // Per parameter `bucket_of[p]`; per bucket the number of its parameters. Between steps.
-    void plan(std::span<const std::size_t> bucket_of, std::span<const std::size_t> bucket_sizes) {
-        const std::size_t params = bucket_of.size();
+    // The buckets of `plan` over `params` parameters. Between steps.
+    void plan(const BucketPlan& plan, std::size_t params) {
         if (!ready_ || params != params_) {
             params_ = params;
             ready_ = std::make_unique<std::atomic<std::uint8_t>[]>(params);
             used_ = std::make_unique<std::atomic<std::uint8_t>[]>(params);
         }
-        bucket_of_.assign(bucket_of.begin(), bucket_of.end());
-        sizes_.assign(bucket_sizes.begin(), bucket_sizes.end());
+        bucket_of_.assign(params, 0);
+        sizes_.clear();
+        for (std::size_t b = 0; b < plan.buckets.size(); ++b) {
+            for (auto p : plan.buckets[b].parameters) bucket_of_[p] = b;
+            sizes_.push_back(plan.buckets[b].parameters.size());
+        }
         pending_ = std::make_unique<std::atomic<std::int32_t>[]>(sizes_.size());
         std::lock_guard lock(mutex_);
         complete_.assign(sizes_.size(), 0);
@@ -4209,6 +4291,15 @@ inline std::string missing_gradients(std::span<const std::size_t> missing, std::
            "gradsync::Options{.find_unused_parameters = true} to count the others as zero";
 }
 
+// What a DataParallel set up, for the log: "DataParallel: 4 parameters, 0 buffers, world size 4, ..."
+inline std::string describe_setup(const ModelLayout& layout, int world, bool in_place, DType wire,
+                                  std::size_t view_buckets, const BucketPlan& plan) {
+    return "DataParallel: " + std::to_string(layout.params.size()) + " parameters, " +
+           std::to_string(layout.buffers.size()) + " buffers, world size " + std::to_string(world) + ", " +
+           (in_place ? "reduced in place" : "packed") + ", wire " + to_string(wire) + ", " +
+           std::to_string(view_buckets) + " view buckets; bucket plan: " + to_string(plan);
+}
+
 // A reporter left with a backend that quotes it when a collective is late (StatusReporting),
 // for as long as this lives; with other backends, nothing.
 template <Backend B>
@@ -4272,8 +4363,8 @@ namespace detail {
 
 // The finalize pass's findings in one step.
 struct StepStats {
-    double sum_squares = 0;              // of the unscaled averaged gradients
-    std::vector<std::size_t> nonfinite;  // parameters with an infinity or NaN
+    double sum_squares = 0;                // of the unscaled averaged gradients
+    std::vector<std::size_t> nonfinite{};  // parameters with an infinity or NaN
     bool clipped = false;
 
     [[nodiscard]] double norm() const { return std::sqrt(sum_squares); }
@@ -4603,70 +4694,6 @@ void agree_on_layout(B& backend, std::span<const Parameter> params, std::span<co
 }  // namespace gradsync::inline v0::detail
 // ---- end gradsync/data_parallel/layout_agreement.hpp ----
 
-// ---- begin gradsync/data_parallel/model_layout.hpp ----
-// The model as DataParallel sees it: its parameters in registration order without the zero-sized
-// ones (the list bucket plans index into), the model's own index of each, its parameters by name,
-// and its buffers.
-
-
-#include <cstddef>
-#include <string>
-#include <string_view>
-#include <unordered_map>
-#include <utility>  // for std::move
-#include <variant>
-#include <vector>
-
-namespace gradsync::inline v0::detail {
-
-struct ModelLayout {
-    static constexpr std::size_t none = static_cast<std::size_t>(-1);  // a zero-sized parameter
-    static constexpr std::size_t ambiguous = none - 1;                 // a name several parameters have
-
-    std::vector<Parameter> params;
-    std::vector<ModelBuffer> buffers;
-    std::vector<std::size_t> param_of_model_index;  // none for zero-sized parameters
-    std::unordered_map<std::string, std::size_t> by_name;
-
-    template <class Model>
-    static ModelLayout of(Model& model, bool with_buffers) {
-        ModelLayout out;
-        const auto listed = gradsync::parameters(model);
-        for (std::size_t i = 0; i < listed.size(); ++i) {
-            if (listed[i].count == 0) {
-                out.param_of_model_index.push_back(none);
-            } else {
-                out.param_of_model_index.push_back(out.params.size());
-                out.params.push_back(listed[i]);
-            }
-            auto [it, fresh] = out.by_name.emplace(listed[i].name, out.param_of_model_index.back());
-            if (!fresh) it->second = ambiguous;
-        }
-        if (with_buffers)
-            for (auto& b : gradsync::buffers(model))
-                if (b.count != 0) out.buffers.push_back(std::move(b));
-        return out;
-    }
-
-    // The parameter at the model's `index` (zero-sized: none), or an error message.
-    [[nodiscard]] std::variant<std::size_t, std::string> at_model_index(std::size_t index) const {
-        if (index < param_of_model_index.size()) return param_of_model_index[index];
-        return "grad_ready(" + std::to_string(index) + ") but the model has " +
-               std::to_string(param_of_model_index.size()) + " parameters";
-    }
-    // The parameter named `name` (zero-sized: none), or an error message.
-    [[nodiscard]] std::variant<std::size_t, std::string> named(std::string_view name) const {
-        auto it = by_name.find(std::string(name));
-        if (it != by_name.end() && it->second != ambiguous) return it->second;
-        return "grad_ready(\"" + std::string(name) + "\"): " +
-               (it == by_name.end() ? "no parameter has this name"
-                                    : "several parameters have this name; use grad_ready(index)");
-    }
-};
-
-}  // namespace gradsync::inline v0::detail
-// ---- end gradsync/data_parallel/model_layout.hpp ----
-
 // ---- begin gradsync/data_parallel/options.hpp ----
 // Options: the run-time settings of a DataParallel, passed like a policy (in any position after
 // the backend), e.g. DataParallel dp(model, backend, gradsync::Options{.find_unused_parameters = true}).
@@ -4867,7 +4894,7 @@ inline std::string device_gradients_problem(const BucketPlan& plan, std::span<co
 // that stream has not written yet.
 template <class B, class M>
 std::string stream_problem(const B& backend, const M& memory) {
-    if constexpr (requires { backend.compute_stream() == memory.stream(); }) {
+    if constexpr (StreamOrdered<B> && StreamMemory<M>) {
         const auto collectives = backend.compute_stream();
         const auto passes = memory.stream();
         if (!(collectives == passes)) {
@@ -4903,6 +4930,7 @@ inline std::string untouchable_gradients(int rank) {
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>  // for std::getenv
 #include <map>
 #include <memory>
 #include <mutex>
@@ -5030,13 +5058,19 @@ void record_step(Timeline& timeline, std::int64_t step, const Slots& slots, bool
     timeline.span("step", step, -1, began, std::chrono::steady_clock::now());
 }
 
+// Where the timeline goes: Options::timeline, or $GRADSYNC_TIMELINE when that is empty.
+inline std::string timeline_path(const std::string& from_options) {
+    if (!from_options.empty()) return from_options;
+    const char* env = std::getenv("GRADSYNC_TIMELINE");
+    return env != nullptr ? env : "";
+}
+
 }  // namespace gradsync::inline v0::detail
 // ---- end gradsync/data_parallel/timeline.hpp ----
 
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
-#include <cstdlib>  // for std::getenv
 #include <exception>
 #include <mutex>
 #include <optional>
@@ -5360,32 +5394,22 @@ private:
         detail::sync_buffers(backend_, buffers(), buffers_type::mode, true, history_, current_step());
         setup_buckets();
         if (options_.rebuild_buckets) readiness_.record_arrivals();
-        std::string timeline = options_.timeline;
-        if (const char* env = std::getenv("GRADSYNC_TIMELINE"); timeline.empty() && env != nullptr) timeline = env;
-        timeline_ = detail::Timeline(timeline, rank());
+        timeline_ = detail::Timeline(detail::timeline_path(options_.timeline), rank());
         if (backend_.size() > 1)
             reporter_.start(backend_, [this] {
                 std::lock_guard lock(plan_mutex_);
                 return detail::describe_rank(readiness_, current_step(), plan_, parameters());
             });
         detail::log(detail::LogLevel::info, rank(), [&] {
-            return "DataParallel: " + std::to_string(layout_.params.size()) + " parameters, " +
-                   std::to_string(layout_.buffers.size()) + " buffers, world size " + std::to_string(world_size()) +
-                   ", " + (reduces_in_place ? "reduced in place" : "packed") + ", wire " +
-                   to_string(compression_type::wire) + ", " + std::to_string(view_buckets()) +
-                   " view buckets; bucket plan: " + to_string(plan_);
+            return detail::describe_setup(layout_, world_size(), reduces_in_place, compression_type::wire,
+                                          view_buckets(), plan_);
         });
     }
 
     // (Re)builds the engine's and readiness's per-bucket state from plan_.
     void setup_buckets() {
         engine_.setup(plan_, parameters());
-        std::vector<std::size_t> bucket_of(layout_.params.size()), sizes;
-        for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
-            for (auto p : plan_.buckets[b].parameters) bucket_of[p] = b;
-            sizes.push_back(plan_.buckets[b].parameters.size());
-        }
-        readiness_.plan(bucket_of, sizes);
+        readiness_.plan(plan_, layout_.params.size());
     }
 
     // After the first overlapped step: buckets in the order rank 0 saw gradients become ready.

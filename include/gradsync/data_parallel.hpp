@@ -31,7 +31,6 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
-#include <cstdlib>  // for std::getenv
 #include <exception>
 #include <mutex>
 #include <optional>
@@ -355,32 +354,22 @@ private:
         detail::sync_buffers(backend_, buffers(), buffers_type::mode, true, history_, current_step());
         setup_buckets();
         if (options_.rebuild_buckets) readiness_.record_arrivals();
-        std::string timeline = options_.timeline;
-        if (const char* env = std::getenv("GRADSYNC_TIMELINE"); timeline.empty() && env != nullptr) timeline = env;
-        timeline_ = detail::Timeline(timeline, rank());
+        timeline_ = detail::Timeline(detail::timeline_path(options_.timeline), rank());
         if (backend_.size() > 1)
             reporter_.start(backend_, [this] {
                 std::lock_guard lock(plan_mutex_);
                 return detail::describe_rank(readiness_, current_step(), plan_, parameters());
             });
         detail::log(detail::LogLevel::info, rank(), [&] {
-            return "DataParallel: " + std::to_string(layout_.params.size()) + " parameters, " +
-                   std::to_string(layout_.buffers.size()) + " buffers, world size " + std::to_string(world_size()) +
-                   ", " + (reduces_in_place ? "reduced in place" : "packed") + ", wire " +
-                   to_string(compression_type::wire) + ", " + std::to_string(view_buckets()) +
-                   " view buckets; bucket plan: " + to_string(plan_);
+            return detail::describe_setup(layout_, world_size(), reduces_in_place, compression_type::wire,
+                                          view_buckets(), plan_);
         });
     }
 
     // (Re)builds the engine's and readiness's per-bucket state from plan_.
     void setup_buckets() {
         engine_.setup(plan_, parameters());
-        std::vector<std::size_t> bucket_of(layout_.params.size()), sizes;
-        for (std::size_t b = 0; b < plan_.buckets.size(); ++b) {
-            for (auto p : plan_.buckets[b].parameters) bucket_of[p] = b;
-            sizes.push_back(plan_.buckets[b].parameters.size());
-        }
-        readiness_.plan(bucket_of, sizes);
+        readiness_.plan(plan_, layout_.params.size());
     }
 
     // After the first overlapped step: buckets in the order rank 0 saw gradients become ready.

@@ -7,12 +7,14 @@
 #include <gradsync/gradsync.hpp>
 
 #include "mlp.hpp"
+#include "support/faulty_backend.hpp"
 #include "support/resume_run.hpp"
 
 #include <unistd.h>  // for getpid
 
 #include <filesystem>
 
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -195,6 +197,26 @@ TEST_CASE("MpiBackend: a dtype it cannot reduce is an exception, not a wrong ans
     CHECK_FALSE(backend.supports(gradsync::DType::int32));
     CHECK_THROWS_WITH_AS(backend.allreduce(std::span(v), gradsync::ReduceOp::sum),
                          doctest::Contains("cannot reduce int32"), gradsync::CollectiveError);
+}
+
+TEST_CASE("FaultyBackend over MpiBackend: a NaN planted on the last rank reaches every rank; a delay is no failure") {
+    gradsync::MpiBackend mpi;
+    testing_support::FaultyBackend<gradsync::MpiBackend> backend(mpi);
+    const int last = mpi.size() - 1;
+    if (mpi.rank() == last) {
+        backend.inject({.kind = testing_support::Fault::Kind::plant_nan, .at_call = 1});
+        backend.inject(
+            {.kind = testing_support::Fault::Kind::delay, .at_call = 2, .delay = std::chrono::milliseconds(50)});
+    }
+    std::vector<float> v(1000, 1.0f);
+    backend.allreduce_async(gradsync::Buffer{v.data(), v.size(), gradsync::DType::float32}, gradsync::ReduceOp::sum)
+        .wait();
+    CHECK(std::isnan(v[0]));
+    CHECK(v[1] == float(mpi.size()));
+    std::vector<double> d(3, 2.0);
+    backend.allreduce(gradsync::Buffer{d.data(), d.size(), gradsync::DType::float64}, gradsync::ReduceOp::average);
+    CHECK(d == std::vector<double>(3, 2.0));
+    CHECK(backend.calls_made() == 2);
 }
 
 // The equivalence test across processes: N ranks with micro-batch b == one process with N*b.

@@ -59,6 +59,14 @@ concept TaggedCollectives = Backend<B> &&
     b.broadcast(bytes, 0, tag);
 };
 
+// ...and the scattered allreduce too.
+template <class B>
+concept TaggedScatteredAllreduce = ScatteredAllreduce<B> &&
+    requires(B& b, std::span<const Segment> segs, DType t, ReduceOp op, CollectiveTag tag) {
+    b.allreduce(segs, t, op, tag);
+    { b.allreduce_async(segs, t, op, tag) } -> Waitable;
+};
+
 // ...and checked against the other ranks' tags at every call (`static constexpr bool
 // checks_tags = true`), so that DataParallel needs no per-step history check of its own.
 template <class B>
@@ -180,14 +188,14 @@ auto allreduce_async_tagged(B& b, Buffer buf, ReduceOp op, CollectiveTag tag) {
 }
 template <ScatteredAllreduce B>
 void allreduce_tagged(B& b, std::span<const Segment> segs, DType t, ReduceOp op, CollectiveTag tag) {
-    if constexpr (requires { b.allreduce(segs, t, op, tag); })
+    if constexpr (TaggedScatteredAllreduce<B>)
         b.allreduce(segs, t, op, tag);
     else
         b.allreduce(segs, t, op);
 }
 template <ScatteredAllreduce B>
 auto allreduce_async_tagged(B& b, std::span<const Segment> segs, DType t, ReduceOp op, CollectiveTag tag) {
-    if constexpr (requires { b.allreduce_async(segs, t, op, tag); })
+    if constexpr (TaggedScatteredAllreduce<B>)
         return b.allreduce_async(segs, t, op, tag);
     else
         return b.allreduce_async(segs, t, op);

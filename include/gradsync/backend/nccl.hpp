@@ -16,6 +16,7 @@
 #include <gradsync/backend/concepts.hpp>
 #include <gradsync/backend/detail/watchdog.hpp>
 #include <gradsync/backend/nccl/algorithm.hpp>
+#include <gradsync/backend/nccl/communicator.hpp>
 #include <gradsync/backend/nccl/handle.hpp>
 #include <gradsync/backend/nccl/place.hpp>
 #include <gradsync/bytes.hpp>
@@ -106,9 +107,9 @@ public:
             // Allocated once: growing it later would have to wait for the stream.
             GRADSYNC_CUDA_CHECK(cudaMalloc(&s.scratch, staging_bytes));
             GRADSYNC_CUDA_CHECK(cudaMallocHost(&s.pinned, staging_bytes));
-            s.watchdog = std::make_shared<detail::Watchdog>(s.who, watched_device(&s));
+            s.watchdog = std::make_shared<detail::Watchdog>(s.who, detail::watched_device(&s));
             // Abortable from here on, through abort() or the stop token, even while joining.
-            if (options.stop.stop_possible()) s.on_stop.emplace(options.stop, StopRequest{&s});
+            if (options.stop.stop_possible()) s.on_stop.emplace(options.stop, detail::NcclStopRequest{&s});
             join(id);
             s.watchdog->start(options.watchdog_period);
         } catch (...) {
@@ -211,96 +212,7 @@ public:
     void abort(const std::string& reason) { state_->watchdog->fail(reason); }
 
 private:
-    struct State;
-
-    // The stop token's callback: fails the communicator (aborted at once, or by the call that
-    // is polling it, as it ends).
-    struct StopRequest {
-        State* s;
-        void operator()() const noexcept {
-            try {
-                s->watchdog->fail(s->who + ": stopped through NcclOptions::stop (in nccl_spawn: another rank failed)");
-            } catch (...) {
-            }
-        }
-    };
-
-    struct State {
-        int rank = 0, size = 1, device = 0;
-        std::chrono::milliseconds timeout{};
-        std::string who;
-        std::atomic<std::uint64_t> calls{0};  // collectives called, to number them
-        ncclComm_t comm = nullptr;
-        std::atomic<bool> comm_alive{false};
-        cudaStream_t stream = nullptr;
-        bool own_stream = false;
-        cudaStream_t compute = nullptr;
-        cudaEvent_t computed = nullptr;   // recorded on `compute` before each collective
-        std::vector<cudaEvent_t> events;  // free ones, under the watchdog's lock
-        std::vector<cudaEvent_t> all_events;
-        void* scratch = nullptr;  // device staging for host buffers, staging_bytes
-        void* pinned = nullptr;   // host staging the device copies to and from without blocking
-        std::mutex staging;       // one staged collective at a time
-        std::shared_ptr<detail::Watchdog> watchdog;
-        std::optional<std::stop_callback<StopRequest>> on_stop;
-
-        // Never while a call uses the communicator: the watchdog's gate, or the calling thread.
-        void abort_comm() {
-            if (!comm_alive.exchange(false)) return;
-            detail::DeviceScope scope(device);
-            ncclCommAbort(comm);
-        }
-
-        void close() {
-            on_stop.reset();  // waits for a stop request in progress
-            const bool failed = watchdog && watchdog->failed();
-            // Handles that outlive the backend must not reach the communicator or this state.
-            if (watchdog) watchdog->close(who + ": the backend was destroyed");
-            detail::DeviceScope scope(device);
-            if (comm_alive && !failed) {
-                // Flush what is queued, by the deadline, then free; a communicator that cannot
-                // be flushed in time is aborted below.
-                ncclResult_t state = ncclCommFinalize(comm);
-                const auto deadline = std::chrono::steady_clock::now() + timeout;
-                while (state == ncclInProgress && std::chrono::steady_clock::now() < deadline) {
-                    std::this_thread::sleep_for(std::chrono::microseconds(200));
-                    if (ncclCommGetAsyncError(comm, &state) != ncclSuccess) break;
-                }
-                if (state == ncclSuccess && ncclCommDestroy(comm) == ncclSuccess) comm_alive = false;
-            }
-            abort_comm();
-            for (auto e : all_events) cudaEventDestroy(e);
-            if (computed != nullptr) cudaEventDestroy(computed);
-            if (scratch != nullptr) cudaFree(scratch);
-            if (pinned != nullptr) cudaFreeHost(pinned);
-            if (own_stream) cudaStreamDestroy(stream);
-        }
-    };
-
-    // The watchdog's view of this rank's GPU and communicator. Each callback selects the rank's
-    // device: it may run on any thread (the watchdog's own, or a waiter's).
-    static detail::WatchedDevice watched_device(State* s) {
-        return detail::WatchedDevice{
-            .finished =
-                [s](void* event) {
-                    detail::DeviceScope scope(s->device);
-                    const cudaError_t code = cudaEventQuery(static_cast<cudaEvent_t>(event));
-                    if (code == cudaErrorNotReady) return false;
-                    GRADSYNC_CUDA_CHECK(code);
-                    return true;
-                },
-            .error = [s]() -> std::string {
-                if (!s->comm_alive) return {};
-                ncclResult_t async = ncclSuccess;
-                const ncclResult_t got = ncclCommGetAsyncError(s->comm, &async);
-                if (got != ncclSuccess) return detail::nccl_words(got, s->comm);
-                if (async == ncclSuccess || async == ncclInProgress) return {};
-                return detail::nccl_words(async, s->comm);
-            },
-            .abort = [s] { s->abort_comm(); },
-            .release = [s](void* event) { s->events.push_back(static_cast<cudaEvent_t>(event)); },
-            .enter_thread = [s] { GRADSYNC_CUDA_CHECK(cudaSetDevice(s->device)); }};
-    }
+    using State = detail::NcclCommunicator;
 
     // Creates the communicator and waits, by the deadline, until every rank has joined. Inside
     // the watchdog's gate: an abort (abort(), the stop token) ends the wait at its next poll.

@@ -5,6 +5,7 @@
 
 #include <gradsync/backend/concepts.hpp>
 #include <gradsync/bucket/plan.hpp>
+#include <gradsync/data_parallel/model_layout.hpp>
 #include <gradsync/data_parallel/readiness.hpp>
 #include <gradsync/error.hpp>
 #include <gradsync/model/model.hpp>
@@ -101,6 +102,15 @@ inline std::string missing_gradients(std::span<const std::size_t> missing, std::
            (missing.size() == 1 ? "" : "s") + ": " + names +
            ". Call grad_ready for every parameter backward produced a gradient for, or pass "
            "gradsync::Options{.find_unused_parameters = true} to count the others as zero";
+}
+
+// What a DataParallel set up, for the log: "DataParallel: 4 parameters, 0 buffers, world size 4, ..."
+inline std::string describe_setup(const ModelLayout& layout, int world, bool in_place, DType wire,
+                                  std::size_t view_buckets, const BucketPlan& plan) {
+    return "DataParallel: " + std::to_string(layout.params.size()) + " parameters, " +
+           std::to_string(layout.buffers.size()) + " buffers, world size " + std::to_string(world) + ", " +
+           (in_place ? "reduced in place" : "packed") + ", wire " + to_string(wire) + ", " +
+           std::to_string(view_buckets) + " view buckets; bucket plan: " + to_string(plan);
 }
 
 // A reporter left with a backend that quotes it when a collective is late (StatusReporting),

@@ -37,8 +37,8 @@ namespace detail {
 
 // The finalize pass's findings in one step.
 struct StepStats {
-    double sum_squares = 0;              // of the unscaled averaged gradients
-    std::vector<std::size_t> nonfinite;  // parameters with an infinity or NaN
+    double sum_squares = 0;                // of the unscaled averaged gradients
+    std::vector<std::size_t> nonfinite{};  // parameters with an infinity or NaN
     bool clipped = false;
 
     [[nodiscard]] double norm() const { return std::sqrt(sum_squares); }

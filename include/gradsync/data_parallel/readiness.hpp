@@ -5,6 +5,7 @@
 // come from several threads (backward hooks); a peer's diagnosis reads the state from another.
 #pragma once
 
+#include <gradsync/bucket/plan.hpp>
 #include <gradsync/error.hpp>
 
 #include <algorithm>  // for std::fill, std::min
@@ -39,16 +40,19 @@ public:
         twice,        // already ready this step: a misuse
     };
 
-    // Per parameter `bucket_of[p]`; per bucket the number of its parameters. Between steps.
-    void plan(std::span<const std::size_t> bucket_of, std::span<const std::size_t> bucket_sizes) {
-        const std::size_t params = bucket_of.size();
+    // The buckets of `plan` over `params` parameters. Between steps.
+    void plan(const BucketPlan& plan, std::size_t params) {
         if (!ready_ || params != params_) {
             params_ = params;
             ready_ = std::make_unique<std::atomic<std::uint8_t>[]>(params);
             used_ = std::make_unique<std::atomic<std::uint8_t>[]>(params);
         }
-        bucket_of_.assign(bucket_of.begin(), bucket_of.end());
-        sizes_.assign(bucket_sizes.begin(), bucket_sizes.end());
+        bucket_of_.assign(params, 0);
+        sizes_.clear();
+        for (std::size_t b = 0; b < plan.buckets.size(); ++b) {
+            for (auto p : plan.buckets[b].parameters) bucket_of_[p] = b;
+            sizes_.push_back(plan.buckets[b].parameters.size());
+        }
         pending_ = std::make_unique<std::atomic<std::int32_t>[]>(sizes_.size());
         std::lock_guard lock(mutex_);
         complete_.assign(sizes_.size(), 0);

@@ -8,6 +8,7 @@
 #include <gradsync/data_parallel/bucket_engine.hpp>  // for first_gap
 #include <gradsync/data_parallel/options.hpp>
 #include <gradsync/error.hpp>
+#include <gradsync/memory/policy.hpp>
 #include <gradsync/model/model.hpp>
 
 #include <algorithm>  // for std::sort
@@ -46,7 +47,7 @@ inline std::string device_gradients_problem(const BucketPlan& plan, std::span<co
 // that stream has not written yet.
 template <class B, class M>
 std::string stream_problem(const B& backend, const M& memory) {
-    if constexpr (requires { backend.compute_stream() == memory.stream(); }) {
+    if constexpr (StreamOrdered<B> && StreamMemory<M>) {
         const auto collectives = backend.compute_stream();
         const auto passes = memory.stream();
         if (!(collectives == passes)) {

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>  // for std::getenv
 #include <map>
 #include <memory>
 #include <mutex>
@@ -133,6 +134,13 @@ void record_step(Timeline& timeline, std::int64_t step, const Slots& slots, bool
         timeline.span("allreduce", step, static_cast<int>(b), slot.launched_at, slot.finished_at);
     }
     timeline.span("step", step, -1, began, std::chrono::steady_clock::now());
+}
+
+// Where the timeline goes: Options::timeline, or $GRADSYNC_TIMELINE when that is empty.
+inline std::string timeline_path(const std::string& from_options) {
+    if (!from_options.empty()) return from_options;
+    const char* env = std::getenv("GRADSYNC_TIMELINE");
+    return env != nullptr ? env : "";
 }
 
 }  // namespace gradsync::inline v0::detail

@@ -45,6 +45,13 @@ concept MemoryPolicy = requires(M& m, const M& cm, std::span<const Segment> segs
     cm.zero(Segment{}, t);
 };
 
+// A memory policy whose passes run on a stream (CudaMemory): the backend's collectives must be
+// ordered on the same one.
+template <class M>
+concept StreamMemory = MemoryPolicy<M> && requires(const M& m) {
+    m.stream();
+};
+
 namespace detail {
 
 template <class M>

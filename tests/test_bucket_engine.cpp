@@ -1,0 +1,155 @@
+// BucketEngine, the part of DataParallel that moves buckets: the route each bucket takes, a
+// bucket reduced now or launched and waited for, the diagnosis of a late one, and the finalize
+// pass through the memory policy.
+#include <gradsync/backend/local.hpp>
+#include <gradsync/data_parallel/bucket_engine.hpp>
+#include <gradsync/launch/spawn.hpp>
+#include <gradsync/memory/host.hpp>
+
+#include <doctest/doctest.h>
+
+#include "support/recording_backend.hpp"
+#include "support/toy_model.hpp"
+
+#include <chrono>
+#include <cmath>
+#include <string>
+#include <vector>
+
+using gradsync::DType;
+using gradsync::detail::BucketEngine;
+using gradsync::detail::Route;
+using testing_support::RecordingBackend;
+
+namespace {
+
+// t0 and t1 adjacent in one buffer; t2 and t3 each in a vector of its own.
+struct Mixed {
+    std::vector<float> w01 = std::vector<float>(30), g01 = std::vector<float>(30);
+    std::vector<float> w2 = std::vector<float>(5), g2 = std::vector<float>(5);
+    std::vector<float> w3 = std::vector<float>(7), g3 = std::vector<float>(7);
+    std::vector<gradsync::Parameter> parameters() {
+        return {{"t0", w01.data(), g01.data(), 10, DType::float32},
+                {"t1", w01.data() + 10, g01.data() + 10, 20, DType::float32},
+                gradsync::parameter("t2", w2, g2),
+                gradsync::parameter("t3", w3, g3)};
+    }
+    void fill(int rank) {
+        for (std::size_t i = 0; i < g01.size(); ++i) g01[i] = float(rank + 1) * float(i);
+        for (std::size_t i = 0; i < g2.size(); ++i) g2[i] = float(rank + 1) * 2.0f;
+        for (std::size_t i = 0; i < g3.size(); ++i) g3[i] = float(rank + 1) * 3.0f;
+    }
+};
+
+gradsync::BucketPlan two_buckets() {
+    gradsync::BucketPlan plan;
+    plan.buckets = {{DType::float32, {1, 0}, 30}, {DType::float32, {3, 2}, 12}};
+    return plan;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "bucket engine: a bucket is a view when contiguous, packed otherwise, compressed under a wire, in place "
+    "with a backend that reduces scattered memory") {
+    gradsync::spawn(2, [](gradsync::LocalBackend& local) {
+        Mixed m;
+        const auto params = m.parameters();
+        RecordingBackend contiguous_only(local);
+        BucketEngine<RecordingBackend, gradsync::HostMemory, DType::float32, false> packed(contiguous_only, {});
+        packed.setup(two_buckets(), params);
+        CHECK(packed.slots()[0].route == Route::view);
+        CHECK(packed.slots()[1].route == Route::packed);
+        CHECK(packed.view_buckets() == 1);
+        CHECK(packed.slots()[1].buffer.size() == 12 * sizeof(float));
+        CHECK(packed.slots()[1].indices == std::vector<std::size_t>{2, 3});  // laid out by parameter index
+
+        BucketEngine<RecordingBackend, gradsync::HostMemory, DType::bfloat16, false> narrow(contiguous_only, {});
+        narrow.setup(two_buckets(), params);
+        CHECK(narrow.slots()[0].route == Route::compressed);
+        CHECK(narrow.slots()[0].wire == DType::bfloat16);
+        CHECK(narrow.slots()[0].buffer.size() == 30 * 2);
+        CHECK(narrow.view_buckets() == 0);
+
+        BucketEngine<gradsync::LocalBackend, gradsync::HostMemory, DType::float32, true> in_place(local, {});
+        in_place.setup(two_buckets(), params);
+        CHECK(in_place.slots()[0].route == Route::in_place);
+        CHECK(in_place.slots()[1].route == Route::in_place);
+        CHECK(in_place.slots()[1].buffer.size() == 0);  // no bucket buffer at all
+    });
+}
+
+TEST_CASE("bucket engine: reduced now or launched and waited for, every route ends with the average") {
+    std::vector<int> wrong(2);
+    gradsync::spawn(2, [&](gradsync::LocalBackend& local) {
+        RecordingBackend backend(local);
+        Mixed m;
+        BucketEngine<RecordingBackend, gradsync::HostMemory, DType::float32, false> engine(backend, {});
+        engine.setup(two_buckets(), m.parameters());
+        for (bool overlapped : {false, true}) {
+            m.fill(local.rank());
+            engine.begin_step(false, 1.0);
+            for (std::size_t b = 0; b < 2; ++b) {
+                if (overlapped)
+                    engine.launch(b, {});
+                else
+                    engine.reduce_now(b, {});
+            }
+            engine.wait_all(std::chrono::steady_clock::now() + std::chrono::seconds(30),
+                            [](std::size_t) { return std::string("late"); });
+            CHECK_FALSE(engine.in_flight());
+            int bad = 0;
+            for (std::size_t i = 0; i < m.g01.size(); ++i) bad += m.g01[i] != 1.5f * float(i);
+            for (float v : m.g2) bad += v != 3.0f;
+            for (float v : m.g3) bad += v != 4.5f;
+            wrong[static_cast<std::size_t>(local.rank())] += bad;
+        }
+    });
+    CHECK(wrong == std::vector<int>{0, 0});
+}
+
+TEST_CASE("bucket engine: a bucket not reduced by the deadline is named by the diagnosis") {
+    std::string what;
+    gradsync::spawn(2, [&](gradsync::LocalBackend& local) {
+        if (local.rank() == 1) return;  // never launches: leaves the group
+        Mixed m;
+        BucketEngine<gradsync::LocalBackend, gradsync::HostMemory, DType::float32, true> engine(local, {});
+        engine.setup(two_buckets(), m.parameters());
+        engine.begin_step(false, 1.0);
+        engine.launch(0, {});
+        try {
+            engine.wait_all(std::chrono::steady_clock::now() + std::chrono::milliseconds(100),
+                            [](std::size_t b) { return "bucket " + std::to_string(b) + " is late"; });
+        } catch (const gradsync::TimeoutError& e) {
+            what = e.what();
+        } catch (const gradsync::CollectiveError& e) {
+            what = e.what();  // rank 1 left first: the backend says so
+        }
+        local.abort("done");
+        engine.drain(std::chrono::steady_clock::now() + std::chrono::seconds(5));
+        CHECK_FALSE(engine.in_flight());
+    });
+    CHECK((what == "bucket 0 is late" || what.find("rank 1 left the group") != std::string::npos));
+}
+
+TEST_CASE("bucket engine: the finalize pass unscales and measures each bucket; without it, nothing changes") {
+    gradsync::spawn(1, [](gradsync::LocalBackend& local) {
+        Mixed m;
+        m.fill(0);
+        BucketEngine<gradsync::LocalBackend, gradsync::HostMemory, DType::float32, true> engine(local, {});
+        engine.setup(two_buckets(), m.parameters());
+        engine.begin_step(false, 0.5);
+        engine.finalize_in_place(1);
+        CHECK(m.g2[0] == 2.0f);  // not finalizing: untouched
+        CHECK_FALSE(engine.slots()[1].measured);
+        engine.begin_step(true, 0.5);
+        engine.finalize_in_place(1);
+        CHECK(m.g2[0] == 1.0f);
+        CHECK(m.g3[0] == 1.5f);
+        CHECK(engine.slots()[1].measured);
+        CHECK(engine.memory().results()[1] == 5 * 1.0 + 7 * 2.25);
+        engine.scale_all(2.0);
+        CHECK(m.g3[0] == 3.0f);
+        CHECK(m.g01[4] == 8.0f);
+    });
+}
