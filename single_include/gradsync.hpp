@@ -270,6 +270,13 @@ public:
     using Error::Error;
 };
 
+// The DataParallel's configuration is invalid (a zero timeout, a loss scaler that cannot work), or
+// differs across ranks in a setting that changes the sums. Thrown on every rank alike.
+class ConfigurationError : public Error {
+public:
+    using Error::Error;
+};
+
 // Ranks disagree on the model's parameter layout. Thrown on every rank with the same message.
 class LayoutMismatch : public Error {
 public:
@@ -915,22 +922,26 @@ enum class BufferSync : unsigned char { broadcast_every_step, broadcast_once, av
 // (PyTorch DDP's broadcast_buffers=True). The default.
 struct BroadcastBuffers {
     using policy_category = policy_category::buffers;
+    [[nodiscard]] std::string settings() const { return "broadcast every step"; }
     static constexpr BufferSync mode = BufferSync::broadcast_every_step;
 };
 // Copied from rank 0 at construction only.
 struct BroadcastBuffersOnce {
     using policy_category = policy_category::buffers;
+    [[nodiscard]] std::string settings() const { return "broadcast once"; }
     static constexpr BufferSync mode = BufferSync::broadcast_once;
 };
 // Copied from rank 0 at construction; averaged over the ranks at the end of every synchronize()
 // (buffers of a dtype the backend cannot reduce are copied from rank 0 instead).
 struct AverageBuffers {
     using policy_category = policy_category::buffers;
+    [[nodiscard]] std::string settings() const { return "averaged every step"; }
     static constexpr BufferSync mode = BufferSync::average_every_step;
 };
 // Left alone: each rank keeps its own.
 struct IgnoreBuffers {
     using policy_category = policy_category::buffers;
+    [[nodiscard]] std::string settings() const { return "ignored"; }
     static constexpr BufferSync mode = BufferSync::ignore;
 };
 
@@ -1208,11 +1219,17 @@ struct SizeCappedBuckets {
     Bytes cap = Bytes{25ull << 20};
     Bytes first_cap = Bytes{1ull << 20};
 
+    [[nodiscard]] std::string settings() const {
+        return "size-capped, cap " + to_string(cap) + ", first cap " + to_string(first_cap);
+    }
+    [[nodiscard]] std::string invalid() const {
+        if (cap.count() != 0 && first_cap.count() != 0) return {};
+        return "SizeCappedBuckets needs a cap and a first_cap above 0 bytes, got cap " + to_string(cap) +
+               " and first_cap " + to_string(first_cap);
+    }
+
     [[nodiscard]] BucketPlan plan(std::span<const Parameter> params, std::span<const std::size_t> order = {}) const {
-        if (cap.count() == 0 || first_cap.count() == 0) {
-            throw Error("gradsync: SizeCappedBuckets needs a cap and a first_cap above 0 bytes, got cap " +
-                        to_string(cap) + " and first_cap " + to_string(first_cap));
-        }
+        if (auto why = invalid(); !why.empty()) throw Error("gradsync: " + why);
         BucketPlan plan;
         detail::BucketFiller filler(params, plan);
         struct Limit {
@@ -1249,6 +1266,7 @@ struct SizeCappedBuckets {
 // One bucket per dtype holding every parameter: the fewest collectives, no overlap with backward.
 struct SingleBucket {
     using policy_category = policy_category::bucketer;
+    [[nodiscard]] std::string settings() const { return "single bucket"; }
 
     [[nodiscard]] BucketPlan plan(std::span<const Parameter> params, std::span<const std::size_t> order = {}) const {
         BucketPlan plan;
@@ -1264,6 +1282,7 @@ struct SingleBucket {
 // One bucket per parameter, in readiness order: no fusion at all.
 struct PerParameterBuckets {
     using policy_category = policy_category::bucketer;
+    [[nodiscard]] std::string settings() const { return "one bucket per parameter"; }
 
     [[nodiscard]] BucketPlan plan(std::span<const Parameter> params, std::span<const std::size_t> order = {}) const {
         BucketPlan plan;
@@ -2960,6 +2979,7 @@ constexpr bool check_memory_policy() {
 #include <cstring>  // for std::memcpy, std::memset
 #include <limits>   // for std::numeric_limits
 #include <span>
+#include <string>
 #include <vector>
 
 namespace gradsync::inline v0 {
@@ -2975,6 +2995,7 @@ struct HostMemory {
     using policy_category = policy_category::memory;
     using Storage = detail::AlignedBytes;
     static constexpr bool on_device = false;
+    [[nodiscard]] std::string settings() const { return "host"; }
 
     // A bucket's gradients, in bucket order, as the passes take them.
     struct Table {
@@ -3108,6 +3129,7 @@ private:
 
 
 #include <cstdint>
+#include <string>
 
 namespace gradsync::inline v0 {
 
@@ -3121,16 +3143,19 @@ enum class PackingMode : std::uint8_t {
 // can (ScatteredAllreduce), and packs them into bucket buffers when it cannot.
 struct AutoPacking {
     using policy_category = policy_category::packing;
+    [[nodiscard]] std::string settings() const { return "automatic"; }
     static constexpr PackingMode mode = PackingMode::automatic;
 };
 // Always copy gradients into bucket buffers of the memory policy, allreduce those, copy back.
 struct PackedBuckets {
     using policy_category = policy_category::packing;
+    [[nodiscard]] std::string settings() const { return "packed"; }
     static constexpr PackingMode mode = PackingMode::packed;
 };
 // Never copy: reduce the gradient buffers themselves. Needs a ScatteredAllreduce backend.
 struct InPlaceBuckets {
     using policy_category = policy_category::packing;
+    [[nodiscard]] std::string settings() const { return "in place"; }
     static constexpr PackingMode mode = PackingMode::in_place;
 };
 
@@ -3144,12 +3169,14 @@ struct InPlaceBuckets {
 
 
 #include <concepts>  // for std::convertible_to
+#include <string>
 
 namespace gradsync::inline v0 {
 
 // Gradients travel in their own dtype. The default.
 struct NoCompression {
     using policy_category = policy_category::compression;
+    [[nodiscard]] std::string settings() const { return to_string(wire) + " on the wire"; }
     static constexpr DType wire = DType::float32;
     static constexpr bool compresses = false;
 };
@@ -3159,6 +3186,7 @@ struct NoCompression {
 // in float32, so compression never overflows where float32 would not.
 struct Fp16Compression {
     using policy_category = policy_category::compression;
+    [[nodiscard]] std::string settings() const { return to_string(wire) + " on the wire"; }
     static constexpr DType wire = DType::float16;
     static constexpr bool compresses = true;
 };
@@ -3166,6 +3194,7 @@ struct Fp16Compression {
 // float32 buckets travel as bfloat16: float32's range, 8 bits of precision.
 struct Bf16Compression {
     using policy_category = policy_category::compression;
+    [[nodiscard]] std::string settings() const { return to_string(wire) + " on the wire"; }
     static constexpr DType wire = DType::bfloat16;
     static constexpr bool compresses = true;
 };
@@ -3208,6 +3237,7 @@ constexpr bool check_compression() {
 
 
 #include <algorithm>  // for std::min, std::max
+#include <cmath>      // for std::isfinite
 #include <concepts>   // for std::convertible_to
 #include <cstdint>
 #include <string>
@@ -3217,6 +3247,7 @@ namespace gradsync::inline v0 {
 // No scaling: the loss is used as it is (float32 training, or bfloat16 with its float range).
 struct NoLossScaling {
     using policy_category = policy_category::loss_scaler;
+    [[nodiscard]] std::string settings() const { return "none"; }
     [[nodiscard]] float scale() const { return 1.0f; }
     void update(bool /*overflow*/) {}
 };
@@ -3225,6 +3256,11 @@ struct NoLossScaling {
 // use_dynamic_loss_scaling=False). Steps that overflow are still skipped.
 struct StaticLossScale {
     using policy_category = policy_category::loss_scaler;
+    [[nodiscard]] std::string settings() const { return "static " + std::to_string(value); }
+    [[nodiscard]] std::string invalid() const {
+        if (value > 0 && std::isfinite(value)) return {};
+        return "StaticLossScale needs a finite value above 0, got " + std::to_string(value);
+    }
     float value = 1024.0f;
     [[nodiscard]] float scale() const { return value; }
     void update(bool /*overflow*/) {}
@@ -3281,14 +3317,25 @@ struct DynamicLossScale {
 
     [[nodiscard]] bool at_minimum() const { return scale() <= min_scale; }
 
+    [[nodiscard]] std::string settings() const {
+        return "dynamic, init " + std::to_string(init_scale) + ", x" + std::to_string(growth_factor) + " every " +
+               std::to_string(growth_interval) + ", x" + std::to_string(backoff_factor) + " after " +
+               std::to_string(backoff_after) + ", within [" + std::to_string(min_scale) + ", " +
+               std::to_string(max_scale) + "]";
+    }
+    [[nodiscard]] std::string invalid() const {
+        if (min_scale > 0 && max_scale >= min_scale && growth_factor >= 1 && backoff_factor > 0 &&
+            backoff_factor <= 1 && growth_interval != 0 && backoff_after != 0 && init_scale > 0 &&
+            std::isfinite(init_scale) && std::isfinite(max_scale))
+            return {};
+        return "DynamicLossScale needs 0 < min_scale <= max_scale, a finite init_scale above 0, growth_factor >= 1, "
+               "0 < backoff_factor <= 1, growth_interval >= 1 and backoff_after >= 1";
+    }
+
 private:
     [[nodiscard]] float clamp(float s) const { return std::min(max_scale, std::max(min_scale, s)); }
     void check() const {
-        if (!(min_scale > 0) || !(max_scale >= min_scale) || !(growth_factor >= 1) || !(backoff_factor > 0) ||
-            !(backoff_factor <= 1) || growth_interval == 0 || backoff_after == 0)
-            throw Error(
-                "gradsync: DynamicLossScale needs 0 < min_scale <= max_scale, growth_factor >= 1, "
-                "0 < backoff_factor <= 1, growth_interval >= 1 and backoff_after >= 1");
+        if (auto why = invalid(); !why.empty()) throw Error("gradsync: " + why);
     }
 };
 
@@ -3374,6 +3421,16 @@ struct ScaledLr {
     [[nodiscard]] std::uint64_t global_batch(int world_size) const {
         return micro_batch * accumulation_steps * static_cast<std::uint64_t>(world_size);
     }
+    [[nodiscard]] std::string settings() const {
+        const char* kind = Scaling == LrScaling::none ? "unscaled" : Scaling == LrScaling::linear ? "linear" : "sqrt";
+        return std::string(kind) + ", base " + std::to_string(base_lr) + ", micro batch " +
+               std::to_string(micro_batch) + ", reference batch " + std::to_string(reference_batch) +
+               ", accumulation " + std::to_string(accumulation_steps) + ", warm-up " + std::to_string(warmup_steps);
+    }
+    [[nodiscard]] std::string invalid() const {
+        if (std::isfinite(base_lr) && base_lr >= 0 && micro_batch != 0 && accumulation_steps != 0) return {};
+        return "an LR rule needs a finite base_lr of at least 0, a micro_batch and accumulation_steps above 0";
+    }
     [[nodiscard]] double rate(int world_size, std::uint64_t step) const {
         return learning_rate(base_lr, Scaling, reference_batch != 0 ? reference_batch : micro_batch,
                              global_batch(world_size), step, warmup_steps);
@@ -3387,6 +3444,7 @@ using SqrtLr = ScaledLr<LrScaling::square_root>;
 // No LR policy: step() calls the optimizer without a learning rate. The default.
 struct NoLrRule {
     using policy_category = policy_category::lr_rule;
+    [[nodiscard]] std::string settings() const { return "none"; }
 };
 
 // An LR rule gives the learning rate step() passes to the optimizer, from the world size and the
@@ -4486,6 +4544,128 @@ StepReport decide_step(const StepStats& stats, Scaler& scaler, const Lr& lr, int
 // details, so that every rank throws the same message naming the first differing parameter.
 
 
+// ---- begin gradsync/data_parallel/settings.hpp ----
+// What every rank must agree on besides the layout: each setting that changes what is summed or
+// how it is applied (the policies and the Options that change the arithmetic), as text, so that
+// ranks that differ are told which setting differs, and how. And what is wrong with a setting on
+// its own, found at construction rather than after the first step.
+
+
+// ---- begin gradsync/data_parallel/options.hpp ----
+// Options: the run-time settings of a DataParallel, passed like a policy (in any position after
+// the backend), e.g. DataParallel dp(model, backend, gradsync::Options{.find_unused_parameters = true}).
+
+
+#include <chrono>
+#include <cmath>  // for std::isfinite
+#include <optional>
+#include <string>
+
+namespace gradsync::inline v0 {
+
+struct Options {
+    using policy_category = policy_category::options;
+
+    // Every wait of this DataParallel ends by then, with a diagnosis naming the late rank.
+    std::chrono::milliseconds timeout = std::chrono::seconds(600);
+    // Parameters without grad_ready by synchronize() count as a zero gradient on this rank. Off,
+    // a missing grad_ready is an error naming the parameter, on every rank.
+    bool find_unused_parameters = false;
+    // After the first step with grad_ready calls, rebuild the buckets in the order gradients
+    // became ready on rank 0 (as PyTorch DDP does).
+    bool rebuild_buckets = false;
+    // A Chrome trace (chrome://tracing, ui.perfetto.dev) of every bucket's ready, launched and
+    // done moments, written when the DataParallel is destroyed. Empty: $GRADSYNC_TIMELINE, if set.
+    // "{rank}" in the path is replaced by the rank; ranks of one process may share one file.
+    std::string timeline{};
+    // Above 0: after synchronize(), gradients whose global L2 norm exceeds it are scaled down to
+    // it (PyTorch's clip_grad_norm_ with max_norm = clip_norm).
+    double clip_norm = 0;
+    // Once per synchronize(), with a backend that cannot compare the ranks' collectives as they
+    // are issued (MpiBackend, NcclBackend), one small allreduce compares their histories, so that
+    // ranks that launched different buckets fail instead of mixing gradients. Unset: on where the
+    // host waits for the collectives anyway (MpiBackend), off on a device backend (NcclBackend),
+    // where it would make the host wait for the whole communication stream once per step. true
+    // turns it on there too (a debugging run), false off everywhere.
+    std::optional<bool> check_histories{};
+
+    // What is wrong with these settings, or "".
+    [[nodiscard]] std::string invalid() const {
+        if (timeout.count() <= 0)
+            return "Options::timeout is " + std::to_string(timeout.count()) + " ms; it must be above 0";
+        if (!(clip_norm >= 0) || !std::isfinite(clip_norm))
+            return "Options::clip_norm is " + std::to_string(clip_norm) +
+                   "; it must be finite and at least 0 (0: no "
+                   "clipping)";
+        return {};
+    }
+};
+
+}  // namespace gradsync::inline v0
+// ---- end gradsync/data_parallel/options.hpp ----
+
+#include <concepts>  // for std::convertible_to
+#include <string>
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+struct Setting {
+    std::string name;
+    std::string value;
+};
+
+// A policy's settings() (every built-in policy has one); a policy of the user's own without one
+// is agreed by its kind only.
+template <class P>
+std::string settings_of(const P& p) {
+    if constexpr (requires {
+                      { p.settings() } -> std::convertible_to<std::string>;
+                  })
+        return p.settings();
+    else
+        return "a policy without settings()";
+}
+
+// What is wrong with a policy on its own (its invalid(), where it has one), or "".
+template <class P>
+std::string invalid_of(const P& p) {
+    if constexpr (requires {
+                      { p.invalid() } -> std::convertible_to<std::string>;
+                  })
+        return p.invalid();
+    else
+        return {};
+}
+
+// The settings that change the sums, in a fixed order.
+template <class Bucketer, class Packing, class Memory, class Buffers, class Scaler, class Compression, class Lr>
+std::vector<Setting> agreed_settings(const Bucketer& bucketer, const Memory& memory, const Scaler& scaler, const Lr& lr,
+                                     const Options& options, bool device_backend) {
+    return {{"bucketer", settings_of(bucketer)},
+            {"packing", settings_of(Packing{})},
+            {"memory policy", settings_of(memory)},
+            {"buffer policy", settings_of(Buffers{})},
+            {"loss scaler", settings_of(scaler)},
+            {"compression", settings_of(Compression{})},
+            {"LR rule", settings_of(lr)},
+            {"Options::find_unused_parameters", options.find_unused_parameters ? "true" : "false"},
+            {"Options::rebuild_buckets", options.rebuild_buckets ? "true" : "false"},
+            {"Options::clip_norm", std::to_string(options.clip_norm)},
+            {"Options::check_histories", options.check_histories.value_or(!device_backend) ? "true" : "false"}};
+}
+
+// The first thing wrong with the configuration, or "".
+template <class... Policies>
+std::string invalid_configuration(const Options& options, const Policies&... policies) {
+    std::string why = options.invalid();
+    ((why = why.empty() ? invalid_of(policies) : why), ...);
+    return why;
+}
+
+}  // namespace gradsync::inline v0::detail
+// ---- end gradsync/data_parallel/settings.hpp ----
+
 #include <algorithm>  // for std::sort
 #include <cstddef>
 #include <cstdint>
@@ -4552,12 +4732,55 @@ inline std::vector<LayoutEntry> layout_of(std::span<const Parameter> params, std
     return out;
 }
 
-// What must agree: the kind, element count and dtype of every tensor, in order. Names need not.
+// What must agree: the kind, name, element count and dtype of every tensor, in order. Names too:
+// two tensors of one size registered in another order would be averaged into each other's place.
 inline std::uint64_t layout_hash(const std::vector<LayoutEntry>& layout) {
     Fnv1a h;
     h.add(layout.size());
-    for (const auto& e : layout) h.add(e.is_buffer ? 1 : 0).add(e.count).add(static_cast<std::uint64_t>(e.dtype));
+    for (const auto& e : layout) {
+        h.add(e.is_buffer ? 1 : 0).add(e.count).add(static_cast<std::uint64_t>(e.dtype)).add(e.name.size());
+        for (unsigned char c : e.name) h.add(c);
+    }
     return h.value();
+}
+
+// The settings as one text: "name\0value\0" for each.
+inline std::string serialize_settings(std::span<const Setting> settings) {
+    std::string out;
+    for (const auto& s : settings) {
+        out += s.name;
+        out += '\0';
+        out += s.value;
+        out += '\0';
+    }
+    return out;
+}
+
+inline std::vector<Setting> parse_settings(const std::string& text) {
+    std::vector<Setting> out;
+    std::size_t at = 0;
+    while (at < text.size()) {
+        const auto name_end = text.find('\0', at);
+        const auto value_end = name_end == std::string::npos ? std::string::npos : text.find('\0', name_end + 1);
+        if (value_end == std::string::npos) throw Error("gradsync: internal error: truncated settings record");
+        out.push_back({text.substr(at, name_end - at), text.substr(name_end + 1, value_end - name_end - 1)});
+        at = value_end + 1;
+    }
+    return out;
+}
+
+// Names the first setting where rank a's and rank b's differ.
+inline std::string describe_settings_difference(int a, const std::vector<Setting>& sa, int b,
+                                                const std::vector<Setting>& sb) {
+    std::string what = "a setting";
+    for (std::size_t i = 0; i < sa.size() && i < sb.size(); ++i) {
+        if (sa[i].name == sb[i].name && sa[i].value == sb[i].value) continue;
+        what = sa[i].name + " is '" + sa[i].value + "' on rank " + std::to_string(a) + " but '" + sb[i].value +
+               "' on rank " + std::to_string(b);
+        break;
+    }
+    return "gradsync: the ranks' settings differ: " + what +
+           ". Every rank must construct its DataParallel with the same policies and the same Options";
 }
 
 inline void put(std::vector<std::byte>& out, const void* p, std::size_t n) {
@@ -4618,11 +4841,12 @@ inline std::string describe_layout_difference(int a, const std::vector<LayoutEnt
                                               const std::vector<LayoutEntry>& lb) {
     std::string prefix = "gradsync: the model's layout differs across ranks: ";
     std::string suffix =
-        ". Every rank must register the same parameters and buffers, in the same order, with the same sizes and "
-        "dtypes (zero-sized parameters are skipped and not compared)";
+        ". Every rank must register the same parameters and buffers, in the same order, with the same names, sizes "
+        "and dtypes (zero-sized parameters are skipped and not compared)";
     std::size_t n = std::min(la.size(), lb.size());
     for (std::size_t i = 0; i < n; ++i) {
-        if (la[i].is_buffer != lb[i].is_buffer || la[i].count != lb[i].count || la[i].dtype != lb[i].dtype) {
+        if (la[i].is_buffer != lb[i].is_buffer || la[i].count != lb[i].count || la[i].dtype != lb[i].dtype ||
+            la[i].name != lb[i].name) {
             return prefix + "rank " + std::to_string(a) + " has " + describe_entry(la[i]) + " where rank " +
                    std::to_string(b) + " has " + describe_entry(lb[i]) + suffix;
         }
@@ -4634,57 +4858,93 @@ inline std::string describe_layout_difference(int a, const std::vector<LayoutEnt
            " exists only on rank " + std::to_string(longer_rank) + suffix;
 }
 
-// Every rank calls this with its own parameters, plan and local problem ("" if none). Returns
-// when all ranks agree; otherwise throws the same exception, with the same message, on every rank.
+// What a rank found wrong with its own set-up before the agreement: the whole message.
+struct LocalProblem {
+    enum class Kind : std::uint8_t { none, model, configuration };
+    Kind kind = Kind::none;
+    std::string what;
+};
+
+// Every rank calls this with its own parameters, plan, settings and problem, if any. Returns
+// when all ranks agree; otherwise throws the same exception, with the same message, on every
+// rank: the first rank's problem, else the first differing setting, tensor, or the plans.
 template <class B>
 void agree_on_layout(B& backend, std::span<const Parameter> params, std::span<const ModelBuffer> buffers,
-                     const BucketPlan& plan, const std::string& problem) {
+                     const BucketPlan& plan, std::span<const Setting> settings, const LocalProblem& problem) {
     const int world = backend.size();
     const int me = backend.rank();
     const auto entries = layout_of(params, buffers);
     auto layout = serialize_layout(entries);
-    const std::string problem_text =
-        problem.empty() ? std::string() : "gradsync: invalid model on rank " + std::to_string(me) + ": " + problem;
+    const auto settings_text = serialize_settings(settings);
 
     // Each rank fills its own row; a sum-allreduce then hands every rank every row.
-    enum { layout_hi, layout_lo, plan_hi, plan_lo, problem_size, layout_size, row };
+    enum {
+        layout_hi,
+        layout_lo,
+        plan_hi,
+        plan_lo,
+        settings_hi,
+        settings_lo,
+        problem_kind,
+        problem_size,
+        layout_size,
+        settings_size,
+        row
+    };
     std::vector<double> table(static_cast<std::size_t>(world) * row, 0.0);
     auto split = [](std::uint64_t h, double* hi, double* lo) {
         *hi = static_cast<double>(h >> 32);
         *lo = static_cast<double>(h & 0xffffffffu);
     };
+    Fnv1a settings_hash;
+    for (unsigned char c : settings_text) settings_hash.add(c);
     double* mine = table.data() + static_cast<std::size_t>(me) * row;
     split(layout_hash(entries), mine + layout_hi, mine + layout_lo);
     split(plan.hash(), mine + plan_hi, mine + plan_lo);
-    mine[problem_size] = static_cast<double>(problem_text.size());
+    split(settings_hash.value(), mine + settings_hi, mine + settings_lo);
+    mine[problem_kind] = static_cast<double>(problem.kind);
+    mine[problem_size] = static_cast<double>(problem.what.size());
     mine[layout_size] = static_cast<double>(layout.size());
+    mine[settings_size] = static_cast<double>(settings_text.size());
     backend.allreduce(Buffer{table.data(), table.size(), DType::float64}, ReduceOp::sum);
     auto at = [&](int r, int field) {
         return table[static_cast<std::size_t>(r) * row + static_cast<std::size_t>(field)];
     };
+    auto same = [&](int r, int hi, int lo) { return at(r, hi) == at(0, hi) && at(r, lo) == at(0, lo); };
 
     // Fetches rank r's bytes of the given size: its own copy on r, the broadcast elsewhere.
-    auto fetch = [&](int r, std::size_t size, const std::byte* own) {
+    auto fetch = [&](int r, std::size_t size, const void* own) {
         std::vector<std::byte> bytes(size);
         if (r == me && size != 0) std::memcpy(bytes.data(), own, size);
         backend.broadcast(std::span<std::byte>(bytes), r);
         return bytes;
     };
+    auto fetch_text = [&](int r, int size_field, const std::string& own) {
+        const auto bytes = fetch(r, static_cast<std::size_t>(at(r, size_field)), own.data());
+        return std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+    };
 
     for (int r = 0; r < world; ++r) {
-        if (at(r, problem_size) == 0) continue;
-        auto bytes = fetch(r, static_cast<std::size_t>(at(r, problem_size)),
-                           reinterpret_cast<const std::byte*>(problem_text.data()));
-        throw InvalidModel(std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
+        if (at(r, problem_kind) == 0) continue;
+        const auto what = fetch_text(r, problem_size, problem.what);
+        if (at(r, problem_kind) == static_cast<double>(LocalProblem::Kind::configuration))
+            throw ConfigurationError(what);
+        throw InvalidModel(what);
     }
     for (int r = 1; r < world; ++r) {
-        if (at(r, layout_hi) == at(0, layout_hi) && at(r, layout_lo) == at(0, layout_lo)) continue;
+        if (same(r, settings_hi, settings_lo)) continue;
+        const auto s0 = parse_settings(fetch_text(0, settings_size, settings_text));
+        const auto sr = parse_settings(fetch_text(r, settings_size, settings_text));
+        throw ConfigurationError(describe_settings_difference(0, s0, r, sr));
+    }
+    for (int r = 1; r < world; ++r) {
+        if (same(r, layout_hi, layout_lo)) continue;
         auto l0 = parse_layout(fetch(0, static_cast<std::size_t>(at(0, layout_size)), layout.data()));
         auto lr = parse_layout(fetch(r, static_cast<std::size_t>(at(r, layout_size)), layout.data()));
         throw LayoutMismatch(describe_layout_difference(0, l0, r, lr));
     }
     for (int r = 1; r < world; ++r) {
-        if (at(r, plan_hi) == at(0, plan_hi) && at(r, plan_lo) == at(0, plan_lo)) continue;
+        if (same(r, plan_hi, plan_lo)) continue;
         throw LayoutMismatch("gradsync: the bucket plans of rank 0 and rank " + std::to_string(r) +
                              " differ although their parameters agree; pass the same bucketer, with the same "
                              "caps, on every rank");
@@ -4693,47 +4953,6 @@ void agree_on_layout(B& backend, std::span<const Parameter> params, std::span<co
 
 }  // namespace gradsync::inline v0::detail
 // ---- end gradsync/data_parallel/layout_agreement.hpp ----
-
-// ---- begin gradsync/data_parallel/options.hpp ----
-// Options: the run-time settings of a DataParallel, passed like a policy (in any position after
-// the backend), e.g. DataParallel dp(model, backend, gradsync::Options{.find_unused_parameters = true}).
-
-
-#include <chrono>
-#include <optional>
-#include <string>
-
-namespace gradsync::inline v0 {
-
-struct Options {
-    using policy_category = policy_category::options;
-
-    // Every wait of this DataParallel ends by then, with a diagnosis naming the late rank.
-    std::chrono::milliseconds timeout = std::chrono::seconds(600);
-    // Parameters without grad_ready by synchronize() count as a zero gradient on this rank. Off,
-    // a missing grad_ready is an error naming the parameter, on every rank.
-    bool find_unused_parameters = false;
-    // After the first step with grad_ready calls, rebuild the buckets in the order gradients
-    // became ready on rank 0 (as PyTorch DDP does).
-    bool rebuild_buckets = false;
-    // A Chrome trace (chrome://tracing, ui.perfetto.dev) of every bucket's ready, launched and
-    // done moments, written when the DataParallel is destroyed. Empty: $GRADSYNC_TIMELINE, if set.
-    // "{rank}" in the path is replaced by the rank; ranks of one process may share one file.
-    std::string timeline{};
-    // Above 0: after synchronize(), gradients whose global L2 norm exceeds it are scaled down to
-    // it (PyTorch's clip_grad_norm_ with max_norm = clip_norm).
-    double clip_norm = 0;
-    // Once per synchronize(), with a backend that cannot compare the ranks' collectives as they
-    // are issued (MpiBackend, NcclBackend), one small allreduce compares their histories, so that
-    // ranks that launched different buckets fail instead of mixing gradients. Unset: on where the
-    // host waits for the collectives anyway (MpiBackend), off on a device backend (NcclBackend),
-    // where it would make the host wait for the whole communication stream once per step. true
-    // turns it on there too (a debugging run), false off everywhere.
-    std::optional<bool> check_histories{};
-};
-
-}  // namespace gradsync::inline v0
-// ---- end gradsync/data_parallel/options.hpp ----
 
 // ---- begin gradsync/data_parallel/policies.hpp ----
 // The policies of one DataParallel: one of each kind picked from its template arguments, in any
@@ -5382,14 +5601,27 @@ private:
     // Lists the model, checks this rank's set-up, agrees with every rank, and starts in step.
     void init() {
         layout_ = detail::ModelLayout::of(model_, buffers_type::mode != BufferSync::ignore);
-        std::string problem = detail::find_model_problem(parameters(), buffers(), backend_);
-        if (problem.empty()) plan_ = bucketer_.plan(layout_.params, std::span<const std::size_t>{});
-        if (problem.empty() && gradients_untouchable)
-            problem = detail::device_gradients_problem(plan_, parameters(), options_);
-        if (problem.empty()) problem = detail::stream_problem(backend_, engine_.memory());
-        if (backend_.size() == 1 && !problem.empty())
-            throw InvalidModel("gradsync: invalid model on rank 0: " + problem);
-        if (backend_.size() > 1) detail::agree_on_layout(backend_, parameters(), buffers(), plan_, problem);
+        using Kind = detail::LocalProblem::Kind;
+        detail::LocalProblem problem;
+        const auto refuse = [&](Kind kind, const std::string& what) {
+            if (problem.kind != Kind::none || what.empty()) return;
+            problem = {kind, std::string("gradsync: invalid ") + (kind == Kind::model ? "model" : "configuration") +
+                                 " on rank " + std::to_string(rank()) + ": " + what};
+        };
+        refuse(Kind::configuration, detail::invalid_configuration(options_, bucketer_, scaler_, lr_));
+        refuse(Kind::model, detail::find_model_problem(parameters(), buffers(), backend_));
+        if (problem.kind == Kind::none) plan_ = bucketer_.plan(layout_.params, std::span<const std::size_t>{});
+        if (problem.kind == Kind::none && gradients_untouchable)
+            refuse(Kind::model, detail::device_gradients_problem(plan_, parameters(), options_));
+        refuse(Kind::configuration, detail::stream_problem(backend_, engine_.memory()));
+        if (backend_.size() == 1 && problem.kind == Kind::configuration) throw ConfigurationError(problem.what);
+        if (backend_.size() == 1 && problem.kind == Kind::model) throw InvalidModel(problem.what);
+        if (backend_.size() > 1)
+            detail::agree_on_layout(backend_, parameters(), buffers(), plan_,
+                                    detail::agreed_settings<bucketer_type, packing_type, memory_type, buffers_type,
+                                                            loss_scaler_type, compression_type, lr_type>(
+                                        bucketer_, engine_.memory(), scaler_, lr_, options_, DeviceBackend<BackendT>),
+                                    problem);
         broadcast_parameters();
         detail::sync_buffers(backend_, buffers(), buffers_type::mode, true, history_, current_step());
         setup_buckets();

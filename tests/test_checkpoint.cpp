@@ -11,11 +11,13 @@
 #include <unistd.h>    // for fork, _exit
 
 #include <csignal>  // for raise, SIGKILL
+#include <atomic>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace fs = std::filesystem;
@@ -67,6 +69,54 @@ std::string safetensors_bytes(const std::string& header, std::size_t data_bytes)
 
 }  // namespace
 
+// Temporary files of writers of `name` left in `dir`.
+std::size_t temporaries(const fs::path& dir, const std::string& name) {
+    std::size_t n = 0;
+    for (const auto& entry : fs::directory_iterator(dir))
+        n += entry.path().filename().string().rfind(name + ".tmp.", 0) == 0;
+    return n;
+}
+
+TEST_CASE("safetensors: two writers of one path never share a temporary: the path always holds one whole file") {
+    TempDir dir;
+    const auto path = dir.path / "shared.safetensors";
+    std::vector<float> ones(20000, 1.0f), twos(20000, 2.0f);
+    auto write = [&](std::vector<float>& v) {
+        for (int k = 0; k < 30; ++k)
+            gradsync::write_safetensors(path,
+                                        std::vector<gradsync::TensorBytes>{
+                                            {"w", gradsync::DType::float32, {v.size()}, std::as_bytes(std::span(v))}},
+                                        {});
+    };
+    gradsync::write_safetensors(path,
+                                std::vector<gradsync::TensorBytes>{
+                                    {"w", gradsync::DType::float32, {ones.size()}, std::as_bytes(std::span(ones))}},
+                                {});
+    std::atomic<bool> done{false};
+    std::atomic<int> torn{0};
+    std::thread reader([&] {
+        while (!done) {
+            try {
+                gradsync::SafetensorsFile f(path);
+                const auto bytes = f.find("w")->bytes;
+                float first = 0, last = 0;
+                std::memcpy(&first, bytes.data(), 4);
+                std::memcpy(&last, bytes.data() + bytes.size() - 4, 4);
+                torn += bytes.size() != 80000 || first != last;
+            } catch (const gradsync::CheckpointError&) {
+                ++torn;
+            }
+        }
+    });
+    std::thread a([&] { write(ones); }), b([&] { write(twos); });
+    a.join();
+    b.join();
+    done = true;
+    reader.join();
+    CHECK(torn.load() == 0);
+    CHECK(temporaries(dir.path, "shared.safetensors") == 0);
+}
+
 TEST_CASE("safetensors: what is written reads back, with an 8-byte aligned data section") {
     TempDir dir;
     std::vector<float> a{1.5f, -2.0f, 3.25f};
@@ -81,7 +131,7 @@ TEST_CASE("safetensors: what is written reads back, with an 8-byte aligned data 
     };
     const auto path = dir.path / "x.safetensors";
     gradsync::write_safetensors(path, tensors, {{"gradsync.step", "7"}});
-    CHECK_FALSE(fs::exists(dir.path / "x.safetensors.tmp"));
+    CHECK(temporaries(dir.path, "x.safetensors") == 0);
     auto raw = file_text(path);
     std::uint64_t header = 0;
     std::memcpy(&header, raw.data(), 8);  // little-endian, as this machine
@@ -178,9 +228,11 @@ TEST_CASE("safetensors: a crash at any byte of a save leaves the previous checkp
             CHECK(first == 2.0f);
         }
     }
-    // A later save replaces the stale temporary file and succeeds.
+    // A later save succeeds beside the killed writers' temporaries, and leaves none of its own.
+    const auto left = temporaries(dir.path, "ckpt.safetensors");
     gradsync::write_safetensors(path, tensors(new_values), {});
-    CHECK_FALSE(fs::exists(dir.path / "ckpt.safetensors.tmp"));
+    CHECK(temporaries(dir.path, "ckpt.safetensors") == left);
+    CHECK(gradsync::SafetensorsFile(path).find("w")->bytes.size() == 4000);
 }
 
 TEST_CASE("checkpoint: resuming is exact, bit for bit: 10 steps == 5 steps, save, new group, load, 5 steps") {
@@ -305,5 +357,5 @@ TEST_CASE("checkpoint: a save that cannot be written fails on every rank with th
     });
     REQUIRE(messages.size() == 2);
     CHECK(messages[0] == messages[1]);
-    CHECK(messages[0].find("cannot create /nonexistent-dir/x.safetensors.tmp") != std::string::npos);
+    CHECK(messages[0].find("cannot create /nonexistent-dir/x.safetensors.tmp.") != std::string::npos);
 }

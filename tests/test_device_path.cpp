@@ -279,7 +279,7 @@ TEST_CASE("a device memory policy on another stream than the backend's compute s
     });
     for (const auto& m : mismatched) {
         CHECK(m == mismatched[0]);
-        CHECK(m.find("gradsync: invalid model on rank 1: the memory policy's stream (0x") == 0);
+        CHECK(m.find("gradsync: invalid configuration on rank 1: the memory policy's stream (0x") == 0);
         CHECK(m.find("is not the backend's compute stream (0x") != std::string::npos);
         CHECK(m.find("CudaMemory{stream} and NcclOptions::compute_stream") != std::string::npos);
     }

@@ -143,6 +143,33 @@ TEST_CASE("a rank that reorders its collectives is caught at the first one out o
     }
 }
 
+TEST_CASE("which deadline applies: synchronize() without grad_ready waits by the backend's own deadline") {
+    // Options::timeout is 60 s; the group's is 300 ms: a rank that never synchronizes ends its
+    // peer's synchronize() at the group's deadline, in the backend's words.
+    gradsync::LocalGroupOptions group;
+    group.timeout = 300ms;
+    std::string what;
+    const auto start = std::chrono::steady_clock::now();
+    gradsync::spawn(
+        2,
+        [&](LocalBackend& b) {
+            Toy m({100, 200}, 0.0f);
+            DataParallel dp(m, b, gradsync::Options{.timeout = std::chrono::seconds(60)});
+            if (b.rank() == 1) {
+                std::this_thread::sleep_for(1500ms);  // never synchronizes; leaves after its peer gave up
+                return;
+            }
+            try {
+                dp.synchronize();
+            } catch (const gradsync::TimeoutError& e) {
+                what = e.what();
+            }
+        },
+        group);
+    CHECK(what.find("timed out after 300 ms waiting for rank 1") != std::string::npos);
+    CHECK(std::chrono::steady_clock::now() - start < 5s);
+}
+
 TEST_CASE("a slow rank within the deadline is no failure") {
     Fault f{.kind = Fault::Kind::delay, .delay = 150ms};
     auto out = one_step(3, 2, f, 1, all_ready);

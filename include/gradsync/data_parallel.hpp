@@ -20,6 +20,7 @@
 #include <gradsync/data_parallel/policies.hpp>
 #include <gradsync/data_parallel/readiness.hpp>
 #include <gradsync/data_parallel/rebuild.hpp>
+#include <gradsync/data_parallel/settings.hpp>
 #include <gradsync/data_parallel/setup_checks.hpp>
 #include <gradsync/data_parallel/timeline.hpp>
 #include <gradsync/detail/log.hpp>
@@ -342,14 +343,27 @@ private:
     // Lists the model, checks this rank's set-up, agrees with every rank, and starts in step.
     void init() {
         layout_ = detail::ModelLayout::of(model_, buffers_type::mode != BufferSync::ignore);
-        std::string problem = detail::find_model_problem(parameters(), buffers(), backend_);
-        if (problem.empty()) plan_ = bucketer_.plan(layout_.params, std::span<const std::size_t>{});
-        if (problem.empty() && gradients_untouchable)
-            problem = detail::device_gradients_problem(plan_, parameters(), options_);
-        if (problem.empty()) problem = detail::stream_problem(backend_, engine_.memory());
-        if (backend_.size() == 1 && !problem.empty())
-            throw InvalidModel("gradsync: invalid model on rank 0: " + problem);
-        if (backend_.size() > 1) detail::agree_on_layout(backend_, parameters(), buffers(), plan_, problem);
+        using Kind = detail::LocalProblem::Kind;
+        detail::LocalProblem problem;
+        const auto refuse = [&](Kind kind, const std::string& what) {
+            if (problem.kind != Kind::none || what.empty()) return;
+            problem = {kind, std::string("gradsync: invalid ") + (kind == Kind::model ? "model" : "configuration") +
+                                 " on rank " + std::to_string(rank()) + ": " + what};
+        };
+        refuse(Kind::configuration, detail::invalid_configuration(options_, bucketer_, scaler_, lr_));
+        refuse(Kind::model, detail::find_model_problem(parameters(), buffers(), backend_));
+        if (problem.kind == Kind::none) plan_ = bucketer_.plan(layout_.params, std::span<const std::size_t>{});
+        if (problem.kind == Kind::none && gradients_untouchable)
+            refuse(Kind::model, detail::device_gradients_problem(plan_, parameters(), options_));
+        refuse(Kind::configuration, detail::stream_problem(backend_, engine_.memory()));
+        if (backend_.size() == 1 && problem.kind == Kind::configuration) throw ConfigurationError(problem.what);
+        if (backend_.size() == 1 && problem.kind == Kind::model) throw InvalidModel(problem.what);
+        if (backend_.size() > 1)
+            detail::agree_on_layout(backend_, parameters(), buffers(), plan_,
+                                    detail::agreed_settings<bucketer_type, packing_type, memory_type, buffers_type,
+                                                            loss_scaler_type, compression_type, lr_type>(
+                                        bucketer_, engine_.memory(), scaler_, lr_, options_, DeviceBackend<BackendT>),
+                                    problem);
         broadcast_parameters();
         detail::sync_buffers(backend_, buffers(), buffers_type::mode, true, history_, current_step());
         setup_buckets();

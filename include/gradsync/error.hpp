@@ -21,6 +21,13 @@ public:
     using Error::Error;
 };
 
+// The DataParallel's configuration is invalid (a zero timeout, a loss scaler that cannot work), or
+// differs across ranks in a setting that changes the sums. Thrown on every rank alike.
+class ConfigurationError : public Error {
+public:
+    using Error::Error;
+};
+
 // Ranks disagree on the model's parameter layout. Thrown on every rank with the same message.
 class LayoutMismatch : public Error {
 public:

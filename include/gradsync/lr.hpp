@@ -47,6 +47,16 @@ struct ScaledLr {
     [[nodiscard]] std::uint64_t global_batch(int world_size) const {
         return micro_batch * accumulation_steps * static_cast<std::uint64_t>(world_size);
     }
+    [[nodiscard]] std::string settings() const {
+        const char* kind = Scaling == LrScaling::none ? "unscaled" : Scaling == LrScaling::linear ? "linear" : "sqrt";
+        return std::string(kind) + ", base " + std::to_string(base_lr) + ", micro batch " +
+               std::to_string(micro_batch) + ", reference batch " + std::to_string(reference_batch) +
+               ", accumulation " + std::to_string(accumulation_steps) + ", warm-up " + std::to_string(warmup_steps);
+    }
+    [[nodiscard]] std::string invalid() const {
+        if (std::isfinite(base_lr) && base_lr >= 0 && micro_batch != 0 && accumulation_steps != 0) return {};
+        return "an LR rule needs a finite base_lr of at least 0, a micro_batch and accumulation_steps above 0";
+    }
     [[nodiscard]] double rate(int world_size, std::uint64_t step) const {
         return learning_rate(base_lr, Scaling, reference_batch != 0 ? reference_batch : micro_batch,
                              global_batch(world_size), step, warmup_steps);
@@ -60,6 +70,7 @@ using SqrtLr = ScaledLr<LrScaling::square_root>;
 // No LR policy: step() calls the optimizer without a learning rate. The default.
 struct NoLrRule {
     using policy_category = policy_category::lr_rule;
+    [[nodiscard]] std::string settings() const { return "none"; }
 };
 
 // An LR rule gives the learning rate step() passes to the optimizer, from the world size and the

@@ -325,6 +325,42 @@ TEST_CASE("over MPI, a layout that differs on one rank throws the same LayoutMis
     CHECK(same_on_every_rank(text));
 }
 
+TEST_CASE("over MPI, names in another order, or a setting that changes the sums, are refused on every rank") {
+    struct Model {
+        std::vector<float> a = std::vector<float>(10), ga = std::vector<float>(10);
+        std::vector<float> b = std::vector<float>(10), gb = std::vector<float>(10);
+        bool swapped = false;
+        std::vector<gradsync::Parameter> parameters() {
+            auto pa = gradsync::parameter("a", a, ga), pb = gradsync::parameter("b", b, gb);
+            if (swapped) return {pb, pa};
+            return {pa, pb};
+        }
+    } model;
+    const bool last = world_rank() == world_size() - 1;
+    model.swapped = last;
+    gradsync::MpiBackend backend;
+    std::string message;
+    try {
+        gradsync::DataParallel dp(model, backend);
+    } catch (const gradsync::LayoutMismatch& e) {
+        message = e.what();
+    }
+    CHECK(message.find("rank 0 has parameter #0 'a' (10 x float32) where rank " + std::to_string(world_size() - 1) +
+                       " has parameter #0 'b' (10 x float32)") != std::string::npos);
+    CHECK(same_on_every_rank(std::vector<char>(message.begin(), message.end())));
+
+    model.swapped = false;
+    message.clear();
+    try {
+        gradsync::DataParallel dp(model, backend, gradsync::Options{.clip_norm = last ? 2.0 : 0.0});
+    } catch (const gradsync::ConfigurationError& e) {
+        message = e.what();
+    }
+    CHECK(message.find("Options::clip_norm is '0.000000' on rank 0 but '2.000000' on rank " +
+                       std::to_string(world_size() - 1)) != std::string::npos);
+    CHECK(same_on_every_rank(std::vector<char>(message.begin(), message.end())));
+}
+
 TEST_CASE("ShardedSampler across processes: disjoint shards that cover the dataset, equal batch counts") {
     for (std::size_t dataset : {std::size_t{1}, std::size_t{7}, std::size_t{1000}}) {
         CAPTURE(dataset);

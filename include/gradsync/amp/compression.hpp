@@ -6,12 +6,14 @@
 #include <gradsync/dtype.hpp>
 
 #include <concepts>  // for std::convertible_to
+#include <string>
 
 namespace gradsync::inline v0 {
 
 // Gradients travel in their own dtype. The default.
 struct NoCompression {
     using policy_category = policy_category::compression;
+    [[nodiscard]] std::string settings() const { return to_string(wire) + " on the wire"; }
     static constexpr DType wire = DType::float32;
     static constexpr bool compresses = false;
 };
@@ -21,6 +23,7 @@ struct NoCompression {
 // in float32, so compression never overflows where float32 would not.
 struct Fp16Compression {
     using policy_category = policy_category::compression;
+    [[nodiscard]] std::string settings() const { return to_string(wire) + " on the wire"; }
     static constexpr DType wire = DType::float16;
     static constexpr bool compresses = true;
 };
@@ -28,6 +31,7 @@ struct Fp16Compression {
 // float32 buckets travel as bfloat16: float32's range, 8 bits of precision.
 struct Bf16Compression {
     using policy_category = policy_category::compression;
+    [[nodiscard]] std::string settings() const { return to_string(wire) + " on the wire"; }
     static constexpr DType wire = DType::bfloat16;
     static constexpr bool compresses = true;
 };

@@ -7,6 +7,7 @@
 #include <gradsync/error.hpp>
 
 #include <algorithm>  // for std::min, std::max
+#include <cmath>      // for std::isfinite
 #include <concepts>   // for std::convertible_to
 #include <cstdint>
 #include <string>
@@ -16,6 +17,7 @@ namespace gradsync::inline v0 {
 // No scaling: the loss is used as it is (float32 training, or bfloat16 with its float range).
 struct NoLossScaling {
     using policy_category = policy_category::loss_scaler;
+    [[nodiscard]] std::string settings() const { return "none"; }
     [[nodiscard]] float scale() const { return 1.0f; }
     void update(bool /*overflow*/) {}
 };
@@ -24,6 +26,11 @@ struct NoLossScaling {
 // use_dynamic_loss_scaling=False). Steps that overflow are still skipped.
 struct StaticLossScale {
     using policy_category = policy_category::loss_scaler;
+    [[nodiscard]] std::string settings() const { return "static " + std::to_string(value); }
+    [[nodiscard]] std::string invalid() const {
+        if (value > 0 && std::isfinite(value)) return {};
+        return "StaticLossScale needs a finite value above 0, got " + std::to_string(value);
+    }
     float value = 1024.0f;
     [[nodiscard]] float scale() const { return value; }
     void update(bool /*overflow*/) {}
@@ -80,14 +87,25 @@ struct DynamicLossScale {
 
     [[nodiscard]] bool at_minimum() const { return scale() <= min_scale; }
 
+    [[nodiscard]] std::string settings() const {
+        return "dynamic, init " + std::to_string(init_scale) + ", x" + std::to_string(growth_factor) + " every " +
+               std::to_string(growth_interval) + ", x" + std::to_string(backoff_factor) + " after " +
+               std::to_string(backoff_after) + ", within [" + std::to_string(min_scale) + ", " +
+               std::to_string(max_scale) + "]";
+    }
+    [[nodiscard]] std::string invalid() const {
+        if (min_scale > 0 && max_scale >= min_scale && growth_factor >= 1 && backoff_factor > 0 &&
+            backoff_factor <= 1 && growth_interval != 0 && backoff_after != 0 && init_scale > 0 &&
+            std::isfinite(init_scale) && std::isfinite(max_scale))
+            return {};
+        return "DynamicLossScale needs 0 < min_scale <= max_scale, a finite init_scale above 0, growth_factor >= 1, "
+               "0 < backoff_factor <= 1, growth_interval >= 1 and backoff_after >= 1";
+    }
+
 private:
     [[nodiscard]] float clamp(float s) const { return std::min(max_scale, std::max(min_scale, s)); }
     void check() const {
-        if (!(min_scale > 0) || !(max_scale >= min_scale) || !(growth_factor >= 1) || !(backoff_factor > 0) ||
-            !(backoff_factor <= 1) || growth_interval == 0 || backoff_after == 0)
-            throw Error(
-                "gradsync: DynamicLossScale needs 0 < min_scale <= max_scale, growth_factor >= 1, "
-                "0 < backoff_factor <= 1, growth_interval >= 1 and backoff_after >= 1");
+        if (auto why = invalid(); !why.empty()) throw Error("gradsync: " + why);
     }
 };
 

@@ -96,11 +96,17 @@ struct SizeCappedBuckets {
     Bytes cap = Bytes{25ull << 20};
     Bytes first_cap = Bytes{1ull << 20};
 
+    [[nodiscard]] std::string settings() const {
+        return "size-capped, cap " + to_string(cap) + ", first cap " + to_string(first_cap);
+    }
+    [[nodiscard]] std::string invalid() const {
+        if (cap.count() != 0 && first_cap.count() != 0) return {};
+        return "SizeCappedBuckets needs a cap and a first_cap above 0 bytes, got cap " + to_string(cap) +
+               " and first_cap " + to_string(first_cap);
+    }
+
     [[nodiscard]] BucketPlan plan(std::span<const Parameter> params, std::span<const std::size_t> order = {}) const {
-        if (cap.count() == 0 || first_cap.count() == 0) {
-            throw Error("gradsync: SizeCappedBuckets needs a cap and a first_cap above 0 bytes, got cap " +
-                        to_string(cap) + " and first_cap " + to_string(first_cap));
-        }
+        if (auto why = invalid(); !why.empty()) throw Error("gradsync: " + why);
         BucketPlan plan;
         detail::BucketFiller filler(params, plan);
         struct Limit {
@@ -137,6 +143,7 @@ struct SizeCappedBuckets {
 // One bucket per dtype holding every parameter: the fewest collectives, no overlap with backward.
 struct SingleBucket {
     using policy_category = policy_category::bucketer;
+    [[nodiscard]] std::string settings() const { return "single bucket"; }
 
     [[nodiscard]] BucketPlan plan(std::span<const Parameter> params, std::span<const std::size_t> order = {}) const {
         BucketPlan plan;
@@ -152,6 +159,7 @@ struct SingleBucket {
 // One bucket per parameter, in readiness order: no fusion at all.
 struct PerParameterBuckets {
     using policy_category = policy_category::bucketer;
+    [[nodiscard]] std::string settings() const { return "one bucket per parameter"; }
 
     [[nodiscard]] BucketPlan plan(std::span<const Parameter> params, std::span<const std::size_t> order = {}) const {
         BucketPlan plan;

@@ -15,6 +15,7 @@
 #include <unistd.h>  // for write, fsync, close
 
 #include <algorithm>  // for std::sort
+#include <atomic>
 #include <cerrno>
 #include <cstddef>
 #include <cstdint>
@@ -77,9 +78,17 @@ inline std::string errno_text() { return std::strerror(errno); }
 // A file descriptor that closes itself.
 class File {
 public:
+    File() = default;
     File(const std::filesystem::path& path, int flags) : fd_(::open(path.c_str(), flags | O_CLOEXEC, 0644)) {}
     File(const File&) = delete;
     File& operator=(const File&) = delete;
+    File& operator=(File&& o) noexcept {
+        if (this != &o) {
+            if (fd_ >= 0) ::close(fd_);
+            fd_ = std::exchange(o.fd_, -1);
+        }
+        return *this;
+    }
     ~File() {
         if (fd_ >= 0) ::close(fd_);
     }
@@ -89,13 +98,16 @@ public:
     bool close() { return ::close(std::exchange(fd_, -1)) == 0; }
 
 private:
-    int fd_;
+    int fd_ = -1;
 };
 
 }  // namespace detail
 
 // Writes `tensors` (names unique) and `metadata` to `path` in the safetensors format, atomically:
-// into `path` + ".tmp", fsync, rename over `path`, fsync of the directory. Throws CheckpointError.
+// into a temporary file of this writer's own (`path` + ".tmp." + process and sequence, created
+// exclusively, so that two writers of one path never share it), fsync, rename over `path`, fsync
+// of the directory. Whatever is killed when, `path` holds one whole checkpoint. Throws
+// CheckpointError.
 inline void write_safetensors(const std::filesystem::path& path, std::span<const TensorBytes> tensors,
                               const std::map<std::string, std::string>& metadata,
                               const SafetensorsWriteOptions& options = {}) {
@@ -122,10 +134,16 @@ inline void write_safetensors(const std::filesystem::path& path, std::span<const
     std::byte length[8];
     for (int i = 0; i < 8; ++i) length[i] = std::byte((text.size() >> (8 * i)) & 0xff);
 
-    const auto tmp = std::filesystem::path(path.string() + ".tmp");
     const std::string where = " (writing checkpoint " + path.string() + ")";
-    detail::File file(tmp, O_WRONLY | O_CREAT | O_TRUNC);
-    if (!file.is_open()) throw CheckpointError("gradsync: cannot create " + tmp.string() + ": " + detail::errno_text());
+    static std::atomic<std::uint64_t> sequence{0};
+    std::filesystem::path tmp;
+    detail::File file;
+    for (int attempt = 0; !file.is_open(); ++attempt) {
+        tmp = path.string() + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(sequence.fetch_add(1));
+        file = detail::File(tmp, O_WRONLY | O_CREAT | O_EXCL);
+        if (!file.is_open() && (errno != EEXIST || attempt > 100))
+            throw CheckpointError("gradsync: cannot create " + tmp.string() + ": " + detail::errno_text());
+    }
     std::size_t written = 0;
     auto put = [&](const void* data, std::size_t n) {
         auto* p = static_cast<const char*>(data);

@@ -5,6 +5,7 @@
 
 #include <gradsync/backend/concepts.hpp>
 #include <gradsync/bucket/plan.hpp>
+#include <gradsync/data_parallel/settings.hpp>
 #include <gradsync/model/buffers.hpp>
 #include <gradsync/detail/hash.hpp>
 #include <gradsync/dtype.hpp>
@@ -77,12 +78,55 @@ inline std::vector<LayoutEntry> layout_of(std::span<const Parameter> params, std
     return out;
 }
 
-// What must agree: the kind, element count and dtype of every tensor, in order. Names need not.
+// What must agree: the kind, name, element count and dtype of every tensor, in order. Names too:
+// two tensors of one size registered in another order would be averaged into each other's place.
 inline std::uint64_t layout_hash(const std::vector<LayoutEntry>& layout) {
     Fnv1a h;
     h.add(layout.size());
-    for (const auto& e : layout) h.add(e.is_buffer ? 1 : 0).add(e.count).add(static_cast<std::uint64_t>(e.dtype));
+    for (const auto& e : layout) {
+        h.add(e.is_buffer ? 1 : 0).add(e.count).add(static_cast<std::uint64_t>(e.dtype)).add(e.name.size());
+        for (unsigned char c : e.name) h.add(c);
+    }
     return h.value();
+}
+
+// The settings as one text: "name\0value\0" for each.
+inline std::string serialize_settings(std::span<const Setting> settings) {
+    std::string out;
+    for (const auto& s : settings) {
+        out += s.name;
+        out += '\0';
+        out += s.value;
+        out += '\0';
+    }
+    return out;
+}
+
+inline std::vector<Setting> parse_settings(const std::string& text) {
+    std::vector<Setting> out;
+    std::size_t at = 0;
+    while (at < text.size()) {
+        const auto name_end = text.find('\0', at);
+        const auto value_end = name_end == std::string::npos ? std::string::npos : text.find('\0', name_end + 1);
+        if (value_end == std::string::npos) throw Error("gradsync: internal error: truncated settings record");
+        out.push_back({text.substr(at, name_end - at), text.substr(name_end + 1, value_end - name_end - 1)});
+        at = value_end + 1;
+    }
+    return out;
+}
+
+// Names the first setting where rank a's and rank b's differ.
+inline std::string describe_settings_difference(int a, const std::vector<Setting>& sa, int b,
+                                                const std::vector<Setting>& sb) {
+    std::string what = "a setting";
+    for (std::size_t i = 0; i < sa.size() && i < sb.size(); ++i) {
+        if (sa[i].name == sb[i].name && sa[i].value == sb[i].value) continue;
+        what = sa[i].name + " is '" + sa[i].value + "' on rank " + std::to_string(a) + " but '" + sb[i].value +
+               "' on rank " + std::to_string(b);
+        break;
+    }
+    return "gradsync: the ranks' settings differ: " + what +
+           ". Every rank must construct its DataParallel with the same policies and the same Options";
 }
 
 inline void put(std::vector<std::byte>& out, const void* p, std::size_t n) {
@@ -143,11 +187,12 @@ inline std::string describe_layout_difference(int a, const std::vector<LayoutEnt
                                               const std::vector<LayoutEntry>& lb) {
     std::string prefix = "gradsync: the model's layout differs across ranks: ";
     std::string suffix =
-        ". Every rank must register the same parameters and buffers, in the same order, with the same sizes and "
-        "dtypes (zero-sized parameters are skipped and not compared)";
+        ". Every rank must register the same parameters and buffers, in the same order, with the same names, sizes "
+        "and dtypes (zero-sized parameters are skipped and not compared)";
     std::size_t n = std::min(la.size(), lb.size());
     for (std::size_t i = 0; i < n; ++i) {
-        if (la[i].is_buffer != lb[i].is_buffer || la[i].count != lb[i].count || la[i].dtype != lb[i].dtype) {
+        if (la[i].is_buffer != lb[i].is_buffer || la[i].count != lb[i].count || la[i].dtype != lb[i].dtype ||
+            la[i].name != lb[i].name) {
             return prefix + "rank " + std::to_string(a) + " has " + describe_entry(la[i]) + " where rank " +
                    std::to_string(b) + " has " + describe_entry(lb[i]) + suffix;
         }
@@ -159,57 +204,93 @@ inline std::string describe_layout_difference(int a, const std::vector<LayoutEnt
            " exists only on rank " + std::to_string(longer_rank) + suffix;
 }
 
-// Every rank calls this with its own parameters, plan and local problem ("" if none). Returns
-// when all ranks agree; otherwise throws the same exception, with the same message, on every rank.
+// What a rank found wrong with its own set-up before the agreement: the whole message.
+struct LocalProblem {
+    enum class Kind : std::uint8_t { none, model, configuration };
+    Kind kind = Kind::none;
+    std::string what;
+};
+
+// Every rank calls this with its own parameters, plan, settings and problem, if any. Returns
+// when all ranks agree; otherwise throws the same exception, with the same message, on every
+// rank: the first rank's problem, else the first differing setting, tensor, or the plans.
 template <class B>
 void agree_on_layout(B& backend, std::span<const Parameter> params, std::span<const ModelBuffer> buffers,
-                     const BucketPlan& plan, const std::string& problem) {
+                     const BucketPlan& plan, std::span<const Setting> settings, const LocalProblem& problem) {
     const int world = backend.size();
     const int me = backend.rank();
     const auto entries = layout_of(params, buffers);
     auto layout = serialize_layout(entries);
-    const std::string problem_text =
-        problem.empty() ? std::string() : "gradsync: invalid model on rank " + std::to_string(me) + ": " + problem;
+    const auto settings_text = serialize_settings(settings);
 
     // Each rank fills its own row; a sum-allreduce then hands every rank every row.
-    enum { layout_hi, layout_lo, plan_hi, plan_lo, problem_size, layout_size, row };
+    enum {
+        layout_hi,
+        layout_lo,
+        plan_hi,
+        plan_lo,
+        settings_hi,
+        settings_lo,
+        problem_kind,
+        problem_size,
+        layout_size,
+        settings_size,
+        row
+    };
     std::vector<double> table(static_cast<std::size_t>(world) * row, 0.0);
     auto split = [](std::uint64_t h, double* hi, double* lo) {
         *hi = static_cast<double>(h >> 32);
         *lo = static_cast<double>(h & 0xffffffffu);
     };
+    Fnv1a settings_hash;
+    for (unsigned char c : settings_text) settings_hash.add(c);
     double* mine = table.data() + static_cast<std::size_t>(me) * row;
     split(layout_hash(entries), mine + layout_hi, mine + layout_lo);
     split(plan.hash(), mine + plan_hi, mine + plan_lo);
-    mine[problem_size] = static_cast<double>(problem_text.size());
+    split(settings_hash.value(), mine + settings_hi, mine + settings_lo);
+    mine[problem_kind] = static_cast<double>(problem.kind);
+    mine[problem_size] = static_cast<double>(problem.what.size());
     mine[layout_size] = static_cast<double>(layout.size());
+    mine[settings_size] = static_cast<double>(settings_text.size());
     backend.allreduce(Buffer{table.data(), table.size(), DType::float64}, ReduceOp::sum);
     auto at = [&](int r, int field) {
         return table[static_cast<std::size_t>(r) * row + static_cast<std::size_t>(field)];
     };
+    auto same = [&](int r, int hi, int lo) { return at(r, hi) == at(0, hi) && at(r, lo) == at(0, lo); };
 
     // Fetches rank r's bytes of the given size: its own copy on r, the broadcast elsewhere.
-    auto fetch = [&](int r, std::size_t size, const std::byte* own) {
+    auto fetch = [&](int r, std::size_t size, const void* own) {
         std::vector<std::byte> bytes(size);
         if (r == me && size != 0) std::memcpy(bytes.data(), own, size);
         backend.broadcast(std::span<std::byte>(bytes), r);
         return bytes;
     };
+    auto fetch_text = [&](int r, int size_field, const std::string& own) {
+        const auto bytes = fetch(r, static_cast<std::size_t>(at(r, size_field)), own.data());
+        return std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+    };
 
     for (int r = 0; r < world; ++r) {
-        if (at(r, problem_size) == 0) continue;
-        auto bytes = fetch(r, static_cast<std::size_t>(at(r, problem_size)),
-                           reinterpret_cast<const std::byte*>(problem_text.data()));
-        throw InvalidModel(std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size()));
+        if (at(r, problem_kind) == 0) continue;
+        const auto what = fetch_text(r, problem_size, problem.what);
+        if (at(r, problem_kind) == static_cast<double>(LocalProblem::Kind::configuration))
+            throw ConfigurationError(what);
+        throw InvalidModel(what);
     }
     for (int r = 1; r < world; ++r) {
-        if (at(r, layout_hi) == at(0, layout_hi) && at(r, layout_lo) == at(0, layout_lo)) continue;
+        if (same(r, settings_hi, settings_lo)) continue;
+        const auto s0 = parse_settings(fetch_text(0, settings_size, settings_text));
+        const auto sr = parse_settings(fetch_text(r, settings_size, settings_text));
+        throw ConfigurationError(describe_settings_difference(0, s0, r, sr));
+    }
+    for (int r = 1; r < world; ++r) {
+        if (same(r, layout_hi, layout_lo)) continue;
         auto l0 = parse_layout(fetch(0, static_cast<std::size_t>(at(0, layout_size)), layout.data()));
         auto lr = parse_layout(fetch(r, static_cast<std::size_t>(at(r, layout_size)), layout.data()));
         throw LayoutMismatch(describe_layout_difference(0, l0, r, lr));
     }
     for (int r = 1; r < world; ++r) {
-        if (at(r, plan_hi) == at(0, plan_hi) && at(r, plan_lo) == at(0, plan_lo)) continue;
+        if (same(r, plan_hi, plan_lo)) continue;
         throw LayoutMismatch("gradsync: the bucket plans of rank 0 and rank " + std::to_string(r) +
                              " differ although their parameters agree; pass the same bucketer, with the same "
                              "caps, on every rank");

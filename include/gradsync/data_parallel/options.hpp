@@ -5,6 +5,7 @@
 #include <gradsync/detail/policy.hpp>
 
 #include <chrono>
+#include <cmath>  // for std::isfinite
 #include <optional>
 #include <string>
 
@@ -35,6 +36,17 @@ struct Options {
     // where it would make the host wait for the whole communication stream once per step. true
     // turns it on there too (a debugging run), false off everywhere.
     std::optional<bool> check_histories{};
+
+    // What is wrong with these settings, or "".
+    [[nodiscard]] std::string invalid() const {
+        if (timeout.count() <= 0)
+            return "Options::timeout is " + std::to_string(timeout.count()) + " ms; it must be above 0";
+        if (!(clip_norm >= 0) || !std::isfinite(clip_norm))
+            return "Options::clip_norm is " + std::to_string(clip_norm) +
+                   "; it must be finite and at least 0 (0: no "
+                   "clipping)";
+        return {};
+    }
 };
 
 }  // namespace gradsync::inline v0

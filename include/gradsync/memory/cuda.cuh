@@ -33,6 +33,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
 #include <utility>  // for std::exchange
 #include <vector>
 
@@ -158,6 +159,7 @@ public:
     using policy_category = policy_category::memory;
     using Storage = cuda::DeviceBytes;
     static constexpr bool on_device = true;
+    [[nodiscard]] std::string settings() const { return "device"; }
 
     // A bucket's gradients: the table of its tensors in device memory (for the kernels) and on
     // the host (for zeroing and naming).

@@ -15,6 +15,7 @@
 #include <cstring>  // for std::memcpy, std::memset
 #include <limits>   // for std::numeric_limits
 #include <span>
+#include <string>
 #include <vector>
 
 namespace gradsync::inline v0 {
@@ -30,6 +31,7 @@ struct HostMemory {
     using policy_category = policy_category::memory;
     using Storage = detail::AlignedBytes;
     static constexpr bool on_device = false;
+    [[nodiscard]] std::string settings() const { return "host"; }
 
     // A bucket's gradients, in bucket order, as the passes take them.
     struct Table {

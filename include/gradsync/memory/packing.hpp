@@ -5,6 +5,7 @@
 #include <gradsync/detail/policy.hpp>
 
 #include <cstdint>
+#include <string>
 
 namespace gradsync::inline v0 {
 
@@ -18,16 +19,19 @@ enum class PackingMode : std::uint8_t {
 // can (ScatteredAllreduce), and packs them into bucket buffers when it cannot.
 struct AutoPacking {
     using policy_category = policy_category::packing;
+    [[nodiscard]] std::string settings() const { return "automatic"; }
     static constexpr PackingMode mode = PackingMode::automatic;
 };
 // Always copy gradients into bucket buffers of the memory policy, allreduce those, copy back.
 struct PackedBuckets {
     using policy_category = policy_category::packing;
+    [[nodiscard]] std::string settings() const { return "packed"; }
     static constexpr PackingMode mode = PackingMode::packed;
 };
 // Never copy: reduce the gradient buffers themselves. Needs a ScatteredAllreduce backend.
 struct InPlaceBuckets {
     using policy_category = policy_category::packing;
+    [[nodiscard]] std::string settings() const { return "in place"; }
     static constexpr PackingMode mode = PackingMode::in_place;
 };
 

@@ -91,22 +91,26 @@ enum class BufferSync : unsigned char { broadcast_every_step, broadcast_once, av
 // (PyTorch DDP's broadcast_buffers=True). The default.
 struct BroadcastBuffers {
     using policy_category = policy_category::buffers;
+    [[nodiscard]] std::string settings() const { return "broadcast every step"; }
     static constexpr BufferSync mode = BufferSync::broadcast_every_step;
 };
 // Copied from rank 0 at construction only.
 struct BroadcastBuffersOnce {
     using policy_category = policy_category::buffers;
+    [[nodiscard]] std::string settings() const { return "broadcast once"; }
     static constexpr BufferSync mode = BufferSync::broadcast_once;
 };
 // Copied from rank 0 at construction; averaged over the ranks at the end of every synchronize()
 // (buffers of a dtype the backend cannot reduce are copied from rank 0 instead).
 struct AverageBuffers {
     using policy_category = policy_category::buffers;
+    [[nodiscard]] std::string settings() const { return "averaged every step"; }
     static constexpr BufferSync mode = BufferSync::average_every_step;
 };
 // Left alone: each rank keeps its own.
 struct IgnoreBuffers {
     using policy_category = policy_category::buffers;
+    [[nodiscard]] std::string settings() const { return "ignored"; }
     static constexpr BufferSync mode = BufferSync::ignore;
 };
 

@@ -1,0 +1,68 @@
+// What every rank must agree on besides the layout: each setting that changes what is summed or
+// how it is applied (the policies and the Options that change the arithmetic), as text, so that
+// ranks that differ are told which setting differs, and how. And what is wrong with a setting on
+// its own, found at construction rather than after the first step.
+#pragma once
+
+#include <gradsync/data_parallel/options.hpp>
+
+#include <concepts>  // for std::convertible_to
+#include <string>
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+struct Setting {
+    std::string name;
+    std::string value;
+};
+
+// A policy's settings() (every built-in policy has one); a policy of the user's own without one
+// is agreed by its kind only.
+template <class P>
+std::string settings_of(const P& p) {
+    if constexpr (requires {
+                      { p.settings() } -> std::convertible_to<std::string>;
+                  })
+        return p.settings();
+    else
+        return "a policy without settings()";
+}
+
+// What is wrong with a policy on its own (its invalid(), where it has one), or "".
+template <class P>
+std::string invalid_of(const P& p) {
+    if constexpr (requires {
+                      { p.invalid() } -> std::convertible_to<std::string>;
+                  })
+        return p.invalid();
+    else
+        return {};
+}
+
+// The settings that change the sums, in a fixed order.
+template <class Bucketer, class Packing, class Memory, class Buffers, class Scaler, class Compression, class Lr>
+std::vector<Setting> agreed_settings(const Bucketer& bucketer, const Memory& memory, const Scaler& scaler, const Lr& lr,
+                                     const Options& options, bool device_backend) {
+    return {{"bucketer", settings_of(bucketer)},
+            {"packing", settings_of(Packing{})},
+            {"memory policy", settings_of(memory)},
+            {"buffer policy", settings_of(Buffers{})},
+            {"loss scaler", settings_of(scaler)},
+            {"compression", settings_of(Compression{})},
+            {"LR rule", settings_of(lr)},
+            {"Options::find_unused_parameters", options.find_unused_parameters ? "true" : "false"},
+            {"Options::rebuild_buckets", options.rebuild_buckets ? "true" : "false"},
+            {"Options::clip_norm", std::to_string(options.clip_norm)},
+            {"Options::check_histories", options.check_histories.value_or(!device_backend) ? "true" : "false"}};
+}
+
+// The first thing wrong with the configuration, or "".
+template <class... Policies>
+std::string invalid_configuration(const Options& options, const Policies&... policies) {
+    std::string why = options.invalid();
+    ((why = why.empty() ? invalid_of(policies) : why), ...);
+    return why;
+}
+
+}  // namespace gradsync::inline v0::detail
