@@ -290,6 +290,24 @@ TEST_CASE("a layout that differs across ranks names the first differing paramete
             Toy m({1000, 1000, 1000}, 0.0f);
             DataParallel dp(m, b, gradsync::SizeCappedBuckets{b.rank() == 0 ? 4_KiB : 8_KiB, 1_KiB});
         });
+        check_same_on_every_rank(messages,
+                                 "the ranks' settings differ: bucketer is 'size-capped, cap 4 KiB, first cap 1 KiB' "
+                                 "on rank 0 but 'size-capped, cap 8 KiB, first cap 1 KiB' on rank 1");
+    }
+    SUBCASE("the plans of a bucketer that does not say its settings") {
+        struct ByRank {
+            using policy_category = gradsync::policy_category::bucketer;
+            int rank = 0;
+            gradsync::BucketPlan plan(std::span<const gradsync::Parameter> params,
+                                      std::span<const std::size_t> order) const {
+                if (rank == 0) return gradsync::SingleBucket{}.plan(params, order);
+                return gradsync::PerParameterBuckets{}.plan(params, order);
+            }
+        };
+        auto messages = messages_of(2, [](LocalBackend& b) {
+            Toy m({1000, 1000, 1000}, 0.0f);
+            DataParallel dp(m, b, ByRank{b.rank()});
+        });
         check_same_on_every_rank(messages, "the bucket plans of rank 0 and rank 1 differ");
     }
 }
