@@ -11,6 +11,7 @@
 #include <cstring>      // for std::memcpy
 #include <type_traits>  // for std::is_same_v
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__)) && !defined(__CUDACC__)
+#include <cpuid.h>      // for __get_cpuid
 #include <immintrin.h>  // for the F16C conversions
 #endif
 
@@ -111,7 +112,11 @@ inline constexpr bool is_16_bit = std::is_same_v<T, float16> || std::is_same_v<T
 // The F16C instructions convert 8 values at once, rounding to nearest even like the code above.
 // Chosen at run time, so that a build for any x86-64 uses them where the processor has them.
 inline bool has_f16c() {
-    static const bool yes = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+    // F16C from CPUID leaf 1 (ECX bit 29): clang's __builtin_cpu_supports does not know "f16c".
+    static const bool yes = [] {
+        unsigned a = 0, b = 0, c = 0, d = 0;
+        return __builtin_cpu_supports("avx") && __get_cpuid(1, &a, &b, &c, &d) != 0 && (c & (1u << 29)) != 0;
+    }();
     return yes;
 }
 __attribute__((target("f16c,avx"))) inline void narrow_f16c(const float* in, float16* out, std::size_t n) {
