@@ -1,5 +1,7 @@
 // DataParallel::synchronize() on 2 ranks over the gradient layouts of ResNet-50 and BERT-base,
-// with no model behind them, against one raw allreduce of a flat buffer of the same bytes.
+// with no model behind them, against one raw allreduce of a flat buffer of the same bytes; and
+// what the checks that protect a run cost beside it (the replica check, the listing of the model
+// that follows moved gradient storage).
 // The two alternate within every iteration, in alternating order, and the figure is the median
 // of the per-iteration ratios: on a shared machine bandwidth drifts by tens of percent within
 // seconds, so only ratios of interleaved measurements compare.
@@ -69,6 +71,41 @@ void synchronize_vs_flat(benchmark::State& state, std::vector<layouts::Tensor> (
     bench::record_memory(key, extra, grads);
 }
 
+// check_replicas() (every rank hashes its parameters; one small allreduce compares the hashes)
+// interleaved with synchronize(); and one listing of the model, which synchronize() makes to
+// follow moved storage (once per step, and once per bucket launched during backward).
+void replica_check_vs_synchronize(benchmark::State& state, std::vector<layouts::Tensor> (*layout)()) {
+    const auto tensors = layout();
+    std::vector<double> check_s, sync_s, ratios, list_s;
+    double buckets = 0;
+    bench::time_on_two_ranks(state, [&](gradsync::LocalBackend& b) {
+        auto replica = std::make_shared<Replica<>>(tensors, b);
+        const bool timer = b.rank() == 0;
+        if (timer) buckets = static_cast<double>(replica->dp.plan().buckets.size());
+        return [&, replica, timer, check_first = false, warmed_up = false]() mutable {
+            auto check = [&] { replica->dp.check_replicas(); };
+            auto sync = [&] { replica->dp.synchronize(); };
+            auto [c, s] = bench::timed_pair(check, sync, !check_first);
+            if (timer && warmed_up) {
+                const auto t0 = std::chrono::steady_clock::now();
+                benchmark::DoNotOptimize(gradsync::parameters(replica->model));
+                list_s.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+                check_s.push_back(c);
+                sync_s.push_back(s);
+                ratios.push_back(c / s);
+                state.SetIterationTime(c);
+            }
+            check_first = !check_first;
+            warmed_up = true;
+        };
+    });
+    state.counters["check_ms"] = bench::median(check_s) * 1e3;
+    state.counters["sync_ms"] = bench::median(sync_s) * 1e3;
+    state.counters["ratio"] = bench::median(ratios);
+    state.counters["list_us"] = bench::median(list_s) * 1e6;
+    state.counters["buckets"] = buckets;
+}
+
 void configure(benchmark::internal::Benchmark* b) {
     b->UseManualTime()->Repetitions(repetitions)->ReportAggregatesOnly(true)->MinTime(min_seconds);
     b->Unit(benchmark::kMillisecond);
@@ -90,6 +127,8 @@ void register_data_parallel() {
             ->Apply(configure);
         benchmark::RegisterBenchmark(("synchronize_vs_flat/" + name + "/packed").c_str(),
                                      synchronize_vs_flat<gradsync::PackedBuckets>, layout.tensors, name + "/packed")
+            ->Apply(configure);
+        benchmark::RegisterBenchmark(("replica_check/" + name).c_str(), replica_check_vs_synchronize, layout.tensors)
             ->Apply(configure);
     }
 }

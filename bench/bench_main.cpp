@@ -2,6 +2,8 @@
 // measured in the same run, their ratio, and the target set for it.
 #include <benchmark/benchmark.h>
 
+#include <gradsync/data_parallel/options.hpp>
+
 #include "results.hpp"
 
 #include <algorithm>
@@ -182,6 +184,21 @@ void print_summary() {
     if (sync && flat && ratio) {
         target_row("synchronize() ResNet-50 / flat allreduce", fmt("%.2f ms", *sync), fmt("flat %.2f ms", *flat),
                    *ratio, "<= 1.10", *ratio <= 1.10);
+    }
+    for (const char* layout : {"resnet50", "bert_base"}) {
+        const std::string key = std::string("replica_check/") + layout;
+        auto check = counter(key, "check_ms"), sync_ms = counter(key, "sync_ms");
+        if (!check || !sync_ms) continue;
+        const double every = static_cast<double>(gradsync::Options::replica_check_default);
+        const std::string name = std::string(layout) == "resnet50" ? "ResNet-50" : "BERT-base";
+        target_row(("replica check, amortized / sync, " + name).c_str(), fmt("%.3f ms", *check / every),
+                   fmt("sync %.2f ms", *sync_ms), *check / every / *sync_ms, "<= 0.01",
+                   *check / every / *sync_ms <= 0.01);
+        auto list_us = counter(key, "list_us"), buckets = counter(key, "buckets");
+        if (list_us && buckets)
+            target_row(("model listings per step / sync, " + name).c_str(), fmt("%.1f us", *list_us * (*buckets + 1)),
+                       fmt("sync %.2f ms", *sync_ms), *list_us * (*buckets + 1) / 1e3 / *sync_ms, "<= 0.01",
+                       *list_us * (*buckets + 1) / 1e3 / *sync_ms <= 0.01);
     }
     if (auto it = memory.find("resnet50/in_place"); it != memory.end()) {
         double ratio = double(it->second.first.count()) / double(it->second.second.count());

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Runs the whole test suite: the dev build (unit, equivalence, compile-fail, consumer, single
-# header, README, nvcc and format checks), then the tests again under ThreadSanitizer and under
-# AddressSanitizer + UndefinedBehaviorSanitizer. Installs what it needs on Debian 12.
+# header, README, nvcc and format checks), a minute of fuzzing the checkpoint reader, then the tests
+# again under ThreadSanitizer and under AddressSanitizer + UndefinedBehaviorSanitizer. Installs what
+# it needs on Debian 12.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/deps.sh
 
 ensure_packages cmake ninja-build g++ make python3 doctest-dev libbenchmark-dev clang-format \
-    libopenmpi-dev openmpi-bin nlohmann-json3-dev
+    libopenmpi-dev openmpi-bin nlohmann-json3-dev clang-14
 export PATH="$PATH:/usr/local/cuda/bin"  # nvcc, where the CUDA toolkit is installed
 
 for preset in dev tsan asan-ubsan; do
@@ -16,5 +17,8 @@ for preset in dev tsan asan-ubsan; do
     cmake --build --preset "$preset"
     step "test: $preset"
     ctest --preset "$preset"
+    if [ "$preset" = dev ]; then
+        bash scripts/fuzz.sh 60  # the checkpoint reader under libFuzzer, one minute
+    fi
 done
 step "all tests passed"

@@ -289,6 +289,20 @@ public:
     using Error::Error;
 };
 
+// The ranks' replicas differ: parameters (or buffers kept equal, or checkpointed state) that
+// every rank should hold bit for bit do not match. Thrown on every rank with the same message.
+class ReplicaMismatch : public Error {
+public:
+    using Error::Error;
+};
+
+// The ranks are at different steps of the trainer (by the step numbers it passed): a rank skipped
+// or repeated an iteration. Thrown on every rank with the same message, before any update.
+class StepMismatch : public CollectiveError {
+public:
+    using CollectiveError::CollectiveError;
+};
+
 // A collective did not complete before its deadline.
 class TimeoutError : public CollectiveError {
 public:
@@ -359,7 +373,8 @@ struct Scheme {
     const char* local_size;
 };
 
-// In order of preference: the explicit torchrun/Paddle variables, then what each launcher sets.
+// Innermost launcher first: torchrun/Paddle's variables, then mpirun's (Open MPI, MPICH/PMI),
+// then Slurm's.
 inline constexpr Scheme schemes[] = {
     {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"},
     {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"},
@@ -397,21 +412,27 @@ inline ProcessPlace place_from(EnvLookup lookup) {
         found.push_back(p);
     }
     if (found.empty()) return ProcessPlace{0, 1, 0, 1, "no launcher variables: a single process"};
+    // The innermost launcher wins: torchrun inside srun or mpirun, mpirun inside srun. An inner
+    // launcher starts one or more processes for each task of the one around it, and numbers them
+    // its own way; an outer world larger than the inner one is a mistake (variables left over from
+    // another run).
     for (std::size_t i = 1; i < found.size(); ++i) {
-        if (found[i].rank != found[0].rank || found[i].world_size != found[0].world_size)
+        if (found[i].world_size > found[0].world_size)
             throw Error("gradsync: the launchers' variables disagree: " + found[0].source + " say rank " +
                         std::to_string(found[0].rank) + " of " + std::to_string(found[0].world_size) + ", " +
                         found[i].source + " say rank " + std::to_string(found[i].rank) + " of " +
-                        std::to_string(found[i].world_size));
+                        std::to_string(found[i].world_size) + ": more processes than the launcher inside it starts. " +
+                        "Are " + found[0].source + " left over in the environment from another run?");
     }
     return found[0];
 }
 
 }  // namespace detail
 
-// This process's place, from the environment the launcher left. A process started without a
-// launcher is rank 0 of 1. Throws when the variables are malformed, incomplete or contradict
-// each other.
+// This process's place, from the environment the launcher left: where launchers are nested
+// (torchrun started by srun), the innermost one's variables. A process started without a launcher
+// is rank 0 of 1. Throws when the variables are malformed or incomplete, or when a launcher
+// around another claims more processes than the inner one has.
 inline ProcessPlace process_place() { return detail::place_from(detail::real_env); }
 
 }  // namespace gradsync::inline v0
@@ -428,6 +449,7 @@ inline ProcessPlace process_place() { return detail::place_from(detail::real_env
 #include <cstring>      // for std::memcpy
 #include <type_traits>  // for std::is_same_v
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__)) && !defined(__CUDACC__)
+#include <cpuid.h>      // for __get_cpuid
 #include <immintrin.h>  // for the F16C conversions
 #endif
 
@@ -528,7 +550,11 @@ inline constexpr bool is_16_bit = std::is_same_v<T, float16> || std::is_same_v<T
 // The F16C instructions convert 8 values at once, rounding to nearest even like the code above.
 // Chosen at run time, so that a build for any x86-64 uses them where the processor has them.
 inline bool has_f16c() {
-    static const bool yes = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+    // F16C from CPUID leaf 1 (ECX bit 29): clang's __builtin_cpu_supports does not know "f16c".
+    static const bool yes = [] {
+        unsigned a = 0, b = 0, c = 0, d = 0;
+        return __builtin_cpu_supports("avx") && __get_cpuid(1, &a, &b, &c, &d) != 0 && (c & (1u << 29)) != 0;
+    }();
     return yes;
 }
 __attribute__((target("f16c,avx"))) inline void narrow_f16c(const float* in, float16* out, std::size_t n) {
@@ -1023,11 +1049,14 @@ private:
 
 
 // ---- begin gradsync/detail/hash.hpp ----
-// The one hash: 64-bit FNV-1a over 64-bit words, byte by byte, so that the same values give the
-// same hash in every process and on every machine (bucket plans, layouts, collective histories).
+// The hashes: 64-bit FNV-1a over 64-bit words, byte by byte, so that the same values give the
+// same hash in every process and on every machine (bucket plans, layouts, collective histories);
+// and content_hash, fast enough to run over every parameter of a model (replica checks).
 
 
+#include <cstddef>
 #include <cstdint>
+#include <cstring>  // for std::memcpy
 
 namespace gradsync::inline v0::detail {
 
@@ -1054,6 +1083,31 @@ public:
 private:
     std::uint64_t h_ = fnv1a_basis;
 };
+
+// A hash of `bytes` bytes at `data`. Four independent lanes, so that memory bandwidth rather than
+// one multiply chain sets the speed; each word is multiplied in and its high bits folded down, so
+// that a difference in any bit reaches the result.
+inline std::uint64_t content_hash(const void* data, std::size_t bytes) {
+    constexpr std::uint64_t k = 0x9e3779b97f4a7c15ull;
+    const auto* p = static_cast<const unsigned char*>(data);
+    std::uint64_t lane[4] = {k, k + 1, k + 2, k + 3};
+    const auto mix = [](std::uint64_t h, std::uint64_t w) {
+        h = (h ^ w) * k;
+        return h ^ (h >> 31);
+    };
+    std::size_t i = 0;
+    for (; i + 32 <= bytes; i += 32) {
+        std::uint64_t w[4];
+        std::memcpy(w, p + i, 32);
+        for (int j = 0; j < 4; ++j) lane[j] = mix(lane[j], w[j]);
+    }
+    for (int j = 0; i < bytes; i += 8, ++j) {
+        std::uint64_t w = 0;
+        std::memcpy(&w, p + i, bytes - i < 8 ? bytes - i : 8);
+        lane[j] = mix(lane[j], w);
+    }
+    return fnv1a(fnv1a(fnv1a(fnv1a(fnv1a(fnv1a_basis, bytes), lane[0]), lane[1]), lane[2]), lane[3]);
+}
 
 }  // namespace gradsync::inline v0::detail
 // ---- end gradsync/detail/hash.hpp ----
@@ -3489,10 +3543,12 @@ constexpr bool check_lr_rule() {
 // CollectiveHistory: every collective a DataParallel issues gets a tag that says what it is for
 // (which step, which bucket) and a fingerprint that folds in every collective before it, so that
 // ranks whose histories diverged are caught: at each call by a backend that compares tags
-// (CheckedCollectives), or once per step by comparing fingerprints with one small allreduce.
+// (CheckedCollectives), or once per step by comparing fingerprints (and the trainer's step
+// number, where it passes one) with one small allreduce.
 
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -3524,20 +3580,33 @@ public:
     [[nodiscard]] std::uint64_t fingerprint() const { return fingerprint_; }
     [[nodiscard]] std::uint64_t count() const { return count_; }
 
-    // Compares every rank's history with rank 0's (one allreduce of a small table); throws the
-    // same CollectiveError on every rank when one differs.
+    // Compares every rank's history with rank 0's (one allreduce of a small table), and the
+    // trainer's step number where it passed one; throws the same CollectiveError (StepMismatch
+    // for the step numbers) on every rank when one differs.
     template <Backend B>
-    void verify(B& backend, std::int64_t step) const {
+    void verify(B& backend, std::int64_t step, std::optional<std::uint64_t> trainer_step = {}) const {
         const int world = backend.size();
         if (world == 1) return;
-        std::vector<double> table(static_cast<std::size_t>(world) * 3, 0.0);
-        double* mine = table.data() + static_cast<std::size_t>(backend.rank()) * 3;
+        constexpr std::size_t columns = 5;
+        std::vector<double> table(static_cast<std::size_t>(world) * columns, 0.0);
+        double* mine = table.data() + static_cast<std::size_t>(backend.rank()) * columns;
         mine[0] = static_cast<double>(fingerprint_ >> 32);
         mine[1] = static_cast<double>(fingerprint_ & 0xffffffffu);
         mine[2] = static_cast<double>(count_);
+        mine[3] = trainer_step ? 1.0 : 0.0;
+        mine[4] = static_cast<double>(trainer_step.value_or(0));  // exact below 2^53
         backend.allreduce(Buffer{table.data(), table.size(), DType::float64}, ReduceOp::sum);
+        const auto number = [](const double* row) {
+            return row[3] == 0 ? std::string("none") : std::to_string(static_cast<std::uint64_t>(row[4]));
+        };
         for (int r = 1; r < world; ++r) {
-            const double* theirs = table.data() + static_cast<std::size_t>(r) * 3;
+            const double* theirs = table.data() + static_cast<std::size_t>(r) * columns;
+            if (theirs[3] != table[3] || theirs[4] != table[4])
+                throw StepMismatch("gradsync: step " + std::to_string(step) +
+                                   ": the ranks are at different steps of the trainer: rank 0 passed step number " +
+                                   number(table.data()) + " and rank " + std::to_string(r) + " " + number(theirs) +
+                                   "; a rank skipped or repeated an iteration, and its gradients were about to be "
+                                   "averaged with another iteration's");
             if (theirs[0] == table[0] && theirs[1] == table[1]) continue;
             throw CollectiveError("gradsync: step " + std::to_string(step) +
                                   ": the ranks' collective histories diverged: rank 0 issued " +
@@ -3760,29 +3829,14 @@ public:
     void setup(const BucketPlan& plan, std::span<const Parameter> params) {
         slots_.clear();
         slots_.resize(plan.buckets.size());
-        for (std::size_t b = 0; b < slots_.size(); ++b) {
-            const auto& bucket = plan.buckets[b];
-            auto& slot = slots_[b];
-            slot.indices = bucket.parameters;
-            std::sort(slot.indices.begin(), slot.indices.end());  // the element layout every rank shares
-            for (auto i : slot.indices) slot.segments.push_back(Segment{params[i].grad, params[i].count});
-            slot.dtype = slot.wire = bucket.dtype;
-            slot.count = bucket.count;
-            const bool contiguous = first_gap(slot.segments, bucket.dtype) == 0;
-            if (contiguous) slot.view = Segment{slot.segments.front().data, bucket.count};
-            if (compresses && bucket.dtype == DType::float32) {
-                slot.route = Route::compressed;
-                slot.wire = Wire;
-            } else if (InPlace) {
-                slot.route = Route::in_place;
-            } else {
-                slot.route = contiguous ? Route::view : Route::packed;
-            }
-            slot.table = memory_.table(slot.segments, bucket.dtype);
-            if ((slot.route == Route::packed || slot.route == Route::compressed) && backend_.size() > 1)
-                slot.buffer = memory_.allocate(Bytes{bucket.count * size_of(slot.wire)});
-        }
+        for (std::size_t b = 0; b < slots_.size(); ++b) build(slots_[b], plan.buckets[b], params);
         memory_.prepare_results(slots_.size());
+    }
+
+    // Bucket b's gradients moved (a framework that allocates new ones each step): its segments,
+    // view and tables follow them. Before its collective; its packed buffer is kept.
+    void refresh(std::size_t b, const Bucket& bucket, std::span<const Parameter> params) {
+        build(slots_[b], bucket, params);
     }
 
     // Whether this step's finalize pass unscales and measures (by `unscale`), or, without a loss
@@ -3927,6 +3981,30 @@ public:
     }
 
 private:
+    void build(Slot& slot, const Bucket& bucket, std::span<const Parameter> params) {
+        slot.indices = bucket.parameters;
+        std::sort(slot.indices.begin(), slot.indices.end());  // the element layout every rank shares
+        slot.segments.clear();
+        for (auto i : slot.indices) slot.segments.push_back(Segment{params[i].grad, params[i].count});
+        slot.dtype = slot.wire = bucket.dtype;
+        slot.count = bucket.count;
+        const bool contiguous = first_gap(slot.segments, bucket.dtype) == 0;
+        slot.view.reset();
+        if (contiguous) slot.view = Segment{slot.segments.front().data, bucket.count};
+        if (compresses && bucket.dtype == DType::float32) {
+            slot.route = Route::compressed;
+            slot.wire = Wire;
+        } else if (InPlace) {
+            slot.route = Route::in_place;
+        } else {
+            slot.route = contiguous ? Route::view : Route::packed;
+        }
+        slot.table = memory_.table(slot.segments, bucket.dtype);
+        const bool needs_buffer = slot.route == Route::packed || slot.route == Route::compressed;
+        if (needs_buffer && backend_.size() > 1 && slot.buffer.size() == 0)
+            slot.buffer = memory_.allocate(Bytes{bucket.count * size_of(slot.wire)});
+    }
+
     // The bucket's gradients where they lie: one segment when they are a view.
     static std::span<const Segment> segments_of(const Slot& slot) {
         return slot.view ? std::span<const Segment>(&*slot.view, 1) : std::span<const Segment>(slot.segments);
@@ -3991,10 +4069,11 @@ private:
 // ---- begin gradsync/data_parallel/model_layout.hpp ----
 // The model as DataParallel sees it: its parameters in registration order without the zero-sized
 // ones (the list bucket plans index into), the model's own index of each, its parameters by name,
-// and its buffers.
+// and its buffers; and where their storage is now, when it moves between steps.
 
 
 #include <cstddef>
+#include <span>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -4011,6 +4090,7 @@ struct ModelLayout {
     std::vector<Parameter> params;
     std::vector<ModelBuffer> buffers;
     std::vector<std::size_t> param_of_model_index;  // none for zero-sized parameters
+    std::vector<std::size_t> model_index_of_param;
     std::unordered_map<std::string, std::size_t> by_name;
 
     template <class Model>
@@ -4022,6 +4102,7 @@ struct ModelLayout {
                 out.param_of_model_index.push_back(none);
             } else {
                 out.param_of_model_index.push_back(out.params.size());
+                out.model_index_of_param.push_back(i);
                 out.params.push_back(listed[i]);
             }
             auto [it, fresh] = out.by_name.emplace(listed[i].name, out.param_of_model_index.back());
@@ -4031,6 +4112,47 @@ struct ModelLayout {
             for (auto& b : gradsync::buffers(model))
                 if (b.count != 0) out.buffers.push_back(std::move(b));
         return out;
+    }
+
+    // The model's parameters now, to follow storage that moves between steps (a framework that
+    // frees gradients and allocates new ones in backward). A list of another length is an
+    // InvalidModel error; where() begins its message.
+    template <class Model, class Where>
+    std::vector<Parameter> relist(Model& model, const Where& where) const {
+        auto listed = gradsync::parameters(model);
+        if (listed.size() != param_of_model_index.size())
+            throw InvalidModel(where() + ": the model lists " + std::to_string(listed.size()) +
+                               " parameters now and listed " + std::to_string(param_of_model_index.size()) +
+                               " when the DataParallel was made; its parameters cannot change under a "
+                               "DataParallel (make a new one)");
+        return listed;
+    }
+
+    // Follows the storage of the parameters `which` to where `listed` says it is now; returns
+    // whether any moved. A parameter that changed size or dtype, or lost its values or gradient,
+    // is an InvalidModel error naming it.
+    template <class Where>
+    bool follow(const std::vector<Parameter>& listed, std::span<const std::size_t> which, const Where& where) {
+        bool moved = false;
+        for (auto p : which) {
+            auto& mine = params[p];
+            const auto& now = listed[model_index_of_param[p]];
+            if (now.count != mine.count || now.dtype != mine.dtype)
+                throw InvalidModel(where() + ": parameter '" + mine.name + "' was " + std::to_string(mine.count) +
+                                   " x " + std::string(to_string(mine.dtype)) + " and is now " +
+                                   std::to_string(now.count) + " x " + std::string(to_string(now.dtype)) +
+                                   "; its storage may move between steps, but not change size or type");
+            if (now.grad == nullptr || now.data == nullptr)
+                throw InvalidModel(where() + ": parameter '" + mine.name + "' has no " +
+                                   (now.data == nullptr ? "values" : "gradient") +
+                                   " now; a framework that frees gradients between steps must have allocated them "
+                                   "by the time the parameter's bucket is reduced");
+            if (now.data == mine.data && now.grad == mine.grad) continue;
+            mine.data = now.data;
+            mine.grad = now.grad;
+            moved = true;
+        }
+        return moved;
     }
 
     // The parameter at the model's `index` (zero-sized: none), or an error message.
@@ -4557,6 +4679,7 @@ StepReport decide_step(const StepStats& stats, Scaler& scaler, const Lr& lr, int
 
 
 #include <chrono>
+#include <cstdint>
 #include <cmath>  // for std::isfinite
 #include <optional>
 #include <string>
@@ -4588,6 +4711,13 @@ struct Options {
     // where it would make the host wait for the whole communication stream once per step. true
     // turns it on there too (a debugging run), false off everywhere.
     std::optional<bool> check_histories{};
+    // Every this many synchronized steps (and at every checkpoint save), every rank hashes its
+    // parameters and the buffers kept equal, and the ranks compare the hashes (one allreduce of
+    // 16 bytes per rank), so that replicas that drifted apart are named instead of training on.
+    // Unset: every replica_check_default steps where parameters are in host memory, off for
+    // device memory. 0: off.
+    std::optional<std::uint64_t> check_replicas_every{};
+    static constexpr std::uint64_t replica_check_default = 100;
 
     // What is wrong with these settings, or "".
     [[nodiscard]] std::string invalid() const {
@@ -4598,6 +4728,11 @@ struct Options {
                    "; it must be finite and at least 0 (0: no "
                    "clipping)";
         return {};
+    }
+
+    // Every how many steps the replicas are compared (0: never), resolved for the memory policy.
+    [[nodiscard]] std::uint64_t replica_check_interval(bool device_memory) const {
+        return check_replicas_every.value_or(device_memory ? 0 : replica_check_default);
     }
 };
 
@@ -4641,7 +4776,7 @@ std::string invalid_of(const P& p) {
 // The settings that change the sums, in a fixed order.
 template <class Bucketer, class Packing, class Memory, class Buffers, class Scaler, class Compression, class Lr>
 std::vector<Setting> agreed_settings(const Bucketer& bucketer, const Memory& memory, const Scaler& scaler, const Lr& lr,
-                                     const Options& options, bool device_backend) {
+                                     const Options& options, bool device_backend, bool device_memory) {
     return {{"bucketer", settings_of(bucketer)},
             {"packing", settings_of(Packing{})},
             {"memory policy", settings_of(memory)},
@@ -4652,7 +4787,8 @@ std::vector<Setting> agreed_settings(const Bucketer& bucketer, const Memory& mem
             {"Options::find_unused_parameters", options.find_unused_parameters ? "true" : "false"},
             {"Options::rebuild_buckets", options.rebuild_buckets ? "true" : "false"},
             {"Options::clip_norm", std::to_string(options.clip_norm)},
-            {"Options::check_histories", options.check_histories.value_or(!device_backend) ? "true" : "false"}};
+            {"Options::check_histories", options.check_histories.value_or(!device_backend) ? "true" : "false"},
+            {"Options::check_replicas_every", std::to_string(options.replica_check_interval(device_memory))}};
 }
 
 // The first thing wrong with the configuration, or "".
@@ -4954,6 +5090,55 @@ void agree_on_layout(B& backend, std::span<const Parameter> params, std::span<co
 }  // namespace gradsync::inline v0::detail
 // ---- end gradsync/data_parallel/layout_agreement.hpp ----
 
+// ---- begin gradsync/data_parallel/moved_storage.hpp ----
+// Gradient storage that moves between steps: a framework that frees gradients after the
+// optimizer and allocates new ones in backward (libtorch 2.x's zero_grad() sets them to none)
+// would leave a DataParallel reading freed memory. Before each bucket's collective the model is
+// listed again and the bucket follows its gradients to where they are now: pointer compares per
+// step, and new tables only for a bucket whose storage moved.
+
+
+#include <algorithm>  // for std::all_of, std::fill
+#include <cstddef>
+#include <string>
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+class StorageFollower {
+public:
+    // A new plan of `buckets` buckets.
+    void reset(std::size_t buckets) { followed_.assign(buckets, 0); }
+    void end_step() { std::fill(followed_.begin(), followed_.end(), 0); }
+
+    // Follows the storage of buckets [first, last) not followed yet this step, with one listing
+    // of the model; a bucket whose gradients moved gets new tables from the engine. With
+    // `contiguous`, a bucket whose gradients no longer lie contiguously is an error. where()
+    // begins error messages.
+    template <class Model, class Engine, class Where>
+    void follow(Model& model, ModelLayout& layout, const BucketPlan& plan, Engine& engine, std::size_t first,
+                std::size_t last, bool contiguous, const Where& where) {
+        const auto begin = followed_.begin();
+        if (std::all_of(begin + first, begin + last, [](char f) { return f != 0; })) return;
+        const auto listed = layout.relist(model, where);
+        for (std::size_t b = first; b < last; ++b) {
+            if (followed_[b] != 0) continue;
+            followed_[b] = 1;
+            if (!layout.follow(listed, plan.buckets[b].parameters, where)) continue;
+            engine.refresh(b, plan.buckets[b], layout.params);
+            if (contiguous && !engine.slots()[b].view)
+                throw InvalidModel(where() + ": the gradients of bucket " + std::to_string(b) +
+                                   " moved and no longer lie contiguously, as device gradients must");
+        }
+    }
+
+private:
+    std::vector<char> followed_;  // per bucket: followed this step
+};
+
+}  // namespace gradsync::inline v0::detail
+// ---- end gradsync/data_parallel/moved_storage.hpp ----
+
 // ---- begin gradsync/data_parallel/policies.hpp ----
 // The policies of one DataParallel: one of each kind picked from its template arguments, in any
 // order, each defaulted, and each checked against its kind's concept with an error that names
@@ -5129,6 +5314,38 @@ std::string stream_problem(const B& backend, const M& memory) {
     return {};
 }
 
+// Options that need parameters in host memory.
+inline std::string device_memory_problem(const Options& options, bool device_memory) {
+    if (device_memory && options.check_replicas_every.value_or(0) > 0)
+        return "Options::check_replicas_every needs parameters in host memory; with device memory leave it unset";
+    return {};
+}
+
+// The first problem a rank finds with its own set-up, worded alike for every kind: thrown at once
+// in a world of one, else handed to the agreement so that every rank refuses alike.
+class SetupProblems {
+public:
+    explicit SetupProblems(int rank) : rank_(rank) {}
+    void model(const std::string& what) { add(LocalProblem::Kind::model, what); }
+    void configuration(const std::string& what) { add(LocalProblem::Kind::configuration, what); }
+    [[nodiscard]] bool any() const { return first_.kind != LocalProblem::Kind::none; }
+    [[nodiscard]] const LocalProblem& first() const { return first_; }
+    void throw_first() const {
+        if (first_.kind == LocalProblem::Kind::configuration) throw ConfigurationError(first_.what);
+        if (first_.kind == LocalProblem::Kind::model) throw InvalidModel(first_.what);
+    }
+
+private:
+    void add(LocalProblem::Kind kind, const std::string& what) {
+        if (any() || what.empty()) return;
+        first_ = {kind, std::string("gradsync: invalid ") +
+                            (kind == LocalProblem::Kind::model ? "model" : "configuration") + " on rank " +
+                            std::to_string(rank_) + ": " + what};
+    }
+    int rank_;
+    LocalProblem first_;
+};
+
 // Device gradients under a host memory policy, asked for a pass the host would make over them.
 inline std::string untouchable_gradients(int rank) {
     return rank_prefix(rank) +
@@ -5139,6 +5356,200 @@ inline std::string untouchable_gradients(int rank) {
 
 }  // namespace gradsync::inline v0::detail
 // ---- end gradsync/data_parallel/setup_checks.hpp ----
+
+// ---- begin gradsync/data_parallel/step_checks.hpp ----
+// What synchronize() checks as a step ends: that the ranks' collective histories agree (and the
+// trainer's step numbers, where it passes them), and every Options::check_replicas_every steps
+// that their replicas do.
+
+
+// ---- begin gradsync/data_parallel/replica_check.hpp ----
+// Replica consistency: what every rank should hold bit for bit (the parameters, the buffers kept
+// equal, checkpointed optimizer state) hashed on every rank and compared, so that replicas that
+// drifted apart (a rank that skipped or repeated a step, changed parameters on its own, loaded
+// other values) are caught and named instead of training on silently.
+
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+// One tensor whose bytes every rank must hold alike.
+struct ReplicaTensor {
+    const std::string* name;
+    const char* kind;  // "parameter", "buffer", "checkpointed tensor"
+    const void* data;
+    std::size_t bytes;
+};
+
+// What every rank holds alike between steps: the parameters, and the buffers a policy keeps equal
+// at every step (not those broadcast once or left alone: they may differ by design).
+inline std::vector<ReplicaTensor> replica_tensors(std::span<const Parameter> params,
+                                                  std::span<const ModelBuffer> buffers, BufferSync mode) {
+    std::vector<ReplicaTensor> out;
+    out.reserve(params.size() + buffers.size());
+    for (const auto& p : params) out.push_back(ReplicaTensor{&p.name, "parameter", p.data, p.bytes().count()});
+    if (mode == BufferSync::broadcast_every_step || mode == BufferSync::average_every_step)
+        for (const auto& b : buffers) out.push_back(ReplicaTensor{&b.name, "buffer", b.data, b.bytes().count()});
+    return out;
+}
+
+namespace replica {
+
+// Each rank's 64-bit values as two exact 32-bit halves in its own row of a table of doubles; one
+// sum over ranks gives every rank everyone's values.
+template <Backend B>
+std::vector<double> gather(B& backend, std::span<const std::uint64_t> mine) {
+    const auto n = mine.size();
+    std::vector<double> table(static_cast<std::size_t>(backend.size()) * n * 2, 0.0);
+    double* row = table.data() + static_cast<std::size_t>(backend.rank()) * n * 2;
+    for (std::size_t i = 0; i < n; ++i) {
+        row[2 * i] = static_cast<double>(mine[i] >> 32);
+        row[2 * i + 1] = static_cast<double>(mine[i] & 0xffffffffu);
+    }
+    backend.allreduce(Buffer{table.data(), table.size(), DType::float64}, ReduceOp::sum);
+    return table;
+}
+
+inline bool same(const std::vector<double>& table, std::size_t n, int rank, std::size_t i) {
+    const double* a = table.data() + 2 * i;
+    const double* b = table.data() + static_cast<std::size_t>(rank) * n * 2 + 2 * i;
+    return a[0] == b[0] && a[1] == b[1];
+}
+
+}  // namespace replica
+
+// Where the ranks' lists of hashes differ from rank 0's.
+struct RankDifference {
+    bool lengths_differ = false;  // then first and differing say nothing
+    std::size_t first = 0;        // the first index where a rank differs
+    std::string ranks;            // the ranks that differ there: "2" or "1, 3"
+    std::size_t differing = 0;    // how many indices differ
+    [[nodiscard]] std::string rank_words() const {
+        return (ranks.find(',') == std::string::npos ? "rank " : "ranks ") + ranks;
+    }
+};
+
+// Compares every rank's list of hashes with rank 0's: one allreduce of the list's length and one
+// hash of it per rank, and only when they differ (and the lengths agree) a second one of the
+// whole list, to find the first index that differs. The same answer on every rank. Collective.
+template <Backend B>
+std::optional<RankDifference> compare_with_rank0(B& backend, std::span<const std::uint64_t> hashes) {
+    const int world = backend.size();
+    if (world == 1) return std::nullopt;
+    Fnv1a whole;
+    for (auto h : hashes) whole.add(h);
+    const std::uint64_t summary[2] = {whole.value(), hashes.size()};
+    const auto first = replica::gather(backend, std::span<const std::uint64_t>(summary));
+    RankDifference d;
+    bool all_same = true;
+    for (int r = 1; r < world; ++r) {
+        const bool length_same = replica::same(first, 2, r, 1);
+        if (length_same && replica::same(first, 2, r, 0)) continue;
+        all_same = false;
+        if (!length_same) {
+            d.lengths_differ = true;
+            d.ranks += (d.ranks.empty() ? "" : ", ") + std::to_string(r);
+        }
+    }
+    if (all_same) return std::nullopt;
+    if (d.lengths_differ) return d;
+
+    const auto n = hashes.size();
+    const auto table = replica::gather(backend, hashes);
+    d.first = n;
+    for (std::size_t i = 0; i < n; ++i) {
+        bool differs = false;
+        for (int r = 1; r < world; ++r) {
+            if (replica::same(table, n, r, i)) continue;
+            differs = true;
+            if (d.first == n) d.ranks += (d.ranks.empty() ? "" : ", ") + std::to_string(r);
+        }
+        if (differs && d.first == n) d.first = i;
+        d.differing += differs;
+    }
+    return d;
+}
+
+// Compares every rank's tensors with rank 0's by content hash; throws the same ReplicaMismatch on
+// every rank, naming the first tensor that differs and the ranks that hold another value. `when`
+// says where the check ran ("step 100"). Collective: every rank calls it with its tensors.
+template <Backend B>
+void compare_replicas(B& backend, std::span<const ReplicaTensor> tensors, const std::string& when) {
+    if (backend.size() == 1) return;
+    std::vector<std::uint64_t> hashes;
+    hashes.reserve(tensors.size());
+    for (const auto& t : tensors) hashes.push_back(content_hash(t.data, t.bytes));
+    const auto d = compare_with_rank0(backend, std::span<const std::uint64_t>(hashes));
+    if (!d) return;
+    std::string what = "gradsync: " + when + ": the ranks' replicas differ: ";
+    if (d->lengths_differ) {
+        what += d->rank_words() + " compared another number of tensors than rank 0";
+    } else {
+        const auto& t = tensors[d->first];
+        what += std::string(t.kind) + " '" + *t.name + "' on " + d->rank_words() + " is not rank 0's (" +
+                std::to_string(d->differing) + " of " + std::to_string(tensors.size()) + " tensors differ)";
+    }
+    throw ReplicaMismatch(what +
+                          "; the ranks' updates diverged: a rank skipped or repeated a synchronize() or an "
+                          "optimizer step, changed values on its own, or loaded other values. Passing the "
+                          "trainer's step number to synchronize() or step() catches a skipped step where it "
+                          "happens");
+}
+
+}  // namespace gradsync::inline v0::detail
+// ---- end gradsync/data_parallel/replica_check.hpp ----
+
+// ---- begin gradsync/data_parallel/step_number.hpp ----
+// StepNumber: the trainer's own step number, passed to synchronize() or step(), so that ranks
+// whose loops got out of step (one skipped or repeated an iteration) are caught at that very
+// step rather than training on with mismatched batches: dp.step(optimizer, gradsync::StepNumber{i}).
+
+
+#include <cstdint>
+
+namespace gradsync::inline v0 {
+
+struct StepNumber {
+    std::uint64_t value = 0;
+};
+
+}  // namespace gradsync::inline v0
+// ---- end gradsync/data_parallel/step_number.hpp ----
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+
+namespace gradsync::inline v0::detail {
+
+// The parameters and the buffers kept equal, compared with rank 0's. `when`: "step 100".
+template <Backend B>
+void check_replicas(B& backend, const ModelLayout& layout, BufferSync buffers, const std::string& when) {
+    const auto tensors = replica_tensors(layout.params, layout.buffers, buffers);
+    compare_replicas(backend, std::span<const ReplicaTensor>(tensors), when);
+}
+
+// `histories`: whether this backend compares histories once per step (one that cannot compare
+// them at each collective, and where the Options ask for it).
+template <Backend B>
+void check_step_end(B& backend, const CollectiveHistory& history, bool histories, const Options& options,
+                    bool device_memory, const ModelLayout& layout, BufferSync buffers, std::int64_t step,
+                    std::optional<StepNumber> number) {
+    if (histories || number) history.verify(backend, step, number ? std::optional(number->value) : std::nullopt);
+    const auto every = options.replica_check_interval(device_memory);
+    if (every > 0 && static_cast<std::uint64_t>(step) % every == 0)
+        check_replicas(backend, layout, buffers, "step " + std::to_string(step));
+}
+
+}  // namespace gradsync::inline v0::detail
+// ---- end gradsync/data_parallel/step_checks.hpp ----
 
 // ---- begin gradsync/data_parallel/timeline.hpp ----
 // A Chrome trace of the buckets' lives (open in ui.perfetto.dev or chrome://tracing). Ranks of
@@ -5372,21 +5783,24 @@ public:
     // Averages every parameter's gradient over all ranks. Call on every rank after backward. With
     // grad_ready() calls, waits for the launched buckets and launches the rest; without, reduces
     // every bucket now. Under no_sync() it communicates nothing. With a loss scaler, compression
-    // or clipping, the finalize pass also unscales the gradients and measures their norm.
-    void synchronize() { synchronize_impl(/*want_stats=*/false); }
+    // or clipping, the finalize pass also unscales the gradients and measures their norm. Given
+    // the trainer's step number, every rank checks that all are at the same one (one small
+    // allreduce).
+    void synchronize(std::optional<StepNumber> number = {}) { synchronize_impl(/*want_stats=*/false, true, number); }
 
     // synchronize(), then the optimizer if every gradient is finite: optimizer(learning rate)
     // with an LR policy, optimizer() without. The loss scaler learns of the outcome either way. A
-    // skipped step leaves parameters and optimizer state untouched, on every rank alike.
+    // skipped step leaves parameters and optimizer state untouched, on every rank alike. The
+    // trainer's step number is checked as by synchronize().
     template <class Optimizer>
-    StepReport step(Optimizer&& optimizer) {
+    StepReport step(Optimizer&& optimizer, std::optional<StepNumber> number = {}) {
         static_assert(detail::check_optimizer<Optimizer, Set::has_lr_rule>());
         if (readiness_.accumulating())
             throw ReadinessError(detail::rank_prefix(rank()) +
                                  ": step() under no_sync(); call it after the guard is gone, on the step that "
                                  "synchronizes");
         const std::uint64_t step = steps() + 1;
-        synchronize_impl(/*want_stats=*/true);
+        synchronize_impl(/*want_stats=*/true, true, number);
         return detail::decide_step(
             stats_, scaler_, lr_, world_size(), step, optimizer,
             [this](std::size_t p) { return layout_.params[p].name; }, rank());
@@ -5399,7 +5813,7 @@ public:
     // For CudaMemory, with no loss scaler or a static one (a dynamic scale is decided on the
     // host), no clipping and no wire compression (both need the norm or the redo on the host).
     template <class Optimizer>
-    void step_on_device(Optimizer&& optimizer) requires(memory_type::on_device) {
+    void step_on_device(Optimizer&& optimizer, std::optional<StepNumber> number = {}) requires(memory_type::on_device) {
         static_assert(detail::check_step_on_device<loss_scaler_type, compression_type>());
         if (options_.clip_norm > 0)
             throw Error(detail::rank_prefix(rank()) +
@@ -5407,7 +5821,7 @@ public:
         if (readiness_.accumulating())
             throw ReadinessError(detail::rank_prefix(rank()) + ": step_on_device() under no_sync()");
         const std::uint64_t step = steps() + 1;
-        synchronize_impl(/*want_stats=*/true, /*read_stats=*/false);
+        synchronize_impl(/*want_stats=*/true, /*read_stats=*/false, number);
         if constexpr (Set::has_lr_rule)
             optimizer(lr_.rate(world_size(), step - 1), verdict_);
         else
@@ -5445,6 +5859,13 @@ public:
         if (backend_.size() == 1) return;
         for (const auto& p : layout_.params)
             backend_.broadcast(std::span(static_cast<std::byte*>(p.data), p.bytes().count()), 0);
+    }
+
+    // Compares every rank's parameters (and the buffers kept equal) with rank 0's, by hash; throws
+    // the same ReplicaMismatch on every rank, naming the first that differs and the ranks.
+    // Collective, between steps. synchronize() runs it every Options::check_replicas_every steps.
+    void check_replicas() requires(!memory_type::on_device) {
+        detail::check_replicas(backend_, layout_, buffers_type::mode, "after step " + std::to_string(steps()));
     }
 
     // The bucket plan. After a bucket rebuild it changes: read it between steps.
@@ -5489,6 +5910,7 @@ private:
 
     // Bucket b goes now (during backward, under the readiness lock).
     void launch(std::size_t b) {
+        follow_storage(b, b + 1);
         engine_.launch(b, tag_of(b, detail::CollectivePurpose::bucket));
         detail::log(detail::LogLevel::debug, rank(), [&] {
             return "step " + std::to_string(current_step()) + ": launched bucket " + std::to_string(b);
@@ -5503,7 +5925,7 @@ private:
 
     // `read_stats` false: the finalize pass's measurements stay where the memory policy put them
     // (step_on_device), and the host never waits for the device.
-    void synchronize_impl(bool want_stats, bool read_stats = true) {
+    void synchronize_impl(bool want_stats, bool read_stats, std::optional<StepNumber> number) {
         if (readiness_.accumulating()) return;  // an accumulation micro-step
         guard([&] {
             check_backend_health();
@@ -5514,6 +5936,7 @@ private:
             const bool finalizing = want_stats || scaler_.scale() != 1.0f || options_.clip_norm > 0;
             if (gradients_untouchable && finalizing) throw Error(detail::untouchable_gradients(rank()));
             engine_.begin_step(finalizing, 1.0 / static_cast<double>(scaler_.scale()));
+            follow_storage(0, plan_.buckets.size());
             if (overlapped) {
                 complete_readiness();
             } else if (backend_.size() > 1) {
@@ -5532,10 +5955,10 @@ private:
             check_backend_health();  // what the device did while the host did not wait
             if (options_.clip_norm > 0) detail::clip(engine_, stats_, options_.clip_norm);
             detail::sync_buffers(backend_, buffers(), buffers_type::mode, false, history_, current_step());
-            if constexpr (!CheckedCollectives<BackendT>) {
-                if (options_.check_histories.value_or(!DeviceBackend<BackendT>))
-                    history_.verify(backend_, current_step());
-            }
+            detail::check_step_end(
+                backend_, history_,
+                !CheckedCollectives<BackendT> && options_.check_histories.value_or(!DeviceBackend<BackendT>), options_,
+                memory_type::on_device, layout_, buffers_type::mode, current_step(), number);
             detail::record_step(
                 timeline_, current_step(), engine_.slots(), overlapped,
                 [&](std::size_t b) { return readiness_.completed_at(b); }, began);
@@ -5543,6 +5966,12 @@ private:
             end_step();
             steps_.fetch_add(1, std::memory_order_acq_rel);
         });
+    }
+
+    // Storage that moved since the last step is followed before each bucket's collective.
+    void follow_storage(std::size_t first, std::size_t last) {
+        storage_.follow(model_, layout_, plan_, engine_, first, last, gradients_untouchable,
+                        [this] { return where(); });
     }
 
     // At synchronize(): every parameter without grad_ready is either accumulated earlier (ready),
@@ -5573,11 +6002,19 @@ private:
         if constexpr (HealthPolling<BackendT>) backend_.throw_if_failed();
     }
 
-    // Runs f; on an exception, aborts the group so that peers fail now, drains, and rethrows.
+    // Runs f; on an exception, aborts the group so that peers fail now, drains, and rethrows. An
+    // error every rank raised alike after its collectives completed needs no abort (under MPI an
+    // abort ends the job).
     template <class F>
     void guard(F&& f) {
         try {
             f();
+        } catch (const ReplicaMismatch&) {
+            end_step();
+            throw;
+        } catch (const StepMismatch&) {
+            end_step();
+            throw;
         } catch (const std::exception& e) {
             abort_group(e.what());
             engine_.drain(std::chrono::steady_clock::now() + options_.timeout);
@@ -5593,6 +6030,7 @@ private:
     }
 
     void end_step() {
+        storage_.end_step();
         engine_.end_step();
         readiness_.reset();
         readiness_.set_phase(Phase::idle);
@@ -5601,27 +6039,22 @@ private:
     // Lists the model, checks this rank's set-up, agrees with every rank, and starts in step.
     void init() {
         layout_ = detail::ModelLayout::of(model_, buffers_type::mode != BufferSync::ignore);
-        using Kind = detail::LocalProblem::Kind;
-        detail::LocalProblem problem;
-        const auto refuse = [&](Kind kind, const std::string& what) {
-            if (problem.kind != Kind::none || what.empty()) return;
-            problem = {kind, std::string("gradsync: invalid ") + (kind == Kind::model ? "model" : "configuration") +
-                                 " on rank " + std::to_string(rank()) + ": " + what};
-        };
-        refuse(Kind::configuration, detail::invalid_configuration(options_, bucketer_, scaler_, lr_));
-        refuse(Kind::model, detail::find_model_problem(parameters(), buffers(), backend_));
-        if (problem.kind == Kind::none) plan_ = bucketer_.plan(layout_.params, std::span<const std::size_t>{});
-        if (problem.kind == Kind::none && gradients_untouchable)
-            refuse(Kind::model, detail::device_gradients_problem(plan_, parameters(), options_));
-        refuse(Kind::configuration, detail::stream_problem(backend_, engine_.memory()));
-        if (backend_.size() == 1 && problem.kind == Kind::configuration) throw ConfigurationError(problem.what);
-        if (backend_.size() == 1 && problem.kind == Kind::model) throw InvalidModel(problem.what);
+        detail::SetupProblems problems(rank());
+        problems.configuration(detail::invalid_configuration(options_, bucketer_, scaler_, lr_));
+        problems.model(detail::find_model_problem(parameters(), buffers(), backend_));
+        if (!problems.any()) plan_ = bucketer_.plan(layout_.params, std::span<const std::size_t>{});
+        if (!problems.any() && gradients_untouchable)
+            problems.model(detail::device_gradients_problem(plan_, parameters(), options_));
+        problems.configuration(detail::stream_problem(backend_, engine_.memory()));
+        problems.configuration(detail::device_memory_problem(options_, memory_type::on_device));
+        if (backend_.size() == 1) problems.throw_first();
         if (backend_.size() > 1)
-            detail::agree_on_layout(backend_, parameters(), buffers(), plan_,
-                                    detail::agreed_settings<bucketer_type, packing_type, memory_type, buffers_type,
-                                                            loss_scaler_type, compression_type, lr_type>(
-                                        bucketer_, engine_.memory(), scaler_, lr_, options_, DeviceBackend<BackendT>),
-                                    problem);
+            detail::agree_on_layout(
+                backend_, parameters(), buffers(), plan_,
+                detail::agreed_settings<bucketer_type, packing_type, memory_type, buffers_type, loss_scaler_type,
+                                        compression_type, lr_type>(bucketer_, engine_.memory(), scaler_, lr_, options_,
+                                                                   DeviceBackend<BackendT>, memory_type::on_device),
+                problems.first());
         broadcast_parameters();
         detail::sync_buffers(backend_, buffers(), buffers_type::mode, true, history_, current_step());
         setup_buckets();
@@ -5640,6 +6073,7 @@ private:
 
     // (Re)builds the engine's and readiness's per-bucket state from plan_.
     void setup_buckets() {
+        storage_.reset(plan_.buckets.size());
         engine_.setup(plan_, parameters());
         readiness_.plan(plan_, layout_.params.size());
     }
@@ -5674,6 +6108,7 @@ private:
     BucketPlan plan_;
     mutable std::mutex plan_mutex_;  // a peer's diagnosis against a rebuild
     std::atomic<std::uint64_t> steps_{0};
+    detail::StorageFollower storage_;
     bool rebuilt_ = false;
     detail::Timeline timeline_;
     detail::StatusRegistration<BackendT> reporter_;  // last: gone before what it reads

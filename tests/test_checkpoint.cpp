@@ -7,6 +7,7 @@
 
 #include "support/resume_run.hpp"
 
+#include <sys/stat.h>  // for mkfifo
 #include <sys/wait.h>  // for waitpid
 #include <unistd.h>    // for fork, _exit
 
@@ -173,7 +174,7 @@ TEST_CASE("safetensors: a corrupt or truncated file is a clear error, never a cr
                            R"("v":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
                            8),
          "overlap"},
-        {safetensors_bytes(R"({"__metadata__":{"k":1}})", 0), "'k' is not a string"},
+        {safetensors_bytes(R"({"__metadata__":{"k":1}})", 0), "'k' is 1, not a string"},
     };
     for (const auto& c : cases) {
         CAPTURE(c.expected);
@@ -358,4 +359,128 @@ TEST_CASE("checkpoint: a save that cannot be written fails on every rank with th
     REQUIRE(messages.size() == 2);
     CHECK(messages[0] == messages[1]);
     CHECK(messages[0].find("cannot create /nonexistent-dir/x.safetensors.tmp.") != std::string::npos);
+}
+
+TEST_CASE("checkpoint: a save refuses replicas that differ from rank 0's, naming the tensor, and writes nothing") {
+    TempDir dir;
+    const auto path = dir.path / "model.safetensors";
+    auto save_with = [&](int odd_rank, bool odd_extra) {
+        std::mutex mutex;
+        std::vector<std::string> messages;
+        gradsync::spawn(3, [&](gradsync::LocalBackend& b) {
+            std::vector<float> w(4, 1.0f), g(4), moment(8, 0.5f);
+            struct Model {
+                std::vector<float>*w, *g;
+                std::vector<gradsync::Parameter> parameters() { return {gradsync::parameter("w", *w, *g)}; }
+            } m{&w, &g};
+            gradsync::DataParallel dp(m, b);
+            if (b.rank() == odd_rank) (odd_extra ? moment[7] : w[2]) = 2.0f;
+            try {
+                gradsync::Checkpoint().add("adam.m", std::span(moment)).save(path, dp);
+            } catch (const gradsync::ReplicaMismatch& e) {
+                std::lock_guard lock(mutex);
+                messages.push_back(e.what());
+            }
+        });
+        return messages;
+    };
+    auto parameter = save_with(2, false);
+    REQUIRE(parameter.size() == 3);
+    CHECK(parameter[0] == parameter[2]);
+    CHECK(parameter[0].find("checkpoint save after step 0: the ranks' replicas differ: parameter 'w' on rank 2 is not "
+                            "rank 0's") != std::string::npos);
+    auto extra = save_with(1, true);
+    REQUIRE(extra.size() == 3);
+    CHECK(extra[0].find("checkpointed tensor 'adam.m' on rank 1 is not rank 0's") != std::string::npos);
+    CHECK_FALSE(fs::exists(path));
+    CHECK(save_with(-1, false).empty());
+    CHECK(fs::exists(path));
+}
+
+TEST_CASE("checkpoint: a rank that would load other tensors than rank 0 fails every rank, and nothing changes") {
+    TempDir dir;
+    const auto path = dir.path / "model.safetensors";
+    std::vector<std::string> messages;
+    std::mutex mutex;
+    for (const bool save : {true, false}) {
+        gradsync::spawn(3, [&](gradsync::LocalBackend& b) {
+            std::vector<float> w(4, save ? 1.0f : 7.0f), g(4);
+            // On loading, rank 1's optimizer moment is larger than what was saved (and than rank 0's).
+            std::vector<float> moment(!save && b.rank() == 1 ? 10 : 8, save ? 0.5f : 3.0f);
+            struct Model {
+                std::vector<float>*w, *g;
+                std::vector<gradsync::Parameter> parameters() { return {gradsync::parameter("w", *w, *g)}; }
+            } m{&w, &g};
+            gradsync::DataParallel dp(m, b);
+            gradsync::Checkpoint checkpoint;
+            checkpoint.add("adam.m", std::span(moment));
+            if (save) return checkpoint.save(path, dp);
+            try {
+                checkpoint.load(path, dp);
+            } catch (const gradsync::CheckpointError& e) {
+                std::lock_guard lock(mutex);
+                messages.push_back(e.what());
+            }
+            CHECK(w[0] == 7.0f);  // nothing restored on any rank
+            CHECK(moment[0] == 3.0f);
+        });
+    }
+    REQUIRE(messages.size() == 3);
+    CHECK(messages[0] == messages[1]);
+    CHECK(messages[1] == messages[2]);
+    CHECK(messages[0].find("cannot be loaded alike on every rank: rank 1 would load tensor #1 otherwise than rank 0, "
+                           "which loads 'adam.m' as 8 x float32") != std::string::npos);
+}
+
+TEST_CASE("safetensors: hostile files are refused with a short CheckpointError naming the file, never a crash") {
+    // tests/fuzz/regressions: one file per class of damage (overflowing shapes and offsets, deep
+    // nesting, non-finite or out-of-range metadata, huge names and header lengths), and every
+    // input the fuzz target ever failed on.
+    struct Model {
+        std::vector<float> w = std::vector<float>(6, 9.0f), gw = std::vector<float>(6);
+        std::vector<double> v = std::vector<double>(2, 9.0), gv = std::vector<double>(2);
+        std::vector<gradsync::Parameter> parameters() {
+            return {gradsync::parameter("w", w, gw), gradsync::parameter("v", v, gv)};
+        }
+    };
+    auto load = [](const fs::path& path, Model& model) {
+        auto group = gradsync::LocalBackend::create_group(1);
+        gradsync::DataParallel dp(model, group[0], gradsync::DynamicLossScale{});
+        std::vector<float> moment(3, 0.0f);
+        gradsync::ShardedSampler sampler(100, 1, 0, {});
+        gradsync::Checkpoint().add("moment", std::span(moment)).add(sampler).load(path, dp);
+        return dp.steps();
+    };
+    int files = 0;
+    for (const auto& entry : fs::directory_iterator(fs::path(GRADSYNC_FUZZ_DIR) / "regressions")) {
+        CAPTURE(entry.path());
+        Model model;
+        std::string message;
+        try {
+            load(entry.path(), model);
+        } catch (const gradsync::CheckpointError& e) {
+            message = e.what();
+        }
+        CHECK(message.find(entry.path().string()) != std::string::npos);
+        CHECK(message.size() < 600);  // no hostile structure is quoted whole
+        CHECK(model.w[0] == 9.0f);    // nothing restored
+        ++files;
+    }
+    CHECK(files >= 20);
+    Model model;
+    CHECK(load(fs::path(GRADSYNC_FUZZ_DIR) / "corpus" / "valid.safetensors", model) == 7);
+    CHECK(model.w[0] == 1.0f);
+}
+
+TEST_CASE("safetensors: a directory, a FIFO or a device is refused without reading it") {
+    TempDir dir;
+    CHECK_THROWS_WITH_AS(gradsync::SafetensorsFile{dir.path}, doctest::Contains("is unreadable: it is a directory"),
+                         gradsync::CheckpointError);
+    const auto fifo = dir.path / "fifo";
+    REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+    CHECK_THROWS_WITH_AS(gradsync::SafetensorsFile{fifo}, doctest::Contains("is unreadable: it is not a regular file"),
+                         gradsync::CheckpointError);  // and no wait for a writer
+    CHECK_THROWS_WITH_AS(gradsync::SafetensorsFile{"/dev/zero"},
+                         doctest::Contains("/dev/zero is unreadable: it is not a regular file"),
+                         gradsync::CheckpointError);
 }

@@ -16,12 +16,15 @@
 #include <gradsync/data_parallel/history.hpp>
 #include <gradsync/data_parallel/layout_agreement.hpp>
 #include <gradsync/data_parallel/model_layout.hpp>
+#include <gradsync/data_parallel/moved_storage.hpp>
 #include <gradsync/data_parallel/options.hpp>
 #include <gradsync/data_parallel/policies.hpp>
 #include <gradsync/data_parallel/readiness.hpp>
 #include <gradsync/data_parallel/rebuild.hpp>
 #include <gradsync/data_parallel/settings.hpp>
 #include <gradsync/data_parallel/setup_checks.hpp>
+#include <gradsync/data_parallel/step_checks.hpp>
+#include <gradsync/data_parallel/step_number.hpp>
 #include <gradsync/data_parallel/timeline.hpp>
 #include <gradsync/detail/log.hpp>
 #include <gradsync/error.hpp>
@@ -114,21 +117,24 @@ public:
     // Averages every parameter's gradient over all ranks. Call on every rank after backward. With
     // grad_ready() calls, waits for the launched buckets and launches the rest; without, reduces
     // every bucket now. Under no_sync() it communicates nothing. With a loss scaler, compression
-    // or clipping, the finalize pass also unscales the gradients and measures their norm.
-    void synchronize() { synchronize_impl(/*want_stats=*/false); }
+    // or clipping, the finalize pass also unscales the gradients and measures their norm. Given
+    // the trainer's step number, every rank checks that all are at the same one (one small
+    // allreduce).
+    void synchronize(std::optional<StepNumber> number = {}) { synchronize_impl(/*want_stats=*/false, true, number); }
 
     // synchronize(), then the optimizer if every gradient is finite: optimizer(learning rate)
     // with an LR policy, optimizer() without. The loss scaler learns of the outcome either way. A
-    // skipped step leaves parameters and optimizer state untouched, on every rank alike.
+    // skipped step leaves parameters and optimizer state untouched, on every rank alike. The
+    // trainer's step number is checked as by synchronize().
     template <class Optimizer>
-    StepReport step(Optimizer&& optimizer) {
+    StepReport step(Optimizer&& optimizer, std::optional<StepNumber> number = {}) {
         static_assert(detail::check_optimizer<Optimizer, Set::has_lr_rule>());
         if (readiness_.accumulating())
             throw ReadinessError(detail::rank_prefix(rank()) +
                                  ": step() under no_sync(); call it after the guard is gone, on the step that "
                                  "synchronizes");
         const std::uint64_t step = steps() + 1;
-        synchronize_impl(/*want_stats=*/true);
+        synchronize_impl(/*want_stats=*/true, true, number);
         return detail::decide_step(
             stats_, scaler_, lr_, world_size(), step, optimizer,
             [this](std::size_t p) { return layout_.params[p].name; }, rank());
@@ -141,7 +147,7 @@ public:
     // For CudaMemory, with no loss scaler or a static one (a dynamic scale is decided on the
     // host), no clipping and no wire compression (both need the norm or the redo on the host).
     template <class Optimizer>
-    void step_on_device(Optimizer&& optimizer) requires(memory_type::on_device) {
+    void step_on_device(Optimizer&& optimizer, std::optional<StepNumber> number = {}) requires(memory_type::on_device) {
         static_assert(detail::check_step_on_device<loss_scaler_type, compression_type>());
         if (options_.clip_norm > 0)
             throw Error(detail::rank_prefix(rank()) +
@@ -149,7 +155,7 @@ public:
         if (readiness_.accumulating())
             throw ReadinessError(detail::rank_prefix(rank()) + ": step_on_device() under no_sync()");
         const std::uint64_t step = steps() + 1;
-        synchronize_impl(/*want_stats=*/true, /*read_stats=*/false);
+        synchronize_impl(/*want_stats=*/true, /*read_stats=*/false, number);
         if constexpr (Set::has_lr_rule)
             optimizer(lr_.rate(world_size(), step - 1), verdict_);
         else
@@ -187,6 +193,13 @@ public:
         if (backend_.size() == 1) return;
         for (const auto& p : layout_.params)
             backend_.broadcast(std::span(static_cast<std::byte*>(p.data), p.bytes().count()), 0);
+    }
+
+    // Compares every rank's parameters (and the buffers kept equal) with rank 0's, by hash; throws
+    // the same ReplicaMismatch on every rank, naming the first that differs and the ranks.
+    // Collective, between steps. synchronize() runs it every Options::check_replicas_every steps.
+    void check_replicas() requires(!memory_type::on_device) {
+        detail::check_replicas(backend_, layout_, buffers_type::mode, "after step " + std::to_string(steps()));
     }
 
     // The bucket plan. After a bucket rebuild it changes: read it between steps.
@@ -231,6 +244,7 @@ private:
 
     // Bucket b goes now (during backward, under the readiness lock).
     void launch(std::size_t b) {
+        follow_storage(b, b + 1);
         engine_.launch(b, tag_of(b, detail::CollectivePurpose::bucket));
         detail::log(detail::LogLevel::debug, rank(), [&] {
             return "step " + std::to_string(current_step()) + ": launched bucket " + std::to_string(b);
@@ -245,7 +259,7 @@ private:
 
     // `read_stats` false: the finalize pass's measurements stay where the memory policy put them
     // (step_on_device), and the host never waits for the device.
-    void synchronize_impl(bool want_stats, bool read_stats = true) {
+    void synchronize_impl(bool want_stats, bool read_stats, std::optional<StepNumber> number) {
         if (readiness_.accumulating()) return;  // an accumulation micro-step
         guard([&] {
             check_backend_health();
@@ -256,6 +270,7 @@ private:
             const bool finalizing = want_stats || scaler_.scale() != 1.0f || options_.clip_norm > 0;
             if (gradients_untouchable && finalizing) throw Error(detail::untouchable_gradients(rank()));
             engine_.begin_step(finalizing, 1.0 / static_cast<double>(scaler_.scale()));
+            follow_storage(0, plan_.buckets.size());
             if (overlapped) {
                 complete_readiness();
             } else if (backend_.size() > 1) {
@@ -274,10 +289,10 @@ private:
             check_backend_health();  // what the device did while the host did not wait
             if (options_.clip_norm > 0) detail::clip(engine_, stats_, options_.clip_norm);
             detail::sync_buffers(backend_, buffers(), buffers_type::mode, false, history_, current_step());
-            if constexpr (!CheckedCollectives<BackendT>) {
-                if (options_.check_histories.value_or(!DeviceBackend<BackendT>))
-                    history_.verify(backend_, current_step());
-            }
+            detail::check_step_end(
+                backend_, history_,
+                !CheckedCollectives<BackendT> && options_.check_histories.value_or(!DeviceBackend<BackendT>), options_,
+                memory_type::on_device, layout_, buffers_type::mode, current_step(), number);
             detail::record_step(
                 timeline_, current_step(), engine_.slots(), overlapped,
                 [&](std::size_t b) { return readiness_.completed_at(b); }, began);
@@ -285,6 +300,12 @@ private:
             end_step();
             steps_.fetch_add(1, std::memory_order_acq_rel);
         });
+    }
+
+    // Storage that moved since the last step is followed before each bucket's collective.
+    void follow_storage(std::size_t first, std::size_t last) {
+        storage_.follow(model_, layout_, plan_, engine_, first, last, gradients_untouchable,
+                        [this] { return where(); });
     }
 
     // At synchronize(): every parameter without grad_ready is either accumulated earlier (ready),
@@ -315,11 +336,19 @@ private:
         if constexpr (HealthPolling<BackendT>) backend_.throw_if_failed();
     }
 
-    // Runs f; on an exception, aborts the group so that peers fail now, drains, and rethrows.
+    // Runs f; on an exception, aborts the group so that peers fail now, drains, and rethrows. An
+    // error every rank raised alike after its collectives completed needs no abort (under MPI an
+    // abort ends the job).
     template <class F>
     void guard(F&& f) {
         try {
             f();
+        } catch (const ReplicaMismatch&) {
+            end_step();
+            throw;
+        } catch (const StepMismatch&) {
+            end_step();
+            throw;
         } catch (const std::exception& e) {
             abort_group(e.what());
             engine_.drain(std::chrono::steady_clock::now() + options_.timeout);
@@ -335,6 +364,7 @@ private:
     }
 
     void end_step() {
+        storage_.end_step();
         engine_.end_step();
         readiness_.reset();
         readiness_.set_phase(Phase::idle);
@@ -343,27 +373,22 @@ private:
     // Lists the model, checks this rank's set-up, agrees with every rank, and starts in step.
     void init() {
         layout_ = detail::ModelLayout::of(model_, buffers_type::mode != BufferSync::ignore);
-        using Kind = detail::LocalProblem::Kind;
-        detail::LocalProblem problem;
-        const auto refuse = [&](Kind kind, const std::string& what) {
-            if (problem.kind != Kind::none || what.empty()) return;
-            problem = {kind, std::string("gradsync: invalid ") + (kind == Kind::model ? "model" : "configuration") +
-                                 " on rank " + std::to_string(rank()) + ": " + what};
-        };
-        refuse(Kind::configuration, detail::invalid_configuration(options_, bucketer_, scaler_, lr_));
-        refuse(Kind::model, detail::find_model_problem(parameters(), buffers(), backend_));
-        if (problem.kind == Kind::none) plan_ = bucketer_.plan(layout_.params, std::span<const std::size_t>{});
-        if (problem.kind == Kind::none && gradients_untouchable)
-            refuse(Kind::model, detail::device_gradients_problem(plan_, parameters(), options_));
-        refuse(Kind::configuration, detail::stream_problem(backend_, engine_.memory()));
-        if (backend_.size() == 1 && problem.kind == Kind::configuration) throw ConfigurationError(problem.what);
-        if (backend_.size() == 1 && problem.kind == Kind::model) throw InvalidModel(problem.what);
+        detail::SetupProblems problems(rank());
+        problems.configuration(detail::invalid_configuration(options_, bucketer_, scaler_, lr_));
+        problems.model(detail::find_model_problem(parameters(), buffers(), backend_));
+        if (!problems.any()) plan_ = bucketer_.plan(layout_.params, std::span<const std::size_t>{});
+        if (!problems.any() && gradients_untouchable)
+            problems.model(detail::device_gradients_problem(plan_, parameters(), options_));
+        problems.configuration(detail::stream_problem(backend_, engine_.memory()));
+        problems.configuration(detail::device_memory_problem(options_, memory_type::on_device));
+        if (backend_.size() == 1) problems.throw_first();
         if (backend_.size() > 1)
-            detail::agree_on_layout(backend_, parameters(), buffers(), plan_,
-                                    detail::agreed_settings<bucketer_type, packing_type, memory_type, buffers_type,
-                                                            loss_scaler_type, compression_type, lr_type>(
-                                        bucketer_, engine_.memory(), scaler_, lr_, options_, DeviceBackend<BackendT>),
-                                    problem);
+            detail::agree_on_layout(
+                backend_, parameters(), buffers(), plan_,
+                detail::agreed_settings<bucketer_type, packing_type, memory_type, buffers_type, loss_scaler_type,
+                                        compression_type, lr_type>(bucketer_, engine_.memory(), scaler_, lr_, options_,
+                                                                   DeviceBackend<BackendT>, memory_type::on_device),
+                problems.first());
         broadcast_parameters();
         detail::sync_buffers(backend_, buffers(), buffers_type::mode, true, history_, current_step());
         setup_buckets();
@@ -382,6 +407,7 @@ private:
 
     // (Re)builds the engine's and readiness's per-bucket state from plan_.
     void setup_buckets() {
+        storage_.reset(plan_.buckets.size());
         engine_.setup(plan_, parameters());
         readiness_.plan(plan_, layout_.params.size());
     }
@@ -416,6 +442,7 @@ private:
     BucketPlan plan_;
     mutable std::mutex plan_mutex_;  // a peer's diagnosis against a rebuild
     std::atomic<std::uint64_t> steps_{0};
+    detail::StorageFollower storage_;
     bool rebuilt_ = false;
     detail::Timeline timeline_;
     detail::StatusRegistration<BackendT> reporter_;  // last: gone before what it reads

@@ -40,6 +40,20 @@ public:
     using Error::Error;
 };
 
+// The ranks' replicas differ: parameters (or buffers kept equal, or checkpointed state) that
+// every rank should hold bit for bit do not match. Thrown on every rank with the same message.
+class ReplicaMismatch : public Error {
+public:
+    using Error::Error;
+};
+
+// The ranks are at different steps of the trainer (by the step numbers it passed): a rank skipped
+// or repeated an iteration. Thrown on every rank with the same message, before any update.
+class StepMismatch : public CollectiveError {
+public:
+    using CollectiveError::CollectiveError;
+};
+
 // A collective did not complete before its deadline.
 class TimeoutError : public CollectiveError {
 public:

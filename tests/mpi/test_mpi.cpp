@@ -453,3 +453,58 @@ TEST_CASE("checkpoint over MPI: a file only rank 0 can read is broadcast; a bad 
     MPI_Barrier(gradsync::mpi_world());
     if (world_rank() == 0) std::filesystem::remove(path);
 }
+
+TEST_CASE("over MPI, replicas that drift apart are named at the next check, and a save refuses them") {
+    gradsync::MpiBackend backend;
+    mlp::Mlp model(1);
+    gradsync::DataParallel dp(model, backend, gradsync::Options{.check_replicas_every = 2});
+    const bool last = world_rank() == world_size() - 1;
+    std::string message;
+    try {
+        for (int s = 0; s < 4; ++s) {
+            model.forward_backward(mlp::make_batch(5, static_cast<std::size_t>(s * 8), 8));
+            dp.synchronize();
+            if (s == 0 && last) model.b2[0] += 1.0f;  // one rank's update differs
+        }
+    } catch (const gradsync::ReplicaMismatch& e) {
+        message = e.what();
+    }
+    CHECK(message.find("gradsync: step 2: the ranks' replicas differ: parameter 'fc2.bias' on rank " +
+                       std::to_string(world_size() - 1) + " is not rank 0's") != std::string::npos);
+    CHECK(same_on_every_rank(std::vector<char>(message.begin(), message.end())));
+    const auto path = shared_path("drifted.safetensors");
+    message.clear();
+    try {
+        gradsync::Checkpoint().save(path, dp);
+    } catch (const gradsync::ReplicaMismatch& e) {
+        message = e.what();
+    }
+    CHECK(message.find("checkpoint save after step") != std::string::npos);
+    CHECK(same_on_every_rank(std::vector<char>(message.begin(), message.end())));
+    CHECK_FALSE(std::filesystem::exists(path));
+}
+
+TEST_CASE("checkpoint over MPI: a rank that would load other tensors than rank 0 fails every rank, changing nothing") {
+    const auto path = shared_path("extras.safetensors");
+    gradsync::MpiBackend backend;
+    mlp::Mlp model(1);
+    gradsync::DataParallel dp(model, backend);
+    std::vector<float> moment(16, 1.0f);
+    gradsync::Checkpoint().add("moment", std::span(moment)).save(path, dp);
+    const bool last = world_rank() == world_size() - 1;
+    std::vector<float> other(last ? 20 : 16, 2.0f);
+    const auto before = model.w1;
+    model.w1.assign(model.w1.size(), 0.0f);
+    std::string message;
+    try {
+        gradsync::Checkpoint().add("moment", std::span(other)).load(path, dp);
+    } catch (const gradsync::CheckpointError& e) {
+        message = e.what();
+    }
+    CHECK(message.find("would load tensor #") != std::string::npos);
+    CHECK(same_on_every_rank(std::vector<char>(message.begin(), message.end())));
+    CHECK(model.w1 == std::vector<float>(model.w1.size(), 0.0f));  // nothing restored
+    CHECK(other[0] == 2.0f);
+    MPI_Barrier(gradsync::mpi_world());
+    if (world_rank() == 0) std::filesystem::remove(path);
+}

@@ -1,25 +1,32 @@
 // Checkpoints of a DataParallel run: rank 0 writes the parameters, the model's buffers, the
 // extra tensors the user adds (optimizer moments), the step, the loss scaler's state and the
-// sampler's epoch and seed to one safetensors file, atomically; loading checks the file against
-// what it is loaded into on rank 0 and broadcasts it to every rank, so resuming is bitwise exact.
+// sampler's epoch and seed to one safetensors file, atomically, once every rank's replica matches
+// rank 0's; loading checks that every rank loads the same tensors, checks the file against them on
+// rank 0 and broadcasts it to every rank, so resuming is bitwise exact.
 // Not included by <gradsync/gradsync.hpp>: it needs nlohmann/json (Debian: nlohmann-json3-dev).
 #pragma once
 
 #include <gradsync/data_parallel.hpp>
+#include <gradsync/data_parallel/replica_check.hpp>
+#include <gradsync/detail/hash.hpp>
 #include <gradsync/dtype.hpp>
 #include <gradsync/checkpoint/safetensors.hpp>
+#include <gradsync/checkpoint/safetensors_file.hpp>
 #include <gradsync/launch/sampler.hpp>
 
 #include <charconv>  // for std::to_chars, std::from_chars
+#include <cmath>     // for std::isfinite
 #include <cstdint>
 #include <cstring>  // for std::memcpy
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <optional>
 #include <set>
 #include <span>
 #include <string>
 #include <system_error>  // for std::errc
+#include <utility>       // for std::pair
 #include <vector>
 
 namespace gradsync::inline v0 {
@@ -49,14 +56,33 @@ public:
     }
 
     // Rank 0 writes `path` atomically (a crash at any point leaves the previous file intact);
-    // every rank returns once it is written, or throws the same CheckpointError.
+    // every rank returns once it is written, or throws the same CheckpointError. First every rank
+    // compares what it holds with rank 0's (parameters, buffers kept equal, the additions), since
+    // rank 0's copy is what every rank gets back: replicas that differ throw ReplicaMismatch on
+    // every rank, and nothing is written.
     template <class Model, class B, class... P>
     void save(const std::filesystem::path& path, DataParallel<Model, B, P...>& dp) const {
+        using DP = DataParallel<Model, B, P...>;
         std::string problem;
+        std::vector<Extra> all;
+        try {
+            all = targets(dp);
+        } catch (const std::exception& e) {
+            problem = e.what();
+        }
+        agree(dp.backend(), problem);
+        if constexpr (!DP::memory_type::on_device) {
+            auto tensors = detail::replica_tensors(dp.parameters(), dp.buffers(), DP::buffers_type::mode);
+            for (const auto& e : extras_)
+                tensors.push_back(
+                    detail::ReplicaTensor{&e.name, "checkpointed tensor", e.data, e.count * size_of(e.dtype)});
+            detail::compare_replicas(dp.backend(), std::span<const detail::ReplicaTensor>(tensors),
+                                     "checkpoint save after step " + std::to_string(dp.steps()));
+        }
         if (dp.rank() == 0) {
             try {
                 std::vector<TensorBytes> tensors;
-                for (const auto& t : targets(dp))
+                for (const auto& t : all)
                     tensors.push_back(TensorBytes{
                         t.name,
                         t.dtype,
@@ -70,27 +96,35 @@ public:
         agree(dp.backend(), problem);
     }
 
-    // Rank 0 reads `path` and checks it against the model's parameters and buffers and the
-    // additions here (names, dtypes, sizes; nothing missing, nothing left over); then every rank
-    // receives its contents. Restores the step count, the loss scaler and the sampler. On any
-    // problem every rank throws the same CheckpointError and nothing has been changed.
+    // Every rank checks that it loads what rank 0 loads (names, dtypes, sizes); rank 0 reads
+    // `path` and checks it against the model's parameters and buffers and the additions here
+    // (nothing missing, nothing left over); then every rank receives its contents. Restores the
+    // step count, the loss scaler and the sampler. On any problem every rank throws the same
+    // CheckpointError and nothing has been changed on any rank.
     template <class Model, class B, class... P>
     void load(const std::filesystem::path& path, DataParallel<Model, B, P...>& dp) {
-        const auto wanted = targets(dp);
-        Scalars scalars;
+        std::vector<Extra> wanted;
         std::string problem;
+        try {
+            wanted = targets(dp);
+        } catch (const std::exception& e) {
+            problem = e.what();
+        }
+        agree(dp.backend(), problem);
+        problem = differs_from_rank0(dp.backend(), path, wanted);
+        Scalars scalars;
         std::optional<SafetensorsFile> file;
-        if (dp.rank() == 0) {
+        if (dp.rank() == 0 && problem.empty()) {
             try {
                 file.emplace(path);
                 problem = check(*file, wanted);
-                if (problem.empty()) problem = read_scalars(file->metadata(), scalars);
+                if (problem.empty()) problem = read_scalars(*file, scalars);
             } catch (const std::exception& e) {
                 problem = e.what();
             }
         }
         agree(dp.backend(), problem);
-        // Everything checks out on rank 0: only now is anything overwritten.
+        // Everything checks out on every rank: only now is anything overwritten.
         if (dp.rank() == 0)
             for (const auto& t : wanted) {
                 const auto& saved = *file->find(t.name);
@@ -190,25 +224,34 @@ private:
         return {};
     }
 
-    std::string read_scalars(const std::map<std::string, std::string>& m, Scalars& s) const {
+    std::string read_scalars(const SafetensorsFile& file, Scalars& s) const {
+        const auto& m = file.metadata();
+        const std::string where = "gradsync: checkpoint " + file.path().string() + ": metadata '";
         std::string problem;
         auto get = [&](const std::string& key, auto& out) {
             auto it = m.find(key);
             if (it == m.end()) {
-                if (problem.empty()) problem = "gradsync: checkpoint metadata lacks '" + key + "'";
+                if (problem.empty())
+                    problem = "gradsync: checkpoint " + file.path().string() + " lacks metadata '" + key + "'";
                 return;
             }
             const auto& text = it->second;
             auto r = std::from_chars(text.data(), text.data() + text.size(), out);
             if ((r.ec != std::errc{} || r.ptr != text.data() + text.size()) && problem.empty())
-                problem = "gradsync: checkpoint metadata '" + key + "' = '" + text + "' is not a number";
+                problem = where + key + "' = '" + detail::excerpt(text) + "' is not a number in range";
         };
         get("gradsync.step", s.step);
         if (m.contains("gradsync.loss_scale")) {
             get("gradsync.loss_scale", s.scale);
+            if (problem.empty() && !(std::isfinite(s.scale) && s.scale > 0))
+                problem = where + "gradsync.loss_scale' = '" + detail::excerpt(m.at("gradsync.loss_scale")) +
+                          "' is not a finite scale above 0";
             std::uint64_t good = 0, bad = 0;
             get("gradsync.good_steps", good);
             get("gradsync.bad_steps", bad);
+            for (auto [key, v] : {std::pair{"gradsync.good_steps", good}, std::pair{"gradsync.bad_steps", bad}})
+                if (problem.empty() && v > std::numeric_limits<std::uint32_t>::max())
+                    problem = where + std::string(key) + "' = " + std::to_string(v) + " is out of range";
             s.good_steps = static_cast<std::uint32_t>(good);
             s.bad_steps = static_cast<std::uint32_t>(bad);
         }
@@ -219,14 +262,50 @@ private:
         return problem;
     }
 
-    // Rank 0's verdict, on every rank: returns when `problem` is empty there, else throws it.
+    // Rank 0's message when a rank would load other tensors than rank 0 (a broadcast of rank 0's
+    // values into them would leave that rank half-restored), else "". Collective.
+    template <class B>
+    static std::string differs_from_rank0(B& backend, const std::filesystem::path& path,
+                                          const std::vector<Extra>& wanted) {
+        std::vector<std::uint64_t> hashes;
+        for (const auto& t : wanted)
+            hashes.push_back(detail::Fnv1a{}
+                                 .add(detail::content_hash(t.name.data(), t.name.size()))
+                                 .add(static_cast<std::uint64_t>(t.dtype))
+                                 .add(t.count)
+                                 .value());
+        const auto d = detail::compare_with_rank0(backend, std::span<const std::uint64_t>(hashes));
+        if (!d || backend.rank() != 0) return d ? "another rank's problem" : "";
+        std::string what =
+            "gradsync: checkpoint " + path.string() + " cannot be loaded alike on every rank: " + d->rank_words();
+        if (d->lengths_differ) {
+            what += " would load another number of tensors than rank 0's " + std::to_string(wanted.size());
+        } else {
+            const auto& t = wanted[d->first];
+            what += " would load tensor #" + std::to_string(d->first) + " otherwise than rank 0, which loads '" +
+                    t.name + "' as " + std::to_string(t.count) + " x " + std::string(to_string(t.dtype));
+        }
+        return what +
+               " (parameters, buffers, then the additions, in order); every rank must add the same tensors, "
+               "of the same sizes, to its Checkpoint";
+    }
+
+    // The first rank's problem, on every rank: returns when no rank has one, else throws the
+    // problem of the lowest rank that has one, on every rank alike.
     template <class B>
     static void agree(B& backend, std::string problem) {
         if (backend.size() > 1) {
+            std::vector<double> has(static_cast<std::size_t>(backend.size()), 0.0);
+            has[static_cast<std::size_t>(backend.rank())] = problem.empty() ? 0.0 : 1.0;
+            backend.allreduce(Buffer{has.data(), has.size(), DType::float64}, ReduceOp::sum);
+            int root = -1;
+            for (int r = 0; r < backend.size() && root < 0; ++r)
+                if (has[static_cast<std::size_t>(r)] != 0.0) root = r;
+            if (root < 0) return;
             std::uint64_t length = problem.size();
-            backend.broadcast(std::as_writable_bytes(std::span(&length, 1)), 0);
+            backend.broadcast(std::as_writable_bytes(std::span(&length, 1)), root);
             problem.resize(length);
-            backend.broadcast(std::as_writable_bytes(std::span(problem.data(), problem.size())), 0);
+            backend.broadcast(std::as_writable_bytes(std::span(problem.data(), problem.size())), root);
         }
         if (!problem.empty()) throw CheckpointError(problem);
     }

@@ -80,29 +80,14 @@ public:
     void setup(const BucketPlan& plan, std::span<const Parameter> params) {
         slots_.clear();
         slots_.resize(plan.buckets.size());
-        for (std::size_t b = 0; b < slots_.size(); ++b) {
-            const auto& bucket = plan.buckets[b];
-            auto& slot = slots_[b];
-            slot.indices = bucket.parameters;
-            std::sort(slot.indices.begin(), slot.indices.end());  // the element layout every rank shares
-            for (auto i : slot.indices) slot.segments.push_back(Segment{params[i].grad, params[i].count});
-            slot.dtype = slot.wire = bucket.dtype;
-            slot.count = bucket.count;
-            const bool contiguous = first_gap(slot.segments, bucket.dtype) == 0;
-            if (contiguous) slot.view = Segment{slot.segments.front().data, bucket.count};
-            if (compresses && bucket.dtype == DType::float32) {
-                slot.route = Route::compressed;
-                slot.wire = Wire;
-            } else if (InPlace) {
-                slot.route = Route::in_place;
-            } else {
-                slot.route = contiguous ? Route::view : Route::packed;
-            }
-            slot.table = memory_.table(slot.segments, bucket.dtype);
-            if ((slot.route == Route::packed || slot.route == Route::compressed) && backend_.size() > 1)
-                slot.buffer = memory_.allocate(Bytes{bucket.count * size_of(slot.wire)});
-        }
+        for (std::size_t b = 0; b < slots_.size(); ++b) build(slots_[b], plan.buckets[b], params);
         memory_.prepare_results(slots_.size());
+    }
+
+    // Bucket b's gradients moved (a framework that allocates new ones each step): its segments,
+    // view and tables follow them. Before its collective; its packed buffer is kept.
+    void refresh(std::size_t b, const Bucket& bucket, std::span<const Parameter> params) {
+        build(slots_[b], bucket, params);
     }
 
     // Whether this step's finalize pass unscales and measures (by `unscale`), or, without a loss
@@ -247,6 +232,30 @@ public:
     }
 
 private:
+    void build(Slot& slot, const Bucket& bucket, std::span<const Parameter> params) {
+        slot.indices = bucket.parameters;
+        std::sort(slot.indices.begin(), slot.indices.end());  // the element layout every rank shares
+        slot.segments.clear();
+        for (auto i : slot.indices) slot.segments.push_back(Segment{params[i].grad, params[i].count});
+        slot.dtype = slot.wire = bucket.dtype;
+        slot.count = bucket.count;
+        const bool contiguous = first_gap(slot.segments, bucket.dtype) == 0;
+        slot.view.reset();
+        if (contiguous) slot.view = Segment{slot.segments.front().data, bucket.count};
+        if (compresses && bucket.dtype == DType::float32) {
+            slot.route = Route::compressed;
+            slot.wire = Wire;
+        } else if (InPlace) {
+            slot.route = Route::in_place;
+        } else {
+            slot.route = contiguous ? Route::view : Route::packed;
+        }
+        slot.table = memory_.table(slot.segments, bucket.dtype);
+        const bool needs_buffer = slot.route == Route::packed || slot.route == Route::compressed;
+        if (needs_buffer && backend_.size() > 1 && slot.buffer.size() == 0)
+            slot.buffer = memory_.allocate(Bytes{bucket.count * size_of(slot.wire)});
+    }
+
     // The bucket's gradients where they lie: one segment when they are a view.
     static std::span<const Segment> segments_of(const Slot& slot) {
         return slot.view ? std::span<const Segment>(&*slot.view, 1) : std::span<const Segment>(slot.segments);

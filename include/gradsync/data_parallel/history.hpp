@@ -1,7 +1,8 @@
 // CollectiveHistory: every collective a DataParallel issues gets a tag that says what it is for
 // (which step, which bucket) and a fingerprint that folds in every collective before it, so that
 // ranks whose histories diverged are caught: at each call by a backend that compares tags
-// (CheckedCollectives), or once per step by comparing fingerprints with one small allreduce.
+// (CheckedCollectives), or once per step by comparing fingerprints (and the trainer's step
+// number, where it passes one) with one small allreduce.
 #pragma once
 
 #include <gradsync/backend/concepts.hpp>
@@ -11,6 +12,7 @@
 #include <gradsync/error.hpp>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -42,20 +44,33 @@ public:
     [[nodiscard]] std::uint64_t fingerprint() const { return fingerprint_; }
     [[nodiscard]] std::uint64_t count() const { return count_; }
 
-    // Compares every rank's history with rank 0's (one allreduce of a small table); throws the
-    // same CollectiveError on every rank when one differs.
+    // Compares every rank's history with rank 0's (one allreduce of a small table), and the
+    // trainer's step number where it passed one; throws the same CollectiveError (StepMismatch
+    // for the step numbers) on every rank when one differs.
     template <Backend B>
-    void verify(B& backend, std::int64_t step) const {
+    void verify(B& backend, std::int64_t step, std::optional<std::uint64_t> trainer_step = {}) const {
         const int world = backend.size();
         if (world == 1) return;
-        std::vector<double> table(static_cast<std::size_t>(world) * 3, 0.0);
-        double* mine = table.data() + static_cast<std::size_t>(backend.rank()) * 3;
+        constexpr std::size_t columns = 5;
+        std::vector<double> table(static_cast<std::size_t>(world) * columns, 0.0);
+        double* mine = table.data() + static_cast<std::size_t>(backend.rank()) * columns;
         mine[0] = static_cast<double>(fingerprint_ >> 32);
         mine[1] = static_cast<double>(fingerprint_ & 0xffffffffu);
         mine[2] = static_cast<double>(count_);
+        mine[3] = trainer_step ? 1.0 : 0.0;
+        mine[4] = static_cast<double>(trainer_step.value_or(0));  // exact below 2^53
         backend.allreduce(Buffer{table.data(), table.size(), DType::float64}, ReduceOp::sum);
+        const auto number = [](const double* row) {
+            return row[3] == 0 ? std::string("none") : std::to_string(static_cast<std::uint64_t>(row[4]));
+        };
         for (int r = 1; r < world; ++r) {
-            const double* theirs = table.data() + static_cast<std::size_t>(r) * 3;
+            const double* theirs = table.data() + static_cast<std::size_t>(r) * columns;
+            if (theirs[3] != table[3] || theirs[4] != table[4])
+                throw StepMismatch("gradsync: step " + std::to_string(step) +
+                                   ": the ranks are at different steps of the trainer: rank 0 passed step number " +
+                                   number(table.data()) + " and rank " + std::to_string(r) + " " + number(theirs) +
+                                   "; a rank skipped or repeated an iteration, and its gradients were about to be "
+                                   "averaged with another iteration's");
             if (theirs[0] == table[0] && theirs[1] == table[1]) continue;
             throw CollectiveError("gradsync: step " + std::to_string(step) +
                                   ": the ranks' collective histories diverged: rank 0 issued " +

@@ -1,12 +1,13 @@
 // The model as DataParallel sees it: its parameters in registration order without the zero-sized
 // ones (the list bucket plans index into), the model's own index of each, its parameters by name,
-// and its buffers.
+// and its buffers; and where their storage is now, when it moves between steps.
 #pragma once
 
 #include <gradsync/model/buffers.hpp>
 #include <gradsync/model/model.hpp>
 
 #include <cstddef>
+#include <span>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -23,6 +24,7 @@ struct ModelLayout {
     std::vector<Parameter> params;
     std::vector<ModelBuffer> buffers;
     std::vector<std::size_t> param_of_model_index;  // none for zero-sized parameters
+    std::vector<std::size_t> model_index_of_param;
     std::unordered_map<std::string, std::size_t> by_name;
 
     template <class Model>
@@ -34,6 +36,7 @@ struct ModelLayout {
                 out.param_of_model_index.push_back(none);
             } else {
                 out.param_of_model_index.push_back(out.params.size());
+                out.model_index_of_param.push_back(i);
                 out.params.push_back(listed[i]);
             }
             auto [it, fresh] = out.by_name.emplace(listed[i].name, out.param_of_model_index.back());
@@ -43,6 +46,47 @@ struct ModelLayout {
             for (auto& b : gradsync::buffers(model))
                 if (b.count != 0) out.buffers.push_back(std::move(b));
         return out;
+    }
+
+    // The model's parameters now, to follow storage that moves between steps (a framework that
+    // frees gradients and allocates new ones in backward). A list of another length is an
+    // InvalidModel error; where() begins its message.
+    template <class Model, class Where>
+    std::vector<Parameter> relist(Model& model, const Where& where) const {
+        auto listed = gradsync::parameters(model);
+        if (listed.size() != param_of_model_index.size())
+            throw InvalidModel(where() + ": the model lists " + std::to_string(listed.size()) +
+                               " parameters now and listed " + std::to_string(param_of_model_index.size()) +
+                               " when the DataParallel was made; its parameters cannot change under a "
+                               "DataParallel (make a new one)");
+        return listed;
+    }
+
+    // Follows the storage of the parameters `which` to where `listed` says it is now; returns
+    // whether any moved. A parameter that changed size or dtype, or lost its values or gradient,
+    // is an InvalidModel error naming it.
+    template <class Where>
+    bool follow(const std::vector<Parameter>& listed, std::span<const std::size_t> which, const Where& where) {
+        bool moved = false;
+        for (auto p : which) {
+            auto& mine = params[p];
+            const auto& now = listed[model_index_of_param[p]];
+            if (now.count != mine.count || now.dtype != mine.dtype)
+                throw InvalidModel(where() + ": parameter '" + mine.name + "' was " + std::to_string(mine.count) +
+                                   " x " + std::string(to_string(mine.dtype)) + " and is now " +
+                                   std::to_string(now.count) + " x " + std::string(to_string(now.dtype)) +
+                                   "; its storage may move between steps, but not change size or type");
+            if (now.grad == nullptr || now.data == nullptr)
+                throw InvalidModel(where() + ": parameter '" + mine.name + "' has no " +
+                                   (now.data == nullptr ? "values" : "gradient") +
+                                   " now; a framework that frees gradients between steps must have allocated them "
+                                   "by the time the parameter's bucket is reduced");
+            if (now.data == mine.data && now.grad == mine.grad) continue;
+            mine.data = now.data;
+            mine.grad = now.grad;
+            moved = true;
+        }
+        return moved;
     }
 
     // The parameter at the model's `index` (zero-sized: none), or an error message.

@@ -5,6 +5,7 @@
 #include <gradsync/detail/policy.hpp>
 
 #include <chrono>
+#include <cstdint>
 #include <cmath>  // for std::isfinite
 #include <optional>
 #include <string>
@@ -36,6 +37,13 @@ struct Options {
     // where it would make the host wait for the whole communication stream once per step. true
     // turns it on there too (a debugging run), false off everywhere.
     std::optional<bool> check_histories{};
+    // Every this many synchronized steps (and at every checkpoint save), every rank hashes its
+    // parameters and the buffers kept equal, and the ranks compare the hashes (one allreduce of
+    // 16 bytes per rank), so that replicas that drifted apart are named instead of training on.
+    // Unset: every replica_check_default steps where parameters are in host memory, off for
+    // device memory. 0: off.
+    std::optional<std::uint64_t> check_replicas_every{};
+    static constexpr std::uint64_t replica_check_default = 100;
 
     // What is wrong with these settings, or "".
     [[nodiscard]] std::string invalid() const {
@@ -46,6 +54,11 @@ struct Options {
                    "; it must be finite and at least 0 (0: no "
                    "clipping)";
         return {};
+    }
+
+    // Every how many steps the replicas are compared (0: never), resolved for the memory policy.
+    [[nodiscard]] std::uint64_t replica_check_interval(bool device_memory) const {
+        return check_replicas_every.value_or(device_memory ? 0 : replica_check_default);
     }
 };
 

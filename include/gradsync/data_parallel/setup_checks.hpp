@@ -5,7 +5,8 @@
 
 #include <gradsync/backend/concepts.hpp>
 #include <gradsync/bucket/plan.hpp>
-#include <gradsync/data_parallel/bucket_engine.hpp>  // for first_gap
+#include <gradsync/data_parallel/bucket_engine.hpp>     // for first_gap
+#include <gradsync/data_parallel/layout_agreement.hpp>  // for LocalProblem
 #include <gradsync/data_parallel/options.hpp>
 #include <gradsync/error.hpp>
 #include <gradsync/memory/policy.hpp>
@@ -62,6 +63,38 @@ std::string stream_problem(const B& backend, const M& memory) {
     }
     return {};
 }
+
+// Options that need parameters in host memory.
+inline std::string device_memory_problem(const Options& options, bool device_memory) {
+    if (device_memory && options.check_replicas_every.value_or(0) > 0)
+        return "Options::check_replicas_every needs parameters in host memory; with device memory leave it unset";
+    return {};
+}
+
+// The first problem a rank finds with its own set-up, worded alike for every kind: thrown at once
+// in a world of one, else handed to the agreement so that every rank refuses alike.
+class SetupProblems {
+public:
+    explicit SetupProblems(int rank) : rank_(rank) {}
+    void model(const std::string& what) { add(LocalProblem::Kind::model, what); }
+    void configuration(const std::string& what) { add(LocalProblem::Kind::configuration, what); }
+    [[nodiscard]] bool any() const { return first_.kind != LocalProblem::Kind::none; }
+    [[nodiscard]] const LocalProblem& first() const { return first_; }
+    void throw_first() const {
+        if (first_.kind == LocalProblem::Kind::configuration) throw ConfigurationError(first_.what);
+        if (first_.kind == LocalProblem::Kind::model) throw InvalidModel(first_.what);
+    }
+
+private:
+    void add(LocalProblem::Kind kind, const std::string& what) {
+        if (any() || what.empty()) return;
+        first_ = {kind, std::string("gradsync: invalid ") +
+                            (kind == LocalProblem::Kind::model ? "model" : "configuration") + " on rank " +
+                            std::to_string(rank_) + ": " + what};
+    }
+    int rank_;
+    LocalProblem first_;
+};
 
 // Device gradients under a host memory policy, asked for a pass the host would make over them.
 inline std::string untouchable_gradients(int rank) {
