@@ -38,15 +38,38 @@ TEST_CASE("each launcher's variables give the process's place") {
     CHECK(alone.world_size == 1);
 }
 
-TEST_CASE("launchers that agree may both be present; disagreement and damage are errors") {
+TEST_CASE("nested launchers: the innermost one's variables win; an outer world larger than the inner is an error") {
     auto both =
         place({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"}});
     CHECK(both.source == "RANK/WORLD_SIZE");
+    // torchrun inside srun: one Slurm task per node, torchrun's 4 processes on each of 2 nodes.
+    auto torchrun_in_srun = place({{"SLURM_PROCID", "1"},
+                                   {"SLURM_NTASKS", "2"},
+                                   {"SLURM_LOCALID", "0"},
+                                   {"RANK", "6"},
+                                   {"WORLD_SIZE", "8"},
+                                   {"LOCAL_RANK", "2"},
+                                   {"LOCAL_WORLD_SIZE", "4"}});
+    CHECK(torchrun_in_srun == gradsync::ProcessPlace{6, 8, 2, 4, "RANK/WORLD_SIZE"});
+    // torchrun numbers its processes its own way: another rank than mpirun's is no mistake.
+    CHECK(place({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"}})
+              .rank == 1);
+    // mpirun inside srun.
+    CHECK(place({{"SLURM_PROCID", "0"},
+                 {"SLURM_NTASKS", "1"},
+                 {"OMPI_COMM_WORLD_RANK", "3"},
+                 {"OMPI_COMM_WORLD_SIZE", "4"}})
+              .source == "OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE");
+    // RANK left over in the shell that ran mpirun -np 4: every process would be rank 0 of 1.
     CHECK_THROWS_WITH_AS(
-        place({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"}}),
-        doctest::Contains("the launchers' variables disagree: RANK/WORLD_SIZE say rank 1 of 2, "
-                          "OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE say rank 0 of 2"),
+        place({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"OMPI_COMM_WORLD_RANK", "3"}, {"OMPI_COMM_WORLD_SIZE", "4"}}),
+        doctest::Contains("the launchers' variables disagree: RANK/WORLD_SIZE say rank 0 of 1, "
+                          "OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE say rank 3 of 4: more processes than the "
+                          "launcher inside it starts. Are RANK/WORLD_SIZE left over"),
         gradsync::Error);
+}
+
+TEST_CASE("launcher variables that are incomplete or damaged are errors") {
     CHECK_THROWS_WITH_AS(place({{"RANK", "1"}}), doctest::Contains("RANK is set but WORLD_SIZE is not"),
                          gradsync::Error);
     CHECK_THROWS_WITH_AS(place({{"RANK", "4"}, {"WORLD_SIZE", "4"}}),

@@ -54,7 +54,8 @@ struct Scheme {
     const char* local_size;
 };
 
-// In order of preference: the explicit torchrun/Paddle variables, then what each launcher sets.
+// Innermost launcher first: torchrun/Paddle's variables, then mpirun's (Open MPI, MPICH/PMI),
+// then Slurm's.
 inline constexpr Scheme schemes[] = {
     {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"},
     {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"},
@@ -92,21 +93,27 @@ inline ProcessPlace place_from(EnvLookup lookup) {
         found.push_back(p);
     }
     if (found.empty()) return ProcessPlace{0, 1, 0, 1, "no launcher variables: a single process"};
+    // The innermost launcher wins: torchrun inside srun or mpirun, mpirun inside srun. An inner
+    // launcher starts one or more processes for each task of the one around it, and numbers them
+    // its own way; an outer world larger than the inner one is a mistake (variables left over from
+    // another run).
     for (std::size_t i = 1; i < found.size(); ++i) {
-        if (found[i].rank != found[0].rank || found[i].world_size != found[0].world_size)
+        if (found[i].world_size > found[0].world_size)
             throw Error("gradsync: the launchers' variables disagree: " + found[0].source + " say rank " +
                         std::to_string(found[0].rank) + " of " + std::to_string(found[0].world_size) + ", " +
                         found[i].source + " say rank " + std::to_string(found[i].rank) + " of " +
-                        std::to_string(found[i].world_size));
+                        std::to_string(found[i].world_size) + ": more processes than the launcher inside it starts. " +
+                        "Are " + found[0].source + " left over in the environment from another run?");
     }
     return found[0];
 }
 
 }  // namespace detail
 
-// This process's place, from the environment the launcher left. A process started without a
-// launcher is rank 0 of 1. Throws when the variables are malformed, incomplete or contradict
-// each other.
+// This process's place, from the environment the launcher left: where launchers are nested
+// (torchrun started by srun), the innermost one's variables. A process started without a launcher
+// is rank 0 of 1. Throws when the variables are malformed or incomplete, or when a launcher
+// around another claims more processes than the inner one has.
 inline ProcessPlace process_place() { return detail::place_from(detail::real_env); }
 
 }  // namespace gradsync::inline v0

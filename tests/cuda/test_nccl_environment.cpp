@@ -109,7 +109,7 @@ TEST_CASE("missing or bad variables, no GPU, and more ranks than GPUs are errors
           std::string::npos);
     auto disagree = torchrun(1, 1);
     disagree["OMPI_COMM_WORLD_RANK"] = "2";
-    disagree["OMPI_COMM_WORLD_SIZE"] = "4";
+    disagree["OMPI_COMM_WORLD_SIZE"] = "8";  // more processes than the torchrun inside it has
     CHECK(error_of(disagree).find("the launchers' variables disagree") != std::string::npos);
     auto malformed = torchrun(0, 0);
     malformed["NCCL_COMM_ID"] = "not an address";

@@ -8,10 +8,14 @@
 #include <gradsync/environment.hpp>
 #include <gradsync/error.hpp>
 
+#include <signal.h>  // for kill
+#include <unistd.h>  // for gethostname, getpid
+
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>   // for std::fprintf
-#include <cstdlib>  // for setenv
+#include <cstdlib>  // for setenv, strtol
 #include <string>
 #include <thread>
 #include <vector>
@@ -22,14 +26,83 @@ namespace gradsync::inline v0::detail {
 // when there is none (MPI_COMM_WORLD holds every rank).
 inline MPI_Comm joined_world = MPI_COMM_NULL;
 
-// The name rank 0 publishes its port under: one per job, so that jobs sharing a name server
-// do not meet.
+// The variables that name a job, in the names its ranks meet under, so that jobs sharing a name
+// server never meet: ours, torchrun's run id and address, Slurm's job.
+inline constexpr const char* job_identity_variables[] = {"GRADSYNC_JOB_ID", "TORCHELASTIC_RUN_ID", "MASTER_ADDR",
+                                                         "MASTER_PORT", "SLURM_JOB_ID"};
+
+// The name the job's ranks meet under, or "" when nothing names the job.
 inline std::string join_service(const ProcessPlace& place) {
-    std::string name = "gradsync";
-    for (const char* variable : {"MASTER_ADDR", "MASTER_PORT"})
-        if (auto value = real_env(variable)) name += ":" + *value;
-    return name + ":" + std::to_string(place.world_size);
+    std::string identity;
+    for (const char* variable : job_identity_variables)
+        if (auto value = real_env(variable)) identity += std::string(":") + variable + "=" + *value;
+    if (identity.empty()) return {};
+    return "gradsync" + identity + ":world=" + std::to_string(place.world_size);
 }
+
+// Who holds a claim: "host:pid".
+inline std::string claimant() {
+    char host[256] = {};
+    ::gethostname(host, sizeof host - 1);
+    return std::string(host) + ":" + std::to_string(::getpid());
+}
+
+// Whether a claim by "host:pid" is left over from a process of this machine that is gone.
+inline bool stale_claim(const std::string& owner) {
+    const auto colon = owner.rfind(':');
+    if (colon == std::string::npos) return false;
+    char host[256] = {};
+    ::gethostname(host, sizeof host - 1);
+    if (owner.substr(0, colon) != host) return false;  // another machine's: cannot tell
+    const long pid = std::strtol(owner.c_str() + colon + 1, nullptr, 10);
+    return pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
+}
+
+// Each rank claims its RANK in the name service before it joins, and gives the claim back when
+// the join ends: a second process given the same RANK finds it claimed and stops at once, instead
+// of waiting out the join's deadline. The name service may keep one entry per publisher, so a
+// claim counts once it is the one a lookup finds; a claim left by a crashed process of this
+// machine is taken over.
+class RankClaim {
+public:
+    RankClaim(const std::string& service, const ProcessPlace& place, const std::string& who)
+        : name_(service + ":rank=" + std::to_string(place.rank)), owner_(claimant()) {
+        ErrorsReturned self_errors(MPI_COMM_SELF);
+        ErrorsReturned world_errors(MPI_COMM_WORLD);  // the name service reports through it
+        const auto holder = [&]() -> std::string {
+            char found[MPI_MAX_PORT_NAME] = {};
+            if (MPI_Lookup_name(name_.c_str(), MPI_INFO_NULL, found) != MPI_SUCCESS) return {};
+            return found;
+        };
+        std::string held = holder();
+        if (!held.empty() && held != owner_ && stale_claim(held)) {
+            MPI_Unpublish_name(name_.c_str(), MPI_INFO_NULL, held.c_str());
+            held = holder();
+        }
+        if (held.empty() && MPI_Publish_name(name_.c_str(), MPI_INFO_NULL, owner_.c_str()) == MPI_SUCCESS) {
+            published_ = true;
+            held = holder();
+        }
+        if (held == owner_) return;
+        if (published_) MPI_Unpublish_name(name_.c_str(), MPI_INFO_NULL, owner_.c_str());
+        throw CollectiveError(who + ": two processes were given RANK=" + std::to_string(place.rank) + ": process " +
+                              (held.empty() ? std::string("?") : held) +
+                              " of this job already holds it. Give each of 0.." + std::to_string(place.world_size - 1) +
+                              " to one process, or give this run its own GRADSYNC_JOB_ID if another job shares the "
+                              "name server");
+    }
+    RankClaim(const RankClaim&) = delete;
+    RankClaim& operator=(const RankClaim&) = delete;
+    ~RankClaim() {
+        ErrorsReturned self_errors(MPI_COMM_SELF);
+        ErrorsReturned world_errors(MPI_COMM_WORLD);
+        if (published_) MPI_Unpublish_name(name_.c_str(), MPI_INFO_NULL, owner_.c_str());
+    }
+
+private:
+    std::string name_, owner_;
+    bool published_ = false;
+};
 
 inline std::string join_advice(const ProcessPlace& place) {
     return "Start the processes with mpirun -np " + std::to_string(place.world_size) +
@@ -53,14 +126,21 @@ inline MPI_Comm join_singletons(const ProcessPlace& place, std::chrono::seconds 
                               "name server through which the ranks could connect. " +
                               join_advice(place));
 #endif
+    const std::string service = join_service(place);
+    if (service.empty())
+        throw CollectiveError(who +
+                              ": nothing names this job, so it could meet another job's ranks in the name server: "
+                              "set GRADSYNC_JOB_ID to a name of this run (or MASTER_ADDR and MASTER_PORT, as "
+                              "torchrun does), the same for every rank");
+    const RankClaim claim(service, place, who);
     std::atomic<int> joined{1};
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     WatcherThread watcher([deadline] { return deadline; },
                           [&] {
                               std::fprintf(stderr,
                                            "%s: the ranks have not all joined after %lld s (%d of %d are in); a rank "
-                                           "did not start, two were given the same RANK, or they do not share a "
-                                           "name server. %s\n",
+                                           "did not start, or they do not share a name server and a job "
+                                           "identity (GRADSYNC_JOB_ID, MASTER_ADDR, MASTER_PORT). %s\n",
                                            who.c_str(), static_cast<long long>(timeout.count()), joined.load(),
                                            place.world_size, join_advice(place).c_str());
                               std::fflush(stderr);
@@ -79,7 +159,6 @@ inline MPI_Comm join_singletons(const ProcessPlace& place, std::chrono::seconds 
     // publishes the next. Open MPI 4.1 can deadlock when a connect is pending while the group
     // merges or opens connections (seen here with 4 ranks under load), and in order, the joined
     // group is ordered by RANK as it grows.
-    const std::string service = join_service(place);
     const auto turn = [&](int rank) { return service + ":" + std::to_string(rank); };
     const auto connect_all_pairs = [&](MPI_Comm comm) {
         int size = 1;
@@ -109,9 +188,10 @@ inline MPI_Comm join_singletons(const ProcessPlace& place, std::chrono::seconds 
         if (place.rank == 0) {
             const int rc = MPI_Publish_name(name.c_str(), MPI_INFO_NULL, port);
             if (rc != MPI_SUCCESS)
-                throw CollectiveError(who + ": MPI_Publish_name(\"" + name + "\") failed: " + mpi_error_string(rc) +
-                                      ". Another job with the same MASTER_ADDR/MASTER_PORT is using the name server, "
-                                      "or two processes were given RANK=0.");
+                throw CollectiveError(
+                    who + ": MPI_Publish_name(\"" + name + "\") failed: " + mpi_error_string(rc) +
+                    ". Another run with the same job identity (GRADSYNC_JOB_ID, MASTER_ADDR, MASTER_PORT) "
+                    "is using the name server.");
         }
         check(MPI_Comm_accept(port, MPI_INFO_NULL, 0, group, &inter), "MPI_Comm_accept");
         if (place.rank == 0) MPI_Unpublish_name(name.c_str(), MPI_INFO_NULL, port);
