@@ -806,6 +806,7 @@ concept has_adl = requires(M& m) {
 
 template <class R>
 std::vector<Parameter> to_vector(R&& range) {
+    if constexpr (std::is_same_v<R, std::vector<Parameter>>) return std::move(range);  // a list returned by value
     std::vector<Parameter> out;
     if constexpr (std::ranges::sized_range<R>) out.reserve(std::ranges::size(range));
     for (auto&& p : range) out.push_back(static_cast<Parameter>(p));
@@ -4717,7 +4718,12 @@ struct Options {
     // Unset: every replica_check_default steps where parameters are in host memory, off for
     // device memory. 0: off.
     std::optional<std::uint64_t> check_replicas_every{};
-    static constexpr std::uint64_t replica_check_default = 100;
+    static constexpr std::uint64_t replica_check_default = 500;
+    // Gradient storage may move between steps (a framework that frees gradients and allocates new
+    // ones in backward): before each bucket's collective the model is listed again and the bucket
+    // follows its gradients (one listing per step; one per bucket launched during backward).
+    // false: the storage stays where it was at construction, and nothing is listed.
+    bool storage_may_move = true;
 
     // What is wrong with these settings, or "".
     [[nodiscard]] std::string invalid() const {
@@ -5970,8 +5976,9 @@ private:
 
     // Storage that moved since the last step is followed before each bucket's collective.
     void follow_storage(std::size_t first, std::size_t last) {
-        storage_.follow(model_, layout_, plan_, engine_, first, last, gradients_untouchable,
-                        [this] { return where(); });
+        if (options_.storage_may_move)
+            storage_.follow(model_, layout_, plan_, engine_, first, last, gradients_untouchable,
+                            [this] { return where(); });
     }
 
     // At synchronize(): every parameter without grad_ready is either accumulated earlier (ready),

@@ -54,7 +54,9 @@ std::vector<std::vector<float>> train(int world, bool move, bool overlap, Polici
     gradsync::spawn(world, [&](LocalBackend& b) {
         Reallocating m;
         m.move = move;
-        gradsync::DataParallel dp(m, b, gradsync::SizeCappedBuckets{.cap = gradsync::Bytes{1200}}, policies...);
+        gradsync::DataParallel dp(
+            m, b, gradsync::SizeCappedBuckets{.cap = gradsync::Bytes{1200}, .first_cap = gradsync::Bytes{1200}},
+            policies...);
         for (int s = 0; s < 5; ++s) {
             for (std::size_t k = m.sizes.size(); k-- > 0;) {  // backward: last tensor first
                 m.backward(b.rank(), s, k);
@@ -117,4 +119,35 @@ TEST_CASE("moved storage: a parameter that changes size, or a gradient that is g
     const auto gone = failures([](Reallocating& m) { m.g[2].reset(); });
     CHECK(gone[1].find("gradsync: rank 1, step 2: parameter 't2' has no gradient now") != std::string::npos);
     CHECK_FALSE(gone[0].empty());
+}
+
+TEST_CASE("moved storage: one listing per plain step, one per bucket launched in backward, none when told") {
+    struct Counting : Reallocating {
+        int listings = 0;
+        std::vector<gradsync::Parameter> parameters() {
+            ++listings;
+            return Reallocating::parameters();
+        }
+    };
+    for (const int mode : {0, 1, 2}) {  // plain, overlapped, storage_may_move = false
+        CAPTURE(mode);
+        gradsync::spawn(2, [&](LocalBackend& b) {
+            Counting m;
+            m.move = false;
+            gradsync::DataParallel dp(
+                m, b, gradsync::SizeCappedBuckets{.cap = gradsync::Bytes{1200}, .first_cap = gradsync::Bytes{1200}},
+                gradsync::Options{.storage_may_move = mode != 2});
+            const int buckets = static_cast<int>(dp.plan().buckets.size());
+            REQUIRE(buckets == 3);
+            const int at_start = m.listings;
+            for (int s = 0; s < 4; ++s) {
+                for (std::size_t k = 3; k-- > 0;) {
+                    m.backward(b.rank(), s, k);
+                    if (mode == 1) dp.grad_ready(k);
+                }
+                dp.synchronize();
+            }
+            CHECK(m.listings - at_start == (mode == 0 ? 4 : mode == 1 ? 4 * buckets : 0));
+        });
+    }
 }

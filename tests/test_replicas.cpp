@@ -120,9 +120,9 @@ TEST_CASE("replica check: a buffer averaged every step is compared too, and on d
               std::string::npos);
 }
 
-TEST_CASE("replica check: by default every 100 steps on host memory, off on device memory; ranks agree on it") {
+TEST_CASE("replica check: by default every 500 steps on host memory, off on device memory; ranks agree on it") {
     CHECK(Options{}.replica_check_interval(false) == Options::replica_check_default);
-    CHECK(Options::replica_check_default == 100);
+    CHECK(Options::replica_check_default == 500);
     CHECK(Options{}.replica_check_interval(true) == 0);
     CHECK(Options{.check_replicas_every = 7}.replica_check_interval(true) == 7);
     const auto got = run(2, [](LocalBackend& b, int&) {
@@ -131,19 +131,19 @@ TEST_CASE("replica check: by default every 100 steps on host memory, off on devi
     });
     for (const auto& o : got)
         CHECK(o.what.find("Options::check_replicas_every is '10' on rank 0 but '20' on rank 1") != std::string::npos);
-    // The default check runs at step 100: a drift at step 50 is caught there.
+    // The default check runs at step 500: a drift at step 250 is caught there.
     const auto late = run(2, [](LocalBackend& b, int& s) {
         Toy m({16}, 1.0f);
         DataParallel dp(m, b);
-        for (s = 0; s < 101; ++s) {
+        for (s = 0; s < 501; ++s) {
             m.fill_grads(b.rank());
-            if (s == 50 && b.rank() == 1) m.tensors[0].w[0] = 3.0f;
+            if (s == 250 && b.rank() == 1) m.tensors[0].w[0] = 3.0f;
             dp.synchronize();
         }
     });
     for (const auto& o : late) {
-        CHECK(o.step == 99);
-        CHECK(o.what.find("step 100: the ranks' replicas differ: parameter 't0' on rank 1") != std::string::npos);
+        CHECK(o.step == 499);
+        CHECK(o.what.find("step 500: the ranks' replicas differ: parameter 't0' on rank 1") != std::string::npos);
     }
 }
 

@@ -304,8 +304,9 @@ private:
 
     // Storage that moved since the last step is followed before each bucket's collective.
     void follow_storage(std::size_t first, std::size_t last) {
-        storage_.follow(model_, layout_, plan_, engine_, first, last, gradients_untouchable,
-                        [this] { return where(); });
+        if (options_.storage_may_move)
+            storage_.follow(model_, layout_, plan_, engine_, first, last, gradients_untouchable,
+                            [this] { return where(); });
     }
 
     // At synchronize(): every parameter without grad_ready is either accumulated earlier (ready),

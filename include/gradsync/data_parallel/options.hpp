@@ -43,7 +43,12 @@ struct Options {
     // Unset: every replica_check_default steps where parameters are in host memory, off for
     // device memory. 0: off.
     std::optional<std::uint64_t> check_replicas_every{};
-    static constexpr std::uint64_t replica_check_default = 100;
+    static constexpr std::uint64_t replica_check_default = 500;
+    // Gradient storage may move between steps (a framework that frees gradients and allocates new
+    // ones in backward): before each bucket's collective the model is listed again and the bucket
+    // follows its gradients (one listing per step; one per bucket launched during backward).
+    // false: the storage stays where it was at construction, and nothing is listed.
+    bool storage_may_move = true;
 
     // What is wrong with these settings, or "".
     [[nodiscard]] std::string invalid() const {

@@ -83,6 +83,7 @@ concept has_adl = requires(M& m) {
 
 template <class R>
 std::vector<Parameter> to_vector(R&& range) {
+    if constexpr (std::is_same_v<R, std::vector<Parameter>>) return std::move(range);  // a list returned by value
     std::vector<Parameter> out;
     if constexpr (std::ranges::sized_range<R>) out.reserve(std::ranges::size(range));
     for (auto&& p : range) out.push_back(static_cast<Parameter>(p));
