@@ -4715,10 +4715,11 @@ struct Options {
     // Every this many synchronized steps (and at every checkpoint save), every rank hashes its
     // parameters and the buffers kept equal, and the ranks compare the hashes (one allreduce of
     // 16 bytes per rank), so that replicas that drifted apart are named instead of training on.
-    // Unset: every replica_check_default steps where parameters are in host memory, off for
-    // device memory. 0: off.
-    std::optional<std::uint64_t> check_replicas_every{};
+    // replica_check_auto: every replica_check_default steps where parameters are in host
+    // memory, off for device memory. 0: off.
+    static constexpr std::uint64_t replica_check_auto = ~std::uint64_t{0};
     static constexpr std::uint64_t replica_check_default = 500;
+    std::uint64_t check_replicas_every = replica_check_auto;
     // Gradient storage may move between steps (a framework that frees gradients and allocates new
     // ones in backward): before each bucket's collective the model is listed again and the bucket
     // follows its gradients (one listing per step; one per bucket launched during backward).
@@ -4738,7 +4739,8 @@ struct Options {
 
     // Every how many steps the replicas are compared (0: never), resolved for the memory policy.
     [[nodiscard]] std::uint64_t replica_check_interval(bool device_memory) const {
-        return check_replicas_every.value_or(device_memory ? 0 : replica_check_default);
+        if (check_replicas_every != replica_check_auto) return check_replicas_every;
+        return device_memory ? 0 : replica_check_default;
     }
 };
 
@@ -5322,8 +5324,10 @@ std::string stream_problem(const B& backend, const M& memory) {
 
 // Options that need parameters in host memory.
 inline std::string device_memory_problem(const Options& options, bool device_memory) {
-    if (device_memory && options.check_replicas_every.value_or(0) > 0)
-        return "Options::check_replicas_every needs parameters in host memory; with device memory leave it unset";
+    if (device_memory && options.check_replicas_every != Options::replica_check_auto &&
+        options.check_replicas_every > 0)
+        return "Options::check_replicas_every needs parameters in host memory; with device memory leave it at "
+               "replica_check_auto";
     return {};
 }
 

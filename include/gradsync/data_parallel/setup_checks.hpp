@@ -66,8 +66,10 @@ std::string stream_problem(const B& backend, const M& memory) {
 
 // Options that need parameters in host memory.
 inline std::string device_memory_problem(const Options& options, bool device_memory) {
-    if (device_memory && options.check_replicas_every.value_or(0) > 0)
-        return "Options::check_replicas_every needs parameters in host memory; with device memory leave it unset";
+    if (device_memory && options.check_replicas_every != Options::replica_check_auto &&
+        options.check_replicas_every > 0)
+        return "Options::check_replicas_every needs parameters in host memory; with device memory leave it at "
+               "replica_check_auto";
     return {};
 }
 
