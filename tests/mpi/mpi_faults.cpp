@@ -5,6 +5,8 @@
 //   missing  rank 1 never reports one parameter: the error names it and the step
 //   exit     rank 1 exits without a word: the launcher ends the others
 //   hang     rank 1 stops calling collectives: the others' deadline (2 s here) ends the job
+//   leave    rank 1 catches an exception of its own and returns from main cleanly, while the
+//            others wait in step 3's collectives: they learn at once (their deadline is 60 s here)
 //   alone    (started torchrun-style as rank 0 of 2, with no rank 1) the join's deadline, 10 s here
 #include <gradsync/backend/mpi.hpp>
 #include <gradsync/gradsync.hpp>
@@ -14,22 +16,24 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <stdexcept>
 #include <string>
 #include <thread>
 
 int main(int argc, char** argv) {
     gradsync::MpiSession mpi(argc, argv, /*join_timeout=*/std::chrono::seconds(10));
     const std::string scenario = argc > 1 ? argv[1] : "";
-    if (scenario != "throw" && scenario != "missing" && scenario != "exit" && scenario != "hang") {
-        std::fprintf(stderr, "usage: mpi_faults throw|missing|exit|hang|alone\n");
+    if (scenario != "throw" && scenario != "missing" && scenario != "exit" && scenario != "hang" &&
+        scenario != "leave") {
+        std::fprintf(stderr, "usage: mpi_faults throw|missing|exit|hang|leave|alone\n");
         return 2;
     }
     gradsync::MpiOptions options;
-    options.timeout = std::chrono::seconds(2);
+    const auto timeout = std::chrono::seconds(scenario == "leave" ? 60 : 2);
+    options.timeout = timeout;
     gradsync::MpiBackend backend(gradsync::mpi_world(), options);
     mlp::Mlp model(1);
-    gradsync::DataParallel dp(model, backend, gradsync::PerParameterBuckets{},
-                              gradsync::Options{.timeout = std::chrono::seconds(2)});
+    gradsync::DataParallel dp(model, backend, gradsync::PerParameterBuckets{}, gradsync::Options{.timeout = timeout});
     const bool culprit = backend.rank() == 1;
     int step = 0;
     model.on_grad_ready = [&](std::size_t i) {
@@ -38,12 +42,18 @@ int main(int argc, char** argv) {
         if (culprit && step == 3 && scenario == "throw" && i == 3) dp.grad_ready(i);
     };
     mlp::Sgd optimizer(0.05f, 0.9f);
-    for (step = 0; step < 6; ++step) {
-        if (culprit && step == 3 && scenario == "exit") std::_Exit(0);
-        if (culprit && step == 3 && scenario == "hang") std::this_thread::sleep_for(std::chrono::seconds(600));
-        model.forward_backward(mlp::make_batch(1, std::size_t(step * 64 + backend.rank() * 16), 16));
-        dp.synchronize();
-        optimizer.step(model);
+    try {
+        for (step = 0; step < 6; ++step) {
+            if (culprit && step == 3 && scenario == "exit") std::_Exit(0);
+            if (culprit && step == 3 && scenario == "hang") std::this_thread::sleep_for(std::chrono::seconds(600));
+            if (culprit && step == 3 && scenario == "leave") throw std::runtime_error("the data loader failed");
+            model.forward_backward(mlp::make_batch(1, std::size_t(step * 64 + backend.rank() * 16), 16));
+            dp.synchronize();
+            optimizer.step(model);
+        }
+    } catch (const std::runtime_error& e) {
+        std::printf("rank %d stops training: %s\n", backend.rank(), e.what());
+        return 0;
     }
     std::printf("rank %d finished all steps\n", backend.rank());
     return 0;

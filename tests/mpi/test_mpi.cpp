@@ -19,6 +19,8 @@
 #include <cstdint>
 #include <cstring>
 #include <fstream>
+#include <optional>
+#include <thread>
 #include <vector>
 
 using namespace gradsync::literals;
@@ -189,6 +191,37 @@ TEST_CASE("MpiBackend: broadcast from every root, and a barrier") {
     backend.barrier();
     CHECK_THROWS_WITH_AS(backend.broadcast(std::span<std::byte>(), backend.size()),
                          doctest::Contains("broadcast from rank"), gradsync::CollectiveError);
+}
+
+TEST_CASE(
+    "MpiBackend: a collective after a rank has left is refused at once, naming the rank and its last collective") {
+    if (world_size() < 2) return;
+    const int leaver = world_size() - 1;
+    gradsync::MpiOptions options;
+    options.timeout = std::chrono::seconds(60);
+    options.peer_poll = std::chrono::milliseconds(10);
+    std::optional<gradsync::MpiBackend> backend(std::in_place, gradsync::mpi_world(), options);
+    std::vector<float> v(100, 1.0f);
+    backend->allreduce(std::span(v));  // collective #1, a sum by default
+    CHECK(v[0] == float(world_size()));
+    if (backend->rank() == leaver) {
+        backend.reset();  // returns once every peer has destroyed its backend too
+        return;
+    }
+    const auto begin = std::chrono::steady_clock::now();
+    while (backend->departed_peers().empty() && std::chrono::steady_clock::now() - begin < std::chrono::seconds(30))
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    REQUIRE(backend->departed_peers() == std::vector<int>{leaver});
+    CHECK(std::chrono::steady_clock::now() - begin < std::chrono::seconds(10));  // not the 60 s deadline
+    std::string message;
+    try {
+        backend->allreduce(std::span(v));
+    } catch (const gradsync::CollectiveError& e) {
+        message = e.what();
+    }
+    CHECK(message.find("allreduce #2 of 100 x float32") != std::string::npos);
+    CHECK(message.find("cannot complete: rank " + std::to_string(leaver) +
+                       " has left the group (destroyed its MpiBackend) after its collective #1") != std::string::npos);
 }
 
 TEST_CASE("MpiBackend: a dtype it cannot reduce is an exception, not a wrong answer") {
