@@ -264,6 +264,11 @@ public:
     using std::runtime_error::runtime_error;
 };
 
+// Marks an error that every rank raises alike, with the same message, after their collectives
+// completed: no rank is left waiting, so the group needs no abort and may go on. Catch it as its
+// own type, or as `const gradsync::RaisedOnEveryRank&` to handle every such error at once.
+class RaisedOnEveryRank {};
+
 // The model handed to gradsync is unusable: null gradient, unsupported dtype, aliased buffers.
 class InvalidModel : public Error {
 public:
@@ -278,7 +283,7 @@ public:
 };
 
 // Ranks disagree on the model's parameter layout. Thrown on every rank with the same message.
-class LayoutMismatch : public Error {
+class LayoutMismatch : public Error, public RaisedOnEveryRank {
 public:
     using Error::Error;
 };
@@ -291,14 +296,14 @@ public:
 
 // The ranks' replicas differ: parameters (or buffers kept equal, or checkpointed state) that
 // every rank should hold bit for bit do not match. Thrown on every rank with the same message.
-class ReplicaMismatch : public Error {
+class ReplicaMismatch : public Error, public RaisedOnEveryRank {
 public:
     using Error::Error;
 };
 
 // The ranks are at different steps of the trainer (by the step numbers it passed): a rank skipped
 // or repeated an iteration. Thrown on every rank with the same message, before any update.
-class StepMismatch : public CollectiveError {
+class StepMismatch : public CollectiveError, public RaisedOnEveryRank {
 public:
     using CollectiveError::CollectiveError;
 };
@@ -3548,6 +3553,56 @@ constexpr bool check_lr_rule() {
 // number, where it passes one) with one small allreduce.
 
 
+// ---- begin gradsync/data_parallel/rank_table.hpp ----
+// RankTable: a few unsigned 64-bit numbers from every rank, gathered on every rank by one
+// allreduce. Each rank writes only its own row of a table of doubles, each number as two 32-bit
+// halves (exact in a double), so the sum over ranks is every rank's row, bit for bit, on any
+// backend that sums doubles.
+
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+class RankTable {
+public:
+    RankTable(int world, int rank, std::size_t columns)
+        : rank_(rank), columns_(columns), cells_(static_cast<std::size_t>(world) * columns * 2, 0.0) {}
+
+    // Sets a number of this rank's row.
+    void set(std::size_t column, std::uint64_t value) {
+        double* cell = cells_.data() + index(rank_, column);
+        cell[0] = static_cast<double>(value >> 32);
+        cell[1] = static_cast<double>(value & 0xffffffffu);
+    }
+
+    // Collective: afterwards every rank holds every rank's row.
+    template <Backend B>
+    void gather(B& backend) {
+        backend.allreduce(Buffer{cells_.data(), cells_.size(), DType::float64}, ReduceOp::sum);
+    }
+
+    [[nodiscard]] std::uint64_t at(int rank, std::size_t column) const {
+        const double* cell = cells_.data() + index(rank, column);
+        return (static_cast<std::uint64_t>(cell[0]) << 32) | static_cast<std::uint64_t>(cell[1]);
+    }
+    [[nodiscard]] bool same_as_rank0(int rank, std::size_t column) const { return at(rank, column) == at(0, column); }
+
+private:
+    [[nodiscard]] std::size_t index(int rank, std::size_t column) const {
+        return (static_cast<std::size_t>(rank) * columns_ + column) * 2;
+    }
+
+    int rank_;
+    std::size_t columns_;
+    std::vector<double> cells_;
+};
+
+}  // namespace gradsync::inline v0::detail
+// ---- end gradsync/data_parallel/rank_table.hpp ----
+
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -3588,31 +3643,28 @@ public:
     void verify(B& backend, std::int64_t step, std::optional<std::uint64_t> trainer_step = {}) const {
         const int world = backend.size();
         if (world == 1) return;
-        constexpr std::size_t columns = 5;
-        std::vector<double> table(static_cast<std::size_t>(world) * columns, 0.0);
-        double* mine = table.data() + static_cast<std::size_t>(backend.rank()) * columns;
-        mine[0] = static_cast<double>(fingerprint_ >> 32);
-        mine[1] = static_cast<double>(fingerprint_ & 0xffffffffu);
-        mine[2] = static_cast<double>(count_);
-        mine[3] = trainer_step ? 1.0 : 0.0;
-        mine[4] = static_cast<double>(trainer_step.value_or(0));  // exact below 2^53
-        backend.allreduce(Buffer{table.data(), table.size(), DType::float64}, ReduceOp::sum);
-        const auto number = [](const double* row) {
-            return row[3] == 0 ? std::string("none") : std::to_string(static_cast<std::uint64_t>(row[4]));
+        enum : std::size_t { fingerprint, count, has_step, step_number, columns };
+        RankTable table(world, backend.rank(), columns);
+        table.set(fingerprint, fingerprint_);
+        table.set(count, count_);
+        table.set(has_step, trainer_step.has_value());
+        table.set(step_number, trainer_step.value_or(0));
+        table.gather(backend);
+        const auto number = [&](int r) {
+            return table.at(r, has_step) == 0 ? std::string("none") : std::to_string(table.at(r, step_number));
         };
         for (int r = 1; r < world; ++r) {
-            const double* theirs = table.data() + static_cast<std::size_t>(r) * columns;
-            if (theirs[3] != table[3] || theirs[4] != table[4])
+            if (!table.same_as_rank0(r, has_step) || !table.same_as_rank0(r, step_number))
                 throw StepMismatch("gradsync: step " + std::to_string(step) +
                                    ": the ranks are at different steps of the trainer: rank 0 passed step number " +
-                                   number(table.data()) + " and rank " + std::to_string(r) + " " + number(theirs) +
+                                   number(0) + " and rank " + std::to_string(r) + " " + number(r) +
                                    "; a rank skipped or repeated an iteration, and its gradients were about to be "
                                    "averaged with another iteration's");
-            if (theirs[0] == table[0] && theirs[1] == table[1]) continue;
+            if (table.same_as_rank0(r, fingerprint)) continue;
             throw CollectiveError("gradsync: step " + std::to_string(step) +
                                   ": the ranks' collective histories diverged: rank 0 issued " +
-                                  std::to_string(static_cast<std::uint64_t>(table[2])) + " collectives and rank " +
-                                  std::to_string(r) + " " + std::to_string(static_cast<std::uint64_t>(theirs[2])) +
+                                  std::to_string(table.at(0, count)) + " collectives and rank " + std::to_string(r) +
+                                  " " + std::to_string(table.at(r, count)) +
                                   ", with different fingerprints; every rank must launch the same buckets in the "
                                   "same order");
         }
@@ -5021,40 +5073,28 @@ void agree_on_layout(B& backend, std::span<const Parameter> params, std::span<co
     auto layout = serialize_layout(entries);
     const auto settings_text = serialize_settings(settings);
 
-    // Each rank fills its own row; a sum-allreduce then hands every rank every row.
-    enum {
-        layout_hi,
-        layout_lo,
-        plan_hi,
-        plan_lo,
-        settings_hi,
-        settings_lo,
+    enum : std::size_t {
+        layout_hash_column,
+        plan_hash,
+        settings_hash,
         problem_kind,
         problem_size,
         layout_size,
         settings_size,
-        row
+        columns
     };
-    std::vector<double> table(static_cast<std::size_t>(world) * row, 0.0);
-    auto split = [](std::uint64_t h, double* hi, double* lo) {
-        *hi = static_cast<double>(h >> 32);
-        *lo = static_cast<double>(h & 0xffffffffu);
-    };
-    Fnv1a settings_hash;
-    for (unsigned char c : settings_text) settings_hash.add(c);
-    double* mine = table.data() + static_cast<std::size_t>(me) * row;
-    split(layout_hash(entries), mine + layout_hi, mine + layout_lo);
-    split(plan.hash(), mine + plan_hi, mine + plan_lo);
-    split(settings_hash.value(), mine + settings_hi, mine + settings_lo);
-    mine[problem_kind] = static_cast<double>(problem.kind);
-    mine[problem_size] = static_cast<double>(problem.what.size());
-    mine[layout_size] = static_cast<double>(layout.size());
-    mine[settings_size] = static_cast<double>(settings_text.size());
-    backend.allreduce(Buffer{table.data(), table.size(), DType::float64}, ReduceOp::sum);
-    auto at = [&](int r, int field) {
-        return table[static_cast<std::size_t>(r) * row + static_cast<std::size_t>(field)];
-    };
-    auto same = [&](int r, int hi, int lo) { return at(r, hi) == at(0, hi) && at(r, lo) == at(0, lo); };
+    RankTable table(world, me, columns);
+    Fnv1a settings_fnv;
+    for (unsigned char c : settings_text) settings_fnv.add(c);
+    table.set(layout_hash_column, layout_hash(entries));
+    table.set(plan_hash, plan.hash());
+    table.set(settings_hash, settings_fnv.value());
+    table.set(problem_kind, static_cast<std::uint64_t>(problem.kind));
+    table.set(problem_size, problem.what.size());
+    table.set(layout_size, layout.size());
+    table.set(settings_size, settings_text.size());
+    table.gather(backend);
+    auto at = [&](int r, std::size_t column) { return table.at(r, column); };
 
     // Fetches rank r's bytes of the given size: its own copy on r, the broadcast elsewhere.
     auto fetch = [&](int r, std::size_t size, const void* own) {
@@ -5063,7 +5103,7 @@ void agree_on_layout(B& backend, std::span<const Parameter> params, std::span<co
         backend.broadcast(std::span<std::byte>(bytes), r);
         return bytes;
     };
-    auto fetch_text = [&](int r, int size_field, const std::string& own) {
+    auto fetch_text = [&](int r, std::size_t size_field, const std::string& own) {
         const auto bytes = fetch(r, static_cast<std::size_t>(at(r, size_field)), own.data());
         return std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size());
     };
@@ -5071,24 +5111,24 @@ void agree_on_layout(B& backend, std::span<const Parameter> params, std::span<co
     for (int r = 0; r < world; ++r) {
         if (at(r, problem_kind) == 0) continue;
         const auto what = fetch_text(r, problem_size, problem.what);
-        if (at(r, problem_kind) == static_cast<double>(LocalProblem::Kind::configuration))
+        if (at(r, problem_kind) == static_cast<std::uint64_t>(LocalProblem::Kind::configuration))
             throw ConfigurationError(what);
         throw InvalidModel(what);
     }
     for (int r = 1; r < world; ++r) {
-        if (same(r, settings_hi, settings_lo)) continue;
+        if (table.same_as_rank0(r, settings_hash)) continue;
         const auto s0 = parse_settings(fetch_text(0, settings_size, settings_text));
         const auto sr = parse_settings(fetch_text(r, settings_size, settings_text));
         throw ConfigurationError(describe_settings_difference(0, s0, r, sr));
     }
     for (int r = 1; r < world; ++r) {
-        if (same(r, layout_hi, layout_lo)) continue;
+        if (table.same_as_rank0(r, layout_hash_column)) continue;
         auto l0 = parse_layout(fetch(0, static_cast<std::size_t>(at(0, layout_size)), layout.data()));
         auto lr = parse_layout(fetch(r, static_cast<std::size_t>(at(r, layout_size)), layout.data()));
         throw LayoutMismatch(describe_layout_difference(0, l0, r, lr));
     }
     for (int r = 1; r < world; ++r) {
-        if (same(r, plan_hi, plan_lo)) continue;
+        if (table.same_as_rank0(r, plan_hash)) continue;
         throw LayoutMismatch("gradsync: the bucket plans of rank 0 and rank " + std::to_string(r) +
                              " differ although their parameters agree; pass the same bucketer, with the same "
                              "caps, on every rank");
@@ -5409,31 +5449,6 @@ inline std::vector<ReplicaTensor> replica_tensors(std::span<const Parameter> par
     return out;
 }
 
-namespace replica {
-
-// Each rank's 64-bit values as two exact 32-bit halves in its own row of a table of doubles; one
-// sum over ranks gives every rank everyone's values.
-template <Backend B>
-std::vector<double> gather(B& backend, std::span<const std::uint64_t> mine) {
-    const auto n = mine.size();
-    std::vector<double> table(static_cast<std::size_t>(backend.size()) * n * 2, 0.0);
-    double* row = table.data() + static_cast<std::size_t>(backend.rank()) * n * 2;
-    for (std::size_t i = 0; i < n; ++i) {
-        row[2 * i] = static_cast<double>(mine[i] >> 32);
-        row[2 * i + 1] = static_cast<double>(mine[i] & 0xffffffffu);
-    }
-    backend.allreduce(Buffer{table.data(), table.size(), DType::float64}, ReduceOp::sum);
-    return table;
-}
-
-inline bool same(const std::vector<double>& table, std::size_t n, int rank, std::size_t i) {
-    const double* a = table.data() + 2 * i;
-    const double* b = table.data() + static_cast<std::size_t>(rank) * n * 2 + 2 * i;
-    return a[0] == b[0] && a[1] == b[1];
-}
-
-}  // namespace replica
-
 // Where the ranks' lists of hashes differ from rank 0's.
 struct RankDifference {
     bool lengths_differ = false;  // then first and differing say nothing
@@ -5454,13 +5469,16 @@ std::optional<RankDifference> compare_with_rank0(B& backend, std::span<const std
     if (world == 1) return std::nullopt;
     Fnv1a whole;
     for (auto h : hashes) whole.add(h);
-    const std::uint64_t summary[2] = {whole.value(), hashes.size()};
-    const auto first = replica::gather(backend, std::span<const std::uint64_t>(summary));
+    enum : std::size_t { of_whole, length, columns };
+    RankTable summary(world, backend.rank(), columns);
+    summary.set(of_whole, whole.value());
+    summary.set(length, hashes.size());
+    summary.gather(backend);
     RankDifference d;
     bool all_same = true;
     for (int r = 1; r < world; ++r) {
-        const bool length_same = replica::same(first, 2, r, 1);
-        if (length_same && replica::same(first, 2, r, 0)) continue;
+        const bool length_same = summary.same_as_rank0(r, length);
+        if (length_same && summary.same_as_rank0(r, of_whole)) continue;
         all_same = false;
         if (!length_same) {
             d.lengths_differ = true;
@@ -5471,12 +5489,14 @@ std::optional<RankDifference> compare_with_rank0(B& backend, std::span<const std
     if (d.lengths_differ) return d;
 
     const auto n = hashes.size();
-    const auto table = replica::gather(backend, hashes);
+    RankTable table(world, backend.rank(), n);
+    for (std::size_t i = 0; i < n; ++i) table.set(i, hashes[i]);
+    table.gather(backend);
     d.first = n;
     for (std::size_t i = 0; i < n; ++i) {
         bool differs = false;
         for (int r = 1; r < world; ++r) {
-            if (replica::same(table, n, r, i)) continue;
+            if (table.same_as_rank0(r, i)) continue;
             differs = true;
             if (d.first == n) d.ranks += (d.ranks.empty() ? "" : ", ") + std::to_string(r);
         }
@@ -6014,16 +6034,12 @@ private:
     }
 
     // Runs f; on an exception, aborts the group so that peers fail now, drains, and rethrows. An
-    // error every rank raised alike after its collectives completed needs no abort (under MPI an
-    // abort ends the job).
+    // error every rank raised alike (RaisedOnEveryRank) needs no abort: under MPI one ends the job.
     template <class F>
     void guard(F&& f) {
         try {
             f();
-        } catch (const ReplicaMismatch&) {
-            end_step();
-            throw;
-        } catch (const StepMismatch&) {
+        } catch (const RaisedOnEveryRank&) {
             end_step();
             throw;
         } catch (const std::exception& e) {

@@ -8,6 +8,7 @@
 #include "support/toy_model.hpp"
 
 #include <chrono>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -139,4 +140,24 @@ TEST_CASE("agreement: a setting that cannot work is refused at construction, on 
         CHECK_THROWS_WITH_AS(DataParallel(m, b, gradsync::LinearLr{.base_lr = 0.1, .micro_batch = 0}),
                              doctest::Contains("an LR rule needs"), gradsync::ConfigurationError);
     });
+}
+
+TEST_CASE("RankTable: every rank's 64-bit numbers reach every rank exactly, whatever their bits") {
+    std::vector<int> wrong(4, -1);
+    gradsync::spawn(4, [&](LocalBackend& b) {
+        const auto value = [](int rank, std::size_t column) -> std::uint64_t {
+            if (column == 0) return ~std::uint64_t{0} - std::uint64_t(rank);  // all bits set
+            if (column == 1) return (std::uint64_t{1} << 63) | std::uint64_t(rank);
+            return std::uint64_t(rank) * 0x9e3779b97f4a7c15u;  // bits everywhere
+        };
+        gradsync::detail::RankTable table(b.size(), b.rank(), 3);
+        for (std::size_t c = 0; c < 3; ++c) table.set(c, value(b.rank(), c));
+        table.gather(b);
+        int mismatches = 0;
+        for (int r = 0; r < b.size(); ++r)
+            for (std::size_t c = 0; c < 3; ++c) mismatches += table.at(r, c) != value(r, c);
+        mismatches += table.same_as_rank0(1, 0) || !table.same_as_rank0(0, 2);
+        wrong[static_cast<std::size_t>(b.rank())] = mismatches;
+    });
+    CHECK(wrong == std::vector<int>(4, 0));
 }

@@ -9,7 +9,9 @@
 
 #include <cstdint>
 #include <cstring>
+#include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 using gradsync::DataParallel;
@@ -168,4 +170,35 @@ TEST_CASE("step number: a rank that skipped an iteration is caught at that very 
         CHECK(o.what.find("step 3: the ranks are at different steps of the trainer: rank 0 passed step number 2 "
                           "and rank 1 3") != std::string::npos);
     CHECK(weights[0] == weights[1]);  // the mismatched step updated nothing
+}
+
+TEST_CASE("an error raised on every rank alike leaves the group usable: realign the replicas and train on") {
+    static_assert(std::is_base_of_v<gradsync::RaisedOnEveryRank, gradsync::ReplicaMismatch>);
+    static_assert(std::is_base_of_v<gradsync::RaisedOnEveryRank, gradsync::StepMismatch>);
+    static_assert(std::is_base_of_v<gradsync::RaisedOnEveryRank, gradsync::LayoutMismatch>);
+    static_assert(!std::is_base_of_v<gradsync::RaisedOnEveryRank, gradsync::TimeoutError>);
+    std::vector<std::vector<float>> weights(3);
+    const auto got = run(3, [&](LocalBackend& b, int& s) {
+        Toy m({64, 8}, 0.5f);
+        DataParallel dp(m, b, Options{.check_replicas_every = 2});
+        int caught = 0;
+        for (s = 0; s < 6; ++s) {
+            m.fill_grads(b.rank());
+            if (s == 0 && b.rank() == 1) m.tensors[0].w[3] += 1.0f;
+            try {
+                dp.synchronize();
+            } catch (const gradsync::RaisedOnEveryRank&) {  // the replica check of step 2
+                ++caught;
+                dp.broadcast_parameters();  // rank 0's values everywhere; the group was not aborted
+                continue;
+            }
+            sgd(m);
+        }
+        dp.check_replicas();
+        if (caught != 1) throw std::runtime_error("caught " + std::to_string(caught) + " mismatches");
+        weights[static_cast<std::size_t>(b.rank())] = m.tensors[0].w;
+    });
+    for (const auto& o : got) CHECK(o.what.empty());
+    CHECK(weights[1] == weights[0]);
+    CHECK(weights[2] == weights[0]);
 }

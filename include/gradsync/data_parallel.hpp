@@ -338,16 +338,12 @@ private:
     }
 
     // Runs f; on an exception, aborts the group so that peers fail now, drains, and rethrows. An
-    // error every rank raised alike after its collectives completed needs no abort (under MPI an
-    // abort ends the job).
+    // error every rank raised alike (RaisedOnEveryRank) needs no abort: under MPI one ends the job.
     template <class F>
     void guard(F&& f) {
         try {
             f();
-        } catch (const ReplicaMismatch&) {
-            end_step();
-            throw;
-        } catch (const StepMismatch&) {
+        } catch (const RaisedOnEveryRank&) {
             end_step();
             throw;
         } catch (const std::exception& e) {

@@ -15,6 +15,11 @@ public:
     using std::runtime_error::runtime_error;
 };
 
+// Marks an error that every rank raises alike, with the same message, after their collectives
+// completed: no rank is left waiting, so the group needs no abort and may go on. Catch it as its
+// own type, or as `const gradsync::RaisedOnEveryRank&` to handle every such error at once.
+class RaisedOnEveryRank {};
+
 // The model handed to gradsync is unusable: null gradient, unsupported dtype, aliased buffers.
 class InvalidModel : public Error {
 public:
@@ -29,7 +34,7 @@ public:
 };
 
 // Ranks disagree on the model's parameter layout. Thrown on every rank with the same message.
-class LayoutMismatch : public Error {
+class LayoutMismatch : public Error, public RaisedOnEveryRank {
 public:
     using Error::Error;
 };
@@ -42,14 +47,14 @@ public:
 
 // The ranks' replicas differ: parameters (or buffers kept equal, or checkpointed state) that
 // every rank should hold bit for bit do not match. Thrown on every rank with the same message.
-class ReplicaMismatch : public Error {
+class ReplicaMismatch : public Error, public RaisedOnEveryRank {
 public:
     using Error::Error;
 };
 
 // The ranks are at different steps of the trainer (by the step numbers it passed): a rank skipped
 // or repeated an iteration. Thrown on every rank with the same message, before any update.
-class StepMismatch : public CollectiveError {
+class StepMismatch : public CollectiveError, public RaisedOnEveryRank {
 public:
     using CollectiveError::CollectiveError;
 };

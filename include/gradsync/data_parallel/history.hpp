@@ -6,9 +6,8 @@
 #pragma once
 
 #include <gradsync/backend/concepts.hpp>
-#include <gradsync/buffer.hpp>
+#include <gradsync/data_parallel/rank_table.hpp>
 #include <gradsync/detail/hash.hpp>
-#include <gradsync/dtype.hpp>
 #include <gradsync/error.hpp>
 
 #include <cstdint>
@@ -51,31 +50,28 @@ public:
     void verify(B& backend, std::int64_t step, std::optional<std::uint64_t> trainer_step = {}) const {
         const int world = backend.size();
         if (world == 1) return;
-        constexpr std::size_t columns = 5;
-        std::vector<double> table(static_cast<std::size_t>(world) * columns, 0.0);
-        double* mine = table.data() + static_cast<std::size_t>(backend.rank()) * columns;
-        mine[0] = static_cast<double>(fingerprint_ >> 32);
-        mine[1] = static_cast<double>(fingerprint_ & 0xffffffffu);
-        mine[2] = static_cast<double>(count_);
-        mine[3] = trainer_step ? 1.0 : 0.0;
-        mine[4] = static_cast<double>(trainer_step.value_or(0));  // exact below 2^53
-        backend.allreduce(Buffer{table.data(), table.size(), DType::float64}, ReduceOp::sum);
-        const auto number = [](const double* row) {
-            return row[3] == 0 ? std::string("none") : std::to_string(static_cast<std::uint64_t>(row[4]));
+        enum : std::size_t { fingerprint, count, has_step, step_number, columns };
+        RankTable table(world, backend.rank(), columns);
+        table.set(fingerprint, fingerprint_);
+        table.set(count, count_);
+        table.set(has_step, trainer_step.has_value());
+        table.set(step_number, trainer_step.value_or(0));
+        table.gather(backend);
+        const auto number = [&](int r) {
+            return table.at(r, has_step) == 0 ? std::string("none") : std::to_string(table.at(r, step_number));
         };
         for (int r = 1; r < world; ++r) {
-            const double* theirs = table.data() + static_cast<std::size_t>(r) * columns;
-            if (theirs[3] != table[3] || theirs[4] != table[4])
+            if (!table.same_as_rank0(r, has_step) || !table.same_as_rank0(r, step_number))
                 throw StepMismatch("gradsync: step " + std::to_string(step) +
                                    ": the ranks are at different steps of the trainer: rank 0 passed step number " +
-                                   number(table.data()) + " and rank " + std::to_string(r) + " " + number(theirs) +
+                                   number(0) + " and rank " + std::to_string(r) + " " + number(r) +
                                    "; a rank skipped or repeated an iteration, and its gradients were about to be "
                                    "averaged with another iteration's");
-            if (theirs[0] == table[0] && theirs[1] == table[1]) continue;
+            if (table.same_as_rank0(r, fingerprint)) continue;
             throw CollectiveError("gradsync: step " + std::to_string(step) +
                                   ": the ranks' collective histories diverged: rank 0 issued " +
-                                  std::to_string(static_cast<std::uint64_t>(table[2])) + " collectives and rank " +
-                                  std::to_string(r) + " " + std::to_string(static_cast<std::uint64_t>(theirs[2])) +
+                                  std::to_string(table.at(0, count)) + " collectives and rank " + std::to_string(r) +
+                                  " " + std::to_string(table.at(r, count)) +
                                   ", with different fingerprints; every rank must launch the same buckets in the "
                                   "same order");
         }

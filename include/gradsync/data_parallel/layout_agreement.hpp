@@ -5,6 +5,7 @@
 
 #include <gradsync/backend/concepts.hpp>
 #include <gradsync/bucket/plan.hpp>
+#include <gradsync/data_parallel/rank_table.hpp>
 #include <gradsync/data_parallel/settings.hpp>
 #include <gradsync/model/buffers.hpp>
 #include <gradsync/detail/hash.hpp>
@@ -223,40 +224,28 @@ void agree_on_layout(B& backend, std::span<const Parameter> params, std::span<co
     auto layout = serialize_layout(entries);
     const auto settings_text = serialize_settings(settings);
 
-    // Each rank fills its own row; a sum-allreduce then hands every rank every row.
-    enum {
-        layout_hi,
-        layout_lo,
-        plan_hi,
-        plan_lo,
-        settings_hi,
-        settings_lo,
+    enum : std::size_t {
+        layout_hash_column,
+        plan_hash,
+        settings_hash,
         problem_kind,
         problem_size,
         layout_size,
         settings_size,
-        row
+        columns
     };
-    std::vector<double> table(static_cast<std::size_t>(world) * row, 0.0);
-    auto split = [](std::uint64_t h, double* hi, double* lo) {
-        *hi = static_cast<double>(h >> 32);
-        *lo = static_cast<double>(h & 0xffffffffu);
-    };
-    Fnv1a settings_hash;
-    for (unsigned char c : settings_text) settings_hash.add(c);
-    double* mine = table.data() + static_cast<std::size_t>(me) * row;
-    split(layout_hash(entries), mine + layout_hi, mine + layout_lo);
-    split(plan.hash(), mine + plan_hi, mine + plan_lo);
-    split(settings_hash.value(), mine + settings_hi, mine + settings_lo);
-    mine[problem_kind] = static_cast<double>(problem.kind);
-    mine[problem_size] = static_cast<double>(problem.what.size());
-    mine[layout_size] = static_cast<double>(layout.size());
-    mine[settings_size] = static_cast<double>(settings_text.size());
-    backend.allreduce(Buffer{table.data(), table.size(), DType::float64}, ReduceOp::sum);
-    auto at = [&](int r, int field) {
-        return table[static_cast<std::size_t>(r) * row + static_cast<std::size_t>(field)];
-    };
-    auto same = [&](int r, int hi, int lo) { return at(r, hi) == at(0, hi) && at(r, lo) == at(0, lo); };
+    RankTable table(world, me, columns);
+    Fnv1a settings_fnv;
+    for (unsigned char c : settings_text) settings_fnv.add(c);
+    table.set(layout_hash_column, layout_hash(entries));
+    table.set(plan_hash, plan.hash());
+    table.set(settings_hash, settings_fnv.value());
+    table.set(problem_kind, static_cast<std::uint64_t>(problem.kind));
+    table.set(problem_size, problem.what.size());
+    table.set(layout_size, layout.size());
+    table.set(settings_size, settings_text.size());
+    table.gather(backend);
+    auto at = [&](int r, std::size_t column) { return table.at(r, column); };
 
     // Fetches rank r's bytes of the given size: its own copy on r, the broadcast elsewhere.
     auto fetch = [&](int r, std::size_t size, const void* own) {
@@ -265,7 +254,7 @@ void agree_on_layout(B& backend, std::span<const Parameter> params, std::span<co
         backend.broadcast(std::span<std::byte>(bytes), r);
         return bytes;
     };
-    auto fetch_text = [&](int r, int size_field, const std::string& own) {
+    auto fetch_text = [&](int r, std::size_t size_field, const std::string& own) {
         const auto bytes = fetch(r, static_cast<std::size_t>(at(r, size_field)), own.data());
         return std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size());
     };
@@ -273,24 +262,24 @@ void agree_on_layout(B& backend, std::span<const Parameter> params, std::span<co
     for (int r = 0; r < world; ++r) {
         if (at(r, problem_kind) == 0) continue;
         const auto what = fetch_text(r, problem_size, problem.what);
-        if (at(r, problem_kind) == static_cast<double>(LocalProblem::Kind::configuration))
+        if (at(r, problem_kind) == static_cast<std::uint64_t>(LocalProblem::Kind::configuration))
             throw ConfigurationError(what);
         throw InvalidModel(what);
     }
     for (int r = 1; r < world; ++r) {
-        if (same(r, settings_hi, settings_lo)) continue;
+        if (table.same_as_rank0(r, settings_hash)) continue;
         const auto s0 = parse_settings(fetch_text(0, settings_size, settings_text));
         const auto sr = parse_settings(fetch_text(r, settings_size, settings_text));
         throw ConfigurationError(describe_settings_difference(0, s0, r, sr));
     }
     for (int r = 1; r < world; ++r) {
-        if (same(r, layout_hi, layout_lo)) continue;
+        if (table.same_as_rank0(r, layout_hash_column)) continue;
         auto l0 = parse_layout(fetch(0, static_cast<std::size_t>(at(0, layout_size)), layout.data()));
         auto lr = parse_layout(fetch(r, static_cast<std::size_t>(at(r, layout_size)), layout.data()));
         throw LayoutMismatch(describe_layout_difference(0, l0, r, lr));
     }
     for (int r = 1; r < world; ++r) {
-        if (same(r, plan_hi, plan_lo)) continue;
+        if (table.same_as_rank0(r, plan_hash)) continue;
         throw LayoutMismatch("gradsync: the bucket plans of rank 0 and rank " + std::to_string(r) +
                              " differ although their parameters agree; pass the same bucketer, with the same "
                              "caps, on every rank");

@@ -5,9 +5,8 @@
 #pragma once
 
 #include <gradsync/backend/concepts.hpp>
-#include <gradsync/buffer.hpp>
+#include <gradsync/data_parallel/rank_table.hpp>
 #include <gradsync/detail/hash.hpp>
-#include <gradsync/dtype.hpp>
 #include <gradsync/error.hpp>
 #include <gradsync/model/buffers.hpp>
 #include <gradsync/model/model.hpp>
@@ -41,31 +40,6 @@ inline std::vector<ReplicaTensor> replica_tensors(std::span<const Parameter> par
     return out;
 }
 
-namespace replica {
-
-// Each rank's 64-bit values as two exact 32-bit halves in its own row of a table of doubles; one
-// sum over ranks gives every rank everyone's values.
-template <Backend B>
-std::vector<double> gather(B& backend, std::span<const std::uint64_t> mine) {
-    const auto n = mine.size();
-    std::vector<double> table(static_cast<std::size_t>(backend.size()) * n * 2, 0.0);
-    double* row = table.data() + static_cast<std::size_t>(backend.rank()) * n * 2;
-    for (std::size_t i = 0; i < n; ++i) {
-        row[2 * i] = static_cast<double>(mine[i] >> 32);
-        row[2 * i + 1] = static_cast<double>(mine[i] & 0xffffffffu);
-    }
-    backend.allreduce(Buffer{table.data(), table.size(), DType::float64}, ReduceOp::sum);
-    return table;
-}
-
-inline bool same(const std::vector<double>& table, std::size_t n, int rank, std::size_t i) {
-    const double* a = table.data() + 2 * i;
-    const double* b = table.data() + static_cast<std::size_t>(rank) * n * 2 + 2 * i;
-    return a[0] == b[0] && a[1] == b[1];
-}
-
-}  // namespace replica
-
 // Where the ranks' lists of hashes differ from rank 0's.
 struct RankDifference {
     bool lengths_differ = false;  // then first and differing say nothing
@@ -86,13 +60,16 @@ std::optional<RankDifference> compare_with_rank0(B& backend, std::span<const std
     if (world == 1) return std::nullopt;
     Fnv1a whole;
     for (auto h : hashes) whole.add(h);
-    const std::uint64_t summary[2] = {whole.value(), hashes.size()};
-    const auto first = replica::gather(backend, std::span<const std::uint64_t>(summary));
+    enum : std::size_t { of_whole, length, columns };
+    RankTable summary(world, backend.rank(), columns);
+    summary.set(of_whole, whole.value());
+    summary.set(length, hashes.size());
+    summary.gather(backend);
     RankDifference d;
     bool all_same = true;
     for (int r = 1; r < world; ++r) {
-        const bool length_same = replica::same(first, 2, r, 1);
-        if (length_same && replica::same(first, 2, r, 0)) continue;
+        const bool length_same = summary.same_as_rank0(r, length);
+        if (length_same && summary.same_as_rank0(r, of_whole)) continue;
         all_same = false;
         if (!length_same) {
             d.lengths_differ = true;
@@ -103,12 +80,14 @@ std::optional<RankDifference> compare_with_rank0(B& backend, std::span<const std
     if (d.lengths_differ) return d;
 
     const auto n = hashes.size();
-    const auto table = replica::gather(backend, hashes);
+    RankTable table(world, backend.rank(), n);
+    for (std::size_t i = 0; i < n; ++i) table.set(i, hashes[i]);
+    table.gather(backend);
     d.first = n;
     for (std::size_t i = 0; i < n; ++i) {
         bool differs = false;
         for (int r = 1; r < world; ++r) {
-            if (replica::same(table, n, r, i)) continue;
+            if (table.same_as_rank0(r, i)) continue;
             differs = true;
             if (d.first == n) d.ranks += (d.ranks.empty() ? "" : ", ") + std::to_string(r);
         }
