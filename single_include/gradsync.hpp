@@ -4713,18 +4713,54 @@ StepReport decide_step(const StepStats& stats, Scaler& scaler, const Lr& lr, int
 }  // namespace gradsync::inline v0
 // ---- end gradsync/data_parallel/finalize_step.hpp ----
 
-// ---- begin gradsync/data_parallel/layout_agreement.hpp ----
-// Construction-time agreement between ranks: each rank checks its own parameter list, then all
-// ranks compare layouts and bucket plans by hash and, only on a difference, exchange the
-// details, so that every rank throws the same message naming the first differing parameter.
+// ---- begin gradsync/data_parallel/moved_storage.hpp ----
+// Gradient storage that moves between steps: a framework that frees gradients after the
+// optimizer and allocates new ones in backward (libtorch 2.x's zero_grad() sets them to none)
+// would leave a DataParallel reading freed memory. Before each bucket's collective the model is
+// listed again and the bucket follows its gradients to where they are now: pointer compares per
+// step, and new tables only for a bucket whose storage moved.
 
 
-// ---- begin gradsync/data_parallel/settings.hpp ----
-// What every rank must agree on besides the layout: each setting that changes what is summed or
-// how it is applied (the policies and the Options that change the arithmetic), as text, so that
-// ranks that differ are told which setting differs, and how. And what is wrong with a setting on
-// its own, found at construction rather than after the first step.
+#include <algorithm>  // for std::all_of, std::fill
+#include <cstddef>
+#include <string>
+#include <vector>
 
+namespace gradsync::inline v0::detail {
+
+class StorageFollower {
+public:
+    // A new plan of `buckets` buckets.
+    void reset(std::size_t buckets) { followed_.assign(buckets, 0); }
+    void end_step() { std::fill(followed_.begin(), followed_.end(), 0); }
+
+    // Follows the storage of buckets [first, last) not followed yet this step, with one listing
+    // of the model; a bucket whose gradients moved gets new tables from the engine. With
+    // `contiguous`, a bucket whose gradients no longer lie contiguously is an error. where()
+    // begins error messages.
+    template <class Model, class Engine, class Where>
+    void follow(Model& model, ModelLayout& layout, const BucketPlan& plan, Engine& engine, std::size_t first,
+                std::size_t last, bool contiguous, const Where& where) {
+        const auto begin = followed_.begin();
+        if (std::all_of(begin + first, begin + last, [](char f) { return f != 0; })) return;
+        const auto listed = layout.relist(model, where);
+        for (std::size_t b = first; b < last; ++b) {
+            if (followed_[b] != 0) continue;
+            followed_[b] = 1;
+            if (!layout.follow(listed, plan.buckets[b].parameters, where)) continue;
+            engine.refresh(b, plan.buckets[b], layout.params);
+            if (contiguous && !engine.slots()[b].view)
+                throw InvalidModel(where() + ": the gradients of bucket " + std::to_string(b) +
+                                   " moved and no longer lie contiguously, as device gradients must");
+        }
+    }
+
+private:
+    std::vector<char> followed_;  // per bucket: followed this step
+};
+
+}  // namespace gradsync::inline v0::detail
+// ---- end gradsync/data_parallel/moved_storage.hpp ----
 
 // ---- begin gradsync/data_parallel/options.hpp ----
 // Options: the run-time settings of a DataParallel, passed like a policy (in any position after
@@ -4798,6 +4834,143 @@ struct Options {
 
 }  // namespace gradsync::inline v0
 // ---- end gradsync/data_parallel/options.hpp ----
+
+// ---- begin gradsync/data_parallel/policies.hpp ----
+// The policies of one DataParallel: one of each kind picked from its template arguments, in any
+// order, each defaulted, and each checked against its kind's concept with an error that names
+// what is missing; and what they imply together (whether gradients are reduced in place, whether
+// they lie where the host must not touch them).
+
+
+#include <concepts>  // for std::convertible_to
+#include <tuple>
+
+namespace gradsync::inline v0::detail {
+
+template <class P>
+constexpr bool check_buffer_policy() {
+    static_assert(
+        requires {
+            { P::mode } -> std::convertible_to<BufferSync>;
+        },
+        "gradsync: a buffer policy needs `static constexpr gradsync::BufferSync mode`");
+    return true;
+}
+
+template <class P>
+constexpr bool check_packing_policy() {
+    static_assert(
+        requires {
+            { P::mode } -> std::convertible_to<PackingMode>;
+        },
+        "gradsync: a packing policy needs `static constexpr gradsync::PackingMode mode`");
+    return true;
+}
+
+// The check, only where the policies need the ability.
+template <class B, bool Needed>
+constexpr bool check_scattered_allreduce_if() {
+    if constexpr (Needed) return check_scattered_allreduce<B>();
+    return true;
+}
+template <class B, bool Needed>
+constexpr bool check_stream_ordered_if() {
+    if constexpr (Needed) return check_stream_ordered<B>();
+    return true;
+}
+
+template <class BackendT, class... Policies>
+struct PolicySet {
+    static_assert((check_policy<Policies>() && ...));
+
+    using bucketer = select_policy<policy_category::bucketer, SizeCappedBuckets, Policies...>;
+    using packing = select_policy<policy_category::packing, AutoPacking, Policies...>;
+    using memory = select_policy<policy_category::memory, HostMemory, Policies...>;
+    using buffers = select_policy<policy_category::buffers, BroadcastBuffers, Policies...>;
+    using loss_scaler = select_policy<policy_category::loss_scaler, NoLossScaling, Policies...>;
+    using compression = select_policy<policy_category::compression, NoCompression, Policies...>;
+    using lr_rule = select_policy<policy_category::lr_rule, NoLrRule, Policies...>;
+
+    static_assert(check_bucketer<bucketer>() && check_packing_policy<packing>() && check_memory_policy<memory>() &&
+                  check_buffer_policy<buffers>() && check_loss_scaler<loss_scaler>() &&
+                  check_compression<compression>() && check_lr_rule<lr_rule>());
+
+    // Gradients reduced where they lie, with no bucket buffer and no copies.
+    static constexpr bool in_place = packing::mode == PackingMode::in_place ||
+                                     (packing::mode == PackingMode::automatic && ScatteredAllreduce<BackendT>);
+    static_assert(check_scattered_allreduce_if<BackendT, packing::mode == PackingMode::in_place>());
+
+    // Gradients on the device (a device backend) under a host memory policy: each bucket is
+    // reduced where it lies, as one contiguous buffer, and DataParallel touches no gradient memory
+    // itself; what would (packing, unscaling, measuring, clipping, zeroing unused parameters) is
+    // refused with an error that names the device memory policy.
+    static constexpr bool gradients_untouchable = DeviceBackend<BackendT> && !memory::on_device;
+    static_assert(check_stream_ordered_if<BackendT, memory::on_device>());
+    static_assert(!gradients_untouchable || !compression::compresses,
+                  "gradsync: wire compression of device gradients needs a device memory policy: pass "
+                  "gradsync::CudaMemory{stream} (memory/cuda.cuh), or use NoCompression");
+
+    static constexpr bool has_lr_rule = LrRule<lr_rule>;
+
+    // The value of the policy of type P among those given, or a default one.
+    template <class P>
+    static P value(const std::tuple<Policies...>& given) {
+        return policy_value<P>(given);
+    }
+};
+
+}  // namespace gradsync::inline v0::detail
+// ---- end gradsync/data_parallel/policies.hpp ----
+
+// ---- begin gradsync/data_parallel/rebuild.hpp ----
+// Bucket rebuild: after the first overlapped step, the plan made again in the order rank 0 saw
+// gradients become ready (as PyTorch DDP does), so that buckets fill in the order backward
+// really finishes them. Every rank plans with rank 0's order, so the plans agree.
+
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+// `arrived`: this rank's readiness order (parameters that never came through grad_ready keep
+// their place, at the end, in reverse registration order).
+template <Backend B, Bucketer P>
+BucketPlan plan_in_readiness_order(B& backend, const P& bucketer, std::span<const Parameter> params,
+                                   std::span<const std::size_t> arrived) {
+    std::vector<std::uint64_t> order(arrived.begin(), arrived.end());
+    std::vector<bool> seen(params.size(), false);
+    for (auto p : arrived) seen[p] = true;
+    for (std::size_t p = params.size(); p-- > 0;)
+        if (!seen[p]) order.push_back(p);
+    if (backend.size() > 1) backend.broadcast(std::as_writable_bytes(std::span<std::uint64_t>(order)), 0);
+    return bucketer.plan(params, std::vector<std::size_t>(order.begin(), order.end()));
+}
+
+}  // namespace gradsync::inline v0::detail
+// ---- end gradsync/data_parallel/rebuild.hpp ----
+
+// ---- begin gradsync/data_parallel/setup.hpp ----
+// What a DataParallel does before its first step: check this rank's set-up (configuration, model,
+// device memory, streams), plan the buckets, and agree with every rank on the layout, the plan and
+// every setting that changes the sums. A problem on any rank throws the same exception on every
+// rank, before anything was broadcast.
+
+
+// ---- begin gradsync/data_parallel/layout_agreement.hpp ----
+// Construction-time agreement between ranks: each rank checks its own parameter list, then all
+// ranks compare layouts and bucket plans by hash and, only on a difference, exchange the
+// details, so that every rank throws the same message naming the first differing parameter.
+
+
+// ---- begin gradsync/data_parallel/settings.hpp ----
+// What every rank must agree on besides the layout: each setting that changes what is summed or
+// how it is applied (the policies and the Options that change the arithmetic), as text, so that
+// ranks that differ are told which setting differs, and how. And what is wrong with a setting on
+// its own, found at construction rather than after the first step.
+
 
 #include <concepts>  // for std::convertible_to
 #include <string>
@@ -5138,172 +5311,6 @@ void agree_on_layout(B& backend, std::span<const Parameter> params, std::span<co
 }  // namespace gradsync::inline v0::detail
 // ---- end gradsync/data_parallel/layout_agreement.hpp ----
 
-// ---- begin gradsync/data_parallel/moved_storage.hpp ----
-// Gradient storage that moves between steps: a framework that frees gradients after the
-// optimizer and allocates new ones in backward (libtorch 2.x's zero_grad() sets them to none)
-// would leave a DataParallel reading freed memory. Before each bucket's collective the model is
-// listed again and the bucket follows its gradients to where they are now: pointer compares per
-// step, and new tables only for a bucket whose storage moved.
-
-
-#include <algorithm>  // for std::all_of, std::fill
-#include <cstddef>
-#include <string>
-#include <vector>
-
-namespace gradsync::inline v0::detail {
-
-class StorageFollower {
-public:
-    // A new plan of `buckets` buckets.
-    void reset(std::size_t buckets) { followed_.assign(buckets, 0); }
-    void end_step() { std::fill(followed_.begin(), followed_.end(), 0); }
-
-    // Follows the storage of buckets [first, last) not followed yet this step, with one listing
-    // of the model; a bucket whose gradients moved gets new tables from the engine. With
-    // `contiguous`, a bucket whose gradients no longer lie contiguously is an error. where()
-    // begins error messages.
-    template <class Model, class Engine, class Where>
-    void follow(Model& model, ModelLayout& layout, const BucketPlan& plan, Engine& engine, std::size_t first,
-                std::size_t last, bool contiguous, const Where& where) {
-        const auto begin = followed_.begin();
-        if (std::all_of(begin + first, begin + last, [](char f) { return f != 0; })) return;
-        const auto listed = layout.relist(model, where);
-        for (std::size_t b = first; b < last; ++b) {
-            if (followed_[b] != 0) continue;
-            followed_[b] = 1;
-            if (!layout.follow(listed, plan.buckets[b].parameters, where)) continue;
-            engine.refresh(b, plan.buckets[b], layout.params);
-            if (contiguous && !engine.slots()[b].view)
-                throw InvalidModel(where() + ": the gradients of bucket " + std::to_string(b) +
-                                   " moved and no longer lie contiguously, as device gradients must");
-        }
-    }
-
-private:
-    std::vector<char> followed_;  // per bucket: followed this step
-};
-
-}  // namespace gradsync::inline v0::detail
-// ---- end gradsync/data_parallel/moved_storage.hpp ----
-
-// ---- begin gradsync/data_parallel/policies.hpp ----
-// The policies of one DataParallel: one of each kind picked from its template arguments, in any
-// order, each defaulted, and each checked against its kind's concept with an error that names
-// what is missing; and what they imply together (whether gradients are reduced in place, whether
-// they lie where the host must not touch them).
-
-
-#include <concepts>  // for std::convertible_to
-#include <tuple>
-
-namespace gradsync::inline v0::detail {
-
-template <class P>
-constexpr bool check_buffer_policy() {
-    static_assert(
-        requires {
-            { P::mode } -> std::convertible_to<BufferSync>;
-        },
-        "gradsync: a buffer policy needs `static constexpr gradsync::BufferSync mode`");
-    return true;
-}
-
-template <class P>
-constexpr bool check_packing_policy() {
-    static_assert(
-        requires {
-            { P::mode } -> std::convertible_to<PackingMode>;
-        },
-        "gradsync: a packing policy needs `static constexpr gradsync::PackingMode mode`");
-    return true;
-}
-
-// The check, only where the policies need the ability.
-template <class B, bool Needed>
-constexpr bool check_scattered_allreduce_if() {
-    if constexpr (Needed) return check_scattered_allreduce<B>();
-    return true;
-}
-template <class B, bool Needed>
-constexpr bool check_stream_ordered_if() {
-    if constexpr (Needed) return check_stream_ordered<B>();
-    return true;
-}
-
-template <class BackendT, class... Policies>
-struct PolicySet {
-    static_assert((check_policy<Policies>() && ...));
-
-    using bucketer = select_policy<policy_category::bucketer, SizeCappedBuckets, Policies...>;
-    using packing = select_policy<policy_category::packing, AutoPacking, Policies...>;
-    using memory = select_policy<policy_category::memory, HostMemory, Policies...>;
-    using buffers = select_policy<policy_category::buffers, BroadcastBuffers, Policies...>;
-    using loss_scaler = select_policy<policy_category::loss_scaler, NoLossScaling, Policies...>;
-    using compression = select_policy<policy_category::compression, NoCompression, Policies...>;
-    using lr_rule = select_policy<policy_category::lr_rule, NoLrRule, Policies...>;
-
-    static_assert(check_bucketer<bucketer>() && check_packing_policy<packing>() && check_memory_policy<memory>() &&
-                  check_buffer_policy<buffers>() && check_loss_scaler<loss_scaler>() &&
-                  check_compression<compression>() && check_lr_rule<lr_rule>());
-
-    // Gradients reduced where they lie, with no bucket buffer and no copies.
-    static constexpr bool in_place = packing::mode == PackingMode::in_place ||
-                                     (packing::mode == PackingMode::automatic && ScatteredAllreduce<BackendT>);
-    static_assert(check_scattered_allreduce_if<BackendT, packing::mode == PackingMode::in_place>());
-
-    // Gradients on the device (a device backend) under a host memory policy: each bucket is
-    // reduced where it lies, as one contiguous buffer, and DataParallel touches no gradient memory
-    // itself; what would (packing, unscaling, measuring, clipping, zeroing unused parameters) is
-    // refused with an error that names the device memory policy.
-    static constexpr bool gradients_untouchable = DeviceBackend<BackendT> && !memory::on_device;
-    static_assert(check_stream_ordered_if<BackendT, memory::on_device>());
-    static_assert(!gradients_untouchable || !compression::compresses,
-                  "gradsync: wire compression of device gradients needs a device memory policy: pass "
-                  "gradsync::CudaMemory{stream} (memory/cuda.cuh), or use NoCompression");
-
-    static constexpr bool has_lr_rule = LrRule<lr_rule>;
-
-    // The value of the policy of type P among those given, or a default one.
-    template <class P>
-    static P value(const std::tuple<Policies...>& given) {
-        return policy_value<P>(given);
-    }
-};
-
-}  // namespace gradsync::inline v0::detail
-// ---- end gradsync/data_parallel/policies.hpp ----
-
-// ---- begin gradsync/data_parallel/rebuild.hpp ----
-// Bucket rebuild: after the first overlapped step, the plan made again in the order rank 0 saw
-// gradients become ready (as PyTorch DDP does), so that buckets fill in the order backward
-// really finishes them. Every rank plans with rank 0's order, so the plans agree.
-
-
-#include <cstddef>
-#include <cstdint>
-#include <span>
-#include <vector>
-
-namespace gradsync::inline v0::detail {
-
-// `arrived`: this rank's readiness order (parameters that never came through grad_ready keep
-// their place, at the end, in reverse registration order).
-template <Backend B, Bucketer P>
-BucketPlan plan_in_readiness_order(B& backend, const P& bucketer, std::span<const Parameter> params,
-                                   std::span<const std::size_t> arrived) {
-    std::vector<std::uint64_t> order(arrived.begin(), arrived.end());
-    std::vector<bool> seen(params.size(), false);
-    for (auto p : arrived) seen[p] = true;
-    for (std::size_t p = params.size(); p-- > 0;)
-        if (!seen[p]) order.push_back(p);
-    if (backend.size() > 1) backend.broadcast(std::as_writable_bytes(std::span<std::uint64_t>(order)), 0);
-    return bucketer.plan(params, std::vector<std::size_t>(order.begin(), order.end()));
-}
-
-}  // namespace gradsync::inline v0::detail
-// ---- end gradsync/data_parallel/rebuild.hpp ----
-
 // ---- begin gradsync/data_parallel/setup_checks.hpp ----
 // What a rank checks of its own set-up before the ranks agree on the layout: problems that would
 // make its gradients wrong, found here so that every rank refuses alike (through the agreement)
@@ -5406,6 +5413,40 @@ inline std::string untouchable_gradients(int rank) {
 
 }  // namespace gradsync::inline v0::detail
 // ---- end gradsync/data_parallel/setup_checks.hpp ----
+
+#include <cstddef>
+#include <span>
+
+namespace gradsync::inline v0::detail {
+
+// `Set` is the DataParallel's PolicySet; `memory` its memory policy object. Returns the plan.
+template <class Set, class BackendT>
+BucketPlan check_and_agree(BackendT& backend, const ModelLayout& layout, const typename Set::bucketer& bucketer,
+                           const Options& options, const typename Set::loss_scaler& scaler,
+                           const typename Set::lr_rule& lr, const typename Set::memory& memory) {
+    using memory_type = typename Set::memory;
+    SetupProblems problems(backend.rank());
+    problems.configuration(invalid_configuration(options, bucketer, scaler, lr));
+    problems.model(find_model_problem(layout.params, layout.buffers, backend));
+    BucketPlan plan;
+    if (!problems.any()) plan = bucketer.plan(layout.params, std::span<const std::size_t>{});
+    if (!problems.any() && Set::gradients_untouchable)
+        problems.model(device_gradients_problem(plan, layout.params, options));
+    problems.configuration(stream_problem(backend, memory));
+    problems.configuration(device_memory_problem(options, memory_type::on_device));
+    if (backend.size() == 1) problems.throw_first();
+    if (backend.size() > 1)
+        agree_on_layout(
+            backend, layout.params, layout.buffers, plan,
+            agreed_settings<typename Set::bucketer, typename Set::packing, memory_type, typename Set::buffers,
+                            typename Set::loss_scaler, typename Set::compression, typename Set::lr_rule>(
+                bucketer, memory, scaler, lr, options, DeviceBackend<BackendT>, memory_type::on_device),
+            problems.first());
+    return plan;
+}
+
+}  // namespace gradsync::inline v0::detail
+// ---- end gradsync/data_parallel/setup.hpp ----
 
 // ---- begin gradsync/data_parallel/step_checks.hpp ----
 // What synchronize() checks as a step ends: that the ranks' collective histories agree (and the
@@ -6066,22 +6107,7 @@ private:
     // Lists the model, checks this rank's set-up, agrees with every rank, and starts in step.
     void init() {
         layout_ = detail::ModelLayout::of(model_, buffers_type::mode != BufferSync::ignore);
-        detail::SetupProblems problems(rank());
-        problems.configuration(detail::invalid_configuration(options_, bucketer_, scaler_, lr_));
-        problems.model(detail::find_model_problem(parameters(), buffers(), backend_));
-        if (!problems.any()) plan_ = bucketer_.plan(layout_.params, std::span<const std::size_t>{});
-        if (!problems.any() && gradients_untouchable)
-            problems.model(detail::device_gradients_problem(plan_, parameters(), options_));
-        problems.configuration(detail::stream_problem(backend_, engine_.memory()));
-        problems.configuration(detail::device_memory_problem(options_, memory_type::on_device));
-        if (backend_.size() == 1) problems.throw_first();
-        if (backend_.size() > 1)
-            detail::agree_on_layout(
-                backend_, parameters(), buffers(), plan_,
-                detail::agreed_settings<bucketer_type, packing_type, memory_type, buffers_type, loss_scaler_type,
-                                        compression_type, lr_type>(bucketer_, engine_.memory(), scaler_, lr_, options_,
-                                                                   DeviceBackend<BackendT>, memory_type::on_device),
-                problems.first());
+        plan_ = detail::check_and_agree<Set>(backend_, layout_, bucketer_, options_, scaler_, lr_, engine_.memory());
         broadcast_parameters();
         detail::sync_buffers(backend_, buffers(), buffers_type::mode, true, history_, current_step());
         setup_buckets();

@@ -14,14 +14,13 @@
 #include <gradsync/data_parallel/diagnosis.hpp>
 #include <gradsync/data_parallel/finalize_step.hpp>
 #include <gradsync/data_parallel/history.hpp>
-#include <gradsync/data_parallel/layout_agreement.hpp>
 #include <gradsync/data_parallel/model_layout.hpp>
 #include <gradsync/data_parallel/moved_storage.hpp>
 #include <gradsync/data_parallel/options.hpp>
 #include <gradsync/data_parallel/policies.hpp>
 #include <gradsync/data_parallel/readiness.hpp>
 #include <gradsync/data_parallel/rebuild.hpp>
-#include <gradsync/data_parallel/settings.hpp>
+#include <gradsync/data_parallel/setup.hpp>
 #include <gradsync/data_parallel/setup_checks.hpp>
 #include <gradsync/data_parallel/step_checks.hpp>
 #include <gradsync/data_parallel/step_number.hpp>
@@ -370,22 +369,7 @@ private:
     // Lists the model, checks this rank's set-up, agrees with every rank, and starts in step.
     void init() {
         layout_ = detail::ModelLayout::of(model_, buffers_type::mode != BufferSync::ignore);
-        detail::SetupProblems problems(rank());
-        problems.configuration(detail::invalid_configuration(options_, bucketer_, scaler_, lr_));
-        problems.model(detail::find_model_problem(parameters(), buffers(), backend_));
-        if (!problems.any()) plan_ = bucketer_.plan(layout_.params, std::span<const std::size_t>{});
-        if (!problems.any() && gradients_untouchable)
-            problems.model(detail::device_gradients_problem(plan_, parameters(), options_));
-        problems.configuration(detail::stream_problem(backend_, engine_.memory()));
-        problems.configuration(detail::device_memory_problem(options_, memory_type::on_device));
-        if (backend_.size() == 1) problems.throw_first();
-        if (backend_.size() > 1)
-            detail::agree_on_layout(
-                backend_, parameters(), buffers(), plan_,
-                detail::agreed_settings<bucketer_type, packing_type, memory_type, buffers_type, loss_scaler_type,
-                                        compression_type, lr_type>(bucketer_, engine_.memory(), scaler_, lr_, options_,
-                                                                   DeviceBackend<BackendT>, memory_type::on_device),
-                problems.first());
+        plan_ = detail::check_and_agree<Set>(backend_, layout_, bucketer_, options_, scaler_, lr_, engine_.memory());
         broadcast_parameters();
         detail::sync_buffers(backend_, buffers(), buffers_type::mode, true, history_, current_step());
         setup_buckets();
