@@ -22,6 +22,15 @@
 // The library's version. Every public name lives in the versioned inline namespace
 // gradsync::v0, so two versions linked into one program fail to link instead of silently mixing.
 
+// Every gradsync header includes this one before any code of its own, so an older standard stops
+// here, with one clear error, instead of at the first concept. (The second include ends the
+// compilation: GCC and Clang go on after #error.)
+#if __cplusplus < 202002L && !(defined(_MSVC_LANG) && _MSVC_LANG >= 202002L)
+#error \
+    "gradsync needs C++20: compile with -std=c++20 (CMake: link gradsync::gradsync, which requires cxx_std_20, or set CMAKE_CXX_STANDARD 20)"
+#include <gradsync_needs_cxx20>
+#endif
+
 #define GRADSYNC_VERSION_MAJOR 0
 #define GRADSYNC_VERSION_MINOR 1
 #define GRADSYNC_VERSION_PATCH 0
@@ -741,7 +750,7 @@ P policy_value(const std::tuple<Ps...>& given) {
 #include <ranges>  // for std::ranges::input_range, contiguous_range
 #include <span>
 #include <string>
-#include <type_traits>  // for std::remove_cvref_t
+#include <type_traits>  // for std::remove_cvref_t, std::is_pointer_v
 #include <utility>      // for std::move
 #include <vector>
 
@@ -844,15 +853,21 @@ concept ModelAccess = std::invocable<const detail::parameters_cpo::fn&, M&>;
 namespace detail {
 
 // Instantiated where a model type is required: one readable error instead of a concept trace.
+// After its static_assert it still answers true, so that the caller's own check adds no second
+// error.
 template <class M>
 constexpr bool check_model_access() {
-    if constexpr (ModelAccess<M>) {
-        return true;
+    if constexpr (std::is_pointer_v<M>) {
+        static_assert(dependent_false<M>,
+                      "gradsync: the model was passed by pointer; DataParallel takes the model itself: write "
+                      "`gradsync::DataParallel dp(*model, backend)`");
+    } else if constexpr (ModelAccess<M>) {
     } else if constexpr (requires(M & m) { m.parameters(); }) {
         static_assert(dependent_false<M>,
-                      "gradsync: Model::parameters() exists but does not return a range of "
-                      "gradsync::Parameter; return e.g. std::vector<gradsync::Parameter>");
-        return false;
+                      "gradsync: Model::parameters() exists but does not return a range of gradsync::Parameter. "
+                      "Where it cannot change (a framework's own, such as torch::nn::Module::parameters()), "
+                      "specialize gradsync::model_traits<Model> with `static std::vector<gradsync::Parameter> "
+                      "parameters(Model&)`: it takes precedence over the member. See docs/adapting-models.md");
     } else {
         static_assert(dependent_false<M>,
                       "gradsync: cannot list the parameters of this model type. Provide one of: "
@@ -862,8 +877,8 @@ constexpr bool check_model_access() {
                       "(3) a specialization of `gradsync::model_traits<Model>` with "
                       "`static std::vector<gradsync::Parameter> parameters(Model&)`. "
                       "See README.md, 'Adapting a model'.");
-        return false;
     }
+    return true;
 }
 
 }  // namespace detail
@@ -5779,6 +5794,7 @@ inline std::string timeline_path(const std::string& from_options) {
 #include <string>
 #include <string_view>
 #include <tuple>
+#include <type_traits>  // for std::is_pointer_v
 #include <variant>
 #include <utility>  // for std::exchange
 #include <vector>
@@ -5789,7 +5805,6 @@ namespace gradsync::inline v0 {
 // buffers, Options, loss scaler, compression, LR rule.
 template <class Model, class BackendT, class... Policies>
 class DataParallel {
-    static_assert(detail::check_model_access<Model>());
     static_assert(detail::check_backend<BackendT>());
     using Set = detail::PolicySet<BackendT, Policies...>;
     using Phase = detail::Readiness::Phase;
@@ -5810,7 +5825,7 @@ public:
     // Lists the model's parameters and buffers, checks them on every rank, agrees on the layout
     // with every rank, and copies rank 0's parameter (and buffer) values to every rank. A problem
     // on any rank throws the same exception on every rank. Model and backend must outlive this.
-    DataParallel(Model& model, BackendT& backend, Policies... policies)
+    DataParallel(Model& model, BackendT& backend, Policies... policies) requires(!std::is_pointer_v<Model>)
         : model_(model),
           backend_(backend),
           bucketer_(Set::template value<bucketer_type>(std::tuple(policies...))),
@@ -5820,9 +5835,14 @@ public:
           engine_(backend, Set::template value<memory_type>(std::tuple(policies...))) {
         init();
     }
-    DataParallel(Model& model, BackendT& backend) requires(sizeof...(Policies) > 0)
+    DataParallel(Model& model, BackendT& backend) requires(sizeof...(Policies) > 0 && !std::is_pointer_v<Model>)
         : model_(model), backend_(backend), engine_(backend, memory_type{}) {
         init();
+    }
+    // A model passed by pointer (`&model`) is refused with a message saying what to write.
+    DataParallel(Model model, BackendT& backend, Policies...) requires(std::is_pointer_v<Model>)
+        : model_(model), backend_(backend), engine_(backend, memory_type{}) {
+        static_assert(detail::check_model_access<Model>());
     }
     DataParallel(const DataParallel&) = delete;
     DataParallel& operator=(const DataParallel&) = delete;
@@ -6106,6 +6126,9 @@ private:
 
     // Lists the model, checks this rank's set-up, agrees with every rank, and starts in step.
     void init() {
+        // Here, not in the class: a failed check in the class makes GCC report the constructor
+        // call as ambiguous too.
+        static_assert(detail::check_model_access<Model>());
         layout_ = detail::ModelLayout::of(model_, buffers_type::mode != BufferSync::ignore);
         plan_ = detail::check_and_agree<Set>(backend_, layout_, bucketer_, options_, scaler_, lr_, engine_.memory());
         broadcast_parameters();

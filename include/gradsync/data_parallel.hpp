@@ -41,6 +41,7 @@
 #include <string>
 #include <string_view>
 #include <tuple>
+#include <type_traits>  // for std::is_pointer_v
 #include <variant>
 #include <utility>  // for std::exchange
 #include <vector>
@@ -51,7 +52,6 @@ namespace gradsync::inline v0 {
 // buffers, Options, loss scaler, compression, LR rule.
 template <class Model, class BackendT, class... Policies>
 class DataParallel {
-    static_assert(detail::check_model_access<Model>());
     static_assert(detail::check_backend<BackendT>());
     using Set = detail::PolicySet<BackendT, Policies...>;
     using Phase = detail::Readiness::Phase;
@@ -72,7 +72,7 @@ public:
     // Lists the model's parameters and buffers, checks them on every rank, agrees on the layout
     // with every rank, and copies rank 0's parameter (and buffer) values to every rank. A problem
     // on any rank throws the same exception on every rank. Model and backend must outlive this.
-    DataParallel(Model& model, BackendT& backend, Policies... policies)
+    DataParallel(Model& model, BackendT& backend, Policies... policies) requires(!std::is_pointer_v<Model>)
         : model_(model),
           backend_(backend),
           bucketer_(Set::template value<bucketer_type>(std::tuple(policies...))),
@@ -82,9 +82,14 @@ public:
           engine_(backend, Set::template value<memory_type>(std::tuple(policies...))) {
         init();
     }
-    DataParallel(Model& model, BackendT& backend) requires(sizeof...(Policies) > 0)
+    DataParallel(Model& model, BackendT& backend) requires(sizeof...(Policies) > 0 && !std::is_pointer_v<Model>)
         : model_(model), backend_(backend), engine_(backend, memory_type{}) {
         init();
+    }
+    // A model passed by pointer (`&model`) is refused with a message saying what to write.
+    DataParallel(Model model, BackendT& backend, Policies...) requires(std::is_pointer_v<Model>)
+        : model_(model), backend_(backend), engine_(backend, memory_type{}) {
+        static_assert(detail::check_model_access<Model>());
     }
     DataParallel(const DataParallel&) = delete;
     DataParallel& operator=(const DataParallel&) = delete;
@@ -368,6 +373,9 @@ private:
 
     // Lists the model, checks this rank's set-up, agrees with every rank, and starts in step.
     void init() {
+        // Here, not in the class: a failed check in the class makes GCC report the constructor
+        // call as ambiguous too.
+        static_assert(detail::check_model_access<Model>());
         layout_ = detail::ModelLayout::of(model_, buffers_type::mode != BufferSync::ignore);
         plan_ = detail::check_and_agree<Set>(backend_, layout_, bucketer_, options_, scaler_, lr_, engine_.memory());
         broadcast_parameters();

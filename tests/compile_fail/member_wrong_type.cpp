@@ -1,5 +1,7 @@
-// A parameters() member that returns something else is named as the culprit.
-// expect: Model::parameters\(\) exists but does not return a range of gradsync::Parameter
+// A parameters() member that returns something else is named as the culprit, with the way out
+// where it cannot change (model_traits), and nothing else.
+// expect: Model::parameters\(\) exists but does not return a range of gradsync::Parameter.*specialize
+// gradsync::model_traits<Model> most errors: 1
 #include <gradsync/gradsync.hpp>
 
 #include <vector>

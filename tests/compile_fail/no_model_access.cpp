@@ -1,5 +1,6 @@
 // A model type that offers gradsync no way to list its parameters gets one readable error.
 // expect: cannot list the parameters of this model type\. Provide one of
+// most errors: 1
 #include <gradsync/gradsync.hpp>
 
 #include <vector>

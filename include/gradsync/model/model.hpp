@@ -13,7 +13,7 @@
 #include <ranges>  // for std::ranges::input_range, contiguous_range
 #include <span>
 #include <string>
-#include <type_traits>  // for std::remove_cvref_t
+#include <type_traits>  // for std::remove_cvref_t, std::is_pointer_v
 #include <utility>      // for std::move
 #include <vector>
 
@@ -116,15 +116,21 @@ concept ModelAccess = std::invocable<const detail::parameters_cpo::fn&, M&>;
 namespace detail {
 
 // Instantiated where a model type is required: one readable error instead of a concept trace.
+// After its static_assert it still answers true, so that the caller's own check adds no second
+// error.
 template <class M>
 constexpr bool check_model_access() {
-    if constexpr (ModelAccess<M>) {
-        return true;
+    if constexpr (std::is_pointer_v<M>) {
+        static_assert(dependent_false<M>,
+                      "gradsync: the model was passed by pointer; DataParallel takes the model itself: write "
+                      "`gradsync::DataParallel dp(*model, backend)`");
+    } else if constexpr (ModelAccess<M>) {
     } else if constexpr (requires(M & m) { m.parameters(); }) {
         static_assert(dependent_false<M>,
-                      "gradsync: Model::parameters() exists but does not return a range of "
-                      "gradsync::Parameter; return e.g. std::vector<gradsync::Parameter>");
-        return false;
+                      "gradsync: Model::parameters() exists but does not return a range of gradsync::Parameter. "
+                      "Where it cannot change (a framework's own, such as torch::nn::Module::parameters()), "
+                      "specialize gradsync::model_traits<Model> with `static std::vector<gradsync::Parameter> "
+                      "parameters(Model&)`: it takes precedence over the member. See docs/adapting-models.md");
     } else {
         static_assert(dependent_false<M>,
                       "gradsync: cannot list the parameters of this model type. Provide one of: "
@@ -134,8 +140,8 @@ constexpr bool check_model_access() {
                       "(3) a specialization of `gradsync::model_traits<Model>` with "
                       "`static std::vector<gradsync::Parameter> parameters(Model&)`. "
                       "See README.md, 'Adapting a model'.");
-        return false;
     }
+    return true;
 }
 
 }  // namespace detail

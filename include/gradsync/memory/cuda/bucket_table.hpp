@@ -5,6 +5,8 @@
 // by many blocks. Plain C++ that also compiles for the device, so the host tests cover the walk.
 #pragma once
 
+#include <gradsync/version.hpp>
+
 #include <cstddef>
 #include <cstdint>
 
