@@ -87,7 +87,8 @@ public:
         init();
     }
     // A model passed by pointer (`&model`) is refused with a message saying what to write.
-    DataParallel(Model model, BackendT& backend, Policies...) requires(std::is_pointer_v<Model>)
+    // (Model&&: not deducible from an lvalue model, so deduction is never ambiguous.)
+    DataParallel(Model&& model, BackendT& backend, Policies...) requires(std::is_pointer_v<Model>)
         : model_(model), backend_(backend), engine_(backend, memory_type{}) {
         static_assert(detail::check_model_access<Model>());
     }
