@@ -2,14 +2,14 @@
 # Runs the throughput benchmarks and prints every figure beside the ceiling or baseline measured
 # in the same run: LocalBackend (threads of one process, the default CPU backend), then
 # DataParallel<MpiBackend> on 2 processes under mpirun and started torchrun-style, then the race with PyTorch DDP (gloo) on
-# the same layouts. Installs what it needs on Debian 12. Extra arguments go to Google Benchmark,
+# the same layouts, then what the libtorch adapter costs. Installs what it needs on Debian 12. Extra arguments go to Google Benchmark,
 # e.g. --benchmark_filter=allreduce; GRADSYNC_BENCH_ONLY=local skips the MPI and DDP parts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/deps.sh
 
 packages=(cmake ninja-build g++ make libbenchmark-dev)
-[ "${GRADSYNC_BENCH_ONLY:-}" = local ] || packages+=(libopenmpi-dev openmpi-bin python3 python3-torch)
+[ "${GRADSYNC_BENCH_ONLY:-}" = local ] || packages+=(libopenmpi-dev openmpi-bin python3 python3-torch libtorch-dev)
 ensure_packages "${packages[@]}"
 step "configure and build: bench"
 cmake --preset bench >/dev/null
@@ -27,3 +27,5 @@ python3 tests/mpi/env_launch.py 2 ./build/bench/bench/bench_mpi --iterations 10 
 step "PyTorch DDP (gloo) and gradsync in turn, 2 processes each (about two minutes)"
 # Debian's python3-torch lives in the system interpreter, not in a virtualenv's.
 /usr/bin/python3 bench/ddp_peer.py --bench-mpi ./build/bench/bench/bench_mpi
+step "The libtorch adapter against plain buffers of the same layout, 2 ranks (seconds)"
+./build/bench/bench/bench_torch

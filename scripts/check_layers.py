@@ -22,6 +22,7 @@ LAYERS = [
     ("launch helpers", ["launch/"]),
     ("checkpoints", ["checkpoint/"]),
     ("the umbrella header", ["gradsync.hpp"]),
+    ("framework adapters, opt-in", ["torch.hpp", "eigen.hpp"]),
 ]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "include" / "gradsync"

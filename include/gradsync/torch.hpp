@@ -1,0 +1,262 @@
+// libtorch models as gradsync models, with no code from the user: any torch::nn::Module (a
+// subclass, a module holder such as torch::nn::Sequential, or a std::shared_ptr to a module) can
+// be wrapped in a DataParallel, and gradsync::libtorch::overlap(dp) starts each bucket's
+// allreduce from torch's backward. Opt-in: needs libtorch, and is not in the umbrella header.
+//
+//   #include <torch/torch.h>
+//   #include <gradsync/torch.hpp>
+//   gradsync::DataParallel dp(*net, backend);          // or dp(net, backend) for a holder
+//   auto hooks = gradsync::libtorch::overlap(dp);       // optional: overlap with backward
+//
+// The trainable parameters (requires_grad) are listed in named_parameters() order, the buffers
+// (BatchNorm's running statistics) in named_buffers() order. A parameter without a gradient gets
+// zeros, so a DataParallel can be made before the first backward and a gradient torch freed
+// (zero_grad(true), libtorch 2.x's default) is followed to its new storage.
+#pragma once
+
+#include <gradsync/version.hpp>
+
+#include <gradsync/data_parallel.hpp>
+#include <gradsync/dtype.hpp>
+#include <gradsync/error.hpp>
+#include <gradsync/model/buffers.hpp>
+#include <gradsync/model/model.hpp>
+
+#include <torch/csrc/autograd/function.h>  // for Node::add_post_hook
+#include <torch/csrc/autograd/variable.h>  // for impl::grad_accumulator
+#include <torch/torch.h>
+
+#include <atomic>
+#include <concepts>  // for std::derived_from
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>  // for std::move, std::exchange
+#include <vector>
+
+namespace gradsync::inline v0::libtorch {
+
+// A torch module itself (a subclass of torch::nn::Module).
+template <class M>
+concept Module = std::derived_from<M, ::torch::nn::Module>;
+
+// A module holder: torch::nn::Linear, torch::nn::Sequential, TORCH_MODULE(Net)'s Net.
+template <class M>
+concept ModuleHolder = requires {
+    typename M::ContainedType;
+}
+&&std::derived_from<M, ::torch::nn::ModuleHolder<typename M::ContainedType>>;
+
+namespace detail {
+template <class M>
+struct is_module_pointer : std::false_type {};
+template <Module M>
+struct is_module_pointer<std::shared_ptr<M>> : std::true_type {};
+}  // namespace detail
+
+// Any way a trainer holds a torch model.
+template <class M>
+concept TorchModel = Module<M> || ModuleHolder<M> || detail::is_module_pointer<M>::value;
+
+// The module behind any of them.
+template <TorchModel M>
+::torch::nn::Module& module_of(M& model) {
+    if constexpr (Module<M>)
+        return model;
+    else
+        return *model;  // a holder's operator* and a shared_ptr's alike
+}
+
+namespace detail {
+
+inline std::optional<DType> gradsync_dtype(::c10::ScalarType type) {
+    switch (type) {
+        case ::c10::ScalarType::Float: return DType::float32;
+        case ::c10::ScalarType::Double: return DType::float64;
+        case ::c10::ScalarType::Half: return DType::float16;
+        case ::c10::ScalarType::BFloat16: return DType::bfloat16;
+        case ::c10::ScalarType::Int: return DType::int32;
+        case ::c10::ScalarType::Long: return DType::int64;
+        default: return std::nullopt;
+    }
+}
+
+inline std::string describe(const ::at::Tensor& t) {
+    return std::string(::c10::toString(t.scalar_type())) + " on " + t.device().str();
+}
+
+// The checks every tensor gradsync reads through a raw pointer must pass: dense, contiguous, on
+// the same device as the first.
+inline void check_dense(const ::at::Tensor& t, const std::string& what, const ::c10::Device& device) {
+    if (t.layout() != ::c10::kStrided || !t.is_contiguous())
+        throw InvalidModel("gradsync: " + what + " is not a dense contiguous tensor; gradsync reads it as one block " +
+                           "of memory (call .contiguous() on it when the model is built)");
+    if (t.device() != device)
+        throw InvalidModel("gradsync: " + what + " is on " + t.device().str() +
+                           " but the model's first parameter is on " + device.str() +
+                           "; every tensor of one rank's model must be on one device");
+}
+
+// The gradient of `param`, made where torch has none yet (zeros: a parameter unused in this
+// backward contributes nothing), and checked to be usable as one block of param's shape.
+inline ::at::Tensor& gradient_of(::at::Tensor& param, const std::string& name) {
+    auto& grad = param.mutable_grad();
+    if (!grad.defined()) {
+        ::at::NoGradGuard no_grad;
+        grad = ::at::zeros_like(param, ::c10::MemoryFormat::Contiguous);
+    }
+    if (grad.scalar_type() != param.scalar_type() || grad.numel() != param.numel())
+        throw InvalidModel("gradsync: the gradient of parameter '" + name + "' is " + describe(grad) + " of " +
+                           std::to_string(grad.numel()) + " elements, but the parameter is " + describe(param) +
+                           " of " + std::to_string(param.numel()));
+    check_dense(grad, "the gradient of parameter '" + name + "'", param.device());
+    return grad;
+}
+
+}  // namespace detail
+
+// The trainable parameters of `module` (requires_grad), with their full names, in the order
+// gradsync lists them: the indices grad_ready() takes.
+inline std::vector<std::pair<std::string, ::at::Tensor>> trainable(::torch::nn::Module& module) {
+    std::vector<std::pair<std::string, ::at::Tensor>> out;
+    for (auto& item : module.named_parameters(/*recurse=*/true))
+        if (item.value().requires_grad()) out.emplace_back(item.key(), item.value());
+    return out;
+}
+
+// The module's trainable parameters as gradsync parameters, gradients made where absent.
+inline std::vector<Parameter> parameters_of(::torch::nn::Module& module) {
+    std::vector<Parameter> out;
+    auto params = trainable(module);
+    out.reserve(params.size());
+    for (auto& [name, param] : params) {
+        const auto dtype = detail::gradsync_dtype(param.scalar_type());
+        if (!dtype || *dtype == DType::int32 || *dtype == DType::int64)
+            throw InvalidModel("gradsync: parameter '" + name + "' is " + detail::describe(param) +
+                               "; gradsync synchronizes float32, float64, float16 and bfloat16 parameters");
+        detail::check_dense(param, "parameter '" + name + "'", params.front().second.device());
+        auto& grad = detail::gradient_of(param, name);
+        out.push_back(
+            Parameter{name, param.data_ptr(), grad.data_ptr(), static_cast<std::size_t>(param.numel()), *dtype});
+    }
+    return out;
+}
+
+// The module's buffers (BatchNorm's running mean and variance, its int64 batch counter).
+inline std::vector<ModelBuffer> buffers_of(::torch::nn::Module& module) {
+    std::vector<ModelBuffer> out;
+    const auto params = module.parameters(/*recurse=*/true);
+    const auto device = params.empty() ? ::c10::Device(::c10::kCPU) : params.front().device();
+    for (auto& item : module.named_buffers(/*recurse=*/true)) {
+        auto& buffer = item.value();
+        const auto dtype = detail::gradsync_dtype(buffer.scalar_type());
+        if (!dtype)
+            throw InvalidModel("gradsync: buffer '" + item.key() + "' is " + detail::describe(buffer) +
+                               "; gradsync keeps float, int32 and int64 buffers in step. Leave the buffers "
+                               "alone with the policy gradsync::IgnoreBuffers, or make it one of those");
+        detail::check_dense(buffer, "buffer '" + item.key() + "'", device);
+        out.push_back(ModelBuffer{item.key(), buffer.data_ptr(), static_cast<std::size_t>(buffer.numel()), *dtype});
+    }
+    return out;
+}
+
+// Calls f() after torch has accumulated the gradient of one parameter: a post hook of the
+// parameter's AccumulateGrad node. (A tensor hook, register_hook(), runs before accumulation,
+// when the gradient is not in param.grad() yet.)
+template <class F>
+class AfterAccumulation final : public ::torch::autograd::FunctionPostHook {
+public:
+    explicit AfterAccumulation(F f) : f_(std::move(f)) {}
+    ::torch::autograd::variable_list operator()(const ::torch::autograd::variable_list& outputs,
+                                                const ::torch::autograd::variable_list& /*inputs*/) override {
+        f_();
+        return outputs;
+    }
+
+private:
+    F f_;
+};
+
+// The hooks overlap() registers; they are removed when this goes. Must not outlive the
+// DataParallel.
+class Overlap {
+public:
+    Overlap() = default;
+    Overlap(Overlap&& other) noexcept
+        : hooks_(std::exchange(other.hooks_, {})), reported_(std::exchange(other.reported_, nullptr)) {}
+    Overlap& operator=(Overlap&& other) noexcept {
+        if (this != &other) {
+            remove();
+            hooks_ = std::exchange(other.hooks_, {});
+            reported_ = std::exchange(other.reported_, nullptr);
+        }
+        return *this;
+    }
+    ~Overlap() { remove(); }
+
+    // Parameters hooked.
+    [[nodiscard]] std::size_t size() const { return hooks_.size(); }
+    // Gradients the hooks have reported ready, over all steps so far.
+    [[nodiscard]] std::uint64_t reported() const { return reported_ ? reported_->load() : 0; }
+
+    // Calls on_accumulated() each time torch has accumulated param's gradient.
+    template <class F>
+    void add(const ::at::Tensor& param, F on_accumulated) {
+        // Held here: autograd keeps only a weak reference to a leaf's accumulator, and a new one
+        // (without the hook) would be made for the next forward if this one were freed.
+        auto node = ::torch::autograd::impl::grad_accumulator(param);
+        if (!node)
+            throw InvalidModel(
+                "gradsync: a parameter that requires a gradient has no gradient accumulator "
+                "(is it a leaf tensor?)");
+        auto counted = [f = std::move(on_accumulated), count = reported_.get()]() mutable {
+            f();
+            count->fetch_add(1, std::memory_order_relaxed);
+        };
+        const auto key =
+            node->add_post_hook(std::make_unique<AfterAccumulation<decltype(counted)>>(std::move(counted)));
+        hooks_.push_back({std::move(node), key});
+    }
+
+private:
+    struct Hook {
+        std::shared_ptr<::torch::autograd::Node> node;
+        std::uintptr_t key;
+    };
+    void remove() {
+        for (auto& hook : hooks_) hook.node->del_post_hook(hook.key);
+        hooks_.clear();
+    }
+    std::vector<Hook> hooks_;
+    // On the heap: the hooks hold its address, which must survive moves of this object.
+    std::unique_ptr<std::atomic<std::uint64_t>> reported_ = std::make_unique<std::atomic<std::uint64_t>>(0);
+};
+
+// Registers, for every trainable parameter of dp's model, a hook that calls dp.grad_ready() once
+// torch has accumulated that parameter's gradient in backward, so each bucket's allreduce starts
+// while backward goes on. One backward per synchronized step (accumulate under dp.no_sync()); a
+// parameter the forward did not use gets no call (Options::find_unused_parameters). Keep the
+// returned object as long as the DataParallel trains.
+template <class DP>
+[[nodiscard]] Overlap overlap(DP& dp) {
+    Overlap hooks;
+    const auto params = trainable(module_of(dp.model()));
+    for (std::size_t i = 0; i < params.size(); ++i) hooks.add(params[i].second, [&dp, i] { dp.grad_ready(i); });
+    return hooks;
+}
+
+}  // namespace gradsync::inline v0::libtorch
+
+namespace gradsync::inline v0 {
+
+// Every torch model lists through the adapter; model_traits takes precedence over the module's
+// own parameters() and buffers().
+template <libtorch::TorchModel M>
+struct model_traits<M> {
+    static std::vector<Parameter> parameters(M& model) { return libtorch::parameters_of(libtorch::module_of(model)); }
+    static std::vector<ModelBuffer> buffers(M& model) { return libtorch::buffers_of(libtorch::module_of(model)); }
+};
+
+}  // namespace gradsync::inline v0

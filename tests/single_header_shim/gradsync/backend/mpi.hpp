@@ -1,0 +1,3 @@
+// Routes <gradsync/...> to the single header, to prove it stands alone.
+#pragma once
+#include <gradsync_mpi.hpp>
