@@ -2,7 +2,8 @@
 # Runs the throughput benchmarks and prints every figure beside the ceiling or baseline measured
 # in the same run: LocalBackend (threads of one process, the default CPU backend), then
 # DataParallel<MpiBackend> on 2 processes under mpirun and started torchrun-style, then the race with PyTorch DDP (gloo) on
-# the same layouts, then what the libtorch adapter costs. Installs what it needs on Debian 12. Extra arguments go to Google Benchmark,
+# the same layouts, then what the libtorch adapter costs; first, what including gradsync costs a
+# compile. Installs what it needs on Debian 12. Extra arguments go to Google Benchmark,
 # e.g. --benchmark_filter=allreduce; GRADSYNC_BENCH_ONLY=local skips the MPI and DDP parts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,6 +15,8 @@ ensure_packages "${packages[@]}"
 step "configure and build: bench"
 cmake --preset bench >/dev/null
 cmake --build --preset bench
+step "Compile cost of including gradsync (under a minute)"
+python3 bench/compile_cost.py
 step "LocalBackend (a few minutes; each line appears as its benchmark finishes)"
 ./build/bench/bench/gradsync_bench --benchmark_color=false "$@"
 [ "${GRADSYNC_BENCH_ONLY:-}" = local ] && exit 0

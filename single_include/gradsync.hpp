@@ -1070,7 +1070,9 @@ public:
         out.reserve(sizes_.size());
         std::size_t offset = 0;
         for (std::size_t i = 0; i < sizes_.size(); ++i) {
-            out.push_back(gradsync::parameter(names_[i], params_ + offset, grads_ + offset, sizes_[i]));
+            // A gradient blob not allocated yet (llm.c makes it in the first backward): no gradients.
+            T* grad = grads_ == nullptr ? nullptr : grads_ + offset;
+            out.push_back(gradsync::parameter(names_[i], params_ + offset, grad, sizes_[i]));
             offset += sizes_[i];
         }
         return out;
@@ -2655,6 +2657,47 @@ private:
 #endif  // GRADSYNC_SINGLE_BACKEND_DETAIL_LOCAL_GROUP_HPP
 // ---- end gradsync/backend/detail/local_group.hpp ----
 
+// ---- begin gradsync/backend/detail/typed_calls.hpp ----
+#ifndef GRADSYNC_SINGLE_BACKEND_DETAIL_TYPED_CALLS_HPP
+#define GRADSYNC_SINGLE_BACKEND_DETAIL_TYPED_CALLS_HPP
+// The typed calls every backend offers alike, written once over each backend's own Buffer and
+// byte calls: allreduce(std::span<T>, op = sum), its _async twin, and broadcast(std::span<T>,
+// root), for any T with a DType (float, double, gradsync::float16, gradsync::bfloat16, ...). A
+// trainer written against one backend compiles against every other.
+
+
+#include <cstddef>
+#include <span>
+#include <type_traits>  // for std::is_trivially_copyable_v
+
+namespace gradsync::inline v0::detail {
+
+// CRTP base; the backend brings the overloads in with `using TypedCalls<B>::allreduce;` (and
+// allreduce_async, broadcast), beside its own Buffer and byte overloads.
+template <class Backend>
+class TypedCalls {
+public:
+    template <HasDType T>
+    void allreduce(std::span<T> data, ReduceOp op = ReduceOp::sum) {
+        self().allreduce(buffer_of(data), op);
+    }
+    template <HasDType T>
+    auto allreduce_async(std::span<T> data, ReduceOp op = ReduceOp::sum) {
+        return self().allreduce_async(buffer_of(data), op);
+    }
+    // Copies `root`'s values into every other rank's span of the same size.
+    template <class T>
+    requires std::is_trivially_copyable_v<T>
+    void broadcast(std::span<T> data, int root) { self().broadcast(std::as_writable_bytes(data), root); }
+
+private:
+    Backend& self() { return static_cast<Backend&>(*this); }
+};
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_BACKEND_DETAIL_TYPED_CALLS_HPP
+// ---- end gradsync/backend/detail/typed_calls.hpp ----
+
 #include <cstddef>
 #include <cstdint>
 #include <exception>
@@ -2668,8 +2711,12 @@ private:
 
 namespace gradsync::inline v0 {
 
-class LocalBackend {
+class LocalBackend : public detail::TypedCalls<LocalBackend> {
 public:
+    using TypedCalls::allreduce;
+    using TypedCalls::allreduce_async;
+    using TypedCalls::broadcast;
+
     static constexpr bool checks_tags = true;  // every collective's tag is compared with rank 0's
 
     // A group of `size` ranks; element r is rank r's handle. Hand each to its own thread; a
@@ -2714,28 +2761,22 @@ public:
     [[nodiscard]] std::uint64_t calls_made() const { return next_seq_; }
 
     // In-place allreduce of a contiguous buffer. The tag, when given, must match on every rank.
-    void allreduce(Buffer buf, ReduceOp op, CollectiveTag tag = {}) { run_now(allreduce_call(buf, op, tag)); }
-    CollectiveHandle allreduce_async(Buffer buf, ReduceOp op, CollectiveTag tag = {}) {
+    void allreduce(Buffer buf, ReduceOp op = ReduceOp::sum, CollectiveTag tag = {}) {
+        run_now(allreduce_call(buf, op, tag));
+    }
+    CollectiveHandle allreduce_async(Buffer buf, ReduceOp op = ReduceOp::sum, CollectiveTag tag = {}) {
         return launch(allreduce_call(buf, op, tag));
     }
 
     // In-place allreduce of the concatenation of `segments`: gradients reduced where they lie.
     // The segment list must stay valid until the collective completes.
-    void allreduce(std::span<const Segment> segments, DType dtype, ReduceOp op, CollectiveTag tag = {}) {
+    void allreduce(std::span<const Segment> segments, DType dtype, ReduceOp op = ReduceOp::sum,
+                   CollectiveTag tag = {}) {
         run_now(scattered_call(segments, dtype, op, tag));
     }
-    CollectiveHandle allreduce_async(std::span<const Segment> segments, DType dtype, ReduceOp op,
+    CollectiveHandle allreduce_async(std::span<const Segment> segments, DType dtype, ReduceOp op = ReduceOp::sum,
                                      CollectiveTag tag = {}) {
         return launch(scattered_call(segments, dtype, op, tag));
-    }
-
-    template <HasDType T>
-    void allreduce(std::span<T> data, ReduceOp op = ReduceOp::sum) {
-        allreduce(buffer_of(data), op);
-    }
-    template <HasDType T>
-    CollectiveHandle allreduce_async(std::span<T> data, ReduceOp op = ReduceOp::sum) {
-        return allreduce_async(buffer_of(data), op);
     }
 
     // Copies `root`'s bytes into every other rank's buffer of the same size.
@@ -2745,9 +2786,6 @@ public:
     CollectiveHandle broadcast_async(std::span<std::byte> bytes, int root, CollectiveTag tag = {}) {
         return launch(broadcast_call(bytes, root, tag));
     }
-    template <class T>
-    requires std::is_trivially_copyable_v<T>
-    void broadcast(std::span<T> data, int root) { broadcast(std::as_writable_bytes(data), root); }
 
     void barrier() {
         detail::LocalCall call;
@@ -4336,8 +4374,8 @@ struct ModelLayout {
             if (now.grad == nullptr || now.data == nullptr)
                 throw InvalidModel(where() + ": parameter '" + mine.name + "' has no " +
                                    (now.data == nullptr ? "values" : "gradient") +
-                                   " now; a framework that frees gradients between steps must have allocated them "
-                                   "by the time the parameter's bucket is reduced");
+                                   " now; a gradient made late (in the first backward) or freed between steps "
+                                   "must exist by the time its bucket is reduced, in synchronize() at the latest");
             if (now.data == mine.data && now.grad == mine.grad) continue;
             mine.data = now.data;
             mine.grad = now.grad;
@@ -5210,10 +5248,12 @@ std::string invalid_configuration(const Options& options, const Policies&... pol
 
 namespace gradsync::inline v0::detail {
 
-// The first problem with this rank's parameters and buffers, or "" when there is none.
+// The first problem with this rank's parameters and buffers, or "" when there is none. With
+// `gradients_later`, a gradient may not exist yet (a framework that allocates it in the first
+// backward); it is bound at the latest in the first synchronize().
 template <class B>
 std::string find_model_problem(std::span<const Parameter> params, std::span<const ModelBuffer> buffers,
-                               const B& backend) {
+                               const B& backend, bool gradients_later) {
     for (const auto& b : buffers) {
         const std::string who = "buffer '" + b.name + "'";
         if (!is_known(b.dtype))
@@ -5226,7 +5266,9 @@ std::string find_model_problem(std::span<const Parameter> params, std::span<cons
             return who + " has an unknown dtype (code " + std::to_string(static_cast<unsigned>(p.dtype)) + ")";
         if (!backend.supports(p.dtype)) return who + " is " + to_string(p.dtype) + ", which this backend cannot reduce";
         if (p.data == nullptr) return who + " has a null data pointer";
-        if (p.grad == nullptr) return who + " has a null gradient pointer";
+        if (p.grad == nullptr && !gradients_later)
+            return who + " has a null gradient pointer (with device memory, or Options::storage_may_move off, " +
+                   "every gradient must exist when the DataParallel is made)";
     }
     struct Range {
         std::uintptr_t begin, end;
@@ -5235,6 +5277,7 @@ std::string find_model_problem(std::span<const Parameter> params, std::span<cons
     std::vector<Range> ranges;
     ranges.reserve(params.size());
     for (const auto& p : params) {
+        if (p.grad == nullptr) continue;  // not made yet
         auto begin = reinterpret_cast<std::uintptr_t>(p.grad);
         ranges.push_back({begin, begin + p.bytes().count(), &p});
     }
@@ -5596,7 +5639,10 @@ BucketPlan check_and_agree(BackendT& backend, const ModelLayout& layout, const t
     using memory_type = typename Set::memory;
     SetupProblems problems(backend.rank());
     problems.configuration(invalid_configuration(options, bucketer, scaler, lr));
-    problems.model(find_model_problem(layout.params, layout.buffers, backend));
+    // Gradients may come later when storage is followed; not device gradients, which are checked
+    // for contiguity now.
+    const bool gradients_later = options.storage_may_move && !memory_type::on_device;
+    problems.model(find_model_problem(layout.params, layout.buffers, backend, gradients_later));
     BucketPlan plan;
     if (!problems.any()) plan = bucketer.plan(layout.params, std::span<const std::size_t>{});
     if (!problems.any() && Set::gradients_untouchable)

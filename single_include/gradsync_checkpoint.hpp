@@ -2111,8 +2111,8 @@ struct ModelLayout {
             if (now.grad == nullptr || now.data == nullptr)
                 throw InvalidModel(where() + ": parameter '" + mine.name + "' has no " +
                                    (now.data == nullptr ? "values" : "gradient") +
-                                   " now; a framework that frees gradients between steps must have allocated them "
-                                   "by the time the parameter's bucket is reduced");
+                                   " now; a gradient made late (in the first backward) or freed between steps "
+                                   "must exist by the time its bucket is reduced, in synchronize() at the latest");
             if (now.data == mine.data && now.grad == mine.grad) continue;
             mine.data = now.data;
             mine.grad = now.grad;
@@ -4223,10 +4223,12 @@ std::string invalid_configuration(const Options& options, const Policies&... pol
 
 namespace gradsync::inline v0::detail {
 
-// The first problem with this rank's parameters and buffers, or "" when there is none.
+// The first problem with this rank's parameters and buffers, or "" when there is none. With
+// `gradients_later`, a gradient may not exist yet (a framework that allocates it in the first
+// backward); it is bound at the latest in the first synchronize().
 template <class B>
 std::string find_model_problem(std::span<const Parameter> params, std::span<const ModelBuffer> buffers,
-                               const B& backend) {
+                               const B& backend, bool gradients_later) {
     for (const auto& b : buffers) {
         const std::string who = "buffer '" + b.name + "'";
         if (!is_known(b.dtype))
@@ -4239,7 +4241,9 @@ std::string find_model_problem(std::span<const Parameter> params, std::span<cons
             return who + " has an unknown dtype (code " + std::to_string(static_cast<unsigned>(p.dtype)) + ")";
         if (!backend.supports(p.dtype)) return who + " is " + to_string(p.dtype) + ", which this backend cannot reduce";
         if (p.data == nullptr) return who + " has a null data pointer";
-        if (p.grad == nullptr) return who + " has a null gradient pointer";
+        if (p.grad == nullptr && !gradients_later)
+            return who + " has a null gradient pointer (with device memory, or Options::storage_may_move off, " +
+                   "every gradient must exist when the DataParallel is made)";
     }
     struct Range {
         std::uintptr_t begin, end;
@@ -4248,6 +4252,7 @@ std::string find_model_problem(std::span<const Parameter> params, std::span<cons
     std::vector<Range> ranges;
     ranges.reserve(params.size());
     for (const auto& p : params) {
+        if (p.grad == nullptr) continue;  // not made yet
         auto begin = reinterpret_cast<std::uintptr_t>(p.grad);
         ranges.push_back({begin, begin + p.bytes().count(), &p});
     }
@@ -4609,7 +4614,10 @@ BucketPlan check_and_agree(BackendT& backend, const ModelLayout& layout, const t
     using memory_type = typename Set::memory;
     SetupProblems problems(backend.rank());
     problems.configuration(invalid_configuration(options, bucketer, scaler, lr));
-    problems.model(find_model_problem(layout.params, layout.buffers, backend));
+    // Gradients may come later when storage is followed; not device gradients, which are checked
+    // for contiguity now.
+    const bool gradients_later = options.storage_may_move && !memory_type::on_device;
+    problems.model(find_model_problem(layout.params, layout.buffers, backend, gradients_later));
     BucketPlan plan;
     if (!problems.any()) plan = bucketer.plan(layout.params, std::span<const std::size_t>{});
     if (!problems.any() && Set::gradients_untouchable)

@@ -2423,6 +2423,47 @@ private:
 #endif  // GRADSYNC_SINGLE_BACKEND_DETAIL_RENDEZVOUS_HPP
 // ---- end gradsync/backend/detail/rendezvous.hpp ----
 
+// ---- begin gradsync/backend/detail/typed_calls.hpp ----
+#ifndef GRADSYNC_SINGLE_BACKEND_DETAIL_TYPED_CALLS_HPP
+#define GRADSYNC_SINGLE_BACKEND_DETAIL_TYPED_CALLS_HPP
+// The typed calls every backend offers alike, written once over each backend's own Buffer and
+// byte calls: allreduce(std::span<T>, op = sum), its _async twin, and broadcast(std::span<T>,
+// root), for any T with a DType (float, double, gradsync::float16, gradsync::bfloat16, ...). A
+// trainer written against one backend compiles against every other.
+
+
+#include <cstddef>
+#include <span>
+#include <type_traits>  // for std::is_trivially_copyable_v
+
+namespace gradsync::inline v0::detail {
+
+// CRTP base; the backend brings the overloads in with `using TypedCalls<B>::allreduce;` (and
+// allreduce_async, broadcast), beside its own Buffer and byte overloads.
+template <class Backend>
+class TypedCalls {
+public:
+    template <HasDType T>
+    void allreduce(std::span<T> data, ReduceOp op = ReduceOp::sum) {
+        self().allreduce(buffer_of(data), op);
+    }
+    template <HasDType T>
+    auto allreduce_async(std::span<T> data, ReduceOp op = ReduceOp::sum) {
+        return self().allreduce_async(buffer_of(data), op);
+    }
+    // Copies `root`'s values into every other rank's span of the same size.
+    template <class T>
+    requires std::is_trivially_copyable_v<T>
+    void broadcast(std::span<T> data, int root) { self().broadcast(std::as_writable_bytes(data), root); }
+
+private:
+    Backend& self() { return static_cast<Backend&>(*this); }
+};
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_BACKEND_DETAIL_TYPED_CALLS_HPP
+// ---- end gradsync/backend/detail/typed_calls.hpp ----
+
 #include <cuda_runtime.h>
 
 #include <chrono>
@@ -2557,8 +2598,12 @@ private:
     std::chrono::steady_clock::time_point deadline_{};
 };
 
-class CudaLocalBackend {
+class CudaLocalBackend : public detail::TypedCalls<CudaLocalBackend> {
 public:
+    using TypedCalls::allreduce;
+    using TypedCalls::allreduce_async;
+    using TypedCalls::broadcast;
+
     static constexpr bool device_memory = true;
     static constexpr bool checks_tags = true;  // every rendezvous compares the ranks' calls
 
@@ -2597,7 +2642,7 @@ public:
     void set_compute_stream(cudaStream_t stream) { compute_ = stream; }
     [[nodiscard]] cudaStream_t compute_stream() const { return compute_; }
 
-    CudaLocalHandle allreduce_async(Buffer buf, ReduceOp op, CollectiveTag tag = {}) {
+    CudaLocalHandle allreduce_async(Buffer buf, ReduceOp op = ReduceOp::sum, CollectiveTag tag = {}) {
         if (!supports(buf.dtype))
             throw CollectiveError(who() + ": cannot allreduce " + to_string(buf.dtype) +
                                   " (float32, float64, float16 and bfloat16 only)");
@@ -2611,7 +2656,9 @@ public:
         call.tag = tag;
         return collective(call);
     }
-    void allreduce(Buffer buf, ReduceOp op, CollectiveTag tag = {}) { allreduce_async(buf, op, tag).wait(); }
+    void allreduce(Buffer buf, ReduceOp op = ReduceOp::sum, CollectiveTag tag = {}) {
+        allreduce_async(buf, op, tag).wait();
+    }
 
     CudaLocalHandle broadcast_async(std::span<std::byte> bytes, int root, CollectiveTag tag = {}) {
         if (root < 0 || root >= size())

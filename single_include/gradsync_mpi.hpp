@@ -925,6 +925,47 @@ private:
 #endif  // GRADSYNC_SINGLE_BACKEND_DETAIL_ASYNC_COLLECTIVES_HPP
 // ---- end gradsync/backend/detail/async_collectives.hpp ----
 
+// ---- begin gradsync/backend/detail/typed_calls.hpp ----
+#ifndef GRADSYNC_SINGLE_BACKEND_DETAIL_TYPED_CALLS_HPP
+#define GRADSYNC_SINGLE_BACKEND_DETAIL_TYPED_CALLS_HPP
+// The typed calls every backend offers alike, written once over each backend's own Buffer and
+// byte calls: allreduce(std::span<T>, op = sum), its _async twin, and broadcast(std::span<T>,
+// root), for any T with a DType (float, double, gradsync::float16, gradsync::bfloat16, ...). A
+// trainer written against one backend compiles against every other.
+
+
+#include <cstddef>
+#include <span>
+#include <type_traits>  // for std::is_trivially_copyable_v
+
+namespace gradsync::inline v0::detail {
+
+// CRTP base; the backend brings the overloads in with `using TypedCalls<B>::allreduce;` (and
+// allreduce_async, broadcast), beside its own Buffer and byte overloads.
+template <class Backend>
+class TypedCalls {
+public:
+    template <HasDType T>
+    void allreduce(std::span<T> data, ReduceOp op = ReduceOp::sum) {
+        self().allreduce(buffer_of(data), op);
+    }
+    template <HasDType T>
+    auto allreduce_async(std::span<T> data, ReduceOp op = ReduceOp::sum) {
+        return self().allreduce_async(buffer_of(data), op);
+    }
+    // Copies `root`'s values into every other rank's span of the same size.
+    template <class T>
+    requires std::is_trivially_copyable_v<T>
+    void broadcast(std::span<T> data, int root) { self().broadcast(std::as_writable_bytes(data), root); }
+
+private:
+    Backend& self() { return static_cast<Backend&>(*this); }
+};
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_BACKEND_DETAIL_TYPED_CALLS_HPP
+// ---- end gradsync/backend/detail/typed_calls.hpp ----
+
 // ---- begin gradsync/backend/detail/watcher_thread.hpp ----
 #ifndef GRADSYNC_SINGLE_BACKEND_DETAIL_WATCHER_THREAD_HPP
 #define GRADSYNC_SINGLE_BACKEND_DETAIL_WATCHER_THREAD_HPP
@@ -2424,8 +2465,12 @@ namespace gradsync::inline v0 {
 // Construct and destroy it between MPI initialisation and finalisation (MpiSession does both);
 // every rank constructs and destroys its backends in the same order (both are collective: the
 // destructor waits, up to MpiOptions::timeout, until every peer has destroyed its own).
-class MpiBackend {
+class MpiBackend : public detail::TypedCalls<MpiBackend> {
 public:
+    using TypedCalls::allreduce;
+    using TypedCalls::allreduce_async;
+    using TypedCalls::broadcast;
+
     explicit MpiBackend(MPI_Comm comm = mpi_world(), MpiOptions options = {}) : options_(options) {
         int initialized = 0;
         MPI_Initialized(&initialized);
@@ -2497,10 +2542,6 @@ public:
         const Segment seg{buf.data, buf.count};
         allreduce(std::span<const Segment>(&seg, 1), buf.dtype, op);
     }
-    template <HasDType T>
-    void allreduce(std::span<T> data, ReduceOp op = ReduceOp::sum) {
-        allreduce(buffer_of(data), op);
-    }
     CollectiveHandle allreduce_async(Buffer buf, ReduceOp op = ReduceOp::sum) {
         check_dtype(buf.dtype);
         return launch(allreduce_call(buf.count, buf.dtype, op), [this, buf, op] {
@@ -2536,9 +2577,6 @@ public:
                     }
                 });
     }
-    template <class T>
-    requires std::is_trivially_copyable_v<T>
-    void broadcast(std::span<T> data, int root) { broadcast(std::as_writable_bytes(data), root); }
 
     void barrier() {
         run_now(CollectiveCall{.kind = CollectiveKind::barrier, .seq = ++seq_},

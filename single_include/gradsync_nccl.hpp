@@ -800,6 +800,47 @@ constexpr bool check_stream_ordered() {
 #endif  // GRADSYNC_SINGLE_BACKEND_CONCEPTS_HPP
 // ---- end gradsync/backend/concepts.hpp ----
 
+// ---- begin gradsync/backend/detail/typed_calls.hpp ----
+#ifndef GRADSYNC_SINGLE_BACKEND_DETAIL_TYPED_CALLS_HPP
+#define GRADSYNC_SINGLE_BACKEND_DETAIL_TYPED_CALLS_HPP
+// The typed calls every backend offers alike, written once over each backend's own Buffer and
+// byte calls: allreduce(std::span<T>, op = sum), its _async twin, and broadcast(std::span<T>,
+// root), for any T with a DType (float, double, gradsync::float16, gradsync::bfloat16, ...). A
+// trainer written against one backend compiles against every other.
+
+
+#include <cstddef>
+#include <span>
+#include <type_traits>  // for std::is_trivially_copyable_v
+
+namespace gradsync::inline v0::detail {
+
+// CRTP base; the backend brings the overloads in with `using TypedCalls<B>::allreduce;` (and
+// allreduce_async, broadcast), beside its own Buffer and byte overloads.
+template <class Backend>
+class TypedCalls {
+public:
+    template <HasDType T>
+    void allreduce(std::span<T> data, ReduceOp op = ReduceOp::sum) {
+        self().allreduce(buffer_of(data), op);
+    }
+    template <HasDType T>
+    auto allreduce_async(std::span<T> data, ReduceOp op = ReduceOp::sum) {
+        return self().allreduce_async(buffer_of(data), op);
+    }
+    // Copies `root`'s values into every other rank's span of the same size.
+    template <class T>
+    requires std::is_trivially_copyable_v<T>
+    void broadcast(std::span<T> data, int root) { self().broadcast(std::as_writable_bytes(data), root); }
+
+private:
+    Backend& self() { return static_cast<Backend&>(*this); }
+};
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_BACKEND_DETAIL_TYPED_CALLS_HPP
+// ---- end gradsync/backend/detail/typed_calls.hpp ----
+
 // ---- begin gradsync/backend/detail/watchdog.hpp ----
 #ifndef GRADSYNC_SINGLE_BACKEND_DETAIL_WATCHDOG_HPP
 #define GRADSYNC_SINGLE_BACKEND_DETAIL_WATCHDOG_HPP
@@ -2116,8 +2157,13 @@ struct NcclOptions {
 };
 
 template <class Algo = nccl::Auto>
-class NcclBackend {
+class NcclBackend : public detail::TypedCalls<NcclBackend<Algo>> {
+    using Typed = detail::TypedCalls<NcclBackend<Algo>>;
+
 public:
+    using Typed::allreduce;
+    using Typed::allreduce_async;
+    using Typed::broadcast;
     using algorithm = Algo;
     static constexpr bool device_memory = true;  // collectives take device (or managed) memory
     // Host buffers are staged through device memory in pieces of at most this size.
@@ -2199,14 +2245,16 @@ public:
 
     // Sum or average (ncclAvg: NCCL folds the 1/size into the reduction) of `buf` over the
     // ranks, in place.
-    NcclHandle allreduce_async(Buffer buf, ReduceOp op, CollectiveTag tag = {}) {
+    NcclHandle allreduce_async(Buffer buf, ReduceOp op = ReduceOp::sum, CollectiveTag tag = {}) {
         const ncclDataType_t type = reducible_type(buf.dtype, "allreduce");
         const ncclRedOp_t nop = op == ReduceOp::average ? ncclAvg : ncclSum;
         return queue(allreduce_call(buf, op, tag), buf.data, [&](void* data, std::size_t count, State& s) {
             return ncclAllReduce(data, data, count, type, nop, s.comm, s.stream);
         });
     }
-    void allreduce(Buffer buf, ReduceOp op, CollectiveTag tag = {}) { allreduce_async(buf, op, tag).wait(); }
+    void allreduce(Buffer buf, ReduceOp op = ReduceOp::sum, CollectiveTag tag = {}) {
+        allreduce_async(buf, op, tag).wait();
+    }
 
     // The sum over the ranks of `factor` times each rank's `buf`, in one pass (NCCL's
     // pre-multiplied sum): folds an unscaling factor such as 1/(size * loss scale) into the

@@ -192,7 +192,7 @@ TEST_CASE("memory held: bucket buffers only when packing") {
     });
 }
 
-TEST_CASE("a null gradient pointer is an error on every rank, naming the rank and the parameter") {
+TEST_CASE("a null gradient pointer, where gradients cannot come later, is an error on every rank") {
     struct NullGrad {
         std::vector<float> w = std::vector<float>(4);
         bool broken = false;
@@ -204,17 +204,18 @@ TEST_CASE("a null gradient pointer is an error on every rank, naming the rank an
     auto messages = messages_of(3, [](LocalBackend& b) {
         NullGrad m;
         m.broken = b.rank() == 1;
-        DataParallel dp(m, b);
+        DataParallel dp(m, b, gradsync::Options{.storage_may_move = false});
     });
     check_same_on_every_rank(messages,
-                             "gradsync: invalid model on rank 1: parameter 'fc.weight' has a null gradient pointer");
+                             "gradsync: invalid model on rank 1: parameter 'fc.weight' has a null gradient pointer "
+                             "(with device memory, or Options::storage_may_move off, every gradient must exist");
 
     // One rank alone throws without any collective.
     auto ranks = LocalBackend::create_group(1);
     NullGrad m;
     m.broken = true;
-    CHECK_THROWS_WITH_AS(DataParallel(m, ranks[0]), doctest::Contains("has a null gradient pointer"),
-                         gradsync::InvalidModel);
+    CHECK_THROWS_WITH_AS(DataParallel(m, ranks[0], gradsync::Options{.storage_may_move = false}),
+                         doctest::Contains("has a null gradient pointer"), gradsync::InvalidModel);
 }
 
 TEST_CASE("an unsupported dtype is an error on every rank") {

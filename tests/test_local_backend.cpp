@@ -6,6 +6,8 @@
 
 #include <doctest/doctest.h>
 
+#include "support/generic_trainer.hpp"
+
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -383,4 +385,19 @@ TEST_CASE("a group reports its memory and its ranks") {
     CHECK(ranks[0].supports(gradsync::DType::bfloat16));
     CHECK_FALSE(ranks[0].supports(gradsync::DType::int64));
     CHECK(ranks[0].memory_footprint() == 2 * 4_KiB + 8_KiB);  // the staging slot is at least 4 KiB
+}
+
+TEST_CASE("a trainer's collective calls, written once for every backend, run on LocalBackend") {
+    gradsync::spawn(3, [](gradsync::LocalBackend& backend) {
+        const auto r = static_cast<float>(backend.rank());
+        std::vector<float> grads(5, r + 1);  // 1, 2, 3: sum 6, then average 6
+        std::vector<double> stats(2, 2.0 * r);
+        std::vector<gradsync::float16> halves(4, gradsync::float16(r));
+        std::vector<std::int64_t> seeds(3, 100 + backend.rank());
+        generic::collective_step(backend, std::span(grads), std::span(stats), std::span(halves), std::span(seeds));
+        for (float g : grads) CHECK(g == 6.0f);
+        for (double s : stats) CHECK(s == 2.0);
+        for (auto h : halves) CHECK(static_cast<float>(h) == 1.0f);
+        for (auto s : seeds) CHECK(s == 100);
+    });
 }

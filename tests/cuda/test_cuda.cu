@@ -29,6 +29,17 @@
 #include <thread>
 #include <vector>
 
+#include "../support/generic_trainer.hpp"
+
+// A trainer's collective calls, written once, compile against the device backends as against
+// LocalBackend and MpiBackend (where the tests run them).
+template void generic::collective_step<gradsync::NcclBackend<>>(gradsync::NcclBackend<>&, std::span<float>,
+                                                                std::span<double>, std::span<gradsync::float16>,
+                                                                std::span<std::int64_t>);
+template void generic::collective_step<gradsync::CudaLocalBackend>(gradsync::CudaLocalBackend&, std::span<float>,
+                                                                   std::span<double>, std::span<gradsync::float16>,
+                                                                   std::span<std::int64_t>);
+
 namespace {
 
 // Device memory for a test, freed at the end of scope.

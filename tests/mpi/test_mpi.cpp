@@ -8,6 +8,7 @@
 
 #include "mlp.hpp"
 #include "support/faulty_backend.hpp"
+#include "support/generic_trainer.hpp"
 #include "support/resume_run.hpp"
 
 #include <unistd.h>  // for getpid
@@ -540,4 +541,19 @@ TEST_CASE("checkpoint over MPI: a rank that would load other tensors than rank 0
     CHECK(other[0] == 2.0f);
     MPI_Barrier(gradsync::mpi_world());
     if (world_rank() == 0) std::filesystem::remove(path);
+}
+
+TEST_CASE("MpiBackend: a trainer's collective calls, written once for every backend") {
+    gradsync::MpiBackend backend;
+    const int n = backend.size();
+    const auto r = static_cast<float>(backend.rank());
+    std::vector<float> grads(5, r + 1);  // sum n(n+1)/2, then that average again
+    std::vector<double> stats(2, 2.0 * r);
+    std::vector<gradsync::float16> halves(4, gradsync::float16(2.0f * r));
+    std::vector<std::int64_t> seeds(3, 100 + backend.rank());
+    generic::collective_step(backend, std::span(grads), std::span(stats), std::span(halves), std::span(seeds));
+    for (float g : grads) CHECK(g == static_cast<float>(n * (n + 1) / 2));
+    for (double s : stats) CHECK(s == static_cast<double>(n - 1));
+    for (auto h : halves) CHECK(static_cast<float>(h) == static_cast<float>(n - 1));
+    for (auto s : seeds) CHECK(s == 100);
 }

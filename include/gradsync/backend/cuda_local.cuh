@@ -19,6 +19,7 @@
 #include <gradsync/detail/first_error.hpp>
 #include <gradsync/backend/detail/host_reduce.hpp>
 #include <gradsync/backend/detail/rendezvous.hpp>
+#include <gradsync/backend/detail/typed_calls.hpp>
 #include <gradsync/dtype.hpp>
 #include <gradsync/error.hpp>
 #include <gradsync/half.hpp>
@@ -157,8 +158,12 @@ private:
     std::chrono::steady_clock::time_point deadline_{};
 };
 
-class CudaLocalBackend {
+class CudaLocalBackend : public detail::TypedCalls<CudaLocalBackend> {
 public:
+    using TypedCalls::allreduce;
+    using TypedCalls::allreduce_async;
+    using TypedCalls::broadcast;
+
     static constexpr bool device_memory = true;
     static constexpr bool checks_tags = true;  // every rendezvous compares the ranks' calls
 
@@ -197,7 +202,7 @@ public:
     void set_compute_stream(cudaStream_t stream) { compute_ = stream; }
     [[nodiscard]] cudaStream_t compute_stream() const { return compute_; }
 
-    CudaLocalHandle allreduce_async(Buffer buf, ReduceOp op, CollectiveTag tag = {}) {
+    CudaLocalHandle allreduce_async(Buffer buf, ReduceOp op = ReduceOp::sum, CollectiveTag tag = {}) {
         if (!supports(buf.dtype))
             throw CollectiveError(who() + ": cannot allreduce " + to_string(buf.dtype) +
                                   " (float32, float64, float16 and bfloat16 only)");
@@ -211,7 +216,9 @@ public:
         call.tag = tag;
         return collective(call);
     }
-    void allreduce(Buffer buf, ReduceOp op, CollectiveTag tag = {}) { allreduce_async(buf, op, tag).wait(); }
+    void allreduce(Buffer buf, ReduceOp op = ReduceOp::sum, CollectiveTag tag = {}) {
+        allreduce_async(buf, op, tag).wait();
+    }
 
     CudaLocalHandle broadcast_async(std::span<std::byte> bytes, int root, CollectiveTag tag = {}) {
         if (root < 0 || root >= size())

@@ -6,6 +6,7 @@
 #include <gradsync/backend/concepts.hpp>
 #include <gradsync/backend/detail/async_collectives.hpp>
 #include <gradsync/backend/detail/local_group.hpp>
+#include <gradsync/backend/detail/typed_calls.hpp>
 #include <gradsync/backend/handle.hpp>
 #include <gradsync/buffer.hpp>
 #include <gradsync/bytes.hpp>
@@ -25,8 +26,12 @@
 
 namespace gradsync::inline v0 {
 
-class LocalBackend {
+class LocalBackend : public detail::TypedCalls<LocalBackend> {
 public:
+    using TypedCalls::allreduce;
+    using TypedCalls::allreduce_async;
+    using TypedCalls::broadcast;
+
     static constexpr bool checks_tags = true;  // every collective's tag is compared with rank 0's
 
     // A group of `size` ranks; element r is rank r's handle. Hand each to its own thread; a
@@ -71,28 +76,22 @@ public:
     [[nodiscard]] std::uint64_t calls_made() const { return next_seq_; }
 
     // In-place allreduce of a contiguous buffer. The tag, when given, must match on every rank.
-    void allreduce(Buffer buf, ReduceOp op, CollectiveTag tag = {}) { run_now(allreduce_call(buf, op, tag)); }
-    CollectiveHandle allreduce_async(Buffer buf, ReduceOp op, CollectiveTag tag = {}) {
+    void allreduce(Buffer buf, ReduceOp op = ReduceOp::sum, CollectiveTag tag = {}) {
+        run_now(allreduce_call(buf, op, tag));
+    }
+    CollectiveHandle allreduce_async(Buffer buf, ReduceOp op = ReduceOp::sum, CollectiveTag tag = {}) {
         return launch(allreduce_call(buf, op, tag));
     }
 
     // In-place allreduce of the concatenation of `segments`: gradients reduced where they lie.
     // The segment list must stay valid until the collective completes.
-    void allreduce(std::span<const Segment> segments, DType dtype, ReduceOp op, CollectiveTag tag = {}) {
+    void allreduce(std::span<const Segment> segments, DType dtype, ReduceOp op = ReduceOp::sum,
+                   CollectiveTag tag = {}) {
         run_now(scattered_call(segments, dtype, op, tag));
     }
-    CollectiveHandle allreduce_async(std::span<const Segment> segments, DType dtype, ReduceOp op,
+    CollectiveHandle allreduce_async(std::span<const Segment> segments, DType dtype, ReduceOp op = ReduceOp::sum,
                                      CollectiveTag tag = {}) {
         return launch(scattered_call(segments, dtype, op, tag));
-    }
-
-    template <HasDType T>
-    void allreduce(std::span<T> data, ReduceOp op = ReduceOp::sum) {
-        allreduce(buffer_of(data), op);
-    }
-    template <HasDType T>
-    CollectiveHandle allreduce_async(std::span<T> data, ReduceOp op = ReduceOp::sum) {
-        return allreduce_async(buffer_of(data), op);
     }
 
     // Copies `root`'s bytes into every other rank's buffer of the same size.
@@ -102,9 +101,6 @@ public:
     CollectiveHandle broadcast_async(std::span<std::byte> bytes, int root, CollectiveTag tag = {}) {
         return launch(broadcast_call(bytes, root, tag));
     }
-    template <class T>
-    requires std::is_trivially_copyable_v<T>
-    void broadcast(std::span<T> data, int root) { broadcast(std::as_writable_bytes(data), root); }
 
     void barrier() {
         detail::LocalCall call;

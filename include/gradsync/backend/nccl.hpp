@@ -14,6 +14,7 @@
 
 #include <gradsync/backend/collective.hpp>
 #include <gradsync/backend/concepts.hpp>
+#include <gradsync/backend/detail/typed_calls.hpp>
 #include <gradsync/backend/detail/watchdog.hpp>
 #include <gradsync/backend/nccl/algorithm.hpp>
 #include <gradsync/backend/nccl/communicator.hpp>
@@ -65,8 +66,13 @@ struct NcclOptions {
 };
 
 template <class Algo = nccl::Auto>
-class NcclBackend {
+class NcclBackend : public detail::TypedCalls<NcclBackend<Algo>> {
+    using Typed = detail::TypedCalls<NcclBackend<Algo>>;
+
 public:
+    using Typed::allreduce;
+    using Typed::allreduce_async;
+    using Typed::broadcast;
     using algorithm = Algo;
     static constexpr bool device_memory = true;  // collectives take device (or managed) memory
     // Host buffers are staged through device memory in pieces of at most this size.
@@ -148,14 +154,16 @@ public:
 
     // Sum or average (ncclAvg: NCCL folds the 1/size into the reduction) of `buf` over the
     // ranks, in place.
-    NcclHandle allreduce_async(Buffer buf, ReduceOp op, CollectiveTag tag = {}) {
+    NcclHandle allreduce_async(Buffer buf, ReduceOp op = ReduceOp::sum, CollectiveTag tag = {}) {
         const ncclDataType_t type = reducible_type(buf.dtype, "allreduce");
         const ncclRedOp_t nop = op == ReduceOp::average ? ncclAvg : ncclSum;
         return queue(allreduce_call(buf, op, tag), buf.data, [&](void* data, std::size_t count, State& s) {
             return ncclAllReduce(data, data, count, type, nop, s.comm, s.stream);
         });
     }
-    void allreduce(Buffer buf, ReduceOp op, CollectiveTag tag = {}) { allreduce_async(buf, op, tag).wait(); }
+    void allreduce(Buffer buf, ReduceOp op = ReduceOp::sum, CollectiveTag tag = {}) {
+        allreduce_async(buf, op, tag).wait();
+    }
 
     // The sum over the ranks of `factor` times each rank's `buf`, in one pass (NCCL's
     // pre-multiplied sum): folds an unscaling factor such as 1/(size * loss scale) into the

@@ -23,10 +23,12 @@
 
 namespace gradsync::inline v0::detail {
 
-// The first problem with this rank's parameters and buffers, or "" when there is none.
+// The first problem with this rank's parameters and buffers, or "" when there is none. With
+// `gradients_later`, a gradient may not exist yet (a framework that allocates it in the first
+// backward); it is bound at the latest in the first synchronize().
 template <class B>
 std::string find_model_problem(std::span<const Parameter> params, std::span<const ModelBuffer> buffers,
-                               const B& backend) {
+                               const B& backend, bool gradients_later) {
     for (const auto& b : buffers) {
         const std::string who = "buffer '" + b.name + "'";
         if (!is_known(b.dtype))
@@ -39,7 +41,9 @@ std::string find_model_problem(std::span<const Parameter> params, std::span<cons
             return who + " has an unknown dtype (code " + std::to_string(static_cast<unsigned>(p.dtype)) + ")";
         if (!backend.supports(p.dtype)) return who + " is " + to_string(p.dtype) + ", which this backend cannot reduce";
         if (p.data == nullptr) return who + " has a null data pointer";
-        if (p.grad == nullptr) return who + " has a null gradient pointer";
+        if (p.grad == nullptr && !gradients_later)
+            return who + " has a null gradient pointer (with device memory, or Options::storage_may_move off, " +
+                   "every gradient must exist when the DataParallel is made)";
     }
     struct Range {
         std::uintptr_t begin, end;
@@ -48,6 +52,7 @@ std::string find_model_problem(std::span<const Parameter> params, std::span<cons
     std::vector<Range> ranges;
     ranges.reserve(params.size());
     for (const auto& p : params) {
+        if (p.grad == nullptr) continue;  // not made yet
         auto begin = reinterpret_cast<std::uintptr_t>(p.grad);
         ranges.push_back({begin, begin + p.bytes().count(), &p});
     }

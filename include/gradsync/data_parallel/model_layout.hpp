@@ -79,8 +79,8 @@ struct ModelLayout {
             if (now.grad == nullptr || now.data == nullptr)
                 throw InvalidModel(where() + ": parameter '" + mine.name + "' has no " +
                                    (now.data == nullptr ? "values" : "gradient") +
-                                   " now; a framework that frees gradients between steps must have allocated them "
-                                   "by the time the parameter's bucket is reduced");
+                                   " now; a gradient made late (in the first backward) or freed between steps "
+                                   "must exist by the time its bucket is reduced, in synchronize() at the latest");
             if (now.data == mine.data && now.grad == mine.grad) continue;
             mine.data = now.data;
             mine.grad = now.grad;

@@ -25,7 +25,10 @@ BucketPlan check_and_agree(BackendT& backend, const ModelLayout& layout, const t
     using memory_type = typename Set::memory;
     SetupProblems problems(backend.rank());
     problems.configuration(invalid_configuration(options, bucketer, scaler, lr));
-    problems.model(find_model_problem(layout.params, layout.buffers, backend));
+    // Gradients may come later when storage is followed; not device gradients, which are checked
+    // for contiguity now.
+    const bool gradients_later = options.storage_may_move && !memory_type::on_device;
+    problems.model(find_model_problem(layout.params, layout.buffers, backend, gradients_later));
     BucketPlan plan;
     if (!problems.any()) plan = bucketer.plan(layout.params, std::span<const std::size_t>{});
     if (!problems.any() && Set::gradients_untouchable)

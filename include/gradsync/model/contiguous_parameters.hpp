@@ -38,7 +38,9 @@ public:
         out.reserve(sizes_.size());
         std::size_t offset = 0;
         for (std::size_t i = 0; i < sizes_.size(); ++i) {
-            out.push_back(gradsync::parameter(names_[i], params_ + offset, grads_ + offset, sizes_[i]));
+            // A gradient blob not allocated yet (llm.c makes it in the first backward): no gradients.
+            T* grad = grads_ == nullptr ? nullptr : grads_ + offset;
+            out.push_back(gradsync::parameter(names_[i], params_ + offset, grad, sizes_[i]));
             offset += sizes_[i];
         }
         return out;

@@ -13,6 +13,7 @@
 #include <gradsync/backend/collective.hpp>
 #include <gradsync/backend/concepts.hpp>
 #include <gradsync/backend/detail/async_collectives.hpp>
+#include <gradsync/backend/detail/typed_calls.hpp>
 #include <gradsync/backend/detail/watcher_thread.hpp>
 #include <gradsync/backend/mpi/departures.hpp>
 #include <gradsync/backend/mpi/mpi_api.hpp>
@@ -46,8 +47,12 @@ namespace gradsync::inline v0 {
 // Construct and destroy it between MPI initialisation and finalisation (MpiSession does both);
 // every rank constructs and destroys its backends in the same order (both are collective: the
 // destructor waits, up to MpiOptions::timeout, until every peer has destroyed its own).
-class MpiBackend {
+class MpiBackend : public detail::TypedCalls<MpiBackend> {
 public:
+    using TypedCalls::allreduce;
+    using TypedCalls::allreduce_async;
+    using TypedCalls::broadcast;
+
     explicit MpiBackend(MPI_Comm comm = mpi_world(), MpiOptions options = {}) : options_(options) {
         int initialized = 0;
         MPI_Initialized(&initialized);
@@ -119,10 +124,6 @@ public:
         const Segment seg{buf.data, buf.count};
         allreduce(std::span<const Segment>(&seg, 1), buf.dtype, op);
     }
-    template <HasDType T>
-    void allreduce(std::span<T> data, ReduceOp op = ReduceOp::sum) {
-        allreduce(buffer_of(data), op);
-    }
     CollectiveHandle allreduce_async(Buffer buf, ReduceOp op = ReduceOp::sum) {
         check_dtype(buf.dtype);
         return launch(allreduce_call(buf.count, buf.dtype, op), [this, buf, op] {
@@ -158,9 +159,6 @@ public:
                     }
                 });
     }
-    template <class T>
-    requires std::is_trivially_copyable_v<T>
-    void broadcast(std::span<T> data, int root) { broadcast(std::as_writable_bytes(data), root); }
 
     void barrier() {
         run_now(CollectiveCall{.kind = CollectiveKind::barrier, .seq = ++seq_},
