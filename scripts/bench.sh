@@ -15,7 +15,7 @@ ensure_packages "${packages[@]}"
 step "configure and build: bench"
 cmake --preset bench >/dev/null
 cmake --build --preset bench
-step "Compile cost of including gradsync (under a minute)"
+step "Compile cost of including gradsync (about a minute)"
 python3 bench/compile_cost.py
 step "LocalBackend (a few minutes; each line appears as its benchmark finishes)"
 ./build/bench/bench/gradsync_bench --benchmark_color=false "$@"
