@@ -1281,6 +1281,9 @@ requires std::ranges::sized_range<D> && std::ranges::sized_range<G> &&
 // Specialize for a model type you cannot change:
 //   template <> struct gradsync::model_traits<Net> {
 //       static std::vector<gradsync::Parameter> parameters(Net& net);
+//       // Optional: the parameters as they are during backward, where a gradient the framework
+//       // has not made yet may be null (parameters() must make it: it is read at synchronize()).
+//       static std::vector<gradsync::Parameter> parameters_now(Net& net);
 //   };
 template <class Model>
 struct model_traits {};
@@ -1333,6 +1336,23 @@ struct fn {
 
 // gradsync::parameters(model): the model's parameters in registration order.
 inline constexpr detail::parameters_cpo::fn parameters{};
+
+namespace detail {
+
+// The parameters as they are now, during backward, to follow storage that moves: the model's
+// model_traits<M>::parameters_now where it has one, else gradsync::parameters(model).
+template <class M>
+std::vector<Parameter> parameters_now(M& model) {
+    using traits = model_traits<std::remove_cvref_t<M>>;
+    if constexpr (requires {
+                      { traits::parameters_now(model) } -> ParameterRange;
+                  })
+        return parameters_cpo::to_vector(traits::parameters_now(model));
+    else
+        return gradsync::parameters(model);
+}
+
+}  // namespace detail
 
 // A type gradsync can list the parameters of.
 template <class M>
@@ -2081,11 +2101,12 @@ struct ModelLayout {
     }
 
     // The model's parameters now, to follow storage that moves between steps (a framework that
-    // frees gradients and allocates new ones in backward). A list of another length is an
-    // InvalidModel error; where() begins its message.
+    // frees gradients and allocates new ones in backward); `in_backward`: while backward runs,
+    // when gradients not reached yet may be null. A list of another length is an InvalidModel
+    // error; where() begins its message.
     template <class Model, class Where>
-    std::vector<Parameter> relist(Model& model, const Where& where) const {
-        auto listed = gradsync::parameters(model);
+    std::vector<Parameter> relist(Model& model, bool in_backward, const Where& where) const {
+        auto listed = in_backward ? detail::parameters_now(model) : gradsync::parameters(model);
         if (listed.size() != param_of_model_index.size())
             throw InvalidModel(where() + ": the model lists " + std::to_string(listed.size()) +
                                " parameters now and listed " + std::to_string(param_of_model_index.size()) +
@@ -2903,15 +2924,15 @@ public:
     void end_step() { std::fill(followed_.begin(), followed_.end(), 0); }
 
     // Follows the storage of buckets [first, last) not followed yet this step, with one listing
-    // of the model; a bucket whose gradients moved gets new tables from the engine. With
-    // `contiguous`, a bucket whose gradients no longer lie contiguously is an error. where()
-    // begins error messages.
+    // of the model (`in_backward`: a bucket launched while backward runs); a bucket whose
+    // gradients moved gets new tables from the engine. With `contiguous`, a bucket whose gradients
+    // no longer lie contiguously is an error. where() begins error messages.
     template <class Model, class Engine, class Where>
     void follow(Model& model, ModelLayout& layout, const BucketPlan& plan, Engine& engine, std::size_t first,
-                std::size_t last, bool contiguous, const Where& where) {
+                std::size_t last, bool in_backward, bool contiguous, const Where& where) {
         const auto begin = followed_.begin();
         if (std::all_of(begin + first, begin + last, [](char f) { return f != 0; })) return;
-        const auto listed = layout.relist(model, where);
+        const auto listed = layout.relist(model, in_backward, where);
         for (std::size_t b = first; b < last; ++b) {
             if (followed_[b] != 0) continue;
             followed_[b] = 1;
@@ -5190,7 +5211,7 @@ private:
 
     // Bucket b goes now (during backward, under the readiness lock).
     void launch(std::size_t b) {
-        follow_storage(b, b + 1);
+        follow_storage(b, b + 1, /*in_backward=*/readiness_.phase() == Phase::backward);
         engine_.launch(b, tag_of(b, detail::CollectivePurpose::bucket));
         detail::log(detail::LogLevel::debug, rank(), [&] {
             return "step " + std::to_string(current_step()) + ": launched bucket " + std::to_string(b);
@@ -5216,7 +5237,7 @@ private:
             const bool finalizing = want_stats || scaler_.scale() != 1.0f || options_.clip_norm > 0;
             if (gradients_untouchable && finalizing) throw Error(detail::untouchable_gradients(rank()));
             engine_.begin_step(finalizing, 1.0 / static_cast<double>(scaler_.scale()));
-            follow_storage(0, plan_.buckets.size());
+            follow_storage(0, plan_.buckets.size(), /*in_backward=*/false);
             if (overlapped) {
                 complete_readiness();
             } else if (backend_.size() > 1) {
@@ -5249,9 +5270,9 @@ private:
     }
 
     // Storage that moved since the last step is followed before each bucket's collective.
-    void follow_storage(std::size_t first, std::size_t last) {
+    void follow_storage(std::size_t first, std::size_t last, bool in_backward) {
         if (options_.storage_may_move)
-            storage_.follow(model_, layout_, plan_, engine_, first, last, gradients_untouchable,
+            storage_.follow(model_, layout_, plan_, engine_, first, last, in_backward, gradients_untouchable,
                             [this] { return where(); });
     }
 

@@ -249,7 +249,7 @@ private:
 
     // Bucket b goes now (during backward, under the readiness lock).
     void launch(std::size_t b) {
-        follow_storage(b, b + 1);
+        follow_storage(b, b + 1, /*in_backward=*/readiness_.phase() == Phase::backward);
         engine_.launch(b, tag_of(b, detail::CollectivePurpose::bucket));
         detail::log(detail::LogLevel::debug, rank(), [&] {
             return "step " + std::to_string(current_step()) + ": launched bucket " + std::to_string(b);
@@ -275,7 +275,7 @@ private:
             const bool finalizing = want_stats || scaler_.scale() != 1.0f || options_.clip_norm > 0;
             if (gradients_untouchable && finalizing) throw Error(detail::untouchable_gradients(rank()));
             engine_.begin_step(finalizing, 1.0 / static_cast<double>(scaler_.scale()));
-            follow_storage(0, plan_.buckets.size());
+            follow_storage(0, plan_.buckets.size(), /*in_backward=*/false);
             if (overlapped) {
                 complete_readiness();
             } else if (backend_.size() > 1) {
@@ -308,9 +308,9 @@ private:
     }
 
     // Storage that moved since the last step is followed before each bucket's collective.
-    void follow_storage(std::size_t first, std::size_t last) {
+    void follow_storage(std::size_t first, std::size_t last, bool in_backward) {
         if (options_.storage_may_move)
-            storage_.follow(model_, layout_, plan_, engine_, first, last, gradients_untouchable,
+            storage_.follow(model_, layout_, plan_, engine_, first, last, in_backward, gradients_untouchable,
                             [this] { return where(); });
     }
 

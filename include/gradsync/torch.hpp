@@ -10,8 +10,9 @@
 //
 // The trainable parameters (requires_grad) are listed in named_parameters() order, the buffers
 // (BatchNorm's running statistics) in named_buffers() order. A parameter without a gradient gets
-// zeros, so a DataParallel can be made before the first backward and a gradient torch freed
-// (zero_grad(true), libtorch 2.x's default) is followed to its new storage.
+// zeros, so a DataParallel can be made before the first backward; a gradient torch freed
+// (zero_grad(true), libtorch 2.x's default) is left to torch's backward to make, and followed to
+// its new storage.
 #pragma once
 
 #include <gradsync/version.hpp>
@@ -69,6 +70,12 @@ template <TorchModel M>
         return *model;  // a holder's operator* and a shared_ptr's alike
 }
 
+// What parameters_of() does for a parameter torch has no gradient for yet.
+enum class MissingGradients {
+    make_zeros,  // allocate one: the DataParallel is being made, or synchronize() reads it
+    leave_null,  // report none: backward is still running and torch will make it (zero_grad(true))
+};
+
 namespace detail {
 
 inline std::optional<DType> gradsync_dtype(::c10::ScalarType type) {
@@ -99,11 +106,13 @@ inline void check_dense(const ::at::Tensor& t, const std::string& what, const ::
                            "; every tensor of one rank's model must be on one device");
 }
 
-// The gradient of `param`, made where torch has none yet (zeros: a parameter unused in this
-// backward contributes nothing), and checked to be usable as one block of param's shape.
-inline ::at::Tensor& gradient_of(::at::Tensor& param, const std::string& name) {
+// The gradient of `param` (null where torch has none yet and `missing` is leave_null; else made,
+// zeros: a parameter unused in this backward contributes nothing), checked to be usable as one
+// block of param's shape.
+inline void* gradient_of(::at::Tensor& param, const std::string& name, MissingGradients missing) {
     auto& grad = param.mutable_grad();
     if (!grad.defined()) {
+        if (missing == MissingGradients::leave_null) return nullptr;
         ::at::NoGradGuard no_grad;
         grad = ::at::zeros_like(param, ::c10::MemoryFormat::Contiguous);
     }
@@ -112,7 +121,7 @@ inline ::at::Tensor& gradient_of(::at::Tensor& param, const std::string& name) {
                            std::to_string(grad.numel()) + " elements, but the parameter is " + describe(param) +
                            " of " + std::to_string(param.numel()));
     check_dense(grad, "the gradient of parameter '" + name + "'", param.device());
-    return grad;
+    return grad.data_ptr();
 }
 
 }  // namespace detail
@@ -126,8 +135,10 @@ inline std::vector<std::pair<std::string, ::at::Tensor>> trainable(::torch::nn::
     return out;
 }
 
-// The module's trainable parameters as gradsync parameters, gradients made where absent.
-inline std::vector<Parameter> parameters_of(::torch::nn::Module& module) {
+// The module's trainable parameters as gradsync parameters, gradients made where absent unless
+// `missing` says to leave them null.
+inline std::vector<Parameter> parameters_of(::torch::nn::Module& module,
+                                            MissingGradients missing = MissingGradients::make_zeros) {
     std::vector<Parameter> out;
     auto params = trainable(module);
     out.reserve(params.size());
@@ -137,9 +148,8 @@ inline std::vector<Parameter> parameters_of(::torch::nn::Module& module) {
             throw InvalidModel("gradsync: parameter '" + name + "' is " + detail::describe(param) +
                                "; gradsync synchronizes float32, float64, float16 and bfloat16 parameters");
         detail::check_dense(param, "parameter '" + name + "'", params.front().second.device());
-        auto& grad = detail::gradient_of(param, name);
-        out.push_back(
-            Parameter{name, param.data_ptr(), grad.data_ptr(), static_cast<std::size_t>(param.numel()), *dtype});
+        void* grad = detail::gradient_of(param, name, missing);
+        out.push_back(Parameter{name, param.data_ptr(), grad, static_cast<std::size_t>(param.numel()), *dtype});
     }
     return out;
 }
@@ -256,6 +266,11 @@ namespace gradsync::inline v0 {
 template <libtorch::TorchModel M>
 struct model_traits<M> {
     static std::vector<Parameter> parameters(M& model) { return libtorch::parameters_of(libtorch::module_of(model)); }
+    // During backward: a gradient torch has not made yet stays null (made here, it would cost a
+    // pass of zeros and turn torch's adoption of the incoming gradient into an in-place sum).
+    static std::vector<Parameter> parameters_now(M& model) {
+        return libtorch::parameters_of(libtorch::module_of(model), libtorch::MissingGradients::leave_null);
+    }
     static std::vector<ModelBuffer> buffers(M& model) { return libtorch::buffers_of(libtorch::module_of(model)); }
 };
 

@@ -23,15 +23,15 @@ public:
     void end_step() { std::fill(followed_.begin(), followed_.end(), 0); }
 
     // Follows the storage of buckets [first, last) not followed yet this step, with one listing
-    // of the model; a bucket whose gradients moved gets new tables from the engine. With
-    // `contiguous`, a bucket whose gradients no longer lie contiguously is an error. where()
-    // begins error messages.
+    // of the model (`in_backward`: a bucket launched while backward runs); a bucket whose
+    // gradients moved gets new tables from the engine. With `contiguous`, a bucket whose gradients
+    // no longer lie contiguously is an error. where() begins error messages.
     template <class Model, class Engine, class Where>
     void follow(Model& model, ModelLayout& layout, const BucketPlan& plan, Engine& engine, std::size_t first,
-                std::size_t last, bool contiguous, const Where& where) {
+                std::size_t last, bool in_backward, bool contiguous, const Where& where) {
         const auto begin = followed_.begin();
         if (std::all_of(begin + first, begin + last, [](char f) { return f != 0; })) return;
-        const auto listed = layout.relist(model, where);
+        const auto listed = layout.relist(model, in_backward, where);
         for (std::size_t b = first; b < last; ++b) {
             if (followed_[b] != 0) continue;
             followed_[b] = 1;

@@ -56,6 +56,9 @@ requires std::ranges::sized_range<D> && std::ranges::sized_range<G> &&
 // Specialize for a model type you cannot change:
 //   template <> struct gradsync::model_traits<Net> {
 //       static std::vector<gradsync::Parameter> parameters(Net& net);
+//       // Optional: the parameters as they are during backward, where a gradient the framework
+//       // has not made yet may be null (parameters() must make it: it is read at synchronize()).
+//       static std::vector<gradsync::Parameter> parameters_now(Net& net);
 //   };
 template <class Model>
 struct model_traits {};
@@ -108,6 +111,23 @@ struct fn {
 
 // gradsync::parameters(model): the model's parameters in registration order.
 inline constexpr detail::parameters_cpo::fn parameters{};
+
+namespace detail {
+
+// The parameters as they are now, during backward, to follow storage that moves: the model's
+// model_traits<M>::parameters_now where it has one, else gradsync::parameters(model).
+template <class M>
+std::vector<Parameter> parameters_now(M& model) {
+    using traits = model_traits<std::remove_cvref_t<M>>;
+    if constexpr (requires {
+                      { traits::parameters_now(model) } -> ParameterRange;
+                  })
+        return parameters_cpo::to_vector(traits::parameters_now(model));
+    else
+        return gradsync::parameters(model);
+}
+
+}  // namespace detail
 
 // A type gradsync can list the parameters of.
 template <class M>
