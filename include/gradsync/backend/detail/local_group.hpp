@@ -6,7 +6,9 @@
 
 #include <gradsync/backend/collective.hpp>
 #include <gradsync/backend/concepts.hpp>
+#include <gradsync/backend/detail/segment_cursor.hpp>
 #include <gradsync/backend/detail/host_reduce.hpp>
+#include <gradsync/backend/local_options.hpp>
 #include <gradsync/buffer.hpp>
 #include <gradsync/bytes.hpp>
 #include <gradsync/detail/aligned_bytes.hpp>
@@ -31,29 +33,6 @@
 
 namespace gradsync::inline v0 {
 
-// How a LocalBackend group reduces. Both algorithms sum in rank order, so they give bitwise
-// identical results and `automatic` may switch between them by size without changing numbers.
-enum class LocalAlgorithm : std::uint8_t {
-    // one_shot for messages up to LocalGroupOptions::one_shot_max, reduce_scatter_all_gather above.
-    automatic,
-    // Latency-optimal: every rank copies its input to a staging slot, one barrier, and every rank
-    // sums all slots into its own buffer. One synchronization; each rank reads n times the bytes.
-    one_shot,
-    // Bandwidth-optimal: rank r owns 1/n of the elements, sums them from every rank's buffer and
-    // writes the result straight into every rank's buffer (reduce-scatter and all-gather fused,
-    // which shared memory allows): each rank reads and writes each of its bytes once.
-    reduce_scatter_all_gather,
-};
-
-struct LocalGroupOptions {
-    LocalAlgorithm algorithm = LocalAlgorithm::automatic;
-    // Size of each rank's one-shot staging slot; `automatic` uses one-shot at or below it.
-    // On 2 ranks of a 2-core machine one-shot wins up to about 3 KiB (bench: allreduce latency).
-    Bytes one_shot_max = Bytes{2u << 10};
-    // Every wait inside a collective ends by then: a rank that does not arrive fails the group.
-    std::chrono::milliseconds timeout = std::chrono::seconds(600);
-};
-
 namespace detail {
 
 // One rank's collective (what every rank's must equal), with its buffers, published so that its
@@ -67,38 +46,6 @@ struct LocalCall : CollectiveCall {
         return segments != nullptr ? std::span<const Segment>(segments, segment_count)
                                    : std::span<const Segment>(&single, 1);
     }
-};
-
-// Walks a list of segments element by element.
-class SegmentCursor {
-public:
-    SegmentCursor(std::span<const Segment> segs, std::size_t start, std::size_t elem_size)
-        : it_(segs.data()), end_(segs.data() + segs.size()), elem_(elem_size) {
-        while (it_ != end_ && start >= it_->count) {
-            start -= it_->count;
-            ++it_;
-        }
-        offset_ = start;
-        skip_empty();
-    }
-    [[nodiscard]] std::size_t left() const { return it_ == end_ ? 0 : it_->count - offset_; }
-    [[nodiscard]] std::byte* ptr() const { return static_cast<std::byte*>(it_->data) + offset_ * elem_; }
-    void advance(std::size_t k) {
-        offset_ += k;
-        skip_empty();
-    }
-
-private:
-    void skip_empty() {
-        while (it_ != end_ && offset_ >= it_->count) {
-            offset_ -= it_->count;
-            ++it_;
-        }
-    }
-    const Segment* it_;
-    const Segment* end_;
-    std::size_t offset_ = 0;
-    std::size_t elem_;
 };
 
 // One rank's slot in the group: written by that rank, read by its peers.
