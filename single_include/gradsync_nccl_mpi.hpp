@@ -1433,8 +1433,7 @@ struct MpiOptions {
 #include <cstring>      // for std::memcpy
 #include <type_traits>  // for std::is_same_v
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__)) && !defined(__CUDACC__)
-#include <cpuid.h>      // for __get_cpuid
-#include <immintrin.h>  // for the F16C conversions
+#include <cpuid.h>  // for __get_cpuid
 #endif
 
 namespace gradsync::inline v0 {
@@ -1541,18 +1540,28 @@ inline bool has_f16c() {
     }();
     return yes;
 }
+// The compiler's builtins rather than <immintrin.h>, which alone costs every translation unit
+// that includes gradsync almost a second of parsing.
+using f16c_floats = float __attribute__((vector_size(32)));
+using f16c_halves = short __attribute__((vector_size(16)));
 __attribute__((target("f16c,avx"))) inline void narrow_f16c(const float* in, float16* out, std::size_t n) {
     std::size_t i = 0;
     for (; i + 8 <= n; i += 8) {
-        const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), h);
+        f16c_floats wide;
+        std::memcpy(&wide, in + i, sizeof wide);
+        const f16c_halves h = __builtin_ia32_vcvtps2ph256(wide, 0);  // 0: round to nearest even
+        std::memcpy(static_cast<void*>(out + i), &h, sizeof h);
     }
     for (; i < n; ++i) out[i] = float16(in[i]);
 }
 __attribute__((target("f16c,avx"))) inline void widen_f16c(const float16* in, float* out, std::size_t n) {
     std::size_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
+    for (; i + 8 <= n; i += 8) {
+        f16c_halves h;
+        std::memcpy(&h, in + i, sizeof h);
+        const f16c_floats wide = __builtin_ia32_vcvtph2ps256(h);
+        std::memcpy(out + i, &wide, sizeof wide);
+    }
     for (; i < n; ++i) out[i] = static_cast<float>(in[i]);
 }
 #endif
