@@ -34,7 +34,7 @@
 #include <memory>
 #include <optional>
 #include <string>
-#include <utility>  // for std::move, std::exchange
+#include <utility>  // for std::declval, std::exchange, std::move
 #include <vector>
 
 namespace gradsync::inline v0::libtorch {
@@ -231,8 +231,10 @@ public:
     }
 
 private:
+    // std::shared_ptr in libtorch 1.x, c10::intrusive_ptr in later releases.
+    using NodePointer = decltype(::torch::autograd::impl::grad_accumulator(std::declval<const ::at::Tensor&>()));
     struct Hook {
-        std::shared_ptr<::torch::autograd::Node> node;
+        NodePointer node;
         std::uintptr_t key;
     };
     void remove() {
