@@ -95,13 +95,15 @@ inline std::string describe(const ::at::Tensor& t) {
 }
 
 // The checks every tensor gradsync reads through a raw pointer must pass: dense, contiguous, on
-// the same device as the first.
-inline void check_dense(const ::at::Tensor& t, const std::string& what, const ::c10::Device& device) {
+// the same device as the first. what() names the tensor, only for an error: the model is listed
+// again for every bucket while backward runs.
+template <class What>
+void check_dense(const ::at::Tensor& t, const ::c10::Device& device, const What& what) {
     if (t.layout() != ::c10::kStrided || !t.is_contiguous())
-        throw InvalidModel("gradsync: " + what + " is not a dense contiguous tensor; gradsync reads it as one block " +
-                           "of memory (call .contiguous() on it when the model is built)");
+        throw InvalidModel("gradsync: " + what() + " is not a dense contiguous tensor; gradsync reads it as one " +
+                           "block of memory (call .contiguous() on it when the model is built)");
     if (t.device() != device)
-        throw InvalidModel("gradsync: " + what + " is on " + t.device().str() +
+        throw InvalidModel("gradsync: " + what() + " is on " + t.device().str() +
                            " but the model's first parameter is on " + device.str() +
                            "; every tensor of one rank's model must be on one device");
 }
@@ -120,7 +122,7 @@ inline void* gradient_of(::at::Tensor& param, const std::string& name, MissingGr
         throw InvalidModel("gradsync: the gradient of parameter '" + name + "' is " + describe(grad) + " of " +
                            std::to_string(grad.numel()) + " elements, but the parameter is " + describe(param) +
                            " of " + std::to_string(param.numel()));
-    check_dense(grad, "the gradient of parameter '" + name + "'", param.device());
+    check_dense(grad, param.device(), [&] { return "the gradient of parameter '" + name + "'"; });
     return grad.data_ptr();
 }
 
@@ -147,9 +149,10 @@ inline std::vector<Parameter> parameters_of(::torch::nn::Module& module,
         if (!dtype || *dtype == DType::int32 || *dtype == DType::int64)
             throw InvalidModel("gradsync: parameter '" + name + "' is " + detail::describe(param) +
                                "; gradsync synchronizes float32, float64, float16 and bfloat16 parameters");
-        detail::check_dense(param, "parameter '" + name + "'", params.front().second.device());
+        detail::check_dense(param, params.front().second.device(), [&] { return "parameter '" + name + "'"; });
         void* grad = detail::gradient_of(param, name, missing);
-        out.push_back(Parameter{name, param.data_ptr(), grad, static_cast<std::size_t>(param.numel()), *dtype});
+        out.push_back(
+            Parameter{std::move(name), param.data_ptr(), grad, static_cast<std::size_t>(param.numel()), *dtype});
     }
     return out;
 }
@@ -166,7 +169,7 @@ inline std::vector<ModelBuffer> buffers_of(::torch::nn::Module& module) {
             throw InvalidModel("gradsync: buffer '" + item.key() + "' is " + detail::describe(buffer) +
                                "; gradsync keeps float, int32 and int64 buffers in step. Leave the buffers "
                                "alone with the policy gradsync::IgnoreBuffers, or make it one of those");
-        detail::check_dense(buffer, "buffer '" + item.key() + "'", device);
+        detail::check_dense(buffer, device, [&] { return "buffer '" + item.key() + "'"; });
         out.push_back(ModelBuffer{item.key(), buffer.data_ptr(), static_cast<std::size_t>(buffer.numel()), *dtype});
     }
     return out;
