@@ -128,15 +128,15 @@ namespace bench {
 void register_amp() {
     benchmark::RegisterBenchmark("finalize/64MiB", finalize_pass)
         ->UseManualTime()
-        ->Repetitions(repetitions)
+        ->Repetitions(bench::repetitions_of(repetitions))
         ->ReportAggregatesOnly(true)
-        ->MinTime(min_seconds)
+        ->MinTime(bench::min_seconds_of(min_seconds))
         ->Unit(benchmark::kMillisecond);
     benchmark::RegisterBenchmark("compression/resnet50", compression)
         ->UseManualTime()
-        ->Repetitions(repetitions)
+        ->Repetitions(bench::repetitions_of(repetitions))
         ->ReportAggregatesOnly(true)
-        ->MinTime(min_seconds)
+        ->MinTime(bench::min_seconds_of(min_seconds))
         ->Unit(benchmark::kMillisecond);
 }
 

@@ -44,14 +44,20 @@ void allreduce(benchmark::State& state) {
 void for_sizes(benchmark::internal::Benchmark* b) {
     b->ArgName("bytes");
     for (std::int64_t s = smallest_bytes; s <= largest_bytes; s *= 4) b->Arg(s);
-    b->UseRealTime()->Repetitions(repetitions)->ReportAggregatesOnly(true)->MinTime(min_seconds);
+    b->UseRealTime()
+        ->Repetitions(bench::repetitions_of(repetitions))
+        ->ReportAggregatesOnly(true)
+        ->MinTime(bench::min_seconds_of(min_seconds));
     b->Unit(benchmark::kMicrosecond);
 }
 
 void for_latency(benchmark::internal::Benchmark* b) {
     b->ArgName("bytes");
     for (auto s : latency_bytes) b->Arg(s);
-    b->UseRealTime()->Repetitions(repetitions)->ReportAggregatesOnly(true)->MinTime(min_seconds);
+    b->UseRealTime()
+        ->Repetitions(bench::repetitions_of(repetitions))
+        ->ReportAggregatesOnly(true)
+        ->MinTime(bench::min_seconds_of(min_seconds));
     b->Unit(benchmark::kMicrosecond);
 }
 

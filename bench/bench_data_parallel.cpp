@@ -107,7 +107,10 @@ void replica_check_vs_synchronize(benchmark::State& state, std::vector<layouts::
 }
 
 void configure(benchmark::internal::Benchmark* b) {
-    b->UseManualTime()->Repetitions(repetitions)->ReportAggregatesOnly(true)->MinTime(min_seconds);
+    b->UseManualTime()
+        ->Repetitions(bench::repetitions_of(repetitions))
+        ->ReportAggregatesOnly(true)
+        ->MinTime(bench::min_seconds_of(min_seconds));
     b->Unit(benchmark::kMillisecond);
 }
 

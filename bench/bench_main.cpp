@@ -1,5 +1,8 @@
 // Runs every benchmark, then prints a summary: each figure beside its ceiling or baseline
-// measured in the same run, their ratio, and the target set for it.
+// measured in the same run, their ratio, and the target set for it. Fails (exit status 1) when
+// a figure of the summary was not produced (unless --benchmark_filter chose fewer) or is not a
+// finite positive number: a benchmark that broke. --quick runs each benchmark once and briefly,
+// for that check alone.
 #include <benchmark/benchmark.h>
 
 #include <gradsync/data_parallel/options.hpp>
@@ -7,7 +10,9 @@
 #include "results.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -21,6 +26,13 @@ std::map<std::string, double> median_seconds;                          // by "na
 std::map<std::string, std::map<std::string, double>> median_counters;  // by "name/args", counter
 std::map<std::string, std::pair<gradsync::Bytes, gradsync::Bytes>> memory;
 std::mutex memory_mutex;
+bool quick_mode = false;
+bool filtered = false;            // --benchmark_filter: the summary has only the figures asked for
+std::vector<std::string> broken;  // figures of the summary not produced, or not finite and positive
+
+void missing(const std::string& figure) {
+    if (!filtered) broken.push_back(figure + ": not produced");
+}
 
 // The console output as usual, and each median kept for the summary.
 class Recorder : public benchmark::ConsoleReporter {
@@ -59,19 +71,20 @@ std::string size_name(long long bytes) {
 
 double gbps(double bytes, double s) { return bytes / s / 1e9; }
 
-void target_row(const char* figure, const std::string& measured, const std::string& reference, double ratio,
-                const char* target, bool met) {
-    const bool informative = target[0] == '-';  // a figure shown beside its reference, with no target
-    std::printf("  %-46s %-12s %-26s %6.3f   %-9s %s\n", figure, measured.c_str(), reference.c_str(), ratio, target,
-                informative ? ""
-                : met       ? "met"
-                            : "MISSED");
-}
-
 std::string fmt(const char* format, double v) {
     char buf[64];
     std::snprintf(buf, sizeof buf, format, v);
     return buf;
+}
+
+void target_row(const char* figure, const std::string& measured, const std::string& reference, double ratio,
+                const char* target, bool met) {
+    const bool informative = target[0] == '-';  // a figure shown beside its reference, with no target
+    if (!std::isfinite(ratio) || ratio <= 0) broken.push_back(std::string(figure) + ": ratio " + fmt("%g", ratio));
+    std::printf("  %-46s %-12s %-26s %6.3f   %-9s %s\n", figure, measured.c_str(), reference.c_str(), ratio, target,
+                informative || quick_mode ? ""  // a quick run's figures are not measurements
+                : met                     ? "met"
+                                          : "MISSED");
 }
 
 void print_summary() {
@@ -173,17 +186,20 @@ void print_summary() {
                 "");
     auto ar = seconds("allreduce_2_ranks/bytes:67108864");
     auto mc = seconds("memcpy/bytes:67108864");
+    if (!ar || !mc) missing("allreduce busbw at 64 MiB");
     if (ar && mc) {
         double busbw = gbps(64.0 * (1 << 20), *ar), copy = gbps(64.0 * (1 << 20), *mc);
         target_row("allreduce busbw at 64 MiB / memcpy at 64 MiB", fmt("%.2f GB/s", busbw),
                    fmt("memcpy %.2f GB/s", copy), busbw / copy, ">= 0.70", busbw / copy >= 0.70);
     }
+    if (worst_small <= 0) missing("allreduce 4..256 B latency");
     if (worst_small > 0) {
         target_row("allreduce 4..256 B, worst median latency", fmt("%.2f us", worst_small * 1e6), "-",
                    worst_small * 1e6 / 5.0, "<= 5 us", worst_small <= 5e-6);
     }
     const std::string resnet = "synchronize_vs_flat/resnet50/in_place";
     auto sync = counter(resnet, "sync_ms"), flat = counter(resnet, "flat_ms"), ratio = counter(resnet, "ratio");
+    if (!sync || !flat || !ratio) missing("synchronize() ResNet-50 / flat allreduce");
     if (sync && flat && ratio) {
         target_row("synchronize() ResNet-50 / flat allreduce", fmt("%.2f ms", *sync), fmt("flat %.2f ms", *flat),
                    *ratio, "<= 1.10", *ratio <= 1.10);
@@ -191,7 +207,10 @@ void print_summary() {
     for (const char* layout : {"resnet50", "bert_base"}) {
         const std::string key = std::string("replica_check/") + layout;
         auto check = counter(key, "check_ms"), sync_ms = counter(key, "sync_ms");
-        if (!check || !sync_ms) continue;
+        if (!check || !sync_ms) {
+            missing(key);
+            continue;
+        }
         const double every = static_cast<double>(gradsync::Options::replica_check_default);
         const std::string name = std::string(layout) == "resnet50" ? "ResNet-50" : "BERT-base";
         target_row(("replica check, amortized / sync, " + name).c_str(), fmt("%.3f ms", *check / every),
@@ -208,16 +227,19 @@ void print_summary() {
                        fmt("sync %.2f ms", *sync_ms), overlapped / *sync_ms, "-", true);
         }
     }
+    if (!memory.count("resnet50/in_place")) missing("extra memory ResNet-50");
     if (auto it = memory.find("resnet50/in_place"); it != memory.end()) {
         double ratio = double(it->second.first.count()) / double(it->second.second.count());
         target_row("extra memory ResNet-50 / gradient bytes", gradsync::to_string(it->second.first),
                    "grads " + gradsync::to_string(it->second.second), ratio, "<= 1.00", ratio <= 1.0);
     }
     std::printf("\nTargets: overlap and views\n");
+    if (worst.ratio <= 0) missing("exposed / last bucket");
     if (worst.ratio > 0) {
         target_row("exposed / last bucket, comm <= compute, worst", fmt("%.2f x", worst.ratio), worst.where,
                    worst.ratio, "<= 1.50", worst.ratio <= 1.5);
     }
+    if (!copy_view) missing("views_vs_copies/resnet50");
     if (copy_view) {
         auto copy = counter("views_vs_copies/resnet50", "copy_ms"),
              view = counter("views_vs_copies/resnet50", "view_ms");
@@ -225,12 +247,14 @@ void print_summary() {
                    *copy_view, ">= 1.20", *copy_view >= 1.2);
     }
     std::printf("\nTargets: mixed precision\n");
+    if (!fused_bw || !copy_bw || !fused_ms || !unfused_ms) missing(fin);
     if (fused_bw && copy_bw && fused_ms && unfused_ms) {
         target_row("fused finalize / memcpy, bytes read + written", fmt("%.1f GB/s", *fused_bw),
                    fmt("memcpy %.1f GB/s", *copy_bw), *fused_bw / *copy_bw, ">= 0.80", *fused_bw / *copy_bw >= 0.8);
         target_row("unfused sequence / fused finalize", fmt("%.2f ms", *fused_ms), fmt("unfused %.2f ms", *unfused_ms),
                    *unfused_ms / *fused_ms, ">= 2.50", *unfused_ms / *fused_ms >= 2.5);
     }
+    if (!f_in || !b_ms) missing(comp);
     if (f_in && b_ms) {
         target_row("ResNet-50 synchronize(): float32 / bfloat16 wire", fmt("%.2f ms", *b_ms),
                    fmt("float32 %.2f ms", *f_in), *f_in / *b_ms, ">= 1.60", *f_in / *b_ms >= 1.6);
@@ -246,7 +270,20 @@ void record_memory(const std::string& key, gradsync::Bytes extra, gradsync::Byte
 }
 }  // namespace bench
 
+namespace bench {
+bool quick() { return quick_mode; }
+}  // namespace bench
+
 int main(int argc, char** argv) {
+    // --quick is ours; the rest go to Google Benchmark.
+    for (int i = 1; i < argc; ++i) {
+        if (std::strncmp(argv[i], "--benchmark_filter", 18) == 0) filtered = true;
+        if (std::strcmp(argv[i], "--quick") != 0) continue;
+        quick_mode = true;
+        std::copy(argv + i + 1, argv + argc + 1, argv + i);  // argv[argc] is null
+        --argc;
+        --i;
+    }
     bench::register_collectives();
     bench::register_data_parallel();
     bench::register_overlap();
@@ -257,4 +294,9 @@ int main(int argc, char** argv) {
     benchmark::RunSpecifiedBenchmarks(&recorder);
     benchmark::Shutdown();
     print_summary();
+    if (quick_mode) std::printf("\n(quick mode: each benchmark ran once and briefly; the figures mean nothing)\n");
+    if (broken.empty()) return 0;
+    std::printf("\nBROKEN: %zu figure(s) of the summary:\n", broken.size());
+    for (const auto& figure : broken) std::printf("  %s\n", figure.c_str());
+    return 1;
 }

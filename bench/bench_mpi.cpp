@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -150,6 +151,16 @@ int main(int argc, char** argv) {
             std::printf("  %-22s %8.2f ms   ratio to raw flat %.3f%s   to raw in pieces %.3f\n", r.name.c_str(), r.ms,
                         r.ratio, r.name.ends_with("/in_place") ? (r.ratio <= 1.05 ? " (met)" : " (MISSED)") : "",
                         r.ratio_pieces);
+        // A figure that is not a finite positive number means a benchmark broke.
+        bool broken = false;
+        for (const auto& r : rows) {
+            if (std::isfinite(r.ms) && std::isfinite(r.ratio) && std::isfinite(r.ratio_pieces) && r.ms > 0 &&
+                r.ratio > 0 && r.ratio_pieces > 0)
+                continue;
+            std::printf("BROKEN: %s: not a finite positive figure\n", r.name.c_str());
+            broken = true;
+        }
+        if (broken) return 1;
     }
     return 0;
 }

@@ -221,16 +221,16 @@ void register_overlap() {
                 benchmark::RegisterBenchmark(name.c_str(), overlap, layout.tensors,
                                              gradsync::Bytes{std::uint64_t(cap_mib) << 20}, ratio)
                     ->UseManualTime()
-                    ->Iterations(overlap_iterations + 1)
+                    ->Iterations(bench::iterations_of(overlap_iterations + 1))
                     ->Unit(benchmark::kMillisecond);
             }
         }
     }
     benchmark::RegisterBenchmark("views_vs_copies/resnet50", views, layouts::resnet50)
         ->UseManualTime()
-        ->Repetitions(view_repetitions)
+        ->Repetitions(bench::repetitions_of(view_repetitions))
         ->ReportAggregatesOnly(true)
-        ->MinTime(view_min_seconds)
+        ->MinTime(bench::min_seconds_of(view_min_seconds))
         ->Unit(benchmark::kMillisecond);
 }
 
