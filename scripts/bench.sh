@@ -2,7 +2,7 @@
 # Runs the throughput benchmarks and prints every figure beside the ceiling or baseline measured
 # in the same run: LocalBackend (threads of one process, the default CPU backend), then
 # DataParallel<MpiBackend> on 2 processes under mpirun and started torchrun-style, then the race with PyTorch DDP (gloo) on
-# the same layouts, then what the libtorch adapter costs; first, what including gradsync costs a
+# the same layouts (Debian's PyTorch 1.13, then the current one from PyPI), then what the libtorch adapter costs; first, what including gradsync costs a
 # compile. Installs what it needs on Debian 12. Extra arguments go to Google Benchmark,
 # e.g. --benchmark_filter=allreduce; GRADSYNC_BENCH_ONLY=local skips the MPI and DDP parts.
 set -euo pipefail
@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 source scripts/deps.sh
 
 packages=(cmake ninja-build g++ make libbenchmark-dev)
-[ "${GRADSYNC_BENCH_ONLY:-}" = local ] || packages+=(libopenmpi-dev openmpi-bin python3 python3-torch libtorch-dev)
+[ "${GRADSYNC_BENCH_ONLY:-}" = local ] || packages+=(libopenmpi-dev openmpi-bin python3 python3-torch libtorch-dev python3-venv python3-pip)
 ensure_packages "${packages[@]}"
 step "configure and build: bench"
 cmake --preset bench >/dev/null
@@ -27,8 +27,11 @@ step "MpiBackend on 2 processes (about a minute)"
 mpirun --oversubscribe -np 2 ./build/bench/bench/bench_mpi
 step "MpiBackend on 2 processes started torchrun-style, joined through ompi-server (TCP; under a minute)"
 python3 tests/mpi/env_launch.py 2 ./build/bench/bench/bench_mpi --iterations 10 --in-place-only
-step "PyTorch DDP (gloo) and gradsync in turn, 2 processes each (about two minutes)"
+step "PyTorch DDP (gloo) of Debian's PyTorch 1.13 and gradsync in turn, 2 processes each (about two minutes)"
 # Debian's python3-torch lives in the system interpreter, not in a virtualenv's.
 /usr/bin/python3 bench/ddp_peer.py --bench-mpi ./build/bench/bench/bench_mpi
+step "The same race with PyTorch $PYPI_TORCH from PyPI (installed once into build/venv-torch; about three minutes)"
+pypi_python="$(torch_venv)"
+"$pypi_python" bench/ddp_peer.py --bench-mpi ./build/bench/bench/bench_mpi --rounds 2
 step "The libtorch adapter against plain buffers of the same layout, 2 ranks (seconds)"
 ./build/bench/bench/bench_torch

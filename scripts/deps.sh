@@ -1,4 +1,9 @@
-# Sourced by test.sh and bench.sh: installs the Debian 12 packages they need, when missing.
+# Sourced by test.sh, bench.sh and the scripts that fetch PyTorch: installs the Debian 12 packages
+# they need, when missing.
+
+# The current PyTorch on PyPI when pinned: its libtorch for the adapter's tests, its DDP for the
+# benchmarks' race.
+PYPI_TORCH=2.15.0
 
 # ensure_packages PKG...: apt-get installs the packages that dpkg does not know as installed.
 ensure_packages() {
@@ -18,4 +23,18 @@ ensure_packages() {
 step() {
     echo
     echo "== $(date +%H:%M:%S) $*"
+}
+
+# torch_venv: makes build/venv-torch with PyPI's torch $PYPI_TORCH (and the CUDA libraries its
+# wheel loads, though the benchmarks run on the CPU), once; prints the venv's python.
+torch_venv() {
+    local venv="$PWD/build/venv-torch"
+    if [ ! -f "$venv/complete-$PYPI_TORCH" ]; then
+        echo "installing torch $PYPI_TORCH from PyPI into $venv (about 5 GB)" >&2
+        rm -rf "$venv"
+        python3 -m venv "$venv"
+        "$venv/bin/python" -m pip install --quiet "torch==$PYPI_TORCH" numpy >&2
+        touch "$venv/complete-$PYPI_TORCH"
+    fi
+    echo "$venv/bin/python"
 }

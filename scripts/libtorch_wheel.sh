@@ -5,8 +5,9 @@
 # beside Debian's libtorch 1.13. Needs python3-pip and unzip, and PyPI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/deps.sh
 
-torch=2.15.0      # the latest torch on PyPI when pinned
+torch="$PYPI_TORCH"
 cupti=13.5.25     # nvidia-cuda-cupti: libcupti.so.13
 runtime=13.5.37   # nvidia-cuda-runtime: libcudart.so.13
 dest="$PWD/build/downloads/libtorch-$torch"
