@@ -8,6 +8,7 @@
 #include <gradsync/data_parallel/options.hpp>
 
 #include "results.hpp"
+#include "summary_rows.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -77,14 +78,34 @@ std::string fmt(const char* format, double v) {
     return buf;
 }
 
-void target_row(const char* figure, const std::string& measured, const std::string& reference, double ratio,
+// A number as the summary prints it ("memcpy 5.58 GB/s") and as the results file keeps it.
+struct Shown {
+    std::string text;
+    double value = std::nan("");
+    std::string unit;
+    std::string label;
+};
+Shown shown(const char* format, double value, const char* unit, const std::string& label = {}) {
+    return {(label.empty() ? "" : label + " ") + fmt(format, value) + " " + unit, value, unit, label};
+}
+Shown shown_bytes(gradsync::Bytes b, const std::string& label = {}) {
+    return {(label.empty() ? "" : label + " ") + gradsync::to_string(b), double(b.count()), "B", label};
+}
+Shown label_only(const std::string& label) { return {label, std::nan(""), "", label}; }
+
+std::vector<bench::SummaryRow> rows;  // for the results file
+
+void target_row(const std::string& figure, const Shown& measured, const Shown& reference, double ratio,
                 const char* target, bool met) {
     const bool informative = target[0] == '-';  // a figure shown beside its reference, with no target
-    if (!std::isfinite(ratio) || ratio <= 0) broken.push_back(std::string(figure) + ": ratio " + fmt("%g", ratio));
-    std::printf("  %-46s %-12s %-26s %6.3f   %-9s %s\n", figure, measured.c_str(), reference.c_str(), ratio, target,
+    if (!std::isfinite(ratio) || ratio <= 0) broken.push_back(figure + ": ratio " + fmt("%g", ratio));
+    std::printf("  %-46s %-12s %-26s %6.3f   %-9s %s\n", figure.c_str(), measured.text.c_str(), reference.text.c_str(),
+                ratio, target,
                 informative || quick_mode ? ""  // a quick run's figures are not measurements
                 : met                     ? "met"
                                           : "MISSED");
+    rows.push_back(
+        {figure, measured.value, measured.unit, reference.label, reference.value, reference.unit, ratio, target, met});
 }
 
 void print_summary() {
@@ -189,20 +210,20 @@ void print_summary() {
     if (!ar || !mc) missing("allreduce busbw at 64 MiB");
     if (ar && mc) {
         double busbw = gbps(64.0 * (1 << 20), *ar), copy = gbps(64.0 * (1 << 20), *mc);
-        target_row("allreduce busbw at 64 MiB / memcpy at 64 MiB", fmt("%.2f GB/s", busbw),
-                   fmt("memcpy %.2f GB/s", copy), busbw / copy, ">= 0.70", busbw / copy >= 0.70);
+        target_row("allreduce busbw at 64 MiB / memcpy at 64 MiB", shown("%.2f", busbw, "GB/s"),
+                   shown("%.2f", copy, "GB/s", "memcpy"), busbw / copy, ">= 0.70", busbw / copy >= 0.70);
     }
     if (worst_small <= 0) missing("allreduce 4..256 B latency");
     if (worst_small > 0) {
-        target_row("allreduce 4..256 B, worst median latency", fmt("%.2f us", worst_small * 1e6), "-",
+        target_row("allreduce 4..256 B, worst median latency", shown("%.2f", worst_small * 1e6, "us"), label_only("-"),
                    worst_small * 1e6 / 5.0, "<= 5 us", worst_small <= 5e-6);
     }
     const std::string resnet = "synchronize_vs_flat/resnet50/in_place";
     auto sync = counter(resnet, "sync_ms"), flat = counter(resnet, "flat_ms"), ratio = counter(resnet, "ratio");
     if (!sync || !flat || !ratio) missing("synchronize() ResNet-50 / flat allreduce");
     if (sync && flat && ratio) {
-        target_row("synchronize() ResNet-50 / flat allreduce", fmt("%.2f ms", *sync), fmt("flat %.2f ms", *flat),
-                   *ratio, "<= 1.10", *ratio <= 1.10);
+        target_row("synchronize() ResNet-50 / flat allreduce", shown("%.2f", *sync, "ms"),
+                   shown("%.2f", *flat, "ms", "flat"), *ratio, "<= 1.10", *ratio <= 1.10);
     }
     for (const char* layout : {"resnet50", "bert_base"}) {
         const std::string key = std::string("replica_check/") + layout;
@@ -213,51 +234,53 @@ void print_summary() {
         }
         const double every = static_cast<double>(gradsync::Options::replica_check_default);
         const std::string name = std::string(layout) == "resnet50" ? "ResNet-50" : "BERT-base";
-        target_row(("replica check, amortized / sync, " + name).c_str(), fmt("%.3f ms", *check / every),
-                   fmt("sync %.2f ms", *sync_ms), *check / every / *sync_ms, "<= 0.01",
+        target_row("replica check, amortized / sync, " + name, shown("%.3f", *check / every, "ms"),
+                   shown("%.2f", *sync_ms, "ms", "sync"), *check / every / *sync_ms, "<= 0.01",
                    *check / every / *sync_ms <= 0.01);
         auto list_us = counter(key, "list_us"), buckets = counter(key, "buckets");
         if (list_us && buckets) {
             // Following moved gradient storage: one listing of the model per plain step, one per
             // bucket launched during an overlapped one (Options::storage_may_move = false: none).
             const double plain = *list_us / 1e3, overlapped = plain * *buckets;
-            target_row(("model listing, plain step / sync, " + name).c_str(), fmt("%.1f us", plain * 1e3),
-                       fmt("sync %.2f ms", *sync_ms), plain / *sync_ms, "<= 0.01", plain / *sync_ms <= 0.01);
-            target_row(("model listings, overlapped / sync, " + name).c_str(), fmt("%.1f us", overlapped * 1e3),
-                       fmt("sync %.2f ms", *sync_ms), overlapped / *sync_ms, "-", true);
+            target_row("model listing, plain step / sync, " + name, shown("%.1f", plain * 1e3, "us"),
+                       shown("%.2f", *sync_ms, "ms", "sync"), plain / *sync_ms, "<= 0.01", plain / *sync_ms <= 0.01);
+            target_row("model listings, overlapped / sync, " + name, shown("%.1f", overlapped * 1e3, "us"),
+                       shown("%.2f", *sync_ms, "ms", "sync"), overlapped / *sync_ms, "-", true);
         }
     }
     if (!memory.count("resnet50/in_place")) missing("extra memory ResNet-50");
     if (auto it = memory.find("resnet50/in_place"); it != memory.end()) {
         double ratio = double(it->second.first.count()) / double(it->second.second.count());
-        target_row("extra memory ResNet-50 / gradient bytes", gradsync::to_string(it->second.first),
-                   "grads " + gradsync::to_string(it->second.second), ratio, "<= 1.00", ratio <= 1.0);
+        target_row("extra memory ResNet-50 / gradient bytes", shown_bytes(it->second.first),
+                   shown_bytes(it->second.second, "grads"), ratio, "<= 1.00", ratio <= 1.0);
     }
     std::printf("\nTargets: overlap and views\n");
     if (worst.ratio <= 0) missing("exposed / last bucket");
     if (worst.ratio > 0) {
-        target_row("exposed / last bucket, comm <= compute, worst", fmt("%.2f x", worst.ratio), worst.where,
-                   worst.ratio, "<= 1.50", worst.ratio <= 1.5);
+        target_row("exposed / last bucket, comm <= compute, worst", shown("%.2f", worst.ratio, "x"),
+                   label_only(worst.where), worst.ratio, "<= 1.50", worst.ratio <= 1.5);
     }
     if (!copy_view) missing("views_vs_copies/resnet50");
     if (copy_view) {
         auto copy = counter("views_vs_copies/resnet50", "copy_ms"),
              view = counter("views_vs_copies/resnet50", "view_ms");
-        target_row("ResNet-50 synchronize(): pack/unpack / views", fmt("%.2f ms", *view), fmt("copies %.2f ms", *copy),
-                   *copy_view, ">= 1.20", *copy_view >= 1.2);
+        target_row("ResNet-50 synchronize(): pack/unpack / views", shown("%.2f", *view, "ms"),
+                   shown("%.2f", *copy, "ms", "copies"), *copy_view, ">= 1.20", *copy_view >= 1.2);
     }
     std::printf("\nTargets: mixed precision\n");
     if (!fused_bw || !copy_bw || !fused_ms || !unfused_ms) missing(fin);
     if (fused_bw && copy_bw && fused_ms && unfused_ms) {
-        target_row("fused finalize / memcpy, bytes read + written", fmt("%.1f GB/s", *fused_bw),
-                   fmt("memcpy %.1f GB/s", *copy_bw), *fused_bw / *copy_bw, ">= 0.80", *fused_bw / *copy_bw >= 0.8);
-        target_row("unfused sequence / fused finalize", fmt("%.2f ms", *fused_ms), fmt("unfused %.2f ms", *unfused_ms),
-                   *unfused_ms / *fused_ms, ">= 2.50", *unfused_ms / *fused_ms >= 2.5);
+        target_row("fused finalize / memcpy, bytes read + written", shown("%.1f", *fused_bw, "GB/s"),
+                   shown("%.1f", *copy_bw, "GB/s", "memcpy"), *fused_bw / *copy_bw, ">= 0.80",
+                   *fused_bw / *copy_bw >= 0.8);
+        target_row("unfused sequence / fused finalize", shown("%.2f", *fused_ms, "ms"),
+                   shown("%.2f", *unfused_ms, "ms", "unfused"), *unfused_ms / *fused_ms, ">= 2.50",
+                   *unfused_ms / *fused_ms >= 2.5);
     }
     if (!f_in || !b_ms) missing(comp);
     if (f_in && b_ms) {
-        target_row("ResNet-50 synchronize(): float32 / bfloat16 wire", fmt("%.2f ms", *b_ms),
-                   fmt("float32 %.2f ms", *f_in), *f_in / *b_ms, ">= 1.60", *f_in / *b_ms >= 1.6);
+        target_row("ResNet-50 synchronize(): float32 / bfloat16 wire", shown("%.2f", *b_ms, "ms"),
+                   shown("%.2f", *f_in, "ms", "float32"), *f_in / *b_ms, ">= 1.60", *f_in / *b_ms >= 1.6);
     }
 }
 
@@ -294,6 +317,21 @@ int main(int argc, char** argv) {
     benchmark::RunSpecifiedBenchmarks(&recorder);
     benchmark::Shutdown();
     print_summary();
+    // Every median beside the summary's rows, for the plots.
+    std::string extra = std::string("\"quick\": ") + (quick_mode ? "true" : "false") + ", \"seconds\": {";
+    for (auto it = median_seconds.begin(); it != median_seconds.end(); ++it)
+        extra += (it == median_seconds.begin() ? "" : ", ") + bench::detail::json_string(it->first) + ": " +
+                 bench::detail::json_number(it->second);
+    extra += "}, \"counters\": {";
+    for (auto it = median_counters.begin(); it != median_counters.end(); ++it) {
+        extra += (it == median_counters.begin() ? "" : ", ") + bench::detail::json_string(it->first) + ": {";
+        for (auto c = it->second.begin(); c != it->second.end(); ++c)
+            extra += (c == it->second.begin() ? "" : ", ") + bench::detail::json_string(c->first) + ": " +
+                     bench::detail::json_number(c->second);
+        extra += "}";
+    }
+    extra += "}";
+    bench::write_summary_rows("local", rows, extra);
     if (quick_mode) std::printf("\n(quick mode: each benchmark ran once and briefly; the figures mean nothing)\n");
     if (broken.empty()) return 0;
     std::printf("\nBROKEN: %zu figure(s) of the summary:\n", broken.size());

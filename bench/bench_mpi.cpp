@@ -7,12 +7,14 @@
 // rank's, and each figure is a median, beside the median of per-iteration ratios.
 //
 //   bench_mpi [--iterations N] [--chunk-kib K] [--pack-kib K] [--layout resnet50|bert_base] [--in-place-only]
+//             [--results-name NAME]   (the results file's name, where GRADSYNC_BENCH_RESULTS is set)
 #include <gradsync/backend/mpi.hpp>
 #include <gradsync/gradsync.hpp>
 
 #include "layout_model.hpp"
 #include "model_layouts.hpp"
 #include "stats.hpp"
+#include "summary_rows.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -31,6 +33,7 @@ struct Settings {
     gradsync::MpiOptions mpi;
     std::string only;  // one layout, or both
     bool in_place_only = false;
+    std::string results = "mpi";  // the name of its results file (summary_rows.hpp)
 };
 
 // Seconds `f` takes on the slowest rank, started together.
@@ -49,6 +52,7 @@ struct Row {
     double ms = 0;
     double ratio = 0;         // to the flat allreduce of the same iterations
     double ratio_pieces = 0;  // to the flat allreduce in pieces
+    double raw_ms = 0, pieces_ms = 0;
 };
 
 template <class... Policies>
@@ -89,12 +93,16 @@ Row measure(const std::string& name, const std::vector<layouts::Tensor>& tensors
         ratios.push_back(y / r);
         ratios_pieces.push_back(y / p);
     }
-    Row row{name, bench::median(sync_s) * 1e3, bench::median(ratios), bench::median(ratios_pieces)};
+    Row row{name,
+            bench::median(sync_s) * 1e3,
+            bench::median(ratios),
+            bench::median(ratios_pieces),
+            bench::median(raw_s) * 1e3,
+            bench::median(pieces_s) * 1e3};
     if (backend.rank() == 0) {
         std::printf(
             "  %-22s synchronize %8.2f ms | raw flat %8.2f ms, ratio %.3f | raw in pieces %8.2f ms, ratio %.3f\n",
-            name.c_str(), row.ms, bench::median(raw_s) * 1e3, row.ratio, bench::median(pieces_s) * 1e3,
-            row.ratio_pieces);
+            name.c_str(), row.ms, row.raw_ms, row.ratio, row.pieces_ms, row.ratio_pieces);
         std::fflush(stdout);
     }
     return row;
@@ -113,6 +121,8 @@ int main(int argc, char** argv) {
             s.mpi.chunk = gradsync::Bytes{std::size_t(std::atol(argv[++i])) << 10};
         } else if (a == "--pack-kib" && i + 1 < argc) {
             s.mpi.pack_below = gradsync::Bytes{std::size_t(std::atol(argv[++i])) << 10};
+        } else if (a == "--results-name" && i + 1 < argc) {
+            s.results = argv[++i];
         } else if (a == "--in-place-only") {
             s.in_place_only = true;
         } else if (a == "--layout" && i + 1 < argc) {
@@ -120,7 +130,7 @@ int main(int argc, char** argv) {
         } else {
             std::fprintf(stderr,
                          "usage: bench_mpi [--iterations N] [--chunk-kib K] [--pack-kib K] [--layout "
-                         "resnet50|bert_base] [--in-place-only]\n");
+                         "resnet50|bert_base] [--in-place-only] [--results-name NAME]\n");
             return 2;
         }
     }
@@ -161,6 +171,15 @@ int main(int argc, char** argv) {
             broken = true;
         }
         if (broken) return 1;
+        std::vector<bench::SummaryRow> summary;
+        for (const auto& r : rows) {
+            const bool in_place = r.name.ends_with("/in_place");
+            summary.push_back({"MpiBackend synchronize() " + r.name + " / raw flat", r.ms, "ms", "raw MPI_Allreduce",
+                               r.raw_ms, "", r.ratio, in_place ? "<= 1.05" : "-", !in_place || r.ratio <= 1.05});
+            summary.push_back({"MpiBackend synchronize() " + r.name + " / raw in pieces", r.ms, "ms", "raw, in pieces",
+                               r.pieces_ms, "", r.ratio_pieces, "-", true});
+        }
+        bench::write_summary_rows(s.results, summary);
     }
     return 0;
 }

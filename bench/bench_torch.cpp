@@ -11,6 +11,7 @@
 #include "layout_model.hpp"
 #include "model_layouts.hpp"
 #include "stats.hpp"
+#include "summary_rows.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -77,4 +78,6 @@ int main() {
                 p);
     std::printf("  ratio          %8.3f   (1.0 = the adapter costs nothing)\n", t / p);
     std::printf("  listing the module once: %.0f us (median)\n", bench::median(listing_us));
+    bench::write_summary_rows("torch_adapter", {{"libtorch adapter synchronize(), ResNet-50 / plain vectors", t, "ms",
+                                                 "plain vectors", p, "", t / p, "-", true}});
 }

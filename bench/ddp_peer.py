@@ -14,6 +14,7 @@ usage: ddp_peer.py [--bench-mpi PATH] [--rounds 3] [--iterations N] [--bucket-ca
 Without PyTorch it says so and exits 0 (scripts/bench.sh installs Debian's python3-torch).
 """
 import argparse
+import json
 import os
 import re
 import socket
@@ -180,6 +181,7 @@ def run_ddp(args, names):
 def run_gradsync(args, name):
     """gradsync's in-place synchronize() and the raw flat MPI_Allreduce, in ms, from bench_mpi."""
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env.pop("GRADSYNC_BENCH_RESULTS", None)  # its figures are this race's, written below
     cmd = ["mpirun", "--oversubscribe", "-np", "2", args.bench_mpi, "--iterations", str(args.iterations),
            "--layout", name, "--in-place-only"]
     out = subprocess.run(cmd, env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
@@ -217,13 +219,24 @@ def main():
     print(f"{'layout':<10} {'DDP sync':>10} {'gloo flat':>10} {'gradsync':>10} {'MPI flat':>10} {'DDP/gradsync':>13}")
     ok = True
     med = statistics.median
+    summary = []
     for name, runs in rows.items():
         speedup = med([d / g for d, _, g, _ in runs])
         ok = ok and speedup >= 4.0
+        summary.append({"figure": f"PyTorch {torch.__version__} DDP step sync / gradsync, {name}",
+                        "measured": med([r[0] for r in runs]), "unit": "ms", "reference": "gradsync",
+                        "reference_value": med([r[2] for r in runs]), "ratio": speedup, "target": ">= 4",
+                        "met": speedup >= 4.0, "gloo_flat_ms": med([r[1] for r in runs]),
+                        "mpi_flat_ms": med([r[3] for r in runs])})
         print(f"{name:<10} {med([r[0] for r in runs]):8.1f} ms {med([r[1] for r in runs]):7.1f} ms "
               f"{med([r[2] for r in runs]):7.1f} ms {med([r[3] for r in runs]):7.1f} ms {speedup:11.1f}x")
     print("(medians over rounds; the speed-up is the median of the per-round ratios)")
     print(f"target: gradsync at least 4x faster than DDP per step synchronization: {'met' if ok else 'MISSED'}")
+    results = os.environ.get("GRADSYNC_BENCH_RESULTS")
+    if results:
+        name = "ddp_" + torch.__version__.split("+")[0]
+        with open(os.path.join(results, name + ".json"), "w") as f:
+            json.dump({"source": name, "rows": summary}, f, indent=1)
     return 0
 
 

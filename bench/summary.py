@@ -1,0 +1,198 @@
+#!/usr/bin/env python3
+"""The one table that ends scripts/bench.sh: every benchmark's summary figures (the JSON files
+they wrote into the results directory), each beside its ceiling or baseline measured in the same
+run, the ratio, the target and whether it was met; all of them in results.json; and plots (PNG,
+where matplotlib is installed) of the allreduce bandwidth against memcpy, synchronize() against
+the flat allreduce, overlap with backward, and the race with PyTorch DDP.
+
+usage: summary.py RESULTS_DIR
+"""
+import json
+import math
+import pathlib
+import re
+import sys
+
+ORDER = ["local", "mpi", "mpi_torchrun", "torch_adapter", "compile"]  # then the DDP races
+
+
+def load(directory):
+    sources = {}
+    for path in sorted(directory.glob("*.json")):
+        if path.name == "results.json":
+            continue
+        data = json.loads(path.read_text())
+        if "source" in data and "rows" in data:  # not, say, Google Benchmark's own output
+            sources[data["source"]] = data
+    names = [n for n in ORDER if n in sources] + sorted(n for n in sources if n not in ORDER)
+    return {n: sources[n] for n in names}
+
+
+def number(value, unit):
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    if unit == "B":
+        for step, name in ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
+            if value >= step:
+                return f"{value / step:.1f} {name}"
+        return f"{value:.0f} B"
+    digits = 3 if abs(value) < 1 else 2 if abs(value) < 100 else 1
+    return f"{value:.{digits}f} {unit}"
+
+
+def verdict(row, quick):
+    if row.get("target", "-") == "-" or quick:
+        return ""
+    return "met" if row.get("met") else "MISSED"
+
+
+def print_table(sources):
+    print("\n== Summary: every figure beside its ceiling or baseline measured in the same run ==\n")
+    header = f"{'figure':<70} {'measured':>12}  {'same-run reference':<34} {'ratio':>7}  {'target':<9} "
+    print(header)
+    print("-" * len(header))
+    missed, any_quick = 0, False
+    for name, data in sources.items():
+        quick = data.get("quick", False)
+        any_quick = any_quick or quick
+        for row in data["rows"]:
+            unit = row.get("unit", "")
+            reference = row.get("reference", "")
+            if row.get("reference_value") is not None:
+                reference_unit = row.get("reference_unit", unit)
+                reference = f"{reference} {number(row['reference_value'], reference_unit)}".strip()
+            ratio = row.get("ratio")
+            ratio_text = f"{ratio:7.3f}" if isinstance(ratio, (int, float)) and math.isfinite(ratio) else "      -"
+            v = verdict(row, quick)
+            missed += v == "MISSED"
+            print(f"{row['figure'][:70]:<70} {number(row.get('measured'), unit):>12}  {reference[:34]:<34} "
+                  f"{ratio_text}  {row.get('target', '-'):<9} {v}")
+    if any_quick:
+        print("\n(a quick run: its figures are not measurements, and have no verdict)")
+    print(f"\n{missed} target(s) missed" if missed else "\nevery target with a verdict met")
+
+
+def plots(sources, directory):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("plots skipped: matplotlib is not installed (Debian: python3-matplotlib)")
+        return []
+    made = []
+
+    def save(fig, name):
+        path = directory / name
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        made.append(path)
+
+    local = sources.get("local", {})
+    seconds = local.get("seconds", {})
+    counters = local.get("counters", {})
+
+    def sweep(prefix):
+        points = []
+        for key, s in seconds.items():
+            m = re.fullmatch(prefix + r"/bytes:(\d+)", key)
+            if m and s:
+                points.append((int(m.group(1)), int(m.group(1)) / s / 1e9))
+        return sorted(points)
+
+    allreduce, memcpy = sweep("allreduce_2_ranks"), sweep("memcpy")
+    if allreduce and memcpy:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.plot(*zip(*allreduce), "o-", label="LocalBackend allreduce, 2 ranks (busbw)")
+        ax.plot(*zip(*memcpy), "s--", label="memcpy, one thread (the ceiling)")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("message size (bytes)")
+        ax.set_ylabel("GB/s")
+        ax.set_title("Allreduce bandwidth against memcpy, same run")
+        ax.legend()
+        ax.grid(alpha=0.3)
+        save(fig, "allreduce_bandwidth.png")
+
+    bars = []  # (label, synchronize ms, flat ms)
+    for layout in ("resnet50", "bert_base"):
+        for mode in ("in_place", "packed"):
+            c = counters.get(f"synchronize_vs_flat/{layout}/{mode}", {})
+            if "sync_ms" in c and "flat_ms" in c:
+                bars.append((f"{layout}\nLocal {mode}", c["sync_ms"], c["flat_ms"]))
+    for row in sources.get("mpi", {}).get("rows", []):
+        m = re.fullmatch(r"MpiBackend synchronize\(\) (\w+)/(\w+) / raw flat", row["figure"])
+        if m and row.get("measured") and row.get("reference_value"):
+            bars.append((f"{m.group(1)}\nMPI {m.group(2)}", row["measured"], row["reference_value"]))
+    if bars:
+        fig, ax = plt.subplots(figsize=(max(7, len(bars) * 1.1), 4))
+        x = range(len(bars))
+        ax.bar([i - 0.2 for i in x], [b[1] for b in bars], 0.4, label="synchronize()")
+        ax.bar([i + 0.2 for i in x], [b[2] for b in bars], 0.4, label="one flat allreduce of the same bytes")
+        ax.set_xticks(list(x), [b[0] for b in bars], fontsize=7)
+        ax.set_ylabel("ms")
+        ax.set_title("synchronize() against the flat allreduce, 2 ranks, same run")
+        ax.legend()
+        save(fig, "synchronize_vs_flat.png")
+
+    overlap = []
+    for key, c in counters.items():
+        m = re.fullmatch(r"overlap/(\w+)/cap_mib:(\d+)/comm_to_compute:([0-9.]+)", key)
+        if m and "compute_ms" in c:
+            short = {"resnet50": "ResNet", "bert_base": "BERT"}.get(m.group(1), m.group(1))
+            overlap.append((f"{short} {m.group(2)}M\n{m.group(3)}", c))
+    if overlap:
+        fig, ax = plt.subplots(figsize=(max(8, len(overlap) * 1.0), 4))
+        x = range(len(overlap))
+        width = 0.2
+        for k, (field, label) in enumerate((("compute_ms", "backward alone"), ("overlapped_ms", "backward + buckets"),
+                                             ("exposed_ms", "exposed communication"),
+                                             ("last_bucket_ms", "last bucket alone"))):
+            ax.bar([i + (k - 1.5) * width for i in x], [c.get(field, 0) for _, c in overlap], width, label=label)
+        ax.set_xticks(list(x), [o[0] for o in overlap], fontsize=6)
+        ax.set_ylabel("ms")
+        ax.set_title("Overlap with a synthetic backward, 2 ranks, per step (layout, bucket cap, comm/compute)")
+        ax.legend(fontsize=7)
+        save(fig, "overlap.png")
+
+    races = [(n, d) for n, d in sources.items() if n.startswith("ddp_")]
+    if races:
+        labels, ddp, ours = [], [], []
+        for name, data in races:
+            for row in data["rows"]:
+                layout = row["figure"].rsplit(", ", 1)[-1]
+                labels.append(f"{layout}\nPyTorch {name[4:]}")
+                ddp.append(row["measured"])
+                ours.append(row["reference_value"])
+        fig, ax = plt.subplots(figsize=(max(6, len(labels) * 1.3), 4))
+        x = range(len(labels))
+        ax.bar([i - 0.2 for i in x], ddp, 0.4, label="PyTorch DDP (gloo)")
+        ax.bar([i + 0.2 for i in x], ours, 0.4, label="gradsync (MpiBackend)")
+        ax.set_xticks(list(x), labels, fontsize=8)
+        ax.set_ylabel("ms per step's gradient synchronization")
+        ax.set_title("The race with PyTorch DDP, 2 processes, same machine")
+        ax.legend()
+        save(fig, "ddp_race.png")
+    return made
+
+
+def main():
+    if len(sys.argv) != 2:
+        print(__doc__, file=sys.stderr)
+        return 2
+    directory = pathlib.Path(sys.argv[1])
+    sources = load(directory)
+    if not sources:
+        print(f"no results in {directory}", file=sys.stderr)
+        return 1
+    print_table(sources)
+    rows = [dict(row, source=name) for name, data in sources.items() for row in data["rows"]]
+    (directory / "results.json").write_text(json.dumps({"rows": rows, "sources": sources}, indent=1))
+    print(f"\nresults: {directory / 'results.json'}")
+    for path in plots(sources, directory):
+        print(f"plot:    {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
