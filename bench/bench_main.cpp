@@ -38,6 +38,9 @@ void missing(const std::string& figure) {
 // The console output as usual, and each median kept for the summary.
 class Recorder : public benchmark::ConsoleReporter {
 public:
+    // Tabular, without colour codes (a reporter of our own does not see --benchmark_color).
+    Recorder() : ConsoleReporter(OO_Tabular) {}
+
     void ReportRuns(const std::vector<Run>& runs) override {
         for (const auto& run : runs) {
             // Medians of repeated benchmarks; single runs (which take their own medians) as they are.

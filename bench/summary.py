@@ -14,6 +14,19 @@ import re
 import sys
 
 ORDER = ["local", "mpi", "mpi_torchrun", "torch_adapter", "compile"]  # then the DDP races
+TITLES = {
+    "local": "LocalBackend (ranks as threads) and DataParallel, 2 ranks",
+    "mpi": "MpiBackend, 2 processes under mpirun",
+    "mpi_torchrun": "MpiBackend, 2 processes started torchrun-style (TCP)",
+    "torch_adapter": "The libtorch adapter, 2 ranks",
+    "compile": "Compile cost",
+}
+
+
+def title(name):
+    if name.startswith("ddp_"):
+        return f"The race with PyTorch {name[4:]} DDP (gloo), 2 processes"
+    return TITLES.get(name, name)
 
 
 def load(directory):
@@ -55,6 +68,7 @@ def print_table(sources):
     for name, data in sources.items():
         quick = data.get("quick", False)
         any_quick = any_quick or quick
+        print(f"{title(name)}{' (quick run)' if quick else ''}")
         for row in data["rows"]:
             unit = row.get("unit", "")
             reference = row.get("reference", "")
@@ -65,7 +79,7 @@ def print_table(sources):
             ratio_text = f"{ratio:7.3f}" if isinstance(ratio, (int, float)) and math.isfinite(ratio) else "      -"
             v = verdict(row, quick)
             missed += v == "MISSED"
-            print(f"{row['figure'][:70]:<70} {number(row.get('measured'), unit):>12}  {reference[:34]:<34} "
+            print(f"  {row['figure'][:68]:<68} {number(row.get('measured'), unit):>12}  {reference[:34]:<34} "
                   f"{ratio_text}  {row.get('target', '-'):<9} {v}")
     if any_quick:
         print("\n(a quick run: its figures are not measurements, and have no verdict)")
