@@ -164,9 +164,7 @@ int main(int argc, char** argv) {
         // A figure that is not a finite positive number means a benchmark broke.
         bool broken = false;
         for (const auto& r : rows) {
-            if (std::isfinite(r.ms) && std::isfinite(r.ratio) && std::isfinite(r.ratio_pieces) && r.ms > 0 &&
-                r.ratio > 0 && r.ratio_pieces > 0)
-                continue;
+            if (bench::sane(r.ms) && bench::sane(r.ratio) && bench::sane(r.ratio_pieces)) continue;
             std::printf("BROKEN: %s: not a finite positive figure\n", r.name.c_str());
             broken = true;
         }

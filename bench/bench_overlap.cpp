@@ -1,8 +1,9 @@
 // Overlap of communication with backward, on 2 ranks over the ResNet-50 and BERT-base layouts.
 // A synthetic backward sleeps (as a host does while its GPU computes) until each layer's
 // gradients are due, its share of the compute time proportional to its parameters, in reverse
-// registration order, and calls grad_ready for them. Every iteration measures, each mode starting together on both
-// ranks:
+// registration order, and calls grad_ready for them. Fixed caps (a sweep) run beside the default,
+// autotuned plan (given its first steps to choose). Every iteration measures, each mode starting
+// together on both ranks:
 //   compute        the backward alone
 //   sequential     the backward, then synchronize() (no grad_ready: nothing overlaps)
 //   overlapped     the backward calling grad_ready as each tensor is done, then synchronize()
@@ -23,6 +24,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <memory>
 #include <span>
 #include <string>
@@ -33,8 +35,12 @@ namespace {
 
 // Knobs.
 constexpr double comm_to_compute[] = {0.25, 0.5, 1.0, 2.0};
-constexpr int bucket_caps_mib[] = {25, 4};  // PyTorch DDP's default, and a finer plan
+// Fixed caps (autotuning off): PyTorch DDP's default and a sweep of finer ones; 0 is the default,
+// autotuned from 25 MiB over its first steps.
+constexpr int bucket_caps_mib[] = {25, 8, 2, 0};
 constexpr int overlap_iterations = 8;
+// Overlapped steps before timing an autotuned plan: enough for both of its choices.
+constexpr int tuning_steps = 3 * gradsync::detail::BucketTuner::steps_per_round;
 constexpr int view_repetitions = 5;
 constexpr double view_min_seconds = 0.5;
 
@@ -43,10 +49,17 @@ using gradsync::Bytes;
 
 double seconds_since(clock_type::time_point t) { return std::chrono::duration<double>(clock_type::now() - t).count(); }
 
+// cap 0: the default caps, autotuned; else fixed caps.
+gradsync::SizeCappedBuckets caps_of(int cap_mib) {
+    if (cap_mib == 0) return {};
+    return {.cap = Bytes{std::uint64_t(cap_mib) << 20}, .first_cap = Bytes{1u << 20}};
+}
+
 struct OverlapReplica {
-    OverlapReplica(const std::vector<layouts::Tensor>& tensors, gradsync::LocalBackend& b, gradsync::Bytes cap)
+    OverlapReplica(const std::vector<layouts::Tensor>& tensors, gradsync::LocalBackend& b, int cap_mib,
+                   std::string timeline = {})
         : model(tensors),
-          dp(model, b, gradsync::SizeCappedBuckets{.cap = cap, .first_cap = Bytes{1u << 20}}),
+          dp(model, b, caps_of(cap_mib), gradsync::Options{.autotune_buckets = cap_mib == 0, .timeline = timeline}),
           backend(b) {
         // Layers are modules (a tensor's name without ".weight" or ".bias"); backward finishes
         // them in reverse order, each when its share of the compute (by parameters) has passed,
@@ -65,16 +78,7 @@ struct OverlapReplica {
             layers.push_back(std::move(layer));
             end = begin;
         }
-        last_bucket.assign(dp.plan().buckets.back().count, 1.0f);
-        std::vector<double> due_fraction(tensors.size());
-        for (const auto& layer : layers)
-            for (auto i : layer.tensors) due_fraction[i] = layer.fraction;
-        for (const auto& bucket : dp.plan().buckets) {
-            double ready = 0;
-            for (auto p : bucket.parameters) ready = std::max(ready, due_fraction[p]);
-            bucket_ready_fraction.push_back(ready);
-            bucket_share.push_back(double(bucket.count) / total);
-        }
+        read_plan();
         // The compute budget follows from the communication time, agreed on (rank 0's) by both.
         std::vector<double> plain;
         for (int k = 0; k < 5; ++k) {
@@ -85,6 +89,34 @@ struct OverlapReplica {
         }
         comm = bench::median(plain);
         b.broadcast(std::span<double>(&comm, 1), 0);
+    }
+
+    // The plan's last bucket and when each bucket is due (again after autotuning changed it).
+    void read_plan() {
+        double total = 0;
+        for (const auto& bucket : dp.plan().buckets) total += static_cast<double>(bucket.count);
+        last_bucket.assign(dp.plan().buckets.back().count, 1.0f);
+        std::vector<double> due_fraction(dp.parameters().size());
+        for (const auto& layer : layers)
+            for (auto i : layer.tensors) due_fraction[i] = layer.fraction;
+        bucket_ready_fraction.clear();
+        bucket_share.clear();
+        for (const auto& bucket : dp.plan().buckets) {
+            double ready = 0;
+            for (auto p : bucket.parameters) ready = std::max(ready, due_fraction[p]);
+            bucket_ready_fraction.push_back(ready);
+            bucket_share.push_back(double(bucket.count) / total);
+        }
+    }
+
+    // Lets autotuning choose its plan with this backend's compute time.
+    void tune(double compute) {
+        for (int k = 0; k < tuning_steps; ++k) {
+            backend.barrier();
+            backward(compute, true);
+            dp.synchronize();
+        }
+        read_plan();
     }
 
     // Sleeps through the backward of `compute` seconds, reporting each layer if `overlap`.
@@ -103,7 +135,8 @@ struct OverlapReplica {
         double fraction = 0;  // of the compute done when this layer is
     };
     bench::LayoutModel model;
-    gradsync::DataParallel<bench::LayoutModel, gradsync::LocalBackend, gradsync::SizeCappedBuckets> dp;
+    gradsync::DataParallel<bench::LayoutModel, gradsync::LocalBackend, gradsync::SizeCappedBuckets, gradsync::Options>
+        dp;
     gradsync::LocalBackend& backend;
     std::vector<Layer> layers;  // in backward order
     std::vector<float> last_bucket;
@@ -120,17 +153,21 @@ struct OverlapReplica {
     }
 };
 
-void overlap(benchmark::State& state, std::vector<layouts::Tensor> (*layout)(), gradsync::Bytes cap, double ratio) {
+void overlap(benchmark::State& state, std::vector<layouts::Tensor> (*layout)(), int cap_mib, double ratio) {
     const auto tensors = layout();
     enum Mode { compute, sequential, overlapped, last_bucket, modes };
     std::vector<double> samples[modes];
-    double comm = 0, plan_bound = 0;
+    double comm = 0, plan_bound = 0, buckets = 0, cap_kib = 0, first_cap_kib = 0;
     bench::time_on_two_ranks(state, [&](gradsync::LocalBackend& b) {
-        auto r = std::make_shared<OverlapReplica>(tensors, b, cap);
+        auto r = std::make_shared<OverlapReplica>(tensors, b, cap_mib);
+        if (cap_mib == 0) r->tune(r->comm / ratio);
         const bool timer = b.rank() == 0;
         if (timer) {
             comm = r->comm;
             plan_bound = r->plan_bound(r->comm / ratio);
+            buckets = static_cast<double>(r->dp.plan().buckets.size());
+            cap_kib = static_cast<double>(r->dp.bucketer().cap.count()) / 1024;
+            first_cap_kib = static_cast<double>(r->dp.bucketer().first_cap.count()) / 1024;
         }
         return [&, r, timer, iteration = 0]() mutable {
             const double budget = r->comm / ratio;
@@ -167,6 +204,27 @@ void overlap(benchmark::State& state, std::vector<layouts::Tensor> (*layout)(), 
     state.counters["exposed_ms"] = (o - c) * 1e3;
     state.counters["last_bucket_ms"] = bench::median(samples[last_bucket]) * 1e3;
     state.counters["plan_bound_ms"] = plan_bound * 1e3;
+    state.counters["buckets"] = buckets;
+    state.counters["cap_kib"] = cap_kib;
+    state.counters["first_cap_kib"] = first_cap_kib;
+}
+
+// The autotuned ResNet-50 plan at comm/compute 0.5 as a Chrome trace (Options::timeline), for the
+// summary's plot of one step: where GRADSYNC_BENCH_RESULTS points, if it does. Apart from the
+// timed configurations, whose steps the trace would slow.
+void timeline(benchmark::State& state) {
+    const char* dir = std::getenv("GRADSYNC_BENCH_RESULTS");
+    const std::string path = dir != nullptr ? std::string(dir) + "/timeline_resnet50.json" : std::string();
+    const auto tensors = layouts::resnet50();
+    bench::time_on_two_ranks(state, [&](gradsync::LocalBackend& b) {
+        auto r = std::make_shared<OverlapReplica>(tensors, b, 0, path);
+        r->tune(r->comm / 0.5);
+        return [r] {
+            r->backend.barrier();
+            r->backward(r->comm / 0.5, true);
+            r->dp.synchronize();
+        };
+    });
 }
 
 // synchronize() with a contiguous-only path (PackedBuckets): per-tensor buffers are packed and
@@ -214,18 +272,21 @@ void register_overlap() {
     };
     for (auto layout : {Layout{"resnet50", layouts::resnet50}, Layout{"bert_base", layouts::bert_base}}) {
         for (auto cap_mib : bucket_caps_mib) {
-            if (cap_mib != bucket_caps_mib[0] && std::string(layout.name) != "resnet50") continue;  // time
+            // Quick: the default against one fixed cap, where communication matches compute.
+            if (bench::quick() && cap_mib != 0 && cap_mib != bucket_caps_mib[0]) continue;
             for (double ratio : comm_to_compute) {
-                std::string name = std::string("overlap/") + layout.name + "/cap_mib:" + std::to_string(cap_mib) +
+                if (bench::quick() && ratio != 1.0) continue;
+                std::string name = std::string("overlap/") + layout.name +
+                                   "/cap_mib:" + (cap_mib == 0 ? std::string("auto") : std::to_string(cap_mib)) +
                                    "/comm_to_compute:" + std::to_string(ratio).substr(0, 4);
-                benchmark::RegisterBenchmark(name.c_str(), overlap, layout.tensors,
-                                             gradsync::Bytes{std::uint64_t(cap_mib) << 20}, ratio)
+                benchmark::RegisterBenchmark(name.c_str(), overlap, layout.tensors, cap_mib, ratio)
                     ->UseManualTime()
                     ->Iterations(bench::iterations_of(overlap_iterations + 1))
                     ->Unit(benchmark::kMillisecond);
             }
         }
     }
+    benchmark::RegisterBenchmark("overlap_timeline/resnet50", timeline)->Iterations(1)->Unit(benchmark::kMillisecond);
     benchmark::RegisterBenchmark("views_vs_copies/resnet50", views, layouts::resnet50)
         ->UseManualTime()
         ->Repetitions(bench::repetitions_of(view_repetitions))

@@ -149,25 +149,33 @@ def plots(sources, directory):
         ax.legend()
         save(fig, "synchronize_vs_flat.png")
 
-    overlap = []
+    overlap = {}  # (layout, comm/compute) -> {cap: exposed ms}
+    caps = []
     for key, c in counters.items():
-        m = re.fullmatch(r"overlap/(\w+)/cap_mib:(\d+)/comm_to_compute:([0-9.]+)", key)
-        if m and "compute_ms" in c:
-            short = {"resnet50": "ResNet", "bert_base": "BERT"}.get(m.group(1), m.group(1))
-            overlap.append((f"{short} {m.group(2)}M\n{m.group(3)}", c))
+        m = re.fullmatch(r"overlap/(\w+)/cap_mib:(\w+)/comm_to_compute:([0-9.]+)", key)
+        if m and "exposed_ms" in c:
+            short = {"resnet50": "ResNet-50", "bert_base": "BERT-base"}.get(m.group(1), m.group(1))
+            overlap.setdefault((short, m.group(3)), {})[m.group(2)] = c["exposed_ms"]
+            caps += [m.group(2)] if m.group(2) not in caps else []
     if overlap:
-        fig, ax = plt.subplots(figsize=(max(8, len(overlap) * 1.0), 4))
-        x = range(len(overlap))
-        width = 0.2
-        for k, (field, label) in enumerate((("compute_ms", "backward alone"), ("overlapped_ms", "backward + buckets"),
-                                             ("exposed_ms", "exposed communication"),
-                                             ("last_bucket_ms", "last bucket alone"))):
-            ax.bar([i + (k - 1.5) * width for i in x], [c.get(field, 0) for _, c in overlap], width, label=label)
-        ax.set_xticks(list(x), [o[0] for o in overlap], fontsize=6)
-        ax.set_ylabel("ms")
-        ax.set_title("Overlap with a synthetic backward, 2 ranks, per step (layout, bucket cap, comm/compute)")
+        caps.sort(key=lambda cap: (cap == "auto", -int(cap) if cap.isdigit() else 0))
+        fig, ax = plt.subplots(figsize=(max(8, len(overlap) * 1.2), 4))
+        groups = list(overlap.items())
+        width = 0.8 / len(caps)
+        for k, cap in enumerate(caps):
+            label = "autotuned (the default)" if cap == "auto" else f"fixed {cap} MiB"
+            ax.bar([i + (k - (len(caps) - 1) / 2) * width for i in range(len(groups))],
+                   [g.get(cap, 0) for _, g in groups], width, label=label)
+        ax.set_xticks(range(len(groups)), [f"{layout}\ncomm/compute {ratio}" for (layout, ratio), _ in groups],
+                      fontsize=7)
+        ax.set_ylabel("ms of communication left after backward")
+        ax.set_title("Exposed communication by bucket plan, synthetic backward, 2 ranks")
         ax.legend(fontsize=7)
         save(fig, "overlap.png")
+
+    trace = directory / "timeline_resnet50.json"
+    if trace.exists():
+        plot_timeline(plt, json.loads(trace.read_text()), save)
 
     races = [(n, d) for n, d in sources.items() if n.startswith("ddp_")]
     if races:
@@ -188,6 +196,39 @@ def plots(sources, directory):
         ax.legend()
         save(fig, "ddp_race.png")
     return made
+
+
+def plot_timeline(plt, trace, save):
+    """Rank 0's last step of a Chrome trace from Options::timeline: each bucket's allreduce
+    (launched to done) and the moment its last gradient was ready, against the step."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("pid") == 0 and "args" in e]
+    steps = [e for e in events if e.get("name") == "step"]
+    if not steps:
+        return
+    last = max(steps, key=lambda e: e["args"]["step"])
+    number = last["args"]["step"]
+    start = last["ts"]
+    spans = [e for e in events if e.get("name") == "allreduce" and e["args"].get("step") == number]
+    ready = {e["args"]["bucket"]: e["ts"] for e in events if e.get("name") == "ready" and e["args"].get("step") == number}
+    if not spans:
+        return
+    fig, ax = plt.subplots(figsize=(9, max(3, len(spans) * 0.06 + 2)))
+    end_of_backward = (max(ready.values()) - start) / 1e3 if ready else None
+    if end_of_backward is not None:
+        ax.axvspan(0, end_of_backward, color="0.9", label="backward (until its last gradient)")
+    for e in spans:
+        b = e["args"]["bucket"]
+        ax.barh(b, e["dur"] / 1e3, left=(e["ts"] - start) / 1e3, height=0.8, color="tab:blue")
+        if b in ready:
+            ax.plot((ready[b] - start) / 1e3, b, "|", color="tab:red", markersize=4)
+    ax.plot([], [], "|", color="tab:red", label="bucket complete")
+    ax.barh([], [], color="tab:blue", label="its allreduce")
+    ax.invert_yaxis()
+    ax.set_xlabel("ms since the step's first gradient")
+    ax.set_ylabel("bucket, in launch order")
+    ax.set_title(f"One overlapped step (rank 0, step {number}): ResNet-50, autotuned buckets, comm/compute 0.5")
+    ax.legend(fontsize=7, loc="upper right")
+    save(fig, "overlap_timeline.png")
 
 
 def main():

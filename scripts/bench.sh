@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/deps.sh
 
-packages=(cmake ninja-build g++ make libbenchmark-dev python3 python3-matplotlib)
+packages=(cmake ninja-build g++ make libbenchmark-dev nlohmann-json3-dev python3 python3-matplotlib)
 [ "${GRADSYNC_BENCH_ONLY:-}" = local ] || packages+=(libopenmpi-dev openmpi-bin python3 python3-torch libtorch-dev python3-venv python3-pip)
 ensure_packages "${packages[@]}"
 # Each benchmark writes its summary's figures here; bench/summary.py gathers them at the end.

@@ -4474,11 +4474,12 @@ struct ModelLayout {
 // Readiness: which parameters' gradients are final in the current step, which buckets that
 // completes, and the order buckets may go in: plan order, whatever order gradients arrive in, so
 // that every rank launches the same collectives in the same order. Also no_sync() (accumulation
-// micro-steps) and the readiness order the first step saw (for a bucket rebuild). grad_ready may
+// micro-steps), the readiness order the first step saw (for a bucket rebuild) and, while buckets
+// are tuned, when each gradient became ready. grad_ready may
 // come from several threads (backward hooks); a peer's diagnosis reads the state from another.
 
 
-#include <algorithm>  // for std::fill, std::min
+#include <algorithm>  // for std::fill, std::max, std::min
 #include <atomic>
 #include <chrono>
 #include <cstddef>
@@ -4540,7 +4541,27 @@ public:
         arrivals_.clear();
         arrivals_.shrink_to_fit();
     }
-    [[nodiscard]] std::size_t recording_capacity() const { return arrivals_.capacity(); }
+    [[nodiscard]] std::size_t recording_capacity() const { return arrivals_.capacity() + ready_at_.capacity(); }
+
+    // Notes when each parameter becomes ready (one clock read per grad_ready), until switched off.
+    // Between steps.
+    void time_arrivals(bool on) {
+        if (on) {
+            ready_at_.assign(params_, {});
+        } else {
+            ready_at_.clear();
+            ready_at_.shrink_to_fit();
+        }
+    }
+    [[nodiscard]] bool timing_arrivals() const { return !ready_at_.empty(); }
+    // Per parameter, seconds after the step's first grad_ready that it became ready (at
+    // synchronize() for those completed there). After an overlapped step, while timing.
+    [[nodiscard]] std::vector<double> ready_offsets() const {
+        std::vector<double> out;
+        out.reserve(ready_at_.size());
+        for (auto t : ready_at_) out.push_back(std::max(0.0, std::chrono::duration<double>(t - began_).count()));
+        return out;
+    }
 
     // Parameter p's gradient is final. When that completes a bucket, calls launch(b) for it and
     // for every complete bucket after it that may go now, in plan order, under the lock.
@@ -4556,6 +4577,7 @@ public:
             began_ = std::chrono::steady_clock::now();
             phase_.store(Phase::backward, std::memory_order_release);
         }
+        if (!ready_at_.empty()) ready_at_[p] = std::chrono::steady_clock::now();  // p is this thread's alone
         if (!arrivals_.empty()) {
             const auto at = arrived_.fetch_add(1, std::memory_order_relaxed);
             if (at < arrivals_.size()) arrivals_[at] = p;
@@ -4580,6 +4602,7 @@ public:
             if (ready_[p].load(std::memory_order_acquire) != 0) continue;
             if (used_[p].load(std::memory_order_relaxed) != 0 || unused(p)) {
                 ready_[p].store(1, std::memory_order_release);
+                if (!ready_at_.empty()) ready_at_[p] = std::chrono::steady_clock::now();
                 const auto b = bucket_of_[p];
                 if (pending_[b].fetch_sub(1, std::memory_order_acq_rel) == 1) bucket_complete_locked(b, launch);
             } else {
@@ -4667,6 +4690,7 @@ private:
     std::size_t next_ = 0;                                             // the next bucket to launch, under mutex_
     std::vector<std::size_t> arrivals_;                                // readiness order, recorded until the rebuild
     std::atomic<std::size_t> arrived_{0};
+    std::vector<std::chrono::steady_clock::time_point> ready_at_;  // per parameter, while timing
 };
 
 }  // namespace detail
@@ -5039,6 +5063,13 @@ struct Options {
     // After the first step with grad_ready calls, rebuild the buckets in the order gradients
     // became ready on rank 0 (as PyTorch DDP does).
     bool rebuild_buckets = false;
+    // Over the first steps with grad_ready calls, measure when each gradient becomes ready and
+    // what each bucket's collective takes, and choose the bucket caps (and the readiness order)
+    // that leave the least communication after backward: every few steps, at most twice, the
+    // same plan on every rank (docs/overlap.md). Unset: on where the collectives are timed by the
+    // host (LocalBackend, MpiBackend) with a bucketer that has caps (SizeCappedBuckets), in a
+    // world of more than one; true insists (an error where it cannot be); false keeps the plan.
+    std::optional<bool> autotune_buckets{};
     // A Chrome trace (chrome://tracing, ui.perfetto.dev) of every bucket's ready, launched and
     // done moments, written when the DataParallel is destroyed. Empty: $GRADSYNC_TIMELINE, if set.
     // "{rank}" in the path is replaced by the rank; ranks of one process may share one file.
@@ -5097,6 +5128,147 @@ struct Options {
 // what is missing; and what they imply together (whether gradients are reduced in place, whether
 // they lie where the host must not touch them).
 
+
+// ---- begin gradsync/bucket/tuning.hpp ----
+#ifndef GRADSYNC_SINGLE_BUCKET_TUNING_HPP
+#define GRADSYNC_SINGLE_BUCKET_TUNING_HPP
+// Bucket tuning, the arithmetic: from when each gradient became ready in backward and what a
+// collective costs, predict how much communication a plan leaves exposed after backward, and
+// choose the caps of a size-capped bucketer that expose the least. Pure functions: the same
+// inputs give the same plan on every rank.
+
+
+#include <algorithm>  // for std::max, std::min, std::sort
+#include <concepts>   // for std::same_as
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+namespace gradsync::inline v0 {
+
+// A bucketer whose plan is set by two caps, as SizeCappedBuckets: the ones tuning can choose.
+template <class B>
+concept TunableBucketer = Bucketer<B> && std::copyable<B> && requires(B b) {
+    { b.cap } -> std::same_as<Bytes&>;
+    { b.first_cap } -> std::same_as<Bytes&>;
+};
+
+// The time of one collective as latency + bytes x seconds per byte, and what launching one costs
+// the thread that runs backward (the host's share: listing, packing, queueing).
+struct CollectiveCost {
+    double latency = 0;   // seconds
+    double per_byte = 0;  // seconds
+    double launch = 0;    // seconds of the launching thread per bucket
+
+    [[nodiscard]] double of(Bytes bytes) const { return latency + per_byte * static_cast<double>(bytes.count()); }
+};
+
+// One measured collective: its bytes and the seconds from its start (launch, or its
+// predecessor's end when it had to queue) to its end.
+struct CollectiveSample {
+    Bytes bytes;
+    double seconds = 0;
+};
+
+// Least squares over the samples, neither term below 0. Samples of one size cannot separate
+// latency from bandwidth: then all of it counts as bandwidth.
+inline CollectiveCost fit_cost(std::span<const CollectiveSample> samples) {
+    if (samples.empty()) return {};
+    double n = 0, sx = 0, sy = 0, min_x = 0, max_x = 0;
+    for (const auto& s : samples) {
+        const double x = static_cast<double>(s.bytes.count());
+        min_x = n == 0 ? x : std::min(min_x, x);
+        max_x = std::max(max_x, x);
+        n += 1;
+        sx += x;
+        sy += s.seconds;
+    }
+    const double mx = sx / n, my = sy / n;
+    double sxx = 0, sxy = 0;
+    for (const auto& s : samples) {
+        const double dx = static_cast<double>(s.bytes.count()) - mx;
+        sxx += dx * dx;
+        sxy += dx * (s.seconds - my);
+    }
+    CollectiveCost cost;
+    if (max_x < 2 * min_x || sxx <= 0) {
+        cost.per_byte = sx > 0 ? std::max(0.0, sy / sx) : 0;
+        return cost;
+    }
+    cost.per_byte = std::max(0.0, sxy / sxx);
+    cost.latency = std::max(0.0, my - cost.per_byte * mx);
+    return cost;
+}
+
+// The communication `plan` leaves after backward, in seconds, if parameter p is ready at
+// ready[p] (seconds into backward, which ends with the last of them): buckets are launched one
+// at a time in plan order, each once complete (taking cost.launch of the launching thread), and
+// their collectives run one at a time, each once launched and its predecessor done.
+inline double predicted_exposure(const BucketPlan& plan, std::span<const double> ready, const CollectiveCost& cost) {
+    double end_of_backward = 0, launched = 0, done = 0;
+    for (double r : ready) end_of_backward = std::max(end_of_backward, r);
+    for (const auto& bucket : plan.buckets) {
+        double complete = 0;
+        for (auto p : bucket.parameters) complete = std::max(complete, ready[p]);
+        launched = std::max(launched, complete) + cost.launch;
+        done = std::max(done, launched) + cost.of(bucket.bytes());
+    }
+    return std::max(0.0, done - end_of_backward);
+}
+
+// What tuning chose, and what it expects.
+template <TunableBucketer B>
+struct TunedBuckets {
+    B bucketer;
+    BucketPlan plan;
+    double exposure = 0;  // predicted, seconds
+};
+
+// The caps (powers of two from 64 KiB, and the current ones) whose plan exposes the least
+// communication after backward. Among plans within 5% (and 10 us) of the best, the one with the
+// fewest buckets wins (each costs the host a launch), then the current caps, so that noise alone
+// does not change a plan.
+template <TunableBucketer B>
+TunedBuckets<B> tune_caps(const B& current, std::span<const Parameter> params, std::span<const std::size_t> order,
+                          std::span<const double> ready, const CollectiveCost& cost) {
+    Bytes total;
+    for (const auto& p : params) total += p.bytes();
+    std::vector<Bytes> sizes{current.cap, current.first_cap};
+    for (std::uint64_t s = 64u << 10; s < 2 * std::max<std::uint64_t>(total.count(), 64u << 10); s *= 2)
+        sizes.push_back(Bytes{s});
+    std::sort(sizes.begin(), sizes.end());
+
+    std::vector<TunedBuckets<B>> candidates;
+    auto consider = [&](const B& b) {
+        auto plan = b.plan(params, order);
+        const double exposure = predicted_exposure(plan, ready, cost);
+        candidates.push_back({b, std::move(plan), exposure});
+    };
+    consider(current);
+    for (auto cap : sizes) {
+        for (auto first : sizes) {
+            if (first > cap || (cap == current.cap && first == current.first_cap)) continue;
+            B b = current;
+            b.cap = cap;
+            b.first_cap = first;
+            consider(b);
+        }
+    }
+    double best = candidates.front().exposure;
+    for (const auto& c : candidates) best = std::min(best, c.exposure);
+    const double tolerance = 0.05 * best + 10e-6;
+    const TunedBuckets<B>* chosen = nullptr;
+    for (const auto& c : candidates) {  // the current caps first: kept on a tie
+        if (c.exposure > best + tolerance) continue;
+        if (chosen == nullptr || c.plan.buckets.size() < chosen->plan.buckets.size()) chosen = &c;
+    }
+    return *chosen;
+}
+
+}  // namespace gradsync::inline v0
+#endif  // GRADSYNC_SINGLE_BUCKET_TUNING_HPP
+// ---- end gradsync/bucket/tuning.hpp ----
 
 #include <concepts>  // for std::convertible_to
 #include <tuple>
@@ -5168,6 +5340,10 @@ struct PolicySet {
 
     static constexpr bool has_lr_rule = LrRule<lr_rule>;
 
+    // Collectives the host times (launch to completion): what bucket tuning measures.
+    static constexpr bool host_timed = !DeviceBackend<BackendT> && !memory::on_device;
+    static constexpr bool tunable = TunableBucketer<bucketer> && host_timed;
+
     // The value of the policy of type P among those given, or a default one.
     template <class P>
     static P value(const std::tuple<Policies...>& given) {
@@ -5178,6 +5354,220 @@ struct PolicySet {
 }  // namespace gradsync::inline v0::detail
 #endif  // GRADSYNC_SINGLE_DATA_PARALLEL_POLICIES_HPP
 // ---- end gradsync/data_parallel/policies.hpp ----
+
+// ---- begin gradsync/data_parallel/replanning.hpp ----
+#ifndef GRADSYNC_SINGLE_DATA_PARALLEL_REPLANNING_HPP
+#define GRADSYNC_SINGLE_DATA_PARALLEL_REPLANNING_HPP
+// Replanning between steps: whether the bucket plan changes after a step, and to what. Owns the
+// bucketer (autotuning changes its caps), the bucket rebuild after the first overlapped step
+// (rebuild.hpp) and the autotuner (bucket_tuner.hpp). DataParallel rebuilds its per-bucket state
+// from the plan this returns.
+
+
+// ---- begin gradsync/data_parallel/bucket_tuner.hpp ----
+#ifndef GRADSYNC_SINGLE_DATA_PARALLEL_BUCKET_TUNER_HPP
+#define GRADSYNC_SINGLE_DATA_PARALLEL_BUCKET_TUNER_HPP
+// Bucket autotuning over the first steps: each overlapped step notes when every gradient became
+// ready and how long each bucket's collective took; every few steps the ranks pool what they
+// measured, rank 0 chooses the caps that expose the least communication after backward
+// (bucket/tuning.hpp) and every rank takes its choice. At most `rounds` choices, then it stops
+// measuring.
+
+
+#include <algorithm>  // for std::max, std::nth_element, std::stable_sort
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>   // for std::snprintf
+#include <numeric>  // for std::iota
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+class BucketTuner {
+public:
+    static constexpr int rounds = 2;           // plans chosen at most
+    static constexpr int steps_per_round = 4;  // synchronized steps between two choices
+    static constexpr int idle_decisions = 16;  // choices without any measurement before giving up
+
+    // What a choice changed.
+    template <class B>
+    struct Choice {
+        B bucketer;
+        BucketPlan plan;
+        double exposure_before = 0, exposure_after = 0;  // predicted, seconds
+        CollectiveCost cost;
+
+        // "cap 4 MiB, first cap 256 KiB: 27 buckets; predicted exposed 0.81 ms after backward
+        // (2.90 ms before); a collective takes 21 us + 0.360 ns per byte, its launch 12 us"
+        [[nodiscard]] std::string summary() const {
+            char figures[160];
+            std::snprintf(figures, sizeof figures,
+                          "; predicted exposed %.2f ms after backward (%.2f ms before); a collective takes %.0f us + "
+                          "%.3f ns per byte, its launch %.0f us",
+                          exposure_after * 1e3, exposure_before * 1e3, cost.latency * 1e6, cost.per_byte * 1e9,
+                          cost.launch * 1e6);
+            return "cap " + to_string(bucketer.cap) + ", first cap " + to_string(bucketer.first_cap) + ": " +
+                   std::to_string(plan.buckets.size()) + " buckets" + figures;
+        }
+    };
+
+    BucketTuner() = default;
+    explicit BucketTuner(bool on) : active_(on) {}
+
+    [[nodiscard]] bool active() const { return active_; }
+
+    // A bucket's launch took the launching thread `seconds` (under the readiness lock).
+    void launch_took(double seconds) {
+        launch_seconds_ += seconds;
+        ++launches_;
+    }
+
+    // After a synchronized step. `ready`: seconds into backward each parameter was ready (empty
+    // when nothing overlapped); `slots`: the bucket engine's, with when each collective was
+    // launched and finished. The first overlapped step of a plan only warms up.
+    template <class Slots>
+    void observe(std::span<const double> ready, const Slots& slots) {
+        if (!active_) return;
+        ++steps_;
+        if (ready.empty()) return;
+        if (!warmed_up_) {
+            warmed_up_ = true;
+            launch_seconds_ = 0;
+            launches_ = 0;
+            return;
+        }
+        std::vector<double> seconds;
+        std::chrono::steady_clock::time_point free_at{};
+        for (const auto& slot : slots) {
+            if (slot.finished_at == std::chrono::steady_clock::time_point{}) return;  // not timed by the host
+            const auto start = std::max(slot.launched_at, free_at);
+            seconds.push_back(std::chrono::duration<double>(slot.finished_at - start).count());
+            free_at = slot.finished_at;
+        }
+        ready_.emplace_back(ready.begin(), ready.end());
+        durations_.push_back(std::move(seconds));
+        launch_.push_back(launches_ > 0 ? launch_seconds_ / static_cast<double>(launches_) : 0.0);
+        launch_seconds_ = 0;
+        launches_ = 0;
+    }
+
+    // Whether this step ends with a choice (on every rank alike: it counts synchronized steps).
+    [[nodiscard]] bool due() const { return active_ && steps_ > 0 && steps_ % steps_per_round == 0; }
+
+    // Pools every rank's measurements, lets rank 0 choose and hands its choice to every rank.
+    // Collective. Returns the new bucketer and plan when the plan changes.
+    template <Backend BackendT, TunableBucketer B>
+    std::optional<Choice<B>> choose(BackendT& backend, const B& current, const BucketPlan& plan,
+                                    std::span<const Parameter> params) {
+        const std::size_t n = params.size();
+        // [ranks that measured, latency, seconds per byte, launch, ready time of each parameter]
+        constexpr std::size_t head = 4;
+        std::vector<double> pooled(head + n, 0.0);
+        if (!ready_.empty()) {
+            // Earlier rounds' samples too: their buckets had other sizes, which the fit needs.
+            const auto measured = bucket_samples(plan);
+            samples_.insert(samples_.end(), measured.begin(), measured.end());
+            const auto cost = fit_cost(samples_);
+            pooled[0] = 1;
+            pooled[1] = cost.latency;
+            pooled[2] = cost.per_byte;
+            pooled[3] = median(launch_);
+            for (std::size_t p = 0; p < n; ++p) pooled[head + p] = median_ready(p);
+        }
+        ready_.clear();
+        durations_.clear();
+        launch_.clear();
+        if (backend.size() > 1) backend.allreduce(Buffer{pooled.data(), pooled.size(), DType::float64}, ReduceOp::sum);
+        if (pooled[0] == 0) {
+            if (++idle_ >= idle_decisions) active_ = false;
+            return std::nullopt;
+        }
+        for (std::size_t k = 1; k < pooled.size(); ++k) pooled[k] /= pooled[0];
+
+        // Rank 0 decides: [changed, cap, first cap, exposure before, after, cost (3), order...]
+        constexpr std::size_t decided = 8;
+        std::vector<double> decision(decided + n, 0.0);
+        if (backend.rank() == 0) {
+            const CollectiveCost cost{pooled[1], pooled[2], pooled[3]};
+            const std::span<const double> ready(pooled.data() + head, n);
+            const auto order = readiness_order_of(ready);
+            const auto tuned = tune_caps(current, params, order, ready, cost);
+            decision = {tuned.plan == plan ? 0.0 : 1.0,
+                        static_cast<double>(tuned.bucketer.cap.count()),
+                        static_cast<double>(tuned.bucketer.first_cap.count()),
+                        predicted_exposure(plan, ready, cost),
+                        tuned.exposure,
+                        cost.latency,
+                        cost.per_byte,
+                        cost.launch};
+            for (auto p : order) decision.push_back(static_cast<double>(p));
+        }
+        if (backend.size() > 1) backend.broadcast(std::as_writable_bytes(std::span<double>(decision)), 0);
+        if (++round_ >= rounds) active_ = false;
+        warmed_up_ = false;
+        if (decision[0] == 0) return std::nullopt;
+        Choice<B> choice{current, {}, decision[3], decision[4], {decision[5], decision[6], decision[7]}};
+        choice.bucketer.cap = Bytes{static_cast<std::uint64_t>(decision[1])};
+        choice.bucketer.first_cap = Bytes{static_cast<std::uint64_t>(decision[2])};
+        std::vector<std::size_t> order;
+        for (std::size_t k = 0; k < n; ++k) order.push_back(static_cast<std::size_t>(decision[decided + k]));
+        choice.plan = choice.bucketer.plan(params, order);
+        return choice;
+    }
+
+private:
+    // Parameters by the time they were ready; ties in reverse registration order.
+    static std::vector<std::size_t> readiness_order_of(std::span<const double> ready) {
+        std::vector<std::size_t> order(ready.size());
+        std::iota(order.rbegin(), order.rend(), std::size_t{0});
+        std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return ready[a] < ready[b]; });
+        return order;
+    }
+
+    static double median(std::vector<double> v) {
+        const auto mid = v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2);
+        std::nth_element(v.begin(), mid, v.end());
+        return *mid;
+    }
+
+    [[nodiscard]] double median_ready(std::size_t p) const {
+        std::vector<double> v;
+        for (const auto& step : ready_) v.push_back(step[p]);
+        return median(std::move(v));
+    }
+
+    // One sample per bucket: the shortest of its collective's durations over the measured steps.
+    // The shortest, not the median: a collective also waits for the last rank to launch it, and
+    // that wait is the readiness of the peers (measured apart), not the collective's cost.
+    [[nodiscard]] std::vector<CollectiveSample> bucket_samples(const BucketPlan& plan) const {
+        std::vector<CollectiveSample> out;
+        for (std::size_t b = 0; b < plan.buckets.size(); ++b) {
+            double shortest = -1;
+            for (const auto& step : durations_)
+                if (b < step.size() && (shortest < 0 || step[b] < shortest)) shortest = step[b];
+            if (shortest >= 0) out.push_back({plan.buckets[b].bytes(), shortest});
+        }
+        return out;
+    }
+
+    bool active_ = false;
+    bool warmed_up_ = false;
+    int steps_ = 0, round_ = 0, idle_ = 0;
+    std::vector<std::vector<double>> ready_;      // per measured step, per parameter
+    std::vector<std::vector<double>> durations_;  // per measured step, per bucket
+    std::vector<double> launch_;                  // per measured step, the mean launch
+    std::vector<CollectiveSample> samples_;       // per bucket of every round so far
+    double launch_seconds_ = 0;                   // this step's launches so far
+    std::size_t launches_ = 0;
+};
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_DATA_PARALLEL_BUCKET_TUNER_HPP
+// ---- end gradsync/data_parallel/bucket_tuner.hpp ----
 
 // ---- begin gradsync/data_parallel/rebuild.hpp ----
 #ifndef GRADSYNC_SINGLE_DATA_PARALLEL_REBUILD_HPP
@@ -5211,6 +5601,85 @@ BucketPlan plan_in_readiness_order(B& backend, const P& bucketer, std::span<cons
 }  // namespace gradsync::inline v0::detail
 #endif  // GRADSYNC_SINGLE_DATA_PARALLEL_REBUILD_HPP
 // ---- end gradsync/data_parallel/rebuild.hpp ----
+
+#include <chrono>
+#include <optional>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+// `Tunable`: the bucketer has caps and the host times the collectives (PolicySet::tunable).
+// `Rebuildable`: the gradients may be regrouped (not untouchable device gradients, which might
+// not stay contiguous).
+template <class Bucketer, bool Tunable, bool Rebuildable>
+class Replanning {
+public:
+    // A new plan, and what to log about it; `tuned`: chosen by autotuning (noted in the timeline).
+    struct NewPlan {
+        BucketPlan plan;
+        std::string what;
+        bool tuned = false;
+    };
+
+    Replanning() = default;
+    explicit Replanning(Bucketer bucketer) : bucketer_(std::move(bucketer)) {}
+
+    [[nodiscard]] const Bucketer& bucketer() const { return bucketer_; }
+
+    // At construction, once the plan is set up: what the first steps record.
+    void start(const Options& options, int world_size, Readiness& readiness) {
+        rebuild_ = options.rebuild_buckets && Rebuildable;
+        if (rebuild_) readiness.record_arrivals();
+        if constexpr (Tunable) {
+            tuner_ = BucketTuner(options.autotune_buckets.value_or(true) && world_size > 1);
+            readiness.time_arrivals(tuner_.active());
+        }
+    }
+
+    // Whether launches are timed (a clock read before and after each), and one's time.
+    [[nodiscard]] bool timing_launches() const { return tuner_.active(); }
+    void launch_took(std::chrono::steady_clock::duration d) {
+        tuner_.launch_took(std::chrono::duration<double>(d).count());
+    }
+
+    // After a synchronized step (`overlapped`: with grad_ready calls), under `plan`. Collective
+    // when it rebuilds or tuning is due, on every rank alike.
+    template <Backend B, class Slots>
+    std::optional<NewPlan> after_step(B& backend, Readiness& readiness, const Slots& slots, const BucketPlan& plan,
+                                      std::span<const Parameter> params, bool overlapped) {
+        std::optional<NewPlan> out;
+        if (overlapped && rebuild_) {
+            rebuild_ = false;
+            out = NewPlan{plan_in_readiness_order(backend, bucketer_, params, readiness.arrivals()),
+                          "buckets rebuilt in rank 0's readiness order", false};
+            readiness.stop_recording();
+        }
+        if constexpr (Tunable) {
+            tuner_.observe(
+                overlapped && readiness.timing_arrivals() ? readiness.ready_offsets() : std::vector<double>{}, slots);
+            if (!tuner_.due()) return out;
+            if (auto choice = tuner_.choose(backend, bucketer_, plan, params)) {  // measured under `plan`
+                bucketer_ = choice->bucketer;
+                auto what = "buckets tuned, " + choice->summary();
+                out = NewPlan{std::move(choice->plan), std::move(what), true};
+            }
+            if (!tuner_.active()) readiness.time_arrivals(false);
+        }
+        return out;
+    }
+
+private:
+    Bucketer bucketer_{};
+    bool rebuild_ = false;
+    BucketTuner tuner_;
+};
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_DATA_PARALLEL_REPLANNING_HPP
+// ---- end gradsync/data_parallel/replanning.hpp ----
 
 // ---- begin gradsync/data_parallel/setup.hpp ----
 #ifndef GRADSYNC_SINGLE_DATA_PARALLEL_SETUP_HPP
@@ -5285,6 +5754,8 @@ std::vector<Setting> agreed_settings(const Bucketer& bucketer, const Memory& mem
             {"LR rule", settings_of(lr)},
             {"Options::find_unused_parameters", options.find_unused_parameters ? "true" : "false"},
             {"Options::rebuild_buckets", options.rebuild_buckets ? "true" : "false"},
+            {"Options::autotune_buckets",
+             options.autotune_buckets ? (*options.autotune_buckets ? "true" : "false") : "unset"},
             {"Options::clip_norm", std::to_string(options.clip_norm)},
             {"Options::check_histories", options.check_histories.value_or(!device_backend) ? "true" : "false"},
             {"Options::check_replicas_every", std::to_string(options.replica_check_interval(device_memory))}};
@@ -5653,6 +6124,18 @@ inline std::string device_memory_problem(const Options& options, bool device_mem
     return {};
 }
 
+// Options::autotune_buckets = true where buckets cannot be tuned.
+inline std::string autotune_problem(const Options& options, bool tunable_bucketer, bool host_timed) {
+    if (!options.autotune_buckets.value_or(false)) return {};
+    if (!tunable_bucketer)
+        return "Options::autotune_buckets chooses bucket caps, and this bucketer has none: use "
+               "gradsync::SizeCappedBuckets, or leave autotune_buckets unset";
+    if (!host_timed)
+        return "Options::autotune_buckets times collectives on the host, and this set-up runs them on a device "
+               "stream (device memory or a device backend): leave autotune_buckets unset";
+    return {};
+}
+
 // The first problem a rank finds with its own set-up, worded alike for every kind: thrown at once
 // in a world of one, else handed to the agreement so that every rank refuses alike.
 class SetupProblems {
@@ -5713,6 +6196,7 @@ BucketPlan check_and_agree(BackendT& backend, const ModelLayout& layout, const t
         problems.model(device_gradients_problem(plan, layout.params, options));
     problems.configuration(stream_problem(backend, memory));
     problems.configuration(device_memory_problem(options, memory_type::on_device));
+    problems.configuration(autotune_problem(options, TunableBucketer<typename Set::bucketer>, Set::host_timed));
     if (backend.size() == 1) problems.throw_first();
     if (backend.size() > 1)
         agree_on_layout(
@@ -6017,6 +6501,14 @@ public:
                    std::to_string(bucket + 1) + args(step, bucket) + "}");
     }
 
+    // A remark on the steps' row, e.g. the plan bucket tuning chose (text without quotes).
+    void note(const char* name, std::int64_t step, const std::string& text) {
+        if (!sink_) return;
+        sink_->add(std::string(R"({"name":")") + name + R"(","ph":"i","s":"p","ts":)" +
+                   number(sink_->micros(std::chrono::steady_clock::now())) + R"(,"pid":)" + std::to_string(rank_) +
+                   R"(,"tid":0,"args":{"step":)" + std::to_string(step) + R"(,"text":")" + text + R"("}})");
+    }
+
 private:
     static std::string number(double v) {
         char buf[32];
@@ -6105,7 +6597,7 @@ public:
     DataParallel(Model& model, BackendT& backend, Policies... policies) requires(!std::is_pointer_v<Model>)
         : model_(model),
           backend_(backend),
-          bucketer_(Set::template value<bucketer_type>(std::tuple(policies...))),
+          replanning_(Set::template value<bucketer_type>(std::tuple(policies...))),
           options_(Set::template value<Options>(std::tuple(policies...))),
           scaler_(Set::template value<loss_scaler_type>(std::tuple(policies...))),
           lr_(Set::template value<lr_type>(std::tuple(policies...))),
@@ -6237,8 +6729,10 @@ public:
         detail::check_replicas(backend_, layout_, buffers_type::mode, "after step " + std::to_string(steps()));
     }
 
-    // The bucket plan. After a bucket rebuild it changes: read it between steps.
+    // The bucket plan. A bucket rebuild or autotuning changes it: read it between steps.
     [[nodiscard]] const BucketPlan& plan() const { return plan_; }
+    // The bucketer in use: after autotuning, with the caps it chose.
+    [[nodiscard]] const bucketer_type& bucketer() const { return replanning_.bucketer(); }
     // The parameters gradsync synchronizes: the model's, in registration order, without the
     // zero-sized ones. Bucket::parameters index into this list.
     [[nodiscard]] std::span<const Parameter> parameters() const { return layout_.params; }
@@ -6279,8 +6773,11 @@ private:
 
     // Bucket b goes now (during backward, under the readiness lock).
     void launch(std::size_t b) {
+        const bool timed = replanning_.timing_launches();
+        const auto began = timed ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
         follow_storage(b, b + 1, /*in_backward=*/readiness_.phase() == Phase::backward);
         engine_.launch(b, tag_of(b, detail::CollectivePurpose::bucket));
+        if (timed) replanning_.launch_took(std::chrono::steady_clock::now() - began);
         detail::log(detail::LogLevel::debug, rank(), [&] {
             return "step " + std::to_string(current_step()) + ": launched bucket " + std::to_string(b);
         });
@@ -6331,7 +6828,7 @@ private:
             detail::record_step(
                 timeline_, current_step(), engine_.slots(), overlapped,
                 [&](std::size_t b) { return readiness_.completed_at(b); }, began);
-            if (overlapped) maybe_rebuild();
+            replan(overlapped);
             end_step();
             steps_.fetch_add(1, std::memory_order_acq_rel);
         });
@@ -6408,11 +6905,12 @@ private:
         // call as ambiguous too.
         static_assert(detail::check_model_access<Model>());
         layout_ = detail::ModelLayout::of(model_, buffers_type::mode != BufferSync::ignore);
-        plan_ = detail::check_and_agree<Set>(backend_, layout_, bucketer_, options_, scaler_, lr_, engine_.memory());
+        plan_ = detail::check_and_agree<Set>(backend_, layout_, replanning_.bucketer(), options_, scaler_, lr_,
+                                             engine_.memory());
         broadcast_parameters();
         detail::sync_buffers(backend_, buffers(), buffers_type::mode, true, history_, current_step());
         setup_buckets();
-        if (options_.rebuild_buckets) readiness_.record_arrivals();
+        replanning_.start(options_, world_size(), readiness_);
         timeline_ = detail::Timeline(detail::timeline_path(options_.timeline), rank());
         if (backend_.size() > 1)
             reporter_.start(backend_, [this] {
@@ -6432,24 +6930,24 @@ private:
         readiness_.plan(plan_, layout_.params.size());
     }
 
-    // After the first overlapped step: buckets in the order rank 0 saw gradients become ready.
-    // Not for untouchable device gradients: the new buckets might not be contiguous.
-    void maybe_rebuild() {
-        if (gradients_untouchable || !options_.rebuild_buckets || rebuilt_) return;
-        rebuilt_ = true;
-        auto rebuilt = detail::plan_in_readiness_order(backend_, bucketer_, parameters(), readiness_.arrivals());
-        {
-            std::lock_guard lock(plan_mutex_);
-            plan_ = std::move(rebuilt);
-            setup_buckets();
-        }
-        readiness_.stop_recording();
-        detail::log(detail::LogLevel::info, rank(), "buckets rebuilt in rank 0's readiness order: " + to_string(plan_));
+    // Between steps: a bucket rebuild or autotuning may change the plan (replanning.hpp).
+    void replan(bool overlapped) {
+        auto next = replanning_.after_step(backend_, readiness_, engine_.slots(), plan_, parameters(), overlapped);
+        if (!next) return;
+        adopt(std::move(next->plan));
+        detail::log(detail::LogLevel::info, rank(), next->what + ": " + to_string(plan_));
+        if (next->tuned) timeline_.note("buckets tuned", current_step(), next->what);
+    }
+
+    void adopt(BucketPlan plan) {
+        std::lock_guard lock(plan_mutex_);
+        plan_ = std::move(plan);
+        setup_buckets();
     }
 
     Model& model_;
     BackendT& backend_;
-    bucketer_type bucketer_{};
+    detail::Replanning<bucketer_type, Set::tunable, !gradients_untouchable> replanning_;  // owns the bucketer
     Options options_{};
     loss_scaler_type scaler_{};
     lr_type lr_{};
@@ -6463,7 +6961,6 @@ private:
     mutable std::mutex plan_mutex_;  // a peer's diagnosis against a rebuild
     std::atomic<std::uint64_t> steps_{0};
     detail::StorageFollower storage_;
-    bool rebuilt_ = false;
     detail::Timeline timeline_;
     detail::StatusRegistration<BackendT> reporter_;  // last: gone before what it reads
 };

@@ -19,7 +19,7 @@
 #include <gradsync/data_parallel/options.hpp>
 #include <gradsync/data_parallel/policies.hpp>
 #include <gradsync/data_parallel/readiness.hpp>
-#include <gradsync/data_parallel/rebuild.hpp>
+#include <gradsync/data_parallel/replanning.hpp>
 #include <gradsync/data_parallel/setup.hpp>
 #include <gradsync/data_parallel/setup_checks.hpp>
 #include <gradsync/data_parallel/step_checks.hpp>
@@ -75,7 +75,7 @@ public:
     DataParallel(Model& model, BackendT& backend, Policies... policies) requires(!std::is_pointer_v<Model>)
         : model_(model),
           backend_(backend),
-          bucketer_(Set::template value<bucketer_type>(std::tuple(policies...))),
+          replanning_(Set::template value<bucketer_type>(std::tuple(policies...))),
           options_(Set::template value<Options>(std::tuple(policies...))),
           scaler_(Set::template value<loss_scaler_type>(std::tuple(policies...))),
           lr_(Set::template value<lr_type>(std::tuple(policies...))),
@@ -207,8 +207,10 @@ public:
         detail::check_replicas(backend_, layout_, buffers_type::mode, "after step " + std::to_string(steps()));
     }
 
-    // The bucket plan. After a bucket rebuild it changes: read it between steps.
+    // The bucket plan. A bucket rebuild or autotuning changes it: read it between steps.
     [[nodiscard]] const BucketPlan& plan() const { return plan_; }
+    // The bucketer in use: after autotuning, with the caps it chose.
+    [[nodiscard]] const bucketer_type& bucketer() const { return replanning_.bucketer(); }
     // The parameters gradsync synchronizes: the model's, in registration order, without the
     // zero-sized ones. Bucket::parameters index into this list.
     [[nodiscard]] std::span<const Parameter> parameters() const { return layout_.params; }
@@ -249,8 +251,11 @@ private:
 
     // Bucket b goes now (during backward, under the readiness lock).
     void launch(std::size_t b) {
+        const bool timed = replanning_.timing_launches();
+        const auto began = timed ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
         follow_storage(b, b + 1, /*in_backward=*/readiness_.phase() == Phase::backward);
         engine_.launch(b, tag_of(b, detail::CollectivePurpose::bucket));
+        if (timed) replanning_.launch_took(std::chrono::steady_clock::now() - began);
         detail::log(detail::LogLevel::debug, rank(), [&] {
             return "step " + std::to_string(current_step()) + ": launched bucket " + std::to_string(b);
         });
@@ -301,7 +306,7 @@ private:
             detail::record_step(
                 timeline_, current_step(), engine_.slots(), overlapped,
                 [&](std::size_t b) { return readiness_.completed_at(b); }, began);
-            if (overlapped) maybe_rebuild();
+            replan(overlapped);
             end_step();
             steps_.fetch_add(1, std::memory_order_acq_rel);
         });
@@ -378,11 +383,12 @@ private:
         // call as ambiguous too.
         static_assert(detail::check_model_access<Model>());
         layout_ = detail::ModelLayout::of(model_, buffers_type::mode != BufferSync::ignore);
-        plan_ = detail::check_and_agree<Set>(backend_, layout_, bucketer_, options_, scaler_, lr_, engine_.memory());
+        plan_ = detail::check_and_agree<Set>(backend_, layout_, replanning_.bucketer(), options_, scaler_, lr_,
+                                             engine_.memory());
         broadcast_parameters();
         detail::sync_buffers(backend_, buffers(), buffers_type::mode, true, history_, current_step());
         setup_buckets();
-        if (options_.rebuild_buckets) readiness_.record_arrivals();
+        replanning_.start(options_, world_size(), readiness_);
         timeline_ = detail::Timeline(detail::timeline_path(options_.timeline), rank());
         if (backend_.size() > 1)
             reporter_.start(backend_, [this] {
@@ -402,24 +408,24 @@ private:
         readiness_.plan(plan_, layout_.params.size());
     }
 
-    // After the first overlapped step: buckets in the order rank 0 saw gradients become ready.
-    // Not for untouchable device gradients: the new buckets might not be contiguous.
-    void maybe_rebuild() {
-        if (gradients_untouchable || !options_.rebuild_buckets || rebuilt_) return;
-        rebuilt_ = true;
-        auto rebuilt = detail::plan_in_readiness_order(backend_, bucketer_, parameters(), readiness_.arrivals());
-        {
-            std::lock_guard lock(plan_mutex_);
-            plan_ = std::move(rebuilt);
-            setup_buckets();
-        }
-        readiness_.stop_recording();
-        detail::log(detail::LogLevel::info, rank(), "buckets rebuilt in rank 0's readiness order: " + to_string(plan_));
+    // Between steps: a bucket rebuild or autotuning may change the plan (replanning.hpp).
+    void replan(bool overlapped) {
+        auto next = replanning_.after_step(backend_, readiness_, engine_.slots(), plan_, parameters(), overlapped);
+        if (!next) return;
+        adopt(std::move(next->plan));
+        detail::log(detail::LogLevel::info, rank(), next->what + ": " + to_string(plan_));
+        if (next->tuned) timeline_.note("buckets tuned", current_step(), next->what);
+    }
+
+    void adopt(BucketPlan plan) {
+        std::lock_guard lock(plan_mutex_);
+        plan_ = std::move(plan);
+        setup_buckets();
     }
 
     Model& model_;
     BackendT& backend_;
-    bucketer_type bucketer_{};
+    detail::Replanning<bucketer_type, Set::tunable, !gradients_untouchable> replanning_;  // owns the bucketer
     Options options_{};
     loss_scaler_type scaler_{};
     lr_type lr_{};
@@ -433,7 +439,6 @@ private:
     mutable std::mutex plan_mutex_;  // a peer's diagnosis against a rebuild
     std::atomic<std::uint64_t> steps_{0};
     detail::StorageFollower storage_;
-    bool rebuilt_ = false;
     detail::Timeline timeline_;
     detail::StatusRegistration<BackendT> reporter_;  // last: gone before what it reads
 };

@@ -23,6 +23,13 @@ struct Options {
     // After the first step with grad_ready calls, rebuild the buckets in the order gradients
     // became ready on rank 0 (as PyTorch DDP does).
     bool rebuild_buckets = false;
+    // Over the first steps with grad_ready calls, measure when each gradient becomes ready and
+    // what each bucket's collective takes, and choose the bucket caps (and the readiness order)
+    // that leave the least communication after backward: every few steps, at most twice, the
+    // same plan on every rank (docs/overlap.md). Unset: on where the collectives are timed by the
+    // host (LocalBackend, MpiBackend) with a bucketer that has caps (SizeCappedBuckets), in a
+    // world of more than one; true insists (an error where it cannot be); false keeps the plan.
+    std::optional<bool> autotune_buckets{};
     // A Chrome trace (chrome://tracing, ui.perfetto.dev) of every bucket's ready, launched and
     // done moments, written when the DataParallel is destroyed. Empty: $GRADSYNC_TIMELINE, if set.
     // "{rank}" in the path is replaced by the rank; ranks of one process may share one file.

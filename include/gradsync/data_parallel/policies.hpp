@@ -8,6 +8,7 @@
 #include <gradsync/amp/loss_scale.hpp>
 #include <gradsync/backend/concepts.hpp>
 #include <gradsync/bucket/bucketers.hpp>
+#include <gradsync/bucket/tuning.hpp>
 #include <gradsync/data_parallel/options.hpp>
 #include <gradsync/detail/policy.hpp>
 #include <gradsync/lr.hpp>
@@ -85,6 +86,10 @@ struct PolicySet {
                   "gradsync::CudaMemory{stream} (memory/cuda.cuh), or use NoCompression");
 
     static constexpr bool has_lr_rule = LrRule<lr_rule>;
+
+    // Collectives the host times (launch to completion): what bucket tuning measures.
+    static constexpr bool host_timed = !DeviceBackend<BackendT> && !memory::on_device;
+    static constexpr bool tunable = TunableBucketer<bucketer> && host_timed;
 
     // The value of the policy of type P among those given, or a default one.
     template <class P>

@@ -1,14 +1,15 @@
 // Readiness: which parameters' gradients are final in the current step, which buckets that
 // completes, and the order buckets may go in: plan order, whatever order gradients arrive in, so
 // that every rank launches the same collectives in the same order. Also no_sync() (accumulation
-// micro-steps) and the readiness order the first step saw (for a bucket rebuild). grad_ready may
+// micro-steps), the readiness order the first step saw (for a bucket rebuild) and, while buckets
+// are tuned, when each gradient became ready. grad_ready may
 // come from several threads (backward hooks); a peer's diagnosis reads the state from another.
 #pragma once
 
 #include <gradsync/bucket/plan.hpp>
 #include <gradsync/error.hpp>
 
-#include <algorithm>  // for std::fill, std::min
+#include <algorithm>  // for std::fill, std::max, std::min
 #include <atomic>
 #include <chrono>
 #include <cstddef>
@@ -70,7 +71,27 @@ public:
         arrivals_.clear();
         arrivals_.shrink_to_fit();
     }
-    [[nodiscard]] std::size_t recording_capacity() const { return arrivals_.capacity(); }
+    [[nodiscard]] std::size_t recording_capacity() const { return arrivals_.capacity() + ready_at_.capacity(); }
+
+    // Notes when each parameter becomes ready (one clock read per grad_ready), until switched off.
+    // Between steps.
+    void time_arrivals(bool on) {
+        if (on) {
+            ready_at_.assign(params_, {});
+        } else {
+            ready_at_.clear();
+            ready_at_.shrink_to_fit();
+        }
+    }
+    [[nodiscard]] bool timing_arrivals() const { return !ready_at_.empty(); }
+    // Per parameter, seconds after the step's first grad_ready that it became ready (at
+    // synchronize() for those completed there). After an overlapped step, while timing.
+    [[nodiscard]] std::vector<double> ready_offsets() const {
+        std::vector<double> out;
+        out.reserve(ready_at_.size());
+        for (auto t : ready_at_) out.push_back(std::max(0.0, std::chrono::duration<double>(t - began_).count()));
+        return out;
+    }
 
     // Parameter p's gradient is final. When that completes a bucket, calls launch(b) for it and
     // for every complete bucket after it that may go now, in plan order, under the lock.
@@ -86,6 +107,7 @@ public:
             began_ = std::chrono::steady_clock::now();
             phase_.store(Phase::backward, std::memory_order_release);
         }
+        if (!ready_at_.empty()) ready_at_[p] = std::chrono::steady_clock::now();  // p is this thread's alone
         if (!arrivals_.empty()) {
             const auto at = arrived_.fetch_add(1, std::memory_order_relaxed);
             if (at < arrivals_.size()) arrivals_[at] = p;
@@ -110,6 +132,7 @@ public:
             if (ready_[p].load(std::memory_order_acquire) != 0) continue;
             if (used_[p].load(std::memory_order_relaxed) != 0 || unused(p)) {
                 ready_[p].store(1, std::memory_order_release);
+                if (!ready_at_.empty()) ready_at_[p] = std::chrono::steady_clock::now();
                 const auto b = bucket_of_[p];
                 if (pending_[b].fetch_sub(1, std::memory_order_acq_rel) == 1) bucket_complete_locked(b, launch);
             } else {
@@ -197,6 +220,7 @@ private:
     std::size_t next_ = 0;                                             // the next bucket to launch, under mutex_
     std::vector<std::size_t> arrivals_;                                // readiness order, recorded until the rebuild
     std::atomic<std::size_t> arrived_{0};
+    std::vector<std::chrono::steady_clock::time_point> ready_at_;  // per parameter, while timing
 };
 
 }  // namespace detail

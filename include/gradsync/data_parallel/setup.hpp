@@ -6,6 +6,7 @@
 
 #include <gradsync/backend/concepts.hpp>
 #include <gradsync/bucket/plan.hpp>
+#include <gradsync/bucket/tuning.hpp>
 #include <gradsync/data_parallel/layout_agreement.hpp>
 #include <gradsync/data_parallel/model_layout.hpp>
 #include <gradsync/data_parallel/options.hpp>
@@ -35,6 +36,7 @@ BucketPlan check_and_agree(BackendT& backend, const ModelLayout& layout, const t
         problems.model(device_gradients_problem(plan, layout.params, options));
     problems.configuration(stream_problem(backend, memory));
     problems.configuration(device_memory_problem(options, memory_type::on_device));
+    problems.configuration(autotune_problem(options, TunableBucketer<typename Set::bucketer>, Set::host_timed));
     if (backend.size() == 1) problems.throw_first();
     if (backend.size() > 1)
         agree_on_layout(

@@ -73,6 +73,18 @@ inline std::string device_memory_problem(const Options& options, bool device_mem
     return {};
 }
 
+// Options::autotune_buckets = true where buckets cannot be tuned.
+inline std::string autotune_problem(const Options& options, bool tunable_bucketer, bool host_timed) {
+    if (!options.autotune_buckets.value_or(false)) return {};
+    if (!tunable_bucketer)
+        return "Options::autotune_buckets chooses bucket caps, and this bucketer has none: use "
+               "gradsync::SizeCappedBuckets, or leave autotune_buckets unset";
+    if (!host_timed)
+        return "Options::autotune_buckets times collectives on the host, and this set-up runs them on a device "
+               "stream (device memory or a device backend): leave autotune_buckets unset";
+    return {};
+}
+
 // The first problem a rank finds with its own set-up, worded alike for every kind: thrown at once
 // in a world of one, else handed to the agreement so that every rank refuses alike.
 class SetupProblems {

@@ -103,6 +103,14 @@ public:
                    std::to_string(bucket + 1) + args(step, bucket) + "}");
     }
 
+    // A remark on the steps' row, e.g. the plan bucket tuning chose (text without quotes).
+    void note(const char* name, std::int64_t step, const std::string& text) {
+        if (!sink_) return;
+        sink_->add(std::string(R"({"name":")") + name + R"(","ph":"i","s":"p","ts":)" +
+                   number(sink_->micros(std::chrono::steady_clock::now())) + R"(,"pid":)" + std::to_string(rank_) +
+                   R"(,"tid":0,"args":{"step":)" + std::to_string(step) + R"(,"text":")" + text + R"("}})");
+    }
+
 private:
     static std::string number(double v) {
         char buf[32];

@@ -1,0 +1,117 @@
+// Bucket tuning's arithmetic: the cost fit, the exposure a plan leaves, and the caps chosen for
+// layouts and timings whose best plan is known.
+#include <gradsync/bucket/tuning.hpp>
+
+#include <doctest/doctest.h>
+
+#include "model_layouts.hpp"
+
+#include <cmath>
+#include <cstddef>
+#include <vector>
+
+using namespace gradsync::literals;
+using gradsync::CollectiveCost;
+using gradsync::CollectiveSample;
+using gradsync::DType;
+using gradsync::Parameter;
+using gradsync::SizeCappedBuckets;
+
+namespace {
+
+std::vector<Parameter> resnet50() {
+    std::vector<Parameter> out;
+    for (const auto& t : layouts::resnet50())
+        out.push_back(Parameter{t.name, nullptr, nullptr, t.count, DType::float32});
+    return out;
+}
+
+// Backward over `seconds`, each parameter ready when its share (by size) of the compute is done,
+// in reverse registration order: as the overlap benchmark models it.
+std::vector<double> uniform_backward(const std::vector<Parameter>& params, double seconds) {
+    double total = 0, done = 0;
+    for (const auto& p : params) total += static_cast<double>(p.count);
+    std::vector<double> ready(params.size());
+    for (std::size_t i = params.size(); i-- > 0;) {
+        done += static_cast<double>(params[i].count);
+        ready[i] = seconds * done / total;
+    }
+    return ready;
+}
+
+}  // namespace
+
+TEST_CASE("fit_cost recovers latency and bandwidth from collectives of several sizes") {
+    const CollectiveCost truth{20e-6, 0.25e-9};
+    std::vector<CollectiveSample> samples;
+    for (auto bytes : {1_MiB, 4_MiB, 25_MiB, 25_MiB, 7_MiB}) samples.push_back({bytes, truth.of(bytes)});
+    const auto fit = gradsync::fit_cost(samples);
+    CHECK(fit.latency == doctest::Approx(truth.latency).epsilon(1e-6));
+    CHECK(fit.per_byte == doctest::Approx(truth.per_byte).epsilon(1e-9));
+
+    // One size: latency and bandwidth cannot be told apart; it all counts as bandwidth.
+    const std::vector<CollectiveSample> same{{4_MiB, 0.002}, {4_MiB, 0.004}};
+    const auto flat = gradsync::fit_cost(same);
+    CHECK(flat.latency == 0);
+    CHECK(flat.per_byte == doctest::Approx(0.003 / double((4_MiB).count())));
+
+    // Noise that makes larger collectives look faster never yields a negative cost.
+    const std::vector<CollectiveSample> noisy{{1_MiB, 0.003}, {8_MiB, 0.001}};
+    const auto clamped = gradsync::fit_cost(noisy);
+    CHECK(clamped.per_byte == 0);
+    CHECK(clamped.latency == doctest::Approx(0.002));
+    CHECK(gradsync::fit_cost({}).of(1_MiB) == 0);
+}
+
+TEST_CASE("predicted_exposure: collectives in plan order, each after its bucket and its predecessor") {
+    const std::vector<Parameter> params{{"a", nullptr, nullptr, 1000, DType::float32},
+                                        {"b", nullptr, nullptr, 1000, DType::float32},
+                                        {"c", nullptr, nullptr, 1000, DType::float32}};
+    gradsync::BucketPlan plan;
+    plan.buckets.push_back({DType::float32, {2}, 1000});
+    plan.buckets.push_back({DType::float32, {1, 0}, 2000});
+    const std::vector<double> ready{3.0, 2.0, 1.0};  // seconds; backward ends at 3
+    const CollectiveCost cost{0.5, 1.0 / 4000};      // 4000 bytes: 1.5 s, 8000 bytes: 2.5 s
+    // bucket 0: ready at 1, done at 2.5; bucket 1: ready at 3, done at 5.5: 2.5 s after backward.
+    CHECK(gradsync::predicted_exposure(plan, ready, cost) == doctest::Approx(2.5));
+    // A slow first collective delays the second even when its bucket is ready earlier.
+    const std::vector<double> early{0.5, 0.5, 0.0};
+    CHECK(gradsync::predicted_exposure(plan, early, CollectiveCost{2.0, 0}) == doctest::Approx(3.5));
+}
+
+TEST_CASE("tune_caps splits ResNet-50 finer than 25 MiB when backward takes twice the communication") {
+    const auto params = resnet50();
+    const CollectiveCost cost{20e-6, 1.0 / 6e9};  // 6 GB/s: about 17 ms for the 97.5 MiB
+    const auto ready = uniform_backward(params, 0.034);
+    const SizeCappedBuckets standard{};
+    const auto tuned = gradsync::tune_caps(standard, params, {}, ready, cost);
+    const double before = gradsync::predicted_exposure(standard.plan(params), ready, cost);
+    MESSAGE("25 MiB caps: ", before * 1e3, " ms exposed; tuned (cap ", to_string(tuned.bucketer.cap), ", first ",
+            to_string(tuned.bucketer.first_cap), ", ", tuned.plan.buckets.size(), " buckets): ", tuned.exposure * 1e3,
+            " ms");
+    CHECK(tuned.bucketer.cap < standard.cap);
+    CHECK(tuned.exposure < before / 3);
+    CHECK(tuned.plan == tuned.bucketer.plan(params));
+    CHECK(tuned.exposure == doctest::Approx(gradsync::predicted_exposure(tuned.plan, ready, cost)));
+}
+
+TEST_CASE("tune_caps takes one bucket when there is nothing to overlap or collectives cost mostly latency") {
+    const auto params = resnet50();
+    const SizeCappedBuckets standard{};
+    // Every gradient ready at once: splitting only adds latencies.
+    const std::vector<double> at_once(params.size(), 0.0);
+    auto tuned = gradsync::tune_caps(standard, params, {}, at_once, CollectiveCost{50e-6, 1.0 / 6e9});
+    CHECK(tuned.plan.buckets.size() == 1);
+    // A collective costs a second whatever its size, backward a millisecond.
+    tuned = gradsync::tune_caps(standard, params, {}, uniform_backward(params, 1e-3), CollectiveCost{1.0, 1e-15});
+    CHECK(tuned.plan.buckets.size() == 1);
+}
+
+TEST_CASE("tune_caps keeps the current caps when no plan is better") {
+    const std::vector<Parameter> params{{"a", nullptr, nullptr, 100, DType::float32},
+                                        {"b", nullptr, nullptr, 100, DType::float32}};
+    const SizeCappedBuckets current{64_KiB, 64_KiB};  // one bucket: the fewest there can be
+    const auto tuned = gradsync::tune_caps(current, params, {}, std::vector<double>{0.0, 0.0}, CollectiveCost{});
+    CHECK(tuned.bucketer.cap == current.cap);
+    CHECK(tuned.bucketer.first_cap == current.first_cap);
+}
