@@ -1,5 +1,6 @@
 // LocalBackend collectives on 2 ranks: allreduce bandwidth from 4 KiB to 256 MiB beside the
-// single-thread memcpy bandwidth at the same size (the ceiling), and small-message latency.
+// single-thread memcpy bandwidth at the same size (the ceiling), and small-message latency; then
+// both again beside one busy-looping thread per core, as a trainer's own compute threads would be.
 #include <gradsync/backend/local.hpp>
 
 #include <benchmark/benchmark.h>
@@ -7,9 +8,12 @@
 #include "results.hpp"
 #include "two_ranks.hpp"
 
+#include <algorithm>  // for std::max
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <span>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -18,6 +22,8 @@ namespace {
 constexpr std::int64_t smallest_bytes = 4 << 10;
 constexpr std::int64_t largest_bytes = 256 << 20;
 constexpr std::int64_t latency_bytes[] = {4, 16, 64, 256, 1024, 4096};
+constexpr std::int64_t busy_latency_bytes[] = {4, 256};
+constexpr std::int64_t busy_bandwidth_bytes = 64 << 20;
 constexpr int repetitions = 5;
 constexpr double min_seconds = 0.2;
 
@@ -51,6 +57,63 @@ void allreduce(benchmark::State& state) {
     state.SetBytesProcessed(state.iterations() * state.range(0));  // algbw
 }
 
+// One thread per core spinning on arithmetic while it lives.
+class BusyNeighbours {
+public:
+    BusyNeighbours() {
+        for (unsigned i = 0; i < std::max(1u, std::thread::hardware_concurrency()); ++i)
+            threads_.emplace_back([this] {
+                std::uint64_t x = 1;
+                while (!stop_.load(std::memory_order_relaxed)) {
+                    for (int k = 0; k < 1000; ++k) x = x * 6364136223846793005ull + 1442695040888963407ull;
+                    benchmark::DoNotOptimize(x);
+                }
+            });
+    }
+    BusyNeighbours(const BusyNeighbours&) = delete;
+    BusyNeighbours& operator=(const BusyNeighbours&) = delete;
+    ~BusyNeighbours() {
+        stop_.store(true);
+        for (auto& t : threads_) t.join();
+    }
+
+private:
+    std::atomic<bool> stop_{false};
+    std::vector<std::thread> threads_;
+};
+
+void allreduce_busy(benchmark::State& state) {
+    BusyNeighbours busy;
+    allreduce(state);
+}
+
+void memcpy_busy(benchmark::State& state) {
+    BusyNeighbours busy;
+    memcpy_bandwidth(state);
+}
+
+// Repetitions reported by their median, and by their fastest and slowest: the spread.
+void repeated(benchmark::internal::Benchmark* b) {
+    b->UseRealTime()
+        ->Repetitions(bench::repetitions_of(repetitions))
+        ->ReportAggregatesOnly(true)
+        ->ComputeStatistics("min", [](const std::vector<double>& v) { return *std::min_element(v.begin(), v.end()); })
+        ->ComputeStatistics("max", [](const std::vector<double>& v) { return *std::max_element(v.begin(), v.end()); })
+        ->MinTime(bench::min_seconds_of(min_seconds))
+        ->Unit(benchmark::kMicrosecond);
+}
+
+void for_busy_latency(benchmark::internal::Benchmark* b) {
+    b->ArgName("bytes");
+    for (auto s : busy_latency_bytes) b->Arg(s);
+    repeated(b);
+}
+
+void for_busy_bandwidth(benchmark::internal::Benchmark* b) {
+    b->ArgName("bytes")->Arg(busy_bandwidth_bytes);
+    repeated(b);
+}
+
 void for_sizes(benchmark::internal::Benchmark* b) {
     b->ArgName("bytes");
     for (std::int64_t s = smallest_bytes; s <= largest_bytes; s *= 4) b->Arg(s);
@@ -79,6 +142,9 @@ void register_collectives() {
     benchmark::RegisterBenchmark("memcpy", memcpy_bandwidth)->Apply(for_sizes);
     benchmark::RegisterBenchmark("allreduce_2_ranks", allreduce)->Apply(for_sizes);
     benchmark::RegisterBenchmark("allreduce_latency_2_ranks", allreduce)->Apply(for_latency);
+    benchmark::RegisterBenchmark("busy/allreduce_latency_2_ranks", allreduce_busy)->Apply(for_busy_latency);
+    benchmark::RegisterBenchmark("busy/allreduce_2_ranks", allreduce_busy)->Apply(for_busy_bandwidth);
+    benchmark::RegisterBenchmark("busy/memcpy", memcpy_busy)->Apply(for_busy_bandwidth);
 }
 
 }  // namespace bench

@@ -25,6 +25,7 @@ namespace {
 
 std::map<std::string, double> median_seconds;                          // by "name/args"
 std::map<std::string, std::map<std::string, double>> median_counters;  // by "name/args", counter
+std::map<std::string, std::pair<double, double>> spread_seconds;       // fastest and slowest repetition
 std::map<std::string, std::pair<gradsync::Bytes, gradsync::Bytes>> memory;
 std::mutex memory_mutex;
 bool quick_mode = false;
@@ -45,10 +46,15 @@ public:
         for (const auto& run : runs) {
             // Medians of repeated benchmarks; single runs (which take their own medians) as they are.
             const bool repeated = run.repetitions > 1;
-            if (repeated && (run.run_type != Run::RT_Aggregate || run.aggregate_name != "median")) continue;
             std::string key = run.run_name.function_name;
             if (!run.run_name.args.empty()) key += "/" + run.run_name.args;
-            median_seconds[key] = run.GetAdjustedRealTime() / benchmark::GetTimeUnitMultiplier(run.time_unit);
+            const double seconds = run.GetAdjustedRealTime() / benchmark::GetTimeUnitMultiplier(run.time_unit);
+            if (repeated && run.run_type == Run::RT_Aggregate && run.aggregate_name == "min")
+                spread_seconds[key].first = seconds;
+            if (repeated && run.run_type == Run::RT_Aggregate && run.aggregate_name == "max")
+                spread_seconds[key].second = seconds;
+            if (repeated && (run.run_type != Run::RT_Aggregate || run.aggregate_name != "median")) continue;
+            median_seconds[key] = seconds;
             for (const auto& [name, counter] : run.counters) median_counters[key][name] = counter.value;
         }
         ConsoleReporter::ReportRuns(runs);
@@ -148,6 +154,36 @@ void print_summary() {
             std::printf("  %-10s %-9s %9.2f ms   flat %9.2f ms   ratio %6.3f\n", layout, mode, *sync, *flat, *ratio);
         }
     }
+    // Beside one busy-looping thread per core: median (fastest - slowest) of the repetitions.
+    std::printf(
+        "\nUnder load: LocalBackend, 2 ranks, beside one busy-looping thread per core (median, fastest - "
+        "slowest of %d runs)\n",
+        bench::repetitions_of(5));
+    auto spread = [](const std::string& key) {
+        auto it = spread_seconds.find(key);
+        return it == spread_seconds.end() ? std::pair(0.0, 0.0) : it->second;
+    };
+    double busy_worst = 0, busy_ratio = 0, busy_bw = 0, busy_copy = 0;
+    for (long long bytes : {4, 256}) {
+        const std::string key = "busy/allreduce_latency_2_ranks/bytes:" + std::to_string(bytes);
+        auto t = seconds(key);
+        if (!t) continue;
+        busy_worst = std::max(busy_worst, *t);
+        std::printf("  allreduce %-6s %8.2f us (%.2f - %.2f)\n", size_name(bytes).c_str(), *t * 1e6,
+                    spread(key).first * 1e6, spread(key).second * 1e6);
+    }
+    const std::string busy_all = "busy/allreduce_2_ranks/bytes:" + std::to_string(64 << 20),
+                      busy_mem = "busy/memcpy/bytes:" + std::to_string(64 << 20);
+    if (auto t = seconds(busy_all), m = seconds(busy_mem); t && m) {
+        busy_bw = gbps(double(64 << 20), *t);
+        busy_copy = gbps(double(64 << 20), *m);
+        busy_ratio = busy_bw / busy_copy;
+        std::printf("  allreduce 64 MiB %6.2f GB/s (%.2f - %.2f), memcpy %.2f GB/s (%.2f - %.2f)\n", busy_bw,
+                    gbps(double(64 << 20), spread(busy_all).second), gbps(double(64 << 20), spread(busy_all).first),
+                    busy_copy, gbps(double(64 << 20), spread(busy_mem).second),
+                    gbps(double(64 << 20), spread(busy_mem).first));
+    }
+
     std::printf(
         "\nMemory held beyond the model (DataParallel buffers + backend staging), against the gradient bytes\n");
     for (const auto& [key, m] : memory) {
@@ -157,14 +193,14 @@ void print_summary() {
 
     std::printf(
         "\nOverlap with a synthetic backward (2 ranks; times in ms; exposed = overlapped - compute;\n"
-        "plan bound = the exposure the bucket plan leaves even a perfect engine; cap auto = the default,\n"
-        "autotuned over its first steps)\n");
+        "plan bound = the exposure the bucket plan leaves even a perfect engine; cap 25 = the default;\n"
+        "cap auto = Options::autotune_buckets, from the default caps)\n");
     std::printf("  %-10s %4s %6s %8s %8s %11s %11s %8s %11s %12s %13s\n", "layout", "cap", "comm/c", "compute", "comm",
                 "sequential", "overlapped", "exposed", "plan bound", "last bucket", "exposed/last");
     struct Worst {
         double ratio = 0;
         std::string where;
-    } worst, worst_vs_sweep;
+    } worst, worst_auto, worst_vs_sweep;
     // Per layout and comm/compute: exposed ms of the 25 MiB caps, the best fixed cap, autotuned.
     struct Versus {
         double fixed25 = 0, best = 0, tuned = 0, tuned_buckets = 0;
@@ -187,13 +223,14 @@ void print_summary() {
                     get("exposed_ms"), get("plan_bound_ms"), get("last_bucket_ms"),
                     get("exposed_ms") / std::max(get("last_bucket_ms"), 1e-9));
         auto& v = versus[{layout, ratio_text}];
+        if (ratio <= 1.0 && get("last_bucket_ms") > 0 && (cap == "auto" || cap == "25")) {
+            const double r = get("exposed_ms") / get("last_bucket_ms");
+            auto& w = cap == "auto" ? worst_auto : worst;
+            if (r > w.ratio) w = {r, layout + " at comm/compute " + ratio_text};
+        }
         if (cap == "auto") {
             v.tuned = get("exposed_ms");
             v.tuned_buckets = get("buckets");
-            if (ratio <= 1.0 && get("last_bucket_ms") > 0) {
-                double r = get("exposed_ms") / get("last_bucket_ms");
-                if (r > worst.ratio) worst = {r, layout + " at comm/compute " + ratio_text};
-            }
         } else {
             if (cap == "25") v.fixed25 = get("exposed_ms");
             if (v.best_cap.empty() || get("exposed_ms") < v.best)
@@ -201,7 +238,8 @@ void print_summary() {
         }
     }
     std::printf(
-        "\nAutotuned buckets (the default) against fixed caps: exposed ms after backward (below 0.1 ms counts as "
+        "\nAutotuned buckets (Options::autotune_buckets) against fixed caps: exposed ms after backward (below 0.1 ms "
+        "counts as "
         "0.1)\n  %-10s %6s %9s %16s %18s %12s\n",
         "layout", "comm/c", "25 MiB", "best fixed (MiB)", "autotuned (buckets)", "auto / best");
     for (const auto& [where, v] : versus) {
@@ -286,11 +324,23 @@ void print_summary() {
         target_row("extra memory ResNet-50 / gradient bytes", shown_bytes(it->second.first),
                    shown_bytes(it->second.second, "grads"), ratio, "<= 1.00", ratio <= 1.0);
     }
+    if (busy_worst <= 0 || busy_ratio <= 0) missing("under load");
+    if (busy_worst > 0)
+        target_row("allreduce 4..256 B under load, worst median latency", shown("%.2f", busy_worst * 1e6, "us"),
+                   label_only("-"), busy_worst * 1e6 / 5.0, "<= 5 us", busy_worst <= 5e-6);
+    if (busy_ratio > 0)
+        target_row("allreduce busbw / memcpy at 64 MiB, under load", shown("%.2f", busy_bw, "GB/s"),
+                   shown("%.2f", busy_copy, "GB/s", "memcpy"), busy_ratio, ">= 0.70", busy_ratio >= 0.70);
     std::printf("\nTargets: overlap and views\n");
     if (worst.ratio <= 0) missing("exposed / last bucket");
     if (worst.ratio > 0) {
         target_row("exposed / last bucket, comm <= compute, worst", shown("%.2f", worst.ratio, "x"),
                    label_only(worst.where), worst.ratio, "<= 1.50", worst.ratio <= 1.5);
+    }
+    if (worst_auto.ratio <= 0) missing("exposed / last bucket, autotuned");
+    if (worst_auto.ratio > 0) {
+        target_row("the same, autotuned buckets", shown("%.2f", worst_auto.ratio, "x"), label_only(worst_auto.where),
+                   worst_auto.ratio, "<= 1.50", worst_auto.ratio <= 1.5);
     }
     if (worst_vs_sweep.ratio <= 0) missing("autotuned / best fixed cap");
     if (worst_vs_sweep.ratio > 0) {
@@ -356,7 +406,10 @@ int main(int argc, char** argv) {
     benchmark::Shutdown();
     print_summary();
     // Every median beside the summary's rows, for the plots.
-    nlohmann::json extra = {{"quick", quick_mode}, {"seconds", median_seconds}, {"counters", median_counters}};
+    nlohmann::json extra = {{"quick", quick_mode},
+                            {"seconds", median_seconds},
+                            {"counters", median_counters},
+                            {"spread_seconds", spread_seconds}};
     bench::write_summary_rows("local", rows, extra);
     if (quick_mode) std::printf("\n(quick mode: each benchmark ran once and briefly; the figures mean nothing)\n");
     if (broken.empty()) return 0;

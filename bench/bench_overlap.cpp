@@ -1,7 +1,7 @@
 // Overlap of communication with backward, on 2 ranks over the ResNet-50 and BERT-base layouts.
 // A synthetic backward sleeps (as a host does while its GPU computes) until each layer's
 // gradients are due, its share of the compute time proportional to its parameters, in reverse
-// registration order, and calls grad_ready for them. Fixed caps (a sweep) run beside the default,
+// registration order, and calls grad_ready for them. Fixed caps (a sweep) run beside the
 // autotuned plan (given its first steps to choose). Every iteration measures, each mode starting
 // together on both ranks:
 //   compute        the backward alone
@@ -35,8 +35,8 @@ namespace {
 
 // Knobs.
 constexpr double comm_to_compute[] = {0.25, 0.5, 1.0, 2.0};
-// Fixed caps (autotuning off): PyTorch DDP's default and a sweep of finer ones; 0 is the default,
-// autotuned from 25 MiB over its first steps.
+// Fixed caps: the default (PyTorch DDP's) and a sweep of finer ones; 0 is the default caps with
+// Options::autotune_buckets, tuned over its first steps.
 constexpr int bucket_caps_mib[] = {25, 8, 2, 0};
 constexpr int overlap_iterations = 8;
 // Overlapped steps before timing an autotuned plan: enough for both of its choices.

@@ -3005,10 +3005,11 @@ struct Options {
     // Over the first steps with grad_ready calls, measure when each gradient becomes ready and
     // what each bucket's collective takes, and choose the bucket caps (and the readiness order)
     // that leave the least communication after backward: every few steps, at most twice, the
-    // same plan on every rank (docs/overlap.md). Unset: on where the collectives are timed by the
-    // host (LocalBackend, MpiBackend) with a bucketer that has caps (SizeCappedBuckets), in a
-    // world of more than one; true insists (an error where it cannot be); false keeps the plan.
-    std::optional<bool> autotune_buckets{};
+    // same plan on every rank (docs/overlap.md). For SizeCappedBuckets with collectives the host
+    // times (LocalBackend, MpiBackend); an error elsewhere. Off by default: a plan chosen from
+    // timings differs from run to run, and with 3 or more ranks the rounding of the sums follows
+    // the plan, so runs (and a resume from a checkpoint) are no longer bit for bit the same.
+    bool autotune_buckets = false;
     // A Chrome trace (chrome://tracing, ui.perfetto.dev) of every bucket's ready, launched and
     // done moments, written when the DataParallel is destroyed. Empty: $GRADSYNC_TIMELINE, if set.
     // "{rank}" in the path is replaced by the rank; ranks of one process may share one file.
@@ -4575,7 +4576,7 @@ public:
         rebuild_ = options.rebuild_buckets && Rebuildable;
         if (rebuild_) readiness.record_arrivals();
         if constexpr (Tunable) {
-            tuner_ = BucketTuner(options.autotune_buckets.value_or(true) && world_size > 1);
+            tuner_ = BucketTuner(options.autotune_buckets && world_size > 1);
             readiness.time_arrivals(tuner_.active());
         }
     }
@@ -4695,8 +4696,7 @@ std::vector<Setting> agreed_settings(const Bucketer& bucketer, const Memory& mem
             {"LR rule", settings_of(lr)},
             {"Options::find_unused_parameters", options.find_unused_parameters ? "true" : "false"},
             {"Options::rebuild_buckets", options.rebuild_buckets ? "true" : "false"},
-            {"Options::autotune_buckets",
-             options.autotune_buckets ? (*options.autotune_buckets ? "true" : "false") : "unset"},
+            {"Options::autotune_buckets", options.autotune_buckets ? "true" : "false"},
             {"Options::clip_norm", std::to_string(options.clip_norm)},
             {"Options::check_histories", options.check_histories.value_or(!device_backend) ? "true" : "false"},
             {"Options::check_replicas_every", std::to_string(options.replica_check_interval(device_memory))}};
@@ -5065,15 +5065,15 @@ inline std::string device_memory_problem(const Options& options, bool device_mem
     return {};
 }
 
-// Options::autotune_buckets = true where buckets cannot be tuned.
+// Options::autotune_buckets where buckets cannot be tuned.
 inline std::string autotune_problem(const Options& options, bool tunable_bucketer, bool host_timed) {
-    if (!options.autotune_buckets.value_or(false)) return {};
+    if (!options.autotune_buckets) return {};
     if (!tunable_bucketer)
         return "Options::autotune_buckets chooses bucket caps, and this bucketer has none: use "
-               "gradsync::SizeCappedBuckets, or leave autotune_buckets unset";
+               "gradsync::SizeCappedBuckets, or leave autotune_buckets off";
     if (!host_timed)
         return "Options::autotune_buckets times collectives on the host, and this set-up runs them on a device "
-               "stream (device memory or a device backend): leave autotune_buckets unset";
+               "stream (device memory or a device backend): leave autotune_buckets off";
     return {};
 }
 

@@ -457,7 +457,8 @@ TEST_CASE("bucket autotuning: from one bucket to a finer plan, the same on every
     gradsync::spawn(2, [&](LocalBackend& b) {
         Toy m(std::vector<std::size_t>(16, 64 * 1024), 0.0f);  // 16 x 256 KiB
         // One bucket to begin with: all of the communication comes after backward.
-        DataParallel dp(m, b, gradsync::SizeCappedBuckets{64_MiB, 64_MiB}, gradsync::Options{.timeline = timeline});
+        DataParallel dp(m, b, gradsync::SizeCappedBuckets{64_MiB, 64_MiB},
+                        gradsync::Options{.autotune_buckets = true, .timeline = timeline});
         const auto r = static_cast<std::size_t>(b.rank());
         for (int s = 0; s < steps; ++s) {
             m.fill_grads(b.rank());
@@ -487,11 +488,10 @@ TEST_CASE("bucket autotuning: from one bucket to a finer plan, the same on every
     std::remove(timeline.c_str());
 }
 
-TEST_CASE("bucket autotuning off keeps the plan; insisting on it where it cannot be is refused") {
+TEST_CASE("bucket autotuning is off by default; asking for it where it cannot be is refused") {
     gradsync::spawn(2, [&](LocalBackend& b) {
         Toy m(std::vector<std::size_t>(8, 64 * 1024), 0.0f);
-        DataParallel dp(m, b, gradsync::SizeCappedBuckets{64_MiB, 64_MiB},
-                        gradsync::Options{.autotune_buckets = false});
+        DataParallel dp(m, b, gradsync::SizeCappedBuckets{64_MiB, 64_MiB});
         const auto before = dp.plan();
         for (int s = 0; s < 2 * gradsync::detail::BucketTuner::steps_per_round; ++s) {
             m.fill_grads(b.rank());

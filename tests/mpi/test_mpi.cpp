@@ -323,7 +323,8 @@ TEST_CASE("equivalence over MPI: N processes with micro-batch b == one process w
 TEST_CASE("over MPI, bucket autotuning turns one bucket into a finer plan, the same on every rank") {
     gradsync::MpiBackend backend;
     testing_support::Toy m(std::vector<std::size_t>(16, 64 * 1024), 0.0f);  // 16 x 256 KiB
-    gradsync::DataParallel dp(m, backend, gradsync::SizeCappedBuckets{64_MiB, 64_MiB});
+    gradsync::DataParallel dp(m, backend, gradsync::SizeCappedBuckets{64_MiB, 64_MiB},
+                              gradsync::Options{.autotune_buckets = true});
     int wrong = 0;
     std::vector<std::uint64_t> hashes;
     std::size_t first_choice = 0;  // buckets after it

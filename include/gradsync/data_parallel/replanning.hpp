@@ -45,7 +45,7 @@ public:
         rebuild_ = options.rebuild_buckets && Rebuildable;
         if (rebuild_) readiness.record_arrivals();
         if constexpr (Tunable) {
-            tuner_ = BucketTuner(options.autotune_buckets.value_or(true) && world_size > 1);
+            tuner_ = BucketTuner(options.autotune_buckets && world_size > 1);
             readiness.time_arrivals(tuner_.active());
         }
     }

@@ -53,8 +53,7 @@ std::vector<Setting> agreed_settings(const Bucketer& bucketer, const Memory& mem
             {"LR rule", settings_of(lr)},
             {"Options::find_unused_parameters", options.find_unused_parameters ? "true" : "false"},
             {"Options::rebuild_buckets", options.rebuild_buckets ? "true" : "false"},
-            {"Options::autotune_buckets",
-             options.autotune_buckets ? (*options.autotune_buckets ? "true" : "false") : "unset"},
+            {"Options::autotune_buckets", options.autotune_buckets ? "true" : "false"},
             {"Options::clip_norm", std::to_string(options.clip_norm)},
             {"Options::check_histories", options.check_histories.value_or(!device_backend) ? "true" : "false"},
             {"Options::check_replicas_every", std::to_string(options.replica_check_interval(device_memory))}};

@@ -73,15 +73,15 @@ inline std::string device_memory_problem(const Options& options, bool device_mem
     return {};
 }
 
-// Options::autotune_buckets = true where buckets cannot be tuned.
+// Options::autotune_buckets where buckets cannot be tuned.
 inline std::string autotune_problem(const Options& options, bool tunable_bucketer, bool host_timed) {
-    if (!options.autotune_buckets.value_or(false)) return {};
+    if (!options.autotune_buckets) return {};
     if (!tunable_bucketer)
         return "Options::autotune_buckets chooses bucket caps, and this bucketer has none: use "
-               "gradsync::SizeCappedBuckets, or leave autotune_buckets unset";
+               "gradsync::SizeCappedBuckets, or leave autotune_buckets off";
     if (!host_timed)
         return "Options::autotune_buckets times collectives on the host, and this set-up runs them on a device "
-               "stream (device memory or a device backend): leave autotune_buckets unset";
+               "stream (device memory or a device backend): leave autotune_buckets off";
     return {};
 }
 
