@@ -4,9 +4,11 @@
 // of MpiOptions::chunk (Open MPI's temporaries for one huge call page-fault on every call; for
 // pieces the allocator reuses them, so this is the transport's real ceiling). Run under mpirun (scripts/bench.sh does,
 // with 2 processes). Within every iteration the two alternate, in alternating order; an iteration's time is the slowest
-// rank's, and each figure is a median, beside the median of per-iteration ratios.
+// rank's, and each figure is a median, beside the median of per-iteration ratios. First, unless
+// --in-place-only, allreduce bandwidth by message size: raw MPI_Allreduce beside MpiBackend's.
 //
-//   bench_mpi [--iterations N] [--chunk-kib K] [--pack-kib K] [--layout resnet50|bert_base] [--in-place-only]
+//   bench_mpi [--iterations N] [--chunk-kib K] [--pack-kib K] [--algorithm auto|ring|mpi]
+//             [--layout resnet50|bert_base] [--in-place-only]
 //             [--results-name NAME]   (the results file's name, where GRADSYNC_BENCH_RESULTS is set)
 #include <gradsync/backend/mpi.hpp>
 #include <gradsync/gradsync.hpp>
@@ -108,6 +110,43 @@ Row measure(const std::string& name, const std::vector<layouts::Tensor>& tensors
     return row;
 }
 
+// Allreduce bandwidth from 4 KiB to 256 MiB across the processes: raw in-place MPI_Allreduce (sum)
+// beside MpiBackend::allreduce (average) of the same buffer, alternating; median seconds of each.
+struct SweepPoint {
+    std::size_t bytes = 0;
+    double raw_s = 0, ours_s = 0;
+};
+
+std::vector<SweepPoint> bandwidth_sweep(const Settings& s) {
+    gradsync::MpiBackend backend(gradsync::mpi_world(), s.mpi);
+    std::vector<SweepPoint> points;
+    for (std::size_t bytes = 4u << 10; bytes <= (256u << 20); bytes *= 4) {
+        std::vector<float> data(bytes / sizeof(float), 1.0f);
+        auto raw = [&] {
+            MPI_Allreduce(MPI_IN_PLACE, data.data(), static_cast<int>(data.size()), MPI_FLOAT, MPI_SUM,
+                          gradsync::mpi_world());
+        };
+        auto ours = [&] { backend.allreduce(std::span<float>(data), gradsync::ReduceOp::average); };
+        // About 0.1 s of each per size, and at least 3 (1 when --iterations 1 asks for a quick run).
+        const int n = s.iterations <= 1 ? 1 : std::max<int>(3, static_cast<int>((64u << 20) / bytes));
+        std::vector<double> raw_s, ours_s;
+        for (int i = -1; i < n; ++i) {  // one warm-up
+            const double r = timed(gradsync::mpi_world(), raw), o = timed(gradsync::mpi_world(), ours);
+            if (i < 0) continue;
+            raw_s.push_back(r);
+            ours_s.push_back(o);
+        }
+        points.push_back({bytes, bench::median(raw_s), bench::median(ours_s)});
+        if (backend.rank() == 0) {
+            std::printf("  %9zu KiB   raw MPI_Allreduce %8.2f GB/s   MpiBackend::allreduce %8.2f GB/s   ratio %.3f\n",
+                        bytes >> 10, double(bytes) / points.back().raw_s / 1e9,
+                        double(bytes) / points.back().ours_s / 1e9, points.back().ours_s / points.back().raw_s);
+            std::fflush(stdout);
+        }
+    }
+    return points;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -123,14 +162,23 @@ int main(int argc, char** argv) {
             s.mpi.pack_below = gradsync::Bytes{std::size_t(std::atol(argv[++i])) << 10};
         } else if (a == "--results-name" && i + 1 < argc) {
             s.results = argv[++i];
+        } else if (a == "--algorithm" && i + 1 < argc && std::string(argv[i + 1]) == "auto") {
+            s.mpi.algorithm = gradsync::MpiAlgorithm::automatic;
+            ++i;
+        } else if (a == "--algorithm" && i + 1 < argc && std::string(argv[i + 1]) == "ring") {
+            s.mpi.algorithm = gradsync::MpiAlgorithm::ring;
+            ++i;
+        } else if (a == "--algorithm" && i + 1 < argc && std::string(argv[i + 1]) == "mpi") {
+            s.mpi.algorithm = gradsync::MpiAlgorithm::mpi_allreduce;
+            ++i;
         } else if (a == "--in-place-only") {
             s.in_place_only = true;
         } else if (a == "--layout" && i + 1 < argc) {
             s.only = argv[++i];
         } else {
             std::fprintf(stderr,
-                         "usage: bench_mpi [--iterations N] [--chunk-kib K] [--pack-kib K] [--layout "
-                         "resnet50|bert_base] [--in-place-only] [--results-name NAME]\n");
+                         "usage: bench_mpi [--iterations N] [--chunk-kib K] [--pack-kib K] [--algorithm auto|ring|mpi] "
+                         "[--layout resnet50|bert_base] [--in-place-only] [--results-name NAME]\n");
             return 2;
         }
     }
@@ -145,6 +193,11 @@ int main(int argc, char** argv) {
         const char* name;
         std::vector<layouts::Tensor> (*tensors)();
     };
+    std::vector<SweepPoint> sweep;
+    if (!s.in_place_only) {
+        if (rank == 0) std::printf("Allreduce bandwidth (algbw = busbw for 2 processes), median of the iterations:\n");
+        sweep = bandwidth_sweep(s);
+    }
     std::vector<Row> rows;
     for (auto layout : {Layout{"resnet50", layouts::resnet50}, Layout{"bert_base", layouts::bert_base}}) {
         if (!s.only.empty() && s.only != layout.name) continue;
@@ -177,7 +230,15 @@ int main(int argc, char** argv) {
             summary.push_back({"MpiBackend synchronize() " + r.name + " / raw in pieces", r.ms, "ms", "raw, in pieces",
                                r.pieces_ms, "", r.ratio_pieces, "-", true});
         }
-        bench::write_summary_rows(s.results, summary);
+        nlohmann::json points = nlohmann::json::array();
+        for (const auto& p : sweep) {
+            if (!bench::sane(p.raw_s) || !bench::sane(p.ours_s)) {
+                std::printf("BROKEN: allreduce of %zu bytes: not a finite positive time\n", p.bytes);
+                return 1;
+            }
+            points.push_back({{"bytes", p.bytes}, {"raw_s", p.raw_s}, {"gradsync_s", p.ours_s}});
+        }
+        bench::write_summary_rows(s.results, summary, {{"bandwidth", points}});
     }
     return 0;
 }

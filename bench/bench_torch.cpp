@@ -3,6 +3,8 @@
 // buffers, in the same run and alternating, so that both see the same machine. The adapter lists
 // the module again every step (named_parameters(), to follow gradients torch may reallocate);
 // the plain model is listed too (Options::storage_may_move is on for both).
+//
+//   bench_torch [--quick]   (--quick: one round of one step, only to check every figure is produced)
 #include <torch/torch.h>
 
 #include <gradsync/gradsync.hpp>
@@ -33,10 +35,9 @@ struct LayoutModule : torch::nn::Module {
     }
 };
 
-constexpr int rounds = 5, steps_per_round = 6;
-
 template <class Model>
-void time_steps(gradsync::DataParallel<Model, gradsync::LocalBackend>& dp, std::vector<double>& samples) {
+void time_steps(gradsync::DataParallel<Model, gradsync::LocalBackend>& dp, int steps_per_round,
+                std::vector<double>& samples) {
     for (int s = 0; s < steps_per_round; ++s) {
         const auto start = std::chrono::steady_clock::now();
         dp.synchronize();
@@ -46,7 +47,13 @@ void time_steps(gradsync::DataParallel<Model, gradsync::LocalBackend>& dp, std::
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+    const bool quick = argc == 2 && std::string(argv[1]) == "--quick";
+    if (argc > 2 || (argc == 2 && !quick)) {
+        std::fprintf(stderr, "usage: bench_torch [--quick]\n");
+        return 2;
+    }
+    const int rounds = quick ? 1 : 5, steps_per_round = quick ? 1 : 6;
     torch::set_num_threads(1);
     const auto tensors = layouts::resnet50();
     std::vector<double> torch_ms, plain_ms, listing_us;
@@ -57,8 +64,8 @@ int main() {
         gradsync::DataParallel plain_dp(plain, backend);
         std::vector<double> mine_torch, mine_plain, mine_listing;
         for (int r = 0; r < rounds; ++r) {
-            time_steps(torch_dp, mine_torch);
-            time_steps(plain_dp, mine_plain);
+            time_steps(torch_dp, steps_per_round, mine_torch);
+            time_steps(plain_dp, steps_per_round, mine_plain);
             const auto start = std::chrono::steady_clock::now();
             const auto listed = gradsync::parameters(module);
             mine_listing.push_back(
@@ -78,6 +85,11 @@ int main() {
                 p);
     std::printf("  ratio          %8.3f   (1.0 = the adapter costs nothing)\n", t / p);
     std::printf("  listing the module once: %.0f us (median)\n", bench::median(listing_us));
+    // A figure that is not a finite positive number means the benchmark broke.
+    if (!bench::sane(t) || !bench::sane(p)) {
+        std::printf("BROKEN: the adapter's or the plain model's time is not a finite positive figure\n");
+        return 1;
+    }
     bench::write_summary_rows("torch_adapter", {{"libtorch adapter synchronize(), ResNet-50 / plain vectors", t, "ms",
                                                  "plain vectors", p, "", t / p, "-", true}});
 }

@@ -6,9 +6,11 @@ the standard headers the umbrella header itself includes (what any C++20 code us
   a trainer     examples/train_mlp_dp.cpp  vs  examples/train_mlp.cpp, its single-process twin (-O2)
 
 Median of --runs compiles each, with the compiler the build uses (g++ unless CXX says otherwise).
+Exits 1 when a figure is not a finite positive number (a broken benchmark).
 """
 import argparse
 import json
+import math
 import os
 import pathlib
 import re
@@ -70,6 +72,9 @@ def main():
         single = timed(base + ["-O2", "-c", str(ROOT / "examples/train_mlp.cpp"), "-o", str(out)], args.runs)
         print(f"  examples/train_mlp_dp.cpp at -O2               {dp:6.2f} s   "
               f"train_mlp.cpp (no gradsync)        {single:6.2f} s   ratio {dp / single:5.2f}", flush=True)
+    if not all(math.isfinite(x) and x > 0 for x in (ours, ceiling, dp, single)):
+        print("BROKEN: a compile time is not a finite positive figure")
+        return 1
     results = os.environ.get("GRADSYNC_BENCH_RESULTS")
     if results:
         rows = [{"figure": "compile: #include <gradsync/gradsync.hpp>, syntax only", "measured": ours, "unit": "s",

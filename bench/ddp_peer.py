@@ -11,10 +11,12 @@ percent within a minute, so only measurements taken close together compare. The 
 costs almost nothing (the loss is the sum of every parameter), so nothing else is measured.
 
 usage: ddp_peer.py [--bench-mpi PATH] [--rounds 3] [--iterations N] [--bucket-cap-mb 25]
-Without PyTorch it says so and exits 0 (scripts/bench.sh installs Debian's python3-torch).
+Without PyTorch it says so and exits 0 (scripts/bench.sh installs Debian's python3-torch). Exits 1
+when a figure is not a finite positive number (a broken benchmark).
 """
 import argparse
 import json
+import math
 import os
 import re
 import socket
@@ -231,6 +233,10 @@ def main():
         print(f"{name:<10} {med([r[0] for r in runs]):8.1f} ms {med([r[1] for r in runs]):7.1f} ms "
               f"{med([r[2] for r in runs]):7.1f} ms {med([r[3] for r in runs]):7.1f} ms {speedup:11.1f}x")
     print("(medians over rounds; the speed-up is the median of the per-round ratios)")
+    figures = [x for runs in rows.values() for run in runs for x in run]
+    if not all(math.isfinite(x) and x > 0 for x in figures):
+        print("BROKEN: a time is not a finite positive figure")
+        return 1
     print(f"target: gradsync at least 4x faster than DDP per step synchronization: {'met' if ok else 'MISSED'}")
     results = os.environ.get("GRADSYNC_BENCH_RESULTS")
     if results:

@@ -2,7 +2,7 @@
 """The one table that ends scripts/bench.sh: every benchmark's summary figures (the JSON files
 they wrote into the results directory), each beside its ceiling or baseline measured in the same
 run, the ratio, the target and whether it was met; all of them in results.json; and plots (PNG,
-where matplotlib is installed) of the allreduce bandwidth against memcpy, synchronize() against
+where matplotlib is installed) of the allreduce bandwidth against memcpy and raw MPI, synchronize() against
 the flat allreduce, overlap with backward, and the race with PyTorch DDP.
 
 usage: summary.py RESULTS_DIR
@@ -116,14 +116,22 @@ def plots(sources, directory):
         return sorted(points)
 
     allreduce, memcpy = sweep("allreduce_2_ranks"), sweep("memcpy")
+    # Across processes (bench_mpi): raw MPI_Allreduce and MpiBackend's, 2 processes.
+    mpi_points = sources.get("mpi", {}).get("bandwidth", [])
+    raw_mpi = [(p["bytes"], p["bytes"] / p["raw_s"] / 1e9) for p in mpi_points if p.get("raw_s")]
+    ours_mpi = [(p["bytes"], p["bytes"] / p["gradsync_s"] / 1e9) for p in mpi_points if p.get("gradsync_s")]
     if allreduce and memcpy:
         fig, ax = plt.subplots(figsize=(7, 4))
         ax.plot(*zip(*allreduce), "o-", label="LocalBackend allreduce, 2 ranks (busbw)")
         ax.plot(*zip(*memcpy), "s--", label="memcpy, one thread (the ceiling)")
+        if raw_mpi and ours_mpi:
+            ax.plot(*zip(*ours_mpi), "^-", label="MpiBackend allreduce, 2 processes")
+            ax.plot(*zip(*raw_mpi), "v:", label="raw MPI_Allreduce, 2 processes")
         ax.set_xscale("log", base=2)
+        ax.set_yscale("log")  # memcpy in cache is tens of times the rest
         ax.set_xlabel("message size (bytes)")
         ax.set_ylabel("GB/s")
-        ax.set_title("Allreduce bandwidth against memcpy, same run")
+        ax.set_title("Allreduce bandwidth against memcpy and raw MPI, same run")
         ax.legend()
         ax.grid(alpha=0.3)
         save(fig, "allreduce_bandwidth.png")

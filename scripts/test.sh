@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # Runs the whole test suite: the dev build (unit, equivalence, compile-fail, consumer, single
-# header, README, nvcc and format checks; the libtorch adapter against Debian's libtorch 1.13 and
-# a current one from PyPI), 40 seconds of fuzzing the checkpoint reader, then the tests again under
-# ThreadSanitizer and under AddressSanitizer + UndefinedBehaviorSanitizer. Installs what it needs
-# on Debian 12.
+# header, README, nvcc and format checks, every benchmark once in its quick mode; the libtorch
+# adapter against Debian's libtorch 1.13 and a current one from PyPI), 40 seconds of fuzzing the
+# checkpoint reader, then the tests again under ThreadSanitizer and under AddressSanitizer +
+# UndefinedBehaviorSanitizer. Installs what it needs on Debian 12.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/deps.sh
 
 ensure_packages cmake ninja-build g++ make python3 doctest-dev libbenchmark-dev clang-format \
-    libopenmpi-dev openmpi-bin nlohmann-json3-dev clang-14 libtorch-dev libeigen3-dev pkgconf python3-pip unzip
+    libopenmpi-dev openmpi-bin nlohmann-json3-dev clang-14 libtorch-dev libeigen3-dev pkgconf python3-pip unzip python3-torch
 export PATH="$PATH:/usr/local/cuda/bin"  # nvcc, where the CUDA toolkit is installed
 
 for preset in dev tsan asan-ubsan; do

@@ -1709,10 +1709,11 @@ struct CollectiveCall {
 // ---- begin gradsync/detail/wait.hpp ----
 #ifndef GRADSYNC_SINGLE_DETAIL_WAIT_HPP
 #define GRADSYNC_SINGLE_DETAIL_WAIT_HPP
-// Waiting without burning a core and without sleeping through a wake-up: spin briefly (the
-// common case, when the peer is running on another core), then yield, then sleep on a Doorbell.
+// Waiting without holding a core another thread needs and without sleeping through a wake-up:
+// spin while spinning has lately paid, yield while nobody else wants the core, then sleep.
 
 
+#include <algorithm>  // for std::clamp
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -1757,41 +1758,69 @@ private:
     std::atomic<int> sleepers_{0};
 };
 
-// How long a waiter spins before yielding and then sleeping.
-struct SpinPolicy {
-    std::uint32_t spins = 1u << 14;  // busy iterations with a pause instruction
-    std::uint32_t yields = 1u << 8;  // sched_yield calls after that
-    std::chrono::nanoseconds sleep_slice = std::chrono::milliseconds(5);
+// How long a waiter spins on the pause instruction, learnt from how its recent waits ended.
+// Spinning pays only while the thread it waits for runs on another core; when that thread waits
+// for a core, as beside a trainer's own compute threads, every spin delays it. A wait that ends
+// while spinning lets the next one spin a quarter longer; one that outlasts its spin halves it.
+class SpinBudget {
+public:
+    static constexpr std::chrono::nanoseconds least{1'000};
+    static constexpr std::chrono::nanoseconds most{64'000};
 
-    // Spinning only pays when every waiting thread has a core of its own.
-    static SpinPolicy for_threads(unsigned threads) {
-        SpinPolicy p;
-        unsigned cores = std::thread::hardware_concurrency();
-        if (cores != 0 && threads > cores) {
-            p.spins = 64;
-            p.yields = 64;
-        }
-        return p;
+    SpinBudget() = default;
+    SpinBudget(const SpinBudget&) = delete;
+    SpinBudget& operator=(const SpinBudget&) = delete;
+
+    [[nodiscard]] std::chrono::nanoseconds get() const {
+        return std::chrono::nanoseconds(ns_.load(std::memory_order_relaxed));
     }
+    // A lost update between two waiters sharing a budget only delays the learning.
+    void paid() { ns_.store(clamp(get().count() + get().count() / 4), std::memory_order_relaxed); }
+    void wasted() { ns_.store(clamp(get().count() / 2), std::memory_order_relaxed); }
+
+private:
+    static std::int64_t clamp(std::int64_t ns) { return std::clamp(ns, least.count(), most.count()); }
+
+    std::atomic<std::int64_t> ns_{most.count()};
 };
 
-// Waits until ready() holds. check() runs every few hundred spins and on every wake-up; it throws
-// to end the wait (abort, deadline). Returns as soon as ready() is seen.
+// After the spin, a waiter yields until this long after it began: a thread that sleeps lets its
+// core idle, and waking an idle core (a virtual machine's above all) can take a millisecond.
+inline constexpr std::chrono::nanoseconds yield_for = std::chrono::microseconds(200);
+// A yield that returns this late means another thread wanted the core: sleep and leave it to
+// them; the kernel wakes a sleeper ahead of busy threads, a yielder only behind them.
+inline constexpr std::chrono::nanoseconds contended_yield = std::chrono::microseconds(10);
+inline constexpr std::chrono::nanoseconds sleep_slice = std::chrono::milliseconds(5);
+
+// Waits until ready() holds: spins for the budget, yields, then sleeps on `bell`. check() runs
+// every few hundred spins and on every yield and wake-up; it throws to end the wait (abort,
+// deadline). Returns as soon as ready() is seen.
 template <class Ready, class Check>
-void wait_until(Ready&& ready, Check&& check, Doorbell& bell, const SpinPolicy& policy) {
-    for (std::uint32_t i = 0; i < policy.spins; ++i) {
-        if (ready()) return;
-        if ((i & 255u) == 255u) check();
+void wait_until(Ready&& ready, Check&& check, Doorbell& bell, SpinBudget& budget) {
+    using clock = std::chrono::steady_clock;
+    const auto start = clock::now();
+    const auto stop_spinning = start + budget.get();
+    for (std::uint32_t i = 1;; ++i) {
+        if (ready()) {
+            budget.paid();
+            return;
+        }
+        if (i % 256 == 0) check();
+        if (i % 16 == 0 && clock::now() >= stop_spinning) break;
         cpu_relax();
     }
-    for (std::uint32_t i = 0; i < policy.yields; ++i) {
+    budget.wasted();
+    for (auto now = clock::now(); now < start + yield_for;) {
         if (ready()) return;
         check();
         std::this_thread::yield();
+        const auto before = now;
+        now = clock::now();
+        if (now - before > contended_yield) break;
     }
     while (!ready()) {
         check();
-        bell.sleep(ready, policy.sleep_slice);
+        bell.sleep(ready, sleep_slice);
     }
 }
 
@@ -1812,10 +1841,10 @@ namespace detail {
 
 // Shared state of one asynchronous operation: set once by the thread that runs it.
 struct Completion {
-    // Waiters spin only where the thread doing the work is sure to have a core of its own.
-    explicit Completion(SpinPolicy waiting = {}) : spin(waiting) {}
+    // Waiters share the budget of their backend, which learns how long spinning pays.
+    explicit Completion(std::shared_ptr<SpinBudget> waiting) : spin(std::move(waiting)) {}
 
-    SpinPolicy spin;
+    std::shared_ptr<SpinBudget> spin;
     std::atomic<bool> done{false};
     std::exception_ptr error;                           // written before `done`, read after it
     std::chrono::steady_clock::time_point finished_at;  // likewise
@@ -1835,7 +1864,7 @@ struct Completion {
                                [deadline] {
                                    if (std::chrono::steady_clock::now() >= deadline) throw Expired{};
                                },
-                               bell, spin);
+                               bell, *spin);
         } catch (Expired) {
             return done.load(std::memory_order_acquire);
         }

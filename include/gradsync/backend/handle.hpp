@@ -18,10 +18,10 @@ namespace detail {
 
 // Shared state of one asynchronous operation: set once by the thread that runs it.
 struct Completion {
-    // Waiters spin only where the thread doing the work is sure to have a core of its own.
-    explicit Completion(SpinPolicy waiting = {}) : spin(waiting) {}
+    // Waiters share the budget of their backend, which learns how long spinning pays.
+    explicit Completion(std::shared_ptr<SpinBudget> waiting) : spin(std::move(waiting)) {}
 
-    SpinPolicy spin;
+    std::shared_ptr<SpinBudget> spin;
     std::atomic<bool> done{false};
     std::exception_ptr error;                           // written before `done`, read after it
     std::chrono::steady_clock::time_point finished_at;  // likewise
@@ -41,7 +41,7 @@ struct Completion {
                                [deadline] {
                                    if (std::chrono::steady_clock::now() >= deadline) throw Expired{};
                                },
-                               bell, spin);
+                               bell, *spin);
         } catch (Expired) {
             return done.load(std::memory_order_acquire);
         }

@@ -176,8 +176,7 @@ private:
     }
 
     CollectiveHandle launch(const detail::LocalCall& call) {
-        // Each rank's caller and progress thread: 2n threads that may want a core at once.
-        auto done = std::make_shared<detail::Completion>(detail::SpinPolicy::for_threads(2u * unsigned(size())));
+        auto done = std::make_shared<detail::Completion>(waiting_);
         async_.launch([group = group_, rank = rank_, call] { execute(*group, rank, call); }, done);
         return CollectiveHandle(std::move(done));
     }
@@ -193,6 +192,7 @@ private:
     int rank_ = 0;
     std::uint64_t next_seq_ = 0;
     detail::AsyncCollectives async_;
+    std::shared_ptr<detail::SpinBudget> waiting_ = std::make_shared<detail::SpinBudget>();  // for handles
 };
 
 }  // namespace gradsync::inline v0

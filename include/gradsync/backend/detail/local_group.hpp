@@ -59,6 +59,7 @@ struct alignas(cache_line) LocalRankState {
     AlignedBytes block;  // reduce_block_bytes
     std::vector<SegmentCursor> cursors;
     std::vector<void*> pointers;
+    SpinBudget spin;  // how long its waits for peers spin
 };
 
 class LocalGroupState {
@@ -66,7 +67,6 @@ public:
     LocalGroupState(int size, LocalGroupOptions options)
         : size_(size),
           options_(options),
-          spin_(SpinPolicy::for_threads(static_cast<unsigned>(size))),
           ranks_(static_cast<std::size_t>(size)),
           reporters_(static_cast<std::size_t>(size)) {
         std::size_t slot = std::max<std::size_t>(4096, options.one_shot_max.count());
@@ -182,7 +182,7 @@ private:
             auto ready = [&] { return peer.epoch.load(std::memory_order_acquire) >= target; };
             if (ready()) continue;
             wait_until(
-                ready, [&] { check_wait(rank, s, target, call, deadline); }, bell_, spin_);
+                ready, [&] { check_wait(rank, s, target, call, deadline); }, bell_, me.spin);
         }
         return static_cast<unsigned>((target - 1) & 1u);
     }
@@ -341,7 +341,6 @@ private:
 
     int size_;
     LocalGroupOptions options_;
-    SpinPolicy spin_;
     std::size_t staging_bytes_ = 0;
     std::vector<LocalRankState> ranks_;
     Doorbell bell_;

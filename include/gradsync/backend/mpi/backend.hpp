@@ -219,7 +219,7 @@ private:
 
     template <class F>
     CollectiveHandle launch(const CollectiveCall& call, F body) {
-        auto done = std::make_shared<detail::Completion>();
+        auto done = std::make_shared<detail::Completion>(waiting_);
         async_.launch([this, seq = call.seq, what = call.describe(),
                        body = std::move(body)]() mutable { guarded(seq, what, body); },
                       done);
@@ -335,6 +335,7 @@ private:
     std::vector<std::pair<std::uint64_t, std::function<std::string()>>> reporters_;
     std::uint64_t next_reporter_ = 0;
 
+    std::shared_ptr<detail::SpinBudget> waiting_ = std::make_shared<detail::SpinBudget>();  // for handles
     detail::AsyncCollectives async_;  // last: destroyed first, drained before the rest
 };
 
