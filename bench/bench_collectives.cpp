@@ -5,15 +5,14 @@
 
 #include <benchmark/benchmark.h>
 
+#include "busy_neighbours.hpp"
 #include "results.hpp"
 #include "two_ranks.hpp"
 
-#include <algorithm>  // for std::max
-#include <atomic>
+#include <algorithm>  // for std::min_element, std::max_element
 #include <cstdint>
 #include <cstring>
 #include <span>
-#include <thread>
 #include <vector>
 
 namespace {
@@ -57,38 +56,13 @@ void allreduce(benchmark::State& state) {
     state.SetBytesProcessed(state.iterations() * state.range(0));  // algbw
 }
 
-// One thread per core spinning on arithmetic while it lives.
-class BusyNeighbours {
-public:
-    BusyNeighbours() {
-        for (unsigned i = 0; i < std::max(1u, std::thread::hardware_concurrency()); ++i)
-            threads_.emplace_back([this] {
-                std::uint64_t x = 1;
-                while (!stop_.load(std::memory_order_relaxed)) {
-                    for (int k = 0; k < 1000; ++k) x = x * 6364136223846793005ull + 1442695040888963407ull;
-                    benchmark::DoNotOptimize(x);
-                }
-            });
-    }
-    BusyNeighbours(const BusyNeighbours&) = delete;
-    BusyNeighbours& operator=(const BusyNeighbours&) = delete;
-    ~BusyNeighbours() {
-        stop_.store(true);
-        for (auto& t : threads_) t.join();
-    }
-
-private:
-    std::atomic<bool> stop_{false};
-    std::vector<std::thread> threads_;
-};
-
 void allreduce_busy(benchmark::State& state) {
-    BusyNeighbours busy;
+    bench::BusyNeighbours busy;
     allreduce(state);
 }
 
 void memcpy_busy(benchmark::State& state) {
-    BusyNeighbours busy;
+    bench::BusyNeighbours busy;
     memcpy_bandwidth(state);
 }
 

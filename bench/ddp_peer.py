@@ -187,7 +187,7 @@ def run_gradsync(args, name):
     cmd = ["mpirun", "--oversubscribe", "-np", "2", args.bench_mpi, "--iterations", str(args.iterations),
            "--layout", name, "--in-place-only"]
     out = subprocess.run(cmd, env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
-    m = re.search(rf"^  {name}/in_place\s+synchronize\s+([0-9.]+) ms \| raw flat\s+([0-9.]+) ms", out, re.M)
+    m = re.search(rf"^  {name}/in_place\s+synchronize\s+([0-9.]+) ms \([0-9. -]+\) \| raw flat\s+([0-9.]+) ms", out, re.M)
     if not m:
         raise SystemExit(f"no figure for {name} in bench_mpi's output:\n{out}")
     return float(m.group(1)), float(m.group(2))

@@ -25,6 +25,8 @@ public:
             out.push_back(gradsync::parameter(tensors_[i].name, values_[i], grads_[i]));
         return out;
     }
+    // The gradient tensors, e.g. for a reference that reduces the very same memory.
+    std::vector<std::vector<float>>& gradients() { return grads_; }
 
 private:
     std::vector<layouts::Tensor> tensors_;

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Runs the throughput benchmarks and prints every figure beside the ceiling or baseline measured
 # in the same run: first what including gradsync costs a compile, then LocalBackend (threads of
-# one process, the default CPU backend), DataParallel<MpiBackend> on 2 processes under mpirun and
-# started torchrun-style, the race with PyTorch DDP (gloo) on the same layouts (Debian's PyTorch
-# 1.13, then the current one from PyPI) and what the libtorch adapter costs; last, one table of
-# every figure, with build/bench-results/results.json and plots. Installs what it needs on Debian
-# 12. Extra arguments go to Google Benchmark, e.g. --benchmark_filter=allreduce;
+# one process, the default CPU backend), DataParallel<MpiBackend> on 2 processes under mpirun (also
+# beside one busy-looping thread per core) and started torchrun-style, the race with PyTorch DDP
+# (gloo) on the same layouts (Debian's PyTorch 1.13, then the current one from PyPI) and what the
+# libtorch adapter costs; last, one table of every figure, with build/bench-results/results.json
+# and plots. Installs what it needs on Debian 12. Extra arguments go to Google Benchmark, e.g.
+# --benchmark_filter=allreduce;
 # GRADSYNC_BENCH_ONLY=local skips the MPI and DDP parts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -41,6 +42,9 @@ fi
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 step "MpiBackend on 2 processes (about a minute)"
 mpirun --oversubscribe -np 2 ./build/bench/bench/bench_mpi
+step "MpiBackend on 2 processes beside one busy-looping thread per core (under a minute)"
+mpirun --oversubscribe -np 2 ./build/bench/bench/bench_mpi --in-place-only --busy --iterations 10 \
+    --results-name mpi_busy
 step "MpiBackend on 2 processes started torchrun-style, joined through ompi-server (TCP; under a minute)"
 python3 tests/mpi/env_launch.py 2 ./build/bench/bench/bench_mpi --iterations 10 --in-place-only \
     --results-name mpi_torchrun

@@ -1396,8 +1396,10 @@ struct MpiOptions {
     // A collective that has not completed by then ends the job (MPI_Abort) with a diagnosis.
     std::chrono::milliseconds timeout = std::chrono::seconds(600);
     // An allreduce runs in pieces of this size, so each piece is still in cache when it is
-    // averaged, and scratch memory stays at this size over the number of ranks.
-    Bytes chunk = Bytes{4u << 20};
+    // averaged, and scratch memory stays at this size over the number of ranks. On 2 processes of
+    // a 2-core VM, 512 KiB to 1 MiB pieces reduced BERT-base's gradients in 0.85 of the time
+    // 4 MiB pieces took; 1 MiB leaves parts of 128 KiB on 8 ranks.
+    Bytes chunk = Bytes{1u << 20};
     // `automatic` uses the ring for pieces of at least this size.
     Bytes ring_min = Bytes{256u << 10};
     // Segments smaller than this are packed together and reduced in one call: many small
