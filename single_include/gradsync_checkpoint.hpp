@@ -3554,9 +3554,9 @@ private:
 // ---- begin gradsync/backend/detail/host_reduce.hpp ----
 #ifndef GRADSYNC_SINGLE_BACKEND_DETAIL_HOST_REDUCE_HPP
 #define GRADSYNC_SINGLE_BACKEND_DETAIL_HOST_REDUCE_HPP
-// Host reduction loops. Written as fixed-width inner loops over restrict pointers so that g++
-// vectorizes them at -O2 as well as -O3; the sum order is always rank 0, 1, 2, ... so every
-// algorithm and every rank produces bitwise identical results.
+// Host reduction loops, written with 16-byte vectors so that they compile alike at -O2 and -O3;
+// the sum order is always rank 0, 1, 2, ... so every algorithm and every rank produces bitwise
+// identical results.
 
 
 // ---- begin gradsync/half.hpp ----
@@ -3750,30 +3750,72 @@ namespace gradsync::inline v0::detail {
 inline constexpr std::size_t reduce_block_bytes = 8192;  // one block of every input fits in L1
 inline constexpr std::size_t simd_width = 16;
 
+// float and double as 16-byte vectors of GCC and Clang. The loops below are written with them
+// rather than left to the loop vectorizer: at -O3 it rewrote the plain loops into a form that ran
+// MpiBackend's ring reduction step at half the speed of -O2 (stalled on its stores while the peer
+// process read the same pages). Element by element the same arithmetic, so the same bits.
+template <class T>
+struct Simd {
+    static constexpr bool available = false;
+};
+template <>
+struct Simd<float> {
+    static constexpr bool available = true;
+    using type = float __attribute__((vector_size(16)));
+};
+template <>
+struct Simd<double> {
+    static constexpr bool available = true;
+    using type = double __attribute__((vector_size(16)));
+};
+
+template <class V, class T>
+inline V load_vector(const T* p) {
+    V v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+template <class V, class T>
+inline void store_vector(T* p, V v) {
+    std::memcpy(p, &v, sizeof v);
+}
+
+// out[i] = a[i] + b[i]
 template <class T>
 inline void add_two(T* __restrict out, const T* __restrict a, const T* __restrict b, std::size_t n) {
-    const std::size_t full = n - n % simd_width;
     std::size_t i = 0;
-    for (; i < full; i += simd_width)
-        for (std::size_t j = 0; j < simd_width; ++j) out[i + j] = a[i + j] + b[i + j];
+    if constexpr (Simd<T>::available) {
+        using V = typename Simd<T>::type;
+        constexpr std::size_t lanes = sizeof(V) / sizeof(T);
+        for (const std::size_t full = n - n % lanes; i < full; i += lanes)
+            store_vector(out + i, load_vector<V>(a + i) + load_vector<V>(b + i));
+    }
     for (; i < n; ++i) out[i] = a[i] + b[i];
 }
 
+// out[i] += a[i]
 template <class T>
 inline void add_into(T* __restrict out, const T* __restrict a, std::size_t n) {
-    const std::size_t full = n - n % simd_width;
     std::size_t i = 0;
-    for (; i < full; i += simd_width)
-        for (std::size_t j = 0; j < simd_width; ++j) out[i + j] += a[i + j];
+    if constexpr (Simd<T>::available) {
+        using V = typename Simd<T>::type;
+        constexpr std::size_t lanes = sizeof(V) / sizeof(T);
+        for (const std::size_t full = n - n % lanes; i < full; i += lanes)
+            store_vector(out + i, load_vector<V>(out + i) + load_vector<V>(a + i));
+    }
     for (; i < n; ++i) out[i] += a[i];
 }
 
+// out[i] *= factor
 template <class T>
 inline void scale_in_place(T* __restrict out, T factor, std::size_t n) {
-    const std::size_t full = n - n % simd_width;
     std::size_t i = 0;
-    for (; i < full; i += simd_width)
-        for (std::size_t j = 0; j < simd_width; ++j) out[i + j] *= factor;
+    if constexpr (Simd<T>::available) {
+        using V = typename Simd<T>::type;
+        constexpr std::size_t lanes = sizeof(V) / sizeof(T);
+        for (const std::size_t full = n - n % lanes; i < full; i += lanes)
+            store_vector(out + i, load_vector<V>(out + i) * factor);
+    }
     for (; i < n; ++i) out[i] *= factor;
 }
 

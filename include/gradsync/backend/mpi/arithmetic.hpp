@@ -22,10 +22,13 @@ void add_scaled(T* __restrict out, const T* __restrict in, T factor, std::size_t
         add_into(out, in, n);
         return;
     }
-    const std::size_t full = n - n % simd_width;
     std::size_t i = 0;
-    for (; i < full; i += simd_width)
-        for (std::size_t j = 0; j < simd_width; ++j) out[i + j] = (out[i + j] + in[i + j]) * factor;
+    if constexpr (Simd<T>::available) {
+        using V = typename Simd<T>::type;
+        constexpr std::size_t lanes = sizeof(V) / sizeof(T);
+        for (const std::size_t full = n - n % lanes; i < full; i += lanes)
+            store_vector(out + i, (load_vector<V>(out + i) + load_vector<V>(in + i)) * factor);
+    }
     for (; i < n; ++i) out[i] = (out[i] + in[i]) * factor;
 }
 
