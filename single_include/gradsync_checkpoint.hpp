@@ -3769,14 +3769,24 @@ struct Simd<double> {
     using type = double __attribute__((vector_size(16)));
 };
 
-template <class V, class T>
-inline V load_vector(const T* p) {
-    V v;
+template <class T>
+using vector_of = typename Simd<T>::type;
+template <class T>
+inline constexpr std::size_t lanes_of = sizeof(vector_of<T>) / sizeof(T);
+// The elements of n that whole vectors cover; the rest is left to a scalar tail.
+template <class T>
+inline std::size_t vector_part(std::size_t n) {
+    return n - n % lanes_of<T>;
+}
+
+template <class T>
+inline vector_of<T> load_vector(const T* p) {
+    vector_of<T> v;
     std::memcpy(&v, p, sizeof v);
     return v;
 }
-template <class V, class T>
-inline void store_vector(T* p, V v) {
+template <class T>
+inline void store_vector(T* p, vector_of<T> v) {
     std::memcpy(p, &v, sizeof v);
 }
 
@@ -3784,12 +3794,8 @@ inline void store_vector(T* p, V v) {
 template <class T>
 inline void add_two(T* __restrict out, const T* __restrict a, const T* __restrict b, std::size_t n) {
     std::size_t i = 0;
-    if constexpr (Simd<T>::available) {
-        using V = typename Simd<T>::type;
-        constexpr std::size_t lanes = sizeof(V) / sizeof(T);
-        for (const std::size_t full = n - n % lanes; i < full; i += lanes)
-            store_vector(out + i, load_vector<V>(a + i) + load_vector<V>(b + i));
-    }
+    if constexpr (Simd<T>::available)
+        for (; i < vector_part<T>(n); i += lanes_of<T>) store_vector(out + i, load_vector(a + i) + load_vector(b + i));
     for (; i < n; ++i) out[i] = a[i] + b[i];
 }
 
@@ -3797,12 +3803,9 @@ inline void add_two(T* __restrict out, const T* __restrict a, const T* __restric
 template <class T>
 inline void add_into(T* __restrict out, const T* __restrict a, std::size_t n) {
     std::size_t i = 0;
-    if constexpr (Simd<T>::available) {
-        using V = typename Simd<T>::type;
-        constexpr std::size_t lanes = sizeof(V) / sizeof(T);
-        for (const std::size_t full = n - n % lanes; i < full; i += lanes)
-            store_vector(out + i, load_vector<V>(out + i) + load_vector<V>(a + i));
-    }
+    if constexpr (Simd<T>::available)
+        for (; i < vector_part<T>(n); i += lanes_of<T>)
+            store_vector(out + i, load_vector(out + i) + load_vector(a + i));
     for (; i < n; ++i) out[i] += a[i];
 }
 
@@ -3810,12 +3813,8 @@ inline void add_into(T* __restrict out, const T* __restrict a, std::size_t n) {
 template <class T>
 inline void scale_in_place(T* __restrict out, T factor, std::size_t n) {
     std::size_t i = 0;
-    if constexpr (Simd<T>::available) {
-        using V = typename Simd<T>::type;
-        constexpr std::size_t lanes = sizeof(V) / sizeof(T);
-        for (const std::size_t full = n - n % lanes; i < full; i += lanes)
-            store_vector(out + i, load_vector<V>(out + i) * factor);
-    }
+    if constexpr (Simd<T>::available)
+        for (; i < vector_part<T>(n); i += lanes_of<T>) store_vector(out + i, load_vector(out + i) * factor);
     for (; i < n; ++i) out[i] *= factor;
 }
 

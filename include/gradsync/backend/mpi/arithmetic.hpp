@@ -23,12 +23,9 @@ void add_scaled(T* __restrict out, const T* __restrict in, T factor, std::size_t
         return;
     }
     std::size_t i = 0;
-    if constexpr (Simd<T>::available) {
-        using V = typename Simd<T>::type;
-        constexpr std::size_t lanes = sizeof(V) / sizeof(T);
-        for (const std::size_t full = n - n % lanes; i < full; i += lanes)
-            store_vector(out + i, (load_vector<V>(out + i) + load_vector<V>(in + i)) * factor);
-    }
+    if constexpr (Simd<T>::available)
+        for (; i < vector_part<T>(n); i += lanes_of<T>)
+            store_vector(out + i, (load_vector(out + i) + load_vector(in + i)) * factor);
     for (; i < n; ++i) out[i] = (out[i] + in[i]) * factor;
 }
 
