@@ -1,12 +1,15 @@
 // LocalBackend collectives on 2 ranks: allreduce bandwidth from 4 KiB to 256 MiB beside the
 // single-thread memcpy bandwidth at the same size (the ceiling), and small-message latency; then
 // both again beside one busy-looping thread per core, as a trainer's own compute threads would be.
+// Last, reduce_scatter then all_gather (sharded data parallel's two halves) against the allreduce
+// of the same buffer, interleaved.
 #include <gradsync/backend/local.hpp>
 
 #include <benchmark/benchmark.h>
 
 #include "busy_neighbours.hpp"
 #include "results.hpp"
+#include "stats.hpp"
 #include "two_ranks.hpp"
 
 #include <algorithm>  // for std::min_element, std::max_element
@@ -25,6 +28,8 @@ constexpr std::int64_t busy_latency_bytes[] = {4, 256};
 constexpr std::int64_t busy_bandwidth_bytes = 64 << 20;
 constexpr int repetitions = 5;
 constexpr double min_seconds = 0.2;
+constexpr std::int64_t sharded_bytes[] = {1 << 20, 16 << 20, 64 << 20};
+constexpr int sharded_iterations = 15;
 
 // Both buffers 64-byte aligned: glibc copies 2 KiB and up with `rep movsb`, which on some x86
 // processors (this development VM's AMD EPYC among them) runs at about 1.7 GB/s when source and
@@ -64,6 +69,35 @@ void allreduce_busy(benchmark::State& state) {
 void memcpy_busy(benchmark::State& state) {
     bench::BusyNeighbours busy;
     memcpy_bandwidth(state);
+}
+
+// reduce_scatter + all_gather against one allreduce of the same bytes, alternating which goes
+// first; the ratio is the median of the per-iteration ratios.
+void sharded_vs_allreduce(benchmark::State& state) {
+    const auto count = static_cast<std::size_t>(state.range(0)) / sizeof(float);
+    std::vector<double> sharded_s, allreduce_s, ratios;
+    bench::time_on_two_ranks(state, [&](gradsync::LocalBackend& b) {
+        const bool timer = b.rank() == 0;
+        return [&, timer, data = std::vector<float>(count, 1.0f), sharded_first = false, warm = false]() mutable {
+            auto [s, a] = bench::timed_pair(
+                [&] {
+                    b.reduce_scatter(std::span<float>(data), gradsync::ReduceOp::average);
+                    b.all_gather(std::span<float>(data));
+                },
+                [&] { b.allreduce(std::span<float>(data), gradsync::ReduceOp::average); }, !sharded_first);
+            if (timer && warm) {
+                sharded_s.push_back(s);
+                allreduce_s.push_back(a);
+                ratios.push_back(s / a);
+                state.SetIterationTime(s);
+            }
+            sharded_first = !sharded_first;
+            warm = true;
+        };
+    });
+    state.counters["sharded_us"] = bench::median(sharded_s) * 1e6;
+    state.counters["allreduce_us"] = bench::median(allreduce_s) * 1e6;
+    state.counters["sharded_over_allreduce"] = bench::median(ratios);
 }
 
 // Repetitions reported by their median, and by their fastest and slowest: the spread.
@@ -119,6 +153,15 @@ void register_collectives() {
     benchmark::RegisterBenchmark("busy/allreduce_latency_2_ranks", allreduce_busy)->Apply(for_busy_latency);
     benchmark::RegisterBenchmark("busy/allreduce_2_ranks", allreduce_busy)->Apply(for_busy_bandwidth);
     benchmark::RegisterBenchmark("busy/memcpy", memcpy_busy)->Apply(for_busy_bandwidth);
+    for (auto bytes : sharded_bytes) {
+        if (bench::quick() && bytes != sharded_bytes[0]) continue;
+        benchmark::RegisterBenchmark("sharded_vs_allreduce_2_ranks", sharded_vs_allreduce)
+            ->ArgName("bytes")
+            ->Arg(bytes)
+            ->UseManualTime()
+            ->Iterations(bench::iterations_of(sharded_iterations + 1))
+            ->Unit(benchmark::kMicrosecond);
+    }
 }
 
 }  // namespace bench

@@ -288,6 +288,19 @@ void print_summary() {
         target_row("allreduce 4..256 B, worst median latency", shown("%.2f", worst_small * 1e6, "us"), label_only("-"),
                    worst_small * 1e6 / 5.0, "<= 5 us", worst_small <= 5e-6);
     }
+    // Sharded data parallel's two halves against the allreduce: the same bytes cross.
+    for (long long bytes : {1ll << 20, 16ll << 20, 64ll << 20}) {
+        const std::string key = "sharded_vs_allreduce_2_ranks/bytes:" + std::to_string(bytes);
+        auto s = counter(key, "sharded_us"), a = counter(key, "allreduce_us"),
+             r = counter(key, "sharded_over_allreduce");
+        if (!s || !a || !r) {
+            if (!quick_mode || bytes == (1ll << 20)) missing(key);
+            continue;
+        }
+        const bool largest = bytes == (64ll << 20);
+        target_row("reduce_scatter + all_gather / allreduce, " + size_name(bytes), shown("%.1f", *s, "us"),
+                   shown("%.1f", *a, "us", "allreduce"), *r, largest ? "<= 1.10" : "-", *r <= 1.10);
+    }
     const std::string resnet = "synchronize_vs_flat/resnet50/in_place";
     auto sync = counter(resnet, "sync_ms"), flat = counter(resnet, "flat_ms"), ratio = counter(resnet, "ratio");
     if (!sync || !flat || !ratio) missing("synchronize() ResNet-50 / flat allreduce");

@@ -121,6 +121,8 @@ def plots(sources, directory):
     mpi_points = sources.get("mpi", {}).get("bandwidth", [])
     raw_mpi = [(p["bytes"], p["bytes"] / p["raw_s"] / 1e9) for p in mpi_points if p.get("raw_s")]
     ours_mpi = [(p["bytes"], p["bytes"] / p["gradsync_s"] / 1e9) for p in mpi_points if p.get("gradsync_s")]
+    sharded_mpi = [(p["bytes"], p["bytes"] / p["gradsync_sharded_s"] / 1e9)
+                   for p in mpi_points if p.get("gradsync_sharded_s")]
     if allreduce and memcpy:
         fig, ax = plt.subplots(figsize=(7, 4))
         ax.plot(*zip(*allreduce), "o-", label="LocalBackend allreduce, 2 ranks (busbw)")
@@ -128,6 +130,8 @@ def plots(sources, directory):
         if raw_mpi and ours_mpi:
             ax.plot(*zip(*ours_mpi), "^-", label="MpiBackend allreduce, 2 processes")
             ax.plot(*zip(*raw_mpi), "v:", label="raw MPI_Allreduce, 2 processes")
+        if sharded_mpi:
+            ax.plot(*zip(*sharded_mpi), "x-.", label="MpiBackend reduce_scatter + all_gather, 2 processes")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")  # memcpy in cache is tens of times the rest
         ax.set_xlabel("message size (bytes)")

@@ -30,7 +30,8 @@
 #define GRADSYNC_SINGLE_BACKEND_CONCEPTS_HPP
 // What a communication backend provides: the Backend concept (the required core: rank, size,
 // allreduce, broadcast, barrier) and one named concept per optional ability DataParallel uses
-// when a backend has it, each with a check that names what is missing.
+// when a backend has it (reduce_scatter and all_gather among them), each with a check that names
+// what is missing.
 
 
 // ---- begin gradsync/backend/handle.hpp ----
@@ -377,6 +378,91 @@ inline constexpr DType dtype_of = dtype_traits<std::remove_cv_t<T>>::value;
 #endif  // GRADSYNC_SINGLE_DTYPE_HPP
 // ---- end gradsync/dtype.hpp ----
 
+// ---- begin gradsync/error.hpp ----
+#ifndef GRADSYNC_SINGLE_ERROR_HPP
+#define GRADSYNC_SINGLE_ERROR_HPP
+// The exceptions gradsync throws. Every message names the rank, the operation and, where there
+// is one, the parameter, and says what to do about it.
+
+
+#include <stdexcept>  // for std::runtime_error
+#include <string>
+
+namespace gradsync::inline v0 {
+
+// Base of every gradsync exception.
+class Error : public std::runtime_error {
+public:
+    using std::runtime_error::runtime_error;
+};
+
+// Marks an error that every rank raises alike, with the same message, after their collectives
+// completed: no rank is left waiting, so the group needs no abort and may go on. Catch it as its
+// own type, or as `const gradsync::RaisedOnEveryRank&` to handle every such error at once.
+class RaisedOnEveryRank {};
+
+// The model handed to gradsync is unusable: null gradient, unsupported dtype, aliased buffers.
+class InvalidModel : public Error {
+public:
+    using Error::Error;
+};
+
+// The DataParallel's configuration is invalid (a zero timeout, a loss scaler that cannot work), or
+// differs across ranks in a setting that changes the sums. Thrown on every rank alike.
+class ConfigurationError : public Error {
+public:
+    using Error::Error;
+};
+
+// Ranks disagree on the model's parameter layout. Thrown on every rank with the same message.
+class LayoutMismatch : public Error, public RaisedOnEveryRank {
+public:
+    using Error::Error;
+};
+
+// A collective failed: a peer failed or left, ranks called different collectives, bad arguments.
+class CollectiveError : public Error {
+public:
+    using Error::Error;
+};
+
+// The ranks' replicas differ: parameters (or buffers kept equal, or checkpointed state) that
+// every rank should hold bit for bit do not match. Thrown on every rank with the same message.
+class ReplicaMismatch : public Error, public RaisedOnEveryRank {
+public:
+    using Error::Error;
+};
+
+// The ranks are at different steps of the trainer (by the step numbers it passed): a rank skipped
+// or repeated an iteration. Thrown on every rank with the same message, before any update.
+class StepMismatch : public CollectiveError, public RaisedOnEveryRank {
+public:
+    using CollectiveError::CollectiveError;
+};
+
+// A collective did not complete before its deadline.
+class TimeoutError : public CollectiveError {
+public:
+    using CollectiveError::CollectiveError;
+};
+
+namespace detail {
+
+// How every message about one rank begins: "gradsync: rank 3".
+inline std::string rank_prefix(int rank) { return "gradsync: rank " + std::to_string(rank); }
+
+// ...and with its group and where it runs: "gradsync: rank 3 of 4 (NCCL, GPU 3)".
+inline std::string rank_prefix(int rank, int size, const std::string& where = {}) {
+    return rank_prefix(rank) + " of " + std::to_string(size) + (where.empty() ? "" : " (" + where + ")");
+}
+
+}  // namespace detail
+
+}  // namespace gradsync::inline v0
+#endif  // GRADSYNC_SINGLE_ERROR_HPP
+// ---- end gradsync/error.hpp ----
+
+#include <algorithm>  // for std::min
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -407,6 +493,26 @@ struct Buffer {
 template <HasDType T>
 Buffer buffer_of(std::span<T> s) {
     return Buffer{s.data(), s.size(), dtype_of<T>};
+}
+
+// One rank's part of a reduce_scatter or all_gather of `count` elements over `ranks` ranks: the
+// contiguous elements [offset, offset + count). Shards differ by at most one element; the first
+// (count % ranks) ranks own the longer ones, so a count below the number of ranks leaves the last
+// ranks empty shards. Every backend splits by this rule.
+struct Shard {
+    std::size_t offset = 0;
+    std::size_t count = 0;
+
+    friend bool operator==(const Shard&, const Shard&) = default;
+};
+
+inline Shard shard_of(std::size_t count, int ranks, int rank) {
+    if (ranks < 1 || rank < 0 || rank >= ranks)
+        throw Error("gradsync: shard_of needs 0 <= rank < ranks, got rank " + std::to_string(rank) + " of " +
+                    std::to_string(ranks));
+    const auto n = static_cast<std::size_t>(ranks), r = static_cast<std::size_t>(rank);
+    const std::size_t base = count / n, longer = count % n;
+    return Shard{r * base + std::min(r, longer), base + (r < longer ? 1 : 0)};
 }
 
 // What a collective is for, so that a mismatch across ranks is named in terms the user knows.
@@ -561,6 +667,28 @@ concept ScatteredAllreduce = Backend<B> && requires(B& b, std::span<const Segmen
 };
 
 // Optional abilities. DataParallel asks these concepts, never the members themselves.
+
+// reduce_scatter and all_gather, what sharded data parallel needs. Each rank owns the shard
+// shard_of(buf.count, size(), rank()) of a buffer of the same size on every rank.
+// reduce_scatter(buf, op) leaves the reduction over the ranks in this rank's shard of `buf` and
+// the rest of `buf` unspecified (a backend may use it as scratch); all_gather(buf) copies every
+// rank's shard of its `buf` into the same place of every other rank's.
+template <class B>
+concept ShardedCollectives = Backend<B> && requires(B& b, Buffer buf, ReduceOp op) {
+    b.reduce_scatter(buf, op);
+    { b.reduce_scatter_async(buf, op) } -> Waitable;
+    b.all_gather(buf);
+    { b.all_gather_async(buf) } -> Waitable;
+};
+
+// ...with a CollectiveTag each, like TaggedCollectives.
+template <class B>
+concept TaggedShardedCollectives = ShardedCollectives<B> && requires(B& b, Buffer buf, ReduceOp op, CollectiveTag tag) {
+    b.reduce_scatter(buf, op, tag);
+    { b.reduce_scatter_async(buf, op, tag) } -> Waitable;
+    b.all_gather(buf, tag);
+    { b.all_gather_async(buf, tag) } -> Waitable;
+};
 
 // Collectives that carry a CollectiveTag (to name them in errors, and to check them): the
 // allreduce and the broadcast, and the scattered allreduce where there is one.
@@ -719,6 +847,46 @@ void broadcast_tagged(B& b, std::span<std::byte> bytes, int root, CollectiveTag 
         b.broadcast(bytes, root, tag);
     else
         b.broadcast(bytes, root);
+}
+
+template <ShardedCollectives B>
+auto reduce_scatter_async_tagged(B& b, Buffer buf, ReduceOp op, CollectiveTag tag) {
+    if constexpr (TaggedShardedCollectives<B>)
+        return b.reduce_scatter_async(buf, op, tag);
+    else
+        return b.reduce_scatter_async(buf, op);
+}
+template <ShardedCollectives B>
+auto all_gather_async_tagged(B& b, Buffer buf, CollectiveTag tag) {
+    if constexpr (TaggedShardedCollectives<B>)
+        return b.all_gather_async(buf, tag);
+    else
+        return b.all_gather_async(buf);
+}
+
+// What a backend for sharded data parallel lacks, named.
+template <class B>
+constexpr bool check_sharded_collectives() {
+    static_assert(
+        requires(B & b, Buffer buf, ReduceOp op) { b.reduce_scatter(buf, op); },
+        "gradsync: sharding needs a backend with `void reduce_scatter(gradsync::Buffer, gradsync::ReduceOp)` (the "
+        "ShardedCollectives concept: LocalBackend, MpiBackend, NcclBackend, CudaLocalBackend)");
+    static_assert(
+        requires(B & b, Buffer buf, ReduceOp op) {
+            { b.reduce_scatter_async(buf, op) } -> Waitable;
+        },
+        "gradsync: sharding needs a backend with `Handle reduce_scatter_async(gradsync::Buffer, gradsync::ReduceOp)` "
+        "(the ShardedCollectives concept)");
+    static_assert(
+        requires(B & b, Buffer buf) { b.all_gather(buf); },
+        "gradsync: sharding needs a backend with `void all_gather(gradsync::Buffer)` (the ShardedCollectives concept)");
+    static_assert(
+        requires(B & b, Buffer buf) {
+            { b.all_gather_async(buf) } -> Waitable;
+        },
+        "gradsync: sharding needs a backend with `Handle all_gather_async(gradsync::Buffer)` (the ShardedCollectives "
+        "concept)");
+    return ShardedCollectives<B>;
 }
 
 // What a scattered-allreduce backend lacks, named (InPlaceBuckets needs one).
@@ -984,90 +1152,6 @@ private:
 }  // namespace gradsync::inline v0::detail
 #endif  // GRADSYNC_SINGLE_DATA_PARALLEL_RANK_TABLE_HPP
 // ---- end gradsync/data_parallel/rank_table.hpp ----
-
-// ---- begin gradsync/error.hpp ----
-#ifndef GRADSYNC_SINGLE_ERROR_HPP
-#define GRADSYNC_SINGLE_ERROR_HPP
-// The exceptions gradsync throws. Every message names the rank, the operation and, where there
-// is one, the parameter, and says what to do about it.
-
-
-#include <stdexcept>  // for std::runtime_error
-#include <string>
-
-namespace gradsync::inline v0 {
-
-// Base of every gradsync exception.
-class Error : public std::runtime_error {
-public:
-    using std::runtime_error::runtime_error;
-};
-
-// Marks an error that every rank raises alike, with the same message, after their collectives
-// completed: no rank is left waiting, so the group needs no abort and may go on. Catch it as its
-// own type, or as `const gradsync::RaisedOnEveryRank&` to handle every such error at once.
-class RaisedOnEveryRank {};
-
-// The model handed to gradsync is unusable: null gradient, unsupported dtype, aliased buffers.
-class InvalidModel : public Error {
-public:
-    using Error::Error;
-};
-
-// The DataParallel's configuration is invalid (a zero timeout, a loss scaler that cannot work), or
-// differs across ranks in a setting that changes the sums. Thrown on every rank alike.
-class ConfigurationError : public Error {
-public:
-    using Error::Error;
-};
-
-// Ranks disagree on the model's parameter layout. Thrown on every rank with the same message.
-class LayoutMismatch : public Error, public RaisedOnEveryRank {
-public:
-    using Error::Error;
-};
-
-// A collective failed: a peer failed or left, ranks called different collectives, bad arguments.
-class CollectiveError : public Error {
-public:
-    using Error::Error;
-};
-
-// The ranks' replicas differ: parameters (or buffers kept equal, or checkpointed state) that
-// every rank should hold bit for bit do not match. Thrown on every rank with the same message.
-class ReplicaMismatch : public Error, public RaisedOnEveryRank {
-public:
-    using Error::Error;
-};
-
-// The ranks are at different steps of the trainer (by the step numbers it passed): a rank skipped
-// or repeated an iteration. Thrown on every rank with the same message, before any update.
-class StepMismatch : public CollectiveError, public RaisedOnEveryRank {
-public:
-    using CollectiveError::CollectiveError;
-};
-
-// A collective did not complete before its deadline.
-class TimeoutError : public CollectiveError {
-public:
-    using CollectiveError::CollectiveError;
-};
-
-namespace detail {
-
-// How every message about one rank begins: "gradsync: rank 3".
-inline std::string rank_prefix(int rank) { return "gradsync: rank " + std::to_string(rank); }
-
-// ...and with its group and where it runs: "gradsync: rank 3 of 4 (NCCL, GPU 3)".
-inline std::string rank_prefix(int rank, int size, const std::string& where = {}) {
-    return rank_prefix(rank) + " of " + std::to_string(size) + (where.empty() ? "" : " (" + where + ")");
-}
-
-}  // namespace detail
-
-}  // namespace gradsync::inline v0
-#endif  // GRADSYNC_SINGLE_ERROR_HPP
-// ---- end gradsync/error.hpp ----
 
 #include <cstdint>
 #include <optional>
@@ -3556,7 +3640,7 @@ private:
 #define GRADSYNC_SINGLE_BACKEND_DETAIL_HOST_REDUCE_HPP
 // Host reduction loops, written with 16-byte vectors so that they compile alike at -O2 and -O3;
 // the sum order is always rank 0, 1, 2, ... so every algorithm and every rank produces bitwise
-// identical results.
+// identical results. Also the streaming copy, for large results nobody reads before they land.
 
 
 // ---- begin gradsync/half.hpp ----
@@ -3740,8 +3824,13 @@ struct dtype_traits<bfloat16> {
 #endif  // GRADSYNC_SINGLE_HALF_HPP
 // ---- end gradsync/half.hpp ----
 
+#if (defined(__SSE2__) || defined(_M_X64))
+#include <emmintrin.h>  // for the streaming stores
+#endif
+
 #include <algorithm>  // for std::min
 #include <cstddef>
+#include <cstdint>      // for std::uintptr_t
 #include <cstring>      // for std::memcpy
 #include <type_traits>  // for std::is_same_v
 
@@ -3788,6 +3877,54 @@ inline vector_of<T> load_vector(const T* p) {
 template <class T>
 inline void store_vector(T* p, vector_of<T> v) {
     std::memcpy(p, &v, sizeof v);
+}
+
+// Copies into memory that is not read before it is overwritten and far larger than the cache:
+// stores that bypass the cache (non-temporal), so that no line is fetched only to be overwritten.
+// LocalBackend's all_gather of 64 MiB takes two thirds of memcpy's time with them on the
+// development VMs. Not for memory just read (the in-place reduction: 1.7 times slower with them),
+// not under ThreadSanitizer (which does not see them), and a plain memcpy without SSE2. Followed
+// by streaming_fence().
+#if defined(__SANITIZE_THREAD__)
+#define GRADSYNC_THREAD_SANITIZER 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define GRADSYNC_THREAD_SANITIZER 1
+#endif
+#endif
+#if (defined(__SSE2__) || defined(_M_X64)) && !defined(GRADSYNC_THREAD_SANITIZER)
+#define GRADSYNC_STREAMING_STORES 1
+#endif
+inline constexpr std::size_t streaming_min_bytes = std::size_t{1} << 20;
+
+inline void copy_streaming(void* __restrict out, const void* __restrict in, std::size_t n) {
+    auto* o = static_cast<unsigned char*>(out);
+    const auto* i = static_cast<const unsigned char*>(in);
+    std::size_t k = 0;
+#ifdef GRADSYNC_STREAMING_STORES
+    const std::size_t head = (16 - reinterpret_cast<std::uintptr_t>(o) % 16) % 16;
+    if (n >= head + 64) {
+        std::memcpy(o, i, head);
+        for (k = head; k + 64 <= n; k += 64) {
+            const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(i + k));
+            const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(i + k + 16));
+            const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(i + k + 32));
+            const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(i + k + 48));
+            _mm_stream_si128(reinterpret_cast<__m128i*>(o + k), a);
+            _mm_stream_si128(reinterpret_cast<__m128i*>(o + k + 16), b);
+            _mm_stream_si128(reinterpret_cast<__m128i*>(o + k + 32), c);
+            _mm_stream_si128(reinterpret_cast<__m128i*>(o + k + 48), d);
+        }
+    }
+#endif
+    std::memcpy(o + k, i + k, n - k);
+}
+
+// Orders the streaming stores before what follows (the round that tells peers the data is there).
+inline void streaming_fence() {
+#ifdef GRADSYNC_STREAMING_STORES
+    _mm_sfence();
+#endif
 }
 
 // out[i] = a[i] + b[i]

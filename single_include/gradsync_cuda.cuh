@@ -148,6 +148,91 @@ inline constexpr DType dtype_of = dtype_traits<std::remove_cv_t<T>>::value;
 #endif  // GRADSYNC_SINGLE_DTYPE_HPP
 // ---- end gradsync/dtype.hpp ----
 
+// ---- begin gradsync/error.hpp ----
+#ifndef GRADSYNC_SINGLE_ERROR_HPP
+#define GRADSYNC_SINGLE_ERROR_HPP
+// The exceptions gradsync throws. Every message names the rank, the operation and, where there
+// is one, the parameter, and says what to do about it.
+
+
+#include <stdexcept>  // for std::runtime_error
+#include <string>
+
+namespace gradsync::inline v0 {
+
+// Base of every gradsync exception.
+class Error : public std::runtime_error {
+public:
+    using std::runtime_error::runtime_error;
+};
+
+// Marks an error that every rank raises alike, with the same message, after their collectives
+// completed: no rank is left waiting, so the group needs no abort and may go on. Catch it as its
+// own type, or as `const gradsync::RaisedOnEveryRank&` to handle every such error at once.
+class RaisedOnEveryRank {};
+
+// The model handed to gradsync is unusable: null gradient, unsupported dtype, aliased buffers.
+class InvalidModel : public Error {
+public:
+    using Error::Error;
+};
+
+// The DataParallel's configuration is invalid (a zero timeout, a loss scaler that cannot work), or
+// differs across ranks in a setting that changes the sums. Thrown on every rank alike.
+class ConfigurationError : public Error {
+public:
+    using Error::Error;
+};
+
+// Ranks disagree on the model's parameter layout. Thrown on every rank with the same message.
+class LayoutMismatch : public Error, public RaisedOnEveryRank {
+public:
+    using Error::Error;
+};
+
+// A collective failed: a peer failed or left, ranks called different collectives, bad arguments.
+class CollectiveError : public Error {
+public:
+    using Error::Error;
+};
+
+// The ranks' replicas differ: parameters (or buffers kept equal, or checkpointed state) that
+// every rank should hold bit for bit do not match. Thrown on every rank with the same message.
+class ReplicaMismatch : public Error, public RaisedOnEveryRank {
+public:
+    using Error::Error;
+};
+
+// The ranks are at different steps of the trainer (by the step numbers it passed): a rank skipped
+// or repeated an iteration. Thrown on every rank with the same message, before any update.
+class StepMismatch : public CollectiveError, public RaisedOnEveryRank {
+public:
+    using CollectiveError::CollectiveError;
+};
+
+// A collective did not complete before its deadline.
+class TimeoutError : public CollectiveError {
+public:
+    using CollectiveError::CollectiveError;
+};
+
+namespace detail {
+
+// How every message about one rank begins: "gradsync: rank 3".
+inline std::string rank_prefix(int rank) { return "gradsync: rank " + std::to_string(rank); }
+
+// ...and with its group and where it runs: "gradsync: rank 3 of 4 (NCCL, GPU 3)".
+inline std::string rank_prefix(int rank, int size, const std::string& where = {}) {
+    return rank_prefix(rank) + " of " + std::to_string(size) + (where.empty() ? "" : " (" + where + ")");
+}
+
+}  // namespace detail
+
+}  // namespace gradsync::inline v0
+#endif  // GRADSYNC_SINGLE_ERROR_HPP
+// ---- end gradsync/error.hpp ----
+
+#include <algorithm>  // for std::min
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -178,6 +263,26 @@ struct Buffer {
 template <HasDType T>
 Buffer buffer_of(std::span<T> s) {
     return Buffer{s.data(), s.size(), dtype_of<T>};
+}
+
+// One rank's part of a reduce_scatter or all_gather of `count` elements over `ranks` ranks: the
+// contiguous elements [offset, offset + count). Shards differ by at most one element; the first
+// (count % ranks) ranks own the longer ones, so a count below the number of ranks leaves the last
+// ranks empty shards. Every backend splits by this rule.
+struct Shard {
+    std::size_t offset = 0;
+    std::size_t count = 0;
+
+    friend bool operator==(const Shard&, const Shard&) = default;
+};
+
+inline Shard shard_of(std::size_t count, int ranks, int rank) {
+    if (ranks < 1 || rank < 0 || rank >= ranks)
+        throw Error("gradsync: shard_of needs 0 <= rank < ranks, got rank " + std::to_string(rank) + " of " +
+                    std::to_string(ranks));
+    const auto n = static_cast<std::size_t>(ranks), r = static_cast<std::size_t>(rank);
+    const std::size_t base = count / n, longer = count % n;
+    return Shard{r * base + std::min(r, longer), base + (r < longer ? 1 : 0)};
 }
 
 // What a collective is for, so that a mismatch across ranks is named in terms the user knows.
@@ -342,90 +447,6 @@ GRADSYNC_HOST_DEVICE void for_each_piece(const Segment* table, std::size_t segme
 // CUDA's own words, instead of a status code nobody reads. Needs <cuda_runtime.h> and the CUDA
 // runtime library; compiles with nvcc or a host compiler.
 
-
-// ---- begin gradsync/error.hpp ----
-#ifndef GRADSYNC_SINGLE_ERROR_HPP
-#define GRADSYNC_SINGLE_ERROR_HPP
-// The exceptions gradsync throws. Every message names the rank, the operation and, where there
-// is one, the parameter, and says what to do about it.
-
-
-#include <stdexcept>  // for std::runtime_error
-#include <string>
-
-namespace gradsync::inline v0 {
-
-// Base of every gradsync exception.
-class Error : public std::runtime_error {
-public:
-    using std::runtime_error::runtime_error;
-};
-
-// Marks an error that every rank raises alike, with the same message, after their collectives
-// completed: no rank is left waiting, so the group needs no abort and may go on. Catch it as its
-// own type, or as `const gradsync::RaisedOnEveryRank&` to handle every such error at once.
-class RaisedOnEveryRank {};
-
-// The model handed to gradsync is unusable: null gradient, unsupported dtype, aliased buffers.
-class InvalidModel : public Error {
-public:
-    using Error::Error;
-};
-
-// The DataParallel's configuration is invalid (a zero timeout, a loss scaler that cannot work), or
-// differs across ranks in a setting that changes the sums. Thrown on every rank alike.
-class ConfigurationError : public Error {
-public:
-    using Error::Error;
-};
-
-// Ranks disagree on the model's parameter layout. Thrown on every rank with the same message.
-class LayoutMismatch : public Error, public RaisedOnEveryRank {
-public:
-    using Error::Error;
-};
-
-// A collective failed: a peer failed or left, ranks called different collectives, bad arguments.
-class CollectiveError : public Error {
-public:
-    using Error::Error;
-};
-
-// The ranks' replicas differ: parameters (or buffers kept equal, or checkpointed state) that
-// every rank should hold bit for bit do not match. Thrown on every rank with the same message.
-class ReplicaMismatch : public Error, public RaisedOnEveryRank {
-public:
-    using Error::Error;
-};
-
-// The ranks are at different steps of the trainer (by the step numbers it passed): a rank skipped
-// or repeated an iteration. Thrown on every rank with the same message, before any update.
-class StepMismatch : public CollectiveError, public RaisedOnEveryRank {
-public:
-    using CollectiveError::CollectiveError;
-};
-
-// A collective did not complete before its deadline.
-class TimeoutError : public CollectiveError {
-public:
-    using CollectiveError::CollectiveError;
-};
-
-namespace detail {
-
-// How every message about one rank begins: "gradsync: rank 3".
-inline std::string rank_prefix(int rank) { return "gradsync: rank " + std::to_string(rank); }
-
-// ...and with its group and where it runs: "gradsync: rank 3 of 4 (NCCL, GPU 3)".
-inline std::string rank_prefix(int rank, int size, const std::string& where = {}) {
-    return rank_prefix(rank) + " of " + std::to_string(size) + (where.empty() ? "" : " (" + where + ")");
-}
-
-}  // namespace detail
-
-}  // namespace gradsync::inline v0
-#endif  // GRADSYNC_SINGLE_ERROR_HPP
-// ---- end gradsync/error.hpp ----
 
 #include <cuda_runtime.h>
 
@@ -1626,6 +1647,7 @@ private:
 // rank, its size and type, and the tag that says what it is for.
 //
 //   allreduce #7 of 300 x float32 (1.2 KiB), average (step 1, bucket 1)
+//   reduce_scatter #8 of 300 x float32 (1.2 KiB), sum
 //   broadcast #2 of 1.5 KiB from rank 0
 //   barrier #4
 
@@ -1637,13 +1659,15 @@ private:
 
 namespace gradsync::inline v0 {
 
-enum class CollectiveKind : std::uint8_t { allreduce, broadcast, barrier };
+enum class CollectiveKind : std::uint8_t { allreduce, broadcast, barrier, reduce_scatter, all_gather };
 
 inline std::string to_string(CollectiveKind k) {
     switch (k) {
         case CollectiveKind::allreduce: return "allreduce";
         case CollectiveKind::broadcast: return "broadcast";
         case CollectiveKind::barrier: return "barrier";
+        case CollectiveKind::reduce_scatter: return "reduce_scatter";
+        case CollectiveKind::all_gather: return "all_gather";
     }
     return "collective";
 }
@@ -1669,7 +1693,7 @@ struct CollectiveCall {
             else
                 out += to_string(bytes());
         }
-        if (kind == CollectiveKind::allreduce) out += ", " + to_string(op);
+        if (kind == CollectiveKind::allreduce || kind == CollectiveKind::reduce_scatter) out += ", " + to_string(op);
         if (kind == CollectiveKind::broadcast) out += " from rank " + std::to_string(root);
         if (tag.step >= 0) {
             out += " (step " + std::to_string(tag.step);
@@ -1695,7 +1719,8 @@ struct CollectiveCall {
 #define GRADSYNC_SINGLE_BACKEND_CONCEPTS_HPP
 // What a communication backend provides: the Backend concept (the required core: rank, size,
 // allreduce, broadcast, barrier) and one named concept per optional ability DataParallel uses
-// when a backend has it, each with a check that names what is missing.
+// when a backend has it (reduce_scatter and all_gather among them), each with a check that names
+// what is missing.
 
 
 // ---- begin gradsync/backend/handle.hpp ----
@@ -1956,6 +1981,28 @@ concept ScatteredAllreduce = Backend<B> && requires(B& b, std::span<const Segmen
 
 // Optional abilities. DataParallel asks these concepts, never the members themselves.
 
+// reduce_scatter and all_gather, what sharded data parallel needs. Each rank owns the shard
+// shard_of(buf.count, size(), rank()) of a buffer of the same size on every rank.
+// reduce_scatter(buf, op) leaves the reduction over the ranks in this rank's shard of `buf` and
+// the rest of `buf` unspecified (a backend may use it as scratch); all_gather(buf) copies every
+// rank's shard of its `buf` into the same place of every other rank's.
+template <class B>
+concept ShardedCollectives = Backend<B> && requires(B& b, Buffer buf, ReduceOp op) {
+    b.reduce_scatter(buf, op);
+    { b.reduce_scatter_async(buf, op) } -> Waitable;
+    b.all_gather(buf);
+    { b.all_gather_async(buf) } -> Waitable;
+};
+
+// ...with a CollectiveTag each, like TaggedCollectives.
+template <class B>
+concept TaggedShardedCollectives = ShardedCollectives<B> && requires(B& b, Buffer buf, ReduceOp op, CollectiveTag tag) {
+    b.reduce_scatter(buf, op, tag);
+    { b.reduce_scatter_async(buf, op, tag) } -> Waitable;
+    b.all_gather(buf, tag);
+    { b.all_gather_async(buf, tag) } -> Waitable;
+};
+
 // Collectives that carry a CollectiveTag (to name them in errors, and to check them): the
 // allreduce and the broadcast, and the scattered allreduce where there is one.
 template <class B>
@@ -2115,6 +2162,46 @@ void broadcast_tagged(B& b, std::span<std::byte> bytes, int root, CollectiveTag 
         b.broadcast(bytes, root);
 }
 
+template <ShardedCollectives B>
+auto reduce_scatter_async_tagged(B& b, Buffer buf, ReduceOp op, CollectiveTag tag) {
+    if constexpr (TaggedShardedCollectives<B>)
+        return b.reduce_scatter_async(buf, op, tag);
+    else
+        return b.reduce_scatter_async(buf, op);
+}
+template <ShardedCollectives B>
+auto all_gather_async_tagged(B& b, Buffer buf, CollectiveTag tag) {
+    if constexpr (TaggedShardedCollectives<B>)
+        return b.all_gather_async(buf, tag);
+    else
+        return b.all_gather_async(buf);
+}
+
+// What a backend for sharded data parallel lacks, named.
+template <class B>
+constexpr bool check_sharded_collectives() {
+    static_assert(
+        requires(B & b, Buffer buf, ReduceOp op) { b.reduce_scatter(buf, op); },
+        "gradsync: sharding needs a backend with `void reduce_scatter(gradsync::Buffer, gradsync::ReduceOp)` (the "
+        "ShardedCollectives concept: LocalBackend, MpiBackend, NcclBackend, CudaLocalBackend)");
+    static_assert(
+        requires(B & b, Buffer buf, ReduceOp op) {
+            { b.reduce_scatter_async(buf, op) } -> Waitable;
+        },
+        "gradsync: sharding needs a backend with `Handle reduce_scatter_async(gradsync::Buffer, gradsync::ReduceOp)` "
+        "(the ShardedCollectives concept)");
+    static_assert(
+        requires(B & b, Buffer buf) { b.all_gather(buf); },
+        "gradsync: sharding needs a backend with `void all_gather(gradsync::Buffer)` (the ShardedCollectives concept)");
+    static_assert(
+        requires(B & b, Buffer buf) {
+            { b.all_gather_async(buf) } -> Waitable;
+        },
+        "gradsync: sharding needs a backend with `Handle all_gather_async(gradsync::Buffer)` (the ShardedCollectives "
+        "concept)");
+    return ShardedCollectives<B>;
+}
+
 // What a scattered-allreduce backend lacks, named (InPlaceBuckets needs one).
 template <class B>
 constexpr bool check_scattered_allreduce() {
@@ -2156,245 +2243,13 @@ constexpr bool check_stream_ordered() {
 #endif  // GRADSYNC_SINGLE_BACKEND_CONCEPTS_HPP
 // ---- end gradsync/backend/concepts.hpp ----
 
-// ---- begin gradsync/detail/aligned_bytes.hpp ----
-#ifndef GRADSYNC_SINGLE_DETAIL_ALIGNED_BYTES_HPP
-#define GRADSYNC_SINGLE_DETAIL_ALIGNED_BYTES_HPP
-// AlignedBytes: an owning, cache-line aligned byte buffer whose pages are touched at allocation,
-// so the first training step does not pay for page faults.
+// ---- begin gradsync/backend/cuda_local/group.cuh ----
+#ifndef GRADSYNC_SINGLE_BACKEND_CUDA_LOCAL_GROUP_CUH
+#define GRADSYNC_SINGLE_BACKEND_CUDA_LOCAL_GROUP_CUH
+// The shared state of a CudaLocalBackend group (the rendezvous where ranks publish and compare
+// their calls, the options, the stream where rank 0 queues the group's device work) and the
+// handle of one collective. Needs nvcc.
 
-
-#include <cstddef>
-#include <cstdlib>  // for std::aligned_alloc, std::free
-#include <cstring>  // for std::memset
-#include <memory>   // for std::unique_ptr
-#include <new>      // for std::bad_alloc
-
-namespace gradsync::inline v0::detail {
-
-inline constexpr std::size_t cache_line = 64;
-
-class AlignedBytes {
-public:
-    AlignedBytes() = default;
-    explicit AlignedBytes(std::size_t size) : size_(size) {
-        if (size == 0) return;
-        std::size_t rounded = (size + cache_line - 1) / cache_line * cache_line;
-        void* p = std::aligned_alloc(cache_line, rounded);
-        if (p == nullptr) throw std::bad_alloc();
-        std::memset(p, 0, rounded);  // touch every page now
-        data_.reset(static_cast<std::byte*>(p));
-    }
-
-    [[nodiscard]] std::byte* data() const { return data_.get(); }
-    [[nodiscard]] std::size_t size() const { return size_; }
-
-private:
-    struct Free {
-        void operator()(std::byte* p) const { std::free(p); }
-    };
-    std::unique_ptr<std::byte, Free> data_;
-    std::size_t size_ = 0;
-};
-
-}  // namespace gradsync::inline v0::detail
-#endif  // GRADSYNC_SINGLE_DETAIL_ALIGNED_BYTES_HPP
-// ---- end gradsync/detail/aligned_bytes.hpp ----
-
-// ---- begin gradsync/detail/first_error.hpp ----
-#ifndef GRADSYNC_SINGLE_DETAIL_FIRST_ERROR_HPP
-#define GRADSYNC_SINGLE_DETAIL_FIRST_ERROR_HPP
-// FirstError: the first exception thrown by any thread of a group (the cause, not the failures
-// it then causes in the others), kept to rethrow once they have all ended.
-
-
-#include <exception>
-#include <mutex>
-#include <string>
-
-namespace gradsync::inline v0::detail {
-
-class FirstError {
-public:
-    // In a catch handler: keeps the exception being handled if it is the first, and returns its
-    // what() for the message that tells the others.
-    std::string keep_current() {
-        std::string what = "unknown exception";
-        try {
-            throw;
-        } catch (const std::exception& e) {
-            what = e.what();
-        } catch (...) {
-        }
-        std::lock_guard lock(mutex_);
-        if (!first_) first_ = std::current_exception();
-        return what;
-    }
-
-    [[nodiscard]] bool any() const {
-        std::lock_guard lock(mutex_);
-        return first_ != nullptr;
-    }
-
-    // After the threads have ended.
-    void rethrow_if_any() const {
-        if (first_) std::rethrow_exception(first_);
-    }
-
-private:
-    mutable std::mutex mutex_;
-    std::exception_ptr first_;
-};
-
-}  // namespace gradsync::inline v0::detail
-#endif  // GRADSYNC_SINGLE_DETAIL_FIRST_ERROR_HPP
-// ---- end gradsync/detail/first_error.hpp ----
-
-// ---- begin gradsync/backend/detail/host_reduce.hpp ----
-#ifndef GRADSYNC_SINGLE_BACKEND_DETAIL_HOST_REDUCE_HPP
-#define GRADSYNC_SINGLE_BACKEND_DETAIL_HOST_REDUCE_HPP
-// Host reduction loops, written with 16-byte vectors so that they compile alike at -O2 and -O3;
-// the sum order is always rank 0, 1, 2, ... so every algorithm and every rank produces bitwise
-// identical results.
-
-
-#include <algorithm>  // for std::min
-#include <cstddef>
-#include <cstring>      // for std::memcpy
-#include <type_traits>  // for std::is_same_v
-
-namespace gradsync::inline v0::detail {
-
-inline constexpr std::size_t reduce_block_bytes = 8192;  // one block of every input fits in L1
-inline constexpr std::size_t simd_width = 16;
-
-// float and double as 16-byte vectors of GCC and Clang. The loops below are written with them
-// rather than left to the loop vectorizer: at -O3 it rewrote the plain loops into a form that ran
-// MpiBackend's ring reduction step at half the speed of -O2 (stalled on its stores while the peer
-// process read the same pages). Element by element the same arithmetic, so the same bits.
-template <class T>
-struct Simd {
-    static constexpr bool available = false;
-};
-template <>
-struct Simd<float> {
-    static constexpr bool available = true;
-    using type = float __attribute__((vector_size(16)));
-};
-template <>
-struct Simd<double> {
-    static constexpr bool available = true;
-    using type = double __attribute__((vector_size(16)));
-};
-
-template <class T>
-using vector_of = typename Simd<T>::type;
-template <class T>
-inline constexpr std::size_t lanes_of = sizeof(vector_of<T>) / sizeof(T);
-// The elements of n that whole vectors cover; the rest is left to a scalar tail.
-template <class T>
-inline std::size_t vector_part(std::size_t n) {
-    return n - n % lanes_of<T>;
-}
-
-template <class T>
-inline vector_of<T> load_vector(const T* p) {
-    vector_of<T> v;
-    std::memcpy(&v, p, sizeof v);
-    return v;
-}
-template <class T>
-inline void store_vector(T* p, vector_of<T> v) {
-    std::memcpy(p, &v, sizeof v);
-}
-
-// out[i] = a[i] + b[i]
-template <class T>
-inline void add_two(T* __restrict out, const T* __restrict a, const T* __restrict b, std::size_t n) {
-    std::size_t i = 0;
-    if constexpr (Simd<T>::available)
-        for (; i < vector_part<T>(n); i += lanes_of<T>) store_vector(out + i, load_vector(a + i) + load_vector(b + i));
-    for (; i < n; ++i) out[i] = a[i] + b[i];
-}
-
-// out[i] += a[i]
-template <class T>
-inline void add_into(T* __restrict out, const T* __restrict a, std::size_t n) {
-    std::size_t i = 0;
-    if constexpr (Simd<T>::available)
-        for (; i < vector_part<T>(n); i += lanes_of<T>)
-            store_vector(out + i, load_vector(out + i) + load_vector(a + i));
-    for (; i < n; ++i) out[i] += a[i];
-}
-
-// out[i] *= factor
-template <class T>
-inline void scale_in_place(T* __restrict out, T factor, std::size_t n) {
-    std::size_t i = 0;
-    if constexpr (Simd<T>::available)
-        for (; i < vector_part<T>(n); i += lanes_of<T>) store_vector(out + i, load_vector(out + i) * factor);
-    for (; i < n; ++i) out[i] *= factor;
-}
-
-// What a storage type is summed in: itself, or float for the 16-bit types.
-template <class S>
-struct accumulator {
-    using type = S;
-};
-template <>
-struct accumulator<float16> {
-    using type = float;
-};
-template <>
-struct accumulator<bfloat16> {
-    using type = float;
-};
-template <class S>
-using accumulator_t = typename accumulator<S>::type;
-
-// For every i < n: the sum of inputs[0..n_in)[i] in rank order, in the accumulator type, times
-// `factor` when `scaled`, written to every outputs[0..n_out)[i]. Outputs may alias inputs: each
-// block is read in full into `scratch` (reduce_block_bytes, aligned) before any of it is written.
-template <class S>
-void reduce_to_all(S* const* inputs, int n_in, S* const* outputs, int n_out, std::size_t n, bool scaled,
-                   accumulator_t<S> factor, void* scratch) {
-    using A = accumulator_t<S>;
-    if constexpr (std::is_same_v<S, A>) {
-        constexpr std::size_t block = reduce_block_bytes / sizeof(S);
-        auto* tmp = static_cast<S*>(scratch);
-        for (std::size_t off = 0; off < n; off += block) {
-            std::size_t k = std::min(block, n - off);
-            if (n_in == 1) {
-                std::memcpy(tmp, inputs[0] + off, k * sizeof(S));
-            } else {
-                add_two(tmp, inputs[0] + off, inputs[1] + off, k);
-                for (int s = 2; s < n_in; ++s) add_into(tmp, inputs[s] + off, k);
-            }
-            if (scaled) scale_in_place(tmp, factor, k);
-            for (int o = 0; o < n_out; ++o) std::memcpy(outputs[o] + off, tmp, k * sizeof(S));
-        }
-    } else {
-        // Widen into A, sum there, narrow once (rounding to nearest even), copy to every output.
-        constexpr std::size_t block = reduce_block_bytes / (2 * sizeof(A) + sizeof(S)) / simd_width * simd_width;
-        auto* acc = static_cast<A*>(scratch);
-        auto* wide = acc + block;
-        auto* narrowed = reinterpret_cast<S*>(wide + block);
-        for (std::size_t off = 0; off < n; off += block) {
-            std::size_t k = std::min(block, n - off);
-            widen_to_float(inputs[0] + off, acc, k);
-            for (int s = 1; s < n_in; ++s) {
-                widen_to_float(inputs[s] + off, wide, k);
-                add_into(acc, wide, k);
-            }
-            if (scaled) scale_in_place(acc, factor, k);
-            narrow_from_float(acc, narrowed, k);
-            for (int o = 0; o < n_out; ++o) std::memcpy(outputs[o] + off, narrowed, k * sizeof(S));
-        }
-    }
-}
-
-}  // namespace gradsync::inline v0::detail
-#endif  // GRADSYNC_SINGLE_BACKEND_DETAIL_HOST_REDUCE_HPP
-// ---- end gradsync/backend/detail/host_reduce.hpp ----
 
 // ---- begin gradsync/backend/detail/rendezvous.hpp ----
 #ifndef GRADSYNC_SINGLE_BACKEND_DETAIL_RENDEZVOUS_HPP
@@ -2502,58 +2357,13 @@ private:
 #endif  // GRADSYNC_SINGLE_BACKEND_DETAIL_RENDEZVOUS_HPP
 // ---- end gradsync/backend/detail/rendezvous.hpp ----
 
-// ---- begin gradsync/backend/detail/typed_calls.hpp ----
-#ifndef GRADSYNC_SINGLE_BACKEND_DETAIL_TYPED_CALLS_HPP
-#define GRADSYNC_SINGLE_BACKEND_DETAIL_TYPED_CALLS_HPP
-// The typed calls every backend offers alike, written once over each backend's own Buffer and
-// byte calls: allreduce(std::span<T>, op = sum), its _async twin, and broadcast(std::span<T>,
-// root), for any T with a DType (float, double, gradsync::float16, gradsync::bfloat16, ...). A
-// trainer written against one backend compiles against every other.
-
-
-#include <cstddef>
-#include <span>
-#include <type_traits>  // for std::is_trivially_copyable_v
-
-namespace gradsync::inline v0::detail {
-
-// CRTP base; the backend brings the overloads in with `using TypedCalls<B>::allreduce;` (and
-// allreduce_async, broadcast), beside its own Buffer and byte overloads.
-template <class Backend>
-class TypedCalls {
-public:
-    template <HasDType T>
-    void allreduce(std::span<T> data, ReduceOp op = ReduceOp::sum) {
-        self().allreduce(buffer_of(data), op);
-    }
-    template <HasDType T>
-    auto allreduce_async(std::span<T> data, ReduceOp op = ReduceOp::sum) {
-        return self().allreduce_async(buffer_of(data), op);
-    }
-    // Copies `root`'s values into every other rank's span of the same size.
-    template <class T>
-    requires std::is_trivially_copyable_v<T>
-    void broadcast(std::span<T> data, int root) { self().broadcast(std::as_writable_bytes(data), root); }
-
-private:
-    Backend& self() { return static_cast<Backend&>(*this); }
-};
-
-}  // namespace gradsync::inline v0::detail
-#endif  // GRADSYNC_SINGLE_BACKEND_DETAIL_TYPED_CALLS_HPP
-// ---- end gradsync/backend/detail/typed_calls.hpp ----
-
 #include <cuda_runtime.h>
 
 #include <chrono>
-#include <cstring>  // for std::memcpy
 #include <memory>
-#include <span>
 #include <string>
 #include <thread>
-#include <type_traits>  // for std::is_invocable_v
-#include <utility>      // for std::exchange, std::move
-#include <vector>
+#include <utility>  // for std::move
 
 namespace gradsync::inline v0 {
 
@@ -2564,33 +2374,6 @@ struct CudaLocalOptions {
 };
 
 namespace cuda::detail {
-
-inline constexpr int max_local_ranks = 8;
-
-struct RankPointers {
-    void* at[max_local_ranks];
-};
-
-// For every element: the sum over the ranks' buffers in rank order, in the accumulator type,
-// times `factor` when `scaled`, written back to every rank's buffer. The loops over the ranks
-// are unrolled to the most there can be, so the pointer table stays in the kernel's parameters
-// instead of being copied to local memory for indexing at run time.
-template <class T>
-__global__ void reduce_ranks_kernel(RankPointers ptrs, int ranks, std::uint64_t n, bool scaled,
-                                    device_accumulator_t<T> factor) {
-    using A = device_accumulator_t<T>;
-    for (std::uint64_t i = std::uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-         i += std::uint64_t(gridDim.x) * blockDim.x) {
-        A sum = widen(static_cast<const T*>(ptrs.at[0])[i]);
-#pragma unroll
-        for (int r = 1; r < max_local_ranks; ++r)
-            if (r < ranks) sum += widen(static_cast<const T*>(ptrs.at[r])[i]);
-        const T out = narrow<T>(scaled ? sum * factor : sum);
-#pragma unroll
-        for (int r = 0; r < max_local_ranks; ++r)
-            if (r < ranks) static_cast<T*>(ptrs.at[r])[i] = out;
-    }
-}
 
 // A CUDA event shared by the handles of one collective, destroyed with the last of them.
 using SharedEvent = std::shared_ptr<CUevent_st>;
@@ -2677,11 +2460,438 @@ private:
     std::chrono::steady_clock::time_point deadline_{};
 };
 
+}  // namespace gradsync::inline v0
+#endif  // GRADSYNC_SINGLE_BACKEND_CUDA_LOCAL_GROUP_CUH
+// ---- end gradsync/backend/cuda_local/group.cuh ----
+
+// ---- begin gradsync/backend/cuda_local/kernels.cuh ----
+#ifndef GRADSYNC_SINGLE_BACKEND_CUDA_LOCAL_KERNELS_CUH
+#define GRADSYNC_SINGLE_BACKEND_CUDA_LOCAL_KERNELS_CUH
+// The kernel of CudaLocalBackend: every rank's device buffer reduced in rank order by one launch.
+// Needs nvcc.
+
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace gradsync::inline v0::cuda::detail {
+
+inline constexpr int max_local_ranks = 8;
+
+struct RankPointers {
+    void* at[max_local_ranks];
+};
+
+// The rank whose shard (gradsync::shard_of) holds element i of n: the first n % ranks shards are
+// one element longer.
+__device__ inline int shard_owner(std::uint64_t i, std::uint64_t n, int ranks) {
+    const std::uint64_t base = n / std::uint64_t(ranks), longer = n % std::uint64_t(ranks);
+    const std::uint64_t boundary = longer * (base + 1);
+    return i < boundary ? int(i / (base + 1)) : int(longer + (i - boundary) / base);
+}
+
+// For every element: the sum over the ranks' buffers in rank order, in the accumulator type,
+// times `factor` when `scaled`, written back to every rank's buffer (an allreduce) or to the
+// owner's only (a reduce_scatter). The loops over the ranks are unrolled to the most there can
+// be, so the pointer table stays in the kernel's parameters instead of being copied to local
+// memory for indexing at run time.
+template <class T>
+__global__ void reduce_ranks_kernel(RankPointers ptrs, int ranks, std::uint64_t n, bool scaled,
+                                    device_accumulator_t<T> factor, bool owner_only) {
+    using A = device_accumulator_t<T>;
+    for (std::uint64_t i = std::uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+         i += std::uint64_t(gridDim.x) * blockDim.x) {
+        A sum = widen(static_cast<const T*>(ptrs.at[0])[i]);
+#pragma unroll
+        for (int r = 1; r < max_local_ranks; ++r)
+            if (r < ranks) sum += widen(static_cast<const T*>(ptrs.at[r])[i]);
+        const T out = narrow<T>(scaled ? sum * factor : sum);
+        const int owner = owner_only ? shard_owner(i, n, ranks) : -1;
+#pragma unroll
+        for (int r = 0; r < max_local_ranks; ++r)
+            if (r < ranks && (owner < 0 || r == owner)) static_cast<T*>(ptrs.at[r])[i] = out;
+    }
+}
+
+}  // namespace gradsync::inline v0::cuda::detail
+#endif  // GRADSYNC_SINGLE_BACKEND_CUDA_LOCAL_KERNELS_CUH
+// ---- end gradsync/backend/cuda_local/kernels.cuh ----
+
+// ---- begin gradsync/detail/aligned_bytes.hpp ----
+#ifndef GRADSYNC_SINGLE_DETAIL_ALIGNED_BYTES_HPP
+#define GRADSYNC_SINGLE_DETAIL_ALIGNED_BYTES_HPP
+// AlignedBytes: an owning, cache-line aligned byte buffer whose pages are touched at allocation,
+// so the first training step does not pay for page faults.
+
+
+#include <cstddef>
+#include <cstdlib>  // for std::aligned_alloc, std::free
+#include <cstring>  // for std::memset
+#include <memory>   // for std::unique_ptr
+#include <new>      // for std::bad_alloc
+
+namespace gradsync::inline v0::detail {
+
+inline constexpr std::size_t cache_line = 64;
+
+class AlignedBytes {
+public:
+    AlignedBytes() = default;
+    explicit AlignedBytes(std::size_t size) : size_(size) {
+        if (size == 0) return;
+        std::size_t rounded = (size + cache_line - 1) / cache_line * cache_line;
+        void* p = std::aligned_alloc(cache_line, rounded);
+        if (p == nullptr) throw std::bad_alloc();
+        std::memset(p, 0, rounded);  // touch every page now
+        data_.reset(static_cast<std::byte*>(p));
+    }
+
+    [[nodiscard]] std::byte* data() const { return data_.get(); }
+    [[nodiscard]] std::size_t size() const { return size_; }
+
+private:
+    struct Free {
+        void operator()(std::byte* p) const { std::free(p); }
+    };
+    std::unique_ptr<std::byte, Free> data_;
+    std::size_t size_ = 0;
+};
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_DETAIL_ALIGNED_BYTES_HPP
+// ---- end gradsync/detail/aligned_bytes.hpp ----
+
+// ---- begin gradsync/detail/first_error.hpp ----
+#ifndef GRADSYNC_SINGLE_DETAIL_FIRST_ERROR_HPP
+#define GRADSYNC_SINGLE_DETAIL_FIRST_ERROR_HPP
+// FirstError: the first exception thrown by any thread of a group (the cause, not the failures
+// it then causes in the others), kept to rethrow once they have all ended.
+
+
+#include <exception>
+#include <mutex>
+#include <string>
+
+namespace gradsync::inline v0::detail {
+
+class FirstError {
+public:
+    // In a catch handler: keeps the exception being handled if it is the first, and returns its
+    // what() for the message that tells the others.
+    std::string keep_current() {
+        std::string what = "unknown exception";
+        try {
+            throw;
+        } catch (const std::exception& e) {
+            what = e.what();
+        } catch (...) {
+        }
+        std::lock_guard lock(mutex_);
+        if (!first_) first_ = std::current_exception();
+        return what;
+    }
+
+    [[nodiscard]] bool any() const {
+        std::lock_guard lock(mutex_);
+        return first_ != nullptr;
+    }
+
+    // After the threads have ended.
+    void rethrow_if_any() const {
+        if (first_) std::rethrow_exception(first_);
+    }
+
+private:
+    mutable std::mutex mutex_;
+    std::exception_ptr first_;
+};
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_DETAIL_FIRST_ERROR_HPP
+// ---- end gradsync/detail/first_error.hpp ----
+
+// ---- begin gradsync/backend/detail/host_reduce.hpp ----
+#ifndef GRADSYNC_SINGLE_BACKEND_DETAIL_HOST_REDUCE_HPP
+#define GRADSYNC_SINGLE_BACKEND_DETAIL_HOST_REDUCE_HPP
+// Host reduction loops, written with 16-byte vectors so that they compile alike at -O2 and -O3;
+// the sum order is always rank 0, 1, 2, ... so every algorithm and every rank produces bitwise
+// identical results. Also the streaming copy, for large results nobody reads before they land.
+
+
+#if (defined(__SSE2__) || defined(_M_X64))
+#include <emmintrin.h>  // for the streaming stores
+#endif
+
+#include <algorithm>  // for std::min
+#include <cstddef>
+#include <cstdint>      // for std::uintptr_t
+#include <cstring>      // for std::memcpy
+#include <type_traits>  // for std::is_same_v
+
+namespace gradsync::inline v0::detail {
+
+inline constexpr std::size_t reduce_block_bytes = 8192;  // one block of every input fits in L1
+inline constexpr std::size_t simd_width = 16;
+
+// float and double as 16-byte vectors of GCC and Clang. The loops below are written with them
+// rather than left to the loop vectorizer: at -O3 it rewrote the plain loops into a form that ran
+// MpiBackend's ring reduction step at half the speed of -O2 (stalled on its stores while the peer
+// process read the same pages). Element by element the same arithmetic, so the same bits.
+template <class T>
+struct Simd {
+    static constexpr bool available = false;
+};
+template <>
+struct Simd<float> {
+    static constexpr bool available = true;
+    using type = float __attribute__((vector_size(16)));
+};
+template <>
+struct Simd<double> {
+    static constexpr bool available = true;
+    using type = double __attribute__((vector_size(16)));
+};
+
+template <class T>
+using vector_of = typename Simd<T>::type;
+template <class T>
+inline constexpr std::size_t lanes_of = sizeof(vector_of<T>) / sizeof(T);
+// The elements of n that whole vectors cover; the rest is left to a scalar tail.
+template <class T>
+inline std::size_t vector_part(std::size_t n) {
+    return n - n % lanes_of<T>;
+}
+
+template <class T>
+inline vector_of<T> load_vector(const T* p) {
+    vector_of<T> v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+template <class T>
+inline void store_vector(T* p, vector_of<T> v) {
+    std::memcpy(p, &v, sizeof v);
+}
+
+// Copies into memory that is not read before it is overwritten and far larger than the cache:
+// stores that bypass the cache (non-temporal), so that no line is fetched only to be overwritten.
+// LocalBackend's all_gather of 64 MiB takes two thirds of memcpy's time with them on the
+// development VMs. Not for memory just read (the in-place reduction: 1.7 times slower with them),
+// not under ThreadSanitizer (which does not see them), and a plain memcpy without SSE2. Followed
+// by streaming_fence().
+#if defined(__SANITIZE_THREAD__)
+#define GRADSYNC_THREAD_SANITIZER 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define GRADSYNC_THREAD_SANITIZER 1
+#endif
+#endif
+#if (defined(__SSE2__) || defined(_M_X64)) && !defined(GRADSYNC_THREAD_SANITIZER)
+#define GRADSYNC_STREAMING_STORES 1
+#endif
+inline constexpr std::size_t streaming_min_bytes = std::size_t{1} << 20;
+
+inline void copy_streaming(void* __restrict out, const void* __restrict in, std::size_t n) {
+    auto* o = static_cast<unsigned char*>(out);
+    const auto* i = static_cast<const unsigned char*>(in);
+    std::size_t k = 0;
+#ifdef GRADSYNC_STREAMING_STORES
+    const std::size_t head = (16 - reinterpret_cast<std::uintptr_t>(o) % 16) % 16;
+    if (n >= head + 64) {
+        std::memcpy(o, i, head);
+        for (k = head; k + 64 <= n; k += 64) {
+            const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(i + k));
+            const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(i + k + 16));
+            const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(i + k + 32));
+            const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(i + k + 48));
+            _mm_stream_si128(reinterpret_cast<__m128i*>(o + k), a);
+            _mm_stream_si128(reinterpret_cast<__m128i*>(o + k + 16), b);
+            _mm_stream_si128(reinterpret_cast<__m128i*>(o + k + 32), c);
+            _mm_stream_si128(reinterpret_cast<__m128i*>(o + k + 48), d);
+        }
+    }
+#endif
+    std::memcpy(o + k, i + k, n - k);
+}
+
+// Orders the streaming stores before what follows (the round that tells peers the data is there).
+inline void streaming_fence() {
+#ifdef GRADSYNC_STREAMING_STORES
+    _mm_sfence();
+#endif
+}
+
+// out[i] = a[i] + b[i]
+template <class T>
+inline void add_two(T* __restrict out, const T* __restrict a, const T* __restrict b, std::size_t n) {
+    std::size_t i = 0;
+    if constexpr (Simd<T>::available)
+        for (; i < vector_part<T>(n); i += lanes_of<T>) store_vector(out + i, load_vector(a + i) + load_vector(b + i));
+    for (; i < n; ++i) out[i] = a[i] + b[i];
+}
+
+// out[i] += a[i]
+template <class T>
+inline void add_into(T* __restrict out, const T* __restrict a, std::size_t n) {
+    std::size_t i = 0;
+    if constexpr (Simd<T>::available)
+        for (; i < vector_part<T>(n); i += lanes_of<T>)
+            store_vector(out + i, load_vector(out + i) + load_vector(a + i));
+    for (; i < n; ++i) out[i] += a[i];
+}
+
+// out[i] *= factor
+template <class T>
+inline void scale_in_place(T* __restrict out, T factor, std::size_t n) {
+    std::size_t i = 0;
+    if constexpr (Simd<T>::available)
+        for (; i < vector_part<T>(n); i += lanes_of<T>) store_vector(out + i, load_vector(out + i) * factor);
+    for (; i < n; ++i) out[i] *= factor;
+}
+
+// What a storage type is summed in: itself, or float for the 16-bit types.
+template <class S>
+struct accumulator {
+    using type = S;
+};
+template <>
+struct accumulator<float16> {
+    using type = float;
+};
+template <>
+struct accumulator<bfloat16> {
+    using type = float;
+};
+template <class S>
+using accumulator_t = typename accumulator<S>::type;
+
+// For every i < n: the sum of inputs[0..n_in)[i] in rank order, in the accumulator type, times
+// `factor` when `scaled`, written to every outputs[0..n_out)[i]. Outputs may alias inputs: each
+// block is read in full into `scratch` (reduce_block_bytes, aligned) before any of it is written.
+template <class S>
+void reduce_to_all(S* const* inputs, int n_in, S* const* outputs, int n_out, std::size_t n, bool scaled,
+                   accumulator_t<S> factor, void* scratch) {
+    using A = accumulator_t<S>;
+    if constexpr (std::is_same_v<S, A>) {
+        constexpr std::size_t block = reduce_block_bytes / sizeof(S);
+        auto* tmp = static_cast<S*>(scratch);
+        for (std::size_t off = 0; off < n; off += block) {
+            std::size_t k = std::min(block, n - off);
+            if (n_in == 1) {
+                std::memcpy(tmp, inputs[0] + off, k * sizeof(S));
+            } else {
+                add_two(tmp, inputs[0] + off, inputs[1] + off, k);
+                for (int s = 2; s < n_in; ++s) add_into(tmp, inputs[s] + off, k);
+            }
+            if (scaled) scale_in_place(tmp, factor, k);
+            for (int o = 0; o < n_out; ++o) std::memcpy(outputs[o] + off, tmp, k * sizeof(S));
+        }
+    } else {
+        // Widen into A, sum there, narrow once (rounding to nearest even), copy to every output.
+        constexpr std::size_t block = reduce_block_bytes / (2 * sizeof(A) + sizeof(S)) / simd_width * simd_width;
+        auto* acc = static_cast<A*>(scratch);
+        auto* wide = acc + block;
+        auto* narrowed = reinterpret_cast<S*>(wide + block);
+        for (std::size_t off = 0; off < n; off += block) {
+            std::size_t k = std::min(block, n - off);
+            widen_to_float(inputs[0] + off, acc, k);
+            for (int s = 1; s < n_in; ++s) {
+                widen_to_float(inputs[s] + off, wide, k);
+                add_into(acc, wide, k);
+            }
+            if (scaled) scale_in_place(acc, factor, k);
+            narrow_from_float(acc, narrowed, k);
+            for (int o = 0; o < n_out; ++o) std::memcpy(outputs[o] + off, narrowed, k * sizeof(S));
+        }
+    }
+}
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_BACKEND_DETAIL_HOST_REDUCE_HPP
+// ---- end gradsync/backend/detail/host_reduce.hpp ----
+
+// ---- begin gradsync/backend/detail/typed_calls.hpp ----
+#ifndef GRADSYNC_SINGLE_BACKEND_DETAIL_TYPED_CALLS_HPP
+#define GRADSYNC_SINGLE_BACKEND_DETAIL_TYPED_CALLS_HPP
+// The typed calls every backend offers alike, written once over each backend's own Buffer and
+// byte calls: allreduce(std::span<T>, op = sum), its _async twin, reduce_scatter and all_gather
+// with theirs where the backend has them, and broadcast(std::span<T>, root), for any T with a DType (float, double,
+// gradsync::float16, gradsync::bfloat16, ...). A trainer written against one backend compiles against every other.
+
+
+#include <cstddef>
+#include <span>
+#include <type_traits>  // for std::is_trivially_copyable_v
+
+namespace gradsync::inline v0::detail {
+
+// CRTP base; the backend brings the overloads in with `using TypedCalls<B>::allreduce;` (and
+// allreduce_async, broadcast), beside its own Buffer and byte overloads.
+template <class Backend>
+class TypedCalls {
+public:
+    template <HasDType T>
+    void allreduce(std::span<T> data, ReduceOp op = ReduceOp::sum) {
+        self().allreduce(buffer_of(data), op);
+    }
+    template <HasDType T>
+    auto allreduce_async(std::span<T> data, ReduceOp op = ReduceOp::sum) {
+        return self().allreduce_async(buffer_of(data), op);
+    }
+    // Where the backend has them (the ShardedCollectives concept): this rank's shard of `data`.
+    template <HasDType T>
+    void reduce_scatter(std::span<T> data, ReduceOp op = ReduceOp::sum) {
+        self().reduce_scatter(buffer_of(data), op);
+    }
+    template <HasDType T>
+    auto reduce_scatter_async(std::span<T> data, ReduceOp op = ReduceOp::sum) {
+        return self().reduce_scatter_async(buffer_of(data), op);
+    }
+    template <HasDType T>
+    void all_gather(std::span<T> data) {
+        self().all_gather(buffer_of(data));
+    }
+    template <HasDType T>
+    auto all_gather_async(std::span<T> data) {
+        return self().all_gather_async(buffer_of(data));
+    }
+    // Copies `root`'s values into every other rank's span of the same size.
+    template <class T>
+    requires std::is_trivially_copyable_v<T>
+    void broadcast(std::span<T> data, int root) { self().broadcast(std::as_writable_bytes(data), root); }
+
+private:
+    Backend& self() { return static_cast<Backend&>(*this); }
+};
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_BACKEND_DETAIL_TYPED_CALLS_HPP
+// ---- end gradsync/backend/detail/typed_calls.hpp ----
+
+#include <cuda_runtime.h>
+
+#include <chrono>
+#include <cstring>  // for std::memcpy
+#include <memory>
+#include <span>
+#include <string>
+#include <thread>
+#include <type_traits>  // for std::is_invocable_v
+#include <utility>      // for std::exchange, std::move
+#include <vector>
+
+namespace gradsync::inline v0 {
+
 class CudaLocalBackend : public detail::TypedCalls<CudaLocalBackend> {
 public:
+    using TypedCalls::all_gather;
+    using TypedCalls::all_gather_async;
     using TypedCalls::allreduce;
     using TypedCalls::allreduce_async;
     using TypedCalls::broadcast;
+    using TypedCalls::reduce_scatter;
+    using TypedCalls::reduce_scatter_async;
 
     static constexpr bool device_memory = true;
     static constexpr bool checks_tags = true;  // every rendezvous compares the ranks' calls
@@ -2722,22 +2932,33 @@ public:
     [[nodiscard]] cudaStream_t compute_stream() const { return compute_; }
 
     CudaLocalHandle allreduce_async(Buffer buf, ReduceOp op = ReduceOp::sum, CollectiveTag tag = {}) {
-        if (!supports(buf.dtype))
-            throw CollectiveError(who() + ": cannot allreduce " + to_string(buf.dtype) +
-                                  " (float32, float64, float16 and bfloat16 only)");
-        cuda::detail::LocalDeviceCall call;
-        call.kind = CollectiveKind::allreduce;
-        call.seq = ++calls_;
-        call.data = buf.data;
-        call.count = buf.count;
-        call.dtype = buf.dtype;
-        call.op = op;
-        call.tag = tag;
-        return collective(call);
+        return collective(reduction_call(CollectiveKind::allreduce, buf, op, tag));
     }
     void allreduce(Buffer buf, ReduceOp op = ReduceOp::sum, CollectiveTag tag = {}) {
         allreduce_async(buf, op, tag).wait();
     }
+
+    // This rank's shard (shard_of) of `buf` ends with the reduction, bitwise the allreduce's there;
+    // the rest of `buf` is left as it was.
+    CudaLocalHandle reduce_scatter_async(Buffer buf, ReduceOp op = ReduceOp::sum, CollectiveTag tag = {}) {
+        return collective(reduction_call(CollectiveKind::reduce_scatter, buf, op, tag));
+    }
+    void reduce_scatter(Buffer buf, ReduceOp op = ReduceOp::sum, CollectiveTag tag = {}) {
+        reduce_scatter_async(buf, op, tag).wait();
+    }
+
+    // Copies every rank's shard of its `buf` into the same place of every other rank's (any dtype).
+    CudaLocalHandle all_gather_async(Buffer buf, CollectiveTag tag = {}) {
+        cuda::detail::LocalDeviceCall call;
+        call.kind = CollectiveKind::all_gather;
+        call.seq = ++calls_;
+        call.data = buf.data;
+        call.count = buf.count;
+        call.dtype = buf.dtype;
+        call.tag = tag;
+        return collective(call);
+    }
+    void all_gather(Buffer buf, CollectiveTag tag = {}) { all_gather_async(buf, tag).wait(); }
 
     CudaLocalHandle broadcast_async(std::span<std::byte> bytes, int root, CollectiveTag tag = {}) {
         if (root < 0 || root >= size())
@@ -2773,6 +2994,21 @@ private:
     [[nodiscard]] std::string who() const {
         return gradsync::detail::rank_prefix(rank_, size(),
                                              "CUDA local group, GPU " + std::to_string(group_->options.device));
+    }
+
+    cuda::detail::LocalDeviceCall reduction_call(CollectiveKind kind, Buffer buf, ReduceOp op, CollectiveTag tag) {
+        if (!supports(buf.dtype))
+            throw CollectiveError(who() + ": cannot " + to_string(kind) + " " + to_string(buf.dtype) +
+                                  " (float32, float64, float16 and bfloat16 only)");
+        cuda::detail::LocalDeviceCall call;
+        call.kind = kind;
+        call.seq = ++calls_;
+        call.data = buf.data;
+        call.count = buf.count;
+        call.dtype = buf.dtype;
+        call.op = op;
+        call.tag = tag;
+        return call;
     }
 
     // Both rounds of a collective: publish the call (with an event on the compute stream), check
@@ -2813,7 +3049,7 @@ private:
         auto& g = *group_;
         for (const auto& c : calls) GRADSYNC_CUDA_CHECK(cudaStreamWaitEvent(g.stream, c.ready, 0));
         const auto& first = calls[0];
-        if (first.kind == CollectiveKind::allreduce) {
+        if (first.kind == CollectiveKind::allreduce || first.kind == CollectiveKind::reduce_scatter) {
             cuda::detail::RankPointers ptrs{};
             for (std::size_t r = 0; r < calls.size(); ++r) ptrs.at[r] = calls[r].data;
             const std::uint64_t blocks = (first.count + 255) / 256;
@@ -2822,9 +3058,21 @@ private:
             gradsync::detail::visit_float_dtype(*first.dtype, [&]<class T>(gradsync::detail::type_tag<T>) {
                 using A = cuda::detail::device_accumulator_t<T>;
                 cuda::detail::reduce_ranks_kernel<T>
-                    <<<grid, 256, 0, g.stream>>>(ptrs, size(), first.count, average, A(1) / static_cast<A>(size()));
+                    <<<grid, 256, 0, g.stream>>>(ptrs, size(), first.count, average, A(1) / static_cast<A>(size()),
+                                                 first.kind == CollectiveKind::reduce_scatter);
             });
             GRADSYNC_CUDA_CHECK(cudaGetLastError());
+        } else if (first.kind == CollectiveKind::all_gather) {
+            const std::size_t elem = size_of(*first.dtype);
+            for (int from = 0; from < size(); ++from) {
+                const Shard shard = shard_of(first.count, size(), from);
+                const auto* src = static_cast<const std::byte*>(calls[std::size_t(from)].data) + shard.offset * elem;
+                for (int to = 0; to < size(); ++to)
+                    if (to != from && shard.count != 0)
+                        GRADSYNC_CUDA_CHECK(
+                            cudaMemcpyAsync(static_cast<std::byte*>(calls[std::size_t(to)].data) + shard.offset * elem,
+                                            src, shard.count * elem, cudaMemcpyDeviceToDevice, g.stream));
+            }
         } else {
             for (std::size_t r = 0; r < calls.size(); ++r)
                 if (int(r) != first.root)
@@ -2841,10 +3089,13 @@ private:
     void host_collective(std::span<const cuda::detail::LocalDeviceCall> calls) {
         const auto& first = calls[0];
         void* mine = calls[std::size_t(rank_)].data;  // `calls` is not read after the next rendezvous
-        const std::size_t bytes =
-            first.kind == CollectiveKind::allreduce ? first.count * size_of(*first.dtype) : first.count;
+        const std::size_t elem = first.dtype ? size_of(*first.dtype) : 1;
+        const std::size_t bytes = first.count * elem;
         std::vector<std::byte> result(bytes);
-        if (first.kind == CollectiveKind::allreduce) {
+        // What this rank writes: all of it, or its shard after a reduce_scatter.
+        Shard written{0, first.count};
+        if (first.kind == CollectiveKind::reduce_scatter) written = shard_of(first.count, size(), rank_);
+        if (first.kind == CollectiveKind::allreduce || first.kind == CollectiveKind::reduce_scatter) {
             gradsync::detail::AlignedBytes scratch(gradsync::detail::reduce_block_bytes);
             gradsync::detail::visit_float_dtype(*first.dtype, [&]<class T>(gradsync::detail::type_tag<T>) {
                 std::vector<T*> inputs;
@@ -2855,12 +3106,22 @@ private:
                                                    first.op == ReduceOp::average, A(1) / static_cast<A>(size()),
                                                    scratch.data());
             });
+        } else if (first.kind == CollectiveKind::all_gather) {
+            for (int from = 0; from < size(); ++from) {
+                const Shard shard = shard_of(first.count, size(), from);
+                if (shard.count != 0)
+                    std::memcpy(result.data() + shard.offset * elem,
+                                static_cast<const std::byte*>(calls[std::size_t(from)].data) + shard.offset * elem,
+                                shard.count * elem);
+            }
         } else {
             std::memcpy(result.data(), calls[std::size_t(first.root)].data, bytes);
         }
         const std::string what = first.what() + " (read)";
         (void)group_->meet.arrive(rank_, cuda::detail::LocalDeviceCall{}, who(), what);
-        std::memcpy(mine, result.data(), bytes);
+        if (written.count != 0)
+            std::memcpy(static_cast<std::byte*>(mine) + written.offset * elem, result.data() + written.offset * elem,
+                        written.count * elem);
     }
 
     std::shared_ptr<cuda::detail::LocalDeviceGroup> group_;

@@ -28,6 +28,7 @@
 // rank, its size and type, and the tag that says what it is for.
 //
 //   allreduce #7 of 300 x float32 (1.2 KiB), average (step 1, bucket 1)
+//   reduce_scatter #8 of 300 x float32 (1.2 KiB), sum
 //   broadcast #2 of 1.5 KiB from rank 0
 //   barrier #4
 
@@ -158,6 +159,91 @@ inline constexpr DType dtype_of = dtype_traits<std::remove_cv_t<T>>::value;
 #endif  // GRADSYNC_SINGLE_DTYPE_HPP
 // ---- end gradsync/dtype.hpp ----
 
+// ---- begin gradsync/error.hpp ----
+#ifndef GRADSYNC_SINGLE_ERROR_HPP
+#define GRADSYNC_SINGLE_ERROR_HPP
+// The exceptions gradsync throws. Every message names the rank, the operation and, where there
+// is one, the parameter, and says what to do about it.
+
+
+#include <stdexcept>  // for std::runtime_error
+#include <string>
+
+namespace gradsync::inline v0 {
+
+// Base of every gradsync exception.
+class Error : public std::runtime_error {
+public:
+    using std::runtime_error::runtime_error;
+};
+
+// Marks an error that every rank raises alike, with the same message, after their collectives
+// completed: no rank is left waiting, so the group needs no abort and may go on. Catch it as its
+// own type, or as `const gradsync::RaisedOnEveryRank&` to handle every such error at once.
+class RaisedOnEveryRank {};
+
+// The model handed to gradsync is unusable: null gradient, unsupported dtype, aliased buffers.
+class InvalidModel : public Error {
+public:
+    using Error::Error;
+};
+
+// The DataParallel's configuration is invalid (a zero timeout, a loss scaler that cannot work), or
+// differs across ranks in a setting that changes the sums. Thrown on every rank alike.
+class ConfigurationError : public Error {
+public:
+    using Error::Error;
+};
+
+// Ranks disagree on the model's parameter layout. Thrown on every rank with the same message.
+class LayoutMismatch : public Error, public RaisedOnEveryRank {
+public:
+    using Error::Error;
+};
+
+// A collective failed: a peer failed or left, ranks called different collectives, bad arguments.
+class CollectiveError : public Error {
+public:
+    using Error::Error;
+};
+
+// The ranks' replicas differ: parameters (or buffers kept equal, or checkpointed state) that
+// every rank should hold bit for bit do not match. Thrown on every rank with the same message.
+class ReplicaMismatch : public Error, public RaisedOnEveryRank {
+public:
+    using Error::Error;
+};
+
+// The ranks are at different steps of the trainer (by the step numbers it passed): a rank skipped
+// or repeated an iteration. Thrown on every rank with the same message, before any update.
+class StepMismatch : public CollectiveError, public RaisedOnEveryRank {
+public:
+    using CollectiveError::CollectiveError;
+};
+
+// A collective did not complete before its deadline.
+class TimeoutError : public CollectiveError {
+public:
+    using CollectiveError::CollectiveError;
+};
+
+namespace detail {
+
+// How every message about one rank begins: "gradsync: rank 3".
+inline std::string rank_prefix(int rank) { return "gradsync: rank " + std::to_string(rank); }
+
+// ...and with its group and where it runs: "gradsync: rank 3 of 4 (NCCL, GPU 3)".
+inline std::string rank_prefix(int rank, int size, const std::string& where = {}) {
+    return rank_prefix(rank) + " of " + std::to_string(size) + (where.empty() ? "" : " (" + where + ")");
+}
+
+}  // namespace detail
+
+}  // namespace gradsync::inline v0
+#endif  // GRADSYNC_SINGLE_ERROR_HPP
+// ---- end gradsync/error.hpp ----
+
+#include <algorithm>  // for std::min
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -188,6 +274,26 @@ struct Buffer {
 template <HasDType T>
 Buffer buffer_of(std::span<T> s) {
     return Buffer{s.data(), s.size(), dtype_of<T>};
+}
+
+// One rank's part of a reduce_scatter or all_gather of `count` elements over `ranks` ranks: the
+// contiguous elements [offset, offset + count). Shards differ by at most one element; the first
+// (count % ranks) ranks own the longer ones, so a count below the number of ranks leaves the last
+// ranks empty shards. Every backend splits by this rule.
+struct Shard {
+    std::size_t offset = 0;
+    std::size_t count = 0;
+
+    friend bool operator==(const Shard&, const Shard&) = default;
+};
+
+inline Shard shard_of(std::size_t count, int ranks, int rank) {
+    if (ranks < 1 || rank < 0 || rank >= ranks)
+        throw Error("gradsync: shard_of needs 0 <= rank < ranks, got rank " + std::to_string(rank) + " of " +
+                    std::to_string(ranks));
+    const auto n = static_cast<std::size_t>(ranks), r = static_cast<std::size_t>(rank);
+    const std::size_t base = count / n, longer = count % n;
+    return Shard{r * base + std::min(r, longer), base + (r < longer ? 1 : 0)};
 }
 
 // What a collective is for, so that a mismatch across ranks is named in terms the user knows.
@@ -294,13 +400,15 @@ constexpr Bytes operator""_GiB(unsigned long long n) { return Bytes{n << 30}; }
 
 namespace gradsync::inline v0 {
 
-enum class CollectiveKind : std::uint8_t { allreduce, broadcast, barrier };
+enum class CollectiveKind : std::uint8_t { allreduce, broadcast, barrier, reduce_scatter, all_gather };
 
 inline std::string to_string(CollectiveKind k) {
     switch (k) {
         case CollectiveKind::allreduce: return "allreduce";
         case CollectiveKind::broadcast: return "broadcast";
         case CollectiveKind::barrier: return "barrier";
+        case CollectiveKind::reduce_scatter: return "reduce_scatter";
+        case CollectiveKind::all_gather: return "all_gather";
     }
     return "collective";
 }
@@ -326,7 +434,7 @@ struct CollectiveCall {
             else
                 out += to_string(bytes());
         }
-        if (kind == CollectiveKind::allreduce) out += ", " + to_string(op);
+        if (kind == CollectiveKind::allreduce || kind == CollectiveKind::reduce_scatter) out += ", " + to_string(op);
         if (kind == CollectiveKind::broadcast) out += " from rank " + std::to_string(root);
         if (tag.step >= 0) {
             out += " (step " + std::to_string(tag.step);
@@ -352,7 +460,8 @@ struct CollectiveCall {
 #define GRADSYNC_SINGLE_BACKEND_CONCEPTS_HPP
 // What a communication backend provides: the Backend concept (the required core: rank, size,
 // allreduce, broadcast, barrier) and one named concept per optional ability DataParallel uses
-// when a backend has it, each with a check that names what is missing.
+// when a backend has it (reduce_scatter and all_gather among them), each with a check that names
+// what is missing.
 
 
 // ---- begin gradsync/backend/handle.hpp ----
@@ -629,6 +738,28 @@ concept ScatteredAllreduce = Backend<B> && requires(B& b, std::span<const Segmen
 
 // Optional abilities. DataParallel asks these concepts, never the members themselves.
 
+// reduce_scatter and all_gather, what sharded data parallel needs. Each rank owns the shard
+// shard_of(buf.count, size(), rank()) of a buffer of the same size on every rank.
+// reduce_scatter(buf, op) leaves the reduction over the ranks in this rank's shard of `buf` and
+// the rest of `buf` unspecified (a backend may use it as scratch); all_gather(buf) copies every
+// rank's shard of its `buf` into the same place of every other rank's.
+template <class B>
+concept ShardedCollectives = Backend<B> && requires(B& b, Buffer buf, ReduceOp op) {
+    b.reduce_scatter(buf, op);
+    { b.reduce_scatter_async(buf, op) } -> Waitable;
+    b.all_gather(buf);
+    { b.all_gather_async(buf) } -> Waitable;
+};
+
+// ...with a CollectiveTag each, like TaggedCollectives.
+template <class B>
+concept TaggedShardedCollectives = ShardedCollectives<B> && requires(B& b, Buffer buf, ReduceOp op, CollectiveTag tag) {
+    b.reduce_scatter(buf, op, tag);
+    { b.reduce_scatter_async(buf, op, tag) } -> Waitable;
+    b.all_gather(buf, tag);
+    { b.all_gather_async(buf, tag) } -> Waitable;
+};
+
 // Collectives that carry a CollectiveTag (to name them in errors, and to check them): the
 // allreduce and the broadcast, and the scattered allreduce where there is one.
 template <class B>
@@ -788,6 +919,46 @@ void broadcast_tagged(B& b, std::span<std::byte> bytes, int root, CollectiveTag 
         b.broadcast(bytes, root);
 }
 
+template <ShardedCollectives B>
+auto reduce_scatter_async_tagged(B& b, Buffer buf, ReduceOp op, CollectiveTag tag) {
+    if constexpr (TaggedShardedCollectives<B>)
+        return b.reduce_scatter_async(buf, op, tag);
+    else
+        return b.reduce_scatter_async(buf, op);
+}
+template <ShardedCollectives B>
+auto all_gather_async_tagged(B& b, Buffer buf, CollectiveTag tag) {
+    if constexpr (TaggedShardedCollectives<B>)
+        return b.all_gather_async(buf, tag);
+    else
+        return b.all_gather_async(buf);
+}
+
+// What a backend for sharded data parallel lacks, named.
+template <class B>
+constexpr bool check_sharded_collectives() {
+    static_assert(
+        requires(B & b, Buffer buf, ReduceOp op) { b.reduce_scatter(buf, op); },
+        "gradsync: sharding needs a backend with `void reduce_scatter(gradsync::Buffer, gradsync::ReduceOp)` (the "
+        "ShardedCollectives concept: LocalBackend, MpiBackend, NcclBackend, CudaLocalBackend)");
+    static_assert(
+        requires(B & b, Buffer buf, ReduceOp op) {
+            { b.reduce_scatter_async(buf, op) } -> Waitable;
+        },
+        "gradsync: sharding needs a backend with `Handle reduce_scatter_async(gradsync::Buffer, gradsync::ReduceOp)` "
+        "(the ShardedCollectives concept)");
+    static_assert(
+        requires(B & b, Buffer buf) { b.all_gather(buf); },
+        "gradsync: sharding needs a backend with `void all_gather(gradsync::Buffer)` (the ShardedCollectives concept)");
+    static_assert(
+        requires(B & b, Buffer buf) {
+            { b.all_gather_async(buf) } -> Waitable;
+        },
+        "gradsync: sharding needs a backend with `Handle all_gather_async(gradsync::Buffer)` (the ShardedCollectives "
+        "concept)");
+    return ShardedCollectives<B>;
+}
+
 // What a scattered-allreduce backend lacks, named (InPlaceBuckets needs one).
 template <class B>
 constexpr bool check_scattered_allreduce() {
@@ -833,9 +1004,9 @@ constexpr bool check_stream_ordered() {
 #ifndef GRADSYNC_SINGLE_BACKEND_DETAIL_TYPED_CALLS_HPP
 #define GRADSYNC_SINGLE_BACKEND_DETAIL_TYPED_CALLS_HPP
 // The typed calls every backend offers alike, written once over each backend's own Buffer and
-// byte calls: allreduce(std::span<T>, op = sum), its _async twin, and broadcast(std::span<T>,
-// root), for any T with a DType (float, double, gradsync::float16, gradsync::bfloat16, ...). A
-// trainer written against one backend compiles against every other.
+// byte calls: allreduce(std::span<T>, op = sum), its _async twin, reduce_scatter and all_gather
+// with theirs where the backend has them, and broadcast(std::span<T>, root), for any T with a DType (float, double,
+// gradsync::float16, gradsync::bfloat16, ...). A trainer written against one backend compiles against every other.
 
 
 #include <cstddef>
@@ -856,6 +1027,23 @@ public:
     template <HasDType T>
     auto allreduce_async(std::span<T> data, ReduceOp op = ReduceOp::sum) {
         return self().allreduce_async(buffer_of(data), op);
+    }
+    // Where the backend has them (the ShardedCollectives concept): this rank's shard of `data`.
+    template <HasDType T>
+    void reduce_scatter(std::span<T> data, ReduceOp op = ReduceOp::sum) {
+        self().reduce_scatter(buffer_of(data), op);
+    }
+    template <HasDType T>
+    auto reduce_scatter_async(std::span<T> data, ReduceOp op = ReduceOp::sum) {
+        return self().reduce_scatter_async(buffer_of(data), op);
+    }
+    template <HasDType T>
+    void all_gather(std::span<T> data) {
+        self().all_gather(buffer_of(data));
+    }
+    template <HasDType T>
+    auto all_gather_async(std::span<T> data) {
+        return self().all_gather_async(buffer_of(data));
     }
     // Copies `root`'s values into every other rank's span of the same size.
     template <class T>
@@ -977,90 +1165,6 @@ private:
 }  // namespace gradsync::inline v0::detail
 #endif  // GRADSYNC_SINGLE_BACKEND_DETAIL_WATCHER_THREAD_HPP
 // ---- end gradsync/backend/detail/watcher_thread.hpp ----
-
-// ---- begin gradsync/error.hpp ----
-#ifndef GRADSYNC_SINGLE_ERROR_HPP
-#define GRADSYNC_SINGLE_ERROR_HPP
-// The exceptions gradsync throws. Every message names the rank, the operation and, where there
-// is one, the parameter, and says what to do about it.
-
-
-#include <stdexcept>  // for std::runtime_error
-#include <string>
-
-namespace gradsync::inline v0 {
-
-// Base of every gradsync exception.
-class Error : public std::runtime_error {
-public:
-    using std::runtime_error::runtime_error;
-};
-
-// Marks an error that every rank raises alike, with the same message, after their collectives
-// completed: no rank is left waiting, so the group needs no abort and may go on. Catch it as its
-// own type, or as `const gradsync::RaisedOnEveryRank&` to handle every such error at once.
-class RaisedOnEveryRank {};
-
-// The model handed to gradsync is unusable: null gradient, unsupported dtype, aliased buffers.
-class InvalidModel : public Error {
-public:
-    using Error::Error;
-};
-
-// The DataParallel's configuration is invalid (a zero timeout, a loss scaler that cannot work), or
-// differs across ranks in a setting that changes the sums. Thrown on every rank alike.
-class ConfigurationError : public Error {
-public:
-    using Error::Error;
-};
-
-// Ranks disagree on the model's parameter layout. Thrown on every rank with the same message.
-class LayoutMismatch : public Error, public RaisedOnEveryRank {
-public:
-    using Error::Error;
-};
-
-// A collective failed: a peer failed or left, ranks called different collectives, bad arguments.
-class CollectiveError : public Error {
-public:
-    using Error::Error;
-};
-
-// The ranks' replicas differ: parameters (or buffers kept equal, or checkpointed state) that
-// every rank should hold bit for bit do not match. Thrown on every rank with the same message.
-class ReplicaMismatch : public Error, public RaisedOnEveryRank {
-public:
-    using Error::Error;
-};
-
-// The ranks are at different steps of the trainer (by the step numbers it passed): a rank skipped
-// or repeated an iteration. Thrown on every rank with the same message, before any update.
-class StepMismatch : public CollectiveError, public RaisedOnEveryRank {
-public:
-    using CollectiveError::CollectiveError;
-};
-
-// A collective did not complete before its deadline.
-class TimeoutError : public CollectiveError {
-public:
-    using CollectiveError::CollectiveError;
-};
-
-namespace detail {
-
-// How every message about one rank begins: "gradsync: rank 3".
-inline std::string rank_prefix(int rank) { return "gradsync: rank " + std::to_string(rank); }
-
-// ...and with its group and where it runs: "gradsync: rank 3 of 4 (NCCL, GPU 3)".
-inline std::string rank_prefix(int rank, int size, const std::string& where = {}) {
-    return rank_prefix(rank) + " of " + std::to_string(size) + (where.empty() ? "" : " (" + where + ")");
-}
-
-}  // namespace detail
-
-}  // namespace gradsync::inline v0
-#endif  // GRADSYNC_SINGLE_ERROR_HPP
-// ---- end gradsync/error.hpp ----
 
 #include <atomic>
 #include <chrono>
@@ -1944,6 +2048,139 @@ inline NcclPlace nccl_place_from_environment() {
 #endif  // GRADSYNC_SINGLE_BACKEND_NCCL_PLACE_HPP
 // ---- end gradsync/backend/nccl/place.hpp ----
 
+// ---- begin gradsync/backend/nccl/queue.hpp ----
+#ifndef GRADSYNC_SINGLE_BACKEND_NCCL_QUEUE_HPP
+#define GRADSYNC_SINGLE_BACKEND_NCCL_QUEUE_HPP
+// How a collective is queued on one rank's NCCL communicator: behind what the compute stream was
+// given so far, settled on the non-blocking communicator (polled, by the deadline), and handed to
+// the watchdog; host memory staged through fixed device buffers piece by piece. Also the group of
+// one call per shard that reduce_scatter and all_gather use where shards differ in length.
+// Needs <nccl.h> and the CUDA runtime.
+
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <algorithm>  // for std::min
+#include <chrono>
+#include <cstddef>
+#include <cstring>  // for std::memcpy
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <utility>  // for std::move
+
+namespace gradsync::inline v0::detail {
+
+// Host buffers are staged through device memory in pieces of at most this size.
+inline constexpr std::size_t nccl_staging_bytes = std::size_t(1) << 20;
+
+// Settles a call on the non-blocking communicator: ncclInProgress means NCCL is still
+// queueing it (from a thread of its own, for every multi-rank collective), and nothing may
+// follow until it is done. Polls without a lock; an abort request ends the poll.
+inline void nccl_settle(NcclCommunicator& s, ncclResult_t r, const std::string& what) {
+    if (r == ncclSuccess) return;
+    s.watchdog->settle(
+        [&]() -> QueueState {
+            if (r == ncclInProgress) {
+                ncclResult_t state = ncclSuccess;
+                r = ncclCommGetAsyncError(s.comm, &state);
+                if (r == ncclSuccess) r = state;
+            }
+            if (r == ncclInProgress) return std::nullopt;
+            if (r == ncclSuccess) return std::string();
+            return nccl_words(r, s.comm);
+        },
+        what, s.timeout);
+}
+
+// Records the completion of what was just queued and hands it to the watchdog (inside run()).
+inline NcclHandle nccl_track(NcclCommunicator& s, const CollectiveCall& call) {
+    cudaEvent_t event = nullptr;
+    s.watchdog->with_lock([&] {  // the free list is shared with `release`, which runs under that lock
+        if (!s.events.empty()) {
+            event = s.events.back();
+            s.events.pop_back();
+        }
+    });
+    if (event == nullptr) {
+        GRADSYNC_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+        s.all_events.push_back(event);
+    }
+    GRADSYNC_CUDA_CHECK(cudaEventRecord(event, s.stream));
+    auto op = std::make_shared<WatchedOp>();
+    op->call = call;
+    op->deadline = std::chrono::steady_clock::now() + s.timeout;
+    op->event = event;
+    s.watchdog->watch(op);
+    return NcclHandle(std::move(op), s.watchdog, s.device);
+}
+
+// Host memory: each piece copied in, reduced on the device, copied out and waited for (by
+// the collective's deadline, outside the watchdog's gate), through the fixed staging buffers.
+template <class Issue>
+NcclHandle nccl_staged(NcclCommunicator& s, const CollectiveCall& call, void* data, Issue& issue) {
+    std::lock_guard staging(s.staging);
+    const std::size_t unit = call.dtype ? size_of(*call.dtype) : 1;
+    auto* host = static_cast<std::byte*>(data);
+    const std::size_t per_piece = nccl_staging_bytes / unit;
+    for (std::size_t first = 0; first < call.count; first += per_piece) {
+        const std::size_t n = std::min(per_piece, call.count - first);
+        const std::size_t bytes = n * unit;
+        std::byte* at = host + first * unit;
+        auto handle = s.watchdog->run([&] {
+            std::memcpy(s.pinned, at, bytes);
+            GRADSYNC_CUDA_CHECK(cudaMemcpyAsync(s.scratch, s.pinned, bytes, cudaMemcpyHostToDevice, s.stream));
+            nccl_settle(s, issue(s.scratch, n, s), call.describe());
+            GRADSYNC_CUDA_CHECK(cudaMemcpyAsync(s.pinned, s.scratch, bytes, cudaMemcpyDeviceToHost, s.stream));
+            return nccl_track(s, call);
+        });
+        handle.wait();  // by the collective's deadline; the staging buffers are free again after it
+        std::memcpy(at, s.pinned, bytes);
+    }
+    return NcclHandle{};
+}
+
+// Queues `call` on the memory at `data`, staging it through device memory when it lies in
+// host memory; `issue(data, count, state)` issues it on a device pointer.
+template <class Issue>
+NcclHandle nccl_queue(NcclCommunicator& s, const CollectiveCall& call, void* data, Issue& issue) {
+    if (call.count == 0) {
+        s.watchdog->rethrow_if_failed();
+        return NcclHandle{};
+    }
+    DeviceScope scope(s.device);
+    if (!device_addressable(data)) return nccl_staged(s, call, data, issue);
+    return s.watchdog->run([&] {
+        // After what the compute stream was given so far (one event, re-recorded each time:
+        // the wait takes the event as it is now).
+        GRADSYNC_CUDA_CHECK(cudaEventRecord(s.computed, s.compute));
+        GRADSYNC_CUDA_CHECK(cudaStreamWaitEvent(s.stream, s.computed, 0));
+        nccl_settle(s, issue(data, call.count, s), call.describe());
+        return nccl_track(s, call);
+    });
+}
+
+// One call per non-empty shard, `issue(owner, shard)`, inside one NCCL group.
+template <class Issue>
+ncclResult_t nccl_grouped(int n, std::size_t count, Issue&& issue) {
+    ncclResult_t r = ncclGroupStart();
+    if (r != ncclSuccess) return r;
+    for (int owner = 0; owner < n; ++owner) {
+        const Shard shard = shard_of(count, n, owner);
+        if (shard.count == 0) continue;
+        r = issue(owner, shard);
+        if (r != ncclSuccess && r != ncclInProgress) break;
+    }
+    const ncclResult_t ended = ncclGroupEnd();
+    return r != ncclSuccess && r != ncclInProgress ? r : ended;
+}
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_BACKEND_NCCL_QUEUE_HPP
+// ---- end gradsync/backend/nccl/queue.hpp ----
+
 // ---- begin gradsync/detail/dtype_visit.hpp ----
 #ifndef GRADSYNC_SINGLE_DETAIL_DTYPE_VISIT_HPP
 #define GRADSYNC_SINGLE_DETAIL_DTYPE_VISIT_HPP
@@ -2199,13 +2436,17 @@ class NcclBackend : public detail::TypedCalls<NcclBackend<Algo>> {
     using Typed = detail::TypedCalls<NcclBackend<Algo>>;
 
 public:
+    using Typed::all_gather;
+    using Typed::all_gather_async;
     using Typed::allreduce;
     using Typed::allreduce_async;
     using Typed::broadcast;
+    using Typed::reduce_scatter;
+    using Typed::reduce_scatter_async;
     using algorithm = Algo;
     static constexpr bool device_memory = true;  // collectives take device (or managed) memory
     // Host buffers are staged through device memory in pieces of at most this size.
-    static constexpr std::size_t staging_bytes = std::size_t(1) << 20;
+    static constexpr std::size_t staging_bytes = detail::nccl_staging_bytes;
 
     // Joins the communicator of `place` (nccl_place_from_environment()): selects its device,
     // creates a non-blocking communicator and waits until every rank has joined, by the
@@ -2311,6 +2552,57 @@ public:
             return r != ncclSuccess ? r : destroyed;
         });
     }
+
+    // Leaves the sum or average over the ranks in this rank's shard of `buf` (shard_of(buf.count,
+    // size(), rank())), ordered like the allreduce; the rest of `buf` is unspecified. Device
+    // memory only. Shards of one length: one in-place ncclReduceScatter; of two lengths (a count
+    // the ranks do not divide): one ncclReduce per shard to its owner, in one group.
+    NcclHandle reduce_scatter_async(Buffer buf, ReduceOp op = ReduceOp::sum, CollectiveTag tag = {}) {
+        const ncclDataType_t type = reducible_type(buf.dtype, "reduce_scatter");
+        const ncclRedOp_t nop = op == ReduceOp::average ? ncclAvg : ncclSum;
+        require_device(buf, "reduce_scatter");
+        const int n = size(), me = rank();
+        const std::size_t elem = size_of(buf.dtype);
+        return queue(sharded_call(CollectiveKind::reduce_scatter, buf, op, tag), buf.data,
+                     [&](void* data, std::size_t count, State& s) -> ncclResult_t {
+                         auto* base = static_cast<std::byte*>(data);
+                         if (count % std::size_t(n) == 0) {
+                             const Shard mine = shard_of(count, n, me);
+                             return ncclReduceScatter(base, base + mine.offset * elem, mine.count, type, nop, s.comm,
+                                                      s.stream);
+                         }
+                         return detail::nccl_grouped(n, count, [&](int owner, Shard shard) {
+                             std::byte* at = base + shard.offset * elem;
+                             return ncclReduce(at, at, shard.count, type, nop, owner, s.comm, s.stream);
+                         });
+                     });
+    }
+    void reduce_scatter(Buffer buf, ReduceOp op = ReduceOp::sum, CollectiveTag tag = {}) {
+        reduce_scatter_async(buf, op, tag).wait();
+    }
+
+    // Copies every rank's shard of its `buf` into the same place of every other rank's (any
+    // dtype, device memory only): one in-place ncclAllGather where the shards have one length,
+    // else one ncclBroadcast per shard from its owner, in one group.
+    NcclHandle all_gather_async(Buffer buf, CollectiveTag tag = {}) {
+        require_device(buf, "all_gather");
+        const int n = size(), me = rank();
+        const std::size_t elem = size_of(buf.dtype);
+        return queue(sharded_call(CollectiveKind::all_gather, buf, ReduceOp::sum, tag), buf.data,
+                     [&](void* data, std::size_t count, State& s) -> ncclResult_t {
+                         auto* base = static_cast<std::byte*>(data);
+                         if (count % std::size_t(n) == 0) {
+                             const Shard mine = shard_of(count, n, me);
+                             return ncclAllGather(base + mine.offset * elem, base, mine.count * elem, ncclUint8, s.comm,
+                                                  s.stream);
+                         }
+                         return detail::nccl_grouped(n, count, [&](int owner, Shard shard) {
+                             std::byte* at = base + shard.offset * elem;
+                             return ncclBroadcast(at, at, shard.count * elem, ncclUint8, owner, s.comm, s.stream);
+                         });
+                     });
+    }
+    void all_gather(Buffer buf, CollectiveTag tag = {}) { all_gather_async(buf, tag).wait(); }
 
     // Copies `root`'s bytes to every rank.
     NcclHandle broadcast_async(std::span<std::byte> bytes, int root, CollectiveTag tag = {}) {
@@ -2423,24 +2715,17 @@ private:
         return out;
     }
 
-    // Settles a call on the non-blocking communicator: ncclInProgress means NCCL is still
-    // queueing it (from a thread of its own, for every multi-rank collective), and nothing may
-    // follow until it is done. Polls without a lock; an abort request ends the poll.
-    void settle(ncclResult_t r, const std::string& what) {
-        if (r == ncclSuccess) return;
-        auto& s = *state_;
-        s.watchdog->settle(
-            [&]() -> detail::QueueState {
-                if (r == ncclInProgress) {
-                    ncclResult_t state = ncclSuccess;
-                    r = ncclCommGetAsyncError(s.comm, &state);
-                    if (r == ncclSuccess) r = state;
-                }
-                if (r == ncclInProgress) return std::nullopt;
-                if (r == ncclSuccess) return std::string();
-                return detail::nccl_words(r, s.comm);
-            },
-            what, s.timeout);
+    CollectiveCall sharded_call(CollectiveKind kind, Buffer buf, ReduceOp op, CollectiveTag tag) {
+        CollectiveCall call = allreduce_call(buf, op, tag);
+        call.kind = kind;
+        return call;
+    }
+
+    // The host staging buffer goes piece by piece, which would shard each piece, not the buffer.
+    void require_device(Buffer buf, const char* what) const {
+        if (buf.count != 0 && !detail::device_addressable(buf.data))
+            throw CollectiveError(state_->who + ": " + what +
+                                  " takes device (or managed) memory; this buffer lies in host memory");
     }
 
     CollectiveCall allreduce_call(Buffer buf, ReduceOp op, CollectiveTag tag) {
@@ -2452,74 +2737,10 @@ private:
                               .tag = tag};
     }
 
-    // Queues `call` on the memory at `data`, staging it through device memory when it lies in
-    // host memory; `issue(data, count, state)` issues it on a device pointer.
+    // Queues `call` on the memory at `data` (see nccl/queue.hpp).
     template <class Issue>
     NcclHandle queue(const CollectiveCall& call, void* data, Issue&& issue) {
-        auto& s = *state_;
-        if (call.count == 0) {
-            s.watchdog->rethrow_if_failed();
-            return NcclHandle{};
-        }
-        detail::DeviceScope scope(s.device);
-        if (!detail::device_addressable(data)) return staged(call, data, issue);
-        return s.watchdog->run([&] {
-            // After what the compute stream was given so far (one event, re-recorded each time:
-            // the wait takes the event as it is now).
-            GRADSYNC_CUDA_CHECK(cudaEventRecord(s.computed, s.compute));
-            GRADSYNC_CUDA_CHECK(cudaStreamWaitEvent(s.stream, s.computed, 0));
-            settle(issue(data, call.count, s), call.describe());
-            return track(call);
-        });
-    }
-
-    // Host memory: each piece copied in, reduced on the device, copied out and waited for (by
-    // the collective's deadline, outside the watchdog's gate), through the fixed staging buffers.
-    template <class Issue>
-    NcclHandle staged(const CollectiveCall& call, void* data, Issue& issue) {
-        auto& s = *state_;
-        std::lock_guard staging(s.staging);
-        const std::size_t unit = call.dtype ? size_of(*call.dtype) : 1;
-        auto* host = static_cast<std::byte*>(data);
-        const std::size_t per_piece = staging_bytes / unit;
-        for (std::size_t first = 0; first < call.count; first += per_piece) {
-            const std::size_t n = std::min(per_piece, call.count - first);
-            const std::size_t bytes = n * unit;
-            std::byte* at = host + first * unit;
-            auto handle = s.watchdog->run([&] {
-                std::memcpy(s.pinned, at, bytes);
-                GRADSYNC_CUDA_CHECK(cudaMemcpyAsync(s.scratch, s.pinned, bytes, cudaMemcpyHostToDevice, s.stream));
-                settle(issue(s.scratch, n, s), call.describe());
-                GRADSYNC_CUDA_CHECK(cudaMemcpyAsync(s.pinned, s.scratch, bytes, cudaMemcpyDeviceToHost, s.stream));
-                return track(call);
-            });
-            handle.wait();  // by the collective's deadline; the staging buffers are free again after it
-            std::memcpy(at, s.pinned, bytes);
-        }
-        return NcclHandle{};
-    }
-
-    // Records the completion of what was just queued and hands it to the watchdog (inside run()).
-    NcclHandle track(const CollectiveCall& call) {
-        auto& s = *state_;
-        cudaEvent_t event = nullptr;
-        s.watchdog->with_lock([&] {  // the free list is shared with `release`, which runs under that lock
-            if (!s.events.empty()) {
-                event = s.events.back();
-                s.events.pop_back();
-            }
-        });
-        if (event == nullptr) {
-            GRADSYNC_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
-            s.all_events.push_back(event);
-        }
-        GRADSYNC_CUDA_CHECK(cudaEventRecord(event, s.stream));
-        auto op = std::make_shared<detail::WatchedOp>();
-        op->call = call;
-        op->deadline = std::chrono::steady_clock::now() + s.timeout;
-        op->event = event;
-        s.watchdog->watch(op);
-        return NcclHandle(std::move(op), s.watchdog, s.device);
+        return detail::nccl_queue(*state_, call, data, issue);
     }
 
     std::unique_ptr<State> state_;

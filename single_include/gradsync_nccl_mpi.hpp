@@ -47,6 +47,7 @@
 // rank, its size and type, and the tag that says what it is for.
 //
 //   allreduce #7 of 300 x float32 (1.2 KiB), average (step 1, bucket 1)
+//   reduce_scatter #8 of 300 x float32 (1.2 KiB), sum
 //   broadcast #2 of 1.5 KiB from rank 0
 //   barrier #4
 
@@ -177,6 +178,91 @@ inline constexpr DType dtype_of = dtype_traits<std::remove_cv_t<T>>::value;
 #endif  // GRADSYNC_SINGLE_DTYPE_HPP
 // ---- end gradsync/dtype.hpp ----
 
+// ---- begin gradsync/error.hpp ----
+#ifndef GRADSYNC_SINGLE_ERROR_HPP
+#define GRADSYNC_SINGLE_ERROR_HPP
+// The exceptions gradsync throws. Every message names the rank, the operation and, where there
+// is one, the parameter, and says what to do about it.
+
+
+#include <stdexcept>  // for std::runtime_error
+#include <string>
+
+namespace gradsync::inline v0 {
+
+// Base of every gradsync exception.
+class Error : public std::runtime_error {
+public:
+    using std::runtime_error::runtime_error;
+};
+
+// Marks an error that every rank raises alike, with the same message, after their collectives
+// completed: no rank is left waiting, so the group needs no abort and may go on. Catch it as its
+// own type, or as `const gradsync::RaisedOnEveryRank&` to handle every such error at once.
+class RaisedOnEveryRank {};
+
+// The model handed to gradsync is unusable: null gradient, unsupported dtype, aliased buffers.
+class InvalidModel : public Error {
+public:
+    using Error::Error;
+};
+
+// The DataParallel's configuration is invalid (a zero timeout, a loss scaler that cannot work), or
+// differs across ranks in a setting that changes the sums. Thrown on every rank alike.
+class ConfigurationError : public Error {
+public:
+    using Error::Error;
+};
+
+// Ranks disagree on the model's parameter layout. Thrown on every rank with the same message.
+class LayoutMismatch : public Error, public RaisedOnEveryRank {
+public:
+    using Error::Error;
+};
+
+// A collective failed: a peer failed or left, ranks called different collectives, bad arguments.
+class CollectiveError : public Error {
+public:
+    using Error::Error;
+};
+
+// The ranks' replicas differ: parameters (or buffers kept equal, or checkpointed state) that
+// every rank should hold bit for bit do not match. Thrown on every rank with the same message.
+class ReplicaMismatch : public Error, public RaisedOnEveryRank {
+public:
+    using Error::Error;
+};
+
+// The ranks are at different steps of the trainer (by the step numbers it passed): a rank skipped
+// or repeated an iteration. Thrown on every rank with the same message, before any update.
+class StepMismatch : public CollectiveError, public RaisedOnEveryRank {
+public:
+    using CollectiveError::CollectiveError;
+};
+
+// A collective did not complete before its deadline.
+class TimeoutError : public CollectiveError {
+public:
+    using CollectiveError::CollectiveError;
+};
+
+namespace detail {
+
+// How every message about one rank begins: "gradsync: rank 3".
+inline std::string rank_prefix(int rank) { return "gradsync: rank " + std::to_string(rank); }
+
+// ...and with its group and where it runs: "gradsync: rank 3 of 4 (NCCL, GPU 3)".
+inline std::string rank_prefix(int rank, int size, const std::string& where = {}) {
+    return rank_prefix(rank) + " of " + std::to_string(size) + (where.empty() ? "" : " (" + where + ")");
+}
+
+}  // namespace detail
+
+}  // namespace gradsync::inline v0
+#endif  // GRADSYNC_SINGLE_ERROR_HPP
+// ---- end gradsync/error.hpp ----
+
+#include <algorithm>  // for std::min
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -207,6 +293,26 @@ struct Buffer {
 template <HasDType T>
 Buffer buffer_of(std::span<T> s) {
     return Buffer{s.data(), s.size(), dtype_of<T>};
+}
+
+// One rank's part of a reduce_scatter or all_gather of `count` elements over `ranks` ranks: the
+// contiguous elements [offset, offset + count). Shards differ by at most one element; the first
+// (count % ranks) ranks own the longer ones, so a count below the number of ranks leaves the last
+// ranks empty shards. Every backend splits by this rule.
+struct Shard {
+    std::size_t offset = 0;
+    std::size_t count = 0;
+
+    friend bool operator==(const Shard&, const Shard&) = default;
+};
+
+inline Shard shard_of(std::size_t count, int ranks, int rank) {
+    if (ranks < 1 || rank < 0 || rank >= ranks)
+        throw Error("gradsync: shard_of needs 0 <= rank < ranks, got rank " + std::to_string(rank) + " of " +
+                    std::to_string(ranks));
+    const auto n = static_cast<std::size_t>(ranks), r = static_cast<std::size_t>(rank);
+    const std::size_t base = count / n, longer = count % n;
+    return Shard{r * base + std::min(r, longer), base + (r < longer ? 1 : 0)};
 }
 
 // What a collective is for, so that a mismatch across ranks is named in terms the user knows.
@@ -313,13 +419,15 @@ constexpr Bytes operator""_GiB(unsigned long long n) { return Bytes{n << 30}; }
 
 namespace gradsync::inline v0 {
 
-enum class CollectiveKind : std::uint8_t { allreduce, broadcast, barrier };
+enum class CollectiveKind : std::uint8_t { allreduce, broadcast, barrier, reduce_scatter, all_gather };
 
 inline std::string to_string(CollectiveKind k) {
     switch (k) {
         case CollectiveKind::allreduce: return "allreduce";
         case CollectiveKind::broadcast: return "broadcast";
         case CollectiveKind::barrier: return "barrier";
+        case CollectiveKind::reduce_scatter: return "reduce_scatter";
+        case CollectiveKind::all_gather: return "all_gather";
     }
     return "collective";
 }
@@ -345,7 +453,7 @@ struct CollectiveCall {
             else
                 out += to_string(bytes());
         }
-        if (kind == CollectiveKind::allreduce) out += ", " + to_string(op);
+        if (kind == CollectiveKind::allreduce || kind == CollectiveKind::reduce_scatter) out += ", " + to_string(op);
         if (kind == CollectiveKind::broadcast) out += " from rank " + std::to_string(root);
         if (tag.step >= 0) {
             out += " (step " + std::to_string(tag.step);
@@ -371,7 +479,8 @@ struct CollectiveCall {
 #define GRADSYNC_SINGLE_BACKEND_CONCEPTS_HPP
 // What a communication backend provides: the Backend concept (the required core: rank, size,
 // allreduce, broadcast, barrier) and one named concept per optional ability DataParallel uses
-// when a backend has it, each with a check that names what is missing.
+// when a backend has it (reduce_scatter and all_gather among them), each with a check that names
+// what is missing.
 
 
 // ---- begin gradsync/backend/handle.hpp ----
@@ -648,6 +757,28 @@ concept ScatteredAllreduce = Backend<B> && requires(B& b, std::span<const Segmen
 
 // Optional abilities. DataParallel asks these concepts, never the members themselves.
 
+// reduce_scatter and all_gather, what sharded data parallel needs. Each rank owns the shard
+// shard_of(buf.count, size(), rank()) of a buffer of the same size on every rank.
+// reduce_scatter(buf, op) leaves the reduction over the ranks in this rank's shard of `buf` and
+// the rest of `buf` unspecified (a backend may use it as scratch); all_gather(buf) copies every
+// rank's shard of its `buf` into the same place of every other rank's.
+template <class B>
+concept ShardedCollectives = Backend<B> && requires(B& b, Buffer buf, ReduceOp op) {
+    b.reduce_scatter(buf, op);
+    { b.reduce_scatter_async(buf, op) } -> Waitable;
+    b.all_gather(buf);
+    { b.all_gather_async(buf) } -> Waitable;
+};
+
+// ...with a CollectiveTag each, like TaggedCollectives.
+template <class B>
+concept TaggedShardedCollectives = ShardedCollectives<B> && requires(B& b, Buffer buf, ReduceOp op, CollectiveTag tag) {
+    b.reduce_scatter(buf, op, tag);
+    { b.reduce_scatter_async(buf, op, tag) } -> Waitable;
+    b.all_gather(buf, tag);
+    { b.all_gather_async(buf, tag) } -> Waitable;
+};
+
 // Collectives that carry a CollectiveTag (to name them in errors, and to check them): the
 // allreduce and the broadcast, and the scattered allreduce where there is one.
 template <class B>
@@ -805,6 +936,46 @@ void broadcast_tagged(B& b, std::span<std::byte> bytes, int root, CollectiveTag 
         b.broadcast(bytes, root, tag);
     else
         b.broadcast(bytes, root);
+}
+
+template <ShardedCollectives B>
+auto reduce_scatter_async_tagged(B& b, Buffer buf, ReduceOp op, CollectiveTag tag) {
+    if constexpr (TaggedShardedCollectives<B>)
+        return b.reduce_scatter_async(buf, op, tag);
+    else
+        return b.reduce_scatter_async(buf, op);
+}
+template <ShardedCollectives B>
+auto all_gather_async_tagged(B& b, Buffer buf, CollectiveTag tag) {
+    if constexpr (TaggedShardedCollectives<B>)
+        return b.all_gather_async(buf, tag);
+    else
+        return b.all_gather_async(buf);
+}
+
+// What a backend for sharded data parallel lacks, named.
+template <class B>
+constexpr bool check_sharded_collectives() {
+    static_assert(
+        requires(B & b, Buffer buf, ReduceOp op) { b.reduce_scatter(buf, op); },
+        "gradsync: sharding needs a backend with `void reduce_scatter(gradsync::Buffer, gradsync::ReduceOp)` (the "
+        "ShardedCollectives concept: LocalBackend, MpiBackend, NcclBackend, CudaLocalBackend)");
+    static_assert(
+        requires(B & b, Buffer buf, ReduceOp op) {
+            { b.reduce_scatter_async(buf, op) } -> Waitable;
+        },
+        "gradsync: sharding needs a backend with `Handle reduce_scatter_async(gradsync::Buffer, gradsync::ReduceOp)` "
+        "(the ShardedCollectives concept)");
+    static_assert(
+        requires(B & b, Buffer buf) { b.all_gather(buf); },
+        "gradsync: sharding needs a backend with `void all_gather(gradsync::Buffer)` (the ShardedCollectives concept)");
+    static_assert(
+        requires(B & b, Buffer buf) {
+            { b.all_gather_async(buf) } -> Waitable;
+        },
+        "gradsync: sharding needs a backend with `Handle all_gather_async(gradsync::Buffer)` (the ShardedCollectives "
+        "concept)");
+    return ShardedCollectives<B>;
 }
 
 // What a scattered-allreduce backend lacks, named (InPlaceBuckets needs one).
@@ -970,9 +1141,9 @@ private:
 #ifndef GRADSYNC_SINGLE_BACKEND_DETAIL_TYPED_CALLS_HPP
 #define GRADSYNC_SINGLE_BACKEND_DETAIL_TYPED_CALLS_HPP
 // The typed calls every backend offers alike, written once over each backend's own Buffer and
-// byte calls: allreduce(std::span<T>, op = sum), its _async twin, and broadcast(std::span<T>,
-// root), for any T with a DType (float, double, gradsync::float16, gradsync::bfloat16, ...). A
-// trainer written against one backend compiles against every other.
+// byte calls: allreduce(std::span<T>, op = sum), its _async twin, reduce_scatter and all_gather
+// with theirs where the backend has them, and broadcast(std::span<T>, root), for any T with a DType (float, double,
+// gradsync::float16, gradsync::bfloat16, ...). A trainer written against one backend compiles against every other.
 
 
 #include <cstddef>
@@ -993,6 +1164,23 @@ public:
     template <HasDType T>
     auto allreduce_async(std::span<T> data, ReduceOp op = ReduceOp::sum) {
         return self().allreduce_async(buffer_of(data), op);
+    }
+    // Where the backend has them (the ShardedCollectives concept): this rank's shard of `data`.
+    template <HasDType T>
+    void reduce_scatter(std::span<T> data, ReduceOp op = ReduceOp::sum) {
+        self().reduce_scatter(buffer_of(data), op);
+    }
+    template <HasDType T>
+    auto reduce_scatter_async(std::span<T> data, ReduceOp op = ReduceOp::sum) {
+        return self().reduce_scatter_async(buffer_of(data), op);
+    }
+    template <HasDType T>
+    void all_gather(std::span<T> data) {
+        self().all_gather(buffer_of(data));
+    }
+    template <HasDType T>
+    auto all_gather_async(std::span<T> data) {
+        return self().all_gather_async(buffer_of(data));
     }
     // Copies `root`'s values into every other rank's span of the same size.
     template <class T>
@@ -1177,90 +1365,6 @@ private:
 #endif  // GRADSYNC_SINGLE_BACKEND_MPI_MPI_API_HPP
 // ---- end gradsync/backend/mpi/mpi_api.hpp ----
 
-// ---- begin gradsync/error.hpp ----
-#ifndef GRADSYNC_SINGLE_ERROR_HPP
-#define GRADSYNC_SINGLE_ERROR_HPP
-// The exceptions gradsync throws. Every message names the rank, the operation and, where there
-// is one, the parameter, and says what to do about it.
-
-
-#include <stdexcept>  // for std::runtime_error
-#include <string>
-
-namespace gradsync::inline v0 {
-
-// Base of every gradsync exception.
-class Error : public std::runtime_error {
-public:
-    using std::runtime_error::runtime_error;
-};
-
-// Marks an error that every rank raises alike, with the same message, after their collectives
-// completed: no rank is left waiting, so the group needs no abort and may go on. Catch it as its
-// own type, or as `const gradsync::RaisedOnEveryRank&` to handle every such error at once.
-class RaisedOnEveryRank {};
-
-// The model handed to gradsync is unusable: null gradient, unsupported dtype, aliased buffers.
-class InvalidModel : public Error {
-public:
-    using Error::Error;
-};
-
-// The DataParallel's configuration is invalid (a zero timeout, a loss scaler that cannot work), or
-// differs across ranks in a setting that changes the sums. Thrown on every rank alike.
-class ConfigurationError : public Error {
-public:
-    using Error::Error;
-};
-
-// Ranks disagree on the model's parameter layout. Thrown on every rank with the same message.
-class LayoutMismatch : public Error, public RaisedOnEveryRank {
-public:
-    using Error::Error;
-};
-
-// A collective failed: a peer failed or left, ranks called different collectives, bad arguments.
-class CollectiveError : public Error {
-public:
-    using Error::Error;
-};
-
-// The ranks' replicas differ: parameters (or buffers kept equal, or checkpointed state) that
-// every rank should hold bit for bit do not match. Thrown on every rank with the same message.
-class ReplicaMismatch : public Error, public RaisedOnEveryRank {
-public:
-    using Error::Error;
-};
-
-// The ranks are at different steps of the trainer (by the step numbers it passed): a rank skipped
-// or repeated an iteration. Thrown on every rank with the same message, before any update.
-class StepMismatch : public CollectiveError, public RaisedOnEveryRank {
-public:
-    using CollectiveError::CollectiveError;
-};
-
-// A collective did not complete before its deadline.
-class TimeoutError : public CollectiveError {
-public:
-    using CollectiveError::CollectiveError;
-};
-
-namespace detail {
-
-// How every message about one rank begins: "gradsync: rank 3".
-inline std::string rank_prefix(int rank) { return "gradsync: rank " + std::to_string(rank); }
-
-// ...and with its group and where it runs: "gradsync: rank 3 of 4 (NCCL, GPU 3)".
-inline std::string rank_prefix(int rank, int size, const std::string& where = {}) {
-    return rank_prefix(rank) + " of " + std::to_string(size) + (where.empty() ? "" : " (" + where + ")");
-}
-
-}  // namespace detail
-
-}  // namespace gradsync::inline v0
-#endif  // GRADSYNC_SINGLE_ERROR_HPP
-// ---- end gradsync/error.hpp ----
-
 #include <chrono>
 #include <cstdint>
 #include <string>
@@ -1432,7 +1536,8 @@ struct MpiOptions {
 #define GRADSYNC_SINGLE_BACKEND_MPI_REDUCTION_HPP
 // MpiReduction: how MpiBackend reduces a list of segments in place over one communicator. Large
 // segments go in pieces of MpiOptions::chunk, through our ring or MPI's own allreduce; small ones
-// are packed together first, so that many small tensors never mean many collectives.
+// are packed together first, so that many small tensors never mean many collectives. Also the
+// ring's two halves on their own: reduce_scatter and all_gather.
 
 
 // ---- begin gradsync/backend/mpi/arithmetic.hpp ----
@@ -1448,7 +1553,7 @@ struct MpiOptions {
 #define GRADSYNC_SINGLE_BACKEND_DETAIL_HOST_REDUCE_HPP
 // Host reduction loops, written with 16-byte vectors so that they compile alike at -O2 and -O3;
 // the sum order is always rank 0, 1, 2, ... so every algorithm and every rank produces bitwise
-// identical results.
+// identical results. Also the streaming copy, for large results nobody reads before they land.
 
 
 // ---- begin gradsync/half.hpp ----
@@ -1632,8 +1737,13 @@ struct dtype_traits<bfloat16> {
 #endif  // GRADSYNC_SINGLE_HALF_HPP
 // ---- end gradsync/half.hpp ----
 
+#if (defined(__SSE2__) || defined(_M_X64))
+#include <emmintrin.h>  // for the streaming stores
+#endif
+
 #include <algorithm>  // for std::min
 #include <cstddef>
+#include <cstdint>      // for std::uintptr_t
 #include <cstring>      // for std::memcpy
 #include <type_traits>  // for std::is_same_v
 
@@ -1680,6 +1790,54 @@ inline vector_of<T> load_vector(const T* p) {
 template <class T>
 inline void store_vector(T* p, vector_of<T> v) {
     std::memcpy(p, &v, sizeof v);
+}
+
+// Copies into memory that is not read before it is overwritten and far larger than the cache:
+// stores that bypass the cache (non-temporal), so that no line is fetched only to be overwritten.
+// LocalBackend's all_gather of 64 MiB takes two thirds of memcpy's time with them on the
+// development VMs. Not for memory just read (the in-place reduction: 1.7 times slower with them),
+// not under ThreadSanitizer (which does not see them), and a plain memcpy without SSE2. Followed
+// by streaming_fence().
+#if defined(__SANITIZE_THREAD__)
+#define GRADSYNC_THREAD_SANITIZER 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define GRADSYNC_THREAD_SANITIZER 1
+#endif
+#endif
+#if (defined(__SSE2__) || defined(_M_X64)) && !defined(GRADSYNC_THREAD_SANITIZER)
+#define GRADSYNC_STREAMING_STORES 1
+#endif
+inline constexpr std::size_t streaming_min_bytes = std::size_t{1} << 20;
+
+inline void copy_streaming(void* __restrict out, const void* __restrict in, std::size_t n) {
+    auto* o = static_cast<unsigned char*>(out);
+    const auto* i = static_cast<const unsigned char*>(in);
+    std::size_t k = 0;
+#ifdef GRADSYNC_STREAMING_STORES
+    const std::size_t head = (16 - reinterpret_cast<std::uintptr_t>(o) % 16) % 16;
+    if (n >= head + 64) {
+        std::memcpy(o, i, head);
+        for (k = head; k + 64 <= n; k += 64) {
+            const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(i + k));
+            const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(i + k + 16));
+            const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(i + k + 32));
+            const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(i + k + 48));
+            _mm_stream_si128(reinterpret_cast<__m128i*>(o + k), a);
+            _mm_stream_si128(reinterpret_cast<__m128i*>(o + k + 16), b);
+            _mm_stream_si128(reinterpret_cast<__m128i*>(o + k + 32), c);
+            _mm_stream_si128(reinterpret_cast<__m128i*>(o + k + 48), d);
+        }
+    }
+#endif
+    std::memcpy(o + k, i + k, n - k);
+}
+
+// Orders the streaming stores before what follows (the round that tells peers the data is there).
+inline void streaming_fence() {
+#ifdef GRADSYNC_STREAMING_STORES
+    _mm_sfence();
+#endif
 }
 
 // out[i] = a[i] + b[i]
@@ -1947,7 +2105,72 @@ public:
         flush(segments.size());
     }
 
+    // In place: this rank's shard (shard_of) of the `count` elements at `data` ends with their
+    // reduction over the ranks; the rest of the buffer holds partial sums. A ring, in rounds that
+    // move at most options_.chunk in all: part p is summed along the ring ending at rank p.
+    void reduce_scatter(std::byte* data, std::size_t count, DType t, ReduceOp op) {
+        const int n = size_;
+        const std::size_t elem = size_of(t);
+        if (n == 1) return;
+        const std::size_t q = round_elements(elem);
+        if (scratch_.size() < q * elem) scratch_.resize(q * elem);
+        const int right = (rank_ + 1) % n, left = (rank_ + n - 1) % n;
+        for (std::size_t done = 0; done < shard_of(count, n, 0).count; done += q) {
+            const RoundParts part{count, n, done, q};
+            for (int step = 0; step + 1 < n; ++step) {
+                const int send = (rank_ - step - 1 + 2 * n) % n, recv = (rank_ - step - 2 + 2 * n) % n;
+                check(MPI_Sendrecv(data + part.begin(send) * elem, static_cast<int>(part.length(send) * elem), MPI_BYTE,
+                                   right, ring_tag, scratch_.data(), static_cast<int>(part.length(recv) * elem),
+                                   MPI_BYTE, left, ring_tag, comm_, MPI_STATUS_IGNORE),
+                      "MPI_Sendrecv");
+                const bool last = step + 2 == n;
+                add_received(data + part.begin(recv) * elem, scratch_.data(), part.length(recv), t,
+                             last && op == ReduceOp::average ? 1.0 / n : 1.0);
+            }
+        }
+    }
+
+    // In place: every rank's shard of the `count` elements of `elem` bytes at `data` reaches every
+    // other rank, passed along the ring in rounds that move at most options_.chunk in all.
+    void all_gather(std::byte* data, std::size_t count, std::size_t elem) {
+        const int n = size_;
+        if (n == 1) return;
+        const std::size_t q = round_elements(elem);
+        const int right = (rank_ + 1) % n, left = (rank_ + n - 1) % n;
+        for (std::size_t done = 0; done < shard_of(count, n, 0).count; done += q) {
+            const RoundParts part{count, n, done, q};
+            for (int step = 0; step + 1 < n; ++step) {
+                const int send = (rank_ - step + n) % n, recv = (rank_ - step - 1 + n) % n;
+                check(MPI_Sendrecv(data + part.begin(send) * elem, static_cast<int>(part.length(send) * elem), MPI_BYTE,
+                                   right, ring_tag, data + part.begin(recv) * elem,
+                                   static_cast<int>(part.length(recv) * elem), MPI_BYTE, left, ring_tag, comm_,
+                                   MPI_STATUS_IGNORE),
+                      "MPI_Sendrecv");
+            }
+        }
+    }
+
 private:
+    static constexpr int ring_tag = 0x6773;  // on our own communicator: no other messages to confuse it with
+
+    // One round of a sharded ring: elements [done, done + q) of each rank's shard, where it has them.
+    struct RoundParts {
+        std::size_t count;
+        int ranks;
+        std::size_t done, q;
+        [[nodiscard]] std::size_t begin(int p) const { return shard_of(count, ranks, p).offset + done; }
+        [[nodiscard]] std::size_t length(int p) const {
+            const std::size_t c = shard_of(count, ranks, p).count;
+            return c > done ? std::min(q, c - done) : 0;
+        }
+    };
+
+    // Elements of each part per round: the chunk shared out over the parts.
+    [[nodiscard]] std::size_t round_elements(std::size_t elem) const {
+        const std::size_t chunk = std::min<std::size_t>(options_.chunk.count(), std::size_t{1} << 30);
+        return std::max<std::size_t>(1, chunk / elem / static_cast<std::size_t>(size_));
+    }
+
     void check(int rc, const char* call) const {
         if (rc != MPI_SUCCESS)
             throw CollectiveError(rank_prefix(rank_) + ": " + call + " failed: " + mpi_error_string(rc));
@@ -1998,12 +2221,11 @@ private:
         const std::size_t most = (count + std::size_t(n) - 1) / std::size_t(n);
         if (scratch_.size() < most * elem) scratch_.resize(most * elem);
         const int right = (rank_ + 1) % n, left = (rank_ + n - 1) % n;
-        constexpr int tag = 0x6773;  // on our own communicator: no other messages to confuse it with
         for (int step = 0; step + 1 < n; ++step) {
             const int send = (rank_ - step + 2 * n) % n, recv = (rank_ - step - 1 + 2 * n) % n;
-            check(MPI_Sendrecv(data + begin(send) * elem, static_cast<int>(length(send) * elem), MPI_BYTE, right, tag,
-                               scratch_.data(), static_cast<int>(length(recv) * elem), MPI_BYTE, left, tag, comm_,
-                               MPI_STATUS_IGNORE),
+            check(MPI_Sendrecv(data + begin(send) * elem, static_cast<int>(length(send) * elem), MPI_BYTE, right,
+                               ring_tag, scratch_.data(), static_cast<int>(length(recv) * elem), MPI_BYTE, left,
+                               ring_tag, comm_, MPI_STATUS_IGNORE),
                   "MPI_Sendrecv");
             const bool last = step + 2 == n;
             add_received(data + begin(recv) * elem, scratch_.data(), length(recv), t,
@@ -2011,9 +2233,9 @@ private:
         }
         for (int step = 0; step + 1 < n; ++step) {
             const int send = (rank_ + 1 - step + 2 * n) % n, recv = (rank_ - step + 2 * n) % n;
-            check(MPI_Sendrecv(data + begin(send) * elem, static_cast<int>(length(send) * elem), MPI_BYTE, right, tag,
-                               data + begin(recv) * elem, static_cast<int>(length(recv) * elem), MPI_BYTE, left, tag,
-                               comm_, MPI_STATUS_IGNORE),
+            check(MPI_Sendrecv(data + begin(send) * elem, static_cast<int>(length(send) * elem), MPI_BYTE, right,
+                               ring_tag, data + begin(recv) * elem, static_cast<int>(length(recv) * elem), MPI_BYTE,
+                               left, ring_tag, comm_, MPI_STATUS_IGNORE),
                   "MPI_Sendrecv");
         }
     }
@@ -2560,9 +2782,13 @@ namespace gradsync::inline v0 {
 // destructor waits, up to MpiOptions::timeout, until every peer has destroyed its own).
 class MpiBackend : public detail::TypedCalls<MpiBackend> {
 public:
+    using TypedCalls::all_gather;
+    using TypedCalls::all_gather_async;
     using TypedCalls::allreduce;
     using TypedCalls::allreduce_async;
     using TypedCalls::broadcast;
+    using TypedCalls::reduce_scatter;
+    using TypedCalls::reduce_scatter_async;
 
     explicit MpiBackend(MPI_Comm comm = mpi_world(), MpiOptions options = {}) : options_(options) {
         int initialized = 0;
@@ -2658,6 +2884,34 @@ public:
                       [this, copy = std::move(copy), dtype, op] { reduction_->reduce(copy, dtype, op); });
     }
 
+    // Leaves the reduction over the ranks in this rank's shard of `buf` (shard_of(buf.count,
+    // size(), rank())); the rest of `buf` holds partial sums. The first half of our ring.
+    void reduce_scatter(Buffer buf, ReduceOp op = ReduceOp::sum) {
+        check_dtype(buf.dtype);
+        run_now(sharded_call(CollectiveKind::reduce_scatter, buf, op),
+                [&] { reduction_->reduce_scatter(static_cast<std::byte*>(buf.data), buf.count, buf.dtype, op); });
+    }
+    CollectiveHandle reduce_scatter_async(Buffer buf, ReduceOp op = ReduceOp::sum) {
+        check_dtype(buf.dtype);
+        return launch(sharded_call(CollectiveKind::reduce_scatter, buf, op), [this, buf, op] {
+            reduction_->reduce_scatter(static_cast<std::byte*>(buf.data), buf.count, buf.dtype, op);
+        });
+    }
+
+    // Copies every rank's shard of its `buf` into the same place of every other rank's (any
+    // dtype). The second half of our ring.
+    void all_gather(Buffer buf) {
+        check_known(buf.dtype);
+        run_now(sharded_call(CollectiveKind::all_gather, buf, ReduceOp::sum),
+                [&] { reduction_->all_gather(static_cast<std::byte*>(buf.data), buf.count, size_of(buf.dtype)); });
+    }
+    CollectiveHandle all_gather_async(Buffer buf) {
+        check_known(buf.dtype);
+        return launch(sharded_call(CollectiveKind::all_gather, buf, ReduceOp::sum), [this, buf] {
+            reduction_->all_gather(static_cast<std::byte*>(buf.data), buf.count, size_of(buf.dtype));
+        });
+    }
+
     void broadcast(std::span<std::byte> bytes, int root) {
         if (root < 0 || root >= size_)
             throw CollectiveError(detail::rank_prefix(rank_) + ": broadcast from rank " + std::to_string(root) +
@@ -2715,6 +2969,16 @@ private:
     void check_dtype(DType t) const {
         if (!supports(t))
             throw CollectiveError(detail::rank_prefix(rank_) + ": MpiBackend cannot reduce " + to_string(t));
+    }
+
+    void check_known(DType t) const {
+        if (!is_known(t))
+            throw CollectiveError(detail::rank_prefix(rank_) + ": MpiBackend cannot move dtype " +
+                                  std::to_string(static_cast<int>(t)) + ", which is not one gradsync knows");
+    }
+
+    CollectiveCall sharded_call(CollectiveKind kind, Buffer buf, ReduceOp op) {
+        return {.kind = kind, .seq = ++seq_, .count = buf.count, .dtype = buf.dtype, .op = op};
     }
 
     CollectiveCall allreduce_call(std::size_t count, DType t, ReduceOp op) {

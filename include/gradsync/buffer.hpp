@@ -3,7 +3,9 @@
 #pragma once
 
 #include <gradsync/dtype.hpp>
+#include <gradsync/error.hpp>
 
+#include <algorithm>  // for std::min
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -34,6 +36,26 @@ struct Buffer {
 template <HasDType T>
 Buffer buffer_of(std::span<T> s) {
     return Buffer{s.data(), s.size(), dtype_of<T>};
+}
+
+// One rank's part of a reduce_scatter or all_gather of `count` elements over `ranks` ranks: the
+// contiguous elements [offset, offset + count). Shards differ by at most one element; the first
+// (count % ranks) ranks own the longer ones, so a count below the number of ranks leaves the last
+// ranks empty shards. Every backend splits by this rule.
+struct Shard {
+    std::size_t offset = 0;
+    std::size_t count = 0;
+
+    friend bool operator==(const Shard&, const Shard&) = default;
+};
+
+inline Shard shard_of(std::size_t count, int ranks, int rank) {
+    if (ranks < 1 || rank < 0 || rank >= ranks)
+        throw Error("gradsync: shard_of needs 0 <= rank < ranks, got rank " + std::to_string(rank) + " of " +
+                    std::to_string(ranks));
+    const auto n = static_cast<std::size_t>(ranks), r = static_cast<std::size_t>(rank);
+    const std::size_t base = count / n, longer = count % n;
+    return Shard{r * base + std::min(r, longer), base + (r < longer ? 1 : 0)};
 }
 
 // What a collective is for, so that a mismatch across ranks is named in terms the user knows.

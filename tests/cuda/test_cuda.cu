@@ -286,6 +286,52 @@ void check_local_allreduce(int n, gradsync::DType dtype, std::size_t count) {
     }
 }
 
+// reduce_scatter on CudaLocalBackend: each rank's shard is bitwise LocalBackend's rank-ordered
+// average there and the rest of its buffer untouched; the all_gather then completes every rank's
+// buffer to the whole result. On the device, and in host memory.
+template <class T>
+void check_local_sharded(int n, gradsync::DType dtype, std::size_t count, bool on_device) {
+    std::vector<std::vector<T>> inputs(static_cast<std::size_t>(n));
+    for (int r = 0; r < n; ++r)
+        for (std::size_t i = 0; i < count; ++i)
+            inputs[std::size_t(r)].push_back(T(float(int(i % 31) - 15) * 0.41f + float(r)));
+    std::vector<T*> pointers;
+    for (auto& in : inputs) pointers.push_back(in.data());
+    std::vector<T> expected(count);
+    T* out = expected.data();
+    using A = gradsync::detail::accumulator_t<T>;
+    gradsync::detail::AlignedBytes scratch(gradsync::detail::reduce_block_bytes);
+    gradsync::detail::reduce_to_all<T>(pointers.data(), n, &out, 1, count, true, A(1) / A(n), scratch.data());
+    std::vector<std::vector<T>> scattered(static_cast<std::size_t>(n)), gathered(static_cast<std::size_t>(n));
+    gradsync::cuda_local_spawn(n, [&](gradsync::CudaLocalBackend& backend) {
+        const auto r = std::size_t(backend.rank());
+        if (on_device) {
+            DeviceArray<T> data(count);
+            data.upload(inputs[r]);
+            backend.reduce_scatter(gradsync::Buffer{data.data, count, dtype}, gradsync::ReduceOp::average);
+            scattered[r] = data.download();
+            backend.all_gather(gradsync::Buffer{data.data, count, dtype});
+            gathered[r] = data.download();
+        } else {
+            auto data = inputs[r];
+            backend.reduce_scatter(gradsync::Buffer{data.data(), count, dtype}, gradsync::ReduceOp::average);
+            scattered[r] = data;
+            backend.all_gather(gradsync::Buffer{data.data(), count, dtype});
+            gathered[r] = data;
+        }
+    });
+    for (int r = 0; r < n; ++r) {
+        CAPTURE(r);
+        const auto shard = gradsync::shard_of(count, n, r);
+        auto want = inputs[std::size_t(r)];
+        std::copy(expected.begin() + std::ptrdiff_t(shard.offset),
+                  expected.begin() + std::ptrdiff_t(shard.offset + shard.count),
+                  want.begin() + std::ptrdiff_t(shard.offset));
+        CHECK(same_bytes(scattered[std::size_t(r)], want));
+        CHECK(same_bytes(gathered[std::size_t(r)], expected));
+    }
+}
+
 // Spins for about `cycles` clock cycles, then writes `value` everywhere: a gradient that is
 // written late on its stream.
 __global__ void late_fill(float* data, std::size_t n, float value, long long cycles) {
@@ -523,6 +569,33 @@ TEST_SUITE("gpu") {
             CHECK(got[r] == std::vector<float>(1000, 1.0f));
             CHECK(host_sums[r] == 6.0);
         }
+    }
+
+    TEST_CASE("CudaLocalBackend: reduce_scatter and all_gather, 2 to 4 ranks, bit for bit, device and host memory") {
+        for (int n : {2, 3, 4}) {
+            CAPTURE(n);
+            check_local_sharded<float>(n, gradsync::DType::float32, 100'003, true);
+            check_local_sharded<double>(n, gradsync::DType::float64, 4096, true);
+            check_local_sharded<gradsync::float16>(n, gradsync::DType::float16, 7, true);
+            check_local_sharded<gradsync::bfloat16>(n, gradsync::DType::bfloat16, 1, true);
+            check_local_sharded<float>(n, gradsync::DType::float32, 1001, false);
+        }
+    }
+
+    TEST_CASE("NcclBackend, a world of one: reduce_scatter and all_gather keep the values; host memory is refused") {
+        gradsync::NcclBackend<> backend(0, 1, 0, nccl_id());
+        static_assert(gradsync::ShardedCollectives<gradsync::NcclBackend<>>);
+        DeviceArray<float> data(1001);
+        std::vector<float> values(1001);
+        for (std::size_t i = 0; i < values.size(); ++i) values[i] = float(i) * 0.5f;
+        data.upload(values);
+        backend.reduce_scatter(gradsync::Buffer{data.data, data.size, gradsync::DType::float32},
+                               gradsync::ReduceOp::average);
+        backend.all_gather(gradsync::Buffer{data.data, data.size, gradsync::DType::float32});
+        CHECK(data.download() == values);
+        CHECK_THROWS_WITH_AS(
+            backend.reduce_scatter(gradsync::Buffer{values.data(), values.size(), gradsync::DType::float32}),
+            doctest::Contains("reduce_scatter takes device (or managed) memory"), gradsync::CollectiveError);
     }
 
     TEST_CASE("CudaLocalBackend: ranks that call different collectives fail alike, naming both calls") {

@@ -42,6 +42,8 @@ template class gradsync::DataParallel<DeviceModel, gradsync::NcclBackend<>>;
 static_assert(gradsync::Backend<gradsync::NcclBackend<>>);
 static_assert(gradsync::Abortable<gradsync::NcclBackend<gradsync::nccl::Ring>>);
 static_assert(gradsync::TaggedCollectives<gradsync::NcclBackend<>>);
+static_assert(gradsync::TaggedShardedCollectives<gradsync::NcclBackend<>>);
+static_assert(gradsync::detail::check_sharded_collectives<gradsync::NcclBackend<gradsync::nccl::Ring>>());
 static_assert(!gradsync::CheckedCollectives<gradsync::NcclBackend<>>);  // NCCL cannot compare tags
 static_assert(gradsync::DeviceBackend<gradsync::NcclBackend<gradsync::nccl::Tree>>);
 static_assert(!gradsync::DeviceBackend<gradsync::LocalBackend>);

@@ -3,6 +3,7 @@
 // rank, its size and type, and the tag that says what it is for.
 //
 //   allreduce #7 of 300 x float32 (1.2 KiB), average (step 1, bucket 1)
+//   reduce_scatter #8 of 300 x float32 (1.2 KiB), sum
 //   broadcast #2 of 1.5 KiB from rank 0
 //   barrier #4
 #pragma once
@@ -18,13 +19,15 @@
 
 namespace gradsync::inline v0 {
 
-enum class CollectiveKind : std::uint8_t { allreduce, broadcast, barrier };
+enum class CollectiveKind : std::uint8_t { allreduce, broadcast, barrier, reduce_scatter, all_gather };
 
 inline std::string to_string(CollectiveKind k) {
     switch (k) {
         case CollectiveKind::allreduce: return "allreduce";
         case CollectiveKind::broadcast: return "broadcast";
         case CollectiveKind::barrier: return "barrier";
+        case CollectiveKind::reduce_scatter: return "reduce_scatter";
+        case CollectiveKind::all_gather: return "all_gather";
     }
     return "collective";
 }
@@ -50,7 +53,7 @@ struct CollectiveCall {
             else
                 out += to_string(bytes());
         }
-        if (kind == CollectiveKind::allreduce) out += ", " + to_string(op);
+        if (kind == CollectiveKind::allreduce || kind == CollectiveKind::reduce_scatter) out += ", " + to_string(op);
         if (kind == CollectiveKind::broadcast) out += " from rank " + std::to_string(root);
         if (tag.step >= 0) {
             out += " (step " + std::to_string(tag.step);

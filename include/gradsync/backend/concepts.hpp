@@ -1,6 +1,7 @@
 // What a communication backend provides: the Backend concept (the required core: rank, size,
 // allreduce, broadcast, barrier) and one named concept per optional ability DataParallel uses
-// when a backend has it, each with a check that names what is missing.
+// when a backend has it (reduce_scatter and all_gather among them), each with a check that names
+// what is missing.
 #pragma once
 
 #include <gradsync/backend/handle.hpp>
@@ -48,6 +49,28 @@ concept ScatteredAllreduce = Backend<B> && requires(B& b, std::span<const Segmen
 };
 
 // Optional abilities. DataParallel asks these concepts, never the members themselves.
+
+// reduce_scatter and all_gather, what sharded data parallel needs. Each rank owns the shard
+// shard_of(buf.count, size(), rank()) of a buffer of the same size on every rank.
+// reduce_scatter(buf, op) leaves the reduction over the ranks in this rank's shard of `buf` and
+// the rest of `buf` unspecified (a backend may use it as scratch); all_gather(buf) copies every
+// rank's shard of its `buf` into the same place of every other rank's.
+template <class B>
+concept ShardedCollectives = Backend<B> && requires(B& b, Buffer buf, ReduceOp op) {
+    b.reduce_scatter(buf, op);
+    { b.reduce_scatter_async(buf, op) } -> Waitable;
+    b.all_gather(buf);
+    { b.all_gather_async(buf) } -> Waitable;
+};
+
+// ...with a CollectiveTag each, like TaggedCollectives.
+template <class B>
+concept TaggedShardedCollectives = ShardedCollectives<B> && requires(B& b, Buffer buf, ReduceOp op, CollectiveTag tag) {
+    b.reduce_scatter(buf, op, tag);
+    { b.reduce_scatter_async(buf, op, tag) } -> Waitable;
+    b.all_gather(buf, tag);
+    { b.all_gather_async(buf, tag) } -> Waitable;
+};
 
 // Collectives that carry a CollectiveTag (to name them in errors, and to check them): the
 // allreduce and the broadcast, and the scattered allreduce where there is one.
@@ -206,6 +229,46 @@ void broadcast_tagged(B& b, std::span<std::byte> bytes, int root, CollectiveTag 
         b.broadcast(bytes, root, tag);
     else
         b.broadcast(bytes, root);
+}
+
+template <ShardedCollectives B>
+auto reduce_scatter_async_tagged(B& b, Buffer buf, ReduceOp op, CollectiveTag tag) {
+    if constexpr (TaggedShardedCollectives<B>)
+        return b.reduce_scatter_async(buf, op, tag);
+    else
+        return b.reduce_scatter_async(buf, op);
+}
+template <ShardedCollectives B>
+auto all_gather_async_tagged(B& b, Buffer buf, CollectiveTag tag) {
+    if constexpr (TaggedShardedCollectives<B>)
+        return b.all_gather_async(buf, tag);
+    else
+        return b.all_gather_async(buf);
+}
+
+// What a backend for sharded data parallel lacks, named.
+template <class B>
+constexpr bool check_sharded_collectives() {
+    static_assert(
+        requires(B & b, Buffer buf, ReduceOp op) { b.reduce_scatter(buf, op); },
+        "gradsync: sharding needs a backend with `void reduce_scatter(gradsync::Buffer, gradsync::ReduceOp)` (the "
+        "ShardedCollectives concept: LocalBackend, MpiBackend, NcclBackend, CudaLocalBackend)");
+    static_assert(
+        requires(B & b, Buffer buf, ReduceOp op) {
+            { b.reduce_scatter_async(buf, op) } -> Waitable;
+        },
+        "gradsync: sharding needs a backend with `Handle reduce_scatter_async(gradsync::Buffer, gradsync::ReduceOp)` "
+        "(the ShardedCollectives concept)");
+    static_assert(
+        requires(B & b, Buffer buf) { b.all_gather(buf); },
+        "gradsync: sharding needs a backend with `void all_gather(gradsync::Buffer)` (the ShardedCollectives concept)");
+    static_assert(
+        requires(B & b, Buffer buf) {
+            { b.all_gather_async(buf) } -> Waitable;
+        },
+        "gradsync: sharding needs a backend with `Handle all_gather_async(gradsync::Buffer)` (the ShardedCollectives "
+        "concept)");
+    return ShardedCollectives<B>;
 }
 
 // What a scattered-allreduce backend lacks, named (InPlaceBuckets needs one).

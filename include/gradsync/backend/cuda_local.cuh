@@ -11,6 +11,8 @@
 
 #include <gradsync/backend/collective.hpp>
 #include <gradsync/backend/concepts.hpp>
+#include <gradsync/backend/cuda_local/group.cuh>
+#include <gradsync/backend/cuda_local/kernels.cuh>
 #include <gradsync/bytes.hpp>
 #include <gradsync/cuda/check.hpp>
 #include <gradsync/cuda/convert.cuh>
@@ -38,131 +40,15 @@
 
 namespace gradsync::inline v0 {
 
-struct CudaLocalOptions {
-    int device = 0;  // the GPU every rank uses
-    // Every rendezvous and every collective ends by then; otherwise the group is aborted.
-    std::chrono::milliseconds timeout = std::chrono::seconds(600);
-};
-
-namespace cuda::detail {
-
-inline constexpr int max_local_ranks = 8;
-
-struct RankPointers {
-    void* at[max_local_ranks];
-};
-
-// For every element: the sum over the ranks' buffers in rank order, in the accumulator type,
-// times `factor` when `scaled`, written back to every rank's buffer. The loops over the ranks
-// are unrolled to the most there can be, so the pointer table stays in the kernel's parameters
-// instead of being copied to local memory for indexing at run time.
-template <class T>
-__global__ void reduce_ranks_kernel(RankPointers ptrs, int ranks, std::uint64_t n, bool scaled,
-                                    device_accumulator_t<T> factor) {
-    using A = device_accumulator_t<T>;
-    for (std::uint64_t i = std::uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-         i += std::uint64_t(gridDim.x) * blockDim.x) {
-        A sum = widen(static_cast<const T*>(ptrs.at[0])[i]);
-#pragma unroll
-        for (int r = 1; r < max_local_ranks; ++r)
-            if (r < ranks) sum += widen(static_cast<const T*>(ptrs.at[r])[i]);
-        const T out = narrow<T>(scaled ? sum * factor : sum);
-#pragma unroll
-        for (int r = 0; r < max_local_ranks; ++r)
-            if (r < ranks) static_cast<T*>(ptrs.at[r])[i] = out;
-    }
-}
-
-// A CUDA event shared by the handles of one collective, destroyed with the last of them.
-using SharedEvent = std::shared_ptr<CUevent_st>;
-
-inline SharedEvent make_event() {
-    cudaEvent_t e = nullptr;
-    GRADSYNC_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    return SharedEvent(e, [](cudaEvent_t x) { cudaEventDestroy(x); });
-}
-
-// What each rank publishes at a rendezvous: the collective, its memory, and its events.
-struct LocalDeviceCall : CollectiveCall {
-    void* data = nullptr;
-    bool on_device = false;
-    cudaEvent_t ready = nullptr;  // recorded on the rank's compute stream when it called
-    SharedEvent done;             // the second round: rank 0's, when the device work is queued
-
-    [[nodiscard]] bool same_call(const LocalDeviceCall& o) const { return same_as(o) && on_device == o.on_device; }
-    [[nodiscard]] std::string what() const { return describe() + (on_device ? "" : ", host memory"); }
-};
-
-struct LocalDeviceGroup {
-    LocalDeviceGroup(int size, CudaLocalOptions o) : meet(size, o.timeout), options(o) {
-        GRADSYNC_CUDA_CHECK(cudaSetDevice(o.device));
-        GRADSYNC_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    }
-    LocalDeviceGroup(const LocalDeviceGroup&) = delete;
-    LocalDeviceGroup& operator=(const LocalDeviceGroup&) = delete;
-    ~LocalDeviceGroup() { cudaStreamDestroy(stream); }
-
-    gradsync::detail::Rendezvous<LocalDeviceCall> meet;
-    CudaLocalOptions options;
-    cudaStream_t stream = nullptr;  // where rank 0 queues the group's device work
-};
-
-}  // namespace cuda::detail
-
-// Handle to a CudaLocalBackend collective (the Waitable concept).
-class CudaLocalHandle {
-public:
-    CudaLocalHandle() = default;  // an already completed no-op
-    CudaLocalHandle(cuda::detail::SharedEvent done, std::shared_ptr<cuda::detail::LocalDeviceGroup> group,
-                    std::string what)
-        : done_(std::move(done)),
-          group_(std::move(group)),
-          what_(std::move(what)),
-          deadline_(std::chrono::steady_clock::now() + group_->options.timeout) {}
-
-    [[nodiscard]] bool ready() const {
-        if (!done_ || group_->meet.failed()) return true;
-        const cudaError_t code = cudaEventQuery(done_.get());
-        if (code == cudaErrorNotReady) return false;
-        if (code != cudaSuccess) cudaGetLastError();
-        return true;
-    }
-    void wait() const { (void)wait_until(std::chrono::steady_clock::time_point::max()); }
-    [[nodiscard]] bool wait_until(std::chrono::steady_clock::time_point deadline) const {
-        if (!done_) return true;
-        for (;;) {
-            group_->meet.throw_if_failed();
-            const cudaError_t code = cudaEventQuery(done_.get());
-            if (code == cudaSuccess) return true;
-            if (code != cudaErrorNotReady) GRADSYNC_CUDA_CHECK(code);
-            const auto now = std::chrono::steady_clock::now();
-            if (now >= deadline_) {
-                group_->meet.abort("gradsync: " + what_ + " did not complete on the device within " +
-                                   std::to_string(group_->options.timeout.count()) + " ms; the group was aborted");
-                group_->meet.throw_if_failed();
-            }
-            if (now >= deadline) return false;
-            std::this_thread::sleep_for(std::chrono::microseconds(20));
-        }
-    }
-    // Makes `stream` wait for this collective, without blocking the host.
-    void then(cudaStream_t stream) const {
-        if (done_) GRADSYNC_CUDA_CHECK(cudaStreamWaitEvent(stream, done_.get(), 0));
-    }
-    [[nodiscard]] std::chrono::steady_clock::time_point finished_at() const { return {}; }
-
-private:
-    cuda::detail::SharedEvent done_;
-    std::shared_ptr<cuda::detail::LocalDeviceGroup> group_;
-    std::string what_;
-    std::chrono::steady_clock::time_point deadline_{};
-};
-
 class CudaLocalBackend : public detail::TypedCalls<CudaLocalBackend> {
 public:
+    using TypedCalls::all_gather;
+    using TypedCalls::all_gather_async;
     using TypedCalls::allreduce;
     using TypedCalls::allreduce_async;
     using TypedCalls::broadcast;
+    using TypedCalls::reduce_scatter;
+    using TypedCalls::reduce_scatter_async;
 
     static constexpr bool device_memory = true;
     static constexpr bool checks_tags = true;  // every rendezvous compares the ranks' calls
@@ -203,22 +89,33 @@ public:
     [[nodiscard]] cudaStream_t compute_stream() const { return compute_; }
 
     CudaLocalHandle allreduce_async(Buffer buf, ReduceOp op = ReduceOp::sum, CollectiveTag tag = {}) {
-        if (!supports(buf.dtype))
-            throw CollectiveError(who() + ": cannot allreduce " + to_string(buf.dtype) +
-                                  " (float32, float64, float16 and bfloat16 only)");
-        cuda::detail::LocalDeviceCall call;
-        call.kind = CollectiveKind::allreduce;
-        call.seq = ++calls_;
-        call.data = buf.data;
-        call.count = buf.count;
-        call.dtype = buf.dtype;
-        call.op = op;
-        call.tag = tag;
-        return collective(call);
+        return collective(reduction_call(CollectiveKind::allreduce, buf, op, tag));
     }
     void allreduce(Buffer buf, ReduceOp op = ReduceOp::sum, CollectiveTag tag = {}) {
         allreduce_async(buf, op, tag).wait();
     }
+
+    // This rank's shard (shard_of) of `buf` ends with the reduction, bitwise the allreduce's there;
+    // the rest of `buf` is left as it was.
+    CudaLocalHandle reduce_scatter_async(Buffer buf, ReduceOp op = ReduceOp::sum, CollectiveTag tag = {}) {
+        return collective(reduction_call(CollectiveKind::reduce_scatter, buf, op, tag));
+    }
+    void reduce_scatter(Buffer buf, ReduceOp op = ReduceOp::sum, CollectiveTag tag = {}) {
+        reduce_scatter_async(buf, op, tag).wait();
+    }
+
+    // Copies every rank's shard of its `buf` into the same place of every other rank's (any dtype).
+    CudaLocalHandle all_gather_async(Buffer buf, CollectiveTag tag = {}) {
+        cuda::detail::LocalDeviceCall call;
+        call.kind = CollectiveKind::all_gather;
+        call.seq = ++calls_;
+        call.data = buf.data;
+        call.count = buf.count;
+        call.dtype = buf.dtype;
+        call.tag = tag;
+        return collective(call);
+    }
+    void all_gather(Buffer buf, CollectiveTag tag = {}) { all_gather_async(buf, tag).wait(); }
 
     CudaLocalHandle broadcast_async(std::span<std::byte> bytes, int root, CollectiveTag tag = {}) {
         if (root < 0 || root >= size())
@@ -254,6 +151,21 @@ private:
     [[nodiscard]] std::string who() const {
         return gradsync::detail::rank_prefix(rank_, size(),
                                              "CUDA local group, GPU " + std::to_string(group_->options.device));
+    }
+
+    cuda::detail::LocalDeviceCall reduction_call(CollectiveKind kind, Buffer buf, ReduceOp op, CollectiveTag tag) {
+        if (!supports(buf.dtype))
+            throw CollectiveError(who() + ": cannot " + to_string(kind) + " " + to_string(buf.dtype) +
+                                  " (float32, float64, float16 and bfloat16 only)");
+        cuda::detail::LocalDeviceCall call;
+        call.kind = kind;
+        call.seq = ++calls_;
+        call.data = buf.data;
+        call.count = buf.count;
+        call.dtype = buf.dtype;
+        call.op = op;
+        call.tag = tag;
+        return call;
     }
 
     // Both rounds of a collective: publish the call (with an event on the compute stream), check
@@ -294,7 +206,7 @@ private:
         auto& g = *group_;
         for (const auto& c : calls) GRADSYNC_CUDA_CHECK(cudaStreamWaitEvent(g.stream, c.ready, 0));
         const auto& first = calls[0];
-        if (first.kind == CollectiveKind::allreduce) {
+        if (first.kind == CollectiveKind::allreduce || first.kind == CollectiveKind::reduce_scatter) {
             cuda::detail::RankPointers ptrs{};
             for (std::size_t r = 0; r < calls.size(); ++r) ptrs.at[r] = calls[r].data;
             const std::uint64_t blocks = (first.count + 255) / 256;
@@ -303,9 +215,21 @@ private:
             gradsync::detail::visit_float_dtype(*first.dtype, [&]<class T>(gradsync::detail::type_tag<T>) {
                 using A = cuda::detail::device_accumulator_t<T>;
                 cuda::detail::reduce_ranks_kernel<T>
-                    <<<grid, 256, 0, g.stream>>>(ptrs, size(), first.count, average, A(1) / static_cast<A>(size()));
+                    <<<grid, 256, 0, g.stream>>>(ptrs, size(), first.count, average, A(1) / static_cast<A>(size()),
+                                                 first.kind == CollectiveKind::reduce_scatter);
             });
             GRADSYNC_CUDA_CHECK(cudaGetLastError());
+        } else if (first.kind == CollectiveKind::all_gather) {
+            const std::size_t elem = size_of(*first.dtype);
+            for (int from = 0; from < size(); ++from) {
+                const Shard shard = shard_of(first.count, size(), from);
+                const auto* src = static_cast<const std::byte*>(calls[std::size_t(from)].data) + shard.offset * elem;
+                for (int to = 0; to < size(); ++to)
+                    if (to != from && shard.count != 0)
+                        GRADSYNC_CUDA_CHECK(
+                            cudaMemcpyAsync(static_cast<std::byte*>(calls[std::size_t(to)].data) + shard.offset * elem,
+                                            src, shard.count * elem, cudaMemcpyDeviceToDevice, g.stream));
+            }
         } else {
             for (std::size_t r = 0; r < calls.size(); ++r)
                 if (int(r) != first.root)
@@ -322,10 +246,13 @@ private:
     void host_collective(std::span<const cuda::detail::LocalDeviceCall> calls) {
         const auto& first = calls[0];
         void* mine = calls[std::size_t(rank_)].data;  // `calls` is not read after the next rendezvous
-        const std::size_t bytes =
-            first.kind == CollectiveKind::allreduce ? first.count * size_of(*first.dtype) : first.count;
+        const std::size_t elem = first.dtype ? size_of(*first.dtype) : 1;
+        const std::size_t bytes = first.count * elem;
         std::vector<std::byte> result(bytes);
-        if (first.kind == CollectiveKind::allreduce) {
+        // What this rank writes: all of it, or its shard after a reduce_scatter.
+        Shard written{0, first.count};
+        if (first.kind == CollectiveKind::reduce_scatter) written = shard_of(first.count, size(), rank_);
+        if (first.kind == CollectiveKind::allreduce || first.kind == CollectiveKind::reduce_scatter) {
             gradsync::detail::AlignedBytes scratch(gradsync::detail::reduce_block_bytes);
             gradsync::detail::visit_float_dtype(*first.dtype, [&]<class T>(gradsync::detail::type_tag<T>) {
                 std::vector<T*> inputs;
@@ -336,12 +263,22 @@ private:
                                                    first.op == ReduceOp::average, A(1) / static_cast<A>(size()),
                                                    scratch.data());
             });
+        } else if (first.kind == CollectiveKind::all_gather) {
+            for (int from = 0; from < size(); ++from) {
+                const Shard shard = shard_of(first.count, size(), from);
+                if (shard.count != 0)
+                    std::memcpy(result.data() + shard.offset * elem,
+                                static_cast<const std::byte*>(calls[std::size_t(from)].data) + shard.offset * elem,
+                                shard.count * elem);
+            }
         } else {
             std::memcpy(result.data(), calls[std::size_t(first.root)].data, bytes);
         }
         const std::string what = first.what() + " (read)";
         (void)group_->meet.arrive(rank_, cuda::detail::LocalDeviceCall{}, who(), what);
-        std::memcpy(mine, result.data(), bytes);
+        if (written.count != 0)
+            std::memcpy(static_cast<std::byte*>(mine) + written.offset * elem, result.data() + written.offset * elem,
+                        written.count * elem);
     }
 
     std::shared_ptr<cuda::detail::LocalDeviceGroup> group_;

@@ -5,7 +5,7 @@
 #include <gradsync/backend/collective.hpp>
 #include <gradsync/backend/concepts.hpp>
 #include <gradsync/backend/detail/async_collectives.hpp>
-#include <gradsync/backend/detail/local_group.hpp>
+#include <gradsync/backend/detail/local_collectives.hpp>
 #include <gradsync/backend/detail/typed_calls.hpp>
 #include <gradsync/backend/handle.hpp>
 #include <gradsync/buffer.hpp>
@@ -28,9 +28,13 @@ namespace gradsync::inline v0 {
 
 class LocalBackend : public detail::TypedCalls<LocalBackend> {
 public:
+    using TypedCalls::all_gather;
+    using TypedCalls::all_gather_async;
     using TypedCalls::allreduce;
     using TypedCalls::allreduce_async;
     using TypedCalls::broadcast;
+    using TypedCalls::reduce_scatter;
+    using TypedCalls::reduce_scatter_async;
 
     static constexpr bool checks_tags = true;  // every collective's tag is compared with rank 0's
 
@@ -41,7 +45,7 @@ public:
         if (options.timeout.count() <= 0)
             throw Error("gradsync: LocalGroupOptions::timeout must be positive, got " +
                         std::to_string(options.timeout.count()) + " ms");
-        auto group = std::make_shared<detail::LocalGroupState>(size, options);
+        auto group = std::make_shared<detail::LocalGroup>(size, options);
         std::vector<LocalBackend> ranks;
         ranks.reserve(static_cast<std::size_t>(size));
         for (int r = 0; r < size; ++r) ranks.push_back(LocalBackend(group, r));
@@ -94,6 +98,23 @@ public:
         return launch(scattered_call(segments, dtype, op, tag));
     }
 
+    // Leaves the reduction over the ranks in this rank's shard of `buf` (shard_of(buf.count, size(),
+    // rank())), bitwise the allreduce's there; the rest of `buf` is left as it was.
+    void reduce_scatter(Buffer buf, ReduceOp op = ReduceOp::sum, CollectiveTag tag = {}) {
+        run_now(sharded_call(CollectiveKind::reduce_scatter, buf, op, tag));
+    }
+    CollectiveHandle reduce_scatter_async(Buffer buf, ReduceOp op = ReduceOp::sum, CollectiveTag tag = {}) {
+        return launch(sharded_call(CollectiveKind::reduce_scatter, buf, op, tag));
+    }
+
+    // Copies every rank's shard of its `buf` into the same place of every other rank's.
+    void all_gather(Buffer buf, CollectiveTag tag = {}) {
+        run_now(sharded_call(CollectiveKind::all_gather, buf, ReduceOp::sum, tag));
+    }
+    CollectiveHandle all_gather_async(Buffer buf, CollectiveTag tag = {}) {
+        return launch(sharded_call(CollectiveKind::all_gather, buf, ReduceOp::sum, tag));
+    }
+
     // Copies `root`'s bytes into every other rank's buffer of the same size.
     void broadcast(std::span<std::byte> bytes, int root, CollectiveTag tag = {}) {
         run_now(broadcast_call(bytes, root, tag));
@@ -122,7 +143,7 @@ public:
     [[nodiscard]] std::uint64_t peer_collectives(int rank) const { return group_->collectives_entered(rank); }
 
 private:
-    LocalBackend(std::shared_ptr<detail::LocalGroupState> group, int rank) : group_(std::move(group)), rank_(rank) {}
+    LocalBackend(std::shared_ptr<detail::LocalGroup> group, int rank) : group_(std::move(group)), rank_(rank) {}
 
     detail::LocalCall allreduce_call(Buffer buf, ReduceOp op, CollectiveTag tag) {
         detail::LocalCall call;
@@ -147,6 +168,11 @@ private:
         call.seq = ++next_seq_;
         return call;
     }
+    detail::LocalCall sharded_call(CollectiveKind kind, Buffer buf, ReduceOp op, CollectiveTag tag) {
+        detail::LocalCall call = allreduce_call(buf, op, tag);
+        call.kind = kind;
+        return call;
+    }
     detail::LocalCall broadcast_call(std::span<std::byte> bytes, int root, CollectiveTag tag) {
         detail::LocalCall call;
         call.kind = CollectiveKind::broadcast;
@@ -160,7 +186,7 @@ private:
 
     // Runs the call on this thread. A failure here is the group's failure: it is aborted, so that
     // peers do not wait for this rank.
-    static void execute(detail::LocalGroupState& group, int rank, const detail::LocalCall& call) {
+    static void execute(detail::LocalGroup& group, int rank, const detail::LocalCall& call) {
         try {
             group.execute(rank, call);
         } catch (const std::exception& e) {
@@ -188,7 +214,7 @@ private:
         group_.reset();
     }
 
-    std::shared_ptr<detail::LocalGroupState> group_;
+    std::shared_ptr<detail::LocalGroup> group_;
     int rank_ = 0;
     std::uint64_t next_seq_ = 0;
     detail::AsyncCollectives async_;

@@ -20,6 +20,7 @@
 #include <gradsync/backend/nccl/communicator.hpp>
 #include <gradsync/backend/nccl/handle.hpp>
 #include <gradsync/backend/nccl/place.hpp>
+#include <gradsync/backend/nccl/queue.hpp>
 #include <gradsync/bytes.hpp>
 #include <gradsync/cuda/check.hpp>
 #include <gradsync/detail/dtype_visit.hpp>
@@ -70,13 +71,17 @@ class NcclBackend : public detail::TypedCalls<NcclBackend<Algo>> {
     using Typed = detail::TypedCalls<NcclBackend<Algo>>;
 
 public:
+    using Typed::all_gather;
+    using Typed::all_gather_async;
     using Typed::allreduce;
     using Typed::allreduce_async;
     using Typed::broadcast;
+    using Typed::reduce_scatter;
+    using Typed::reduce_scatter_async;
     using algorithm = Algo;
     static constexpr bool device_memory = true;  // collectives take device (or managed) memory
     // Host buffers are staged through device memory in pieces of at most this size.
-    static constexpr std::size_t staging_bytes = std::size_t(1) << 20;
+    static constexpr std::size_t staging_bytes = detail::nccl_staging_bytes;
 
     // Joins the communicator of `place` (nccl_place_from_environment()): selects its device,
     // creates a non-blocking communicator and waits until every rank has joined, by the
@@ -182,6 +187,57 @@ public:
             return r != ncclSuccess ? r : destroyed;
         });
     }
+
+    // Leaves the sum or average over the ranks in this rank's shard of `buf` (shard_of(buf.count,
+    // size(), rank())), ordered like the allreduce; the rest of `buf` is unspecified. Device
+    // memory only. Shards of one length: one in-place ncclReduceScatter; of two lengths (a count
+    // the ranks do not divide): one ncclReduce per shard to its owner, in one group.
+    NcclHandle reduce_scatter_async(Buffer buf, ReduceOp op = ReduceOp::sum, CollectiveTag tag = {}) {
+        const ncclDataType_t type = reducible_type(buf.dtype, "reduce_scatter");
+        const ncclRedOp_t nop = op == ReduceOp::average ? ncclAvg : ncclSum;
+        require_device(buf, "reduce_scatter");
+        const int n = size(), me = rank();
+        const std::size_t elem = size_of(buf.dtype);
+        return queue(sharded_call(CollectiveKind::reduce_scatter, buf, op, tag), buf.data,
+                     [&](void* data, std::size_t count, State& s) -> ncclResult_t {
+                         auto* base = static_cast<std::byte*>(data);
+                         if (count % std::size_t(n) == 0) {
+                             const Shard mine = shard_of(count, n, me);
+                             return ncclReduceScatter(base, base + mine.offset * elem, mine.count, type, nop, s.comm,
+                                                      s.stream);
+                         }
+                         return detail::nccl_grouped(n, count, [&](int owner, Shard shard) {
+                             std::byte* at = base + shard.offset * elem;
+                             return ncclReduce(at, at, shard.count, type, nop, owner, s.comm, s.stream);
+                         });
+                     });
+    }
+    void reduce_scatter(Buffer buf, ReduceOp op = ReduceOp::sum, CollectiveTag tag = {}) {
+        reduce_scatter_async(buf, op, tag).wait();
+    }
+
+    // Copies every rank's shard of its `buf` into the same place of every other rank's (any
+    // dtype, device memory only): one in-place ncclAllGather where the shards have one length,
+    // else one ncclBroadcast per shard from its owner, in one group.
+    NcclHandle all_gather_async(Buffer buf, CollectiveTag tag = {}) {
+        require_device(buf, "all_gather");
+        const int n = size(), me = rank();
+        const std::size_t elem = size_of(buf.dtype);
+        return queue(sharded_call(CollectiveKind::all_gather, buf, ReduceOp::sum, tag), buf.data,
+                     [&](void* data, std::size_t count, State& s) -> ncclResult_t {
+                         auto* base = static_cast<std::byte*>(data);
+                         if (count % std::size_t(n) == 0) {
+                             const Shard mine = shard_of(count, n, me);
+                             return ncclAllGather(base + mine.offset * elem, base, mine.count * elem, ncclUint8, s.comm,
+                                                  s.stream);
+                         }
+                         return detail::nccl_grouped(n, count, [&](int owner, Shard shard) {
+                             std::byte* at = base + shard.offset * elem;
+                             return ncclBroadcast(at, at, shard.count * elem, ncclUint8, owner, s.comm, s.stream);
+                         });
+                     });
+    }
+    void all_gather(Buffer buf, CollectiveTag tag = {}) { all_gather_async(buf, tag).wait(); }
 
     // Copies `root`'s bytes to every rank.
     NcclHandle broadcast_async(std::span<std::byte> bytes, int root, CollectiveTag tag = {}) {
@@ -294,24 +350,17 @@ private:
         return out;
     }
 
-    // Settles a call on the non-blocking communicator: ncclInProgress means NCCL is still
-    // queueing it (from a thread of its own, for every multi-rank collective), and nothing may
-    // follow until it is done. Polls without a lock; an abort request ends the poll.
-    void settle(ncclResult_t r, const std::string& what) {
-        if (r == ncclSuccess) return;
-        auto& s = *state_;
-        s.watchdog->settle(
-            [&]() -> detail::QueueState {
-                if (r == ncclInProgress) {
-                    ncclResult_t state = ncclSuccess;
-                    r = ncclCommGetAsyncError(s.comm, &state);
-                    if (r == ncclSuccess) r = state;
-                }
-                if (r == ncclInProgress) return std::nullopt;
-                if (r == ncclSuccess) return std::string();
-                return detail::nccl_words(r, s.comm);
-            },
-            what, s.timeout);
+    CollectiveCall sharded_call(CollectiveKind kind, Buffer buf, ReduceOp op, CollectiveTag tag) {
+        CollectiveCall call = allreduce_call(buf, op, tag);
+        call.kind = kind;
+        return call;
+    }
+
+    // The host staging buffer goes piece by piece, which would shard each piece, not the buffer.
+    void require_device(Buffer buf, const char* what) const {
+        if (buf.count != 0 && !detail::device_addressable(buf.data))
+            throw CollectiveError(state_->who + ": " + what +
+                                  " takes device (or managed) memory; this buffer lies in host memory");
     }
 
     CollectiveCall allreduce_call(Buffer buf, ReduceOp op, CollectiveTag tag) {
@@ -323,74 +372,10 @@ private:
                               .tag = tag};
     }
 
-    // Queues `call` on the memory at `data`, staging it through device memory when it lies in
-    // host memory; `issue(data, count, state)` issues it on a device pointer.
+    // Queues `call` on the memory at `data` (see nccl/queue.hpp).
     template <class Issue>
     NcclHandle queue(const CollectiveCall& call, void* data, Issue&& issue) {
-        auto& s = *state_;
-        if (call.count == 0) {
-            s.watchdog->rethrow_if_failed();
-            return NcclHandle{};
-        }
-        detail::DeviceScope scope(s.device);
-        if (!detail::device_addressable(data)) return staged(call, data, issue);
-        return s.watchdog->run([&] {
-            // After what the compute stream was given so far (one event, re-recorded each time:
-            // the wait takes the event as it is now).
-            GRADSYNC_CUDA_CHECK(cudaEventRecord(s.computed, s.compute));
-            GRADSYNC_CUDA_CHECK(cudaStreamWaitEvent(s.stream, s.computed, 0));
-            settle(issue(data, call.count, s), call.describe());
-            return track(call);
-        });
-    }
-
-    // Host memory: each piece copied in, reduced on the device, copied out and waited for (by
-    // the collective's deadline, outside the watchdog's gate), through the fixed staging buffers.
-    template <class Issue>
-    NcclHandle staged(const CollectiveCall& call, void* data, Issue& issue) {
-        auto& s = *state_;
-        std::lock_guard staging(s.staging);
-        const std::size_t unit = call.dtype ? size_of(*call.dtype) : 1;
-        auto* host = static_cast<std::byte*>(data);
-        const std::size_t per_piece = staging_bytes / unit;
-        for (std::size_t first = 0; first < call.count; first += per_piece) {
-            const std::size_t n = std::min(per_piece, call.count - first);
-            const std::size_t bytes = n * unit;
-            std::byte* at = host + first * unit;
-            auto handle = s.watchdog->run([&] {
-                std::memcpy(s.pinned, at, bytes);
-                GRADSYNC_CUDA_CHECK(cudaMemcpyAsync(s.scratch, s.pinned, bytes, cudaMemcpyHostToDevice, s.stream));
-                settle(issue(s.scratch, n, s), call.describe());
-                GRADSYNC_CUDA_CHECK(cudaMemcpyAsync(s.pinned, s.scratch, bytes, cudaMemcpyDeviceToHost, s.stream));
-                return track(call);
-            });
-            handle.wait();  // by the collective's deadline; the staging buffers are free again after it
-            std::memcpy(at, s.pinned, bytes);
-        }
-        return NcclHandle{};
-    }
-
-    // Records the completion of what was just queued and hands it to the watchdog (inside run()).
-    NcclHandle track(const CollectiveCall& call) {
-        auto& s = *state_;
-        cudaEvent_t event = nullptr;
-        s.watchdog->with_lock([&] {  // the free list is shared with `release`, which runs under that lock
-            if (!s.events.empty()) {
-                event = s.events.back();
-                s.events.pop_back();
-            }
-        });
-        if (event == nullptr) {
-            GRADSYNC_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
-            s.all_events.push_back(event);
-        }
-        GRADSYNC_CUDA_CHECK(cudaEventRecord(event, s.stream));
-        auto op = std::make_shared<detail::WatchedOp>();
-        op->call = call;
-        op->deadline = std::chrono::steady_clock::now() + s.timeout;
-        op->event = event;
-        s.watchdog->watch(op);
-        return NcclHandle(std::move(op), s.watchdog, s.device);
+        return detail::nccl_queue(*state_, call, data, issue);
     }
 
     std::unique_ptr<State> state_;

@@ -1,7 +1,7 @@
 // The shared state of a LocalBackend group: each rank's slot (its current call, staging, the
-// barrier rounds it has arrived at) and the collectives themselves, run by the ranks' threads in
-// shared memory, with the checks that every rank called the same one and that nobody waits past
-// the deadline.
+// barrier rounds it has arrived at), the rounds in which ranks meet, and the checks that every
+// rank called the same collective and that nobody waits past the deadline. The collectives
+// themselves are in local_collectives.hpp.
 #pragma once
 
 #include <gradsync/backend/collective.hpp>
@@ -85,23 +85,6 @@ public:
     [[nodiscard]] const LocalGroupOptions& options() const { return options_; }
     [[nodiscard]] Bytes memory_per_rank() const { return Bytes{2 * staging_bytes_ + reduce_block_bytes}; }
 
-    // Runs one collective for `rank` on the calling thread.
-    void execute(int rank, const LocalCall& call) {
-        auto deadline = std::chrono::steady_clock::now() + options_.timeout;
-        throw_if_aborted(rank, call);
-        ranks_[idx(rank)].calls_entered.store(call.seq, std::memory_order_relaxed);
-        if (size_ == 1) return execute_alone(rank, call);
-        switch (call.kind) {
-            case CollectiveKind::allreduce:
-                if (!reducible(*call.dtype))
-                    fail(rank, call, "LocalBackend reduces floating-point types only, not " + to_string(*call.dtype));
-                return visit_float_dtype(*call.dtype,
-                                         [&]<class T>(type_tag<T>) { allreduce<T>(rank, call, deadline); });
-            case CollectiveKind::broadcast: return broadcast(rank, call, deadline);
-            case CollectiveKind::barrier: return barrier(rank, call, deadline);
-        }
-    }
-
     // Fails every pending and future collective of every rank with `reason`. First reason wins.
     void abort(const std::string& reason) {
         {
@@ -143,7 +126,7 @@ public:
         return ranks_[idx(rank)].calls_entered.load(std::memory_order_relaxed);
     }
 
-private:
+protected:
     static std::size_t idx(int rank) { return static_cast<std::size_t>(rank); }
 
     [[noreturn]] void fail(int rank, const LocalCall& call, const std::string& reason) {
@@ -160,14 +143,6 @@ private:
             reason = abort_reason_;
         }
         throw CollectiveError(rank_prefix(rank) + ", " + call.describe() + ": the group was aborted: " + reason);
-    }
-
-    void execute_alone(int rank, const LocalCall& call) {
-        if (call.kind == CollectiveKind::allreduce && !reducible(*call.dtype))
-            fail(rank, call, "LocalBackend reduces floating-point types only, not " + to_string(*call.dtype));
-        if (call.kind == CollectiveKind::broadcast && call.root != 0)
-            fail(rank, call, "root " + std::to_string(call.root) + " is not a rank of this group of 1");
-        // One rank: sum and average are the identity, broadcast and barrier are no-ops.
     }
 
     // Arrive at the next round and wait until every rank has. Returns the round's parity.
@@ -232,111 +207,6 @@ private:
         if (call.root < 0 || call.root >= size_)
             fail(rank, call,
                  "root " + std::to_string(call.root) + " is not a rank of this group of " + std::to_string(size_));
-    }
-
-    template <class T>
-    void allreduce(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
-        bool one_shot =
-            options_.algorithm == LocalAlgorithm::one_shot || (options_.algorithm == LocalAlgorithm::automatic &&
-                                                               call.count * sizeof(T) <= options_.one_shot_max.count());
-        if (one_shot)
-            allreduce_one_shot<T>(rank, call, deadline);
-        else
-            allreduce_two_phase<T>(rank, call, deadline);
-    }
-
-    template <class T>
-    void allreduce_one_shot(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
-        auto& me = ranks_[idx(rank)];
-        const std::size_t piece = staging_bytes_ / sizeof(T);
-        const auto factor = accumulator_t<T>(1) / static_cast<accumulator_t<T>>(size_);
-        SegmentCursor in(call.segs(), 0, sizeof(T));
-        SegmentCursor out(call.segs(), 0, sizeof(T));
-        std::size_t pos = 0;
-        bool first = true;
-        do {
-            std::size_t len = std::min(piece, call.count - pos);
-            unsigned parity = static_cast<unsigned>(me.epoch.load(std::memory_order_relaxed) & 1u);
-            // Gather this piece of my input into my staging slot.
-            auto* slot = me.staging[parity].data();
-            for (std::size_t done = 0; done < len;) {
-                std::size_t k = std::min(len - done, in.left());
-                std::memcpy(slot + done * sizeof(T), in.ptr(), k * sizeof(T));
-                in.advance(k);
-                done += k;
-            }
-            if (first) me.calls[parity] = call;
-            round(rank, call, deadline);
-            if (first) validate(rank, call, parity);
-            first = false;
-            // Sum every rank's slot, in rank order, into my own buffer.
-            auto** inputs = reinterpret_cast<T**>(me.pointers.data());
-            for (int s = 0; s < size_; ++s) inputs[s] = reinterpret_cast<T*>(ranks_[idx(s)].staging[parity].data());
-            for (std::size_t done = 0; done < len;) {
-                std::size_t k = std::min(len - done, out.left());
-                T* dst = reinterpret_cast<T*>(out.ptr());
-                reduce_to_all<T>(inputs, size_, &dst, 1, k, call.op == ReduceOp::average, factor, me.block.data());
-                for (int s = 0; s < size_; ++s) inputs[s] += k;
-                out.advance(k);
-                done += k;
-            }
-            pos += len;
-        } while (pos < call.count);
-    }
-
-    template <class T>
-    void allreduce_two_phase(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
-        auto& me = ranks_[idx(rank)];
-        unsigned parity = static_cast<unsigned>(me.epoch.load(std::memory_order_relaxed) & 1u);
-        me.calls[parity] = call;
-        round(rank, call, deadline);
-        validate(rank, call, parity);
-
-        // My share: a cache-line aligned 1/n of the elements. (Claiming pieces from a shared
-        // counter instead was tried: slower below 4 MiB and no better above, even overlapped.)
-        const std::size_t n = call.count;
-        const std::size_t align = cache_line / sizeof(T);
-        std::size_t chunk = (n + static_cast<std::size_t>(size_) - 1) / static_cast<std::size_t>(size_);
-        chunk = (chunk + align - 1) / align * align;
-        std::size_t lo = std::min(n, static_cast<std::size_t>(rank) * chunk);
-        std::size_t hi = std::min(n, lo + chunk);
-        if (lo < hi) {
-            const auto factor = accumulator_t<T>(1) / static_cast<accumulator_t<T>>(size_);
-            me.cursors.clear();
-            for (int s = 0; s < size_; ++s) me.cursors.emplace_back(ranks_[idx(s)].calls[parity].segs(), lo, sizeof(T));
-            auto** ptrs = reinterpret_cast<T**>(me.pointers.data());
-            for (std::size_t pos = lo; pos < hi;) {
-                std::size_t k = hi - pos;
-                for (const auto& c : me.cursors) k = std::min(k, c.left());
-                for (int s = 0; s < size_; ++s) ptrs[s] = reinterpret_cast<T*>(me.cursors[idx(s)].ptr());
-                reduce_to_all<T>(ptrs, size_, ptrs, size_, k, call.op == ReduceOp::average, factor, me.block.data());
-                for (auto& c : me.cursors) c.advance(k);
-                pos += k;
-            }
-        }
-        // Nobody returns, and reuses its buffer, before every share is written.
-        round(rank, call, deadline);
-    }
-
-    void broadcast(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
-        check_root(rank, call);
-        auto& me = ranks_[idx(rank)];
-        unsigned parity = static_cast<unsigned>(me.epoch.load(std::memory_order_relaxed) & 1u);
-        me.calls[parity] = call;
-        round(rank, call, deadline);
-        validate(rank, call, parity);
-        if (rank != call.root && call.count != 0) {
-            std::memcpy(call.single.data, ranks_[idx(call.root)].calls[parity].single.data, call.count);
-        }
-        round(rank, call, deadline);
-    }
-
-    void barrier(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
-        auto& me = ranks_[idx(rank)];
-        unsigned parity = static_cast<unsigned>(me.epoch.load(std::memory_order_relaxed) & 1u);
-        me.calls[parity] = call;
-        round(rank, call, deadline);
-        validate(rank, call, parity);
     }
 
     int size_;

@@ -49,9 +49,13 @@ namespace gradsync::inline v0 {
 // destructor waits, up to MpiOptions::timeout, until every peer has destroyed its own).
 class MpiBackend : public detail::TypedCalls<MpiBackend> {
 public:
+    using TypedCalls::all_gather;
+    using TypedCalls::all_gather_async;
     using TypedCalls::allreduce;
     using TypedCalls::allreduce_async;
     using TypedCalls::broadcast;
+    using TypedCalls::reduce_scatter;
+    using TypedCalls::reduce_scatter_async;
 
     explicit MpiBackend(MPI_Comm comm = mpi_world(), MpiOptions options = {}) : options_(options) {
         int initialized = 0;
@@ -147,6 +151,34 @@ public:
                       [this, copy = std::move(copy), dtype, op] { reduction_->reduce(copy, dtype, op); });
     }
 
+    // Leaves the reduction over the ranks in this rank's shard of `buf` (shard_of(buf.count,
+    // size(), rank())); the rest of `buf` holds partial sums. The first half of our ring.
+    void reduce_scatter(Buffer buf, ReduceOp op = ReduceOp::sum) {
+        check_dtype(buf.dtype);
+        run_now(sharded_call(CollectiveKind::reduce_scatter, buf, op),
+                [&] { reduction_->reduce_scatter(static_cast<std::byte*>(buf.data), buf.count, buf.dtype, op); });
+    }
+    CollectiveHandle reduce_scatter_async(Buffer buf, ReduceOp op = ReduceOp::sum) {
+        check_dtype(buf.dtype);
+        return launch(sharded_call(CollectiveKind::reduce_scatter, buf, op), [this, buf, op] {
+            reduction_->reduce_scatter(static_cast<std::byte*>(buf.data), buf.count, buf.dtype, op);
+        });
+    }
+
+    // Copies every rank's shard of its `buf` into the same place of every other rank's (any
+    // dtype). The second half of our ring.
+    void all_gather(Buffer buf) {
+        check_known(buf.dtype);
+        run_now(sharded_call(CollectiveKind::all_gather, buf, ReduceOp::sum),
+                [&] { reduction_->all_gather(static_cast<std::byte*>(buf.data), buf.count, size_of(buf.dtype)); });
+    }
+    CollectiveHandle all_gather_async(Buffer buf) {
+        check_known(buf.dtype);
+        return launch(sharded_call(CollectiveKind::all_gather, buf, ReduceOp::sum), [this, buf] {
+            reduction_->all_gather(static_cast<std::byte*>(buf.data), buf.count, size_of(buf.dtype));
+        });
+    }
+
     void broadcast(std::span<std::byte> bytes, int root) {
         if (root < 0 || root >= size_)
             throw CollectiveError(detail::rank_prefix(rank_) + ": broadcast from rank " + std::to_string(root) +
@@ -204,6 +236,16 @@ private:
     void check_dtype(DType t) const {
         if (!supports(t))
             throw CollectiveError(detail::rank_prefix(rank_) + ": MpiBackend cannot reduce " + to_string(t));
+    }
+
+    void check_known(DType t) const {
+        if (!is_known(t))
+            throw CollectiveError(detail::rank_prefix(rank_) + ": MpiBackend cannot move dtype " +
+                                  std::to_string(static_cast<int>(t)) + ", which is not one gradsync knows");
+    }
+
+    CollectiveCall sharded_call(CollectiveKind kind, Buffer buf, ReduceOp op) {
+        return {.kind = kind, .seq = ++seq_, .count = buf.count, .dtype = buf.dtype, .op = op};
     }
 
     CollectiveCall allreduce_call(std::size_t count, DType t, ReduceOp op) {

@@ -1,12 +1,14 @@
 // MpiReduction: how MpiBackend reduces a list of segments in place over one communicator. Large
 // segments go in pieces of MpiOptions::chunk, through our ring or MPI's own allreduce; small ones
-// are packed together first, so that many small tensors never mean many collectives.
+// are packed together first, so that many small tensors never mean many collectives. Also the
+// ring's two halves on their own: reduce_scatter and all_gather.
 #pragma once
 
 #include <gradsync/backend/collective.hpp>
 #include <gradsync/backend/mpi/arithmetic.hpp>
 #include <gradsync/backend/mpi/mpi_api.hpp>
 #include <gradsync/backend/mpi/options.hpp>
+#include <gradsync/buffer.hpp>  // for shard_of
 #include <gradsync/dtype.hpp>
 #include <gradsync/error.hpp>
 #include <gradsync/half.hpp>
@@ -78,7 +80,72 @@ public:
         flush(segments.size());
     }
 
+    // In place: this rank's shard (shard_of) of the `count` elements at `data` ends with their
+    // reduction over the ranks; the rest of the buffer holds partial sums. A ring, in rounds that
+    // move at most options_.chunk in all: part p is summed along the ring ending at rank p.
+    void reduce_scatter(std::byte* data, std::size_t count, DType t, ReduceOp op) {
+        const int n = size_;
+        const std::size_t elem = size_of(t);
+        if (n == 1) return;
+        const std::size_t q = round_elements(elem);
+        if (scratch_.size() < q * elem) scratch_.resize(q * elem);
+        const int right = (rank_ + 1) % n, left = (rank_ + n - 1) % n;
+        for (std::size_t done = 0; done < shard_of(count, n, 0).count; done += q) {
+            const RoundParts part{count, n, done, q};
+            for (int step = 0; step + 1 < n; ++step) {
+                const int send = (rank_ - step - 1 + 2 * n) % n, recv = (rank_ - step - 2 + 2 * n) % n;
+                check(MPI_Sendrecv(data + part.begin(send) * elem, static_cast<int>(part.length(send) * elem), MPI_BYTE,
+                                   right, ring_tag, scratch_.data(), static_cast<int>(part.length(recv) * elem),
+                                   MPI_BYTE, left, ring_tag, comm_, MPI_STATUS_IGNORE),
+                      "MPI_Sendrecv");
+                const bool last = step + 2 == n;
+                add_received(data + part.begin(recv) * elem, scratch_.data(), part.length(recv), t,
+                             last && op == ReduceOp::average ? 1.0 / n : 1.0);
+            }
+        }
+    }
+
+    // In place: every rank's shard of the `count` elements of `elem` bytes at `data` reaches every
+    // other rank, passed along the ring in rounds that move at most options_.chunk in all.
+    void all_gather(std::byte* data, std::size_t count, std::size_t elem) {
+        const int n = size_;
+        if (n == 1) return;
+        const std::size_t q = round_elements(elem);
+        const int right = (rank_ + 1) % n, left = (rank_ + n - 1) % n;
+        for (std::size_t done = 0; done < shard_of(count, n, 0).count; done += q) {
+            const RoundParts part{count, n, done, q};
+            for (int step = 0; step + 1 < n; ++step) {
+                const int send = (rank_ - step + n) % n, recv = (rank_ - step - 1 + n) % n;
+                check(MPI_Sendrecv(data + part.begin(send) * elem, static_cast<int>(part.length(send) * elem), MPI_BYTE,
+                                   right, ring_tag, data + part.begin(recv) * elem,
+                                   static_cast<int>(part.length(recv) * elem), MPI_BYTE, left, ring_tag, comm_,
+                                   MPI_STATUS_IGNORE),
+                      "MPI_Sendrecv");
+            }
+        }
+    }
+
 private:
+    static constexpr int ring_tag = 0x6773;  // on our own communicator: no other messages to confuse it with
+
+    // One round of a sharded ring: elements [done, done + q) of each rank's shard, where it has them.
+    struct RoundParts {
+        std::size_t count;
+        int ranks;
+        std::size_t done, q;
+        [[nodiscard]] std::size_t begin(int p) const { return shard_of(count, ranks, p).offset + done; }
+        [[nodiscard]] std::size_t length(int p) const {
+            const std::size_t c = shard_of(count, ranks, p).count;
+            return c > done ? std::min(q, c - done) : 0;
+        }
+    };
+
+    // Elements of each part per round: the chunk shared out over the parts.
+    [[nodiscard]] std::size_t round_elements(std::size_t elem) const {
+        const std::size_t chunk = std::min<std::size_t>(options_.chunk.count(), std::size_t{1} << 30);
+        return std::max<std::size_t>(1, chunk / elem / static_cast<std::size_t>(size_));
+    }
+
     void check(int rc, const char* call) const {
         if (rc != MPI_SUCCESS)
             throw CollectiveError(rank_prefix(rank_) + ": " + call + " failed: " + mpi_error_string(rc));
@@ -129,12 +196,11 @@ private:
         const std::size_t most = (count + std::size_t(n) - 1) / std::size_t(n);
         if (scratch_.size() < most * elem) scratch_.resize(most * elem);
         const int right = (rank_ + 1) % n, left = (rank_ + n - 1) % n;
-        constexpr int tag = 0x6773;  // on our own communicator: no other messages to confuse it with
         for (int step = 0; step + 1 < n; ++step) {
             const int send = (rank_ - step + 2 * n) % n, recv = (rank_ - step - 1 + 2 * n) % n;
-            check(MPI_Sendrecv(data + begin(send) * elem, static_cast<int>(length(send) * elem), MPI_BYTE, right, tag,
-                               scratch_.data(), static_cast<int>(length(recv) * elem), MPI_BYTE, left, tag, comm_,
-                               MPI_STATUS_IGNORE),
+            check(MPI_Sendrecv(data + begin(send) * elem, static_cast<int>(length(send) * elem), MPI_BYTE, right,
+                               ring_tag, scratch_.data(), static_cast<int>(length(recv) * elem), MPI_BYTE, left,
+                               ring_tag, comm_, MPI_STATUS_IGNORE),
                   "MPI_Sendrecv");
             const bool last = step + 2 == n;
             add_received(data + begin(recv) * elem, scratch_.data(), length(recv), t,
@@ -142,9 +208,9 @@ private:
         }
         for (int step = 0; step + 1 < n; ++step) {
             const int send = (rank_ + 1 - step + 2 * n) % n, recv = (rank_ - step + 2 * n) % n;
-            check(MPI_Sendrecv(data + begin(send) * elem, static_cast<int>(length(send) * elem), MPI_BYTE, right, tag,
-                               data + begin(recv) * elem, static_cast<int>(length(recv) * elem), MPI_BYTE, left, tag,
-                               comm_, MPI_STATUS_IGNORE),
+            check(MPI_Sendrecv(data + begin(send) * elem, static_cast<int>(length(send) * elem), MPI_BYTE, right,
+                               ring_tag, data + begin(recv) * elem, static_cast<int>(length(recv) * elem), MPI_BYTE,
+                               left, ring_tag, comm_, MPI_STATUS_IGNORE),
                   "MPI_Sendrecv");
         }
     }

@@ -1,0 +1,222 @@
+// The collectives of a LocalBackend group, run by the ranks' threads in shared memory: allreduce
+// (one-shot through staging for small buffers, two-phase in place for large ones),
+// reduce_scatter, all_gather, broadcast and barrier. Every one starts with a round in which the
+// ranks publish and check their calls, and ends with one after which no peer reads its memory.
+#pragma once
+
+#include <gradsync/backend/collective.hpp>
+#include <gradsync/backend/detail/host_reduce.hpp>
+#include <gradsync/backend/detail/local_group.hpp>
+#include <gradsync/backend/detail/segment_cursor.hpp>
+#include <gradsync/backend/local_options.hpp>
+#include <gradsync/buffer.hpp>
+#include <gradsync/detail/dtype_visit.hpp>
+#include <gradsync/dtype.hpp>
+
+#include <algorithm>  // for std::min, std::max
+#include <chrono>
+#include <cstddef>
+#include <cstring>  // for std::memcpy
+#include <string>
+
+namespace gradsync::inline v0::detail {
+
+class LocalGroup : public LocalGroupState {
+public:
+    using LocalGroupState::LocalGroupState;
+
+    // Runs one collective for `rank` on the calling thread.
+    void execute(int rank, const LocalCall& call) {
+        auto deadline = std::chrono::steady_clock::now() + options_.timeout;
+        throw_if_aborted(rank, call);
+        ranks_[idx(rank)].calls_entered.store(call.seq, std::memory_order_relaxed);
+        if (size_ == 1) return execute_alone(rank, call);
+        switch (call.kind) {
+            case CollectiveKind::allreduce:
+                if (!reducible(*call.dtype))
+                    fail(rank, call, "LocalBackend reduces floating-point types only, not " + to_string(*call.dtype));
+                return visit_float_dtype(*call.dtype,
+                                         [&]<class T>(type_tag<T>) { allreduce<T>(rank, call, deadline); });
+            case CollectiveKind::reduce_scatter:
+                if (!reducible(*call.dtype))
+                    fail(rank, call, "LocalBackend reduces floating-point types only, not " + to_string(*call.dtype));
+                return visit_float_dtype(*call.dtype,
+                                         [&]<class T>(type_tag<T>) { reduce_scatter<T>(rank, call, deadline); });
+            case CollectiveKind::all_gather: return all_gather(rank, call, deadline);
+            case CollectiveKind::broadcast: return broadcast(rank, call, deadline);
+            case CollectiveKind::barrier: return barrier(rank, call, deadline);
+        }
+    }
+
+private:
+    void execute_alone(int rank, const LocalCall& call) {
+        const bool reduces = call.kind == CollectiveKind::allreduce || call.kind == CollectiveKind::reduce_scatter;
+        if (reduces && !reducible(*call.dtype))
+            fail(rank, call, "LocalBackend reduces floating-point types only, not " + to_string(*call.dtype));
+        if (call.kind == CollectiveKind::broadcast && call.root != 0)
+            fail(rank, call, "root " + std::to_string(call.root) + " is not a rank of this group of 1");
+        // One rank: sum and average are the identity, its shard is the whole buffer, broadcast and
+        // barrier are no-ops.
+    }
+
+    template <class T>
+    void allreduce(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
+        bool one_shot =
+            options_.algorithm == LocalAlgorithm::one_shot || (options_.algorithm == LocalAlgorithm::automatic &&
+                                                               call.count * sizeof(T) <= options_.one_shot_max.count());
+        if (one_shot)
+            allreduce_one_shot<T>(rank, call, deadline);
+        else
+            allreduce_two_phase<T>(rank, call, deadline);
+    }
+
+    template <class T>
+    void allreduce_one_shot(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
+        auto& me = ranks_[idx(rank)];
+        const std::size_t piece = staging_bytes_ / sizeof(T);
+        const auto factor = accumulator_t<T>(1) / static_cast<accumulator_t<T>>(size_);
+        SegmentCursor in(call.segs(), 0, sizeof(T));
+        SegmentCursor out(call.segs(), 0, sizeof(T));
+        std::size_t pos = 0;
+        bool first = true;
+        do {
+            std::size_t len = std::min(piece, call.count - pos);
+            unsigned parity = static_cast<unsigned>(me.epoch.load(std::memory_order_relaxed) & 1u);
+            // Gather this piece of my input into my staging slot.
+            auto* slot = me.staging[parity].data();
+            for (std::size_t done = 0; done < len;) {
+                std::size_t k = std::min(len - done, in.left());
+                std::memcpy(slot + done * sizeof(T), in.ptr(), k * sizeof(T));
+                in.advance(k);
+                done += k;
+            }
+            if (first) me.calls[parity] = call;
+            round(rank, call, deadline);
+            if (first) validate(rank, call, parity);
+            first = false;
+            // Sum every rank's slot, in rank order, into my own buffer.
+            auto** inputs = reinterpret_cast<T**>(me.pointers.data());
+            for (int s = 0; s < size_; ++s) inputs[s] = reinterpret_cast<T*>(ranks_[idx(s)].staging[parity].data());
+            for (std::size_t done = 0; done < len;) {
+                std::size_t k = std::min(len - done, out.left());
+                T* dst = reinterpret_cast<T*>(out.ptr());
+                reduce_to_all<T>(inputs, size_, &dst, 1, k, call.op == ReduceOp::average, factor, me.block.data());
+                for (int s = 0; s < size_; ++s) inputs[s] += k;
+                out.advance(k);
+                done += k;
+            }
+            pos += len;
+        } while (pos < call.count);
+    }
+
+    template <class T>
+    void allreduce_two_phase(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
+        auto& me = ranks_[idx(rank)];
+        const unsigned parity = begin(rank, call, deadline);
+
+        // My share: a cache-line aligned 1/n of the elements. (Claiming pieces from a shared
+        // counter instead was tried: slower below 4 MiB and no better above, even overlapped.)
+        const std::size_t n = call.count;
+        const std::size_t align = cache_line / sizeof(T);
+        std::size_t chunk = (n + static_cast<std::size_t>(size_) - 1) / static_cast<std::size_t>(size_);
+        chunk = (chunk + align - 1) / align * align;
+        std::size_t lo = std::min(n, static_cast<std::size_t>(rank) * chunk);
+        std::size_t hi = std::min(n, lo + chunk);
+        if (lo < hi) {
+            const auto factor = accumulator_t<T>(1) / static_cast<accumulator_t<T>>(size_);
+            me.cursors.clear();
+            for (int s = 0; s < size_; ++s) me.cursors.emplace_back(ranks_[idx(s)].calls[parity].segs(), lo, sizeof(T));
+            auto** ptrs = reinterpret_cast<T**>(me.pointers.data());
+            for (std::size_t pos = lo; pos < hi;) {
+                std::size_t k = hi - pos;
+                for (const auto& c : me.cursors) k = std::min(k, c.left());
+                for (int s = 0; s < size_; ++s) ptrs[s] = reinterpret_cast<T*>(me.cursors[idx(s)].ptr());
+                reduce_to_all<T>(ptrs, size_, ptrs, size_, k, call.op == ReduceOp::average, factor, me.block.data());
+                for (auto& c : me.cursors) c.advance(k);
+                pos += k;
+            }
+        }
+        // Nobody returns, and reuses its buffer, before every share is written.
+        round(rank, call, deadline);
+    }
+
+    void broadcast(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
+        check_root(rank, call);
+        const unsigned parity = begin(rank, call, deadline);
+        if (rank != call.root && call.count != 0) {
+            std::memcpy(call.single.data, ranks_[idx(call.root)].calls[parity].single.data, call.count);
+        }
+        round(rank, call, deadline);
+    }
+
+    void barrier(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
+        begin(rank, call, deadline);
+    }
+
+    // Rank r sums shard r from every rank's buffer, in rank order (the allreduce's bits), into
+    // its own: each byte read once and the shard written once, as the two-phase allreduce's first
+    // half. Nobody writes what another rank reads: rank r writes only shard r of its buffer.
+    template <class T>
+    void reduce_scatter(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
+        auto& me = ranks_[idx(rank)];
+        const unsigned parity = begin(rank, call, deadline);
+        const Shard mine = shard_of(call.count, size_, rank);
+        if (mine.count != 0) {
+            const auto factor = accumulator_t<T>(1) / static_cast<accumulator_t<T>>(size_);
+            me.cursors.clear();
+            for (int s = 0; s < size_; ++s)
+                me.cursors.emplace_back(ranks_[idx(s)].calls[parity].segs(), mine.offset, sizeof(T));
+            auto** ptrs = reinterpret_cast<T**>(me.pointers.data());
+            for (std::size_t done = 0; done < mine.count;) {
+                std::size_t k = mine.count - done;
+                for (const auto& c : me.cursors) k = std::min(k, c.left());
+                for (int s = 0; s < size_; ++s) ptrs[s] = reinterpret_cast<T*>(me.cursors[idx(s)].ptr());
+                T* out = ptrs[rank];
+                reduce_to_all<T>(ptrs, size_, &out, 1, k, call.op == ReduceOp::average, factor, me.block.data());
+                for (auto& c : me.cursors) c.advance(k);
+                done += k;
+            }
+        }
+        // Nobody returns, and reuses its buffer, before every shard is read.
+        round(rank, call, deadline);
+    }
+
+    // Rank r copies every other rank's shard from that rank's buffer into its own. Nobody writes
+    // what another rank reads: rank s's shard s is read by its peers and written by none.
+    void all_gather(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
+        const unsigned parity = begin(rank, call, deadline);
+        const std::size_t elem = size_of(*call.dtype);
+        const bool streaming = call.count * elem >= streaming_min_bytes;
+        for (int s = 0; s < size_; ++s) {
+            if (s == rank) continue;
+            const Shard theirs = shard_of(call.count, size_, s);
+            SegmentCursor from(ranks_[idx(s)].calls[parity].segs(), theirs.offset, elem);
+            SegmentCursor to(call.segs(), theirs.offset, elem);
+            for (std::size_t done = 0; done < theirs.count;) {
+                const std::size_t k = std::min({theirs.count - done, from.left(), to.left()});
+                if (streaming)
+                    copy_streaming(to.ptr(), from.ptr(), k * elem);
+                else
+                    std::memcpy(to.ptr(), from.ptr(), k * elem);
+                from.advance(k);
+                to.advance(k);
+                done += k;
+            }
+        }
+        if (streaming) streaming_fence();
+        round(rank, call, deadline);
+    }
+
+    // Publishes this rank's call, meets the others and checks that they are in the same one.
+    // Returns the round's parity (where the calls are).
+    unsigned begin(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
+        auto& me = ranks_[idx(rank)];
+        const auto parity = static_cast<unsigned>(me.epoch.load(std::memory_order_relaxed) & 1u);
+        me.calls[parity] = call;
+        round(rank, call, deadline);
+        validate(rank, call, parity);
+        return parity;
+    }
+};
+
+}  // namespace gradsync::inline v0::detail
