@@ -1,7 +1,8 @@
 // DataParallel::synchronize() on 2 ranks over the gradient layouts of ResNet-50 and BERT-base,
 // with no model behind them, against one raw allreduce of a flat buffer of the same bytes; and
 // what the checks that protect a run cost beside it (the replica check, the listing of the model
-// that follows moved gradient storage).
+// that follows moved gradient storage); and a step of ShardedDataParallel (optimizer state split
+// across the ranks) against DataParallel's.
 // The two alternate within every iteration, in alternating order, and the figure is the median
 // of the per-iteration ratios: on a shared machine bandwidth drifts by tens of percent within
 // seconds, so only ratios of interleaved measurements compare.
@@ -106,6 +107,62 @@ void replica_check_vs_synchronize(benchmark::State& state, std::vector<layouts::
     state.counters["buckets"] = buckets;
 }
 
+// One optimizer step, plain SGD, on 2 ranks: DataParallel::step (allreduce, then the optimizer over
+// every parameter) against ShardedDataParallel::step (reduce_scatter, the optimizer over this
+// rank's shard, all_gather), interleaved; and the optimizer state each keeps per array.
+void sharded_vs_unsharded_step(benchmark::State& state, std::vector<layouts::Tensor> (*layout)()) {
+    const auto tensors = layout();
+    std::vector<double> sharded_s, unsharded_s, ratios;
+    double state_sharded = 0, state_unsharded = 0;
+    constexpr float lr = 1e-6f;
+    bench::time_on_two_ranks(state, [&](gradsync::LocalBackend& b) {
+        struct Replicas {
+            Replicas(const std::vector<layouts::Tensor>& t, gradsync::LocalBackend& b)
+                : plain(t), split(t), dp(plain, b), sdp(split, b) {}
+            bench::LayoutModel plain, split;
+            gradsync::DataParallel<bench::LayoutModel, gradsync::LocalBackend> dp;
+            gradsync::ShardedDataParallel<bench::LayoutModel, gradsync::LocalBackend> sdp;
+        };
+        auto r = std::make_shared<Replicas>(tensors, b);
+        const bool timer = b.rank() == 0;
+        if (timer) {
+            state_sharded = static_cast<double>(r->sdp.state_elements() * sizeof(float));
+            state_unsharded = static_cast<double>(r->sdp.parameter_elements() * sizeof(float));
+        }
+        return [&, r, timer, sharded_first = false, warm = false]() mutable {
+            auto unsharded = [&] {
+                (void)r->dp.step([&] {
+                    for (const auto& p : r->dp.parameters()) {
+                        auto* w = static_cast<float*>(p.data);
+                        const auto* g = static_cast<const float*>(p.grad);
+                        for (std::size_t i = 0; i < p.count; ++i) w[i] -= lr * g[i];
+                    }
+                });
+            };
+            auto sharded = [&] {
+                (void)r->sdp.step([&](std::span<const gradsync::ShardPiece<float>> pieces) {
+                    for (const auto& p : pieces)
+                        for (std::size_t i = 0; i < p.params.size(); ++i) p.params[i] -= lr * p.grads[i];
+                });
+            };
+            auto [sh, un] = bench::timed_pair(sharded, unsharded, !sharded_first);
+            if (timer && warm) {
+                sharded_s.push_back(sh);
+                unsharded_s.push_back(un);
+                ratios.push_back(sh / un);
+                state.SetIterationTime(sh);
+            }
+            sharded_first = !sharded_first;
+            warm = true;
+        };
+    });
+    state.counters["sharded_ms"] = bench::median(sharded_s) * 1e3;
+    state.counters["unsharded_ms"] = bench::median(unsharded_s) * 1e3;
+    state.counters["ratio"] = bench::median(ratios);
+    state.counters["state_bytes_sharded"] = state_sharded;
+    state.counters["state_bytes_unsharded"] = state_unsharded;
+}
+
 void configure(benchmark::internal::Benchmark* b) {
     b->UseManualTime()
         ->Repetitions(bench::repetitions_of(repetitions))
@@ -132,6 +189,8 @@ void register_data_parallel() {
                                      synchronize_vs_flat<gradsync::PackedBuckets>, layout.tensors, name + "/packed")
             ->Apply(configure);
         benchmark::RegisterBenchmark(("replica_check/" + name).c_str(), replica_check_vs_synchronize, layout.tensors)
+            ->Apply(configure);
+        benchmark::RegisterBenchmark(("sharded_step/" + name).c_str(), sharded_vs_unsharded_step, layout.tensors)
             ->Apply(configure);
     }
 }

@@ -301,6 +301,23 @@ void print_summary() {
         target_row("reduce_scatter + all_gather / allreduce, " + size_name(bytes), shown("%.1f", *s, "us"),
                    shown("%.1f", *a, "us", "allreduce"), *r, largest ? "<= 1.10" : "-", *r <= 1.10);
     }
+    // ShardedDataParallel's step against DataParallel's, and the optimizer state each keeps.
+    for (const char* layout : {"resnet50", "bert_base"}) {
+        const std::string key = std::string("sharded_step/") + layout;
+        auto sh = counter(key, "sharded_ms"), un = counter(key, "unsharded_ms"), r = counter(key, "ratio");
+        auto st = counter(key, "state_bytes_sharded"), su = counter(key, "state_bytes_unsharded");
+        if (!sh || !un || !r || !st || !su) {
+            missing(key);
+            continue;
+        }
+        const std::string name = std::string(layout) == "resnet50" ? "ResNet-50" : "BERT-base";
+        target_row("sharded step / DataParallel step, " + name, shown("%.2f", *sh, "ms"),
+                   shown("%.2f", *un, "ms", "unsharded"), *r, "<= 1.10", *r <= 1.10);
+        target_row("optimizer state per rank, sharded / unsharded, " + name,
+                   shown_bytes(gradsync::Bytes{static_cast<std::uint64_t>(*st)}),
+                   shown_bytes(gradsync::Bytes{static_cast<std::uint64_t>(*su)}, "unsharded"), *st / *su, "<= 0.51",
+                   *st / *su <= 0.51);
+    }
     const std::string resnet = "synchronize_vs_flat/resnet50/in_place";
     auto sync = counter(resnet, "sync_ms"), flat = counter(resnet, "flat_ms"), ratio = counter(resnet, "ratio");
     if (!sync || !flat || !ratio) missing("synchronize() ResNet-50 / flat allreduce");

@@ -18,7 +18,7 @@ LAYERS = [
     ("backends", ["backend/"]),
     ("memory policies", ["memory/"]),
     ("AMP and LR policies", ["amp/", "lr.hpp"]),
-    ("the DataParallel front and its parts", ["data_parallel/", "data_parallel.hpp"]),
+    ("the DataParallel front and its parts", ["data_parallel/", "data_parallel.hpp", "sharded_data_parallel.hpp"]),
     ("launch helpers", ["launch/"]),
     ("checkpoints", ["checkpoint/"]),
     ("the umbrella header", ["gradsync.hpp"]),

@@ -681,6 +681,17 @@ concept ShardedCollectives = Backend<B> && requires(B& b, Buffer buf, ReduceOp o
     { b.all_gather_async(buf) } -> Waitable;
 };
 
+// ...and over a list of segments too, so that shards are reduced and gathered where the
+// gradients and parameters lie (LocalBackend).
+template <class B>
+concept ScatteredShardedCollectives = ShardedCollectives<B> &&
+    requires(B& b, std::span<const Segment> segs, DType t, ReduceOp op) {
+    b.reduce_scatter(segs, t, op);
+    { b.reduce_scatter_async(segs, t, op) } -> Waitable;
+    b.all_gather(segs, t);
+    { b.all_gather_async(segs, t) } -> Waitable;
+};
+
 // ...with a CollectiveTag each, like TaggedCollectives.
 template <class B>
 concept TaggedShardedCollectives = ShardedCollectives<B> && requires(B& b, Buffer buf, ReduceOp op, CollectiveTag tag) {

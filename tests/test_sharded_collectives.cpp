@@ -163,3 +163,24 @@ TEST_CASE("a rank that never enters the reduce_scatter makes the others time out
     CHECK(messages[0].find("reduce_scatter #1 of 64 x float32 (256 B), sum (step 3, bucket 1): timed out after 200 ms "
                            "waiting for rank 1") != std::string::npos);
 }
+
+TEST_CASE("LocalBackend reduce_scatter and all_gather over segments cut differently on every rank") {
+    static_assert(gradsync::ScatteredShardedCollectives<LocalBackend>);
+    const std::size_t n = 10'007;
+    const auto want = sharded::reduced<float>(3, n, 5, ReduceOp::average);
+    gradsync::spawn(3, [&](LocalBackend& b) {
+        auto v = sharded::input_of<float>(b.rank(), n, 5);
+        // Rank r cuts its buffer every 97 * (r + 1) elements, with an empty segment at each cut.
+        std::vector<gradsync::Segment> segments;
+        const std::size_t step = 97 * static_cast<std::size_t>(b.rank() + 1);
+        for (std::size_t at = 0; at < n; at += step) {
+            segments.push_back({v.data() + at, std::min(step, n - at)});
+            segments.push_back({v.data() + at, 0});
+        }
+        b.reduce_scatter_async(segments, gradsync::DType::float32, ReduceOp::average).wait();
+        const auto mine = shard_of(n, 3, b.rank());
+        CHECK(std::memcmp(v.data() + mine.offset, want.data() + mine.offset, mine.count * sizeof(float)) == 0);
+        b.all_gather(segments, gradsync::DType::float32);
+        CHECK(std::memcmp(v.data(), want.data(), n * sizeof(float)) == 0);
+    });
+}

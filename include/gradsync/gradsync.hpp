@@ -32,6 +32,7 @@
 // DataParallel.
 #include <gradsync/data_parallel.hpp>
 #include <gradsync/data_parallel/options.hpp>
+#include <gradsync/sharded_data_parallel.hpp>
 // Launching ranks.
 #include <gradsync/launch/sampler.hpp>
 #include <gradsync/launch/spawn.hpp>

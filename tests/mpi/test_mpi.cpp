@@ -11,6 +11,7 @@
 #include "support/generic_trainer.hpp"
 #include "support/resume_run.hpp"
 #include "support/sharded_checks.hpp"
+#include "support/sharded_optimizers.hpp"
 #include "support/toy_model.hpp"
 
 #include <unistd.h>  // for getpid
@@ -345,6 +346,29 @@ TEST_CASE("equivalence over MPI: N processes with micro-batch b == one process w
     }
     SUBCASE("a bucket per parameter, overlapped") {
         check_close(train_parallel(true, gradsync::PerParameterBuckets{}), single);
+    }
+}
+
+TEST_CASE("sharded over MPI: optimizer state split across processes == one process with the whole batch") {
+    for (const auto& caps : {gradsync::SizeCappedBuckets{}, gradsync::SizeCappedBuckets{64_KiB, 4_KiB}}) {
+        CAPTURE(caps.settings());
+        gradsync::MpiBackend backend;
+        mlp::Mlp model(1 + std::uint64_t(backend.rank()) * 1000);  // replaced by rank 0's at construction
+        gradsync::ShardedDataParallel sdp(model, backend, caps);
+        sharded::ShardedSgd sgd;
+        sgd.velocity.assign(sdp.state_elements(), 0.0f);
+        const int world = backend.size();
+        for (int s = 0; s < steps; ++s) {
+            auto first = std::size_t(s * world * micro_batch + backend.rank() * micro_batch);
+            model.forward_backward(mlp::make_batch(2026, first, micro_batch));
+            CHECK(sdp.step(sgd).applied);
+        }
+        check_close(resume::flat(model), train_single(world));
+        // This rank's state is its share: the shares add up to every parameter once.
+        std::uint64_t mine = sdp.state_elements(), all = 0;
+        MPI_Allreduce(&mine, &all, 1, MPI_UINT64_T, MPI_SUM, gradsync::mpi_world());
+        CHECK(all == sdp.parameter_elements());
+        CHECK(mine * std::uint64_t(world) <= sdp.parameter_elements() + std::uint64_t(world) * 8);
     }
 }
 

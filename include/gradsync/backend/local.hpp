@@ -107,6 +107,23 @@ public:
         return launch(sharded_call(CollectiveKind::reduce_scatter, buf, op, tag));
     }
 
+    // The same over the concatenation of `segments` (which must stay valid until completion):
+    // sharded gradients and parameters where they lie.
+    void reduce_scatter(std::span<const Segment> segments, DType dtype, ReduceOp op = ReduceOp::sum,
+                        CollectiveTag tag = {}) {
+        run_now(scattered_call(segments, dtype, op, tag, CollectiveKind::reduce_scatter));
+    }
+    CollectiveHandle reduce_scatter_async(std::span<const Segment> segments, DType dtype, ReduceOp op = ReduceOp::sum,
+                                          CollectiveTag tag = {}) {
+        return launch(scattered_call(segments, dtype, op, tag, CollectiveKind::reduce_scatter));
+    }
+    void all_gather(std::span<const Segment> segments, DType dtype, CollectiveTag tag = {}) {
+        run_now(scattered_call(segments, dtype, ReduceOp::sum, tag, CollectiveKind::all_gather));
+    }
+    CollectiveHandle all_gather_async(std::span<const Segment> segments, DType dtype, CollectiveTag tag = {}) {
+        return launch(scattered_call(segments, dtype, ReduceOp::sum, tag, CollectiveKind::all_gather));
+    }
+
     // Copies every rank's shard of its `buf` into the same place of every other rank's.
     void all_gather(Buffer buf, CollectiveTag tag = {}) {
         run_now(sharded_call(CollectiveKind::all_gather, buf, ReduceOp::sum, tag));
@@ -156,9 +173,10 @@ private:
         call.seq = ++next_seq_;
         return call;
     }
-    detail::LocalCall scattered_call(std::span<const Segment> segments, DType dtype, ReduceOp op, CollectiveTag tag) {
+    detail::LocalCall scattered_call(std::span<const Segment> segments, DType dtype, ReduceOp op, CollectiveTag tag,
+                                     CollectiveKind kind = CollectiveKind::allreduce) {
         detail::LocalCall call;
-        call.kind = CollectiveKind::allreduce;
+        call.kind = kind;
         call.dtype = dtype;
         call.op = op;
         call.count = detail::total_count(segments);

@@ -1,0 +1,250 @@
+// ShardedDataParallel<Model, Backend>: data parallel with the optimizer's state split across the
+// ranks (ZeRO stage 1). Every bucket of the plan is split into one shard per rank (shard_of); a
+// rank owns its shard of every bucket. step(optimizer) reduce-scatters the gradients bucket by
+// bucket (each rank receives the average over the ranks of its shards), agrees on the norm and
+// the finite check with one small allreduce, lets the optimizer update only this rank's shards of
+// the parameters, with only its share of the state, and all-gathers the updated parameters into
+// every rank's model. A backend that reduces scattered memory (LocalBackend) does all of it where
+// the gradients and parameters lie, with no copy; others get packed bucket buffers. With
+// LocalBackend the averaged gradients are bitwise the allreduce's, so an elementwise optimizer
+// ends bitwise where DataParallel's would.
+//
+// This first version: float32 parameters in host memory, collectives at step() (no overlap with
+// backward yet), no loss scaling or wire compression; model buffers are not synchronized.
+#pragma once
+
+#include <gradsync/backend/concepts.hpp>
+#include <gradsync/bucket/bucketers.hpp>
+#include <gradsync/bucket/plan.hpp>
+#include <gradsync/buffer.hpp>
+#include <gradsync/bytes.hpp>
+#include <gradsync/data_parallel/finalize_step.hpp>
+#include <gradsync/data_parallel/layout_agreement.hpp>
+#include <gradsync/data_parallel/model_layout.hpp>
+#include <gradsync/data_parallel/settings.hpp>
+#include <gradsync/error.hpp>
+#include <gradsync/model/model.hpp>
+
+#include <algorithm>  // for std::sort
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>  // for std::memcpy
+#include <span>
+#include <string>
+#include <type_traits>  // for std::is_invocable_v
+#include <utility>      // for std::move
+#include <vector>
+
+namespace gradsync::inline v0 {
+
+struct ShardedOptions {
+    // Above 0: gradients whose global L2 norm exceeds it are scaled down to it before the optimizer.
+    double clip_norm = 0;
+};
+
+// One contiguous piece of this rank's shard: parameters and their averaged gradients (in the
+// bucket's element order), and where its optimizer state begins in the rank's state arrays of
+// ShardedDataParallel::state_elements() elements.
+template <class T>
+struct ShardPiece {
+    std::span<T> params;
+    std::span<const T> grads;
+    std::size_t state_offset = 0;
+};
+
+template <class Model, class BackendT>
+class ShardedDataParallel {
+    static_assert(detail::check_backend<BackendT>());
+    static_assert(detail::check_sharded_collectives<BackendT>());
+
+public:
+    // Lists the model's parameters, checks them and agrees on the layout and the plan with every
+    // rank (the same exception on every rank otherwise), and copies rank 0's parameter values to
+    // every rank. Model and backend must outlive this.
+    ShardedDataParallel(Model& model, BackendT& backend, SizeCappedBuckets bucketer = {}, ShardedOptions options = {})
+        : model_(model), backend_(backend), options_(options) {
+        static_assert(detail::check_model_access<Model>());
+        layout_ = detail::ModelLayout::of(model_, /*with_buffers=*/false);
+        detail::LocalProblem problem;
+        for (const auto& p : layout_.params)
+            if (p.dtype != DType::float32 && problem.kind == detail::LocalProblem::Kind::none)
+                problem = {detail::LocalProblem::Kind::configuration,
+                           detail::rank_prefix(rank()) + ": ShardedDataParallel steps float32 parameters only; '" +
+                               p.name + "' is " + to_string(p.dtype)};
+        if (!(options_.clip_norm >= 0))
+            problem = {detail::LocalProblem::Kind::configuration,
+                       detail::rank_prefix(rank()) + ": ShardedOptions::clip_norm must be at least 0, got " +
+                           std::to_string(options_.clip_norm)};
+        plan_ = problem.kind == detail::LocalProblem::Kind::none ? bucketer.plan(layout_.params) : BucketPlan{};
+        const std::vector<detail::Setting> settings{{"mode", "sharded (stage 1)"},
+                                                    {"bucketer", bucketer.settings()},
+                                                    {"clip_norm", std::to_string(options_.clip_norm)}};
+        detail::agree_on_layout(backend_, layout_.params, {}, plan_, settings, problem);
+        for (const auto& p : layout_.params)
+            backend_.broadcast(std::span(static_cast<std::byte*>(p.data), p.bytes().count()), 0);
+        build_slots();
+    }
+    ShardedDataParallel(const ShardedDataParallel&) = delete;
+    ShardedDataParallel& operator=(const ShardedDataParallel&) = delete;
+
+    // After backward, on every rank: reduce-scatters the gradients, agrees on their norm, calls
+    // optimizer(std::span<const ShardPiece<float>>) with this rank's pieces when every gradient
+    // is finite (every rank decides alike), and all-gathers the parameters into every rank's
+    // model. The model's own gradients are left as backward wrote them.
+    template <class Optimizer>
+    StepReport step(Optimizer&& optimizer) {
+        static_assert(std::is_invocable_v<Optimizer&, std::span<const ShardPiece<float>>>,
+                      "gradsync: ShardedDataParallel::step(optimizer) calls "
+                      "optimizer(std::span<const gradsync::ShardPiece<float>>)");
+        StepReport report;
+        report.step = ++steps_;
+        // On this thread, bucket after bucket: nothing overlaps them yet, and a progress thread
+        // would only compete with this one for the cores. The backend's deadline applies.
+        for (auto& slot : slots_) {
+            if constexpr (in_place) {
+                backend_.reduce_scatter(slot.grads, DType::float32, ReduceOp::average);
+            } else {
+                pack(slot.grads, slot.grad_buffer);
+                backend_.reduce_scatter(buffer_of(std::span<float>(slot.grad_buffer)), ReduceOp::average);
+            }
+        }
+        // This rank's share of the norm and of the finite check, then everyone's.
+        double partial[2] = {0, 0};  // sum of squares, non-finite elements
+        for (const auto grads : grad_shards_)
+            for (const float g : grads) {
+                if (!std::isfinite(g)) partial[1] += 1;
+                partial[0] += double(g) * double(g);
+            }
+        if (backend_.size() > 1) backend_.allreduce(std::span<double>(partial, 2), ReduceOp::sum);
+        report.grad_norm = partial[1] > 0 ? std::nan("") : std::sqrt(partial[0]);
+        report.applied = partial[1] == 0;
+        if (!report.applied) return report;
+        if (options_.clip_norm > 0 && report.grad_norm > options_.clip_norm) {
+            const auto factor = static_cast<float>(options_.clip_norm / (report.grad_norm + 1e-6));
+            for (const auto grads : grad_shards_)
+                for (float& g : grads) g *= factor;
+            report.clipped = true;
+        }
+        if constexpr (!in_place)
+            for (auto& slot : slots_) pack_shard(slot);  // the parameters as the model holds them now
+        optimizer(std::span<const ShardPiece<float>>(pieces_));
+        for (auto& slot : slots_) {
+            if constexpr (in_place)
+                backend_.all_gather(slot.params, DType::float32);
+            else
+                backend_.all_gather(buffer_of(std::span<float>(slot.param_buffer)));
+        }
+        if constexpr (!in_place)
+            for (auto& slot : slots_) unpack(slot.param_buffer, slot.params);
+        return report;
+    }
+
+    // Elements of this rank's shards: the length of each optimizer state array it keeps.
+    [[nodiscard]] std::size_t state_elements() const { return state_elements_; }
+    // Elements of every parameter, for comparison: what an unsharded optimizer keeps per array.
+    [[nodiscard]] std::size_t parameter_elements() const { return plan_.bytes().count() / sizeof(float); }
+    [[nodiscard]] const BucketPlan& plan() const { return plan_; }
+    [[nodiscard]] std::span<const Parameter> parameters() const { return layout_.params; }
+    [[nodiscard]] std::uint64_t steps() const { return steps_; }
+    [[nodiscard]] int rank() const { return backend_.rank(); }
+    [[nodiscard]] int world_size() const { return backend_.size(); }
+    // Memory held beyond the model's: packed bucket buffers (one for gradients and one for
+    // parameters each) where the backend cannot reduce scattered memory, else none.
+    [[nodiscard]] Bytes extra_memory() const { return in_place ? Bytes{0} : Bytes{2 * plan_.bytes().count()}; }
+    // Whether shards are reduced and gathered where they lie (ScatteredShardedCollectives).
+    static constexpr bool in_place = ScatteredShardedCollectives<BackendT>;
+
+private:
+    struct Slot {
+        std::vector<Segment> grads, params;            // by parameter index: the element order of the bucket
+        std::vector<float> grad_buffer, param_buffer;  // the packed route's
+        Shard shard;
+    };
+
+    void build_slots() {
+        slots_.clear();
+        pieces_.clear();
+        grad_shards_.clear();
+        state_elements_ = 0;
+        for (const auto& bucket : plan_.buckets) {
+            Slot slot;
+            auto indices = bucket.parameters;
+            std::sort(indices.begin(), indices.end());
+            for (auto i : indices) {
+                slot.grads.push_back({layout_.params[i].grad, layout_.params[i].count});
+                slot.params.push_back({layout_.params[i].data, layout_.params[i].count});
+            }
+            if constexpr (!in_place) {
+                slot.grad_buffer.assign(bucket.count, 0.0f);
+                slot.param_buffer.assign(bucket.count, 0.0f);
+            }
+            slot.shard = shard_of(bucket.count, world_size(), rank());
+            slots_.push_back(std::move(slot));
+        }
+        for (auto& slot : slots_) {
+            if constexpr (in_place) {
+                // The shard crosses the bucket's parameters: one piece per parameter it covers.
+                const std::size_t lo = slot.shard.offset, hi = lo + slot.shard.count;
+                std::size_t at = 0;
+                for (std::size_t k = 0; k < slot.params.size(); ++k) {
+                    const std::size_t n = slot.params[k].count, begin = std::max(lo, at), end = std::min(hi, at + n);
+                    if (begin < end)
+                        add_piece(static_cast<float*>(slot.params[k].data) + (begin - at),
+                                  static_cast<float*>(slot.grads[k].data) + (begin - at), end - begin);
+                    at += n;
+                }
+            } else if (slot.shard.count != 0) {
+                add_piece(slot.param_buffer.data() + slot.shard.offset, slot.grad_buffer.data() + slot.shard.offset,
+                          slot.shard.count);
+            }
+        }
+    }
+
+    void add_piece(float* params, float* grads, std::size_t n) {
+        pieces_.push_back({std::span<float>(params, n), std::span<const float>(grads, n), state_elements_});
+        grad_shards_.emplace_back(grads, n);
+        state_elements_ += n;
+    }
+
+    static void pack(const std::vector<Segment>& segs, std::vector<float>& buffer) {
+        std::size_t at = 0;
+        for (const auto& s : segs) {
+            std::memcpy(buffer.data() + at, s.data, s.count * sizeof(float));
+            at += s.count;
+        }
+    }
+    static void unpack(const std::vector<float>& buffer, const std::vector<Segment>& segs) {
+        std::size_t at = 0;
+        for (const auto& s : segs) {
+            std::memcpy(s.data, buffer.data() + at, s.count * sizeof(float));
+            at += s.count;
+        }
+    }
+
+    // Copies the model's parameters of this rank's shard of the bucket into its buffer.
+    static void pack_shard(Slot& slot) {
+        const std::size_t lo = slot.shard.offset, hi = lo + slot.shard.count;
+        std::size_t at = 0;
+        for (const auto& s : slot.params) {
+            const std::size_t begin = std::max(lo, at), end = std::min(hi, at + s.count);
+            if (begin < end)
+                std::memcpy(slot.param_buffer.data() + begin, static_cast<const float*>(s.data) + (begin - at),
+                            (end - begin) * sizeof(float));
+            at += s.count;
+        }
+    }
+
+    Model& model_;
+    BackendT& backend_;
+    ShardedOptions options_;
+    detail::ModelLayout layout_;
+    BucketPlan plan_;
+    std::vector<Slot> slots_;
+    std::vector<ShardPiece<float>> pieces_;      // this rank's, in bucket order
+    std::vector<std::span<float>> grad_shards_;  // their gradients, writable (clipping)
+    std::size_t state_elements_ = 0;
+    std::uint64_t steps_ = 0;
+};
+
+}  // namespace gradsync::inline v0

@@ -1,0 +1,232 @@
+// ShardedDataParallel: the example MLP trained on N ranks with the optimizer's state split across
+// them ends bitwise where DataParallel's unsharded training ends (LocalBackend's reduce_scatter
+// gives the allreduce's bits, and the optimizers are elementwise), and within 1e-5 of one process
+// on the whole batch; each rank keeps 1/N of the state; clipping, non-finite gradients and bad
+// settings behave alike on every rank.
+#include <gradsync/backend/local.hpp>
+#include <gradsync/data_parallel.hpp>
+#include <gradsync/launch/spawn.hpp>
+#include <gradsync/sharded_data_parallel.hpp>
+
+#include <doctest/doctest.h>
+
+#include "mlp.hpp"
+#include "support/sharded_optimizers.hpp"
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <span>
+#include <string>
+#include <vector>
+
+using namespace gradsync::literals;
+using sharded::Pieces;
+using sharded::ShardedAdam;
+using sharded::ShardedSgd;
+
+namespace {
+
+constexpr int steps = 12;
+constexpr int micro_batch = 8;
+constexpr std::uint64_t data_seed = 77;
+
+using Weights = std::vector<std::vector<float>>;
+Weights weights_of(const mlp::Mlp& m) { return {m.w1, m.b1, m.w2, m.b2}; }
+
+mlp::Batch batch_of(int world, int rank, int step) {
+    const int global = world * micro_batch;
+    return mlp::make_batch(data_seed, static_cast<std::size_t>(step * global + rank * micro_batch), micro_batch);
+}
+
+// Rank 0's weights after sharded training; checks every rank ends every step with the same bits.
+template <bool Adam>
+Weights train_sharded(int world, gradsync::SizeCappedBuckets caps, double clip = 0) {
+    Weights result;
+    std::vector<std::vector<Weights>> per_step(static_cast<std::size_t>(world));
+    std::vector<std::size_t> state(static_cast<std::size_t>(world));
+    std::size_t total = 0;
+    gradsync::spawn(world, [&](gradsync::LocalBackend& backend) {
+        const auto r = static_cast<std::size_t>(backend.rank());
+        mlp::Mlp model(/*seed=*/1 + r * 1000);  // replaced by rank 0's at construction
+        gradsync::ShardedDataParallel sdp(model, backend, caps, gradsync::ShardedOptions{.clip_norm = clip});
+        state[r] = sdp.state_elements();
+        if (r == 0) total = sdp.parameter_elements();
+        ShardedSgd sgd;
+        ShardedAdam adam;
+        sgd.velocity.assign(sdp.state_elements(), 0.0f);
+        adam.m1.assign(sdp.state_elements(), 0.0f);
+        adam.m2.assign(sdp.state_elements(), 0.0f);
+        for (int s = 0; s < steps; ++s) {
+            model.forward_backward(batch_of(world, backend.rank(), s));
+            gradsync::StepReport report;
+            if constexpr (Adam)
+                report = sdp.step(adam);
+            else
+                report = sdp.step(sgd);
+            CHECK(report.applied);
+            per_step[r].push_back(weights_of(model));
+        }
+        if (r == 0) result = weights_of(model);
+    });
+    for (const auto& w : per_step) CHECK(w == per_step[0]);  // float ==: bitwise here (no NaN)
+    std::size_t sum = 0;
+    for (auto n : state) {
+        sum += n;
+        // 1/N of every bucket, each shard at most one element longer than an even share.
+        CHECK(n * static_cast<std::size_t>(world) <= total + static_cast<std::size_t>(world) * 8);
+    }
+    CHECK(sum == total);
+    return result;
+}
+
+// DataParallel on the same ranks and batches, the example's own optimizers.
+template <bool Adam>
+Weights train_unsharded(int world, gradsync::SizeCappedBuckets caps, double clip = 0) {
+    Weights result;
+    gradsync::spawn(world, [&](gradsync::LocalBackend& backend) {
+        mlp::Mlp model(/*seed=*/1 + static_cast<std::uint64_t>(backend.rank()) * 1000);
+        gradsync::DataParallel dp(model, backend, caps, gradsync::Options{.clip_norm = clip});
+        mlp::Sgd sgd(0.05f, 0.9f);
+        mlp::Adam adam(1e-3f);
+        for (int s = 0; s < steps; ++s) {
+            model.forward_backward(batch_of(world, backend.rank(), s));
+            (void)dp.step([&] {
+                if constexpr (Adam)
+                    adam.step(model);
+                else
+                    sgd.step(model);
+            });
+        }
+        if (backend.rank() == 0) result = weights_of(model);
+    });
+    return result;
+}
+
+template <bool Adam>
+Weights train_single(int world) {
+    mlp::Mlp model(/*seed=*/1);
+    mlp::Sgd sgd(0.05f, 0.9f);
+    mlp::Adam adam(1e-3f);
+    for (int s = 0; s < steps; ++s) {
+        model.forward_backward(
+            mlp::make_batch(data_seed, static_cast<std::size_t>(s * world * micro_batch), world * micro_batch));
+        if constexpr (Adam)
+            adam.step(model);
+        else
+            sgd.step(model);
+    }
+    return weights_of(model);
+}
+
+bool bitwise_equal(const Weights& a, const Weights& b) {
+    if (a.size() != b.size()) return false;
+    for (std::size_t t = 0; t < a.size(); ++t)
+        if (a[t].size() != b[t].size() || std::memcmp(a[t].data(), b[t].data(), a[t].size() * sizeof(float)) != 0)
+            return false;
+    return true;
+}
+
+// ||a - b|| / ||b|| per tensor.
+void check_close(const Weights& a, const Weights& b, double tolerance) {
+    REQUIRE(a.size() == b.size());
+    for (std::size_t t = 0; t < b.size(); ++t) {
+        double diff = 0, norm = 0;
+        for (std::size_t i = 0; i < b[t].size(); ++i) {
+            const double d = double(a[t][i]) - double(b[t][i]);
+            diff += d * d;
+            norm += double(b[t][i]) * double(b[t][i]);
+        }
+        CAPTURE(t);
+        CHECK(std::sqrt(diff) <= tolerance * std::sqrt(norm));
+    }
+}
+
+template <bool Adam>
+void check_equivalence() {
+    const gradsync::SizeCappedBuckets caps[] = {gradsync::SizeCappedBuckets{},
+                                                gradsync::SizeCappedBuckets{.cap = 64_KiB, .first_cap = 4_KiB}};
+    for (int world = 1; world <= 4; ++world) {
+        CAPTURE(world);
+        const auto single = train_single<Adam>(world);
+        for (const auto& c : caps) {
+            CAPTURE(c.settings());
+            const auto sharded = train_sharded<Adam>(world, c);
+            CHECK(bitwise_equal(sharded, train_unsharded<Adam>(world, c)));
+            check_close(sharded, single, 1e-5);
+        }
+    }
+}
+
+}  // namespace
+
+TEST_CASE("sharded == unsharded bitwise == one process on the whole batch, N = 1..4 (SGD with momentum)") {
+    check_equivalence<false>();
+}
+
+TEST_CASE("sharded == unsharded bitwise == one process on the whole batch, N = 1..4 (Adam)") {
+    check_equivalence<true>();
+}
+
+TEST_CASE("sharded clipping: the global norm agreed by one allreduce, as DataParallel clips") {
+    for (int world : {2, 3}) {
+        CAPTURE(world);
+        check_close(train_sharded<false>(world, {}, /*clip=*/0.05), train_unsharded<false>(world, {}, 0.05), 1e-5);
+        // The clip is active: without it training ends elsewhere.
+        const auto unclipped = train_sharded<false>(world, {});
+        const auto clipped = train_sharded<false>(world, {}, 0.05);
+        CHECK_FALSE(bitwise_equal(unclipped, clipped));
+    }
+}
+
+TEST_CASE("a non-finite gradient on one rank skips the step on every rank, parameters untouched") {
+    gradsync::spawn(3, [&](gradsync::LocalBackend& backend) {
+        mlp::Mlp model(1);
+        gradsync::ShardedDataParallel sdp(model, backend);
+        ShardedSgd sgd;
+        sgd.velocity.assign(sdp.state_elements(), 0.0f);
+        model.forward_backward(batch_of(3, backend.rank(), 0));
+        if (backend.rank() == 2) model.gw1[5] = std::numeric_limits<float>::infinity();
+        const auto before = weights_of(model);
+        bool called = false;
+        const auto report = sdp.step([&](Pieces) { called = true; });
+        CHECK_FALSE(report.applied);
+        CHECK_FALSE(called);
+        CHECK(std::isnan(report.grad_norm));
+        CHECK(weights_of(model) == before);
+        // The next step goes on.
+        model.forward_backward(batch_of(3, backend.rank(), 1));
+        CHECK(sdp.step(sgd).applied);
+        CHECK(sdp.steps() == 2);
+    });
+}
+
+TEST_CASE("ShardedDataParallel refuses what it cannot step, on every rank alike") {
+    struct Mixed {
+        std::vector<float> w = std::vector<float>(10), g = std::vector<float>(10);
+        std::vector<double> d = std::vector<double>(4), dg = std::vector<double>(4);
+        std::vector<gradsync::Parameter> parameters() {
+            return {gradsync::parameter("w", w, g), gradsync::parameter("d", d, dg)};
+        }
+    };
+    std::vector<std::string> messages(2);
+    gradsync::spawn(2, [&](gradsync::LocalBackend& backend) {
+        Mixed m;
+        try {
+            gradsync::ShardedDataParallel sdp(m, backend);
+        } catch (const gradsync::ConfigurationError& e) {
+            messages[static_cast<std::size_t>(backend.rank())] = e.what();
+        }
+    });
+    for (const auto& m : messages) {
+        CAPTURE(m);
+        CHECK(m.find("ShardedDataParallel steps float32 parameters only; 'd' is float64") != std::string::npos);
+    }
+    gradsync::spawn(2, [&](gradsync::LocalBackend& backend) {
+        mlp::Mlp model(1);
+        CHECK_THROWS_AS(gradsync::ShardedDataParallel(
+                            model, backend, {}, gradsync::ShardedOptions{.clip_norm = backend.rank() == 0 ? 1.0 : 2.0}),
+                        gradsync::ConfigurationError);
+    });
+}
