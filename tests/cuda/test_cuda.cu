@@ -259,19 +259,30 @@ struct ScatteredDeviceModel {
 
 // n ranks on one GPU each allreduce `count` values of T (rank-dependent), against the host's
 // rank-order reduction of the same inputs: bitwise, on every rank.
+// n ranks' inputs of `count` values of T (rank-dependent), and their average as the host reduces
+// it (in rank order, in the accumulator type).
+template <class T>
+struct RankInputs {
+    RankInputs(int n, std::size_t count) : inputs(static_cast<std::size_t>(n)), average(count) {
+        for (int r = 0; r < n; ++r)
+            for (std::size_t i = 0; i < count; ++i)
+                inputs[std::size_t(r)].push_back(T(float(int(i % 29) - 14) * 0.37f + float(r)));
+        std::vector<T*> pointers;
+        for (auto& in : inputs) pointers.push_back(in.data());
+        T* out = average.data();
+        using A = gradsync::detail::accumulator_t<T>;
+        gradsync::detail::AlignedBytes scratch(gradsync::detail::reduce_block_bytes);
+        gradsync::detail::reduce_to_all<T>(pointers.data(), n, &out, 1, count, true, A(1) / A(n), scratch.data());
+    }
+    std::vector<std::vector<T>> inputs;
+    std::vector<T> average;
+};
+
 template <class T>
 void check_local_allreduce(int n, gradsync::DType dtype, std::size_t count) {
-    std::vector<std::vector<T>> inputs(static_cast<std::size_t>(n));
-    for (int r = 0; r < n; ++r)
-        for (std::size_t i = 0; i < count; ++i)
-            inputs[std::size_t(r)].push_back(T(float(int(i % 29) - 14) * 0.37f + float(r)));
-    std::vector<T*> pointers;
-    for (auto& in : inputs) pointers.push_back(in.data());
-    std::vector<T> expected(count);
-    T* out = expected.data();
-    using A = gradsync::detail::accumulator_t<T>;
-    gradsync::detail::AlignedBytes scratch(gradsync::detail::reduce_block_bytes);
-    gradsync::detail::reduce_to_all<T>(pointers.data(), n, &out, 1, count, true, A(1) / A(n), scratch.data());
+    const RankInputs<T> given(n, count);
+    const auto& inputs = given.inputs;
+    const auto& expected = given.average;
     std::vector<std::vector<T>> results(static_cast<std::size_t>(n));
     gradsync::cuda_local_spawn(n, [&](gradsync::CudaLocalBackend& backend) {
         const auto r = std::size_t(backend.rank());
@@ -291,17 +302,9 @@ void check_local_allreduce(int n, gradsync::DType dtype, std::size_t count) {
 // buffer to the whole result. On the device, and in host memory.
 template <class T>
 void check_local_sharded(int n, gradsync::DType dtype, std::size_t count, bool on_device) {
-    std::vector<std::vector<T>> inputs(static_cast<std::size_t>(n));
-    for (int r = 0; r < n; ++r)
-        for (std::size_t i = 0; i < count; ++i)
-            inputs[std::size_t(r)].push_back(T(float(int(i % 31) - 15) * 0.41f + float(r)));
-    std::vector<T*> pointers;
-    for (auto& in : inputs) pointers.push_back(in.data());
-    std::vector<T> expected(count);
-    T* out = expected.data();
-    using A = gradsync::detail::accumulator_t<T>;
-    gradsync::detail::AlignedBytes scratch(gradsync::detail::reduce_block_bytes);
-    gradsync::detail::reduce_to_all<T>(pointers.data(), n, &out, 1, count, true, A(1) / A(n), scratch.data());
+    const RankInputs<T> given(n, count);
+    const auto& inputs = given.inputs;
+    const auto& expected = given.average;
     std::vector<std::vector<T>> scattered(static_cast<std::size_t>(n)), gathered(static_cast<std::size_t>(n));
     gradsync::cuda_local_spawn(n, [&](gradsync::CudaLocalBackend& backend) {
         const auto r = std::size_t(backend.rank());
