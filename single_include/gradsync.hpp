@@ -7365,6 +7365,7 @@ private:
 #include <cstddef>
 #include <cstdint>
 #include <cstring>  // for std::memcpy
+#include <exception>
 #include <span>
 #include <string>
 #include <type_traits>  // for std::is_invocable_v
@@ -7426,12 +7427,44 @@ public:
     // After backward, on every rank: reduce-scatters the gradients, agrees on their norm, calls
     // optimizer(std::span<const ShardPiece<float>>) with this rank's pieces when every gradient
     // is finite (every rank decides alike), and all-gathers the parameters into every rank's
-    // model. The model's own gradients are left as backward wrote them.
+    // model. Afterwards the model's gradients hold the average in this rank's shard where the
+    // backend reduces in place (LocalBackend) and are otherwise unspecified.
+    // A failure on this rank (the optimizer threw, say) aborts the group, so that peers waiting
+    // in the step's collectives fail at once rather than at their deadline; then it is rethrown.
     template <class Optimizer>
     StepReport step(Optimizer&& optimizer) {
         static_assert(std::is_invocable_v<Optimizer&, std::span<const ShardPiece<float>>>,
                       "gradsync: ShardedDataParallel::step(optimizer) calls "
                       "optimizer(std::span<const gradsync::ShardPiece<float>>)");
+        try {
+            return step_now(optimizer);
+        } catch (const std::exception& e) {
+            if constexpr (Abortable<BackendT>)
+                if (backend_.size() > 1)
+                    backend_.abort(detail::rank_prefix(rank()) + " failed in step " + std::to_string(steps_) + ": " +
+                                   e.what());
+            throw;
+        }
+    }
+
+    // Elements of this rank's shards: the length of each optimizer state array it keeps.
+    [[nodiscard]] std::size_t state_elements() const { return state_elements_; }
+    // Elements of every parameter, for comparison: what an unsharded optimizer keeps per array.
+    [[nodiscard]] std::size_t parameter_elements() const { return plan_.bytes().count() / sizeof(float); }
+    [[nodiscard]] const BucketPlan& plan() const { return plan_; }
+    [[nodiscard]] std::span<const Parameter> parameters() const { return layout_.params; }
+    [[nodiscard]] std::uint64_t steps() const { return steps_; }
+    [[nodiscard]] int rank() const { return backend_.rank(); }
+    [[nodiscard]] int world_size() const { return backend_.size(); }
+    // Memory held beyond the model's: packed bucket buffers (one for gradients and one for
+    // parameters each) where the backend cannot reduce scattered memory, else none.
+    [[nodiscard]] Bytes extra_memory() const { return in_place ? Bytes{0} : Bytes{2 * plan_.bytes().count()}; }
+    // Whether shards are reduced and gathered where they lie (ScatteredShardedCollectives).
+    static constexpr bool in_place = ScatteredShardedCollectives<BackendT>;
+
+private:
+    template <class Optimizer>
+    StepReport step_now(Optimizer& optimizer) {
         StepReport report;
         report.step = ++steps_;
         // On this thread, bucket after bucket: nothing overlaps them yet, and a progress thread
@@ -7475,22 +7508,6 @@ public:
         return report;
     }
 
-    // Elements of this rank's shards: the length of each optimizer state array it keeps.
-    [[nodiscard]] std::size_t state_elements() const { return state_elements_; }
-    // Elements of every parameter, for comparison: what an unsharded optimizer keeps per array.
-    [[nodiscard]] std::size_t parameter_elements() const { return plan_.bytes().count() / sizeof(float); }
-    [[nodiscard]] const BucketPlan& plan() const { return plan_; }
-    [[nodiscard]] std::span<const Parameter> parameters() const { return layout_.params; }
-    [[nodiscard]] std::uint64_t steps() const { return steps_; }
-    [[nodiscard]] int rank() const { return backend_.rank(); }
-    [[nodiscard]] int world_size() const { return backend_.size(); }
-    // Memory held beyond the model's: packed bucket buffers (one for gradients and one for
-    // parameters each) where the backend cannot reduce scattered memory, else none.
-    [[nodiscard]] Bytes extra_memory() const { return in_place ? Bytes{0} : Bytes{2 * plan_.bytes().count()}; }
-    // Whether shards are reduced and gathered where they lie (ScatteredShardedCollectives).
-    static constexpr bool in_place = ScatteredShardedCollectives<BackendT>;
-
-private:
     struct Slot {
         std::vector<Segment> grads, params;            // by parameter index: the element order of the bucket
         std::vector<float> grad_buffer, param_buffer;  // the packed route's

@@ -13,11 +13,13 @@
 #include "mlp.hpp"
 #include "support/sharded_optimizers.hpp"
 
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <span>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -229,4 +231,28 @@ TEST_CASE("ShardedDataParallel refuses what it cannot step, on every rank alike"
                             model, backend, {}, gradsync::ShardedOptions{.clip_norm = backend.rank() == 0 ? 1.0 : 2.0}),
                         gradsync::ConfigurationError);
     });
+}
+
+TEST_CASE("an optimizer that throws on one rank fails its peers at once, not at the deadline") {
+    std::vector<std::string> messages(3);
+    const auto start = std::chrono::steady_clock::now();
+    gradsync::spawn(3, [&](gradsync::LocalBackend& backend) {
+        mlp::Mlp model(1);
+        gradsync::ShardedDataParallel sdp(model, backend);
+        model.forward_backward(batch_of(3, backend.rank(), 0));
+        try {
+            (void)sdp.step([&](Pieces) {
+                if (backend.rank() == 1) throw std::runtime_error("out of memory in the optimizer");
+            });
+        } catch (const std::exception& e) {
+            messages[static_cast<std::size_t>(backend.rank())] = e.what();
+        }
+    });
+    CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(60));  // the deadline is 600 s
+    CHECK(messages[1] == "out of memory in the optimizer");
+    for (int r : {0, 2}) {
+        CAPTURE(messages[static_cast<std::size_t>(r)]);
+        CHECK(messages[static_cast<std::size_t>(r)].find(
+                  "gradsync: rank 1 failed in step 1: out of memory in the optimizer") != std::string::npos);
+    }
 }
