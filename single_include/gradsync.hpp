@@ -7379,14 +7379,17 @@ struct ShardedOptions {
     double clip_norm = 0;
 };
 
-// One contiguous piece of this rank's shard: parameters and their averaged gradients (in the
-// bucket's element order), and where its optimizer state begins in the rank's state arrays of
-// ShardedDataParallel::state_elements() elements.
+// One contiguous piece of this rank's shard, within one parameter: its values and averaged
+// gradients, which parameter (an index into ShardedDataParallel::parameters()) and from which of
+// its elements, and where its optimizer state begins in the rank's state arrays of
+// ShardedDataParallel::state_elements() elements. A rank owns at most one piece of a parameter.
 template <class T>
 struct ShardPiece {
     std::span<T> params;
     std::span<const T> grads;
     std::size_t state_offset = 0;
+    std::size_t parameter = 0;
+    std::size_t offset = 0;
 };
 
 template <class Model, class BackendT>
@@ -7453,7 +7456,14 @@ public:
     [[nodiscard]] std::size_t parameter_elements() const { return plan_.bytes().count() / sizeof(float); }
     [[nodiscard]] const BucketPlan& plan() const { return plan_; }
     [[nodiscard]] std::span<const Parameter> parameters() const { return layout_.params; }
+    // Model buffers are neither synchronized nor checkpointed in sharded mode.
+    [[nodiscard]] std::span<const ModelBuffer> buffers() const { return {}; }
+    // This rank's pieces, as step() hands them to the optimizer (the state is the trainer's).
+    [[nodiscard]] std::span<const ShardPiece<float>> shard_pieces() const { return pieces_; }
     [[nodiscard]] std::uint64_t steps() const { return steps_; }
+    // For checkpoint loading: the step count to continue from.
+    void restore_steps(std::uint64_t steps) { steps_ = steps; }
+    [[nodiscard]] BackendT& backend() const { return backend_; }
     [[nodiscard]] int rank() const { return backend_.rank(); }
     [[nodiscard]] int world_size() const { return backend_.size(); }
     // Memory held beyond the model's: packed bucket buffers (one for gradients and one for
@@ -7477,21 +7487,19 @@ private:
                 backend_.reduce_scatter(buffer_of(std::span<float>(slot.grad_buffer)), ReduceOp::average);
             }
         }
-        // This rank's share of the norm and of the finite check, then everyone's.
-        double partial[2] = {0, 0};  // sum of squares, non-finite elements
-        for (const auto grads : grad_shards_)
-            for (const float g : grads) {
-                if (!std::isfinite(g)) partial[1] += 1;
-                partial[0] += double(g) * double(g);
-            }
+        // This rank's share of the norm and of the finite check (the square sum is non-finite
+        // exactly when an element is), then everyone's.
+        detail::SquareSum squares;
+        for (const auto grads : grad_shards_) detail::square_sum(grads.data(), grads.size(), squares);
+        const double mine = squares.total();
+        double partial[2] = {std::isfinite(mine) ? mine : 0.0, std::isfinite(mine) ? 0.0 : 1.0};
         if (backend_.size() > 1) backend_.allreduce(std::span<double>(partial, 2), ReduceOp::sum);
         report.grad_norm = partial[1] > 0 ? std::nan("") : std::sqrt(partial[0]);
         report.applied = partial[1] == 0;
         if (!report.applied) return report;
         if (options_.clip_norm > 0 && report.grad_norm > options_.clip_norm) {
-            const auto factor = static_cast<float>(options_.clip_norm / (report.grad_norm + 1e-6));
             for (const auto grads : grad_shards_)
-                for (float& g : grads) g *= factor;
+                detail::scale_only(grads.data(), grads.size(), options_.clip_norm / (report.grad_norm + 1e-6));
             report.clipped = true;
         }
         if constexpr (!in_place)
@@ -7534,27 +7542,31 @@ private:
             slot.shard = shard_of(bucket.count, world_size(), rank());
             slots_.push_back(std::move(slot));
         }
-        for (auto& slot : slots_) {
-            if constexpr (in_place) {
-                // The shard crosses the bucket's parameters: one piece per parameter it covers.
-                const std::size_t lo = slot.shard.offset, hi = lo + slot.shard.count;
-                std::size_t at = 0;
-                for (std::size_t k = 0; k < slot.params.size(); ++k) {
-                    const std::size_t n = slot.params[k].count, begin = std::max(lo, at), end = std::min(hi, at + n);
-                    if (begin < end)
-                        add_piece(static_cast<float*>(slot.params[k].data) + (begin - at),
-                                  static_cast<float*>(slot.grads[k].data) + (begin - at), end - begin);
-                    at += n;
+        // The shard crosses the bucket's parameters: one piece per parameter it covers, pointing
+        // into the model (in place) or into the packed buffers (in the bucket's element order).
+        for (std::size_t b = 0; b < slots_.size(); ++b) {
+            auto& slot = slots_[b];
+            auto indices = plan_.buckets[b].parameters;
+            std::sort(indices.begin(), indices.end());
+            const std::size_t lo = slot.shard.offset, hi = lo + slot.shard.count;
+            std::size_t at = 0;
+            for (std::size_t k = 0; k < slot.params.size(); ++k) {
+                const std::size_t n = slot.params[k].count, begin = std::max(lo, at), end = std::min(hi, at + n);
+                if (begin < end) {
+                    float* params = in_place ? static_cast<float*>(slot.params[k].data) + (begin - at)
+                                             : slot.param_buffer.data() + begin;
+                    float* grads = in_place ? static_cast<float*>(slot.grads[k].data) + (begin - at)
+                                            : slot.grad_buffer.data() + begin;
+                    add_piece(params, grads, end - begin, indices[k], begin - at);
                 }
-            } else if (slot.shard.count != 0) {
-                add_piece(slot.param_buffer.data() + slot.shard.offset, slot.grad_buffer.data() + slot.shard.offset,
-                          slot.shard.count);
+                at += n;
             }
         }
     }
 
-    void add_piece(float* params, float* grads, std::size_t n) {
-        pieces_.push_back({std::span<float>(params, n), std::span<const float>(grads, n), state_elements_});
+    void add_piece(float* params, float* grads, std::size_t n, std::size_t parameter, std::size_t offset) {
+        pieces_.push_back(
+            {std::span<float>(params, n), std::span<const float>(grads, n), state_elements_, parameter, offset});
         grad_shards_.emplace_back(grads, n);
         state_elements_ += n;
     }

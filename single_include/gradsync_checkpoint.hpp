@@ -10,7 +10,8 @@
 // extra tensors the user adds (optimizer moments), the step, the loss scaler's state and the
 // sampler's epoch and seed to one safetensors file, atomically, once every rank's replica matches
 // rank 0's; loading checks that every rank loads the same tensors, checks the file against them on
-// rank 0 and broadcasts it to every rank, so resuming is bitwise exact.
+// rank 0 and broadcasts it to every rank, so resuming is bitwise exact. With ShardedDataParallel,
+// optimizer state split across the ranks goes to one shard file per rank beside it (shard_files.hpp).
 // Not included by <gradsync/gradsync.hpp>: it needs nlohmann/json (Debian: nlohmann-json3-dev).
 
 
@@ -6131,6 +6132,287 @@ private:
 #endif  // GRADSYNC_SINGLE_DATA_PARALLEL_HPP
 // ---- end gradsync/data_parallel.hpp ----
 
+// ---- begin gradsync/sharded_data_parallel.hpp ----
+#ifndef GRADSYNC_SINGLE_SHARDED_DATA_PARALLEL_HPP
+#define GRADSYNC_SINGLE_SHARDED_DATA_PARALLEL_HPP
+// ShardedDataParallel<Model, Backend>: data parallel with the optimizer's state split across the
+// ranks (ZeRO stage 1). Every bucket of the plan is split into one shard per rank (shard_of); a
+// rank owns its shard of every bucket. step(optimizer) reduce-scatters the gradients bucket by
+// bucket (each rank receives the average over the ranks of its shards), agrees on the norm and
+// the finite check with one small allreduce, lets the optimizer update only this rank's shards of
+// the parameters, with only its share of the state, and all-gathers the updated parameters into
+// every rank's model. A backend that reduces scattered memory (LocalBackend) does all of it where
+// the gradients and parameters lie, with no copy; others get packed bucket buffers. With
+// LocalBackend the averaged gradients are bitwise the allreduce's, so an elementwise optimizer
+// ends bitwise where DataParallel's would.
+//
+// This first version: float32 parameters in host memory, collectives at step() (no overlap with
+// backward yet), no loss scaling or wire compression; model buffers are not synchronized.
+
+
+#include <algorithm>  // for std::sort
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>  // for std::memcpy
+#include <exception>
+#include <span>
+#include <string>
+#include <type_traits>  // for std::is_invocable_v
+#include <utility>      // for std::move
+#include <vector>
+
+namespace gradsync::inline v0 {
+
+struct ShardedOptions {
+    // Above 0: gradients whose global L2 norm exceeds it are scaled down to it before the optimizer.
+    double clip_norm = 0;
+};
+
+// One contiguous piece of this rank's shard, within one parameter: its values and averaged
+// gradients, which parameter (an index into ShardedDataParallel::parameters()) and from which of
+// its elements, and where its optimizer state begins in the rank's state arrays of
+// ShardedDataParallel::state_elements() elements. A rank owns at most one piece of a parameter.
+template <class T>
+struct ShardPiece {
+    std::span<T> params;
+    std::span<const T> grads;
+    std::size_t state_offset = 0;
+    std::size_t parameter = 0;
+    std::size_t offset = 0;
+};
+
+template <class Model, class BackendT>
+class ShardedDataParallel {
+    static_assert(detail::check_backend<BackendT>());
+    static_assert(detail::check_sharded_collectives<BackendT>());
+
+public:
+    // Lists the model's parameters, checks them and agrees on the layout and the plan with every
+    // rank (the same exception on every rank otherwise), and copies rank 0's parameter values to
+    // every rank. Model and backend must outlive this.
+    ShardedDataParallel(Model& model, BackendT& backend, SizeCappedBuckets bucketer = {}, ShardedOptions options = {})
+        : model_(model), backend_(backend), options_(options) {
+        static_assert(detail::check_model_access<Model>());
+        layout_ = detail::ModelLayout::of(model_, /*with_buffers=*/false);
+        detail::LocalProblem problem;
+        for (const auto& p : layout_.params)
+            if (p.dtype != DType::float32 && problem.kind == detail::LocalProblem::Kind::none)
+                problem = {detail::LocalProblem::Kind::configuration,
+                           detail::rank_prefix(rank()) + ": ShardedDataParallel steps float32 parameters only; '" +
+                               p.name + "' is " + to_string(p.dtype)};
+        if (!(options_.clip_norm >= 0))
+            problem = {detail::LocalProblem::Kind::configuration,
+                       detail::rank_prefix(rank()) + ": ShardedOptions::clip_norm must be at least 0, got " +
+                           std::to_string(options_.clip_norm)};
+        plan_ = problem.kind == detail::LocalProblem::Kind::none ? bucketer.plan(layout_.params) : BucketPlan{};
+        const std::vector<detail::Setting> settings{{"mode", "sharded (stage 1)"},
+                                                    {"bucketer", bucketer.settings()},
+                                                    {"clip_norm", std::to_string(options_.clip_norm)}};
+        detail::agree_on_layout(backend_, layout_.params, {}, plan_, settings, problem);
+        for (const auto& p : layout_.params)
+            backend_.broadcast(std::span(static_cast<std::byte*>(p.data), p.bytes().count()), 0);
+        build_slots();
+    }
+    ShardedDataParallel(const ShardedDataParallel&) = delete;
+    ShardedDataParallel& operator=(const ShardedDataParallel&) = delete;
+
+    // After backward, on every rank: reduce-scatters the gradients, agrees on their norm, calls
+    // optimizer(std::span<const ShardPiece<float>>) with this rank's pieces when every gradient
+    // is finite (every rank decides alike), and all-gathers the parameters into every rank's
+    // model. Afterwards the model's gradients hold the average in this rank's shard where the
+    // backend reduces in place (LocalBackend) and are otherwise unspecified.
+    // A failure on this rank (the optimizer threw, say) aborts the group, so that peers waiting
+    // in the step's collectives fail at once rather than at their deadline; then it is rethrown.
+    template <class Optimizer>
+    StepReport step(Optimizer&& optimizer) {
+        static_assert(std::is_invocable_v<Optimizer&, std::span<const ShardPiece<float>>>,
+                      "gradsync: ShardedDataParallel::step(optimizer) calls "
+                      "optimizer(std::span<const gradsync::ShardPiece<float>>)");
+        try {
+            return step_now(optimizer);
+        } catch (const std::exception& e) {
+            if constexpr (Abortable<BackendT>)
+                if (backend_.size() > 1)
+                    backend_.abort(detail::rank_prefix(rank()) + " failed in step " + std::to_string(steps_) + ": " +
+                                   e.what());
+            throw;
+        }
+    }
+
+    // Elements of this rank's shards: the length of each optimizer state array it keeps.
+    [[nodiscard]] std::size_t state_elements() const { return state_elements_; }
+    // Elements of every parameter, for comparison: what an unsharded optimizer keeps per array.
+    [[nodiscard]] std::size_t parameter_elements() const { return plan_.bytes().count() / sizeof(float); }
+    [[nodiscard]] const BucketPlan& plan() const { return plan_; }
+    [[nodiscard]] std::span<const Parameter> parameters() const { return layout_.params; }
+    // Model buffers are neither synchronized nor checkpointed in sharded mode.
+    [[nodiscard]] std::span<const ModelBuffer> buffers() const { return {}; }
+    // This rank's pieces, as step() hands them to the optimizer (the state is the trainer's).
+    [[nodiscard]] std::span<const ShardPiece<float>> shard_pieces() const { return pieces_; }
+    [[nodiscard]] std::uint64_t steps() const { return steps_; }
+    // For checkpoint loading: the step count to continue from.
+    void restore_steps(std::uint64_t steps) { steps_ = steps; }
+    [[nodiscard]] BackendT& backend() const { return backend_; }
+    [[nodiscard]] int rank() const { return backend_.rank(); }
+    [[nodiscard]] int world_size() const { return backend_.size(); }
+    // Memory held beyond the model's: packed bucket buffers (one for gradients and one for
+    // parameters each) where the backend cannot reduce scattered memory, else none.
+    [[nodiscard]] Bytes extra_memory() const { return in_place ? Bytes{0} : Bytes{2 * plan_.bytes().count()}; }
+    // Whether shards are reduced and gathered where they lie (ScatteredShardedCollectives).
+    static constexpr bool in_place = ScatteredShardedCollectives<BackendT>;
+
+private:
+    template <class Optimizer>
+    StepReport step_now(Optimizer& optimizer) {
+        StepReport report;
+        report.step = ++steps_;
+        // On this thread, bucket after bucket: nothing overlaps them yet, and a progress thread
+        // would only compete with this one for the cores. The backend's deadline applies.
+        for (auto& slot : slots_) {
+            if constexpr (in_place) {
+                backend_.reduce_scatter(slot.grads, DType::float32, ReduceOp::average);
+            } else {
+                pack(slot.grads, slot.grad_buffer);
+                backend_.reduce_scatter(buffer_of(std::span<float>(slot.grad_buffer)), ReduceOp::average);
+            }
+        }
+        // This rank's share of the norm and of the finite check (the square sum is non-finite
+        // exactly when an element is), then everyone's.
+        detail::SquareSum squares;
+        for (const auto grads : grad_shards_) detail::square_sum(grads.data(), grads.size(), squares);
+        const double mine = squares.total();
+        double partial[2] = {std::isfinite(mine) ? mine : 0.0, std::isfinite(mine) ? 0.0 : 1.0};
+        if (backend_.size() > 1) backend_.allreduce(std::span<double>(partial, 2), ReduceOp::sum);
+        report.grad_norm = partial[1] > 0 ? std::nan("") : std::sqrt(partial[0]);
+        report.applied = partial[1] == 0;
+        if (!report.applied) return report;
+        if (options_.clip_norm > 0 && report.grad_norm > options_.clip_norm) {
+            for (const auto grads : grad_shards_)
+                detail::scale_only(grads.data(), grads.size(), options_.clip_norm / (report.grad_norm + 1e-6));
+            report.clipped = true;
+        }
+        if constexpr (!in_place)
+            for (auto& slot : slots_) pack_shard(slot);  // the parameters as the model holds them now
+        optimizer(std::span<const ShardPiece<float>>(pieces_));
+        for (auto& slot : slots_) {
+            if constexpr (in_place)
+                backend_.all_gather(slot.params, DType::float32);
+            else
+                backend_.all_gather(buffer_of(std::span<float>(slot.param_buffer)));
+        }
+        if constexpr (!in_place)
+            for (auto& slot : slots_) unpack(slot.param_buffer, slot.params);
+        return report;
+    }
+
+    struct Slot {
+        std::vector<Segment> grads, params;            // by parameter index: the element order of the bucket
+        std::vector<float> grad_buffer, param_buffer;  // the packed route's
+        Shard shard;
+    };
+
+    void build_slots() {
+        slots_.clear();
+        pieces_.clear();
+        grad_shards_.clear();
+        state_elements_ = 0;
+        for (const auto& bucket : plan_.buckets) {
+            Slot slot;
+            auto indices = bucket.parameters;
+            std::sort(indices.begin(), indices.end());
+            for (auto i : indices) {
+                slot.grads.push_back({layout_.params[i].grad, layout_.params[i].count});
+                slot.params.push_back({layout_.params[i].data, layout_.params[i].count});
+            }
+            if constexpr (!in_place) {
+                slot.grad_buffer.assign(bucket.count, 0.0f);
+                slot.param_buffer.assign(bucket.count, 0.0f);
+            }
+            slot.shard = shard_of(bucket.count, world_size(), rank());
+            slots_.push_back(std::move(slot));
+        }
+        // The shard crosses the bucket's parameters: one piece per parameter it covers, pointing
+        // into the model (in place) or into the packed buffers (in the bucket's element order).
+        for (std::size_t b = 0; b < slots_.size(); ++b) {
+            auto& slot = slots_[b];
+            auto indices = plan_.buckets[b].parameters;
+            std::sort(indices.begin(), indices.end());
+            const std::size_t lo = slot.shard.offset, hi = lo + slot.shard.count;
+            std::size_t at = 0;
+            for (std::size_t k = 0; k < slot.params.size(); ++k) {
+                const std::size_t n = slot.params[k].count, begin = std::max(lo, at), end = std::min(hi, at + n);
+                if (begin < end) {
+                    float* params = in_place ? static_cast<float*>(slot.params[k].data) + (begin - at)
+                                             : slot.param_buffer.data() + begin;
+                    float* grads = in_place ? static_cast<float*>(slot.grads[k].data) + (begin - at)
+                                            : slot.grad_buffer.data() + begin;
+                    add_piece(params, grads, end - begin, indices[k], begin - at);
+                }
+                at += n;
+            }
+        }
+    }
+
+    void add_piece(float* params, float* grads, std::size_t n, std::size_t parameter, std::size_t offset) {
+        pieces_.push_back(
+            {std::span<float>(params, n), std::span<const float>(grads, n), state_elements_, parameter, offset});
+        grad_shards_.emplace_back(grads, n);
+        state_elements_ += n;
+    }
+
+    static void pack(const std::vector<Segment>& segs, std::vector<float>& buffer) {
+        std::size_t at = 0;
+        for (const auto& s : segs) {
+            std::memcpy(buffer.data() + at, s.data, s.count * sizeof(float));
+            at += s.count;
+        }
+    }
+    static void unpack(const std::vector<float>& buffer, const std::vector<Segment>& segs) {
+        std::size_t at = 0;
+        for (const auto& s : segs) {
+            std::memcpy(s.data, buffer.data() + at, s.count * sizeof(float));
+            at += s.count;
+        }
+    }
+
+    // Copies the model's parameters of this rank's shard of the bucket into its buffer.
+    static void pack_shard(Slot& slot) {
+        const std::size_t lo = slot.shard.offset, hi = lo + slot.shard.count;
+        std::size_t at = 0;
+        for (const auto& s : slot.params) {
+            const std::size_t begin = std::max(lo, at), end = std::min(hi, at + s.count);
+            if (begin < end)
+                std::memcpy(slot.param_buffer.data() + begin, static_cast<const float*>(s.data) + (begin - at),
+                            (end - begin) * sizeof(float));
+            at += s.count;
+        }
+    }
+
+    Model& model_;
+    BackendT& backend_;
+    ShardedOptions options_;
+    detail::ModelLayout layout_;
+    BucketPlan plan_;
+    std::vector<Slot> slots_;
+    std::vector<ShardPiece<float>> pieces_;      // this rank's, in bucket order
+    std::vector<std::span<float>> grad_shards_;  // their gradients, writable (clipping)
+    std::size_t state_elements_ = 0;
+    std::uint64_t steps_ = 0;
+};
+
+}  // namespace gradsync::inline v0
+#endif  // GRADSYNC_SINGLE_SHARDED_DATA_PARALLEL_HPP
+// ---- end gradsync/sharded_data_parallel.hpp ----
+
+// ---- begin gradsync/checkpoint/agreement.hpp ----
+#ifndef GRADSYNC_SINGLE_CHECKPOINT_AGREEMENT_HPP
+#define GRADSYNC_SINGLE_CHECKPOINT_AGREEMENT_HPP
+// How the ranks of a checkpoint save or load agree: every rank learns the first rank's problem
+// and throws it alike, text one rank read reaches every rank, and a rank that would load other
+// tensors than rank 0 is found before anything is read.
+
+
 // ---- begin gradsync/checkpoint/safetensors.hpp ----
 #ifndef GRADSYNC_SINGLE_CHECKPOINT_SAFETENSORS_HPP
 #define GRADSYNC_SINGLE_CHECKPOINT_SAFETENSORS_HPP
@@ -6502,6 +6784,363 @@ private:
 #endif  // GRADSYNC_SINGLE_CHECKPOINT_SAFETENSORS_HPP
 // ---- end gradsync/checkpoint/safetensors.hpp ----
 
+// ---- begin gradsync/checkpoint/shard_files.hpp ----
+#ifndef GRADSYNC_SINGLE_CHECKPOINT_SHARD_FILES_HPP
+#define GRADSYNC_SINGLE_CHECKPOINT_SHARD_FILES_HPP
+// The files of optimizer state split across the ranks (ShardedDataParallel): each rank writes
+// its pieces to a shard file of its own beside the checkpoint, one tensor per state array and
+// parameter, with the piece's first element in the parameter; the checkpoint lists every shard
+// file with a hash of its contents. Reading fills a rank's pieces from whichever shard files hold
+// them, so a checkpoint saved by N ranks loads into any number of ranks and any bucket plan.
+
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>  // for std::sort, std::find, std::max, std::min
+#include <charconv>   // for std::from_chars
+#include <cstddef>
+#include <cstdint>
+#include <cstring>  // for std::memcpy
+#include <filesystem>
+#include <map>
+#include <span>
+#include <string>
+#include <system_error>  // for std::error_code, std::errc
+#include <utility>       // for std::pair
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+// One optimizer state array of a rank: state_elements() elements, indexed by state offsets.
+struct ShardedArray {
+    std::string name;
+    void* data = nullptr;
+    std::size_t count = 0;
+    DType dtype = DType::float32;
+};
+
+// Where one of the rank's pieces lies: in which parameter, from which element, how many, and
+// where its state begins in the state arrays.
+struct PieceSpan {
+    std::size_t parameter = 0;
+    std::size_t offset = 0;
+    std::size_t count = 0;
+    std::size_t state_offset = 0;
+};
+
+// The shard files a checkpoint lists.
+struct ShardList {
+    std::uint64_t step = 0;
+    std::vector<std::string> names;  // by saving rank, relative to the checkpoint's folder
+    std::vector<std::uint64_t> hashes;
+};
+
+inline std::string shard_file_name(const std::filesystem::path& checkpoint, std::uint64_t step, int rank, int ranks) {
+    return checkpoint.filename().string() + ".step-" + std::to_string(step) + ".shard-" + std::to_string(rank) +
+           "-of-" + std::to_string(ranks) + ".safetensors";
+}
+
+// Whether `name` is a shard file of `checkpoint` (any step, rank, world size).
+inline bool is_shard_file_of(const std::filesystem::path& checkpoint, const std::string& name) {
+    const std::string head = checkpoint.filename().string() + ".step-", tail = ".safetensors";
+    if (name.size() <= head.size() + tail.size() || !name.starts_with(head) || !name.ends_with(tail)) return false;
+    const std::string middle = name.substr(head.size(), name.size() - head.size() - tail.size());
+    std::size_t at = 0;
+    auto digits = [&] {
+        const std::size_t from = at;
+        while (at < middle.size() && middle[at] >= '0' && middle[at] <= '9') ++at;
+        return at > from;
+    };
+    auto word = [&](const std::string& w) {
+        if (middle.compare(at, w.size(), w) != 0) return false;
+        at += w.size();
+        return true;
+    };
+    return digits() && word(".shard-") && digits() && word("-of-") && digits() && at == middle.size();
+}
+
+// What a shard's hash covers: its tensors' names, dtypes and bytes, and its metadata.
+inline std::uint64_t shard_hash(std::vector<const TensorBytes*> tensors,
+                                const std::map<std::string, std::string>& meta) {
+    std::sort(tensors.begin(), tensors.end(), [](const auto* a, const auto* b) { return a->name < b->name; });
+    Fnv1a h;
+    for (const auto* t : tensors)
+        h.add(content_hash(t->name.data(), t->name.size()))
+            .add(static_cast<std::uint64_t>(t->dtype))
+            .add(content_hash(t->bytes.data(), t->bytes.size()));
+    for (const auto& [key, value] : meta)
+        h.add(content_hash(key.data(), key.size())).add(content_hash(value.data(), value.size()));
+    return h.value();
+}
+
+// The number `text` holds, or false.
+inline bool read_u64(const std::string& text, std::uint64_t& out) {
+    const auto r = std::from_chars(text.data(), text.data() + text.size(), out);
+    return r.ec == std::errc{} && r.ptr == text.data() + text.size();
+}
+
+inline std::string shard_tensor_name(const ShardedArray& array, const Parameter& param) {
+    return array.name + "." + param.name;
+}
+
+// Writes this rank's pieces of every array to its shard file (atomically); returns its hash.
+inline std::uint64_t write_shard(const std::filesystem::path& path, std::span<const ShardedArray> arrays,
+                                 std::span<const PieceSpan> pieces, std::span<const Parameter> params,
+                                 std::uint64_t step, int rank, int ranks, const SafetensorsWriteOptions& options) {
+    std::vector<TensorBytes> tensors;
+    std::map<std::string, std::string> meta{{"format", "pt"},
+                                            {"gradsync.step", std::to_string(step)},
+                                            {"gradsync.shard", std::to_string(rank)},
+                                            {"gradsync.shards", std::to_string(ranks)}};
+    for (const auto& a : arrays)
+        for (const auto& p : pieces) {
+            const std::size_t size = size_of(a.dtype);
+            const auto& param = params[p.parameter];
+            TensorBytes t{shard_tensor_name(a, param),
+                          a.dtype,
+                          {p.count},
+                          std::span(static_cast<const std::byte*>(a.data) + p.state_offset * size, p.count * size)};
+            meta["gradsync.offset." + t.name] = std::to_string(p.offset);
+            meta["gradsync.elements." + t.name] = std::to_string(param.count);
+            tensors.push_back(std::move(t));
+        }
+    write_safetensors(path, tensors, meta, options);
+    std::vector<const TensorBytes*> all;
+    for (const auto& t : tensors) all.push_back(&t);
+    return shard_hash(std::move(all), meta);
+}
+
+// Fills `out` (one vector per array, of the array's bytes) with this rank's pieces read from the
+// shard files listed; returns "" or the first problem found. Reads this rank's own file first and
+// others only for what it lacks (a load into another world size or bucket plan).
+inline std::string read_shards(const std::filesystem::path& checkpoint, const ShardList& list,
+                               std::span<const ShardedArray> arrays, std::span<const PieceSpan> pieces,
+                               std::span<const Parameter> params, int rank, std::vector<std::vector<std::byte>>& out) {
+    // Which array and parameter each tensor name would fill, and this rank's piece of each parameter.
+    std::map<std::string, std::pair<std::size_t, std::size_t>> target;
+    for (std::size_t a = 0; a < arrays.size(); ++a)
+        for (std::size_t p = 0; p < params.size(); ++p) target[shard_tensor_name(arrays[a], params[p])] = {a, p};
+    std::map<std::size_t, std::size_t> piece_of;  // parameter -> index into pieces
+    for (std::size_t i = 0; i < pieces.size(); ++i) piece_of[pieces[i].parameter] = i;
+    // Covered element ranges, per array and piece: overlaps are an error, gaps are found at the end.
+    std::vector<std::vector<std::vector<std::pair<std::size_t, std::size_t>>>> covered(
+        arrays.size(), std::vector<std::vector<std::pair<std::size_t, std::size_t>>>(pieces.size()));
+    std::size_t missing = 0;
+    out.assign(arrays.size(), {});
+    for (std::size_t a = 0; a < arrays.size(); ++a) {
+        out[a].assign(arrays[a].count * size_of(arrays[a].dtype), std::byte{0});
+        for (const auto& p : pieces) missing += p.count;
+    }
+    const auto folder = checkpoint.parent_path();
+    std::vector<std::size_t> order;
+    if (rank >= 0 && static_cast<std::size_t>(rank) < list.names.size())
+        order.push_back(static_cast<std::size_t>(rank));
+    for (std::size_t r = 0; r < list.names.size(); ++r)
+        if (r != static_cast<std::size_t>(rank)) order.push_back(r);
+    for (const std::size_t r : order) {
+        if (missing == 0) break;
+        const auto path = folder / list.names[r];
+        const std::string where = "gradsync: shard " + std::to_string(r) + " of checkpoint " + checkpoint.string() +
+                                  " (" + path.string() + ")";
+        try {
+            const SafetensorsFile file(path);
+            std::vector<const TensorBytes*> all;
+            for (const auto& t : file.tensors()) all.push_back(&t);
+            if (shard_hash(all, file.metadata()) != list.hashes[r])
+                return where +
+                       " is not the one the checkpoint lists: its contents differ (written by another save, "
+                       "or changed since)";
+            for (const auto& t : file.tensors()) {
+                const auto it = target.find(t.name);
+                if (it == target.end()) return where + " holds tensor '" + t.name + "', which nothing here loads";
+                const auto [a, p] = it->second;
+                if (t.dtype != arrays[a].dtype)
+                    return where + ": tensor '" + t.name + "' is " + to_string(t.dtype) + " there and " +
+                           to_string(arrays[a].dtype) + " here";
+                std::uint64_t offset = 0, elements = 0;
+                const auto& meta = file.metadata();
+                const auto o = meta.find("gradsync.offset." + t.name), e = meta.find("gradsync.elements." + t.name);
+                if (o == meta.end() || e == meta.end() || !read_u64(o->second, offset) ||
+                    !read_u64(e->second, elements))
+                    return where + " lacks a readable offset or size of tensor '" + t.name + "'";
+                const std::size_t size = size_of(t.dtype), count = t.bytes.size() / size;
+                if (elements != params[p].count)
+                    return where + ": tensor '" + t.name + "' is state of a parameter of " + std::to_string(elements) +
+                           " elements there and " + std::to_string(params[p].count) + " here";
+                if (offset > elements || count > elements - offset)
+                    return where + ": tensor '" + t.name + "' runs past its parameter's " + std::to_string(elements) +
+                           " elements";
+                const auto mine = piece_of.find(p);
+                if (mine == piece_of.end()) continue;
+                const auto& piece = pieces[mine->second];
+                const std::size_t lo = std::max<std::size_t>(offset, piece.offset),
+                                  hi = std::min<std::size_t>(offset + count, piece.offset + piece.count);
+                if (lo >= hi) continue;
+                auto& ranges = covered[a][mine->second];
+                for (const auto& [b, e2] : ranges)
+                    if (lo < e2 && b < hi)
+                        return where + ": elements " + std::to_string(std::max(lo, b)) + ".." +
+                               std::to_string(std::min(hi, e2) - 1) + " of tensor '" + t.name +
+                               "' are also in another shard";
+                ranges.emplace_back(lo, hi);
+                std::memcpy(out[a].data() + (piece.state_offset + (lo - piece.offset)) * size,
+                            t.bytes.data() + (lo - offset) * size, (hi - lo) * size);
+                missing -= hi - lo;
+            }
+        } catch (const std::exception& e) {  // the reader's message names the shard file
+            std::string what = e.what();
+            if (what.starts_with("gradsync: ")) what.erase(0, 10);
+            return "gradsync: shard " + std::to_string(r) + " of checkpoint " + checkpoint.string() + ": " + what;
+        }
+    }
+    if (missing == 0) return {};
+    for (std::size_t a = 0; a < arrays.size(); ++a)
+        for (std::size_t i = 0; i < pieces.size(); ++i) {
+            auto ranges = covered[a][i];
+            std::sort(ranges.begin(), ranges.end());
+            std::size_t at = pieces[i].offset;
+            for (const auto& [b, e] : ranges) {
+                if (b != at) break;
+                at = e;
+            }
+            if (at != pieces[i].offset + pieces[i].count)
+                return "gradsync: checkpoint " + checkpoint.string() + ": no shard holds element " +
+                       std::to_string(at) + " of '" + shard_tensor_name(arrays[a], params[pieces[i].parameter]) +
+                       "' (of " + std::to_string(list.names.size()) + " shards)";
+        }
+    return {};
+}
+
+// The shard list as one string, to broadcast from the rank that read the checkpoint.
+inline std::string to_text(const ShardList& list) {
+    return nlohmann::json{{"step", list.step}, {"names", list.names}, {"hashes", list.hashes}}.dump();
+}
+inline ShardList shard_list_from_text(const std::string& text) {
+    const auto j = nlohmann::json::parse(text);
+    return ShardList{j.at("step").get<std::uint64_t>(), j.at("names").get<std::vector<std::string>>(),
+                     j.at("hashes").get<std::vector<std::uint64_t>>()};
+}
+
+// Checks that `file` lists shard files exactly when sharded state is wanted (`arrays` not
+// empty), and that its list is well formed; puts the list's text in `text`. Empty or the problem.
+inline std::string read_shard_list(const SafetensorsFile& file, std::uint64_t step,
+                                   std::span<const ShardedArray> arrays, std::string& text) {
+    const std::string where = "gradsync: checkpoint " + file.path().string();
+    const auto it = file.metadata().find("gradsync.shards");
+    if (it == file.metadata().end())
+        return arrays.empty() ? "" : where + " holds no sharded state, but '" + arrays.front().name + "' is wanted";
+    if (arrays.empty())
+        return where +
+               " holds optimizer state split across the ranks in shard files; load it into a "
+               "ShardedDataParallel, with Checkpoint::add_shard for each state array";
+    try {
+        const auto list = shard_list_from_text(it->second);
+        if (list.names.empty() || list.names.size() != list.hashes.size() || list.step != step)
+            return where + ": its list of shard files is inconsistent";
+        for (const auto& name : list.names)
+            if (name.empty() || std::filesystem::path(name).filename().string() != name)
+                return where + ": shard file name '" + excerpt(name) + "' is not a plain file name";
+    } catch (const std::exception&) {
+        return where + ": its list of shard files is unreadable: '" + excerpt(it->second) + "'";
+    }
+    text = it->second;
+    return {};
+}
+
+// Removes the shard files of `checkpoint` in its folder that `list` does not name: those of
+// earlier saves, and of saves a crash interrupted. Errors are ignored (another rank may remove the
+// same file at once).
+inline void remove_stale_shards(const std::filesystem::path& checkpoint, const ShardList& list) {
+    std::error_code ec;
+    const auto folder = checkpoint.parent_path().empty() ? std::filesystem::path(".") : checkpoint.parent_path();
+    std::vector<std::filesystem::path> stale;
+    for (const auto& entry : std::filesystem::directory_iterator(folder, ec)) {
+        const auto name = entry.path().filename().string();
+        if (is_shard_file_of(checkpoint, name) &&
+            std::find(list.names.begin(), list.names.end(), name) == list.names.end())
+            stale.push_back(entry.path());
+    }
+    for (const auto& p : stale) std::filesystem::remove(p, ec);
+}
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_CHECKPOINT_SHARD_FILES_HPP
+// ---- end gradsync/checkpoint/shard_files.hpp ----
+
+#include <cstdint>
+#include <filesystem>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+// Sends `text` from `root` to every rank.
+template <class B>
+void broadcast_text(B& backend, std::string& text, int root) {
+    if (backend.size() == 1) return;
+    std::uint64_t length = text.size();
+    backend.broadcast(std::as_writable_bytes(std::span(&length, 1)), root);
+    text.resize(length);
+    backend.broadcast(std::as_writable_bytes(std::span(text.data(), text.size())), root);
+}
+
+// The first rank's problem, on every rank: returns when no rank has one, else throws the
+// problem of the lowest rank that has one, on every rank alike.
+template <class B>
+void agree_on_problem(B& backend, std::string problem) {
+    if (backend.size() > 1) {
+        std::vector<double> has(static_cast<std::size_t>(backend.size()), 0.0);
+        has[static_cast<std::size_t>(backend.rank())] = problem.empty() ? 0.0 : 1.0;
+        backend.allreduce(Buffer{has.data(), has.size(), DType::float64}, ReduceOp::sum);
+        int root = -1;
+        for (int r = 0; r < backend.size() && root < 0; ++r)
+            if (has[static_cast<std::size_t>(r)] != 0.0) root = r;
+        if (root < 0) return;
+        broadcast_text(backend, problem, root);
+    }
+    if (!problem.empty()) throw CheckpointError(problem);
+}
+
+// Rank 0's message when a rank would load other tensors than rank 0 (a broadcast of rank 0's
+// values into them would leave that rank half-restored), else "". Collective.
+template <class B, class Tensor>
+std::string differs_from_rank0(B& backend, const std::filesystem::path& path, std::span<const Tensor> wanted,
+                               std::span<const ShardedArray> shards) {
+    std::vector<std::uint64_t> hashes;
+    for (const auto& t : wanted)
+        hashes.push_back(Fnv1a{}
+                             .add(content_hash(t.name.data(), t.name.size()))
+                             .add(static_cast<std::uint64_t>(t.dtype))
+                             .add(t.count)
+                             .value());
+    for (const auto& t : shards)  // their sizes differ from rank to rank
+        hashes.push_back(
+            Fnv1a{}.add(content_hash(t.name.data(), t.name.size())).add(static_cast<std::uint64_t>(t.dtype)).value());
+    const auto d = compare_with_rank0(backend, std::span<const std::uint64_t>(hashes));
+    if (!d || backend.rank() != 0) return d ? "another rank's problem" : "";
+    std::string what =
+        "gradsync: checkpoint " + path.string() + " cannot be loaded alike on every rank: " + d->rank_words();
+    if (d->lengths_differ) {
+        what += " would load another number of tensors than rank 0's " + std::to_string(wanted.size() + shards.size());
+    } else if (d->first >= wanted.size()) {
+        const auto& t = shards[d->first - wanted.size()];
+        what += " would load sharded state #" + std::to_string(d->first - wanted.size()) +
+                " otherwise than rank 0, which loads '" + t.name + "' as " + std::string(to_string(t.dtype));
+    } else {
+        const auto& t = wanted[d->first];
+        what += " would load tensor #" + std::to_string(d->first) + " otherwise than rank 0, which loads '" + t.name +
+                "' as " + std::to_string(t.count) + " x " + std::string(to_string(t.dtype));
+    }
+    return what +
+           " (parameters, buffers, then the additions, in order); every rank must add the same tensors, "
+           "of the same sizes, to its Checkpoint";
+}
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_CHECKPOINT_AGREEMENT_HPP
+// ---- end gradsync/checkpoint/agreement.hpp ----
+
 // ---- begin gradsync/launch/sampler.hpp ----
 #ifndef GRADSYNC_SINGLE_LAUNCH_SAMPLER_HPP
 #define GRADSYNC_SINGLE_LAUNCH_SAMPLER_HPP
@@ -6634,6 +7273,16 @@ public:
         extras_.push_back(Extra{std::move(name), data.data(), data.size(), dtype_of<T>});
         return *this;
     }
+    // Optimizer state split across the ranks, for ShardedDataParallel: an array of its
+    // state_elements() elements, indexed by ShardPiece::state_offset. Each rank saves its pieces
+    // to a shard file of its own beside the checkpoint (the checkpoint's folder must be one every
+    // rank can read and write, such as a shared file system); a load fills each rank's pieces from
+    // whichever shards hold them, so it may run on another number of ranks or another bucket plan.
+    template <HasDType T>
+    Checkpoint& add_shard(std::string name, std::span<T> state) {
+        shards_.push_back(detail::ShardedArray{std::move(name), state.data(), state.size(), dtype_of<T>});
+        return *this;
+    }
     // The sampler's epoch and seed, so that a resumed run reads the same examples.
     Checkpoint& add(ShardedSampler& sampler) {
         sampler_ = &sampler;
@@ -6645,9 +7294,8 @@ public:
     // compares what it holds with rank 0's (parameters, buffers kept equal, the additions), since
     // rank 0's copy is what every rank gets back: replicas that differ throw ReplicaMismatch on
     // every rank, and nothing is written.
-    template <class Model, class B, class... P>
-    void save(const std::filesystem::path& path, DataParallel<Model, B, P...>& dp) const {
-        using DP = DataParallel<Model, B, P...>;
+    template <class DP>
+    void save(const std::filesystem::path& path, DP& dp) const {
         std::string problem;
         std::vector<Extra> all;
         try {
@@ -6655,15 +7303,22 @@ public:
         } catch (const std::exception& e) {
             problem = e.what();
         }
-        agree(dp.backend(), problem);
-        if constexpr (!DP::memory_type::on_device) {
-            auto tensors = detail::replica_tensors(dp.parameters(), dp.buffers(), DP::buffers_type::mode);
+        detail::agree_on_problem(dp.backend(), problem);
+        if constexpr (!on_device<DP>()) {
+            auto tensors = detail::replica_tensors(dp.parameters(), dp.buffers(), buffer_mode<DP>());
             for (const auto& e : extras_)
                 tensors.push_back(
                     detail::ReplicaTensor{&e.name, "checkpointed tensor", e.data, e.count * size_of(e.dtype)});
             detail::compare_replicas(dp.backend(), std::span<const detail::ReplicaTensor>(tensors),
                                      "checkpoint save after step " + std::to_string(dp.steps()));
         }
+        auto meta = metadata(dp);
+        detail::ShardList shards;
+        if constexpr (sharded<DP>)
+            if (!shards_.empty()) {
+                shards = write_shards(path, dp);
+                meta["gradsync.shards"] = detail::to_text(shards);
+            }
         if (dp.rank() == 0) {
             try {
                 std::vector<TensorBytes> tensors;
@@ -6673,21 +7328,23 @@ public:
                         t.dtype,
                         {t.count},
                         std::span<const std::byte>(static_cast<const std::byte*>(t.data), t.count * size_of(t.dtype))});
-                write_safetensors(path, tensors, metadata(dp), options_.write);
+                write_safetensors(path, tensors, meta, options_.write);
             } catch (const std::exception& e) {
                 problem = e.what();
             }
         }
-        agree(dp.backend(), problem);
+        detail::agree_on_problem(dp.backend(), problem);
+        if (!shards.names.empty()) detail::remove_stale_shards(path, shards);
     }
 
     // Every rank checks that it loads what rank 0 loads (names, dtypes, sizes); rank 0 reads
     // `path` and checks it against the model's parameters and buffers and the additions here
-    // (nothing missing, nothing left over); then every rank receives its contents. Restores the
-    // step count, the loss scaler and the sampler. On any problem every rank throws the same
-    // CheckpointError and nothing has been changed on any rank.
-    template <class Model, class B, class... P>
-    void load(const std::filesystem::path& path, DataParallel<Model, B, P...>& dp) {
+    // (nothing missing, nothing left over); every rank reads its pieces of the sharded state from
+    // the shard files the checkpoint lists, checking each against its hash there; then every rank
+    // receives the contents. Restores the step count, the loss scaler and the sampler. On any
+    // problem every rank throws the same CheckpointError and nothing has been changed on any rank.
+    template <class DP>
+    void load(const std::filesystem::path& path, DP& dp) {
         std::vector<Extra> wanted;
         std::string problem;
         try {
@@ -6695,20 +7352,30 @@ public:
         } catch (const std::exception& e) {
             problem = e.what();
         }
-        agree(dp.backend(), problem);
-        problem = differs_from_rank0(dp.backend(), path, wanted);
+        detail::agree_on_problem(dp.backend(), problem);
+        problem = detail::differs_from_rank0(dp.backend(), path, std::span<const Extra>(wanted),
+                                             std::span<const detail::ShardedArray>(shards_));
         Scalars scalars;
         std::optional<SafetensorsFile> file;
+        std::string shard_text;
         if (dp.rank() == 0 && problem.empty()) {
             try {
                 file.emplace(path);
                 problem = check(*file, wanted);
                 if (problem.empty()) problem = read_scalars(*file, scalars);
+                if (problem.empty()) problem = detail::read_shard_list(*file, scalars.step, shards_, shard_text);
             } catch (const std::exception& e) {
                 problem = e.what();
             }
         }
-        agree(dp.backend(), problem);
+        detail::agree_on_problem(dp.backend(), problem);
+        std::vector<std::vector<std::byte>> state;  // this rank's pieces of each sharded array
+        if constexpr (sharded<DP>)
+            if (!shards_.empty()) {
+                detail::broadcast_text(dp.backend(), shard_text, 0);
+                problem = read_shards(path, shard_text, dp, state);
+                detail::agree_on_problem(dp.backend(), problem);
+            }
         // Everything checks out on every rank: only now is anything overwritten.
         if (dp.rank() == 0)
             for (const auto& t : wanted) {
@@ -6720,6 +7387,7 @@ public:
                 dp.backend().broadcast(std::span(static_cast<std::byte*>(t.data), t.count * size_of(t.dtype)), 0);
             dp.backend().broadcast(std::as_writable_bytes(std::span(&scalars, 1)), 0);
         }
+        for (std::size_t a = 0; a < state.size(); ++a) std::memcpy(shards_[a].data, state[a].data(), state[a].size());
         dp.restore_steps(scalars.step);
         if constexpr (requires { dp.loss_scaler().state; }) {
             dp.loss_scaler().state.scale = scalars.scale;
@@ -6749,13 +7417,90 @@ private:
         std::uint32_t bad_steps = 0;
     };
 
+    // What differs between the fronts: ShardedDataParallel has sharded state and no buffers.
+    template <class DP>
+    static constexpr bool sharded = requires(DP& d) {
+        d.shard_pieces();
+    };
+    template <class DP>
+    static constexpr bool on_device() {
+        if constexpr (requires { DP::memory_type::on_device; })
+            return DP::memory_type::on_device;
+        else
+            return false;
+    }
+    template <class DP>
+    static constexpr BufferSync buffer_mode() {
+        if constexpr (requires { DP::buffers_type::mode; })
+            return DP::buffers_type::mode;
+        else
+            return BufferSync::ignore;
+    }
+
+    // Each rank writes its shard file; every rank returns the list of them (hashes gathered from
+    // every rank), or throws the same CheckpointError. Collective.
+    template <class DP>
+    detail::ShardList write_shards(const std::filesystem::path& path, DP& dp) const {
+        const int ranks = dp.world_size();
+        detail::ShardList list{dp.steps(), {}, std::vector<std::uint64_t>(static_cast<std::size_t>(ranks), 0)};
+        for (int r = 0; r < ranks; ++r) list.names.push_back(detail::shard_file_name(path, dp.steps(), r, ranks));
+        std::string problem;
+        try {
+            auto& mine = list.hashes[static_cast<std::size_t>(dp.rank())];
+            mine = detail::write_shard(path.parent_path() / list.names[static_cast<std::size_t>(dp.rank())], shards_,
+                                       pieces_of(dp), dp.parameters(), dp.steps(), dp.rank(), ranks, options_.write);
+        } catch (const std::exception& e) {
+            problem = e.what();
+        }
+        detail::agree_on_problem(dp.backend(), problem);
+        for (int r = 0; r < ranks && ranks > 1; ++r)
+            dp.backend().broadcast(std::as_writable_bytes(std::span(&list.hashes[static_cast<std::size_t>(r)], 1)), r);
+        return list;
+    }
+
+    template <class DP>
+    static std::vector<detail::PieceSpan> pieces_of(DP& dp) {
+        std::vector<detail::PieceSpan> out;
+        for (const auto& p : dp.shard_pieces()) out.push_back({p.parameter, p.offset, p.params.size(), p.state_offset});
+        return out;
+    }
+
+    // This rank's pieces of every sharded array, from the shard files `text` lists.
+    template <class DP>
+    std::string read_shards(const std::filesystem::path& path, const std::string& text, DP& dp,
+                            std::vector<std::vector<std::byte>>& state) const {
+        try {
+            return detail::read_shards(path, detail::shard_list_from_text(text), shards_, pieces_of(dp),
+                                       dp.parameters(), dp.rank(), state);
+        } catch (const std::exception& e) {
+            return e.what();
+        }
+    }
+
     template <class DP>
     std::vector<Extra> targets(DP& dp) const {
         std::vector<Extra> all;
         for (const auto& p : dp.parameters()) all.push_back(Extra{p.name, p.data, p.count, p.dtype});
         for (const auto& b : dp.buffers()) all.push_back(Extra{b.name, b.data, b.count, b.dtype});
         all.insert(all.end(), extras_.begin(), extras_.end());
+        if constexpr (sharded<DP>) {
+            for (const auto& a : shards_)
+                if (a.count != dp.state_elements())
+                    throw CheckpointError(detail::rank_prefix(dp.rank()) + ": sharded state '" + a.name + "' has " +
+                                          std::to_string(a.count) +
+                                          " elements; ShardedDataParallel::state_elements() "
+                                          "is " +
+                                          std::to_string(dp.state_elements()));
+        } else if (!shards_.empty()) {
+            throw CheckpointError("gradsync: Checkpoint::add_shard('" + shards_.front().name +
+                                  "') adds state split across the ranks, which only a ShardedDataParallel has; "
+                                  "use Checkpoint::add for a DataParallel's state");
+        }
         std::set<std::string> names;
+        for (const auto& t : shards_)
+            if (!names.insert(t.name).second)
+                throw CheckpointError("gradsync: two sharded state arrays named '" + t.name + "'");
+        names.clear();
         for (const auto& t : all)
             if (!names.insert(t.name).second)
                 throw CheckpointError("gradsync: two tensors named '" + t.name +
@@ -6847,56 +7592,9 @@ private:
         return problem;
     }
 
-    // Rank 0's message when a rank would load other tensors than rank 0 (a broadcast of rank 0's
-    // values into them would leave that rank half-restored), else "". Collective.
-    template <class B>
-    static std::string differs_from_rank0(B& backend, const std::filesystem::path& path,
-                                          const std::vector<Extra>& wanted) {
-        std::vector<std::uint64_t> hashes;
-        for (const auto& t : wanted)
-            hashes.push_back(detail::Fnv1a{}
-                                 .add(detail::content_hash(t.name.data(), t.name.size()))
-                                 .add(static_cast<std::uint64_t>(t.dtype))
-                                 .add(t.count)
-                                 .value());
-        const auto d = detail::compare_with_rank0(backend, std::span<const std::uint64_t>(hashes));
-        if (!d || backend.rank() != 0) return d ? "another rank's problem" : "";
-        std::string what =
-            "gradsync: checkpoint " + path.string() + " cannot be loaded alike on every rank: " + d->rank_words();
-        if (d->lengths_differ) {
-            what += " would load another number of tensors than rank 0's " + std::to_string(wanted.size());
-        } else {
-            const auto& t = wanted[d->first];
-            what += " would load tensor #" + std::to_string(d->first) + " otherwise than rank 0, which loads '" +
-                    t.name + "' as " + std::to_string(t.count) + " x " + std::string(to_string(t.dtype));
-        }
-        return what +
-               " (parameters, buffers, then the additions, in order); every rank must add the same tensors, "
-               "of the same sizes, to its Checkpoint";
-    }
-
-    // The first rank's problem, on every rank: returns when no rank has one, else throws the
-    // problem of the lowest rank that has one, on every rank alike.
-    template <class B>
-    static void agree(B& backend, std::string problem) {
-        if (backend.size() > 1) {
-            std::vector<double> has(static_cast<std::size_t>(backend.size()), 0.0);
-            has[static_cast<std::size_t>(backend.rank())] = problem.empty() ? 0.0 : 1.0;
-            backend.allreduce(Buffer{has.data(), has.size(), DType::float64}, ReduceOp::sum);
-            int root = -1;
-            for (int r = 0; r < backend.size() && root < 0; ++r)
-                if (has[static_cast<std::size_t>(r)] != 0.0) root = r;
-            if (root < 0) return;
-            std::uint64_t length = problem.size();
-            backend.broadcast(std::as_writable_bytes(std::span(&length, 1)), root);
-            problem.resize(length);
-            backend.broadcast(std::as_writable_bytes(std::span(problem.data(), problem.size())), root);
-        }
-        if (!problem.empty()) throw CheckpointError(problem);
-    }
-
     Options options_;
     std::vector<Extra> extras_;
+    std::vector<detail::ShardedArray> shards_;
     ShardedSampler* sampler_ = nullptr;
 };
 

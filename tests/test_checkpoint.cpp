@@ -6,6 +6,7 @@
 #include <doctest/doctest.h>
 
 #include "support/resume_run.hpp"
+#include "support/temp_dir.hpp"
 
 #include <sys/stat.h>  // for mkfifo
 #include <sys/wait.h>  // for waitpid
@@ -24,25 +25,6 @@
 namespace fs = std::filesystem;
 
 namespace {
-
-// A fresh directory per test case, removed afterwards.
-struct TempDir {
-    TempDir() {
-        path = fs::temp_directory_path() /
-               ("gradsync_ckpt_" + std::to_string(::getpid()) + "_" + std::to_string(counter()++));
-        fs::remove_all(path);
-        fs::create_directories(path);
-    }
-    ~TempDir() {
-        std::error_code ignored;
-        fs::remove_all(path, ignored);
-    }
-    static int& counter() {
-        static int n = 0;
-        return n;
-    }
-    fs::path path;
-};
 
 void write_all(const fs::path& p, const std::string& bytes) {
     std::ofstream out(p, std::ios::binary | std::ios::trunc);

@@ -12,6 +12,7 @@
 #include "support/resume_run.hpp"
 #include "support/sharded_checks.hpp"
 #include "support/sharded_optimizers.hpp"
+#include "support/sharded_resume.hpp"
 #include "support/toy_model.hpp"
 
 #include <unistd.h>  // for getpid
@@ -541,6 +542,37 @@ TEST_CASE("checkpoint over MPI: 10 steps == 5 steps, save, a new communicator, l
     CHECK(straight.epoch == resumed.epoch);
     CHECK(same_on_every_rank(resumed.weights));
     MPI_Barrier(gradsync::mpi_world());
+    if (world_rank() == 0) std::filesystem::remove(path);
+}
+
+TEST_CASE("sharded checkpoint over MPI: 8 steps == 4, save (a shard file per process), new communicator, load, 4") {
+    const auto path = shared_path("sharded.safetensors");
+    const gradsync::SizeCappedBuckets caps{.cap = 16_KiB, .first_cap = 4_KiB};
+    sharded_resume::Outcome straight, resumed;
+    {
+        gradsync::MpiBackend backend;
+        straight = sharded_resume::run(backend, caps, 0, 8, {}, {});
+    }
+    {
+        gradsync::MpiBackend backend;
+        sharded_resume::run(backend, caps, 0, 4, {}, path);
+    }
+    {
+        gradsync::MpiBackend backend;  // a new process group: a communicator of its own
+        resumed = sharded_resume::run(backend, caps, 4, 8, path, {});
+    }
+    for (std::size_t t = 0; t < straight.weights.size(); ++t) {
+        CHECK(straight.weights[t] == resumed.weights[t]);
+        CHECK(straight.m1[t] == resumed.m1[t]);
+        CHECK(straight.m2[t] == resumed.m2[t]);
+        CHECK(same_on_every_rank(resumed.weights[t]));
+    }
+    CHECK(resumed.t == 8);
+    MPI_Barrier(gradsync::mpi_world());
+    if (world_rank() == 0)
+        for (int r = 0; r < world_size(); ++r)
+            CHECK(std::filesystem::remove(std::filesystem::path(path).parent_path() /
+                                          gradsync::detail::shard_file_name(path, 4, r, world_size())));
     if (world_rank() == 0) std::filesystem::remove(path);
 }
 

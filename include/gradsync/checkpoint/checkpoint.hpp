@@ -2,15 +2,19 @@
 // extra tensors the user adds (optimizer moments), the step, the loss scaler's state and the
 // sampler's epoch and seed to one safetensors file, atomically, once every rank's replica matches
 // rank 0's; loading checks that every rank loads the same tensors, checks the file against them on
-// rank 0 and broadcasts it to every rank, so resuming is bitwise exact.
+// rank 0 and broadcasts it to every rank, so resuming is bitwise exact. With ShardedDataParallel,
+// optimizer state split across the ranks goes to one shard file per rank beside it (shard_files.hpp).
 // Not included by <gradsync/gradsync.hpp>: it needs nlohmann/json (Debian: nlohmann-json3-dev).
 #pragma once
 
 #include <gradsync/data_parallel.hpp>
+#include <gradsync/sharded_data_parallel.hpp>
 #include <gradsync/data_parallel/replica_check.hpp>
 #include <gradsync/detail/hash.hpp>
 #include <gradsync/dtype.hpp>
+#include <gradsync/checkpoint/agreement.hpp>
 #include <gradsync/checkpoint/safetensors.hpp>
+#include <gradsync/checkpoint/shard_files.hpp>
 #include <gradsync/checkpoint/safetensors_file.hpp>
 #include <gradsync/launch/sampler.hpp>
 
@@ -49,6 +53,16 @@ public:
         extras_.push_back(Extra{std::move(name), data.data(), data.size(), dtype_of<T>});
         return *this;
     }
+    // Optimizer state split across the ranks, for ShardedDataParallel: an array of its
+    // state_elements() elements, indexed by ShardPiece::state_offset. Each rank saves its pieces
+    // to a shard file of its own beside the checkpoint (the checkpoint's folder must be one every
+    // rank can read and write, such as a shared file system); a load fills each rank's pieces from
+    // whichever shards hold them, so it may run on another number of ranks or another bucket plan.
+    template <HasDType T>
+    Checkpoint& add_shard(std::string name, std::span<T> state) {
+        shards_.push_back(detail::ShardedArray{std::move(name), state.data(), state.size(), dtype_of<T>});
+        return *this;
+    }
     // The sampler's epoch and seed, so that a resumed run reads the same examples.
     Checkpoint& add(ShardedSampler& sampler) {
         sampler_ = &sampler;
@@ -60,9 +74,8 @@ public:
     // compares what it holds with rank 0's (parameters, buffers kept equal, the additions), since
     // rank 0's copy is what every rank gets back: replicas that differ throw ReplicaMismatch on
     // every rank, and nothing is written.
-    template <class Model, class B, class... P>
-    void save(const std::filesystem::path& path, DataParallel<Model, B, P...>& dp) const {
-        using DP = DataParallel<Model, B, P...>;
+    template <class DP>
+    void save(const std::filesystem::path& path, DP& dp) const {
         std::string problem;
         std::vector<Extra> all;
         try {
@@ -70,15 +83,22 @@ public:
         } catch (const std::exception& e) {
             problem = e.what();
         }
-        agree(dp.backend(), problem);
-        if constexpr (!DP::memory_type::on_device) {
-            auto tensors = detail::replica_tensors(dp.parameters(), dp.buffers(), DP::buffers_type::mode);
+        detail::agree_on_problem(dp.backend(), problem);
+        if constexpr (!on_device<DP>()) {
+            auto tensors = detail::replica_tensors(dp.parameters(), dp.buffers(), buffer_mode<DP>());
             for (const auto& e : extras_)
                 tensors.push_back(
                     detail::ReplicaTensor{&e.name, "checkpointed tensor", e.data, e.count * size_of(e.dtype)});
             detail::compare_replicas(dp.backend(), std::span<const detail::ReplicaTensor>(tensors),
                                      "checkpoint save after step " + std::to_string(dp.steps()));
         }
+        auto meta = metadata(dp);
+        detail::ShardList shards;
+        if constexpr (sharded<DP>)
+            if (!shards_.empty()) {
+                shards = write_shards(path, dp);
+                meta["gradsync.shards"] = detail::to_text(shards);
+            }
         if (dp.rank() == 0) {
             try {
                 std::vector<TensorBytes> tensors;
@@ -88,21 +108,23 @@ public:
                         t.dtype,
                         {t.count},
                         std::span<const std::byte>(static_cast<const std::byte*>(t.data), t.count * size_of(t.dtype))});
-                write_safetensors(path, tensors, metadata(dp), options_.write);
+                write_safetensors(path, tensors, meta, options_.write);
             } catch (const std::exception& e) {
                 problem = e.what();
             }
         }
-        agree(dp.backend(), problem);
+        detail::agree_on_problem(dp.backend(), problem);
+        if (!shards.names.empty()) detail::remove_stale_shards(path, shards);
     }
 
     // Every rank checks that it loads what rank 0 loads (names, dtypes, sizes); rank 0 reads
     // `path` and checks it against the model's parameters and buffers and the additions here
-    // (nothing missing, nothing left over); then every rank receives its contents. Restores the
-    // step count, the loss scaler and the sampler. On any problem every rank throws the same
-    // CheckpointError and nothing has been changed on any rank.
-    template <class Model, class B, class... P>
-    void load(const std::filesystem::path& path, DataParallel<Model, B, P...>& dp) {
+    // (nothing missing, nothing left over); every rank reads its pieces of the sharded state from
+    // the shard files the checkpoint lists, checking each against its hash there; then every rank
+    // receives the contents. Restores the step count, the loss scaler and the sampler. On any
+    // problem every rank throws the same CheckpointError and nothing has been changed on any rank.
+    template <class DP>
+    void load(const std::filesystem::path& path, DP& dp) {
         std::vector<Extra> wanted;
         std::string problem;
         try {
@@ -110,20 +132,30 @@ public:
         } catch (const std::exception& e) {
             problem = e.what();
         }
-        agree(dp.backend(), problem);
-        problem = differs_from_rank0(dp.backend(), path, wanted);
+        detail::agree_on_problem(dp.backend(), problem);
+        problem = detail::differs_from_rank0(dp.backend(), path, std::span<const Extra>(wanted),
+                                             std::span<const detail::ShardedArray>(shards_));
         Scalars scalars;
         std::optional<SafetensorsFile> file;
+        std::string shard_text;
         if (dp.rank() == 0 && problem.empty()) {
             try {
                 file.emplace(path);
                 problem = check(*file, wanted);
                 if (problem.empty()) problem = read_scalars(*file, scalars);
+                if (problem.empty()) problem = detail::read_shard_list(*file, scalars.step, shards_, shard_text);
             } catch (const std::exception& e) {
                 problem = e.what();
             }
         }
-        agree(dp.backend(), problem);
+        detail::agree_on_problem(dp.backend(), problem);
+        std::vector<std::vector<std::byte>> state;  // this rank's pieces of each sharded array
+        if constexpr (sharded<DP>)
+            if (!shards_.empty()) {
+                detail::broadcast_text(dp.backend(), shard_text, 0);
+                problem = read_shards(path, shard_text, dp, state);
+                detail::agree_on_problem(dp.backend(), problem);
+            }
         // Everything checks out on every rank: only now is anything overwritten.
         if (dp.rank() == 0)
             for (const auto& t : wanted) {
@@ -135,6 +167,7 @@ public:
                 dp.backend().broadcast(std::span(static_cast<std::byte*>(t.data), t.count * size_of(t.dtype)), 0);
             dp.backend().broadcast(std::as_writable_bytes(std::span(&scalars, 1)), 0);
         }
+        for (std::size_t a = 0; a < state.size(); ++a) std::memcpy(shards_[a].data, state[a].data(), state[a].size());
         dp.restore_steps(scalars.step);
         if constexpr (requires { dp.loss_scaler().state; }) {
             dp.loss_scaler().state.scale = scalars.scale;
@@ -164,13 +197,90 @@ private:
         std::uint32_t bad_steps = 0;
     };
 
+    // What differs between the fronts: ShardedDataParallel has sharded state and no buffers.
+    template <class DP>
+    static constexpr bool sharded = requires(DP& d) {
+        d.shard_pieces();
+    };
+    template <class DP>
+    static constexpr bool on_device() {
+        if constexpr (requires { DP::memory_type::on_device; })
+            return DP::memory_type::on_device;
+        else
+            return false;
+    }
+    template <class DP>
+    static constexpr BufferSync buffer_mode() {
+        if constexpr (requires { DP::buffers_type::mode; })
+            return DP::buffers_type::mode;
+        else
+            return BufferSync::ignore;
+    }
+
+    // Each rank writes its shard file; every rank returns the list of them (hashes gathered from
+    // every rank), or throws the same CheckpointError. Collective.
+    template <class DP>
+    detail::ShardList write_shards(const std::filesystem::path& path, DP& dp) const {
+        const int ranks = dp.world_size();
+        detail::ShardList list{dp.steps(), {}, std::vector<std::uint64_t>(static_cast<std::size_t>(ranks), 0)};
+        for (int r = 0; r < ranks; ++r) list.names.push_back(detail::shard_file_name(path, dp.steps(), r, ranks));
+        std::string problem;
+        try {
+            auto& mine = list.hashes[static_cast<std::size_t>(dp.rank())];
+            mine = detail::write_shard(path.parent_path() / list.names[static_cast<std::size_t>(dp.rank())], shards_,
+                                       pieces_of(dp), dp.parameters(), dp.steps(), dp.rank(), ranks, options_.write);
+        } catch (const std::exception& e) {
+            problem = e.what();
+        }
+        detail::agree_on_problem(dp.backend(), problem);
+        for (int r = 0; r < ranks && ranks > 1; ++r)
+            dp.backend().broadcast(std::as_writable_bytes(std::span(&list.hashes[static_cast<std::size_t>(r)], 1)), r);
+        return list;
+    }
+
+    template <class DP>
+    static std::vector<detail::PieceSpan> pieces_of(DP& dp) {
+        std::vector<detail::PieceSpan> out;
+        for (const auto& p : dp.shard_pieces()) out.push_back({p.parameter, p.offset, p.params.size(), p.state_offset});
+        return out;
+    }
+
+    // This rank's pieces of every sharded array, from the shard files `text` lists.
+    template <class DP>
+    std::string read_shards(const std::filesystem::path& path, const std::string& text, DP& dp,
+                            std::vector<std::vector<std::byte>>& state) const {
+        try {
+            return detail::read_shards(path, detail::shard_list_from_text(text), shards_, pieces_of(dp),
+                                       dp.parameters(), dp.rank(), state);
+        } catch (const std::exception& e) {
+            return e.what();
+        }
+    }
+
     template <class DP>
     std::vector<Extra> targets(DP& dp) const {
         std::vector<Extra> all;
         for (const auto& p : dp.parameters()) all.push_back(Extra{p.name, p.data, p.count, p.dtype});
         for (const auto& b : dp.buffers()) all.push_back(Extra{b.name, b.data, b.count, b.dtype});
         all.insert(all.end(), extras_.begin(), extras_.end());
+        if constexpr (sharded<DP>) {
+            for (const auto& a : shards_)
+                if (a.count != dp.state_elements())
+                    throw CheckpointError(detail::rank_prefix(dp.rank()) + ": sharded state '" + a.name + "' has " +
+                                          std::to_string(a.count) +
+                                          " elements; ShardedDataParallel::state_elements() "
+                                          "is " +
+                                          std::to_string(dp.state_elements()));
+        } else if (!shards_.empty()) {
+            throw CheckpointError("gradsync: Checkpoint::add_shard('" + shards_.front().name +
+                                  "') adds state split across the ranks, which only a ShardedDataParallel has; "
+                                  "use Checkpoint::add for a DataParallel's state");
+        }
         std::set<std::string> names;
+        for (const auto& t : shards_)
+            if (!names.insert(t.name).second)
+                throw CheckpointError("gradsync: two sharded state arrays named '" + t.name + "'");
+        names.clear();
         for (const auto& t : all)
             if (!names.insert(t.name).second)
                 throw CheckpointError("gradsync: two tensors named '" + t.name +
@@ -262,56 +372,9 @@ private:
         return problem;
     }
 
-    // Rank 0's message when a rank would load other tensors than rank 0 (a broadcast of rank 0's
-    // values into them would leave that rank half-restored), else "". Collective.
-    template <class B>
-    static std::string differs_from_rank0(B& backend, const std::filesystem::path& path,
-                                          const std::vector<Extra>& wanted) {
-        std::vector<std::uint64_t> hashes;
-        for (const auto& t : wanted)
-            hashes.push_back(detail::Fnv1a{}
-                                 .add(detail::content_hash(t.name.data(), t.name.size()))
-                                 .add(static_cast<std::uint64_t>(t.dtype))
-                                 .add(t.count)
-                                 .value());
-        const auto d = detail::compare_with_rank0(backend, std::span<const std::uint64_t>(hashes));
-        if (!d || backend.rank() != 0) return d ? "another rank's problem" : "";
-        std::string what =
-            "gradsync: checkpoint " + path.string() + " cannot be loaded alike on every rank: " + d->rank_words();
-        if (d->lengths_differ) {
-            what += " would load another number of tensors than rank 0's " + std::to_string(wanted.size());
-        } else {
-            const auto& t = wanted[d->first];
-            what += " would load tensor #" + std::to_string(d->first) + " otherwise than rank 0, which loads '" +
-                    t.name + "' as " + std::to_string(t.count) + " x " + std::string(to_string(t.dtype));
-        }
-        return what +
-               " (parameters, buffers, then the additions, in order); every rank must add the same tensors, "
-               "of the same sizes, to its Checkpoint";
-    }
-
-    // The first rank's problem, on every rank: returns when no rank has one, else throws the
-    // problem of the lowest rank that has one, on every rank alike.
-    template <class B>
-    static void agree(B& backend, std::string problem) {
-        if (backend.size() > 1) {
-            std::vector<double> has(static_cast<std::size_t>(backend.size()), 0.0);
-            has[static_cast<std::size_t>(backend.rank())] = problem.empty() ? 0.0 : 1.0;
-            backend.allreduce(Buffer{has.data(), has.size(), DType::float64}, ReduceOp::sum);
-            int root = -1;
-            for (int r = 0; r < backend.size() && root < 0; ++r)
-                if (has[static_cast<std::size_t>(r)] != 0.0) root = r;
-            if (root < 0) return;
-            std::uint64_t length = problem.size();
-            backend.broadcast(std::as_writable_bytes(std::span(&length, 1)), root);
-            problem.resize(length);
-            backend.broadcast(std::as_writable_bytes(std::span(problem.data(), problem.size())), root);
-        }
-        if (!problem.empty()) throw CheckpointError(problem);
-    }
-
     Options options_;
     std::vector<Extra> extras_;
+    std::vector<detail::ShardedArray> shards_;
     ShardedSampler* sampler_ = nullptr;
 };
 
