@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -254,5 +255,63 @@ TEST_CASE("an optimizer that throws on one rank fails its peers at once, not at 
         CAPTURE(messages[static_cast<std::size_t>(r)]);
         CHECK(messages[static_cast<std::size_t>(r)].find(
                   "gradsync: rank 1 failed in step 1: out of memory in the optimizer") != std::string::npos);
+    }
+}
+
+namespace {
+
+// Each rank's batch of a step in two halves, accumulated in the model's gradients (half the loss
+// each) before one step: sharded or not (no_sync for the first half).
+mlp::Batch half_of(int world, int rank, int step, int half) {
+    const int global = world * micro_batch;
+    return mlp::make_batch(data_seed,
+                           static_cast<std::size_t>(step * global + rank * micro_batch + half * micro_batch / 2),
+                           micro_batch / 2);
+}
+
+Weights train_accumulating(int world, bool sharded_mode) {
+    Weights result;
+    gradsync::spawn(world, [&](gradsync::LocalBackend& backend) {
+        mlp::Mlp model(/*seed=*/1);
+        std::optional<gradsync::ShardedDataParallel<mlp::Mlp, gradsync::LocalBackend>> sdp;
+        std::optional<gradsync::DataParallel<mlp::Mlp, gradsync::LocalBackend>> dp;
+        ShardedAdam sharded_adam;
+        mlp::Adam adam(1e-3f);
+        if (sharded_mode) {
+            sdp.emplace(model, backend);
+            sharded_adam.m1.assign(sdp->state_elements(), 0.0f);
+            sharded_adam.m2.assign(sdp->state_elements(), 0.0f);
+        } else {
+            dp.emplace(model, backend);
+        }
+        for (int s = 0; s < steps; ++s) {
+            if (sharded_mode) {
+                model.forward_backward(half_of(world, backend.rank(), s, 0), 0.5f);
+                model.forward_backward(half_of(world, backend.rank(), s, 1), 0.5f, /*accumulate=*/true);
+                CHECK(sdp->step(sharded_adam).applied);
+            } else {
+                {
+                    auto guard = dp->no_sync();
+                    model.forward_backward(half_of(world, backend.rank(), s, 0), 0.5f);
+                    dp->synchronize();  // communicates nothing
+                }
+                model.forward_backward(half_of(world, backend.rank(), s, 1), 0.5f, /*accumulate=*/true);
+                CHECK(dp->step([&] { adam.step(model); }).applied);
+            }
+        }
+        if (backend.rank() == 0) result = weights_of(model);
+    });
+    return result;
+}
+
+}  // namespace
+
+TEST_CASE("gradient accumulation: micro-batches summed in the model before one sharded step == unsharded") {
+    // The sharded step reduces at step() only, so accumulating needs no guard: backward twice, step once.
+    for (int world : {2, 3}) {
+        CAPTURE(world);
+        const auto sharded = train_accumulating(world, true);
+        CHECK(bitwise_equal(sharded, train_accumulating(world, false)));
+        check_close(sharded, train_single<true>(world), 1e-5);
     }
 }
