@@ -2040,6 +2040,102 @@ inline void average_elements(std::byte* data, std::size_t n, DType t, int ranks)
 #endif  // GRADSYNC_SINGLE_BACKEND_MPI_ARITHMETIC_HPP
 // ---- end gradsync/backend/mpi/arithmetic.hpp ----
 
+// ---- begin gradsync/backend/mpi/scattered_range.hpp ----
+#ifndef GRADSYNC_SINGLE_BACKEND_MPI_SCATTERED_RANGE_HPP
+#define GRADSYNC_SINGLE_BACKEND_MPI_SCATTERED_RANGE_HPP
+// Element ranges of segments laid end to end, for the sharded ring over memory that lies where
+// the model keeps it: a range that falls within one segment is sent as plain bytes; one that
+// crosses segments as an MPI datatype of its pieces at their addresses, so that MPI reads or
+// writes them where they lie and nothing is packed by hand.
+
+
+#include <algorithm>  // for std::upper_bound, std::min
+#include <cstddef>
+#include <span>
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+class ScatteredElements {
+public:
+    ScatteredElements(std::span<const Segment> segments, std::size_t elem) : segments_(segments), elem_(elem) {
+        starts_.reserve(segments.size() + 1);
+        std::size_t at = 0;
+        for (const auto& s : segments) {
+            starts_.push_back(at);
+            at += s.count;
+        }
+        starts_.push_back(at);
+    }
+
+    [[nodiscard]] std::size_t count() const { return starts_.back(); }
+
+    // Calls f(bytes, elements) for each contiguous run of elements [begin, begin + n), in order.
+    template <class F>
+    void for_each_run(std::size_t begin, std::size_t n, F&& f) const {
+        if (n == 0) return;
+        auto k =
+            static_cast<std::size_t>(std::upper_bound(starts_.begin(), starts_.end(), begin) - starts_.begin()) - 1;
+        for (std::size_t at = begin, end = begin + n; at < end; ++k) {
+            const std::size_t from = at - starts_[k], take = std::min(end, starts_[k + 1]) - at;
+            if (take != 0) f(static_cast<std::byte*>(segments_[k].data) + from * elem_, take);
+            at += take;
+        }
+    }
+
+private:
+    std::span<const Segment> segments_;
+    std::size_t elem_;
+    std::vector<std::size_t> starts_;  // first element of each segment, then the total
+};
+
+// What MPI_Send and MPI_Recv take for a range of ScatteredElements: its address and byte count
+// when it is one run, else MPI_BOTTOM and one element of a datatype of its runs (freed here).
+class MpiRange {
+public:
+    MpiRange(const ScatteredElements& elements, std::size_t begin, std::size_t n, std::size_t elem) {
+        std::vector<int> lengths;
+        std::vector<MPI_Aint> addresses;
+        std::byte* first = nullptr;
+        elements.for_each_run(begin, n, [&](std::byte* p, std::size_t k) {
+            if (first == nullptr) first = p;
+            MPI_Aint address = 0;
+            MPI_Get_address(p, &address);
+            addresses.push_back(address);
+            lengths.push_back(static_cast<int>(k * elem));
+        });
+        if (lengths.size() <= 1) {
+            buffer_ = first;
+            count_ = lengths.empty() ? 0 : lengths.front();
+            return;
+        }
+        MPI_Type_create_hindexed(static_cast<int>(lengths.size()), lengths.data(), addresses.data(), MPI_BYTE, &type_);
+        MPI_Type_commit(&type_);
+        buffer_ = MPI_BOTTOM;
+        count_ = 1;
+        owned_ = true;
+    }
+    MpiRange(const MpiRange&) = delete;
+    MpiRange& operator=(const MpiRange&) = delete;
+    ~MpiRange() {
+        if (owned_) MPI_Type_free(&type_);
+    }
+
+    [[nodiscard]] void* buffer() const { return buffer_; }
+    [[nodiscard]] int count() const { return count_; }
+    [[nodiscard]] MPI_Datatype type() const { return type_; }
+
+private:
+    void* buffer_ = nullptr;
+    int count_ = 0;
+    MPI_Datatype type_ = MPI_BYTE;
+    bool owned_ = false;
+};
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_BACKEND_MPI_SCATTERED_RANGE_HPP
+// ---- end gradsync/backend/mpi/scattered_range.hpp ----
+
 #include <algorithm>  // for std::min, std::max
 #include <cstddef>
 #include <cstring>  // for std::memcpy
@@ -2107,46 +2203,54 @@ public:
         flush(segments.size());
     }
 
-    // In place: this rank's shard (shard_of) of the `count` elements at `data` ends with their
-    // reduction over the ranks; the rest of the buffer holds partial sums. A ring, in rounds that
-    // move at most options_.chunk in all: part p is summed along the ring ending at rank p.
-    void reduce_scatter(std::byte* data, std::size_t count, DType t, ReduceOp op) {
+    // In place: this rank's shard (shard_of) of the elements in `segments`, laid end to end (one
+    // segment: a buffer), ends with their reduction over the ranks; the rest holds partial sums.
+    // A ring, in rounds that move at most options_.chunk in all: part p is summed along the ring
+    // ending at rank p.
+    void reduce_scatter(std::span<const Segment> segments, DType t, ReduceOp op) {
         const int n = size_;
         const std::size_t elem = size_of(t);
         if (n == 1) return;
-        const std::size_t q = round_elements(elem);
+        const ScatteredElements data(segments, elem);
+        const std::size_t count = data.count(), q = round_elements(elem);
         if (scratch_.size() < q * elem) scratch_.resize(q * elem);
         const int right = (rank_ + 1) % n, left = (rank_ + n - 1) % n;
         for (std::size_t done = 0; done < shard_of(count, n, 0).count; done += q) {
             const RoundParts part{count, n, done, q};
             for (int step = 0; step + 1 < n; ++step) {
                 const int send = (rank_ - step - 1 + 2 * n) % n, recv = (rank_ - step - 2 + 2 * n) % n;
-                check(MPI_Sendrecv(data + part.begin(send) * elem, static_cast<int>(part.length(send) * elem), MPI_BYTE,
-                                   right, ring_tag, scratch_.data(), static_cast<int>(part.length(recv) * elem),
-                                   MPI_BYTE, left, ring_tag, comm_, MPI_STATUS_IGNORE),
+                const MpiRange out(data, part.begin(send), part.length(send), elem);
+                check(MPI_Sendrecv(out.buffer(), out.count(), out.type(), right, ring_tag, scratch_.data(),
+                                   static_cast<int>(part.length(recv) * elem), MPI_BYTE, left, ring_tag, comm_,
+                                   MPI_STATUS_IGNORE),
                       "MPI_Sendrecv");
-                const bool last = step + 2 == n;
-                add_received(data + part.begin(recv) * elem, scratch_.data(), part.length(recv), t,
-                             last && op == ReduceOp::average ? 1.0 / n : 1.0);
+                const double factor = step + 2 == n && op == ReduceOp::average ? 1.0 / n : 1.0;
+                std::size_t from = 0;
+                data.for_each_run(part.begin(recv), part.length(recv), [&](std::byte* p, std::size_t k) {
+                    add_received(p, scratch_.data() + from * elem, k, t, factor);
+                    from += k;
+                });
             }
         }
     }
 
-    // In place: every rank's shard of the `count` elements of `elem` bytes at `data` reaches every
-    // other rank, passed along the ring in rounds that move at most options_.chunk in all.
-    void all_gather(std::byte* data, std::size_t count, std::size_t elem) {
+    // In place: every rank's shard of the elements of `elem` bytes in `segments` (laid end to
+    // end) reaches every other rank, passed along the ring in rounds that move at most
+    // options_.chunk in all.
+    void all_gather(std::span<const Segment> segments, std::size_t elem) {
         const int n = size_;
         if (n == 1) return;
-        const std::size_t q = round_elements(elem);
+        const ScatteredElements data(segments, elem);
+        const std::size_t count = data.count(), q = round_elements(elem);
         const int right = (rank_ + 1) % n, left = (rank_ + n - 1) % n;
         for (std::size_t done = 0; done < shard_of(count, n, 0).count; done += q) {
             const RoundParts part{count, n, done, q};
             for (int step = 0; step + 1 < n; ++step) {
                 const int send = (rank_ - step + n) % n, recv = (rank_ - step - 1 + n) % n;
-                check(MPI_Sendrecv(data + part.begin(send) * elem, static_cast<int>(part.length(send) * elem), MPI_BYTE,
-                                   right, ring_tag, data + part.begin(recv) * elem,
-                                   static_cast<int>(part.length(recv) * elem), MPI_BYTE, left, ring_tag, comm_,
-                                   MPI_STATUS_IGNORE),
+                const MpiRange out(data, part.begin(send), part.length(send), elem);
+                const MpiRange in(data, part.begin(recv), part.length(recv), elem);
+                check(MPI_Sendrecv(out.buffer(), out.count(), out.type(), right, ring_tag, in.buffer(), in.count(),
+                                   in.type(), left, ring_tag, comm_, MPI_STATUS_IGNORE),
                       "MPI_Sendrecv");
             }
         }
@@ -2889,29 +2993,46 @@ public:
     // Leaves the reduction over the ranks in this rank's shard of `buf` (shard_of(buf.count,
     // size(), rank())); the rest of `buf` holds partial sums. The first half of our ring.
     void reduce_scatter(Buffer buf, ReduceOp op = ReduceOp::sum) {
-        check_dtype(buf.dtype);
-        run_now(sharded_call(CollectiveKind::reduce_scatter, buf, op),
-                [&] { reduction_->reduce_scatter(static_cast<std::byte*>(buf.data), buf.count, buf.dtype, op); });
+        const Segment seg{buf.data, buf.count};
+        reduce_scatter(std::span<const Segment>(&seg, 1), buf.dtype, op);
     }
     CollectiveHandle reduce_scatter_async(Buffer buf, ReduceOp op = ReduceOp::sum) {
-        check_dtype(buf.dtype);
-        return launch(sharded_call(CollectiveKind::reduce_scatter, buf, op), [this, buf, op] {
-            reduction_->reduce_scatter(static_cast<std::byte*>(buf.data), buf.count, buf.dtype, op);
-        });
+        return reduce_scatter_async(std::vector<Segment>{{buf.data, buf.count}}, buf.dtype, op);
+    }
+    // The same over segments laid end to end (a bucket's gradients where the model keeps them):
+    // the shard is of their total, and nothing is packed.
+    void reduce_scatter(std::span<const Segment> segments, DType dtype, ReduceOp op = ReduceOp::sum) {
+        check_dtype(dtype);
+        run_now(sharded_call(CollectiveKind::reduce_scatter, detail::total_count(segments), dtype, op),
+                [&] { reduction_->reduce_scatter(segments, dtype, op); });
+    }
+    CollectiveHandle reduce_scatter_async(std::span<const Segment> segments, DType dtype, ReduceOp op = ReduceOp::sum) {
+        check_dtype(dtype);
+        std::vector<Segment> copy(segments.begin(), segments.end());
+        return launch(sharded_call(CollectiveKind::reduce_scatter, detail::total_count(segments), dtype, op),
+                      [this, copy = std::move(copy), dtype, op] { reduction_->reduce_scatter(copy, dtype, op); });
     }
 
     // Copies every rank's shard of its `buf` into the same place of every other rank's (any
     // dtype). The second half of our ring.
     void all_gather(Buffer buf) {
-        check_known(buf.dtype);
-        run_now(sharded_call(CollectiveKind::all_gather, buf, ReduceOp::sum),
-                [&] { reduction_->all_gather(static_cast<std::byte*>(buf.data), buf.count, size_of(buf.dtype)); });
+        const Segment seg{buf.data, buf.count};
+        all_gather(std::span<const Segment>(&seg, 1), buf.dtype);
     }
     CollectiveHandle all_gather_async(Buffer buf) {
-        check_known(buf.dtype);
-        return launch(sharded_call(CollectiveKind::all_gather, buf, ReduceOp::sum), [this, buf] {
-            reduction_->all_gather(static_cast<std::byte*>(buf.data), buf.count, size_of(buf.dtype));
-        });
+        return all_gather_async(std::vector<Segment>{{buf.data, buf.count}}, buf.dtype);
+    }
+    // The same over segments laid end to end: MPI reads and writes them where they lie.
+    void all_gather(std::span<const Segment> segments, DType dtype) {
+        check_known(dtype);
+        run_now(sharded_call(CollectiveKind::all_gather, detail::total_count(segments), dtype, ReduceOp::sum),
+                [&] { reduction_->all_gather(segments, size_of(dtype)); });
+    }
+    CollectiveHandle all_gather_async(std::span<const Segment> segments, DType dtype) {
+        check_known(dtype);
+        std::vector<Segment> copy(segments.begin(), segments.end());
+        return launch(sharded_call(CollectiveKind::all_gather, detail::total_count(segments), dtype, ReduceOp::sum),
+                      [this, copy = std::move(copy), dtype] { reduction_->all_gather(copy, size_of(dtype)); });
     }
 
     void broadcast(std::span<std::byte> bytes, int root) {
@@ -2979,8 +3100,8 @@ private:
                                   std::to_string(static_cast<int>(t)) + ", which is not one gradsync knows");
     }
 
-    CollectiveCall sharded_call(CollectiveKind kind, Buffer buf, ReduceOp op) {
-        return {.kind = kind, .seq = ++seq_, .count = buf.count, .dtype = buf.dtype, .op = op};
+    CollectiveCall sharded_call(CollectiveKind kind, std::size_t count, DType t, ReduceOp op) {
+        return {.kind = kind, .seq = ++seq_, .count = count, .dtype = t, .op = op};
     }
 
     CollectiveCall allreduce_call(std::size_t count, DType t, ReduceOp op) {

@@ -196,6 +196,34 @@ TEST_CASE("MpiBackend: reduce_scatter and all_gather, sizes that do not divide b
                          doctest::Contains("MpiBackend cannot reduce int32"), gradsync::CollectiveError);
 }
 
+TEST_CASE("MpiBackend: reduce_scatter and all_gather over segments cut differently on every rank == over a buffer") {
+    static_assert(gradsync::ScatteredShardedCollectives<gradsync::MpiBackend>);
+    gradsync::MpiOptions small_rounds;
+    small_rounds.chunk = 4_KiB;  // parts that cross many segments, in many rounds
+    for (const auto& options : {gradsync::MpiOptions{}, small_rounds}) {
+        gradsync::MpiBackend backend(gradsync::mpi_world(), options);
+        const std::size_t n = 10'007;
+        std::vector<float> flat(n), cut(n);
+        for (std::size_t i = 0; i < n; ++i) flat[i] = cut[i] = input_value(backend.rank(), i) * 0.37f;
+        // Rank r cuts its buffer every 97 * (r + 1) elements, with an empty segment at each cut.
+        std::vector<gradsync::Segment> segments;
+        const std::size_t step = 97 * static_cast<std::size_t>(backend.rank() + 1);
+        for (std::size_t at = 0; at < n; at += step) {
+            segments.push_back({cut.data() + at, std::min(step, n - at)});
+            segments.push_back({cut.data() + at, 0});
+        }
+        backend.reduce_scatter(std::span<float>(flat), gradsync::ReduceOp::average);
+        backend.reduce_scatter_async(segments, gradsync::DType::float32, gradsync::ReduceOp::average).wait();
+        const auto mine = gradsync::shard_of(n, backend.size(), backend.rank());
+        CHECK(std::memcmp(cut.data() + mine.offset, flat.data() + mine.offset, mine.count * sizeof(float)) == 0);
+        backend.all_gather(std::span<float>(flat));
+        backend.all_gather_async(segments, gradsync::DType::float32).wait();
+        CHECK(cut == flat);  // the same bits as the buffer's
+        CHECK(same_on_every_rank(cut));
+        CHECK(std::fabs(cut[5] - expected_sum(5) * 0.37f / float(backend.size())) <= 1e-5f * std::fabs(cut[5]));
+    }
+}
+
 TEST_CASE("MpiBackend: asynchronous collectives complete in launch order, then synchronous ones") {
     gradsync::MpiBackend backend;
     std::vector<std::vector<double>> bufs(5, std::vector<double>(10'000));

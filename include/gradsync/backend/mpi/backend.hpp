@@ -154,29 +154,46 @@ public:
     // Leaves the reduction over the ranks in this rank's shard of `buf` (shard_of(buf.count,
     // size(), rank())); the rest of `buf` holds partial sums. The first half of our ring.
     void reduce_scatter(Buffer buf, ReduceOp op = ReduceOp::sum) {
-        check_dtype(buf.dtype);
-        run_now(sharded_call(CollectiveKind::reduce_scatter, buf, op),
-                [&] { reduction_->reduce_scatter(static_cast<std::byte*>(buf.data), buf.count, buf.dtype, op); });
+        const Segment seg{buf.data, buf.count};
+        reduce_scatter(std::span<const Segment>(&seg, 1), buf.dtype, op);
     }
     CollectiveHandle reduce_scatter_async(Buffer buf, ReduceOp op = ReduceOp::sum) {
-        check_dtype(buf.dtype);
-        return launch(sharded_call(CollectiveKind::reduce_scatter, buf, op), [this, buf, op] {
-            reduction_->reduce_scatter(static_cast<std::byte*>(buf.data), buf.count, buf.dtype, op);
-        });
+        return reduce_scatter_async(std::vector<Segment>{{buf.data, buf.count}}, buf.dtype, op);
+    }
+    // The same over segments laid end to end (a bucket's gradients where the model keeps them):
+    // the shard is of their total, and nothing is packed.
+    void reduce_scatter(std::span<const Segment> segments, DType dtype, ReduceOp op = ReduceOp::sum) {
+        check_dtype(dtype);
+        run_now(sharded_call(CollectiveKind::reduce_scatter, detail::total_count(segments), dtype, op),
+                [&] { reduction_->reduce_scatter(segments, dtype, op); });
+    }
+    CollectiveHandle reduce_scatter_async(std::span<const Segment> segments, DType dtype, ReduceOp op = ReduceOp::sum) {
+        check_dtype(dtype);
+        std::vector<Segment> copy(segments.begin(), segments.end());
+        return launch(sharded_call(CollectiveKind::reduce_scatter, detail::total_count(segments), dtype, op),
+                      [this, copy = std::move(copy), dtype, op] { reduction_->reduce_scatter(copy, dtype, op); });
     }
 
     // Copies every rank's shard of its `buf` into the same place of every other rank's (any
     // dtype). The second half of our ring.
     void all_gather(Buffer buf) {
-        check_known(buf.dtype);
-        run_now(sharded_call(CollectiveKind::all_gather, buf, ReduceOp::sum),
-                [&] { reduction_->all_gather(static_cast<std::byte*>(buf.data), buf.count, size_of(buf.dtype)); });
+        const Segment seg{buf.data, buf.count};
+        all_gather(std::span<const Segment>(&seg, 1), buf.dtype);
     }
     CollectiveHandle all_gather_async(Buffer buf) {
-        check_known(buf.dtype);
-        return launch(sharded_call(CollectiveKind::all_gather, buf, ReduceOp::sum), [this, buf] {
-            reduction_->all_gather(static_cast<std::byte*>(buf.data), buf.count, size_of(buf.dtype));
-        });
+        return all_gather_async(std::vector<Segment>{{buf.data, buf.count}}, buf.dtype);
+    }
+    // The same over segments laid end to end: MPI reads and writes them where they lie.
+    void all_gather(std::span<const Segment> segments, DType dtype) {
+        check_known(dtype);
+        run_now(sharded_call(CollectiveKind::all_gather, detail::total_count(segments), dtype, ReduceOp::sum),
+                [&] { reduction_->all_gather(segments, size_of(dtype)); });
+    }
+    CollectiveHandle all_gather_async(std::span<const Segment> segments, DType dtype) {
+        check_known(dtype);
+        std::vector<Segment> copy(segments.begin(), segments.end());
+        return launch(sharded_call(CollectiveKind::all_gather, detail::total_count(segments), dtype, ReduceOp::sum),
+                      [this, copy = std::move(copy), dtype] { reduction_->all_gather(copy, size_of(dtype)); });
     }
 
     void broadcast(std::span<std::byte> bytes, int root) {
@@ -244,8 +261,8 @@ private:
                                   std::to_string(static_cast<int>(t)) + ", which is not one gradsync knows");
     }
 
-    CollectiveCall sharded_call(CollectiveKind kind, Buffer buf, ReduceOp op) {
-        return {.kind = kind, .seq = ++seq_, .count = buf.count, .dtype = buf.dtype, .op = op};
+    CollectiveCall sharded_call(CollectiveKind kind, std::size_t count, DType t, ReduceOp op) {
+        return {.kind = kind, .seq = ++seq_, .count = count, .dtype = t, .op = op};
     }
 
     CollectiveCall allreduce_call(std::size_t count, DType t, ReduceOp op) {

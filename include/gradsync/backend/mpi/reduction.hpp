@@ -8,6 +8,7 @@
 #include <gradsync/backend/mpi/arithmetic.hpp>
 #include <gradsync/backend/mpi/mpi_api.hpp>
 #include <gradsync/backend/mpi/options.hpp>
+#include <gradsync/backend/mpi/scattered_range.hpp>
 #include <gradsync/buffer.hpp>  // for shard_of
 #include <gradsync/dtype.hpp>
 #include <gradsync/error.hpp>
@@ -80,46 +81,54 @@ public:
         flush(segments.size());
     }
 
-    // In place: this rank's shard (shard_of) of the `count` elements at `data` ends with their
-    // reduction over the ranks; the rest of the buffer holds partial sums. A ring, in rounds that
-    // move at most options_.chunk in all: part p is summed along the ring ending at rank p.
-    void reduce_scatter(std::byte* data, std::size_t count, DType t, ReduceOp op) {
+    // In place: this rank's shard (shard_of) of the elements in `segments`, laid end to end (one
+    // segment: a buffer), ends with their reduction over the ranks; the rest holds partial sums.
+    // A ring, in rounds that move at most options_.chunk in all: part p is summed along the ring
+    // ending at rank p.
+    void reduce_scatter(std::span<const Segment> segments, DType t, ReduceOp op) {
         const int n = size_;
         const std::size_t elem = size_of(t);
         if (n == 1) return;
-        const std::size_t q = round_elements(elem);
+        const ScatteredElements data(segments, elem);
+        const std::size_t count = data.count(), q = round_elements(elem);
         if (scratch_.size() < q * elem) scratch_.resize(q * elem);
         const int right = (rank_ + 1) % n, left = (rank_ + n - 1) % n;
         for (std::size_t done = 0; done < shard_of(count, n, 0).count; done += q) {
             const RoundParts part{count, n, done, q};
             for (int step = 0; step + 1 < n; ++step) {
                 const int send = (rank_ - step - 1 + 2 * n) % n, recv = (rank_ - step - 2 + 2 * n) % n;
-                check(MPI_Sendrecv(data + part.begin(send) * elem, static_cast<int>(part.length(send) * elem), MPI_BYTE,
-                                   right, ring_tag, scratch_.data(), static_cast<int>(part.length(recv) * elem),
-                                   MPI_BYTE, left, ring_tag, comm_, MPI_STATUS_IGNORE),
+                const MpiRange out(data, part.begin(send), part.length(send), elem);
+                check(MPI_Sendrecv(out.buffer(), out.count(), out.type(), right, ring_tag, scratch_.data(),
+                                   static_cast<int>(part.length(recv) * elem), MPI_BYTE, left, ring_tag, comm_,
+                                   MPI_STATUS_IGNORE),
                       "MPI_Sendrecv");
-                const bool last = step + 2 == n;
-                add_received(data + part.begin(recv) * elem, scratch_.data(), part.length(recv), t,
-                             last && op == ReduceOp::average ? 1.0 / n : 1.0);
+                const double factor = step + 2 == n && op == ReduceOp::average ? 1.0 / n : 1.0;
+                std::size_t from = 0;
+                data.for_each_run(part.begin(recv), part.length(recv), [&](std::byte* p, std::size_t k) {
+                    add_received(p, scratch_.data() + from * elem, k, t, factor);
+                    from += k;
+                });
             }
         }
     }
 
-    // In place: every rank's shard of the `count` elements of `elem` bytes at `data` reaches every
-    // other rank, passed along the ring in rounds that move at most options_.chunk in all.
-    void all_gather(std::byte* data, std::size_t count, std::size_t elem) {
+    // In place: every rank's shard of the elements of `elem` bytes in `segments` (laid end to
+    // end) reaches every other rank, passed along the ring in rounds that move at most
+    // options_.chunk in all.
+    void all_gather(std::span<const Segment> segments, std::size_t elem) {
         const int n = size_;
         if (n == 1) return;
-        const std::size_t q = round_elements(elem);
+        const ScatteredElements data(segments, elem);
+        const std::size_t count = data.count(), q = round_elements(elem);
         const int right = (rank_ + 1) % n, left = (rank_ + n - 1) % n;
         for (std::size_t done = 0; done < shard_of(count, n, 0).count; done += q) {
             const RoundParts part{count, n, done, q};
             for (int step = 0; step + 1 < n; ++step) {
                 const int send = (rank_ - step + n) % n, recv = (rank_ - step - 1 + n) % n;
-                check(MPI_Sendrecv(data + part.begin(send) * elem, static_cast<int>(part.length(send) * elem), MPI_BYTE,
-                                   right, ring_tag, data + part.begin(recv) * elem,
-                                   static_cast<int>(part.length(recv) * elem), MPI_BYTE, left, ring_tag, comm_,
-                                   MPI_STATUS_IGNORE),
+                const MpiRange out(data, part.begin(send), part.length(send), elem);
+                const MpiRange in(data, part.begin(recv), part.length(recv), elem);
+                check(MPI_Sendrecv(out.buffer(), out.count(), out.type(), right, ring_tag, in.buffer(), in.count(),
+                                   in.type(), left, ring_tag, comm_, MPI_STATUS_IGNORE),
                       "MPI_Sendrecv");
             }
         }
