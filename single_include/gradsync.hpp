@@ -7356,8 +7356,9 @@ private:
 // LocalBackend the averaged gradients are bitwise the allreduce's, so an elementwise optimizer
 // ends bitwise where DataParallel's would.
 //
-// This first version: float32 parameters in host memory, collectives at step() (no overlap with
-// backward yet), no loss scaling or wire compression; model buffers are not synchronized.
+// With grad_ready calls during backward, each bucket's reduce_scatter starts as soon as its
+// gradients are final, in plan order. This version: float32 parameters in host memory, no loss
+// scaling or wire compression; model buffers are not synchronized.
 
 
 #include <algorithm>  // for std::sort
@@ -7366,10 +7367,13 @@ private:
 #include <cstdint>
 #include <cstring>  // for std::memcpy
 #include <exception>
+#include <mutex>
 #include <span>
 #include <string>
+#include <string_view>
 #include <type_traits>  // for std::is_invocable_v
-#include <utility>      // for std::move
+#include <utility>      // for std::move, std::declval
+#include <variant>
 #include <vector>
 
 namespace gradsync::inline v0 {
@@ -7391,6 +7395,19 @@ struct ShardPiece {
     std::size_t parameter = 0;
     std::size_t offset = 0;
 };
+
+namespace detail {
+// What a bucket's asynchronous reduce_scatter returns: over segments where they lie, or packed.
+template <class B, bool InPlace>
+struct ShardedHandle {
+    using type = decltype(std::declval<B&>().reduce_scatter_async(std::declval<Buffer>(), ReduceOp::average));
+};
+template <class B>
+struct ShardedHandle<B, true> {
+    using type = decltype(std::declval<B&>().reduce_scatter_async(std::declval<std::span<const Segment>>(),
+                                                                  DType::float32, ReduceOp::average));
+};
+}  // namespace detail
 
 template <class Model, class BackendT>
 class ShardedDataParallel {
@@ -7427,6 +7444,19 @@ public:
     ShardedDataParallel(const ShardedDataParallel&) = delete;
     ShardedDataParallel& operator=(const ShardedDataParallel&) = delete;
 
+    // Overlap with backward: call as each parameter's gradient becomes final (from any thread).
+    // A bucket's reduce_scatter starts once all its parameters are ready and every bucket before
+    // it in the plan has started, so every rank issues them in the same order; step() waits for
+    // them and reduces the rest. Without these calls step() reduces every bucket itself.
+    void grad_ready(std::size_t index) {
+        const std::lock_guard lock(ready_mutex_);
+        mark(layout_.at_model_index(index));
+    }
+    void grad_ready(std::string_view name) {
+        const std::lock_guard lock(ready_mutex_);
+        mark(layout_.named(name));
+    }
+
     // After backward, on every rank: reduce-scatters the gradients, agrees on their norm, calls
     // optimizer(std::span<const ShardPiece<float>>) with this rank's pieces when every gradient
     // is finite (every rank decides alike), and all-gathers the parameters into every rank's
@@ -7450,6 +7480,11 @@ public:
         }
     }
 
+    // Buckets whose reduce_scatter grad_ready has started in this step (during backward).
+    [[nodiscard]] std::size_t buckets_launched() {
+        const std::lock_guard lock(ready_mutex_);
+        return launched_.size();
+    }
     // Elements of this rank's shards: the length of each optimizer state array it keeps.
     [[nodiscard]] std::size_t state_elements() const { return state_elements_; }
     // Elements of every parameter, for comparison: what an unsharded optimizer keeps per array.
@@ -7477,15 +7512,22 @@ private:
     StepReport step_now(Optimizer& optimizer) {
         StepReport report;
         report.step = ++steps_;
-        // On this thread, bucket after bucket: nothing overlaps them yet, and a progress thread
-        // would only compete with this one for the cores. The backend's deadline applies.
-        for (auto& slot : slots_) {
-            if constexpr (in_place) {
-                backend_.reduce_scatter(slot.grads, DType::float32, ReduceOp::average);
-            } else {
-                pack(slot.grads, slot.grad_buffer);
-                backend_.reduce_scatter(buffer_of(std::span<float>(slot.grad_buffer)), ReduceOp::average);
+        {
+            // The buckets grad_ready launched, then the rest on this thread, bucket after bucket
+            // (a progress thread would only compete with this one for the cores). The backend's
+            // deadline applies.
+            const std::lock_guard lock(ready_mutex_);
+            for (auto& h : launched_) h.wait();
+            for (std::size_t b = launched_.size(); b < slots_.size(); ++b) {
+                auto& slot = slots_[b];
+                if constexpr (in_place) {
+                    backend_.reduce_scatter(slot.grads, DType::float32, ReduceOp::average);
+                } else {
+                    pack(slot.grads, slot.grad_buffer);
+                    backend_.reduce_scatter(buffer_of(std::span<float>(slot.grad_buffer)), ReduceOp::average);
+                }
             }
+            new_step();
         }
         // This rank's share of the norm and of the finite check (the square sum is non-finite
         // exactly when an element is), then everyone's.
@@ -7522,11 +7564,50 @@ private:
         Shard shard;
     };
 
+    using Handle = typename detail::ShardedHandle<BackendT, in_place>::type;
+    static Handle reduce_scatter_async(BackendT& backend, Slot& slot) {
+        if constexpr (in_place) {
+            return backend.reduce_scatter_async(std::span<const Segment>(slot.grads), DType::float32,
+                                                ReduceOp::average);
+        } else {
+            pack(slot.grads, slot.grad_buffer);
+            return backend.reduce_scatter_async(buffer_of(std::span<float>(slot.grad_buffer)), ReduceOp::average);
+        }
+    }
+
+    // Under ready_mutex_: parameter p is ready; launches every bucket now complete, in plan order.
+    void mark(const std::variant<std::size_t, std::string>& found) {
+        if (const auto* problem = std::get_if<std::string>(&found))
+            throw ReadinessError(detail::rank_prefix(rank()) + ": " + *problem);
+        const auto p = std::get<std::size_t>(found);
+        if (p == detail::ModelLayout::none) return;
+        if (ready_[p])
+            throw ReadinessError(detail::rank_prefix(rank()) + ": grad_ready for parameter '" + layout_.params[p].name +
+                                 "' was called twice in one step");
+        ready_[p] = true;
+        --missing_[bucket_of_[p]];
+        while (launched_.size() < slots_.size() && missing_[launched_.size()] == 0)
+            launched_.push_back(reduce_scatter_async(backend_, slots_[launched_.size()]));
+    }
+
+    // Under ready_mutex_: nothing ready, nothing launched.
+    void new_step() {
+        launched_.clear();
+        std::fill(ready_.begin(), ready_.end(), false);
+        for (std::size_t b = 0; b < plan_.buckets.size(); ++b) missing_[b] = plan_.buckets[b].parameters.size();
+    }
+
     void build_slots() {
         slots_.clear();
         pieces_.clear();
         grad_shards_.clear();
         state_elements_ = 0;
+        bucket_of_.assign(layout_.params.size(), 0);
+        ready_.assign(layout_.params.size(), false);
+        missing_.assign(plan_.buckets.size(), 0);
+        for (std::size_t b = 0; b < plan_.buckets.size(); ++b)
+            for (auto i : plan_.buckets[b].parameters) bucket_of_[i] = b;
+        new_step();
         for (const auto& bucket : plan_.buckets) {
             Slot slot;
             auto indices = bucket.parameters;
@@ -7609,6 +7690,12 @@ private:
     std::vector<std::span<float>> grad_shards_;  // their gradients, writable (clipping)
     std::size_t state_elements_ = 0;
     std::uint64_t steps_ = 0;
+    // Overlap: which parameters grad_ready reported this step, how many each bucket still
+    // lacks, and the reduce_scatters launched (buckets 0 .. size - 1).
+    std::mutex ready_mutex_;
+    std::vector<std::size_t> bucket_of_, missing_;
+    std::vector<bool> ready_;
+    std::vector<Handle> launched_;
 };
 
 }  // namespace gradsync::inline v0

@@ -44,8 +44,10 @@ mlp::Batch batch_of(int world, int rank, int step) {
 }
 
 // Rank 0's weights after sharded training; checks every rank ends every step with the same bits.
+// The first `overlapping` ranks report gradients as backward makes them (grad_ready), so that
+// their buckets' reduce_scatters start during backward; the others leave it all to step().
 template <bool Adam>
-Weights train_sharded(int world, gradsync::SizeCappedBuckets caps, double clip = 0) {
+Weights train_sharded(int world, gradsync::SizeCappedBuckets caps, double clip = 0, int overlapping = 0) {
     Weights result;
     std::vector<std::vector<Weights>> per_step(static_cast<std::size_t>(world));
     std::vector<std::size_t> state(static_cast<std::size_t>(world));
@@ -54,6 +56,7 @@ Weights train_sharded(int world, gradsync::SizeCappedBuckets caps, double clip =
         const auto r = static_cast<std::size_t>(backend.rank());
         mlp::Mlp model(/*seed=*/1 + r * 1000);  // replaced by rank 0's at construction
         gradsync::ShardedDataParallel sdp(model, backend, caps, gradsync::ShardedOptions{.clip_norm = clip});
+        if (backend.rank() < overlapping) model.on_grad_ready = [&](std::size_t i) { sdp.grad_ready(i); };
         state[r] = sdp.state_elements();
         if (r == 0) total = sdp.parameter_elements();
         ShardedSgd sgd;
@@ -63,6 +66,8 @@ Weights train_sharded(int world, gradsync::SizeCappedBuckets caps, double clip =
         adam.m2.assign(sdp.state_elements(), 0.0f);
         for (int s = 0; s < steps; ++s) {
             model.forward_backward(batch_of(world, backend.rank(), s));
+            // Every bucket started during backward on the overlapping ranks, none on the others.
+            CHECK(sdp.buckets_launched() == (backend.rank() < overlapping ? sdp.plan().buckets.size() : 0));
             gradsync::StepReport report;
             if constexpr (Adam)
                 report = sdp.step(adam);
@@ -158,6 +163,11 @@ void check_equivalence() {
             const auto sharded = train_sharded<Adam>(world, c);
             CHECK(bitwise_equal(sharded, train_unsharded<Adam>(world, c)));
             check_close(sharded, single, 1e-5);
+            // Overlapped with backward on every rank, or on some: the same bits.
+            if constexpr (!Adam) {
+                CHECK(bitwise_equal(train_sharded<Adam>(world, c, 0, world), sharded));
+                if (world > 1) CHECK(bitwise_equal(train_sharded<Adam>(world, c, 0, 1), sharded));
+            }
         }
     }
 }
@@ -314,4 +324,21 @@ TEST_CASE("gradient accumulation: micro-batches summed in the model before one s
         CHECK(bitwise_equal(sharded, train_accumulating(world, false)));
         check_close(sharded, train_single<true>(world), 1e-5);
     }
+}
+
+TEST_CASE("sharded overlap: grad_ready twice, or for a parameter the model lacks, is a ReadinessError") {
+    gradsync::spawn(1, [&](gradsync::LocalBackend& backend) {
+        mlp::Mlp model(1);
+        gradsync::ShardedDataParallel sdp(model, backend);
+        sdp.grad_ready(std::size_t{3});
+        CHECK_THROWS_WITH_AS(sdp.grad_ready("fc2.bias"), doctest::Contains("'fc2.bias' was called twice in one step"),
+                             gradsync::ReadinessError);
+        CHECK_THROWS_WITH_AS(sdp.grad_ready(std::size_t{9}), doctest::Contains("the model has 4 parameters"),
+                             gradsync::ReadinessError);
+        ShardedSgd sgd;
+        sgd.velocity.assign(sdp.state_elements(), 0.0f);
+        model.forward_backward(batch_of(1, 0, 0));
+        CHECK(sdp.step(sgd).applied);
+        sdp.grad_ready(std::size_t{3});  // a new step: allowed again
+    });
 }

@@ -379,26 +379,31 @@ TEST_CASE("equivalence over MPI: N processes with micro-batch b == one process w
 }
 
 TEST_CASE("sharded over MPI: optimizer state split across processes == one process with the whole batch") {
-    for (const auto& caps : {gradsync::SizeCappedBuckets{}, gradsync::SizeCappedBuckets{64_KiB, 4_KiB}}) {
-        CAPTURE(caps.settings());
-        gradsync::MpiBackend backend;
-        mlp::Mlp model(1 + std::uint64_t(backend.rank()) * 1000);  // replaced by rank 0's at construction
-        gradsync::ShardedDataParallel sdp(model, backend, caps);
-        sharded::ShardedSgd sgd;
-        sgd.velocity.assign(sdp.state_elements(), 0.0f);
-        const int world = backend.size();
-        for (int s = 0; s < steps; ++s) {
-            auto first = std::size_t(s * world * micro_batch + backend.rank() * micro_batch);
-            model.forward_backward(mlp::make_batch(2026, first, micro_batch));
-            CHECK(sdp.step(sgd).applied);
+    for (const auto& caps : {gradsync::SizeCappedBuckets{}, gradsync::SizeCappedBuckets{64_KiB, 4_KiB}})
+        for (const bool overlap : {false, true}) {  // reduce_scatters started by grad_ready during backward
+            CAPTURE(caps.settings());
+            CAPTURE(overlap);
+            gradsync::MpiBackend backend;
+            mlp::Mlp model(1 + std::uint64_t(backend.rank()) * 1000);  // replaced by rank 0's at construction
+            gradsync::ShardedDataParallel sdp(model, backend, caps);
+            if (overlap) model.on_grad_ready = [&](std::size_t i) { sdp.grad_ready(i); };
+            sharded::ShardedSgd sgd;
+            sgd.velocity.assign(sdp.state_elements(), 0.0f);
+            const int world = backend.size();
+            for (int s = 0; s < steps; ++s) {
+                auto first = std::size_t(s * world * micro_batch + backend.rank() * micro_batch);
+                model.forward_backward(mlp::make_batch(2026, first, micro_batch));
+                CHECK(sdp.buckets_launched() == (overlap ? sdp.plan().buckets.size() : 0));
+                CHECK(sdp.step(sgd).applied);
+            }
+            check_close(resume::flat(model), train_single(world));
+            CHECK(same_on_every_rank(resume::flat(model)));
+            // This rank's state is its share: the shares add up to every parameter once.
+            std::uint64_t mine = sdp.state_elements(), all = 0;
+            MPI_Allreduce(&mine, &all, 1, MPI_UINT64_T, MPI_SUM, gradsync::mpi_world());
+            CHECK(all == sdp.parameter_elements());
+            CHECK(mine * std::uint64_t(world) <= sdp.parameter_elements() + std::uint64_t(world) * 8);
         }
-        check_close(resume::flat(model), train_single(world));
-        // This rank's state is its share: the shares add up to every parameter once.
-        std::uint64_t mine = sdp.state_elements(), all = 0;
-        MPI_Allreduce(&mine, &all, 1, MPI_UINT64_T, MPI_SUM, gradsync::mpi_world());
-        CHECK(all == sdp.parameter_elements());
-        CHECK(mine * std::uint64_t(world) <= sdp.parameter_elements() + std::uint64_t(world) * 8);
-    }
 }
 
 TEST_CASE("over MPI, bucket autotuning turns one bucket into a finer plan, the same on every rank") {
