@@ -6147,8 +6147,9 @@ private:
 // ends bitwise where DataParallel's would.
 //
 // With grad_ready calls during backward, each bucket's reduce_scatter starts as soon as its
-// gradients are final, in plan order. This version: float32 parameters in host memory, no loss
-// scaling or wire compression; model buffers are not synchronized.
+// gradients are final, in plan order. A loss scaler (third template argument) is unscaled in the
+// norm pass. This version: float32 parameters in host memory, no wire compression; model buffers
+// are not synchronized.
 
 
 #include <algorithm>  // for std::sort
@@ -6199,7 +6200,7 @@ struct ShardedHandle<B, true> {
 };
 }  // namespace detail
 
-template <class Model, class BackendT>
+template <class Model, class BackendT, class Scaler = NoLossScaling>
 class ShardedDataParallel {
     static_assert(detail::check_backend<BackendT>());
     static_assert(detail::check_sharded_collectives<BackendT>());
@@ -6208,8 +6209,11 @@ public:
     // Lists the model's parameters, checks them and agrees on the layout and the plan with every
     // rank (the same exception on every rank otherwise), and copies rank 0's parameter values to
     // every rank. Model and backend must outlive this.
-    ShardedDataParallel(Model& model, BackendT& backend, SizeCappedBuckets bucketer = {}, ShardedOptions options = {})
-        : model_(model), backend_(backend), options_(options) {
+    // With a loss scaler (StaticLossScale, DynamicLossScale), multiply the loss by loss_scale()
+    // before backward: step() unscales and skips overflowing steps, as DataParallel does.
+    ShardedDataParallel(Model& model, BackendT& backend, SizeCappedBuckets bucketer = {}, ShardedOptions options = {},
+                        Scaler scaler = {})
+        : model_(model), backend_(backend), options_(options), scaler_(scaler) {
         static_assert(detail::check_model_access<Model>());
         layout_ = detail::ModelLayout::of(model_, /*with_buffers=*/false);
         detail::LocalProblem problem;
@@ -6222,10 +6226,13 @@ public:
             problem = {detail::LocalProblem::Kind::configuration,
                        detail::rank_prefix(rank()) + ": ShardedOptions::clip_norm must be at least 0, got " +
                            std::to_string(options_.clip_norm)};
+        if (const auto why = detail::invalid_of(scaler_); !why.empty())
+            problem = {detail::LocalProblem::Kind::configuration, detail::rank_prefix(rank()) + ": " + why};
         plan_ = problem.kind == detail::LocalProblem::Kind::none ? bucketer.plan(layout_.params) : BucketPlan{};
         const std::vector<detail::Setting> settings{{"mode", "sharded (stage 1)"},
                                                     {"bucketer", bucketer.settings()},
-                                                    {"clip_norm", std::to_string(options_.clip_norm)}};
+                                                    {"clip_norm", std::to_string(options_.clip_norm)},
+                                                    {"loss_scaler", scaler_.settings()}};
         detail::agree_on_layout(backend_, layout_.params, {}, plan_, settings, problem);
         for (const auto& p : layout_.params)
             backend_.broadcast(std::span(static_cast<std::byte*>(p.data), p.bytes().count()), 0);
@@ -6286,6 +6293,10 @@ public:
     // This rank's pieces, as step() hands them to the optimizer (the state is the trainer's).
     [[nodiscard]] std::span<const ShardPiece<float>> shard_pieces() const { return pieces_; }
     [[nodiscard]] std::uint64_t steps() const { return steps_; }
+    // The factor to multiply the loss by before backward (1 without a loss scaler).
+    [[nodiscard]] float loss_scale() const { return scaler_.scale(); }
+    // The loss scaler, to save or restore its state (a Checkpoint does).
+    [[nodiscard]] Scaler& loss_scaler() { return scaler_; }
     // For checkpoint loading: the step count to continue from.
     void restore_steps(std::uint64_t steps) { steps_ = steps; }
     [[nodiscard]] BackendT& backend() const { return backend_; }
@@ -6321,13 +6332,23 @@ private:
         }
         // This rank's share of the norm and of the finite check (the square sum is non-finite
         // exactly when an element is), then everyone's.
+        // With a loss scale, the same pass unscales, as DataParallel's finalize pass does.
+        report.loss_scale = scaler_.scale();
+        const double unscale = 1.0 / static_cast<double>(report.loss_scale);
         detail::SquareSum squares;
-        for (const auto grads : grad_shards_) detail::square_sum(grads.data(), grads.size(), squares);
+        for (const auto grads : grad_shards_) {
+            if (unscale == 1.0)
+                detail::square_sum(grads.data(), grads.size(), squares);
+            else
+                detail::scale_square_sum(grads.data(), grads.size(), unscale, squares);
+        }
         const double mine = squares.total();
         double partial[2] = {std::isfinite(mine) ? mine : 0.0, std::isfinite(mine) ? 0.0 : 1.0};
         if (backend_.size() > 1) backend_.allreduce(std::span<double>(partial, 2), ReduceOp::sum);
         report.grad_norm = partial[1] > 0 ? std::nan("") : std::sqrt(partial[0]);
         report.applied = partial[1] == 0;
+        scaler_.update(!report.applied);  // every rank alike: the decision is agreed
+        report.next_loss_scale = scaler_.scale();
         if (!report.applied) return report;
         if (options_.clip_norm > 0 && report.grad_norm > options_.clip_norm) {
             for (const auto grads : grad_shards_)
@@ -6473,6 +6494,7 @@ private:
     Model& model_;
     BackendT& backend_;
     ShardedOptions options_;
+    Scaler scaler_;
     detail::ModelLayout layout_;
     BucketPlan plan_;
     std::vector<Slot> slots_;

@@ -83,7 +83,9 @@ TEST_CASE("sharded checkpoint: resuming is exact, bit for bit: 8 steps == 4, sav
             CHECK(bitwise_equal(straight[r].m2, resumed[r].m2));
             CHECK(resumed[r].steps == 8);
             CHECK(resumed[r].t == 8);
+            CHECK(resumed[r].loss_scale == straight[r].loss_scale);
         }
+        CHECK(straight[0].loss_scale == 4096.0f);  // the scaler moved: its state mattered
         // One main file and one shard file per rank, nothing else.
         CHECK(files_in(dir.path).size() == 1 + static_cast<std::size_t>(world));
     }
@@ -109,6 +111,7 @@ TEST_CASE("sharded checkpoint: a load into another number of ranks or bucket pla
                     CHECK(bitwise_equal(r.weights, saved[0].weights));
                     CHECK(r.steps == 3);
                     CHECK(r.t == 3);
+                    CHECK(r.loss_scale == saved[0].loss_scale);
                 }
                 CHECK(merged(saved, &Outcome::m2)[0][0] != 0.0f);  // the state is not trivially zero
             }

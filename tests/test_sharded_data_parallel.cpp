@@ -342,3 +342,62 @@ TEST_CASE("sharded overlap: grad_ready twice, or for a parameter the model lacks
         sdp.grad_ready(std::size_t{3});  // a new step: allowed again
     });
 }
+
+namespace {
+
+// Training with a dynamic loss scale that grows every 3 steps; on step 4 the last rank's
+// gradients overflow. Returns rank 0's weights, and each step's loss scale and outcome.
+struct ScaledRun {
+    Weights weights;
+    std::vector<float> scales;
+    std::vector<bool> applied;
+};
+
+template <bool Sharded>
+ScaledRun train_scaled(int world) {
+    ScaledRun run;
+    const gradsync::SizeCappedBuckets caps{.cap = 64_KiB, .first_cap = 4_KiB};
+    const gradsync::DynamicLossScale scaler{.init_scale = 1024.0f, .growth_interval = 3};
+    gradsync::spawn(world, [&](gradsync::LocalBackend& backend) {
+        mlp::Mlp model(/*seed=*/1);
+        auto train = [&](auto& front, auto&& step) {
+            for (int s = 0; s < steps; ++s) {
+                model.forward_backward(batch_of(world, backend.rank(), s), front.loss_scale());
+                if (s == 4 && backend.rank() == world - 1) model.gb2[0] = std::numeric_limits<float>::infinity();
+                const auto report = step();
+                if (backend.rank() != 0) continue;
+                run.scales.push_back(report.loss_scale);
+                run.applied.push_back(report.applied);
+            }
+        };
+        if constexpr (Sharded) {
+            gradsync::ShardedDataParallel sdp(model, backend, caps, {}, scaler);
+            ShardedSgd sgd;
+            sgd.velocity.assign(sdp.state_elements(), 0.0f);
+            train(sdp, [&] { return sdp.step(sgd); });
+        } else {
+            gradsync::DataParallel dp(model, backend, caps, scaler);
+            mlp::Sgd sgd(0.05f, 0.9f);
+            train(dp, [&] { return dp.step([&] { sgd.step(model); }); });
+        }
+        if (backend.rank() == 0) run.weights = weights_of(model);
+    });
+    return run;
+}
+
+}  // namespace
+
+TEST_CASE("sharded with a dynamic loss scale: unscaled, grown and backed off as DataParallel does, bitwise") {
+    for (int world : {1, 2, 3}) {
+        CAPTURE(world);
+        const auto sharded = train_scaled<true>(world);
+        const auto unsharded = train_scaled<false>(world);
+        CHECK(bitwise_equal(sharded.weights, unsharded.weights));
+        CHECK(sharded.scales == unsharded.scales);
+        CHECK(sharded.applied == unsharded.applied);
+        REQUIRE(sharded.applied.size() == static_cast<std::size_t>(steps));
+        CHECK_FALSE(sharded.applied[4]);  // the overflow skipped the step on every rank
+        CHECK(sharded.scales[3] == 2048.0f);
+        CHECK(sharded.scales[5] == 1024.0f);  // backed off after it
+    }
+}

@@ -33,6 +33,7 @@ struct Outcome {
     Tensors m1, m2;
     std::uint64_t steps = 0;
     int t = 0;
+    float loss_scale = 0;  // for the next step
 };
 
 inline Tensors zeros_like(mlp::Mlp& m) {
@@ -41,13 +42,14 @@ inline Tensors zeros_like(mlp::Mlp& m) {
     return out;
 }
 
-// Trains steps [first, last) on this rank with Adam, loading `load` before and saving to `save`
-// after when given.
+// Trains steps [first, last) on this rank with Adam and a loss scale that doubles every second
+// step, loading `load` before and saving to `save` after when given.
 template <class Backend>
 Outcome run(Backend& backend, gradsync::SizeCappedBuckets caps, int first, int last, const fs::path& load,
             const fs::path& save) {
     mlp::Mlp model(/*seed=*/5);
-    gradsync::ShardedDataParallel sdp(model, backend, caps);
+    gradsync::ShardedDataParallel sdp(model, backend, caps, {},
+                                      gradsync::DynamicLossScale{.init_scale = 256.0f, .growth_interval = 2});
     sharded::ShardedAdam adam;
     adam.m1.assign(sdp.state_elements(), 0.0f);
     adam.m2.assign(sdp.state_elements(), 0.0f);
@@ -57,12 +59,19 @@ Outcome run(Backend& backend, gradsync::SizeCappedBuckets caps, int first, int l
     if (!load.empty()) checkpoint.load(load, sdp);
     const int world = backend.size();
     for (int s = first; s < last; ++s) {
-        model.forward_backward(mlp::make_batch(
-            data_seed, static_cast<std::size_t>((s * world + backend.rank()) * micro_batch), micro_batch));
+        model.forward_backward(
+            mlp::make_batch(data_seed, static_cast<std::size_t>((s * world + backend.rank()) * micro_batch),
+                            micro_batch),
+            sdp.loss_scale());
         CHECK(sdp.step(adam).applied);
     }
     if (!save.empty()) checkpoint.save(save, sdp);
-    Outcome out{{model.w1, model.b1, model.w2, model.b2}, zeros_like(model), zeros_like(model), sdp.steps(), adam.t};
+    Outcome out{{model.w1, model.b1, model.w2, model.b2},
+                zeros_like(model),
+                zeros_like(model),
+                sdp.steps(),
+                adam.t,
+                sdp.loss_scale()};
     for (const auto& piece : sdp.shard_pieces())
         for (std::size_t i = 0; i < piece.params.size(); ++i) {
             out.m1[piece.parameter][piece.offset + i] = adam.m1[piece.state_offset + i];
