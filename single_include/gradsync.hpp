@@ -7358,8 +7358,8 @@ private:
 //
 // With grad_ready calls during backward, each bucket's reduce_scatter starts as soon as its
 // gradients are final, in plan order. A loss scaler (third template argument) is unscaled in the
-// norm pass. This version: float32 parameters in host memory, no wire compression; model buffers
-// are not synchronized.
+// norm pass. Model buffers are kept as ShardedOptions::buffers says. This version: float32
+// parameters in host memory, no wire compression.
 
 
 #include <algorithm>  // for std::sort
@@ -7382,6 +7382,9 @@ namespace gradsync::inline v0 {
 struct ShardedOptions {
     // Above 0: gradients whose global L2 norm exceeds it are scaled down to it before the optimizer.
     double clip_norm = 0;
+    // The model's buffers (batch-norm statistics), as DataParallel's buffer policies keep them:
+    // rank 0's copied at construction and at every step (the default), averaged, or left alone.
+    BufferSync buffers = BufferSync::broadcast_every_step;
 };
 
 // One contiguous piece of this rank's shard, within one parameter: its values and averaged
@@ -7425,7 +7428,7 @@ public:
                         Scaler scaler = {})
         : model_(model), backend_(backend), options_(options), scaler_(scaler) {
         static_assert(detail::check_model_access<Model>());
-        layout_ = detail::ModelLayout::of(model_, /*with_buffers=*/false);
+        layout_ = detail::ModelLayout::of(model_, /*with_buffers=*/true);
         detail::LocalProblem problem;
         for (const auto& p : layout_.params)
             if (p.dtype != DType::float32 && problem.kind == detail::LocalProblem::Kind::none)
@@ -7442,10 +7445,12 @@ public:
         const std::vector<detail::Setting> settings{{"mode", "sharded (stage 1)"},
                                                     {"bucketer", bucketer.settings()},
                                                     {"clip_norm", std::to_string(options_.clip_norm)},
-                                                    {"loss_scaler", scaler_.settings()}};
-        detail::agree_on_layout(backend_, layout_.params, {}, plan_, settings, problem);
+                                                    {"loss_scaler", scaler_.settings()},
+                                                    {"buffers", buffer_sync_name(options_.buffers)}};
+        detail::agree_on_layout(backend_, layout_.params, layout_.buffers, plan_, settings, problem);
         for (const auto& p : layout_.params)
             backend_.broadcast(std::span(static_cast<std::byte*>(p.data), p.bytes().count()), 0);
+        detail::sync_buffers(backend_, buffers(), options_.buffers, /*at_construction=*/true, history_, 0);
         build_slots();
     }
     ShardedDataParallel(const ShardedDataParallel&) = delete;
@@ -7498,8 +7503,8 @@ public:
     [[nodiscard]] std::size_t parameter_elements() const { return plan_.bytes().count() / sizeof(float); }
     [[nodiscard]] const BucketPlan& plan() const { return plan_; }
     [[nodiscard]] std::span<const Parameter> parameters() const { return layout_.params; }
-    // Model buffers are neither synchronized nor checkpointed in sharded mode.
-    [[nodiscard]] std::span<const ModelBuffer> buffers() const { return {}; }
+    [[nodiscard]] std::span<const ModelBuffer> buffers() const { return layout_.buffers; }
+    [[nodiscard]] BufferSync buffer_sync() const { return options_.buffers; }
     // This rank's pieces, as step() hands them to the optimizer (the state is the trainer's).
     [[nodiscard]] std::span<const ShardPiece<float>> shard_pieces() const { return pieces_; }
     [[nodiscard]] std::uint64_t steps() const { return steps_; }
@@ -7540,6 +7545,8 @@ private:
             }
             new_step();
         }
+        detail::sync_buffers(backend_, buffers(), options_.buffers, /*at_construction=*/false, history_,
+                             static_cast<std::int64_t>(steps_));
         // This rank's share of the norm and of the finite check (the square sum is non-finite
         // exactly when an element is), then everyone's.
         // With a loss scale, the same pass unscales, as DataParallel's finalize pass does.
@@ -7577,6 +7584,16 @@ private:
         if constexpr (!in_place)
             for (auto& slot : slots_) unpack(slot.param_buffer, slot.params);
         return report;
+    }
+
+    static std::string buffer_sync_name(BufferSync mode) {
+        switch (mode) {
+            case BufferSync::broadcast_every_step: return "broadcast every step";
+            case BufferSync::broadcast_once: return "broadcast once";
+            case BufferSync::average_every_step: return "average every step";
+            case BufferSync::ignore: return "ignore";
+        }
+        return "unknown (" + std::to_string(int(mode)) + ")";
     }
 
     struct Slot {
@@ -7712,6 +7729,7 @@ private:
     std::vector<std::span<float>> grad_shards_;  // their gradients, writable (clipping)
     std::size_t state_elements_ = 0;
     std::uint64_t steps_ = 0;
+    detail::CollectiveHistory history_;  // tags the buffers' collectives
     // Overlap: which parameters grad_ready reported this step, how many each bucket still
     // lacks, and the reduce_scatters launched (buckets 0 .. size - 1).
     std::mutex ready_mutex_;

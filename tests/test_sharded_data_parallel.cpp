@@ -401,3 +401,59 @@ TEST_CASE("sharded with a dynamic loss scale: unscaled, grown and backed off as 
         CHECK(sharded.scales[5] == 1024.0f);  // backed off after it
     }
 }
+
+namespace {
+
+// The example MLP with a float buffer each rank updates on its own (a running mean) and a counter.
+struct MlpWithStats : mlp::Mlp {
+    using mlp::Mlp::Mlp;
+    std::vector<float> running_mean = std::vector<float>(5, 0.0f);
+    std::vector<std::int64_t> batches = {0};
+    std::vector<gradsync::ModelBuffer> buffers() {
+        return {gradsync::model_buffer("stats.running_mean", running_mean),
+                gradsync::model_buffer("stats.batches", batches)};
+    }
+};
+
+}  // namespace
+
+TEST_CASE("sharded model buffers: rank 0's copied at construction and each step, averaged, or left alone") {
+    const gradsync::BufferSync modes[] = {gradsync::BufferSync::broadcast_every_step,
+                                          gradsync::BufferSync::average_every_step, gradsync::BufferSync::ignore};
+    for (const auto mode : modes) {
+        CAPTURE(int(mode));
+        std::vector<std::vector<float>> means(3);
+        std::vector<std::int64_t> counts(3);
+        gradsync::spawn(3, [&](gradsync::LocalBackend& backend) {
+            const auto r = static_cast<std::size_t>(backend.rank());
+            MlpWithStats model(/*seed=*/1);
+            model.running_mean.assign(5, 100.0f * float(r));  // rank 0's reaches everyone at construction...
+            gradsync::ShardedDataParallel sdp(model, backend, {}, gradsync::ShardedOptions{.buffers = mode});
+            if (mode != gradsync::BufferSync::ignore) CHECK(model.running_mean == std::vector<float>(5, 0.0f));
+            ShardedSgd sgd;
+            sgd.velocity.assign(sdp.state_elements(), 0.0f);
+            model.forward_backward(batch_of(3, backend.rank(), 0));
+            model.running_mean.assign(5, float(r + 1));  // ...then each rank's statistics of its own batch
+            model.batches[0] = static_cast<std::int64_t>(r + 1);
+            CHECK(sdp.step(sgd).applied);
+            means[r] = model.running_mean;
+            counts[r] = model.batches[0];
+        });
+        for (std::size_t r = 0; r < 3; ++r) {
+            CAPTURE(r);
+            switch (mode) {
+                case gradsync::BufferSync::broadcast_every_step:
+                    CHECK(means[r] == std::vector<float>(5, 1.0f));
+                    CHECK(counts[r] == 1);
+                    break;
+                case gradsync::BufferSync::average_every_step:
+                    CHECK(means[r] == std::vector<float>(5, 2.0f));  // (1 + 2 + 3) / 3
+                    CHECK(counts[r] == 1);                           // integers are broadcast, not averaged
+                    break;
+                default:
+                    CHECK(means[r] == std::vector<float>(5, float(r + 1)));
+                    CHECK(counts[r] == std::int64_t(r + 1));
+            }
+        }
+    }
+}

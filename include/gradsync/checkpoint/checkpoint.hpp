@@ -85,7 +85,7 @@ public:
         }
         detail::agree_on_problem(dp.backend(), problem);
         if constexpr (!on_device<DP>()) {
-            auto tensors = detail::replica_tensors(dp.parameters(), dp.buffers(), buffer_mode<DP>());
+            auto tensors = detail::replica_tensors(dp.parameters(), dp.buffers(), buffer_mode(dp));
             for (const auto& e : extras_)
                 tensors.push_back(
                     detail::ReplicaTensor{&e.name, "checkpointed tensor", e.data, e.count * size_of(e.dtype)});
@@ -197,7 +197,7 @@ private:
         std::uint32_t bad_steps = 0;
     };
 
-    // What differs between the fronts: ShardedDataParallel has sharded state and no buffers.
+    // What differs between the fronts: ShardedDataParallel has sharded state and no memory policy.
     template <class DP>
     static constexpr bool sharded = requires(DP& d) {
         d.shard_pieces();
@@ -210,11 +210,11 @@ private:
             return false;
     }
     template <class DP>
-    static constexpr BufferSync buffer_mode() {
+    static BufferSync buffer_mode(const DP& dp) {
         if constexpr (requires { DP::buffers_type::mode; })
             return DP::buffers_type::mode;
         else
-            return BufferSync::ignore;
+            return dp.buffer_sync();
     }
 
     // Each rank writes its shard file; every rank returns the list of them (hashes gathered from
