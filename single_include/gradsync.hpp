@@ -7362,6 +7362,132 @@ private:
 // parameters in host memory, no wire compression.
 
 
+// ---- begin gradsync/data_parallel/shard_layout.hpp ----
+#ifndef GRADSYNC_SINGLE_DATA_PARALLEL_SHARD_LAYOUT_HPP
+#define GRADSYNC_SINGLE_DATA_PARALLEL_SHARD_LAYOUT_HPP
+// How ShardedDataParallel splits the plan's buckets among the ranks: each bucket into one
+// contiguous shard per rank (shard_of), and this rank's shard of each into pieces, one per
+// parameter it covers, pointing into the model (in place) or into packed bucket buffers.
+
+
+#include <algorithm>  // for std::sort, std::max, std::min
+#include <cstddef>
+#include <cstring>  // for std::memcpy
+#include <span>
+#include <utility>  // for std::move
+#include <vector>
+
+namespace gradsync::inline v0 {
+
+// One contiguous piece of this rank's shard, within one parameter: its values and averaged
+// gradients, which parameter (an index into ShardedDataParallel::parameters()) and from which of
+// its elements, and where its optimizer state begins in the rank's state arrays of
+// ShardedDataParallel::state_elements() elements. A rank owns at most one piece of a parameter.
+template <class T>
+struct ShardPiece {
+    std::span<T> params;
+    std::span<const T> grads;
+    std::size_t state_offset = 0;
+    std::size_t parameter = 0;
+    std::size_t offset = 0;
+};
+
+namespace detail {
+
+// One bucket: its gradients and parameters where the model keeps them (by parameter index: the
+// element order of the bucket), this rank's shard, and the packed route's buffers.
+struct ShardSlot {
+    std::vector<Segment> grads, params;
+    std::vector<float> grad_buffer, param_buffer;
+    Shard shard;
+
+    void pack_grads() { copy_in(grads, grad_buffer); }
+    void unpack_params() const {
+        std::size_t at = 0;
+        for (const auto& s : params) {
+            std::memcpy(s.data, param_buffer.data() + at, s.count * sizeof(float));
+            at += s.count;
+        }
+    }
+    // Copies the model's parameters of this rank's shard into the parameter buffer.
+    void pack_shard() {
+        const std::size_t lo = shard.offset, hi = lo + shard.count;
+        std::size_t at = 0;
+        for (const auto& s : params) {
+            const std::size_t begin = std::max(lo, at), end = std::min(hi, at + s.count);
+            if (begin < end)
+                std::memcpy(param_buffer.data() + begin, static_cast<const float*>(s.data) + (begin - at),
+                            (end - begin) * sizeof(float));
+            at += s.count;
+        }
+    }
+
+private:
+    static void copy_in(const std::vector<Segment>& segs, std::vector<float>& buffer) {
+        std::size_t at = 0;
+        for (const auto& s : segs) {
+            std::memcpy(buffer.data() + at, s.data, s.count * sizeof(float));
+            at += s.count;
+        }
+    }
+};
+
+// Every bucket's slot and this rank's pieces, in bucket order; the pieces' state offsets count
+// up from 0 to state_elements.
+template <bool InPlace>
+struct ShardLayout {
+    std::vector<ShardSlot> slots;
+    std::vector<ShardPiece<float>> pieces;
+    std::vector<std::span<float>> grads;  // the pieces' gradients, writable (unscaling, clipping)
+    std::size_t state_elements = 0;
+
+    ShardLayout() = default;
+    ShardLayout(std::span<const Parameter> params, const BucketPlan& plan, int ranks, int rank) {
+        for (const auto& bucket : plan.buckets) {
+            ShardSlot slot;
+            auto indices = bucket.parameters;
+            std::sort(indices.begin(), indices.end());
+            for (auto i : indices) {
+                slot.grads.push_back({params[i].grad, params[i].count});
+                slot.params.push_back({params[i].data, params[i].count});
+            }
+            if constexpr (!InPlace) {
+                slot.grad_buffer.assign(bucket.count, 0.0f);
+                slot.param_buffer.assign(bucket.count, 0.0f);
+            }
+            slot.shard = shard_of(bucket.count, ranks, rank);
+            // The shard crosses the bucket's parameters: one piece per parameter it covers.
+            const std::size_t lo = slot.shard.offset, hi = lo + slot.shard.count;
+            std::size_t at = 0;
+            for (std::size_t k = 0; k < slot.params.size(); ++k) {
+                const std::size_t n = slot.params[k].count, begin = std::max(lo, at), end = std::min(hi, at + n);
+                if (begin < end) {
+                    float* p = InPlace ? static_cast<float*>(slot.params[k].data) + (begin - at)
+                                       : slot.param_buffer.data() + begin;
+                    float* g = InPlace ? static_cast<float*>(slot.grads[k].data) + (begin - at)
+                                       : slot.grad_buffer.data() + begin;
+                    add_piece(p, g, end - begin, indices[k], begin - at);
+                }
+                at += n;
+            }
+            slots.push_back(std::move(slot));  // the buffers' memory moves with it
+        }
+    }
+
+private:
+    void add_piece(float* params, float* g, std::size_t n, std::size_t parameter, std::size_t offset) {
+        pieces.push_back(
+            {std::span<float>(params, n), std::span<const float>(g, n), state_elements, parameter, offset});
+        grads.emplace_back(g, n);
+        state_elements += n;
+    }
+};
+
+}  // namespace detail
+}  // namespace gradsync::inline v0
+#endif  // GRADSYNC_SINGLE_DATA_PARALLEL_SHARD_LAYOUT_HPP
+// ---- end gradsync/data_parallel/shard_layout.hpp ----
+
 #include <algorithm>  // for std::sort
 #include <cmath>
 #include <cstddef>
@@ -7385,19 +7511,6 @@ struct ShardedOptions {
     // The model's buffers (batch-norm statistics), as DataParallel's buffer policies keep them:
     // rank 0's copied at construction and at every step (the default), averaged, or left alone.
     BufferSync buffers = BufferSync::broadcast_every_step;
-};
-
-// One contiguous piece of this rank's shard, within one parameter: its values and averaged
-// gradients, which parameter (an index into ShardedDataParallel::parameters()) and from which of
-// its elements, and where its optimizer state begins in the rank's state arrays of
-// ShardedDataParallel::state_elements() elements. A rank owns at most one piece of a parameter.
-template <class T>
-struct ShardPiece {
-    std::span<T> params;
-    std::span<const T> grads;
-    std::size_t state_offset = 0;
-    std::size_t parameter = 0;
-    std::size_t offset = 0;
 };
 
 namespace detail {
@@ -7451,7 +7564,13 @@ public:
         for (const auto& p : layout_.params)
             backend_.broadcast(std::span(static_cast<std::byte*>(p.data), p.bytes().count()), 0);
         detail::sync_buffers(backend_, buffers(), options_.buffers, /*at_construction=*/true, history_, 0);
-        build_slots();
+        shards_ = detail::ShardLayout<in_place>(layout_.params, plan_, world_size(), rank());
+        bucket_of_.assign(layout_.params.size(), 0);
+        ready_.assign(layout_.params.size(), false);
+        missing_.assign(plan_.buckets.size(), 0);
+        for (std::size_t b = 0; b < plan_.buckets.size(); ++b)
+            for (auto i : plan_.buckets[b].parameters) bucket_of_[i] = b;
+        new_step();
     }
     ShardedDataParallel(const ShardedDataParallel&) = delete;
     ShardedDataParallel& operator=(const ShardedDataParallel&) = delete;
@@ -7498,7 +7617,7 @@ public:
         return launched_.size();
     }
     // Elements of this rank's shards: the length of each optimizer state array it keeps.
-    [[nodiscard]] std::size_t state_elements() const { return state_elements_; }
+    [[nodiscard]] std::size_t state_elements() const { return shards_.state_elements; }
     // Elements of every parameter, for comparison: what an unsharded optimizer keeps per array.
     [[nodiscard]] std::size_t parameter_elements() const { return plan_.bytes().count() / sizeof(float); }
     [[nodiscard]] const BucketPlan& plan() const { return plan_; }
@@ -7506,7 +7625,7 @@ public:
     [[nodiscard]] std::span<const ModelBuffer> buffers() const { return layout_.buffers; }
     [[nodiscard]] BufferSync buffer_sync() const { return options_.buffers; }
     // This rank's pieces, as step() hands them to the optimizer (the state is the trainer's).
-    [[nodiscard]] std::span<const ShardPiece<float>> shard_pieces() const { return pieces_; }
+    [[nodiscard]] std::span<const ShardPiece<float>> shard_pieces() const { return shards_.pieces; }
     [[nodiscard]] std::uint64_t steps() const { return steps_; }
     // The factor to multiply the loss by before backward (1 without a loss scaler).
     [[nodiscard]] float loss_scale() const { return scaler_.scale(); }
@@ -7534,12 +7653,12 @@ private:
             // deadline applies.
             const std::lock_guard lock(ready_mutex_);
             for (auto& h : launched_) h.wait();
-            for (std::size_t b = launched_.size(); b < slots_.size(); ++b) {
-                auto& slot = slots_[b];
+            for (std::size_t b = launched_.size(); b < shards_.slots.size(); ++b) {
+                auto& slot = shards_.slots[b];
                 if constexpr (in_place) {
                     backend_.reduce_scatter(slot.grads, DType::float32, ReduceOp::average);
                 } else {
-                    pack(slot.grads, slot.grad_buffer);
+                    slot.pack_grads();
                     backend_.reduce_scatter(buffer_of(std::span<float>(slot.grad_buffer)), ReduceOp::average);
                 }
             }
@@ -7553,7 +7672,7 @@ private:
         report.loss_scale = scaler_.scale();
         const double unscale = 1.0 / static_cast<double>(report.loss_scale);
         detail::SquareSum squares;
-        for (const auto grads : grad_shards_) {
+        for (const auto grads : shards_.grads) {
             if (unscale == 1.0)
                 detail::square_sum(grads.data(), grads.size(), squares);
             else
@@ -7568,21 +7687,21 @@ private:
         report.next_loss_scale = scaler_.scale();
         if (!report.applied) return report;
         if (options_.clip_norm > 0 && report.grad_norm > options_.clip_norm) {
-            for (const auto grads : grad_shards_)
+            for (const auto grads : shards_.grads)
                 detail::scale_only(grads.data(), grads.size(), options_.clip_norm / (report.grad_norm + 1e-6));
             report.clipped = true;
         }
         if constexpr (!in_place)
-            for (auto& slot : slots_) pack_shard(slot);  // the parameters as the model holds them now
-        optimizer(std::span<const ShardPiece<float>>(pieces_));
-        for (auto& slot : slots_) {
+            for (auto& slot : shards_.slots) slot.pack_shard();  // the parameters as the model holds them now
+        optimizer(std::span<const ShardPiece<float>>(shards_.pieces));
+        for (auto& slot : shards_.slots) {
             if constexpr (in_place)
                 backend_.all_gather(slot.params, DType::float32);
             else
                 backend_.all_gather(buffer_of(std::span<float>(slot.param_buffer)));
         }
         if constexpr (!in_place)
-            for (auto& slot : slots_) unpack(slot.param_buffer, slot.params);
+            for (auto& slot : shards_.slots) slot.unpack_params();
         return report;
     }
 
@@ -7596,19 +7715,13 @@ private:
         return "unknown (" + std::to_string(int(mode)) + ")";
     }
 
-    struct Slot {
-        std::vector<Segment> grads, params;            // by parameter index: the element order of the bucket
-        std::vector<float> grad_buffer, param_buffer;  // the packed route's
-        Shard shard;
-    };
-
     using Handle = typename detail::ShardedHandle<BackendT, in_place>::type;
-    static Handle reduce_scatter_async(BackendT& backend, Slot& slot) {
+    static Handle reduce_scatter_async(BackendT& backend, detail::ShardSlot& slot) {
         if constexpr (in_place) {
             return backend.reduce_scatter_async(std::span<const Segment>(slot.grads), DType::float32,
                                                 ReduceOp::average);
         } else {
-            pack(slot.grads, slot.grad_buffer);
+            slot.pack_grads();
             return backend.reduce_scatter_async(buffer_of(std::span<float>(slot.grad_buffer)), ReduceOp::average);
         }
     }
@@ -7624,8 +7737,8 @@ private:
                                  "' was called twice in one step");
         ready_[p] = true;
         --missing_[bucket_of_[p]];
-        while (launched_.size() < slots_.size() && missing_[launched_.size()] == 0)
-            launched_.push_back(reduce_scatter_async(backend_, slots_[launched_.size()]));
+        while (launched_.size() < shards_.slots.size() && missing_[launched_.size()] == 0)
+            launched_.push_back(reduce_scatter_async(backend_, shards_.slots[launched_.size()]));
     }
 
     // Under ready_mutex_: nothing ready, nothing launched.
@@ -7635,99 +7748,13 @@ private:
         for (std::size_t b = 0; b < plan_.buckets.size(); ++b) missing_[b] = plan_.buckets[b].parameters.size();
     }
 
-    void build_slots() {
-        slots_.clear();
-        pieces_.clear();
-        grad_shards_.clear();
-        state_elements_ = 0;
-        bucket_of_.assign(layout_.params.size(), 0);
-        ready_.assign(layout_.params.size(), false);
-        missing_.assign(plan_.buckets.size(), 0);
-        for (std::size_t b = 0; b < plan_.buckets.size(); ++b)
-            for (auto i : plan_.buckets[b].parameters) bucket_of_[i] = b;
-        new_step();
-        for (const auto& bucket : plan_.buckets) {
-            Slot slot;
-            auto indices = bucket.parameters;
-            std::sort(indices.begin(), indices.end());
-            for (auto i : indices) {
-                slot.grads.push_back({layout_.params[i].grad, layout_.params[i].count});
-                slot.params.push_back({layout_.params[i].data, layout_.params[i].count});
-            }
-            if constexpr (!in_place) {
-                slot.grad_buffer.assign(bucket.count, 0.0f);
-                slot.param_buffer.assign(bucket.count, 0.0f);
-            }
-            slot.shard = shard_of(bucket.count, world_size(), rank());
-            slots_.push_back(std::move(slot));
-        }
-        // The shard crosses the bucket's parameters: one piece per parameter it covers, pointing
-        // into the model (in place) or into the packed buffers (in the bucket's element order).
-        for (std::size_t b = 0; b < slots_.size(); ++b) {
-            auto& slot = slots_[b];
-            auto indices = plan_.buckets[b].parameters;
-            std::sort(indices.begin(), indices.end());
-            const std::size_t lo = slot.shard.offset, hi = lo + slot.shard.count;
-            std::size_t at = 0;
-            for (std::size_t k = 0; k < slot.params.size(); ++k) {
-                const std::size_t n = slot.params[k].count, begin = std::max(lo, at), end = std::min(hi, at + n);
-                if (begin < end) {
-                    float* params = in_place ? static_cast<float*>(slot.params[k].data) + (begin - at)
-                                             : slot.param_buffer.data() + begin;
-                    float* grads = in_place ? static_cast<float*>(slot.grads[k].data) + (begin - at)
-                                            : slot.grad_buffer.data() + begin;
-                    add_piece(params, grads, end - begin, indices[k], begin - at);
-                }
-                at += n;
-            }
-        }
-    }
-
-    void add_piece(float* params, float* grads, std::size_t n, std::size_t parameter, std::size_t offset) {
-        pieces_.push_back(
-            {std::span<float>(params, n), std::span<const float>(grads, n), state_elements_, parameter, offset});
-        grad_shards_.emplace_back(grads, n);
-        state_elements_ += n;
-    }
-
-    static void pack(const std::vector<Segment>& segs, std::vector<float>& buffer) {
-        std::size_t at = 0;
-        for (const auto& s : segs) {
-            std::memcpy(buffer.data() + at, s.data, s.count * sizeof(float));
-            at += s.count;
-        }
-    }
-    static void unpack(const std::vector<float>& buffer, const std::vector<Segment>& segs) {
-        std::size_t at = 0;
-        for (const auto& s : segs) {
-            std::memcpy(s.data, buffer.data() + at, s.count * sizeof(float));
-            at += s.count;
-        }
-    }
-
-    // Copies the model's parameters of this rank's shard of the bucket into its buffer.
-    static void pack_shard(Slot& slot) {
-        const std::size_t lo = slot.shard.offset, hi = lo + slot.shard.count;
-        std::size_t at = 0;
-        for (const auto& s : slot.params) {
-            const std::size_t begin = std::max(lo, at), end = std::min(hi, at + s.count);
-            if (begin < end)
-                std::memcpy(slot.param_buffer.data() + begin, static_cast<const float*>(s.data) + (begin - at),
-                            (end - begin) * sizeof(float));
-            at += s.count;
-        }
-    }
-
     Model& model_;
     BackendT& backend_;
     ShardedOptions options_;
     Scaler scaler_;
     detail::ModelLayout layout_;
     BucketPlan plan_;
-    std::vector<Slot> slots_;
-    std::vector<ShardPiece<float>> pieces_;      // this rank's, in bucket order
-    std::vector<std::span<float>> grad_shards_;  // their gradients, writable (clipping)
-    std::size_t state_elements_ = 0;
+    detail::ShardLayout<in_place> shards_;
     std::uint64_t steps_ = 0;
     detail::CollectiveHistory history_;  // tags the buffers' collectives
     // Overlap: which parameters grad_ready reported this step, how many each bucket still

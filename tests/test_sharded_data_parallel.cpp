@@ -457,3 +457,53 @@ TEST_CASE("sharded model buffers: rank 0's copied at construction and each step,
         }
     }
 }
+
+namespace {
+
+// LocalBackend through its buffer calls only, as a backend that cannot reduce scattered memory:
+// ShardedDataParallel takes its packed route (a buffer per bucket for gradients and parameters).
+struct BufferOnly {
+    gradsync::LocalBackend& b;
+    int rank() const { return b.rank(); }
+    int size() const { return b.size(); }
+    bool supports(gradsync::DType t) const { return b.supports(t); }
+    void allreduce(gradsync::Buffer buf, gradsync::ReduceOp op) { b.allreduce(buf, op); }
+    template <class T>
+    void allreduce(std::span<T> s, gradsync::ReduceOp op) {
+        b.allreduce(gradsync::buffer_of(s), op);
+    }
+    auto allreduce_async(gradsync::Buffer buf, gradsync::ReduceOp op) { return b.allreduce_async(buf, op); }
+    void broadcast(std::span<std::byte> bytes, int root) { b.broadcast(bytes, root); }
+    void barrier() { b.barrier(); }
+    void reduce_scatter(gradsync::Buffer buf, gradsync::ReduceOp op) { b.reduce_scatter(buf, op); }
+    auto reduce_scatter_async(gradsync::Buffer buf, gradsync::ReduceOp op) { return b.reduce_scatter_async(buf, op); }
+    void all_gather(gradsync::Buffer buf) { b.all_gather(buf); }
+    auto all_gather_async(gradsync::Buffer buf) { return b.all_gather_async(buf); }
+};
+
+}  // namespace
+
+TEST_CASE("sharded through a backend without scattered collectives: packed buffers, the same bits") {
+    using Packed = gradsync::ShardedDataParallel<mlp::Mlp, BufferOnly>;
+    static_assert(!Packed::in_place);
+    const gradsync::SizeCappedBuckets caps{.cap = 64_KiB, .first_cap = 4_KiB};
+    for (int world = 1; world <= 3; ++world) {
+        CAPTURE(world);
+        Weights packed;
+        gradsync::spawn(world, [&](gradsync::LocalBackend& local) {
+            BufferOnly backend{local};
+            mlp::Mlp model(/*seed=*/1);
+            Packed sdp(model, backend, caps);
+            CHECK(sdp.extra_memory() == gradsync::Bytes{2 * sdp.parameter_elements() * sizeof(float)});
+            if (local.rank() % 2 == 1) model.on_grad_ready = [&](std::size_t i) { sdp.grad_ready(i); };
+            ShardedSgd sgd;
+            sgd.velocity.assign(sdp.state_elements(), 0.0f);
+            for (int s = 0; s < steps; ++s) {
+                model.forward_backward(batch_of(world, local.rank(), s));
+                CHECK(sdp.step(sgd).applied);
+            }
+            if (local.rank() == 0) packed = weights_of(model);
+        });
+        CHECK(bitwise_equal(packed, train_sharded<false>(world, caps)));
+    }
+}
