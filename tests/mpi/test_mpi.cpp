@@ -261,6 +261,17 @@ TEST_CASE(
     options.timeout = std::chrono::seconds(60);
     options.peer_poll = std::chrono::milliseconds(10);
     std::optional<gradsync::MpiBackend> backend(std::in_place, gradsync::mpi_world(), options);
+    // The ranks that stay wait for each other before they destroy their backends (this is declared
+    // after the backend, so it goes first), or a slow one would find a fast one departed too.
+    struct Stayers {
+        MPI_Comm comm = MPI_COMM_NULL;
+        bool staying = false;
+        ~Stayers() {
+            if (staying) MPI_Barrier(comm);
+            MPI_Comm_free(&comm);
+        }
+    } stayers;
+    MPI_Comm_split(gradsync::mpi_world(), world_rank() == leaver ? 1 : 0, world_rank(), &stayers.comm);
     std::vector<float> v(100, 1.0f);
     backend->allreduce(std::span(v));  // collective #1, a sum by default
     CHECK(v[0] == float(world_size()));
@@ -268,6 +279,7 @@ TEST_CASE(
         backend.reset();  // returns once every peer has destroyed its backend too
         return;
     }
+    stayers.staying = true;
     const auto begin = std::chrono::steady_clock::now();
     while (backend->departed_peers().empty() && std::chrono::steady_clock::now() - begin < std::chrono::seconds(30))
         std::this_thread::sleep_for(std::chrono::milliseconds(5));
