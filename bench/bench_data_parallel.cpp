@@ -1,8 +1,9 @@
 // DataParallel::synchronize() on 2 ranks over the gradient layouts of ResNet-50 and BERT-base,
 // with no model behind them, against one raw allreduce of a flat buffer of the same bytes; and
 // what the checks that protect a run cost beside it (the replica check, the listing of the model
-// that follows moved gradient storage); and a step of ShardedDataParallel (optimizer state split
-// across the ranks) against DataParallel's.
+// that follows moved gradient storage); a step of ShardedDataParallel (optimizer state split
+// across the ranks) against DataParallel's; and its stage 2 (gradients released once reduced)
+// against stage 1: peak gradient memory and step time.
 // The two alternate within every iteration, in alternating order, and the figure is the median
 // of the per-iteration ratios: on a shared machine bandwidth drifts by tens of percent within
 // seconds, so only ratios of interleaved measurements compare.
@@ -163,6 +164,108 @@ void sharded_vs_unsharded_step(benchmark::State& state, std::vector<layouts::Ten
     state.counters["state_bytes_unsharded"] = state_unsharded;
 }
 
+// A layout model whose backward makes each gradient when it reaches it (last tensor first, a few
+// passes of arithmetic standing in for the compute), calls grad_ready, and frees gradients when
+// told to: what stage 2 needs. Counts the gradient bytes it holds and their peak in a step.
+class MakingModel {
+public:
+    explicit MakingModel(const std::vector<layouts::Tensor>& tensors) : tensors_(tensors) {
+        for (const auto& t : tensors) values_.emplace_back(t.count, 0.5f);
+        grads_.resize(tensors.size());
+    }
+    std::vector<gradsync::Parameter> parameters() {
+        for (std::size_t i = 0; i < grads_.size(); ++i) make(i);
+        return parameters_now();
+    }
+    std::vector<gradsync::Parameter> parameters_now() {
+        std::vector<gradsync::Parameter> out;
+        for (std::size_t i = 0; i < tensors_.size(); ++i)
+            out.push_back(gradsync::parameter(tensors_[i].name, values_[i].data(),
+                                              grads_[i].empty() ? nullptr : grads_[i].data(), tensors_[i].count));
+        return out;
+    }
+    void release_gradients(std::span<const std::size_t> indices) {
+        for (auto i : indices) {
+            held_ -= grads_[i].size() * sizeof(float);
+            std::vector<float>().swap(grads_[i]);
+        }
+    }
+    template <class Ready>
+    void backward(Ready&& ready) {
+        peak_ = held_;
+        for (std::size_t i = grads_.size(); i-- > 0;) {
+            make(i);
+            auto& g = grads_[i];
+            for (int pass = 0; pass < 3; ++pass)
+                for (std::size_t k = 0; k < g.size(); ++k) g[k] = g[k] * 0.5f + values_[i][k];
+            ready(i);
+        }
+    }
+    [[nodiscard]] std::size_t peak() const { return peak_; }
+
+private:
+    void make(std::size_t i) {
+        if (!grads_[i].empty()) return;
+        grads_[i].assign(tensors_[i].count, 0.0f);
+        held_ += grads_[i].size() * sizeof(float);
+        peak_ = std::max(peak_, held_);
+    }
+    std::vector<layouts::Tensor> tensors_;
+    std::vector<std::vector<float>> values_, grads_;
+    std::size_t held_ = 0, peak_ = 0;
+};
+
+// Backward and a sharded step (plain SGD) on 2 ranks, overlapped through grad_ready: stage 1
+// (the model keeps every gradient) against stage 2 (release_gradients), interleaved; the peak of
+// gradient memory per rank in a step, the model's and the wrapper's together, and the step times.
+void released_gradients(benchmark::State& state, std::vector<layouts::Tensor> (*layout)()) {
+    const auto tensors = layout();
+    std::vector<double> kept_s, released_s, ratios;
+    double peak_kept = 0, peak_released = 0;
+    constexpr float lr = 1e-6f;
+    using Sharded = gradsync::ShardedDataParallel<MakingModel, gradsync::LocalBackend>;
+    bench::time_on_two_ranks(state, [&](gradsync::LocalBackend& b) {
+        struct Replicas {
+            Replicas(const std::vector<layouts::Tensor>& t, gradsync::LocalBackend& b)
+                : keeping(t), releasing(t), stage1(keeping, b), stage2(releasing, b, {}, {.release_gradients = true}) {}
+            MakingModel keeping, releasing;
+            Sharded stage1, stage2;
+        };
+        auto r = std::make_shared<Replicas>(tensors, b);
+        const bool timer = b.rank() == 0;
+        return [&, r, timer, released_first = false, warm = false]() mutable {
+            auto train = [&](MakingModel& model, Sharded& sdp) {
+                return [&] {
+                    model.backward([&](std::size_t i) { sdp.grad_ready(i); });
+                    (void)sdp.step([&](std::span<const gradsync::ShardPiece<float>> pieces) {
+                        for (const auto& p : pieces)
+                            for (std::size_t i = 0; i < p.params.size(); ++i) p.params[i] -= lr * p.grads[i];
+                    });
+                };
+            };
+            auto [re, ke] =
+                bench::timed_pair(train(r->releasing, r->stage2), train(r->keeping, r->stage1), !released_first);
+            if (timer && warm) {
+                released_s.push_back(re);
+                kept_s.push_back(ke);
+                ratios.push_back(re / ke);
+                state.SetIterationTime(re);
+                peak_kept =
+                    std::max(peak_kept, static_cast<double>(r->keeping.peak() + r->stage1.extra_memory().count()));
+                peak_released = std::max(peak_released,
+                                         static_cast<double>(r->releasing.peak() + r->stage2.extra_memory().count()));
+            }
+            released_first = !released_first;
+            warm = true;
+        };
+    });
+    state.counters["released_ms"] = bench::median(released_s) * 1e3;
+    state.counters["kept_ms"] = bench::median(kept_s) * 1e3;
+    state.counters["ratio"] = bench::median(ratios);
+    state.counters["peak_grad_bytes_released"] = peak_released;
+    state.counters["peak_grad_bytes_kept"] = peak_kept;
+}
+
 void configure(benchmark::internal::Benchmark* b) {
     b->UseManualTime()
         ->Repetitions(bench::repetitions_of(repetitions))
@@ -191,6 +294,8 @@ void register_data_parallel() {
         benchmark::RegisterBenchmark(("replica_check/" + name).c_str(), replica_check_vs_synchronize, layout.tensors)
             ->Apply(configure);
         benchmark::RegisterBenchmark(("sharded_step/" + name).c_str(), sharded_vs_unsharded_step, layout.tensors)
+            ->Apply(configure);
+        benchmark::RegisterBenchmark(("released_gradients/" + name).c_str(), released_gradients, layout.tensors)
             ->Apply(configure);
     }
 }

@@ -318,6 +318,22 @@ void print_summary() {
                    shown_bytes(gradsync::Bytes{static_cast<std::uint64_t>(*su)}, "unsharded"), *st / *su, "<= 0.51",
                    *st / *su <= 0.51);
     }
+    // Stage 2 against stage 1: the gradient memory a rank holds at its peak, and the step.
+    for (const char* layout : {"resnet50", "bert_base"}) {
+        const std::string key = std::string("released_gradients/") + layout;
+        auto re = counter(key, "released_ms"), ke = counter(key, "kept_ms"), r = counter(key, "ratio");
+        auto pr = counter(key, "peak_grad_bytes_released"), pk = counter(key, "peak_grad_bytes_kept");
+        if (!re || !ke || !r || !pr || !pk) {
+            missing(key);
+            continue;
+        }
+        const std::string name = std::string(layout) == "resnet50" ? "ResNet-50" : "BERT-base";
+        target_row("peak gradient memory per rank, released / kept, " + name,
+                   shown_bytes(gradsync::Bytes{static_cast<std::uint64_t>(*pr)}),
+                   shown_bytes(gradsync::Bytes{static_cast<std::uint64_t>(*pk)}, "kept"), *pr / *pk, "-", true);
+        target_row("backward + step, released / kept gradients, " + name, shown("%.2f", *re, "ms"),
+                   shown("%.2f", *ke, "ms", "kept"), *r, "-", true);
+    }
     const std::string resnet = "synchronize_vs_flat/resnet50/in_place";
     auto sync = counter(resnet, "sync_ms"), flat = counter(resnet, "flat_ms"), ratio = counter(resnet, "ratio");
     if (!sync || !flat || !ratio) missing("synchronize() ResNet-50 / flat allreduce");

@@ -861,6 +861,7 @@ requires std::ranges::sized_range<D> && std::ranges::sized_range<G> &&
 //       // has not made yet may be null (parameters() must make it: it is read at synchronize()).
 //       static std::vector<gradsync::Parameter> parameters_now(Net& net);
 //   };
+// (A model type of your own may have a member parameters_now() instead.)
 template <class Model>
 struct model_traits {};
 
@@ -916,7 +917,8 @@ inline constexpr detail::parameters_cpo::fn parameters{};
 namespace detail {
 
 // The parameters as they are now, during backward, to follow storage that moves: the model's
-// model_traits<M>::parameters_now where it has one, else gradsync::parameters(model).
+// model_traits<M>::parameters_now or member parameters_now() where it has one, else
+// gradsync::parameters(model).
 template <class M>
 std::vector<Parameter> parameters_now(M& model) {
     using traits = model_traits<std::remove_cvref_t<M>>;
@@ -924,6 +926,10 @@ std::vector<Parameter> parameters_now(M& model) {
                       { traits::parameters_now(model) } -> ParameterRange;
                   })
         return parameters_cpo::to_vector(traits::parameters_now(model));
+    else if constexpr (requires {
+                           { model.parameters_now() } -> ParameterRange;
+                       })
+        return parameters_cpo::to_vector(model.parameters_now());
     else
         return gradsync::parameters(model);
 }
@@ -1146,6 +1152,69 @@ private:
 }  // namespace gradsync::inline v0
 #endif  // GRADSYNC_SINGLE_MODEL_CONTIGUOUS_PARAMETERS_HPP
 // ---- end gradsync/model/contiguous_parameters.hpp ----
+
+// ---- begin gradsync/model/gradient_release.hpp ----
+#ifndef GRADSYNC_SINGLE_MODEL_GRADIENT_RELEASE_HPP
+#define GRADSYNC_SINGLE_MODEL_GRADIENT_RELEASE_HPP
+// Gradient release: how ShardedDataParallel's stage 2 tells a model that it no longer needs some
+// of its gradients, so that their memory can go back before the step ends. The customization
+// point gradsync::release_gradients(model, indices) tries, in order, a model_traits<M>
+// specialization, a member m.release_gradients(indices), and a free function found by ADL. The
+// indices are positions in the model's parameters(). A model that releases a gradient makes it
+// again in its next backward (zeros, then the sum) and lists where it is then: parameters() must
+// give every gradient, made where absent; model_traits<M>::parameters_now may leave it null.
+
+
+#include <concepts>  // for std::invocable
+#include <cstddef>
+#include <span>
+#include <type_traits>  // for std::remove_cvref_t
+
+namespace gradsync::inline v0 {
+
+namespace detail::release_gradients_cpo {
+
+void release_gradients() = delete;  // hides gradsync::release_gradients from the ADL call below
+
+template <class M>
+concept has_traits = requires(M& m, std::span<const std::size_t> indices) {
+    model_traits<std::remove_cvref_t<M>>::release_gradients(m, indices);
+};
+template <class M>
+concept has_member = requires(M& m, std::span<const std::size_t> indices) {
+    m.release_gradients(indices);
+};
+template <class M>
+concept has_adl = requires(M& m, std::span<const std::size_t> indices) {
+    release_gradients(m, indices);
+};
+
+struct fn {
+    template <class M>
+    requires has_traits<M> || has_member<M> || has_adl<M>
+    void operator()(M& model, std::span<const std::size_t> indices) const {
+        if constexpr (has_traits<M>)
+            model_traits<std::remove_cvref_t<M>>::release_gradients(model, indices);
+        else if constexpr (has_member<M>)
+            model.release_gradients(indices);
+        else
+            release_gradients(model, indices);
+    }
+};
+
+}  // namespace detail::release_gradients_cpo
+
+// gradsync::release_gradients(model, indices): the model may free the gradients of these parameters.
+inline constexpr detail::release_gradients_cpo::fn release_gradients{};
+
+// A model that can release gradients (ShardedOptions::release_gradients needs one).
+template <class M>
+concept ReleasableGradients =
+    std::invocable<const detail::release_gradients_cpo::fn&, M&, std::span<const std::size_t>>;
+
+}  // namespace gradsync::inline v0
+#endif  // GRADSYNC_SINGLE_MODEL_GRADIENT_RELEASE_HPP
+// ---- end gradsync/model/gradient_release.hpp ----
 // Bucket planning.
 
 // ---- begin gradsync/bucket/bucketers.hpp ----
@@ -5370,7 +5439,6 @@ StepReport decide_step(const StepStats& stats, Scaler& scaler, const Lr& lr, int
 
 #include <algorithm>  // for std::all_of, std::fill
 #include <cstddef>
-#include <string>
 #include <vector>
 
 namespace gradsync::inline v0::detail {
@@ -5382,23 +5450,19 @@ public:
     void end_step() { std::fill(followed_.begin(), followed_.end(), 0); }
 
     // Follows the storage of buckets [first, last) not followed yet this step, with one listing
-    // of the model (`in_backward`: a bucket launched while backward runs); a bucket whose
-    // gradients moved gets new tables from the engine. With `contiguous`, a bucket whose gradients
-    // no longer lie contiguously is an error. where() begins error messages.
-    template <class Model, class Engine, class Where>
-    void follow(Model& model, ModelLayout& layout, const BucketPlan& plan, Engine& engine, std::size_t first,
-                std::size_t last, bool in_backward, bool contiguous, const Where& where) {
+    // of the model (`in_backward`: a bucket launched while backward runs); moved(b) is called for
+    // each bucket whose storage moved, to rebuild what points into it. where() begins error
+    // messages.
+    template <class Model, class Moved, class Where>
+    void follow(Model& model, ModelLayout& layout, const BucketPlan& plan, std::size_t first, std::size_t last,
+                bool in_backward, const Moved& moved, const Where& where) {
         const auto begin = followed_.begin();
         if (std::all_of(begin + first, begin + last, [](char f) { return f != 0; })) return;
         const auto listed = layout.relist(model, in_backward, where);
         for (std::size_t b = first; b < last; ++b) {
             if (followed_[b] != 0) continue;
             followed_[b] = 1;
-            if (!layout.follow(listed, plan.buckets[b].parameters, where)) continue;
-            engine.refresh(b, plan.buckets[b], layout.params);
-            if (contiguous && !engine.slots()[b].view)
-                throw InvalidModel(where() + ": the gradients of bucket " + std::to_string(b) +
-                                   " moved and no longer lie contiguously, as device gradients must");
+            if (layout.follow(listed, plan.buckets[b].parameters, where)) moved(b);
         }
     }
 
@@ -7210,8 +7274,15 @@ private:
     // Storage that moved since the last step is followed before each bucket's collective.
     void follow_storage(std::size_t first, std::size_t last, bool in_backward) {
         if (options_.storage_may_move)
-            storage_.follow(model_, layout_, plan_, engine_, first, last, in_backward, gradients_untouchable,
-                            [this] { return where(); });
+            storage_.follow(
+                model_, layout_, plan_, first, last, in_backward,
+                [this](std::size_t b) {
+                    engine_.refresh(b, plan_.buckets[b], layout_.params);
+                    if (gradients_untouchable && !engine_.slots()[b].view)
+                        throw InvalidModel(where() + ": the gradients of bucket " + std::to_string(b) +
+                                           " moved and no longer lie contiguously, as device gradients must");
+                },
+                [this] { return where(); });
     }
 
     // At synchronize(): every parameter without grad_ready is either accumulated earlier (ready),
@@ -7358,8 +7429,10 @@ private:
 //
 // With grad_ready calls during backward, each bucket's reduce_scatter starts as soon as its
 // gradients are final, in plan order. A loss scaler (third template argument) is unscaled in the
-// norm pass. Model buffers are kept as ShardedOptions::buffers says. This version: float32
-// parameters in host memory, no wire compression.
+// norm pass. Model buffers are kept as ShardedOptions::buffers says. With
+// ShardedOptions::release_gradients (stage 2), each bucket's share of this rank is copied out once
+// reduced and the model releases the bucket's gradients. This version: float32 parameters in host
+// memory, no wire compression.
 
 
 // ---- begin gradsync/data_parallel/shard_layout.hpp ----
@@ -7367,7 +7440,8 @@ private:
 #define GRADSYNC_SINGLE_DATA_PARALLEL_SHARD_LAYOUT_HPP
 // How ShardedDataParallel splits the plan's buckets among the ranks: each bucket into one
 // contiguous shard per rank (shard_of), and this rank's shard of each into pieces, one per
-// parameter it covers, pointing into the model (in place) or into packed bucket buffers.
+// parameter it covers, pointing into the model (in place) or into packed bucket buffers; with
+// released gradients (stage 2), the pieces' gradients lie in a store of the wrapper's instead.
 
 
 #include <algorithm>  // for std::sort, std::max, std::min
@@ -7397,9 +7471,11 @@ namespace detail {
 // One bucket: its gradients and parameters where the model keeps them (by parameter index: the
 // element order of the bucket), this rank's shard, and the packed route's buffers.
 struct ShardSlot {
+    std::vector<std::size_t> indices;  // the bucket's parameters, ascending
     std::vector<Segment> grads, params;
     std::vector<float> grad_buffer, param_buffer;
     Shard shard;
+    std::size_t first_piece = 0, piece_count = 0;  // this rank's pieces of the bucket
 
     void pack_grads() { copy_in(grads, grad_buffer); }
     void unpack_params() const {
@@ -7433,7 +7509,8 @@ private:
 };
 
 // Every bucket's slot and this rank's pieces, in bucket order; the pieces' state offsets count
-// up from 0 to state_elements.
+// up from 0 to state_elements. A `grad_store` of shard_elements() floats holds the pieces'
+// gradients at their state offsets (stage 2); without one they lie where the slot's do.
 template <bool InPlace>
 struct ShardLayout {
     std::vector<ShardSlot> slots;
@@ -7442,11 +7519,15 @@ struct ShardLayout {
     std::size_t state_elements = 0;
 
     ShardLayout() = default;
-    ShardLayout(std::span<const Parameter> params, const BucketPlan& plan, int ranks, int rank) {
+    ShardLayout(std::span<const Parameter> params, const BucketPlan& plan, int ranks, int rank,
+                float* grad_store = nullptr)
+        : grad_store_(grad_store) {
         for (const auto& bucket : plan.buckets) {
             ShardSlot slot;
-            auto indices = bucket.parameters;
-            std::sort(indices.begin(), indices.end());
+            slot.indices = bucket.parameters;
+            std::sort(slot.indices.begin(), slot.indices.end());
+            const auto& indices = slot.indices;
+            slot.first_piece = pieces.size();
             for (auto i : indices) {
                 slot.grads.push_back({params[i].grad, params[i].count});
                 slot.params.push_back({params[i].data, params[i].count});
@@ -7464,13 +7545,53 @@ struct ShardLayout {
                 if (begin < end) {
                     float* p = InPlace ? static_cast<float*>(slot.params[k].data) + (begin - at)
                                        : slot.param_buffer.data() + begin;
-                    float* g = InPlace ? static_cast<float*>(slot.grads[k].data) + (begin - at)
-                                       : slot.grad_buffer.data() + begin;
+                    float* g = grad_store_ != nullptr ? grad_store_ + state_elements
+                               : InPlace              ? static_cast<float*>(slot.grads[k].data) + (begin - at)
+                                                      : slot.grad_buffer.data() + begin;
                     add_piece(p, g, end - begin, indices[k], begin - at);
                 }
                 at += n;
             }
+            slot.piece_count = pieces.size() - slot.first_piece;
             slots.push_back(std::move(slot));  // the buffers' memory moves with it
+        }
+    }
+
+    // The elements of this rank's shards of `plan`: the size of a grad_store.
+    static std::size_t shard_elements(const BucketPlan& plan, int ranks, int rank) {
+        std::size_t n = 0;
+        for (const auto& bucket : plan.buckets) n += shard_of(bucket.count, ranks, rank).count;
+        return n;
+    }
+
+    // Bucket b's storage moved to where `params` says: its segments, and in place its pieces,
+    // follow.
+    void refresh(std::size_t b, std::span<const Parameter> params) {
+        auto& slot = slots[b];
+        for (std::size_t k = 0; k < slot.indices.size(); ++k) {
+            const auto& p = params[slot.indices[k]];
+            slot.grads[k] = {p.grad, p.count};
+            slot.params[k] = {p.data, p.count};
+        }
+        if constexpr (!InPlace) return;  // the pieces lie in the packed buffers
+        for (std::size_t j = slot.first_piece; j < slot.first_piece + slot.piece_count; ++j) {
+            auto& piece = pieces[j];
+            const auto& p = params[piece.parameter];
+            piece.params = {static_cast<float*>(p.data) + piece.offset, piece.params.size()};
+            if (grad_store_ != nullptr) continue;
+            grads[j] = {static_cast<float*>(p.grad) + piece.offset, piece.grads.size()};
+            piece.grads = grads[j];
+        }
+    }
+
+    // Stage 2, once bucket b is reduced in place: its pieces' averaged gradients, copied from the
+    // model into the grad_store, where they outlive the model's gradients.
+    void keep_shard(std::size_t b, std::span<const Parameter> params) {
+        const auto& slot = slots[b];
+        for (std::size_t j = slot.first_piece; j < slot.first_piece + slot.piece_count; ++j) {
+            const auto& piece = pieces[j];
+            std::memcpy(grads[j].data(), static_cast<const float*>(params[piece.parameter].grad) + piece.offset,
+                        grads[j].size() * sizeof(float));
         }
     }
 
@@ -7481,6 +7602,8 @@ private:
         grads.emplace_back(g, n);
         state_elements += n;
     }
+
+    float* grad_store_ = nullptr;
 };
 
 }  // namespace detail
@@ -7511,6 +7634,16 @@ struct ShardedOptions {
     // The model's buffers (batch-norm statistics), as DataParallel's buffer policies keep them:
     // rank 0's copied at construction and at every step (the default), averaged, or left alone.
     BufferSync buffers = BufferSync::broadcast_every_step;
+    // Stage 2: once a bucket is reduce-scattered (during backward with grad_ready), this rank's
+    // share of its averaged gradients is copied into memory of the wrapper's (state_elements()
+    // floats) and the model is told to release the bucket's gradients
+    // (gradsync::release_gradients), so that a model which makes its gradients in backward holds
+    // about a bucket or two of them at a time instead of all. Needs such a model and a backend
+    // that reduces where the gradients lie (LocalBackend, MpiBackend).
+    bool release_gradients = false;
+    // Gradients whose storage moves between steps (made anew in backward) are followed: the model
+    // is listed again before each bucket is reduced. Always on with release_gradients.
+    bool storage_may_move = true;
 };
 
 namespace detail {
@@ -7554,8 +7687,16 @@ public:
                            std::to_string(options_.clip_norm)};
         if (const auto why = detail::invalid_of(scaler_); !why.empty())
             problem = {detail::LocalProblem::Kind::configuration, detail::rank_prefix(rank()) + ": " + why};
+        if (options_.release_gradients && !(in_place && ReleasableGradients<Model>))
+            problem = {detail::LocalProblem::Kind::configuration,
+                       detail::rank_prefix(rank()) + ": ShardedOptions::release_gradients needs " +
+                           (in_place ? "a model that can release gradients: give it a member "
+                                       "release_gradients(std::span<const std::size_t>), or see "
+                                       "docs/sharding.md"
+                                     : "a backend that reduces gradients where they lie "
+                                       "(ScatteredShardedCollectives: LocalBackend, MpiBackend)")};
         plan_ = problem.kind == detail::LocalProblem::Kind::none ? bucketer.plan(layout_.params) : BucketPlan{};
-        const std::vector<detail::Setting> settings{{"mode", "sharded (stage 1)"},
+        const std::vector<detail::Setting> settings{{"mode", stage2() ? "sharded (stage 2)" : "sharded (stage 1)"},
                                                     {"bucketer", bucketer.settings()},
                                                     {"clip_norm", std::to_string(options_.clip_norm)},
                                                     {"loss_scaler", scaler_.settings()},
@@ -7564,7 +7705,10 @@ public:
         for (const auto& p : layout_.params)
             backend_.broadcast(std::span(static_cast<std::byte*>(p.data), p.bytes().count()), 0);
         detail::sync_buffers(backend_, buffers(), options_.buffers, /*at_construction=*/true, history_, 0);
-        shards_ = detail::ShardLayout<in_place>(layout_.params, plan_, world_size(), rank());
+        if (stage2()) grad_store_.assign(detail::ShardLayout<in_place>::shard_elements(plan_, world_size(), rank()), 0);
+        shards_ = detail::ShardLayout<in_place>(layout_.params, plan_, world_size(), rank(),
+                                                stage2() ? grad_store_.data() : nullptr);
+        storage_.reset(plan_.buckets.size());
         bucket_of_.assign(layout_.params.size(), 0);
         ready_.assign(layout_.params.size(), false);
         missing_.assign(plan_.buckets.size(), 0);
@@ -7592,7 +7736,8 @@ public:
     // optimizer(std::span<const ShardPiece<float>>) with this rank's pieces when every gradient
     // is finite (every rank decides alike), and all-gathers the parameters into every rank's
     // model. Afterwards the model's gradients hold the average in this rank's shard where the
-    // backend reduces in place (LocalBackend) and are otherwise unspecified.
+    // backend reduces in place (LocalBackend) and are otherwise unspecified; with
+    // release_gradients the model has released them all.
     // A failure on this rank (the optimizer threw, say) aborts the group, so that peers waiting
     // in the step's collectives fail at once rather than at their deadline; then it is rethrown.
     template <class Optimizer>
@@ -7634,11 +7779,16 @@ public:
     // For checkpoint loading: the step count to continue from.
     void restore_steps(std::uint64_t steps) { steps_ = steps; }
     [[nodiscard]] BackendT& backend() const { return backend_; }
+    [[nodiscard]] Model& model() const { return model_; }
     [[nodiscard]] int rank() const { return backend_.rank(); }
     [[nodiscard]] int world_size() const { return backend_.size(); }
     // Memory held beyond the model's: packed bucket buffers (one for gradients and one for
-    // parameters each) where the backend cannot reduce scattered memory, else none.
-    [[nodiscard]] Bytes extra_memory() const { return in_place ? Bytes{0} : Bytes{2 * plan_.bytes().count()}; }
+    // parameters each) where the backend cannot reduce scattered memory; with release_gradients
+    // this rank's share of the averaged gradients; else none.
+    [[nodiscard]] Bytes extra_memory() const {
+        if (!in_place) return Bytes{2 * plan_.bytes().count()};
+        return Bytes{grad_store_.size() * sizeof(float)};
+    }
     // Whether shards are reduced and gathered where they lie (ScatteredShardedCollectives).
     static constexpr bool in_place = ScatteredShardedCollectives<BackendT>;
 
@@ -7652,7 +7802,11 @@ private:
             // (a progress thread would only compete with this one for the cores). The backend's
             // deadline applies.
             const std::lock_guard lock(ready_mutex_);
-            for (auto& h : launched_) h.wait();
+            for (; kept_ < launched_.size(); ++kept_) {
+                launched_[kept_].wait();
+                keep(kept_);
+            }
+            follow_storage(launched_.size(), shards_.slots.size(), /*in_backward=*/false);
             for (std::size_t b = launched_.size(); b < shards_.slots.size(); ++b) {
                 auto& slot = shards_.slots[b];
                 if constexpr (in_place) {
@@ -7661,6 +7815,7 @@ private:
                     slot.pack_grads();
                     backend_.reduce_scatter(buffer_of(std::span<float>(slot.grad_buffer)), ReduceOp::average);
                 }
+                keep(b);
             }
             new_step();
         }
@@ -7737,13 +7892,50 @@ private:
                                  "' was called twice in one step");
         ready_[p] = true;
         --missing_[bucket_of_[p]];
-        while (launched_.size() < shards_.slots.size() && missing_[launched_.size()] == 0)
+        while (launched_.size() < shards_.slots.size() && missing_[launched_.size()] == 0) {
+            follow_storage(launched_.size(), launched_.size() + 1, /*in_backward=*/true);
             launched_.push_back(reduce_scatter_async(backend_, shards_.slots[launched_.size()]));
+        }
+        // Stage 2: the buckets reduced by now give their gradients back while backward goes on,
+        // and at most two stay in flight (backward waits for the oldest), which bounds the
+        // gradient memory to about two buckets beside this rank's share.
+        if (stage2())
+            for (; kept_ < launched_.size() && (launched_[kept_].ready() || launched_.size() - kept_ > 2); ++kept_) {
+                launched_[kept_].wait();  // rethrows its error, if any
+                keep(kept_);
+            }
+    }
+
+    [[nodiscard]] bool stage2() const { return options_.release_gradients; }
+
+    // Storage that moved since the last step is followed before each bucket's reduce_scatter.
+    void follow_storage(std::size_t first, std::size_t last, bool in_backward) {
+        if (!options_.storage_may_move && !stage2()) return;
+        storage_.follow(
+            model_, layout_, plan_, first, last, in_backward,
+            [this](std::size_t b) { shards_.refresh(b, layout_.params); },
+            [this] { return detail::rank_prefix(rank()) + ", step " + std::to_string(steps_ + 1); });
+    }
+
+    // Bucket b is reduced: with release_gradients, this rank's share is kept and the model
+    // releases the bucket's gradients.
+    void keep(std::size_t b) {
+        if constexpr (in_place && ReleasableGradients<Model>) {
+            if (!stage2()) return;
+            shards_.keep_shard(b, layout_.params);
+            model_indices_.clear();
+            for (auto p : shards_.slots[b].indices) model_indices_.push_back(layout_.model_index_of_param[p]);
+            gradsync::release_gradients(model_, std::span<const std::size_t>(model_indices_));
+        } else {
+            (void)b;
+        }
     }
 
     // Under ready_mutex_: nothing ready, nothing launched.
     void new_step() {
         launched_.clear();
+        kept_ = 0;
+        storage_.end_step();
         std::fill(ready_.begin(), ready_.end(), false);
         for (std::size_t b = 0; b < plan_.buckets.size(); ++b) missing_[b] = plan_.buckets[b].parameters.size();
     }
@@ -7757,12 +7949,16 @@ private:
     detail::ShardLayout<in_place> shards_;
     std::uint64_t steps_ = 0;
     detail::CollectiveHistory history_;  // tags the buffers' collectives
+    detail::StorageFollower storage_;
+    std::vector<float> grad_store_;           // stage 2: this rank's share of the averaged gradients
+    std::vector<std::size_t> model_indices_;  // a bucket's parameters, to release
     // Overlap: which parameters grad_ready reported this step, how many each bucket still
     // lacks, and the reduce_scatters launched (buckets 0 .. size - 1).
     std::mutex ready_mutex_;
     std::vector<std::size_t> bucket_of_, missing_;
     std::vector<bool> ready_;
     std::vector<Handle> launched_;
+    std::size_t kept_ = 0;  // launched buckets whose share is kept (stage 2)
 };
 
 }  // namespace gradsync::inline v0

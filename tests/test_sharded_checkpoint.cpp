@@ -12,12 +12,12 @@
 
 #include "mlp.hpp"
 #include "support/sharded_resume.hpp"
+#include "support/sharded_training.hpp"
 #include "support/temp_dir.hpp"
 
 #include <algorithm>  // for std::count
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <filesystem>
 #include <set>
 #include <string>
@@ -31,6 +31,7 @@ namespace {
 using sharded_resume::Outcome;
 using sharded_resume::run;
 using Tensors = sharded_resume::Tensors;
+using sharded::bitwise_equal;
 
 // The moments of every rank, each element from the rank that owns it (the others hold 0 there).
 Tensors merged(const std::vector<Outcome>& ranks, Tensors Outcome::*moments) {
@@ -39,14 +40,6 @@ Tensors merged(const std::vector<Outcome>& ranks, Tensors Outcome::*moments) {
         for (std::size_t p = 0; p < sum.size(); ++p)
             for (std::size_t i = 0; i < sum[p].size(); ++i) sum[p][i] += (ranks[r].*moments)[p][i];
     return sum;
-}
-
-bool bitwise_equal(const Tensors& a, const Tensors& b) {
-    if (a.size() != b.size()) return false;
-    for (std::size_t t = 0; t < a.size(); ++t)
-        if (a[t].size() != b[t].size() || std::memcmp(a[t].data(), b[t].data(), a[t].size() * sizeof(float)) != 0)
-            return false;
-    return true;
 }
 
 std::vector<Outcome> spawn_run(int world, gradsync::SizeCappedBuckets caps, int first, int last, const fs::path& load,

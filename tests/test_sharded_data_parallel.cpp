@@ -12,6 +12,7 @@
 
 #include "mlp.hpp"
 #include "support/sharded_optimizers.hpp"
+#include "support/sharded_training.hpp"
 
 #include <chrono>
 #include <cmath>
@@ -31,125 +32,17 @@ using sharded::ShardedSgd;
 
 namespace {
 
-constexpr int steps = 12;
-constexpr int micro_batch = 8;
-constexpr std::uint64_t data_seed = 77;
-
-using Weights = std::vector<std::vector<float>>;
-Weights weights_of(const mlp::Mlp& m) { return {m.w1, m.b1, m.w2, m.b2}; }
-
-mlp::Batch batch_of(int world, int rank, int step) {
-    const int global = world * micro_batch;
-    return mlp::make_batch(data_seed, static_cast<std::size_t>(step * global + rank * micro_batch), micro_batch);
-}
-
-// Rank 0's weights after sharded training; checks every rank ends every step with the same bits.
-// The first `overlapping` ranks report gradients as backward makes them (grad_ready), so that
-// their buckets' reduce_scatters start during backward; the others leave it all to step().
-template <bool Adam>
-Weights train_sharded(int world, gradsync::SizeCappedBuckets caps, double clip = 0, int overlapping = 0) {
-    Weights result;
-    std::vector<std::vector<Weights>> per_step(static_cast<std::size_t>(world));
-    std::vector<std::size_t> state(static_cast<std::size_t>(world));
-    std::size_t total = 0;
-    gradsync::spawn(world, [&](gradsync::LocalBackend& backend) {
-        const auto r = static_cast<std::size_t>(backend.rank());
-        mlp::Mlp model(/*seed=*/1 + r * 1000);  // replaced by rank 0's at construction
-        gradsync::ShardedDataParallel sdp(model, backend, caps, gradsync::ShardedOptions{.clip_norm = clip});
-        if (backend.rank() < overlapping) model.on_grad_ready = [&](std::size_t i) { sdp.grad_ready(i); };
-        state[r] = sdp.state_elements();
-        if (r == 0) total = sdp.parameter_elements();
-        ShardedSgd sgd;
-        ShardedAdam adam;
-        sgd.velocity.assign(sdp.state_elements(), 0.0f);
-        adam.m1.assign(sdp.state_elements(), 0.0f);
-        adam.m2.assign(sdp.state_elements(), 0.0f);
-        for (int s = 0; s < steps; ++s) {
-            model.forward_backward(batch_of(world, backend.rank(), s));
-            // Every bucket started during backward on the overlapping ranks, none on the others.
-            CHECK(sdp.buckets_launched() == (backend.rank() < overlapping ? sdp.plan().buckets.size() : 0));
-            gradsync::StepReport report;
-            if constexpr (Adam)
-                report = sdp.step(adam);
-            else
-                report = sdp.step(sgd);
-            CHECK(report.applied);
-            per_step[r].push_back(weights_of(model));
-        }
-        if (r == 0) result = weights_of(model);
-    });
-    for (const auto& w : per_step) CHECK(w == per_step[0]);  // float ==: bitwise here (no NaN)
-    std::size_t sum = 0;
-    for (auto n : state) {
-        sum += n;
-        // 1/N of every bucket, each shard at most one element longer than an even share.
-        CHECK(n * static_cast<std::size_t>(world) <= total + static_cast<std::size_t>(world) * 8);
-    }
-    CHECK(sum == total);
-    return result;
-}
-
-// DataParallel on the same ranks and batches, the example's own optimizers.
-template <bool Adam>
-Weights train_unsharded(int world, gradsync::SizeCappedBuckets caps, double clip = 0) {
-    Weights result;
-    gradsync::spawn(world, [&](gradsync::LocalBackend& backend) {
-        mlp::Mlp model(/*seed=*/1 + static_cast<std::uint64_t>(backend.rank()) * 1000);
-        gradsync::DataParallel dp(model, backend, caps, gradsync::Options{.clip_norm = clip});
-        mlp::Sgd sgd(0.05f, 0.9f);
-        mlp::Adam adam(1e-3f);
-        for (int s = 0; s < steps; ++s) {
-            model.forward_backward(batch_of(world, backend.rank(), s));
-            (void)dp.step([&] {
-                if constexpr (Adam)
-                    adam.step(model);
-                else
-                    sgd.step(model);
-            });
-        }
-        if (backend.rank() == 0) result = weights_of(model);
-    });
-    return result;
-}
-
-template <bool Adam>
-Weights train_single(int world) {
-    mlp::Mlp model(/*seed=*/1);
-    mlp::Sgd sgd(0.05f, 0.9f);
-    mlp::Adam adam(1e-3f);
-    for (int s = 0; s < steps; ++s) {
-        model.forward_backward(
-            mlp::make_batch(data_seed, static_cast<std::size_t>(s * world * micro_batch), world * micro_batch));
-        if constexpr (Adam)
-            adam.step(model);
-        else
-            sgd.step(model);
-    }
-    return weights_of(model);
-}
-
-bool bitwise_equal(const Weights& a, const Weights& b) {
-    if (a.size() != b.size()) return false;
-    for (std::size_t t = 0; t < a.size(); ++t)
-        if (a[t].size() != b[t].size() || std::memcmp(a[t].data(), b[t].data(), a[t].size() * sizeof(float)) != 0)
-            return false;
-    return true;
-}
-
-// ||a - b|| / ||b|| per tensor.
-void check_close(const Weights& a, const Weights& b, double tolerance) {
-    REQUIRE(a.size() == b.size());
-    for (std::size_t t = 0; t < b.size(); ++t) {
-        double diff = 0, norm = 0;
-        for (std::size_t i = 0; i < b[t].size(); ++i) {
-            const double d = double(a[t][i]) - double(b[t][i]);
-            diff += d * d;
-            norm += double(b[t][i]) * double(b[t][i]);
-        }
-        CAPTURE(t);
-        CHECK(std::sqrt(diff) <= tolerance * std::sqrt(norm));
-    }
-}
+using sharded::batch_of;
+using sharded::bitwise_equal;
+using sharded::check_close;
+using sharded::data_seed;
+using sharded::micro_batch;
+using sharded::steps;
+using sharded::train_sharded;
+using sharded::train_single;
+using sharded::train_unsharded;
+using sharded::Weights;
+using sharded::weights_of;
 
 template <bool Adam>
 void check_equivalence() {
@@ -165,8 +58,8 @@ void check_equivalence() {
             check_close(sharded, single, 1e-5);
             // Overlapped with backward on every rank, or on some: the same bits.
             if constexpr (!Adam) {
-                CHECK(bitwise_equal(train_sharded<Adam>(world, c, 0, world), sharded));
-                if (world > 1) CHECK(bitwise_equal(train_sharded<Adam>(world, c, 0, 1), sharded));
+                CHECK(bitwise_equal(train_sharded<Adam>(world, c, {}, world), sharded));
+                if (world > 1) CHECK(bitwise_equal(train_sharded<Adam>(world, c, {}, 1), sharded));
             }
         }
     }
@@ -185,10 +78,11 @@ TEST_CASE("sharded == unsharded bitwise == one process on the whole batch, N = 1
 TEST_CASE("sharded clipping: the global norm agreed by one allreduce, as DataParallel clips") {
     for (int world : {2, 3}) {
         CAPTURE(world);
-        check_close(train_sharded<false>(world, {}, /*clip=*/0.05), train_unsharded<false>(world, {}, 0.05), 1e-5);
+        check_close(train_sharded<false>(world, {}, {.clip_norm = 0.05}), train_unsharded<false>(world, {}, 0.05),
+                    1e-5);
         // The clip is active: without it training ends elsewhere.
         const auto unclipped = train_sharded<false>(world, {});
-        const auto clipped = train_sharded<false>(world, {}, 0.05);
+        const auto clipped = train_sharded<false>(world, {}, {.clip_norm = 0.05});
         CHECK_FALSE(bitwise_equal(unclipped, clipped));
     }
 }
@@ -458,40 +352,15 @@ TEST_CASE("sharded model buffers: rank 0's copied at construction and each step,
     }
 }
 
-namespace {
-
-// LocalBackend through its buffer calls only, as a backend that cannot reduce scattered memory:
-// ShardedDataParallel takes its packed route (a buffer per bucket for gradients and parameters).
-struct BufferOnly {
-    gradsync::LocalBackend& b;
-    int rank() const { return b.rank(); }
-    int size() const { return b.size(); }
-    bool supports(gradsync::DType t) const { return b.supports(t); }
-    void allreduce(gradsync::Buffer buf, gradsync::ReduceOp op) { b.allreduce(buf, op); }
-    template <class T>
-    void allreduce(std::span<T> s, gradsync::ReduceOp op) {
-        b.allreduce(gradsync::buffer_of(s), op);
-    }
-    auto allreduce_async(gradsync::Buffer buf, gradsync::ReduceOp op) { return b.allreduce_async(buf, op); }
-    void broadcast(std::span<std::byte> bytes, int root) { b.broadcast(bytes, root); }
-    void barrier() { b.barrier(); }
-    void reduce_scatter(gradsync::Buffer buf, gradsync::ReduceOp op) { b.reduce_scatter(buf, op); }
-    auto reduce_scatter_async(gradsync::Buffer buf, gradsync::ReduceOp op) { return b.reduce_scatter_async(buf, op); }
-    void all_gather(gradsync::Buffer buf) { b.all_gather(buf); }
-    auto all_gather_async(gradsync::Buffer buf) { return b.all_gather_async(buf); }
-};
-
-}  // namespace
-
 TEST_CASE("sharded through a backend without scattered collectives: packed buffers, the same bits") {
-    using Packed = gradsync::ShardedDataParallel<mlp::Mlp, BufferOnly>;
+    using Packed = gradsync::ShardedDataParallel<mlp::Mlp, sharded::BufferOnly>;
     static_assert(!Packed::in_place);
     const gradsync::SizeCappedBuckets caps{.cap = 64_KiB, .first_cap = 4_KiB};
     for (int world = 1; world <= 3; ++world) {
         CAPTURE(world);
         Weights packed;
         gradsync::spawn(world, [&](gradsync::LocalBackend& local) {
-            BufferOnly backend{local};
+            sharded::BufferOnly backend{local};
             mlp::Mlp model(/*seed=*/1);
             Packed sdp(model, backend, caps);
             CHECK(sdp.extra_memory() == gradsync::Bytes{2 * sdp.parameter_elements() * sizeof(float)});

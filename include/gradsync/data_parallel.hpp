@@ -315,8 +315,15 @@ private:
     // Storage that moved since the last step is followed before each bucket's collective.
     void follow_storage(std::size_t first, std::size_t last, bool in_backward) {
         if (options_.storage_may_move)
-            storage_.follow(model_, layout_, plan_, engine_, first, last, in_backward, gradients_untouchable,
-                            [this] { return where(); });
+            storage_.follow(
+                model_, layout_, plan_, first, last, in_backward,
+                [this](std::size_t b) {
+                    engine_.refresh(b, plan_.buckets[b], layout_.params);
+                    if (gradients_untouchable && !engine_.slots()[b].view)
+                        throw InvalidModel(where() + ": the gradients of bucket " + std::to_string(b) +
+                                           " moved and no longer lie contiguously, as device gradients must");
+                },
+                [this] { return where(); });
     }
 
     // At synchronize(): every parameter without grad_ready is either accumulated earlier (ready),

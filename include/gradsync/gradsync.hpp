@@ -13,6 +13,7 @@
 // Model access.
 #include <gradsync/model/buffers.hpp>
 #include <gradsync/model/contiguous_parameters.hpp>
+#include <gradsync/model/gradient_release.hpp>
 #include <gradsync/model/model.hpp>
 // Bucket planning.
 #include <gradsync/bucket/bucketers.hpp>

@@ -11,8 +11,10 @@
 //
 // With grad_ready calls during backward, each bucket's reduce_scatter starts as soon as its
 // gradients are final, in plan order. A loss scaler (third template argument) is unscaled in the
-// norm pass. Model buffers are kept as ShardedOptions::buffers says. This version: float32
-// parameters in host memory, no wire compression.
+// norm pass. Model buffers are kept as ShardedOptions::buffers says. With
+// ShardedOptions::release_gradients (stage 2), each bucket's share of this rank is copied out once
+// reduced and the model releases the bucket's gradients. This version: float32 parameters in host
+// memory, no wire compression.
 #pragma once
 
 #include <gradsync/amp/loss_scale.hpp>
@@ -31,7 +33,9 @@
 #include <gradsync/data_parallel/readiness.hpp>  // for ReadinessError
 #include <gradsync/error.hpp>
 #include <gradsync/memory/detail/host_passes.hpp>
+#include <gradsync/data_parallel/moved_storage.hpp>
 #include <gradsync/model/buffers.hpp>
+#include <gradsync/model/gradient_release.hpp>
 #include <gradsync/model/model.hpp>
 
 #include <algorithm>  // for std::sort
@@ -57,6 +61,16 @@ struct ShardedOptions {
     // The model's buffers (batch-norm statistics), as DataParallel's buffer policies keep them:
     // rank 0's copied at construction and at every step (the default), averaged, or left alone.
     BufferSync buffers = BufferSync::broadcast_every_step;
+    // Stage 2: once a bucket is reduce-scattered (during backward with grad_ready), this rank's
+    // share of its averaged gradients is copied into memory of the wrapper's (state_elements()
+    // floats) and the model is told to release the bucket's gradients
+    // (gradsync::release_gradients), so that a model which makes its gradients in backward holds
+    // about a bucket or two of them at a time instead of all. Needs such a model and a backend
+    // that reduces where the gradients lie (LocalBackend, MpiBackend).
+    bool release_gradients = false;
+    // Gradients whose storage moves between steps (made anew in backward) are followed: the model
+    // is listed again before each bucket is reduced. Always on with release_gradients.
+    bool storage_may_move = true;
 };
 
 namespace detail {
@@ -100,8 +114,16 @@ public:
                            std::to_string(options_.clip_norm)};
         if (const auto why = detail::invalid_of(scaler_); !why.empty())
             problem = {detail::LocalProblem::Kind::configuration, detail::rank_prefix(rank()) + ": " + why};
+        if (options_.release_gradients && !(in_place && ReleasableGradients<Model>))
+            problem = {detail::LocalProblem::Kind::configuration,
+                       detail::rank_prefix(rank()) + ": ShardedOptions::release_gradients needs " +
+                           (in_place ? "a model that can release gradients: give it a member "
+                                       "release_gradients(std::span<const std::size_t>), or see "
+                                       "docs/sharding.md"
+                                     : "a backend that reduces gradients where they lie "
+                                       "(ScatteredShardedCollectives: LocalBackend, MpiBackend)")};
         plan_ = problem.kind == detail::LocalProblem::Kind::none ? bucketer.plan(layout_.params) : BucketPlan{};
-        const std::vector<detail::Setting> settings{{"mode", "sharded (stage 1)"},
+        const std::vector<detail::Setting> settings{{"mode", stage2() ? "sharded (stage 2)" : "sharded (stage 1)"},
                                                     {"bucketer", bucketer.settings()},
                                                     {"clip_norm", std::to_string(options_.clip_norm)},
                                                     {"loss_scaler", scaler_.settings()},
@@ -110,7 +132,10 @@ public:
         for (const auto& p : layout_.params)
             backend_.broadcast(std::span(static_cast<std::byte*>(p.data), p.bytes().count()), 0);
         detail::sync_buffers(backend_, buffers(), options_.buffers, /*at_construction=*/true, history_, 0);
-        shards_ = detail::ShardLayout<in_place>(layout_.params, plan_, world_size(), rank());
+        if (stage2()) grad_store_.assign(detail::ShardLayout<in_place>::shard_elements(plan_, world_size(), rank()), 0);
+        shards_ = detail::ShardLayout<in_place>(layout_.params, plan_, world_size(), rank(),
+                                                stage2() ? grad_store_.data() : nullptr);
+        storage_.reset(plan_.buckets.size());
         bucket_of_.assign(layout_.params.size(), 0);
         ready_.assign(layout_.params.size(), false);
         missing_.assign(plan_.buckets.size(), 0);
@@ -138,7 +163,8 @@ public:
     // optimizer(std::span<const ShardPiece<float>>) with this rank's pieces when every gradient
     // is finite (every rank decides alike), and all-gathers the parameters into every rank's
     // model. Afterwards the model's gradients hold the average in this rank's shard where the
-    // backend reduces in place (LocalBackend) and are otherwise unspecified.
+    // backend reduces in place (LocalBackend) and are otherwise unspecified; with
+    // release_gradients the model has released them all.
     // A failure on this rank (the optimizer threw, say) aborts the group, so that peers waiting
     // in the step's collectives fail at once rather than at their deadline; then it is rethrown.
     template <class Optimizer>
@@ -180,11 +206,16 @@ public:
     // For checkpoint loading: the step count to continue from.
     void restore_steps(std::uint64_t steps) { steps_ = steps; }
     [[nodiscard]] BackendT& backend() const { return backend_; }
+    [[nodiscard]] Model& model() const { return model_; }
     [[nodiscard]] int rank() const { return backend_.rank(); }
     [[nodiscard]] int world_size() const { return backend_.size(); }
     // Memory held beyond the model's: packed bucket buffers (one for gradients and one for
-    // parameters each) where the backend cannot reduce scattered memory, else none.
-    [[nodiscard]] Bytes extra_memory() const { return in_place ? Bytes{0} : Bytes{2 * plan_.bytes().count()}; }
+    // parameters each) where the backend cannot reduce scattered memory; with release_gradients
+    // this rank's share of the averaged gradients; else none.
+    [[nodiscard]] Bytes extra_memory() const {
+        if (!in_place) return Bytes{2 * plan_.bytes().count()};
+        return Bytes{grad_store_.size() * sizeof(float)};
+    }
     // Whether shards are reduced and gathered where they lie (ScatteredShardedCollectives).
     static constexpr bool in_place = ScatteredShardedCollectives<BackendT>;
 
@@ -198,7 +229,11 @@ private:
             // (a progress thread would only compete with this one for the cores). The backend's
             // deadline applies.
             const std::lock_guard lock(ready_mutex_);
-            for (auto& h : launched_) h.wait();
+            for (; kept_ < launched_.size(); ++kept_) {
+                launched_[kept_].wait();
+                keep(kept_);
+            }
+            follow_storage(launched_.size(), shards_.slots.size(), /*in_backward=*/false);
             for (std::size_t b = launched_.size(); b < shards_.slots.size(); ++b) {
                 auto& slot = shards_.slots[b];
                 if constexpr (in_place) {
@@ -207,6 +242,7 @@ private:
                     slot.pack_grads();
                     backend_.reduce_scatter(buffer_of(std::span<float>(slot.grad_buffer)), ReduceOp::average);
                 }
+                keep(b);
             }
             new_step();
         }
@@ -283,13 +319,50 @@ private:
                                  "' was called twice in one step");
         ready_[p] = true;
         --missing_[bucket_of_[p]];
-        while (launched_.size() < shards_.slots.size() && missing_[launched_.size()] == 0)
+        while (launched_.size() < shards_.slots.size() && missing_[launched_.size()] == 0) {
+            follow_storage(launched_.size(), launched_.size() + 1, /*in_backward=*/true);
             launched_.push_back(reduce_scatter_async(backend_, shards_.slots[launched_.size()]));
+        }
+        // Stage 2: the buckets reduced by now give their gradients back while backward goes on,
+        // and at most two stay in flight (backward waits for the oldest), which bounds the
+        // gradient memory to about two buckets beside this rank's share.
+        if (stage2())
+            for (; kept_ < launched_.size() && (launched_[kept_].ready() || launched_.size() - kept_ > 2); ++kept_) {
+                launched_[kept_].wait();  // rethrows its error, if any
+                keep(kept_);
+            }
+    }
+
+    [[nodiscard]] bool stage2() const { return options_.release_gradients; }
+
+    // Storage that moved since the last step is followed before each bucket's reduce_scatter.
+    void follow_storage(std::size_t first, std::size_t last, bool in_backward) {
+        if (!options_.storage_may_move && !stage2()) return;
+        storage_.follow(
+            model_, layout_, plan_, first, last, in_backward,
+            [this](std::size_t b) { shards_.refresh(b, layout_.params); },
+            [this] { return detail::rank_prefix(rank()) + ", step " + std::to_string(steps_ + 1); });
+    }
+
+    // Bucket b is reduced: with release_gradients, this rank's share is kept and the model
+    // releases the bucket's gradients.
+    void keep(std::size_t b) {
+        if constexpr (in_place && ReleasableGradients<Model>) {
+            if (!stage2()) return;
+            shards_.keep_shard(b, layout_.params);
+            model_indices_.clear();
+            for (auto p : shards_.slots[b].indices) model_indices_.push_back(layout_.model_index_of_param[p]);
+            gradsync::release_gradients(model_, std::span<const std::size_t>(model_indices_));
+        } else {
+            (void)b;
+        }
     }
 
     // Under ready_mutex_: nothing ready, nothing launched.
     void new_step() {
         launched_.clear();
+        kept_ = 0;
+        storage_.end_step();
         std::fill(ready_.begin(), ready_.end(), false);
         for (std::size_t b = 0; b < plan_.buckets.size(); ++b) missing_[b] = plan_.buckets[b].parameters.size();
     }
@@ -303,12 +376,16 @@ private:
     detail::ShardLayout<in_place> shards_;
     std::uint64_t steps_ = 0;
     detail::CollectiveHistory history_;  // tags the buffers' collectives
+    detail::StorageFollower storage_;
+    std::vector<float> grad_store_;           // stage 2: this rank's share of the averaged gradients
+    std::vector<std::size_t> model_indices_;  // a bucket's parameters, to release
     // Overlap: which parameters grad_ready reported this step, how many each bucket still
     // lacks, and the reduce_scatters launched (buckets 0 .. size - 1).
     std::mutex ready_mutex_;
     std::vector<std::size_t> bucket_of_, missing_;
     std::vector<bool> ready_;
     std::vector<Handle> launched_;
+    std::size_t kept_ = 0;  // launched buckets whose share is kept (stage 2)
 };
 
 }  // namespace gradsync::inline v0

@@ -33,6 +33,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <utility>  // for std::declval, std::exchange, std::move
 #include <vector>
@@ -277,6 +278,12 @@ struct model_traits<M> {
         return libtorch::parameters_of(libtorch::module_of(model), libtorch::MissingGradients::leave_null);
     }
     static std::vector<ModelBuffer> buffers(M& model) { return libtorch::buffers_of(libtorch::module_of(model)); }
+    // ShardedDataParallel's stage 2: the gradients go back to torch's allocator (as zero_grad(true)
+    // would send them); torch's next backward makes them again.
+    static void release_gradients(M& model, std::span<const std::size_t> indices) {
+        auto params = libtorch::trainable(libtorch::module_of(model));
+        for (auto i : indices) params.at(i).second.mutable_grad() = ::at::Tensor();
+    }
 };
 
 }  // namespace gradsync::inline v0

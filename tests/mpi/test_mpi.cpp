@@ -13,6 +13,7 @@
 #include "support/sharded_checks.hpp"
 #include "support/sharded_optimizers.hpp"
 #include "support/sharded_resume.hpp"
+#include "support/sharded_training.hpp"
 #include "support/toy_model.hpp"
 
 #include <unistd.h>  // for getpid
@@ -26,6 +27,7 @@
 #include <fstream>
 #include <optional>
 #include <thread>
+#include <type_traits>  // for std::type_identity
 #include <vector>
 
 using namespace gradsync::literals;
@@ -391,30 +393,39 @@ TEST_CASE("equivalence over MPI: N processes with micro-batch b == one process w
 }
 
 TEST_CASE("sharded over MPI: optimizer state split across processes == one process with the whole batch") {
+    // Stage 1 on the example MLP; stage 2 (gradients released once reduced) on the MLP that frees
+    // them: the same bits.
+    auto train = [&](auto model_type, const gradsync::SizeCappedBuckets& caps, bool overlap, bool release) {
+        using Model = typename decltype(model_type)::type;
+        gradsync::MpiBackend backend;
+        Model model(1 + std::uint64_t(backend.rank()) * 1000);  // replaced by rank 0's at construction
+        gradsync::ShardedDataParallel sdp(model, backend, caps, gradsync::ShardedOptions{.release_gradients = release});
+        if (overlap) model.on_grad_ready = [&](std::size_t i) { sdp.grad_ready(i); };
+        sharded::ShardedSgd sgd;
+        sgd.velocity.assign(sdp.state_elements(), 0.0f);
+        const int world = backend.size();
+        for (int s = 0; s < steps; ++s) {
+            auto first = std::size_t(s * world * micro_batch + backend.rank() * micro_batch);
+            model.forward_backward(mlp::make_batch(2026, first, micro_batch));
+            CHECK(sdp.buckets_launched() == (overlap ? sdp.plan().buckets.size() : 0));
+            CHECK(sdp.step(sgd).applied);
+        }
+        // This rank's state is its share: the shares add up to every parameter once.
+        std::uint64_t mine = sdp.state_elements(), all = 0;
+        MPI_Allreduce(&mine, &all, 1, MPI_UINT64_T, MPI_SUM, gradsync::mpi_world());
+        CHECK(all == sdp.parameter_elements());
+        CHECK(mine * std::uint64_t(world) <= sdp.parameter_elements() + std::uint64_t(world) * 8);
+        return resume::flat(model);
+    };
     for (const auto& caps : {gradsync::SizeCappedBuckets{}, gradsync::SizeCappedBuckets{64_KiB, 4_KiB}})
         for (const bool overlap : {false, true}) {  // reduce_scatters started by grad_ready during backward
             CAPTURE(caps.settings());
             CAPTURE(overlap);
-            gradsync::MpiBackend backend;
-            mlp::Mlp model(1 + std::uint64_t(backend.rank()) * 1000);  // replaced by rank 0's at construction
-            gradsync::ShardedDataParallel sdp(model, backend, caps);
-            if (overlap) model.on_grad_ready = [&](std::size_t i) { sdp.grad_ready(i); };
-            sharded::ShardedSgd sgd;
-            sgd.velocity.assign(sdp.state_elements(), 0.0f);
-            const int world = backend.size();
-            for (int s = 0; s < steps; ++s) {
-                auto first = std::size_t(s * world * micro_batch + backend.rank() * micro_batch);
-                model.forward_backward(mlp::make_batch(2026, first, micro_batch));
-                CHECK(sdp.buckets_launched() == (overlap ? sdp.plan().buckets.size() : 0));
-                CHECK(sdp.step(sgd).applied);
-            }
-            check_close(resume::flat(model), train_single(world));
-            CHECK(same_on_every_rank(resume::flat(model)));
-            // This rank's state is its share: the shares add up to every parameter once.
-            std::uint64_t mine = sdp.state_elements(), all = 0;
-            MPI_Allreduce(&mine, &all, 1, MPI_UINT64_T, MPI_SUM, gradsync::mpi_world());
-            CHECK(all == sdp.parameter_elements());
-            CHECK(mine * std::uint64_t(world) <= sdp.parameter_elements() + std::uint64_t(world) * 8);
+            const auto kept = train(std::type_identity<mlp::Mlp>{}, caps, overlap, false);
+            check_close(kept, train_single(world_size()));
+            CHECK(same_on_every_rank(kept));
+            const auto released = train(std::type_identity<sharded::ReleasingMlp>{}, caps, overlap, true);
+            CHECK(released == kept);  // float ==: bitwise here (no NaN)
         }
 }
 

@@ -15,6 +15,7 @@
 #include <doctest/doctest.h>
 
 #include "../mpi/run_on_every_rank.hpp"
+#include "../support/sharded_optimizers.hpp"
 
 #include <cmath>
 #include <cstdint>
@@ -291,6 +292,37 @@ TEST_SUITE("in-process") {
             }
         });
         CHECK(hashes[0] == hashes[1]);
+    }
+
+    TEST_CASE("sharded, releasing torch's gradients once reduced == keeping them, bitwise") {
+        // One bucket per tensor, so buckets are reduced and released while backward runs.
+        const gradsync::SizeCappedBuckets per_tensor{.cap = gradsync::Bytes{1}, .first_cap = gradsync::Bytes{1}};
+        for (int world : {1, 2, 3}) {
+            CAPTURE(world);
+            const Data data(world);
+            std::vector<std::vector<std::uint64_t>> hashes(2 * static_cast<std::size_t>(world));
+            for (bool release : {false, true}) {
+                gradsync::spawn(world, [&](gradsync::LocalBackend& backend) {
+                    auto net = make_net(false, backend.rank());
+                    gradsync::ShardedDataParallel sdp(net, backend, per_tensor,
+                                                      gradsync::ShardedOptions{.release_gradients = release});
+                    auto hooks = gradsync::libtorch::overlap(sdp);
+                    sharded::ShardedSgd sgd;
+                    sgd.velocity.assign(sdp.state_elements(), 0.0f);
+                    auto& mine = hashes[static_cast<std::size_t>(world * int(release) + backend.rank())];
+                    for (int s = 0; s < steps; ++s) {
+                        clear_gradients(net, /*reallocate=*/false);  // nothing to clear once released
+                        const auto offset = s * world * micro_batch + backend.rank() * micro_batch;
+                        auto x = data.x.narrow(0, offset, micro_batch), y = data.y.narrow(0, offset, micro_batch);
+                        torch::nn::functional::cross_entropy(net->forward(x), y).backward();
+                        CHECK(sdp.step(sgd).applied);
+                        for (auto& p : net->parameters()) CHECK(p.grad().defined() == !release);
+                        mine.push_back(bits_hash(net));
+                    }
+                });
+            }
+            for (std::size_t r = 1; r < hashes.size(); ++r) CHECK(hashes[r] == hashes[0]);
+        }
     }
 
     TEST_CASE("a module, its holder and a shared_ptr to it list the same parameters and buffers") {

@@ -1,6 +1,7 @@
 // How ShardedDataParallel splits the plan's buckets among the ranks: each bucket into one
 // contiguous shard per rank (shard_of), and this rank's shard of each into pieces, one per
-// parameter it covers, pointing into the model (in place) or into packed bucket buffers.
+// parameter it covers, pointing into the model (in place) or into packed bucket buffers; with
+// released gradients (stage 2), the pieces' gradients lie in a store of the wrapper's instead.
 #pragma once
 
 #include <gradsync/bucket/plan.hpp>
@@ -34,9 +35,11 @@ namespace detail {
 // One bucket: its gradients and parameters where the model keeps them (by parameter index: the
 // element order of the bucket), this rank's shard, and the packed route's buffers.
 struct ShardSlot {
+    std::vector<std::size_t> indices;  // the bucket's parameters, ascending
     std::vector<Segment> grads, params;
     std::vector<float> grad_buffer, param_buffer;
     Shard shard;
+    std::size_t first_piece = 0, piece_count = 0;  // this rank's pieces of the bucket
 
     void pack_grads() { copy_in(grads, grad_buffer); }
     void unpack_params() const {
@@ -70,7 +73,8 @@ private:
 };
 
 // Every bucket's slot and this rank's pieces, in bucket order; the pieces' state offsets count
-// up from 0 to state_elements.
+// up from 0 to state_elements. A `grad_store` of shard_elements() floats holds the pieces'
+// gradients at their state offsets (stage 2); without one they lie where the slot's do.
 template <bool InPlace>
 struct ShardLayout {
     std::vector<ShardSlot> slots;
@@ -79,11 +83,15 @@ struct ShardLayout {
     std::size_t state_elements = 0;
 
     ShardLayout() = default;
-    ShardLayout(std::span<const Parameter> params, const BucketPlan& plan, int ranks, int rank) {
+    ShardLayout(std::span<const Parameter> params, const BucketPlan& plan, int ranks, int rank,
+                float* grad_store = nullptr)
+        : grad_store_(grad_store) {
         for (const auto& bucket : plan.buckets) {
             ShardSlot slot;
-            auto indices = bucket.parameters;
-            std::sort(indices.begin(), indices.end());
+            slot.indices = bucket.parameters;
+            std::sort(slot.indices.begin(), slot.indices.end());
+            const auto& indices = slot.indices;
+            slot.first_piece = pieces.size();
             for (auto i : indices) {
                 slot.grads.push_back({params[i].grad, params[i].count});
                 slot.params.push_back({params[i].data, params[i].count});
@@ -101,13 +109,53 @@ struct ShardLayout {
                 if (begin < end) {
                     float* p = InPlace ? static_cast<float*>(slot.params[k].data) + (begin - at)
                                        : slot.param_buffer.data() + begin;
-                    float* g = InPlace ? static_cast<float*>(slot.grads[k].data) + (begin - at)
-                                       : slot.grad_buffer.data() + begin;
+                    float* g = grad_store_ != nullptr ? grad_store_ + state_elements
+                               : InPlace              ? static_cast<float*>(slot.grads[k].data) + (begin - at)
+                                                      : slot.grad_buffer.data() + begin;
                     add_piece(p, g, end - begin, indices[k], begin - at);
                 }
                 at += n;
             }
+            slot.piece_count = pieces.size() - slot.first_piece;
             slots.push_back(std::move(slot));  // the buffers' memory moves with it
+        }
+    }
+
+    // The elements of this rank's shards of `plan`: the size of a grad_store.
+    static std::size_t shard_elements(const BucketPlan& plan, int ranks, int rank) {
+        std::size_t n = 0;
+        for (const auto& bucket : plan.buckets) n += shard_of(bucket.count, ranks, rank).count;
+        return n;
+    }
+
+    // Bucket b's storage moved to where `params` says: its segments, and in place its pieces,
+    // follow.
+    void refresh(std::size_t b, std::span<const Parameter> params) {
+        auto& slot = slots[b];
+        for (std::size_t k = 0; k < slot.indices.size(); ++k) {
+            const auto& p = params[slot.indices[k]];
+            slot.grads[k] = {p.grad, p.count};
+            slot.params[k] = {p.data, p.count};
+        }
+        if constexpr (!InPlace) return;  // the pieces lie in the packed buffers
+        for (std::size_t j = slot.first_piece; j < slot.first_piece + slot.piece_count; ++j) {
+            auto& piece = pieces[j];
+            const auto& p = params[piece.parameter];
+            piece.params = {static_cast<float*>(p.data) + piece.offset, piece.params.size()};
+            if (grad_store_ != nullptr) continue;
+            grads[j] = {static_cast<float*>(p.grad) + piece.offset, piece.grads.size()};
+            piece.grads = grads[j];
+        }
+    }
+
+    // Stage 2, once bucket b is reduced in place: its pieces' averaged gradients, copied from the
+    // model into the grad_store, where they outlive the model's gradients.
+    void keep_shard(std::size_t b, std::span<const Parameter> params) {
+        const auto& slot = slots[b];
+        for (std::size_t j = slot.first_piece; j < slot.first_piece + slot.piece_count; ++j) {
+            const auto& piece = pieces[j];
+            std::memcpy(grads[j].data(), static_cast<const float*>(params[piece.parameter].grad) + piece.offset,
+                        grads[j].size() * sizeof(float));
         }
     }
 
@@ -118,6 +166,8 @@ private:
         grads.emplace_back(g, n);
         state_elements += n;
     }
+
+    float* grad_store_ = nullptr;
 };
 
 }  // namespace detail

@@ -60,6 +60,7 @@ requires std::ranges::sized_range<D> && std::ranges::sized_range<G> &&
 //       // has not made yet may be null (parameters() must make it: it is read at synchronize()).
 //       static std::vector<gradsync::Parameter> parameters_now(Net& net);
 //   };
+// (A model type of your own may have a member parameters_now() instead.)
 template <class Model>
 struct model_traits {};
 
@@ -115,7 +116,8 @@ inline constexpr detail::parameters_cpo::fn parameters{};
 namespace detail {
 
 // The parameters as they are now, during backward, to follow storage that moves: the model's
-// model_traits<M>::parameters_now where it has one, else gradsync::parameters(model).
+// model_traits<M>::parameters_now or member parameters_now() where it has one, else
+// gradsync::parameters(model).
 template <class M>
 std::vector<Parameter> parameters_now(M& model) {
     using traits = model_traits<std::remove_cvref_t<M>>;
@@ -123,6 +125,10 @@ std::vector<Parameter> parameters_now(M& model) {
                       { traits::parameters_now(model) } -> ParameterRange;
                   })
         return parameters_cpo::to_vector(traits::parameters_now(model));
+    else if constexpr (requires {
+                           { model.parameters_now() } -> ParameterRange;
+                       })
+        return parameters_cpo::to_vector(model.parameters_now());
     else
         return gradsync::parameters(model);
 }

@@ -1,0 +1,244 @@
+// ShardedDataParallel with released gradients (stage 2): each bucket's share of this rank is kept
+// by the wrapper once reduced and the model frees the bucket's gradients; training ends bitwise
+// where stage 1 ends, overlapped or not, with a loss scale, clipping, accumulation and an unused
+// parameter; gradients that move between steps are followed in stage 1 too; what cannot work is
+// refused on every rank alike.
+#include <gradsync/backend/local.hpp>
+#include <gradsync/launch/spawn.hpp>
+#include <gradsync/sharded_data_parallel.hpp>
+
+#include <doctest/doctest.h>
+
+#include "mlp.hpp"
+#include "support/sharded_optimizers.hpp"
+#include "support/sharded_training.hpp"
+
+#include <cstddef>
+#include <limits>
+#include <span>
+#include <string>
+#include <vector>
+
+using namespace gradsync::literals;
+using sharded::batch_of;
+using sharded::bitwise_equal;
+using sharded::ReleasingMlp;
+using sharded::ShardedAdam;
+using sharded::ShardedSgd;
+using sharded::steps;
+using sharded::train_sharded;
+using sharded::Weights;
+using sharded::weights_of;
+
+namespace {
+
+const gradsync::ShardedOptions stage2{.release_gradients = true};
+const gradsync::SizeCappedBuckets small_caps{.cap = 64_KiB, .first_cap = 4_KiB};
+
+}  // namespace
+
+TEST_CASE("released gradients == stage 1 bitwise, N = 1..4, two plans, overlapped on all, some or no ranks") {
+    for (int world = 1; world <= 4; ++world) {
+        CAPTURE(world);
+        for (const auto& caps : {gradsync::SizeCappedBuckets{}, small_caps}) {
+            CAPTURE(caps.settings());
+            const auto stage1 = train_sharded<false>(world, caps);
+            CHECK(bitwise_equal(train_sharded<false, ReleasingMlp>(world, caps, stage2), stage1));
+            CHECK(bitwise_equal(train_sharded<false, ReleasingMlp>(world, caps, stage2, world), stage1));
+            if (world > 1) CHECK(bitwise_equal(train_sharded<false, ReleasingMlp>(world, caps, stage2, 1), stage1));
+            CHECK(bitwise_equal(train_sharded<true, ReleasingMlp>(world, caps, stage2, world),
+                                train_sharded<true>(world, caps)));
+        }
+    }
+}
+
+TEST_CASE("released gradients: the model holds none after a step, the wrapper this rank's share") {
+    gradsync::spawn(3, [&](gradsync::LocalBackend& backend) {
+        ReleasingMlp model(1);
+        gradsync::ShardedDataParallel sdp(model, backend, small_caps, stage2);
+        model.on_grad_ready = [&](std::size_t i) { sdp.grad_ready(i); };
+        const std::size_t all = sdp.parameter_elements() * sizeof(float);
+        CHECK(sdp.extra_memory() == gradsync::Bytes{sdp.state_elements() * sizeof(float)});
+        ShardedAdam adam;
+        adam.m1.assign(sdp.state_elements(), 0.0f);
+        adam.m2.assign(sdp.state_elements(), 0.0f);
+        for (int s = 0; s < 3; ++s) {
+            model.forward_backward(batch_of(3, backend.rank(), s));
+            CHECK(model.gradient_bytes() <= all);
+            std::size_t seen = 0;
+            const auto report = sdp.step([&](sharded::Pieces pieces) {
+                // The averaged gradients the optimizer reads are the wrapper's, not the model's.
+                for (const auto& p : pieces) seen += p.grads.size();
+                adam(pieces);
+            });
+            CHECK(report.applied);
+            CHECK(seen == sdp.state_elements());
+            CHECK(model.gradient_bytes() == 0);
+            CHECK(model.releases == 4 * static_cast<std::size_t>(s + 1));  // every parameter, once a step
+        }
+    });
+}
+
+namespace {
+
+// A dynamic loss scale that grows every 3 steps, an overflow on the last rank at step 4, clipping
+// and two accumulated half batches per step; stage 1 on the plain MLP or stage 2 on ReleasingMlp.
+template <class Model>
+std::vector<Weights> train_mixed(int world, gradsync::ShardedOptions options, std::vector<float>& scales) {
+    std::vector<Weights> out(static_cast<std::size_t>(world));
+    const gradsync::DynamicLossScale scaler{.init_scale = 1024.0f, .growth_interval = 3};
+    options.clip_norm = 0.05;
+    gradsync::spawn(world, [&](gradsync::LocalBackend& backend) {
+        Model model(/*seed=*/1);
+        gradsync::ShardedDataParallel sdp(model, backend, small_caps, options, scaler);
+        ShardedSgd sgd;
+        sgd.velocity.assign(sdp.state_elements(), 0.0f);
+        for (int s = 0; s < steps; ++s) {
+            const auto batch = batch_of(world, backend.rank(), s);
+            mlp::Batch first = batch, second = batch;  // the same batch, half the loss each
+            model.on_grad_ready = nullptr;
+            model.forward_backward(first, 0.5f * sdp.loss_scale());
+            model.on_grad_ready = [&](std::size_t i) {
+                // The overflow enters before its bucket goes (during backward).
+                if (i == 3 && s == 4 && backend.rank() == world - 1)
+                    model.gb2[0] = std::numeric_limits<float>::infinity();
+                sdp.grad_ready(i);
+            };
+            model.forward_backward(second, 0.5f * sdp.loss_scale(), /*accumulate=*/true);
+            const auto report = sdp.step(sgd);
+            CHECK(report.applied == (s != 4));
+            if (backend.rank() == 0) scales.push_back(report.loss_scale);
+        }
+        out[static_cast<std::size_t>(backend.rank())] = weights_of(model);
+    });
+    return out;
+}
+
+}  // namespace
+
+TEST_CASE("released gradients with a loss scale, an overflow, clipping and accumulation == stage 1 bitwise") {
+    for (int world : {1, 2, 3}) {
+        CAPTURE(world);
+        std::vector<float> scales1, scales2;
+        const auto stage1 = train_mixed<mlp::Mlp>(world, {}, scales1);
+        const auto released = train_mixed<ReleasingMlp>(world, stage2, scales2);
+        for (const auto& w : released) CHECK(bitwise_equal(w, stage1[0]));
+        CHECK(scales1 == scales2);
+        CHECK(scales2[5] == scales2[4] / 2);  // the overflow backed the scale off
+    }
+}
+
+namespace {
+
+// ReleasingMlp with a parameter its forward never uses: no gradient from backward, no grad_ready.
+struct WithUnused : ReleasingMlp {
+    using ReleasingMlp::ReleasingMlp;
+    std::vector<float> spare = std::vector<float>(37, 0.5f), spare_grad;
+    std::vector<gradsync::Parameter> parameters() {
+        auto out = ReleasingMlp::parameters();
+        if (spare_grad.empty()) spare_grad.assign(spare.size(), 0.0f);
+        out.push_back(gradsync::parameter("spare", spare, spare_grad));
+        return out;
+    }
+    std::vector<gradsync::Parameter> parameters_now() {
+        auto out = ReleasingMlp::parameters_now();
+        out.push_back(
+            gradsync::parameter("spare", spare.data(), spare_grad.empty() ? nullptr : spare_grad.data(), spare.size()));
+        return out;
+    }
+    void release_gradients(std::span<const std::size_t> indices) {
+        std::vector<std::size_t> mine;
+        for (auto i : indices) {
+            if (i == 4) {
+                spare_grad.clear();
+                spare_grad.shrink_to_fit();
+            } else {
+                mine.push_back(i);
+            }
+        }
+        ReleasingMlp::release_gradients(mine);
+    }
+};
+
+}  // namespace
+
+TEST_CASE("released gradients with an unused parameter: its zeros reduced at step(), the rest as stage 1") {
+    for (int world : {2, 3}) {
+        CAPTURE(world);
+        const auto stage1 = train_sharded<false>(world, small_caps, {}, world);
+        std::vector<float> spare;
+        Weights weights;
+        gradsync::spawn(world, [&](gradsync::LocalBackend& backend) {
+            WithUnused model(1);
+            gradsync::ShardedDataParallel sdp(model, backend, small_caps, stage2);
+            model.on_grad_ready = [&](std::size_t i) { sdp.grad_ready(i); };
+            ShardedSgd sgd;
+            sgd.velocity.assign(sdp.state_elements(), 0.0f);
+            for (int s = 0; s < steps; ++s) {
+                model.forward_backward(batch_of(world, backend.rank(), s));
+                CHECK(sdp.step(sgd).applied);
+                CHECK(model.spare_grad.empty());
+            }
+            if (backend.rank() == 0) {
+                spare = model.spare;
+                weights = weights_of(model);
+            }
+        });
+        CHECK(spare == std::vector<float>(37, 0.5f));
+        CHECK(bitwise_equal(weights, stage1));
+    }
+}
+
+TEST_CASE("stage 1 follows gradients that move between steps (freed by the trainer, made in backward)") {
+    for (int world : {1, 3}) {
+        CAPTURE(world);
+        Weights moved;
+        gradsync::spawn(world, [&](gradsync::LocalBackend& backend) {
+            ReleasingMlp model(1);
+            gradsync::ShardedDataParallel sdp(model, backend, small_caps);
+            if (backend.rank() == 0) model.on_grad_ready = [&](std::size_t i) { sdp.grad_ready(i); };
+            ShardedSgd sgd;
+            sgd.velocity.assign(sdp.state_elements(), 0.0f);
+            const std::size_t all[] = {0, 1, 2, 3};
+            for (int s = 0; s < steps; ++s) {
+                // Something kept alive so that the next gradients cannot reuse the freed memory.
+                std::vector<float> hold(2048, float(s));
+                model.forward_backward(batch_of(world, backend.rank(), s));
+                CHECK(sdp.step(sgd).applied);
+                model.release_gradients(all);  // as zero_grad(set_to_none) would
+            }
+            if (backend.rank() == 0) moved = weights_of(model);
+        });
+        CHECK(bitwise_equal(moved, train_sharded<false>(world, small_caps)));
+    }
+}
+
+TEST_CASE("released gradients are refused without a model that releases them or an in-place backend") {
+    std::vector<std::string> messages(2);
+    gradsync::spawn(2, [&](gradsync::LocalBackend& backend) {
+        mlp::Mlp model(1);  // has no release_gradients
+        try {
+            gradsync::ShardedDataParallel sdp(model, backend, {}, stage2);
+        } catch (const gradsync::ConfigurationError& e) {
+            messages[static_cast<std::size_t>(backend.rank())] = e.what();
+        }
+    });
+    for (const auto& m : messages) {
+        CAPTURE(m);
+        CHECK(m.find("release_gradients needs a model that can release gradients") != std::string::npos);
+    }
+    gradsync::spawn(2, [&](gradsync::LocalBackend& local) {
+        sharded::BufferOnly backend{local};
+        ReleasingMlp model(1);
+        CHECK_THROWS_WITH_AS(
+            (gradsync::ShardedDataParallel<ReleasingMlp, sharded::BufferOnly>(model, backend, {}, stage2)),
+            doctest::Contains("a backend that reduces gradients where they lie"), gradsync::ConfigurationError);
+    });
+    // A rank that asks for it while another does not: the settings differ, every rank refuses.
+    gradsync::spawn(2, [&](gradsync::LocalBackend& backend) {
+        ReleasingMlp model(1);
+        CHECK_THROWS_AS(gradsync::ShardedDataParallel(
+                            model, backend, {}, gradsync::ShardedOptions{.release_gradients = backend.rank() == 1}),
+                        gradsync::ConfigurationError);
+    });
+}
