@@ -1286,6 +1286,14 @@ private:
 #endif  // GRADSYNC_SINGLE_BACKEND_DETAIL_WATCHER_THREAD_HPP
 // ---- end gradsync/backend/detail/watcher_thread.hpp ----
 
+// ---- begin gradsync/backend/mpi/collective_watch.hpp ----
+#ifndef GRADSYNC_SINGLE_BACKEND_MPI_COLLECTIVE_WATCH_HPP
+#define GRADSYNC_SINGLE_BACKEND_MPI_COLLECTIVE_WATCH_HPP
+// What MpiBackend's watcher thread watches: the collective running now and its deadline, the
+// peers that have left the group, and the status reporters it quotes when it ends the job. The
+// collectives' threads write it, the watcher reads it; one mutex guards each half.
+
+
 // ---- begin gradsync/backend/mpi/departures.hpp ----
 #ifndef GRADSYNC_SINGLE_BACKEND_MPI_DEPARTURES_HPP
 #define GRADSYNC_SINGLE_BACKEND_MPI_DEPARTURES_HPP
@@ -1480,6 +1488,146 @@ private:
 }  // namespace gradsync::inline v0::detail
 #endif  // GRADSYNC_SINGLE_BACKEND_MPI_DEPARTURES_HPP
 // ---- end gradsync/backend/mpi/departures.hpp ----
+
+#include <algorithm>  // for std::min
+#include <chrono>
+#include <cstdint>
+#include <cstdio>      // for std::snprintf
+#include <functional>  // for std::function
+#include <mutex>
+#include <optional>
+#include <string>
+#include <utility>  // for std::move, std::pair
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+class CollectiveWatch {
+public:
+    using Clock = std::chrono::steady_clock;
+
+    CollectiveWatch(int rank, int size, std::chrono::milliseconds timeout)
+        : rank_(rank), size_(size), timeout_(timeout) {}
+
+    // Collective #seq, described by `what`, starts on this thread now: refused with a
+    // CollectiveError when a rank it needs has left.
+    void start(std::uint64_t seq, const std::string& what) {
+        std::lock_guard lock(mutex_);
+        if (const auto* gone = departed_before(seq))
+            throw CollectiveError(rank_prefix(rank_, size_) + ": " + what + " cannot complete: " + gone->describe());
+        current_ = what;
+        current_seq_ = seq;
+        deadline_ = Clock::now() + timeout_;
+        busy_ = true;
+    }
+    // It ended, `completed` or by an exception.
+    void stop(std::uint64_t seq, bool completed) {
+        std::lock_guard lock(mutex_);
+        busy_ = false;
+        if (completed) last_completed_ = seq;
+    }
+    [[nodiscard]] std::uint64_t last_completed() {
+        std::lock_guard lock(mutex_);
+        return last_completed_;
+    }
+
+    // When the watcher should look next: the running collective's deadline, or one timeout from
+    // now when none runs (a collective that starts meanwhile has a later deadline, so nothing on
+    // the collectives' path ever needs to wake the watcher); and every `poll` while polling.
+    [[nodiscard]] Clock::time_point wake_at(std::optional<std::chrono::milliseconds> poll) {
+        const auto now = Clock::now();
+        std::lock_guard lock(mutex_);
+        const auto due = busy_ ? deadline_ : now + timeout_;
+        return poll ? std::min(due, now + *poll) : due;
+    }
+
+    // Peers that said farewell. When the running collective needs one of them it can never
+    // complete: returns what to say before ending the job.
+    [[nodiscard]] std::optional<std::string> note_departures(const std::vector<Departure>& arrived) {
+        if (arrived.empty()) return std::nullopt;
+        std::string what, why;
+        {
+            std::lock_guard lock(mutex_);
+            departed_.insert(departed_.end(), arrived.begin(), arrived.end());
+            if (!busy_) return std::nullopt;
+            const auto* gone = departed_before(current_seq_);
+            if (!gone) return std::nullopt;
+            what = current_;
+            why = gone->describe();
+        }
+        return "gradsync: rank " + std::to_string(rank_) + " of " + std::to_string(size_) + ": " + why + "; " + what +
+               ", which this rank is in, needs it and can never complete" + where_this_rank_is() +
+               ". MPI cannot cancel a collective, so this rank ends the job.";
+    }
+
+    // When the running collective is past its deadline: what to say before ending the job.
+    [[nodiscard]] std::optional<std::string> late() {
+        std::string what;
+        {
+            std::lock_guard lock(mutex_);
+            if (!busy_ || Clock::now() < deadline_) return std::nullopt;
+            what = current_;
+        }
+        char seconds[32];
+        std::snprintf(seconds, sizeof seconds, "%.3g", std::chrono::duration<double>(timeout_).count());
+        return "gradsync: rank " + std::to_string(rank_) + " of " + std::to_string(size_) + ": " + what +
+               " has not completed after " + seconds + " s (MpiOptions::timeout)" + where_this_rank_is() +
+               ". A peer rank is late, has exited, or called a different collective; MPI cannot cancel a "
+               "collective, so this rank ends the job.";
+    }
+
+    [[nodiscard]] std::vector<int> departed_ranks() {
+        std::lock_guard lock(mutex_);
+        std::vector<int> ranks;
+        for (const auto& d : departed_) ranks.push_back(d.rank);
+        return ranks;
+    }
+
+    std::uint64_t add_reporter(std::function<std::string()> reporter) {
+        std::lock_guard lock(reporters_mutex_);
+        reporters_.emplace_back(++next_reporter_, std::move(reporter));
+        return next_reporter_;
+    }
+    void remove_reporter(std::uint64_t id) {
+        std::lock_guard lock(reporters_mutex_);
+        std::erase_if(reporters_, [id](const auto& r) { return r.first == id; });
+    }
+
+private:
+    // The first peer that left before collective #seq, which therefore can never complete. Under
+    // mutex_.
+    [[nodiscard]] const Departure* departed_before(std::uint64_t seq) const {
+        for (const auto& d : departed_)
+            if (d.last_completed < seq) return &d;
+        return nullptr;
+    }
+
+    std::string where_this_rank_is() {
+        std::string where;
+        std::lock_guard lock(reporters_mutex_);
+        for (const auto& r : reporters_) where += "; this rank is " + r.second();
+        return where;
+    }
+
+    int rank_, size_;
+    std::chrono::milliseconds timeout_;
+
+    std::mutex mutex_;  // the running collective and the departed peers
+    std::string current_;
+    std::uint64_t current_seq_ = 0;
+    std::uint64_t last_completed_ = 0;
+    Clock::time_point deadline_;
+    bool busy_ = false;
+    std::vector<Departure> departed_;
+
+    std::mutex reporters_mutex_;
+    std::vector<std::pair<std::uint64_t, std::function<std::string()>>> reporters_;
+    std::uint64_t next_reporter_ = 0;
+};
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_BACKEND_MPI_COLLECTIVE_WATCH_HPP
+// ---- end gradsync/backend/mpi/collective_watch.hpp ----
 
 // ---- begin gradsync/backend/mpi/options.hpp ----
 #ifndef GRADSYNC_SINGLE_BACKEND_MPI_OPTIONS_HPP
@@ -2871,7 +3019,6 @@ inline ProcessPlace mpi_process_place(MPI_Comm comm = mpi_world()) {
 #include <exception>   // for std::uncaught_exceptions
 #include <functional>  // for std::function
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -2920,21 +3067,14 @@ public:
         MPI_Comm_size(comm_, &size_);
         reduction_.emplace(comm_, options_);
         departures_.emplace(comm_);
+        watch_.emplace(rank_, size_, options_.timeout);
         // The watcher polls for departed peers only where MPI lets a second thread call it.
         const bool poll = level_ == MPI_THREAD_MULTIPLE && size_ > 1 && options_.peer_poll.count() > 0;
-        // Wakes at the running collective's deadline, or one timeout from now when none runs (a
-        // collective that starts meanwhile has a later deadline, so nothing on the collectives'
-        // path ever needs to wake the watcher), and every peer_poll when it polls.
         watcher_.emplace(
+            [this, poll] { return watch_->wake_at(poll ? std::optional(options_.peer_poll) : std::nullopt); },
             [this, poll] {
-                const auto now = std::chrono::steady_clock::now();
-                std::lock_guard lock(watch_mutex_);
-                const auto due = busy_ ? deadline_ : now + options_.timeout;
-                return poll ? std::min(due, now + options_.peer_poll) : due;
-            },
-            [this, poll] {
-                if (poll) note_departures(departures_->poll());
-                end_if_late();
+                if (poll) end_job_saying(watch_->note_departures(departures_->poll()));
+                end_job_saying(watch_->late());
             });
     }
     MpiBackend(const MpiBackend&) = delete;
@@ -2942,7 +3082,7 @@ public:
     ~MpiBackend() {
         async_.stop();  // drains: every queued collective ends, or the watcher ends the job
         watcher_.reset();
-        const auto staying = departures_->leave(last_completed_, std::uncaught_exceptions() > 0,
+        const auto staying = departures_->leave(watch_->last_completed(), std::uncaught_exceptions() > 0,
                                                 std::chrono::steady_clock::now() + options_.timeout);
         if (!staying.empty()) {
             std::string ranks;
@@ -3055,24 +3195,14 @@ public:
 
     // The peers that have left the group (destroyed their MpiBackend), as far as the watcher has
     // seen: a collective after one has left is refused with a CollectiveError.
-    [[nodiscard]] std::vector<int> departed_peers() {
-        std::lock_guard lock(watch_mutex_);
-        std::vector<int> ranks;
-        for (const auto& d : departed_) ranks.push_back(d.rank);
-        return ranks;
-    }
+    [[nodiscard]] std::vector<int> departed_peers() { return watch_->departed_ranks(); }
 
     // `reporter` says where this rank stands (DataParallel: step, bucket, missing gradients); the
     // watcher quotes it when a collective misses its deadline. It runs on the watcher's thread.
     std::uint64_t add_status_reporter(std::function<std::string()> reporter) {
-        std::lock_guard lock(reporters_mutex_);
-        reporters_.emplace_back(++next_reporter_, std::move(reporter));
-        return next_reporter_;
+        return watch_->add_reporter(std::move(reporter));
     }
-    void remove_status_reporter(std::uint64_t id) {
-        std::lock_guard lock(reporters_mutex_);
-        std::erase_if(reporters_, [id](const auto& r) { return r.first == id; });
-    }
+    void remove_status_reporter(std::uint64_t id) { watch_->remove_reporter(id); }
 
     // Ends the whole job: prints `reason` with this rank's number, then MPI_Abort. Peers blocked
     // in collectives cannot be released any other way.
@@ -3127,81 +3257,23 @@ private:
     // Runs collective #seq under the watcher's eye; refuses it when a rank it needs has left.
     template <class F>
     void guarded(std::uint64_t seq, const std::string& what, F& body) {
-        {
-            std::lock_guard lock(watch_mutex_);
-            if (const auto* gone = departed_before(seq))
-                throw CollectiveError(detail::rank_prefix(rank_, size_) + ": " + what +
-                                      " cannot complete: " + gone->describe());
-            current_ = what;
-            current_seq_ = seq;
-            deadline_ = std::chrono::steady_clock::now() + options_.timeout;
-            busy_ = true;
-        }
-        struct Done {
-            MpiBackend* self;
-            ~Done() {
-                std::lock_guard lock(self->watch_mutex_);
-                self->busy_ = false;
-            }
-        } done{this};
+        watch_->start(seq, what);
+        struct Stop {
+            detail::CollectiveWatch& watch;
+            std::uint64_t seq;
+            bool completed = false;
+            ~Stop() { watch.stop(seq, completed); }
+        } stop{*watch_, seq};
         body();
-        std::lock_guard lock(watch_mutex_);
-        last_completed_ = seq;
+        stop.completed = true;
     }
 
-    // The first peer that left before collective #seq, which therefore can never complete. Under
-    // watch_mutex_.
-    [[nodiscard]] const detail::Departure* departed_before(std::uint64_t seq) const {
-        for (const auto& d : departed_)
-            if (d.last_completed < seq) return &d;
-        return nullptr;
-    }
-
-    // On the watcher's thread: peers that said farewell. If the running collective needs one of
-    // them it can never complete, and MPI cannot cancel it: the job ends now, not at the deadline.
-    void note_departures(std::vector<detail::Departure> arrived) {
-        if (arrived.empty()) return;
-        std::string what, why;
-        {
-            std::lock_guard lock(watch_mutex_);
-            departed_.insert(departed_.end(), arrived.begin(), arrived.end());
-            if (!busy_) return;
-            const auto* gone = departed_before(current_seq_);
-            if (!gone) return;
-            what = current_;
-            why = gone->describe();
-        }
-        std::fprintf(stderr,
-                     "gradsync: rank %d of %d: %s; %s, which this rank is in, needs it and can never complete%s. MPI "
-                     "cannot cancel a collective, so this rank ends the job.\n",
-                     rank_, size_, why.c_str(), what.c_str(), where_this_rank_is().c_str());
+    // On the watcher's thread: a collective that can never complete, or is past its deadline.
+    void end_job_saying(const std::optional<std::string>& why) {
+        if (!why) return;
+        std::fprintf(stderr, "%s\n", why->c_str());
         std::fflush(stderr);
         end_job();
-    }
-
-    // On the watcher's thread: the running collective is past its deadline, so the job ends.
-    void end_if_late() {
-        std::string what;
-        {
-            std::lock_guard lock(watch_mutex_);
-            if (!busy_ || std::chrono::steady_clock::now() < deadline_) return;
-            what = current_;
-        }
-        const auto seconds = std::chrono::duration<double>(options_.timeout).count();
-        std::fprintf(stderr,
-                     "gradsync: rank %d of %d: %s has not completed after %.3g s (MpiOptions::timeout)%s. A peer rank "
-                     "is late, has exited, or called a different collective; MPI cannot cancel a collective, so this "
-                     "rank ends the job.\n",
-                     rank_, size_, what.c_str(), seconds, where_this_rank_is().c_str());
-        std::fflush(stderr);
-        end_job();
-    }
-
-    std::string where_this_rank_is() {
-        std::string where;
-        std::lock_guard reporters_lock(reporters_mutex_);
-        for (const auto& r : reporters_) where += "; this rank is " + r.second();
-        return where;
     }
 
     [[noreturn]] void end_job() {
@@ -3220,18 +3292,8 @@ private:
     std::optional<detail::MpiReduction> reduction_;
     std::optional<detail::PeerDepartures> departures_;  // polled by the watcher, then left by the destructor
 
-    std::mutex watch_mutex_;  // the running collective and the departed peers, for the watcher
-    std::string current_;
-    std::uint64_t current_seq_ = 0;
-    std::uint64_t last_completed_ = 0;
-    std::chrono::steady_clock::time_point deadline_;
-    bool busy_ = false;
-    std::vector<detail::Departure> departed_;
+    std::optional<detail::CollectiveWatch> watch_;  // what the watcher watches
     std::optional<detail::WatcherThread> watcher_;
-
-    std::mutex reporters_mutex_;
-    std::vector<std::pair<std::uint64_t, std::function<std::string()>>> reporters_;
-    std::uint64_t next_reporter_ = 0;
 
     std::shared_ptr<detail::SpinBudget> waiting_ = std::make_shared<detail::SpinBudget>();  // for handles
     detail::AsyncCollectives async_;  // last: destroyed first, drained before the rest

@@ -15,6 +15,7 @@
 #include <gradsync/backend/detail/async_collectives.hpp>
 #include <gradsync/backend/detail/typed_calls.hpp>
 #include <gradsync/backend/detail/watcher_thread.hpp>
+#include <gradsync/backend/mpi/collective_watch.hpp>
 #include <gradsync/backend/mpi/departures.hpp>
 #include <gradsync/backend/mpi/mpi_api.hpp>
 #include <gradsync/backend/mpi/options.hpp>
@@ -32,7 +33,6 @@
 #include <exception>   // for std::uncaught_exceptions
 #include <functional>  // for std::function
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -81,21 +81,14 @@ public:
         MPI_Comm_size(comm_, &size_);
         reduction_.emplace(comm_, options_);
         departures_.emplace(comm_);
+        watch_.emplace(rank_, size_, options_.timeout);
         // The watcher polls for departed peers only where MPI lets a second thread call it.
         const bool poll = level_ == MPI_THREAD_MULTIPLE && size_ > 1 && options_.peer_poll.count() > 0;
-        // Wakes at the running collective's deadline, or one timeout from now when none runs (a
-        // collective that starts meanwhile has a later deadline, so nothing on the collectives'
-        // path ever needs to wake the watcher), and every peer_poll when it polls.
         watcher_.emplace(
+            [this, poll] { return watch_->wake_at(poll ? std::optional(options_.peer_poll) : std::nullopt); },
             [this, poll] {
-                const auto now = std::chrono::steady_clock::now();
-                std::lock_guard lock(watch_mutex_);
-                const auto due = busy_ ? deadline_ : now + options_.timeout;
-                return poll ? std::min(due, now + options_.peer_poll) : due;
-            },
-            [this, poll] {
-                if (poll) note_departures(departures_->poll());
-                end_if_late();
+                if (poll) end_job_saying(watch_->note_departures(departures_->poll()));
+                end_job_saying(watch_->late());
             });
     }
     MpiBackend(const MpiBackend&) = delete;
@@ -103,7 +96,7 @@ public:
     ~MpiBackend() {
         async_.stop();  // drains: every queued collective ends, or the watcher ends the job
         watcher_.reset();
-        const auto staying = departures_->leave(last_completed_, std::uncaught_exceptions() > 0,
+        const auto staying = departures_->leave(watch_->last_completed(), std::uncaught_exceptions() > 0,
                                                 std::chrono::steady_clock::now() + options_.timeout);
         if (!staying.empty()) {
             std::string ranks;
@@ -216,24 +209,14 @@ public:
 
     // The peers that have left the group (destroyed their MpiBackend), as far as the watcher has
     // seen: a collective after one has left is refused with a CollectiveError.
-    [[nodiscard]] std::vector<int> departed_peers() {
-        std::lock_guard lock(watch_mutex_);
-        std::vector<int> ranks;
-        for (const auto& d : departed_) ranks.push_back(d.rank);
-        return ranks;
-    }
+    [[nodiscard]] std::vector<int> departed_peers() { return watch_->departed_ranks(); }
 
     // `reporter` says where this rank stands (DataParallel: step, bucket, missing gradients); the
     // watcher quotes it when a collective misses its deadline. It runs on the watcher's thread.
     std::uint64_t add_status_reporter(std::function<std::string()> reporter) {
-        std::lock_guard lock(reporters_mutex_);
-        reporters_.emplace_back(++next_reporter_, std::move(reporter));
-        return next_reporter_;
+        return watch_->add_reporter(std::move(reporter));
     }
-    void remove_status_reporter(std::uint64_t id) {
-        std::lock_guard lock(reporters_mutex_);
-        std::erase_if(reporters_, [id](const auto& r) { return r.first == id; });
-    }
+    void remove_status_reporter(std::uint64_t id) { watch_->remove_reporter(id); }
 
     // Ends the whole job: prints `reason` with this rank's number, then MPI_Abort. Peers blocked
     // in collectives cannot be released any other way.
@@ -288,81 +271,23 @@ private:
     // Runs collective #seq under the watcher's eye; refuses it when a rank it needs has left.
     template <class F>
     void guarded(std::uint64_t seq, const std::string& what, F& body) {
-        {
-            std::lock_guard lock(watch_mutex_);
-            if (const auto* gone = departed_before(seq))
-                throw CollectiveError(detail::rank_prefix(rank_, size_) + ": " + what +
-                                      " cannot complete: " + gone->describe());
-            current_ = what;
-            current_seq_ = seq;
-            deadline_ = std::chrono::steady_clock::now() + options_.timeout;
-            busy_ = true;
-        }
-        struct Done {
-            MpiBackend* self;
-            ~Done() {
-                std::lock_guard lock(self->watch_mutex_);
-                self->busy_ = false;
-            }
-        } done{this};
+        watch_->start(seq, what);
+        struct Stop {
+            detail::CollectiveWatch& watch;
+            std::uint64_t seq;
+            bool completed = false;
+            ~Stop() { watch.stop(seq, completed); }
+        } stop{*watch_, seq};
         body();
-        std::lock_guard lock(watch_mutex_);
-        last_completed_ = seq;
+        stop.completed = true;
     }
 
-    // The first peer that left before collective #seq, which therefore can never complete. Under
-    // watch_mutex_.
-    [[nodiscard]] const detail::Departure* departed_before(std::uint64_t seq) const {
-        for (const auto& d : departed_)
-            if (d.last_completed < seq) return &d;
-        return nullptr;
-    }
-
-    // On the watcher's thread: peers that said farewell. If the running collective needs one of
-    // them it can never complete, and MPI cannot cancel it: the job ends now, not at the deadline.
-    void note_departures(std::vector<detail::Departure> arrived) {
-        if (arrived.empty()) return;
-        std::string what, why;
-        {
-            std::lock_guard lock(watch_mutex_);
-            departed_.insert(departed_.end(), arrived.begin(), arrived.end());
-            if (!busy_) return;
-            const auto* gone = departed_before(current_seq_);
-            if (!gone) return;
-            what = current_;
-            why = gone->describe();
-        }
-        std::fprintf(stderr,
-                     "gradsync: rank %d of %d: %s; %s, which this rank is in, needs it and can never complete%s. MPI "
-                     "cannot cancel a collective, so this rank ends the job.\n",
-                     rank_, size_, why.c_str(), what.c_str(), where_this_rank_is().c_str());
+    // On the watcher's thread: a collective that can never complete, or is past its deadline.
+    void end_job_saying(const std::optional<std::string>& why) {
+        if (!why) return;
+        std::fprintf(stderr, "%s\n", why->c_str());
         std::fflush(stderr);
         end_job();
-    }
-
-    // On the watcher's thread: the running collective is past its deadline, so the job ends.
-    void end_if_late() {
-        std::string what;
-        {
-            std::lock_guard lock(watch_mutex_);
-            if (!busy_ || std::chrono::steady_clock::now() < deadline_) return;
-            what = current_;
-        }
-        const auto seconds = std::chrono::duration<double>(options_.timeout).count();
-        std::fprintf(stderr,
-                     "gradsync: rank %d of %d: %s has not completed after %.3g s (MpiOptions::timeout)%s. A peer rank "
-                     "is late, has exited, or called a different collective; MPI cannot cancel a collective, so this "
-                     "rank ends the job.\n",
-                     rank_, size_, what.c_str(), seconds, where_this_rank_is().c_str());
-        std::fflush(stderr);
-        end_job();
-    }
-
-    std::string where_this_rank_is() {
-        std::string where;
-        std::lock_guard reporters_lock(reporters_mutex_);
-        for (const auto& r : reporters_) where += "; this rank is " + r.second();
-        return where;
     }
 
     [[noreturn]] void end_job() {
@@ -381,18 +306,8 @@ private:
     std::optional<detail::MpiReduction> reduction_;
     std::optional<detail::PeerDepartures> departures_;  // polled by the watcher, then left by the destructor
 
-    std::mutex watch_mutex_;  // the running collective and the departed peers, for the watcher
-    std::string current_;
-    std::uint64_t current_seq_ = 0;
-    std::uint64_t last_completed_ = 0;
-    std::chrono::steady_clock::time_point deadline_;
-    bool busy_ = false;
-    std::vector<detail::Departure> departed_;
+    std::optional<detail::CollectiveWatch> watch_;  // what the watcher watches
     std::optional<detail::WatcherThread> watcher_;
-
-    std::mutex reporters_mutex_;
-    std::vector<std::pair<std::uint64_t, std::function<std::string()>>> reporters_;
-    std::uint64_t next_reporter_ = 0;
 
     std::shared_ptr<detail::SpinBudget> waiting_ = std::make_shared<detail::SpinBudget>();  // for handles
     detail::AsyncCollectives async_;  // last: destroyed first, drained before the rest

@@ -1,0 +1,145 @@
+// What MpiBackend's watcher thread watches: the collective running now and its deadline, the
+// peers that have left the group, and the status reporters it quotes when it ends the job. The
+// collectives' threads write it, the watcher reads it; one mutex guards each half.
+#pragma once
+
+#include <gradsync/backend/mpi/departures.hpp>
+#include <gradsync/error.hpp>
+
+#include <algorithm>  // for std::min
+#include <chrono>
+#include <cstdint>
+#include <cstdio>      // for std::snprintf
+#include <functional>  // for std::function
+#include <mutex>
+#include <optional>
+#include <string>
+#include <utility>  // for std::move, std::pair
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+class CollectiveWatch {
+public:
+    using Clock = std::chrono::steady_clock;
+
+    CollectiveWatch(int rank, int size, std::chrono::milliseconds timeout)
+        : rank_(rank), size_(size), timeout_(timeout) {}
+
+    // Collective #seq, described by `what`, starts on this thread now: refused with a
+    // CollectiveError when a rank it needs has left.
+    void start(std::uint64_t seq, const std::string& what) {
+        std::lock_guard lock(mutex_);
+        if (const auto* gone = departed_before(seq))
+            throw CollectiveError(rank_prefix(rank_, size_) + ": " + what + " cannot complete: " + gone->describe());
+        current_ = what;
+        current_seq_ = seq;
+        deadline_ = Clock::now() + timeout_;
+        busy_ = true;
+    }
+    // It ended, `completed` or by an exception.
+    void stop(std::uint64_t seq, bool completed) {
+        std::lock_guard lock(mutex_);
+        busy_ = false;
+        if (completed) last_completed_ = seq;
+    }
+    [[nodiscard]] std::uint64_t last_completed() {
+        std::lock_guard lock(mutex_);
+        return last_completed_;
+    }
+
+    // When the watcher should look next: the running collective's deadline, or one timeout from
+    // now when none runs (a collective that starts meanwhile has a later deadline, so nothing on
+    // the collectives' path ever needs to wake the watcher); and every `poll` while polling.
+    [[nodiscard]] Clock::time_point wake_at(std::optional<std::chrono::milliseconds> poll) {
+        const auto now = Clock::now();
+        std::lock_guard lock(mutex_);
+        const auto due = busy_ ? deadline_ : now + timeout_;
+        return poll ? std::min(due, now + *poll) : due;
+    }
+
+    // Peers that said farewell. When the running collective needs one of them it can never
+    // complete: returns what to say before ending the job.
+    [[nodiscard]] std::optional<std::string> note_departures(const std::vector<Departure>& arrived) {
+        if (arrived.empty()) return std::nullopt;
+        std::string what, why;
+        {
+            std::lock_guard lock(mutex_);
+            departed_.insert(departed_.end(), arrived.begin(), arrived.end());
+            if (!busy_) return std::nullopt;
+            const auto* gone = departed_before(current_seq_);
+            if (!gone) return std::nullopt;
+            what = current_;
+            why = gone->describe();
+        }
+        return "gradsync: rank " + std::to_string(rank_) + " of " + std::to_string(size_) + ": " + why + "; " + what +
+               ", which this rank is in, needs it and can never complete" + where_this_rank_is() +
+               ". MPI cannot cancel a collective, so this rank ends the job.";
+    }
+
+    // When the running collective is past its deadline: what to say before ending the job.
+    [[nodiscard]] std::optional<std::string> late() {
+        std::string what;
+        {
+            std::lock_guard lock(mutex_);
+            if (!busy_ || Clock::now() < deadline_) return std::nullopt;
+            what = current_;
+        }
+        char seconds[32];
+        std::snprintf(seconds, sizeof seconds, "%.3g", std::chrono::duration<double>(timeout_).count());
+        return "gradsync: rank " + std::to_string(rank_) + " of " + std::to_string(size_) + ": " + what +
+               " has not completed after " + seconds + " s (MpiOptions::timeout)" + where_this_rank_is() +
+               ". A peer rank is late, has exited, or called a different collective; MPI cannot cancel a "
+               "collective, so this rank ends the job.";
+    }
+
+    [[nodiscard]] std::vector<int> departed_ranks() {
+        std::lock_guard lock(mutex_);
+        std::vector<int> ranks;
+        for (const auto& d : departed_) ranks.push_back(d.rank);
+        return ranks;
+    }
+
+    std::uint64_t add_reporter(std::function<std::string()> reporter) {
+        std::lock_guard lock(reporters_mutex_);
+        reporters_.emplace_back(++next_reporter_, std::move(reporter));
+        return next_reporter_;
+    }
+    void remove_reporter(std::uint64_t id) {
+        std::lock_guard lock(reporters_mutex_);
+        std::erase_if(reporters_, [id](const auto& r) { return r.first == id; });
+    }
+
+private:
+    // The first peer that left before collective #seq, which therefore can never complete. Under
+    // mutex_.
+    [[nodiscard]] const Departure* departed_before(std::uint64_t seq) const {
+        for (const auto& d : departed_)
+            if (d.last_completed < seq) return &d;
+        return nullptr;
+    }
+
+    std::string where_this_rank_is() {
+        std::string where;
+        std::lock_guard lock(reporters_mutex_);
+        for (const auto& r : reporters_) where += "; this rank is " + r.second();
+        return where;
+    }
+
+    int rank_, size_;
+    std::chrono::milliseconds timeout_;
+
+    std::mutex mutex_;  // the running collective and the departed peers
+    std::string current_;
+    std::uint64_t current_seq_ = 0;
+    std::uint64_t last_completed_ = 0;
+    Clock::time_point deadline_;
+    bool busy_ = false;
+    std::vector<Departure> departed_;
+
+    std::mutex reporters_mutex_;
+    std::vector<std::pair<std::uint64_t, std::function<std::string()>>> reporters_;
+    std::uint64_t next_reporter_ = 0;
+};
+
+}  // namespace gradsync::inline v0::detail
