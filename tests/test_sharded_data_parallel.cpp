@@ -245,6 +245,7 @@ struct ScaledRun {
     Weights weights;
     std::vector<float> scales;
     std::vector<bool> applied;
+    std::vector<std::vector<std::string>> overflowed;
 };
 
 template <bool Sharded>
@@ -262,6 +263,7 @@ ScaledRun train_scaled(int world) {
                 if (backend.rank() != 0) continue;
                 run.scales.push_back(report.loss_scale);
                 run.applied.push_back(report.applied);
+                run.overflowed.push_back(report.overflowed);
             }
         };
         if constexpr (Sharded) {
@@ -289,6 +291,9 @@ TEST_CASE("sharded with a dynamic loss scale: unscaled, grown and backed off as 
         CHECK(bitwise_equal(sharded.weights, unsharded.weights));
         CHECK(sharded.scales == unsharded.scales);
         CHECK(sharded.applied == unsharded.applied);
+        // Named on rank 0 whichever rank owns the element that overflowed, as DataParallel names it.
+        CHECK(sharded.overflowed == unsharded.overflowed);
+        CHECK(sharded.overflowed[4] == std::vector<std::string>{"fc2.bias"});
         REQUIRE(sharded.applied.size() == static_cast<std::size_t>(steps));
         CHECK_FALSE(sharded.applied[4]);  // the overflow skipped the step on every rank
         CHECK(sharded.scales[3] == 2048.0f);

@@ -30,7 +30,7 @@
 #include <gradsync/data_parallel/model_layout.hpp>
 #include <gradsync/data_parallel/settings.hpp>
 #include <gradsync/data_parallel/shard_layout.hpp>
-#include <gradsync/data_parallel/readiness.hpp>  // for ReadinessError
+#include <gradsync/data_parallel/readiness.hpp>
 #include <gradsync/error.hpp>
 #include <gradsync/memory/detail/host_passes.hpp>
 #include <gradsync/data_parallel/moved_storage.hpp>
@@ -38,13 +38,11 @@
 #include <gradsync/model/gradient_release.hpp>
 #include <gradsync/model/model.hpp>
 
-#include <algorithm>  // for std::sort
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>  // for std::memcpy
 #include <exception>
-#include <mutex>
 #include <span>
 #include <string>
 #include <string_view>
@@ -136,12 +134,7 @@ public:
         shards_ = detail::ShardLayout<in_place>(layout_.params, plan_, world_size(), rank(),
                                                 stage2() ? grad_store_.data() : nullptr);
         storage_.reset(plan_.buckets.size());
-        bucket_of_.assign(layout_.params.size(), 0);
-        ready_.assign(layout_.params.size(), false);
-        missing_.assign(plan_.buckets.size(), 0);
-        for (std::size_t b = 0; b < plan_.buckets.size(); ++b)
-            for (auto i : plan_.buckets[b].parameters) bucket_of_[i] = b;
-        new_step();
+        readiness_.plan(plan_, layout_.params.size());
     }
     ShardedDataParallel(const ShardedDataParallel&) = delete;
     ShardedDataParallel& operator=(const ShardedDataParallel&) = delete;
@@ -149,15 +142,10 @@ public:
     // Overlap with backward: call as each parameter's gradient becomes final (from any thread).
     // A bucket's reduce_scatter starts once all its parameters are ready and every bucket before
     // it in the plan has started, so every rank issues them in the same order; step() waits for
-    // them and reduces the rest. Without these calls step() reduces every bucket itself.
-    void grad_ready(std::size_t index) {
-        const std::lock_guard lock(ready_mutex_);
-        mark(layout_.at_model_index(index));
-    }
-    void grad_ready(std::string_view name) {
-        const std::lock_guard lock(ready_mutex_);
-        mark(layout_.named(name));
-    }
+    // them and reduces the rest. Without these calls step() reduces every bucket itself. All
+    // calls of a step must have returned before step() is called.
+    void grad_ready(std::size_t index) { mark(layout_.at_model_index(index)); }
+    void grad_ready(std::string_view name) { mark(layout_.named(name)); }
 
     // After backward, on every rank: reduce-scatters the gradients, agrees on their norm, calls
     // optimizer(std::span<const ShardPiece<float>>) with this rank's pieces when every gradient
@@ -184,10 +172,7 @@ public:
     }
 
     // Buckets whose reduce_scatter grad_ready has started in this step (during backward).
-    [[nodiscard]] std::size_t buckets_launched() {
-        const std::lock_guard lock(ready_mutex_);
-        return launched_.size();
-    }
+    [[nodiscard]] std::size_t buckets_launched() const { return readiness_.launched(); }
     // Elements of this rank's shards: the length of each optimizer state array it keeps.
     [[nodiscard]] std::size_t state_elements() const { return shards_.state_elements; }
     // Elements of every parameter, for comparison: what an unsharded optimizer keeps per array.
@@ -228,7 +213,6 @@ private:
             // The buckets grad_ready launched, then the rest on this thread, bucket after bucket
             // (a progress thread would only compete with this one for the cores). The backend's
             // deadline applies.
-            const std::lock_guard lock(ready_mutex_);
             for (; kept_ < launched_.size(); ++kept_) {
                 launched_[kept_].wait();
                 keep(kept_);
@@ -237,7 +221,7 @@ private:
             for (std::size_t b = launched_.size(); b < shards_.slots.size(); ++b) {
                 auto& slot = shards_.slots[b];
                 if constexpr (in_place) {
-                    backend_.reduce_scatter(slot.grads, DType::float32, ReduceOp::average);
+                    backend_.reduce_scatter(slot.grads.segments, DType::float32, ReduceOp::average);
                 } else {
                     slot.pack_grads();
                     backend_.reduce_scatter(buffer_of(std::span<float>(slot.grad_buffer)), ReduceOp::average);
@@ -267,7 +251,10 @@ private:
         report.applied = partial[1] == 0;
         scaler_.update(!report.applied);  // every rank alike: the decision is agreed
         report.next_loss_scale = scaler_.scale();
-        if (!report.applied) return report;
+        if (!report.applied) {
+            report.overflowed = overflowed_parameters();
+            return report;
+        }
         if (options_.clip_norm > 0 && report.grad_norm > options_.clip_norm) {
             for (const auto grads : shards_.grads)
                 detail::scale_only(grads.data(), grads.size(), options_.clip_norm / (report.grad_norm + 1e-6));
@@ -278,13 +265,29 @@ private:
         optimizer(std::span<const ShardPiece<float>>(shards_.pieces));
         for (auto& slot : shards_.slots) {
             if constexpr (in_place)
-                backend_.all_gather(slot.params, DType::float32);
+                backend_.all_gather(slot.params.segments, DType::float32);
             else
                 backend_.all_gather(buffer_of(std::span<float>(slot.param_buffer)));
         }
         if constexpr (!in_place)
             for (auto& slot : shards_.slots) slot.unpack_params();
         return report;
+    }
+
+    // After an overflow, which every rank agreed on: the parameters with a non-finite averaged
+    // gradient in any rank's pieces, named alike on every rank (one allreduce of a flag each).
+    std::vector<std::string> overflowed_parameters() {
+        std::vector<float> flags(layout_.params.size(), 0.0f);
+        for (const auto& piece : shards_.pieces) {
+            detail::SquareSum squares;
+            detail::square_sum(piece.grads.data(), piece.grads.size(), squares);
+            if (!std::isfinite(squares.total())) flags[piece.parameter] = 1.0f;
+        }
+        if (backend_.size() > 1) backend_.allreduce(std::span<float>(flags), ReduceOp::sum);
+        std::vector<std::string> names;
+        for (std::size_t p = 0; p < flags.size(); ++p)
+            if (flags[p] > 0) names.push_back(layout_.params[p].name);
+        return names;
     }
 
     static std::string buffer_sync_name(BufferSync mode) {
@@ -300,7 +303,7 @@ private:
     using Handle = typename detail::ShardedHandle<BackendT, in_place>::type;
     static Handle reduce_scatter_async(BackendT& backend, detail::ShardSlot& slot) {
         if constexpr (in_place) {
-            return backend.reduce_scatter_async(std::span<const Segment>(slot.grads), DType::float32,
+            return backend.reduce_scatter_async(std::span<const Segment>(slot.grads.segments), DType::float32,
                                                 ReduceOp::average);
         } else {
             slot.pack_grads();
@@ -308,21 +311,21 @@ private:
         }
     }
 
-    // Under ready_mutex_: parameter p is ready; launches every bucket now complete, in plan order.
+    // Parameter p is ready: every bucket that completes goes, in plan order (Readiness).
     void mark(const std::variant<std::size_t, std::string>& found) {
         if (const auto* problem = std::get_if<std::string>(&found))
             throw ReadinessError(detail::rank_prefix(rank()) + ": " + *problem);
         const auto p = std::get<std::size_t>(found);
         if (p == detail::ModelLayout::none) return;
-        if (ready_[p])
+        if (readiness_.mark(p, [this](std::size_t b) { launch(b); }) == detail::Readiness::Mark::twice)
             throw ReadinessError(detail::rank_prefix(rank()) + ": grad_ready for parameter '" + layout_.params[p].name +
                                  "' was called twice in one step");
-        ready_[p] = true;
-        --missing_[bucket_of_[p]];
-        while (launched_.size() < shards_.slots.size() && missing_[launched_.size()] == 0) {
-            follow_storage(launched_.size(), launched_.size() + 1, /*in_backward=*/true);
-            launched_.push_back(reduce_scatter_async(backend_, shards_.slots[launched_.size()]));
-        }
+    }
+
+    // Bucket b goes now (during backward, under the readiness lock).
+    void launch(std::size_t b) {
+        follow_storage(b, b + 1, /*in_backward=*/true);
+        launched_.push_back(reduce_scatter_async(backend_, shards_.slots[b]));
         // Stage 2: the buckets reduced by now give their gradients back while backward goes on,
         // and at most two stay in flight (backward waits for the oldest), which bounds the
         // gradient memory to about two buckets beside this rank's share.
@@ -358,13 +361,12 @@ private:
         }
     }
 
-    // Under ready_mutex_: nothing ready, nothing launched.
+    // Nothing ready, nothing launched.
     void new_step() {
         launched_.clear();
         kept_ = 0;
         storage_.end_step();
-        std::fill(ready_.begin(), ready_.end(), false);
-        for (std::size_t b = 0; b < plan_.buckets.size(); ++b) missing_[b] = plan_.buckets[b].parameters.size();
+        readiness_.reset();
     }
 
     Model& model_;
@@ -379,11 +381,9 @@ private:
     detail::StorageFollower storage_;
     std::vector<float> grad_store_;           // stage 2: this rank's share of the averaged gradients
     std::vector<std::size_t> model_indices_;  // a bucket's parameters, to release
-    // Overlap: which parameters grad_ready reported this step, how many each bucket still
-    // lacks, and the reduce_scatters launched (buckets 0 .. size - 1).
-    std::mutex ready_mutex_;
-    std::vector<std::size_t> bucket_of_, missing_;
-    std::vector<bool> ready_;
+    // Overlap: which parameters grad_ready reported this step, and the reduce_scatters launched
+    // (buckets 0 .. size - 1; written under the readiness lock during backward).
+    detail::Readiness readiness_;
     std::vector<Handle> launched_;
     std::size_t kept_ = 0;  // launched buckets whose share is kept (stage 2)
 };

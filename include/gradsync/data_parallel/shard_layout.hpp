@@ -6,6 +6,7 @@
 
 #include <gradsync/bucket/plan.hpp>
 #include <gradsync/buffer.hpp>
+#include <gradsync/memory/host.hpp>
 #include <gradsync/model/model.hpp>
 
 #include <algorithm>  // for std::sort, std::max, std::min
@@ -36,37 +37,22 @@ namespace detail {
 // element order of the bucket), this rank's shard, and the packed route's buffers.
 struct ShardSlot {
     std::vector<std::size_t> indices;  // the bucket's parameters, ascending
-    std::vector<Segment> grads, params;
+    HostMemory::Table grads, params;   // float32 segments, in that order
     std::vector<float> grad_buffer, param_buffer;
     Shard shard;
     std::size_t first_piece = 0, piece_count = 0;  // this rank's pieces of the bucket
 
-    void pack_grads() { copy_in(grads, grad_buffer); }
-    void unpack_params() const {
-        std::size_t at = 0;
-        for (const auto& s : params) {
-            std::memcpy(s.data, param_buffer.data() + at, s.count * sizeof(float));
-            at += s.count;
-        }
-    }
+    void pack_grads() { HostMemory{}.pack(grads, reinterpret_cast<std::byte*>(grad_buffer.data())); }
+    void unpack_params() const { HostMemory{}.unpack(params, reinterpret_cast<const std::byte*>(param_buffer.data())); }
     // Copies the model's parameters of this rank's shard into the parameter buffer.
     void pack_shard() {
         const std::size_t lo = shard.offset, hi = lo + shard.count;
         std::size_t at = 0;
-        for (const auto& s : params) {
+        for (const auto& s : params.segments) {
             const std::size_t begin = std::max(lo, at), end = std::min(hi, at + s.count);
             if (begin < end)
                 std::memcpy(param_buffer.data() + begin, static_cast<const float*>(s.data) + (begin - at),
                             (end - begin) * sizeof(float));
-            at += s.count;
-        }
-    }
-
-private:
-    static void copy_in(const std::vector<Segment>& segs, std::vector<float>& buffer) {
-        std::size_t at = 0;
-        for (const auto& s : segs) {
-            std::memcpy(buffer.data() + at, s.data, s.count * sizeof(float));
             at += s.count;
         }
     }
@@ -93,8 +79,8 @@ struct ShardLayout {
             const auto& indices = slot.indices;
             slot.first_piece = pieces.size();
             for (auto i : indices) {
-                slot.grads.push_back({params[i].grad, params[i].count});
-                slot.params.push_back({params[i].data, params[i].count});
+                slot.grads.segments.push_back({params[i].grad, params[i].count});
+                slot.params.segments.push_back({params[i].data, params[i].count});
             }
             if constexpr (!InPlace) {
                 slot.grad_buffer.assign(bucket.count, 0.0f);
@@ -104,13 +90,14 @@ struct ShardLayout {
             // The shard crosses the bucket's parameters: one piece per parameter it covers.
             const std::size_t lo = slot.shard.offset, hi = lo + slot.shard.count;
             std::size_t at = 0;
-            for (std::size_t k = 0; k < slot.params.size(); ++k) {
-                const std::size_t n = slot.params[k].count, begin = std::max(lo, at), end = std::min(hi, at + n);
+            for (std::size_t k = 0; k < slot.params.segments.size(); ++k) {
+                const std::size_t n = slot.params.segments[k].count, begin = std::max(lo, at),
+                                  end = std::min(hi, at + n);
                 if (begin < end) {
-                    float* p = InPlace ? static_cast<float*>(slot.params[k].data) + (begin - at)
+                    float* p = InPlace ? static_cast<float*>(slot.params.segments[k].data) + (begin - at)
                                        : slot.param_buffer.data() + begin;
                     float* g = grad_store_ != nullptr ? grad_store_ + state_elements
-                               : InPlace              ? static_cast<float*>(slot.grads[k].data) + (begin - at)
+                               : InPlace              ? static_cast<float*>(slot.grads.segments[k].data) + (begin - at)
                                                       : slot.grad_buffer.data() + begin;
                     add_piece(p, g, end - begin, indices[k], begin - at);
                 }
@@ -134,8 +121,8 @@ struct ShardLayout {
         auto& slot = slots[b];
         for (std::size_t k = 0; k < slot.indices.size(); ++k) {
             const auto& p = params[slot.indices[k]];
-            slot.grads[k] = {p.grad, p.count};
-            slot.params[k] = {p.data, p.count};
+            slot.grads.segments[k] = {p.grad, p.count};
+            slot.params.segments[k] = {p.data, p.count};
         }
         if constexpr (!InPlace) return;  // the pieces lie in the packed buffers
         for (std::size_t j = slot.first_piece; j < slot.first_piece + slot.piece_count; ++j) {
