@@ -3080,18 +3080,19 @@ public:
     // Follows the storage of buckets [first, last) not followed yet this step, with one listing
     // of the model (`in_backward`: a bucket launched while backward runs); moved(b) is called for
     // each bucket whose storage moved, to rebuild what points into it. where() begins error
-    // messages.
+    // messages. Returns whether it listed the model.
     template <class Model, class Moved, class Where>
-    void follow(Model& model, ModelLayout& layout, const BucketPlan& plan, std::size_t first, std::size_t last,
+    bool follow(Model& model, ModelLayout& layout, const BucketPlan& plan, std::size_t first, std::size_t last,
                 bool in_backward, const Moved& moved, const Where& where) {
         const auto begin = followed_.begin();
-        if (std::all_of(begin + first, begin + last, [](char f) { return f != 0; })) return;
+        if (std::all_of(begin + first, begin + last, [](char f) { return f != 0; })) return false;
         const auto listed = layout.relist(model, in_backward, where);
         for (std::size_t b = first; b < last; ++b) {
             if (followed_[b] != 0) continue;
             followed_[b] = 1;
             if (layout.follow(listed, plan.buckets[b].parameters, where)) moved(b);
         }
+        return true;
     }
 
 private:
@@ -6566,7 +6567,9 @@ private:
                 launched_[kept_].wait();
                 keep(kept_);
             }
-            follow_storage(launched_.size(), shards_.slots.size(), /*in_backward=*/false);
+            const std::size_t released = stage2() ? launched_.size() : 0;
+            if (follow_storage(launched_.size(), shards_.slots.size(), /*in_backward=*/false) && released > 0)
+                for (std::size_t b = 0; b < released; ++b) release(b);  // what that listing made again
             for (std::size_t b = launched_.size(); b < shards_.slots.size(); ++b) {
                 auto& slot = shards_.slots[b];
                 if constexpr (in_place) {
@@ -6688,9 +6691,11 @@ private:
     [[nodiscard]] bool stage2() const { return options_.release_gradients; }
 
     // Storage that moved since the last step is followed before each bucket's reduce_scatter.
-    void follow_storage(std::size_t first, std::size_t last, bool in_backward) {
-        if (!options_.storage_may_move && !stage2()) return;
-        storage_.follow(
+    // Returns whether the model was listed (outside backward that makes every gradient, also
+    // those of buckets already released).
+    bool follow_storage(std::size_t first, std::size_t last, bool in_backward) {
+        if ((!options_.storage_may_move && !stage2()) || first == last) return false;
+        return storage_.follow(
             model_, layout_, plan_, first, last, in_backward,
             [this](std::size_t b) { shards_.refresh(b, layout_.params); },
             [this] { return detail::rank_prefix(rank()) + ", step " + std::to_string(steps_ + 1); });
@@ -6702,6 +6707,13 @@ private:
         if constexpr (in_place && ReleasableGradients<Model>) {
             if (!stage2()) return;
             shards_.keep_shard(b, layout_.params);
+            release(b);
+        } else {
+            (void)b;
+        }
+    }
+    void release(std::size_t b) {
+        if constexpr (ReleasableGradients<Model>) {
             model_indices_.clear();
             for (auto p : shards_.slots[b].indices) model_indices_.push_back(layout_.model_index_of_param[p]);
             gradsync::release_gradients(model_, std::span<const std::size_t>(model_indices_));

@@ -14,6 +14,7 @@
 #include "support/sharded_training.hpp"
 
 #include <cstddef>
+#include <cstdint>
 #include <limits>
 #include <span>
 #include <string>
@@ -131,61 +132,75 @@ TEST_CASE("released gradients with a loss scale, an overflow, clipping and accum
 namespace {
 
 // ReleasingMlp with a parameter its forward never uses: no gradient from backward, no grad_ready.
+// Listed last, it lies in the plan's first bucket (plans go from the last parameter), which then
+// waits for step() with every bucket after it; listed first, in the last bucket, so that the
+// others are reduced and released during backward and step() lists the model again.
 struct WithUnused : ReleasingMlp {
-    using ReleasingMlp::ReleasingMlp;
+    WithUnused(std::uint64_t seed, bool spare_first) : ReleasingMlp(seed), first(spare_first) {}
+    bool first;
     std::vector<float> spare = std::vector<float>(37, 0.5f), spare_grad;
+    std::size_t spare_index() const { return first ? 0 : 4; }
     std::vector<gradsync::Parameter> parameters() {
-        auto out = ReleasingMlp::parameters();
         if (spare_grad.empty()) spare_grad.assign(spare.size(), 0.0f);
-        out.push_back(gradsync::parameter("spare", spare, spare_grad));
-        return out;
+        return with_spare(ReleasingMlp::parameters(), spare_grad.data());
     }
     std::vector<gradsync::Parameter> parameters_now() {
-        auto out = ReleasingMlp::parameters_now();
-        out.push_back(
-            gradsync::parameter("spare", spare.data(), spare_grad.empty() ? nullptr : spare_grad.data(), spare.size()));
-        return out;
+        return with_spare(ReleasingMlp::parameters_now(), spare_grad.empty() ? nullptr : spare_grad.data());
     }
     void release_gradients(std::span<const std::size_t> indices) {
         std::vector<std::size_t> mine;
         for (auto i : indices) {
-            if (i == 4) {
+            if (i == spare_index()) {
                 spare_grad.clear();
                 spare_grad.shrink_to_fit();
             } else {
-                mine.push_back(i);
+                mine.push_back(first ? i - 1 : i);
             }
         }
         ReleasingMlp::release_gradients(mine);
+    }
+
+private:
+    std::vector<gradsync::Parameter> with_spare(std::vector<gradsync::Parameter> out, float* grad) {
+        out.insert(out.begin() + static_cast<std::ptrdiff_t>(spare_index()),
+                   gradsync::parameter("spare", spare.data(), grad, spare.size()));
+        return out;
     }
 };
 
 }  // namespace
 
 TEST_CASE("released gradients with an unused parameter: its zeros reduced at step(), the rest as stage 1") {
-    for (int world : {2, 3}) {
-        CAPTURE(world);
-        const auto stage1 = train_sharded<false>(world, small_caps, {}, world);
-        std::vector<float> spare;
-        Weights weights;
-        gradsync::spawn(world, [&](gradsync::LocalBackend& backend) {
-            WithUnused model(1);
-            gradsync::ShardedDataParallel sdp(model, backend, small_caps, stage2);
-            model.on_grad_ready = [&](std::size_t i) { sdp.grad_ready(i); };
-            ShardedSgd sgd;
-            sgd.velocity.assign(sdp.state_elements(), 0.0f);
-            for (int s = 0; s < steps; ++s) {
-                model.forward_backward(batch_of(world, backend.rank(), s));
-                CHECK(sdp.step(sgd).applied);
-                CHECK(model.spare_grad.empty());
-            }
-            if (backend.rank() == 0) {
-                spare = model.spare;
-                weights = weights_of(model);
-            }
-        });
-        CHECK(spare == std::vector<float>(37, 0.5f));
-        CHECK(bitwise_equal(weights, stage1));
+    for (bool spare_first : {false, true}) {
+        for (int world : {2, 3}) {
+            CAPTURE(spare_first);
+            CAPTURE(world);
+            const auto stage1 = train_sharded<false>(world, small_caps, {}, world);
+            std::vector<float> spare;
+            Weights weights;
+            gradsync::spawn(world, [&](gradsync::LocalBackend& backend) {
+                WithUnused model(1, spare_first);
+                gradsync::ShardedDataParallel sdp(model, backend, small_caps, stage2);
+                model.on_grad_ready = [&](std::size_t i) { sdp.grad_ready(spare_first ? i + 1 : i); };
+                ShardedSgd sgd;
+                sgd.velocity.assign(sdp.state_elements(), 0.0f);
+                for (int s = 0; s < steps; ++s) {
+                    model.forward_backward(batch_of(world, backend.rank(), s));
+                    // Listed first, only the spare's bucket waits for step().
+                    CHECK(sdp.buckets_launched() == (spare_first ? sdp.plan().buckets.size() - 1 : 0));
+                    CHECK(sdp.step(sgd).applied);
+                    // Nothing is left made: not the spare's zeros, not what step()'s listing made.
+                    CHECK(model.spare_grad.empty());
+                    CHECK(model.gradient_bytes() == 0);
+                }
+                if (backend.rank() == 0) {
+                    spare = model.spare;
+                    weights = weights_of(model);
+                }
+            });
+            CHECK(spare == std::vector<float>(37, 0.5f));
+            CHECK(bitwise_equal(weights, stage1));
+        }
     }
 }
 

@@ -23,18 +23,19 @@ public:
     // Follows the storage of buckets [first, last) not followed yet this step, with one listing
     // of the model (`in_backward`: a bucket launched while backward runs); moved(b) is called for
     // each bucket whose storage moved, to rebuild what points into it. where() begins error
-    // messages.
+    // messages. Returns whether it listed the model.
     template <class Model, class Moved, class Where>
-    void follow(Model& model, ModelLayout& layout, const BucketPlan& plan, std::size_t first, std::size_t last,
+    bool follow(Model& model, ModelLayout& layout, const BucketPlan& plan, std::size_t first, std::size_t last,
                 bool in_backward, const Moved& moved, const Where& where) {
         const auto begin = followed_.begin();
-        if (std::all_of(begin + first, begin + last, [](char f) { return f != 0; })) return;
+        if (std::all_of(begin + first, begin + last, [](char f) { return f != 0; })) return false;
         const auto listed = layout.relist(model, in_backward, where);
         for (std::size_t b = first; b < last; ++b) {
             if (followed_[b] != 0) continue;
             followed_[b] = 1;
             if (layout.follow(listed, plan.buckets[b].parameters, where)) moved(b);
         }
+        return true;
     }
 
 private:
