@@ -3055,6 +3055,62 @@ StepReport decide_step(const StepStats& stats, Scaler& scaler, const Lr& lr, int
 #endif  // GRADSYNC_SINGLE_DATA_PARALLEL_FINALIZE_STEP_HPP
 // ---- end gradsync/data_parallel/finalize_step.hpp ----
 
+// ---- begin gradsync/data_parallel/group_failure.hpp ----
+#ifndef GRADSYNC_SINGLE_DATA_PARALLEL_GROUP_FAILURE_HPP
+#define GRADSYNC_SINGLE_DATA_PARALLEL_GROUP_FAILURE_HPP
+// How a failure on one rank becomes the group's: the group is aborted (where the backend can be),
+// so that peers waiting in collectives fail at once rather than at their deadline; the
+// collectives in flight are drained; the error goes on. An error every rank raised alike
+// (RaisedOnEveryRank) needs no abort: under MPI an abort would end the job.
+
+
+#include <chrono>
+#include <exception>
+#include <string>
+
+namespace gradsync::inline v0::detail {
+
+// Aborts the group of `backend` with `reason`, where it can be aborted and has peers.
+template <class Backend>
+void abort_group(Backend& backend, const std::string& reason) {
+    if constexpr (Abortable<Backend>)
+        if (backend.size() > 1) backend.abort(reason);
+}
+
+// Runs f. On an exception: aborts the group (unless every rank raised it alike), drains the
+// engine's collectives up to `timeout` from now, calls end_step() and rethrows.
+template <class Backend, class Engine, class F, class EndStep>
+void run_guarded(Backend& backend, Engine& engine, std::chrono::milliseconds timeout, F&& f, EndStep&& end_step) {
+    try {
+        f();
+    } catch (const RaisedOnEveryRank&) {
+        end_step();
+        throw;
+    } catch (const std::exception& e) {
+        abort_group(backend, e.what());
+        engine.drain(std::chrono::steady_clock::now() + timeout);
+        end_step();
+        throw;
+    }
+}
+
+// For a destructor: with collectives still in flight (a step cut short by an exception), aborts
+// the group with reason() and drains them. Never throws.
+template <class Backend, class Engine, class Reason>
+void abandon_in_flight(Backend& backend, Engine& engine, std::chrono::milliseconds timeout,
+                       const Reason& reason) noexcept {
+    try {
+        if (!engine.in_flight()) return;
+        abort_group(backend, reason());
+        engine.drain(std::chrono::steady_clock::now() + timeout);
+    } catch (...) {  // a destructor must not throw
+    }
+}
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_DATA_PARALLEL_GROUP_FAILURE_HPP
+// ---- end gradsync/data_parallel/group_failure.hpp ----
+
 // ---- begin gradsync/data_parallel/moved_storage.hpp ----
 #ifndef GRADSYNC_SINGLE_DATA_PARALLEL_MOVED_STORAGE_HPP
 #define GRADSYNC_SINGLE_DATA_PARALLEL_MOVED_STORAGE_HPP
@@ -5721,7 +5777,6 @@ inline std::string timeline_path(const std::string& from_options) {
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
-#include <exception>
 #include <mutex>
 #include <optional>
 #include <span>
@@ -5785,14 +5840,10 @@ public:
     // A DataParallel destroyed in the middle of a step (after an exception, say) aborts the group,
     // so that peers fail at once, and waits for its collectives in flight before it goes.
     ~DataParallel() {
-        try {
-            if (engine_.in_flight()) {
-                abort_group(detail::rank_prefix(rank()) + " destroyed its DataParallel in step " +
-                            std::to_string(current_step()) + " with collectives in flight");
-                engine_.drain(std::chrono::steady_clock::now() + options_.timeout);
-            }
-        } catch (...) {  // a destructor must not throw
-        }
+        detail::abandon_in_flight(backend_, engine_, options_.timeout, [this] {
+            return detail::rank_prefix(rank()) + " destroyed its DataParallel in step " +
+                   std::to_string(current_step()) + " with collectives in flight";
+        });
     }
 
     // Gradient of parameter `index` (its position in the model's parameter list, zero-sized ones
@@ -6041,27 +6092,10 @@ private:
         if constexpr (HealthPolling<BackendT>) backend_.throw_if_failed();
     }
 
-    // Runs f; on an exception, aborts the group so that peers fail now, drains, and rethrows. An
-    // error every rank raised alike (RaisedOnEveryRank) needs no abort: under MPI one ends the job.
+    // Runs f; a failure on this rank becomes the group's (data_parallel/group_failure.hpp).
     template <class F>
     void guard(F&& f) {
-        try {
-            f();
-        } catch (const RaisedOnEveryRank&) {
-            end_step();
-            throw;
-        } catch (const std::exception& e) {
-            abort_group(e.what());
-            engine_.drain(std::chrono::steady_clock::now() + options_.timeout);
-            end_step();
-            throw;
-        }
-    }
-
-    void abort_group(const std::string& reason) {
-        if constexpr (Abortable<BackendT>) {
-            if (backend_.size() > 1) backend_.abort(reason);
-        }
+        detail::run_guarded(backend_, engine_, options_.timeout, f, [this] { end_step(); });
     }
 
     void end_step() {
@@ -6513,10 +6547,8 @@ public:
         try {
             return step_now(optimizer);
         } catch (const std::exception& e) {
-            if constexpr (Abortable<BackendT>)
-                if (backend_.size() > 1)
-                    backend_.abort(detail::rank_prefix(rank()) + " failed in step " + std::to_string(steps_) + ": " +
-                                   e.what());
+            detail::abort_group(
+                backend_, detail::rank_prefix(rank()) + " failed in step " + std::to_string(steps_) + ": " + e.what());
             throw;
         }
     }

@@ -13,6 +13,7 @@
 #include <gradsync/data_parallel/bucket_engine.hpp>
 #include <gradsync/data_parallel/diagnosis.hpp>
 #include <gradsync/data_parallel/finalize_step.hpp>
+#include <gradsync/data_parallel/group_failure.hpp>
 #include <gradsync/data_parallel/history.hpp>
 #include <gradsync/data_parallel/model_layout.hpp>
 #include <gradsync/data_parallel/moved_storage.hpp>
@@ -34,7 +35,6 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
-#include <exception>
 #include <mutex>
 #include <optional>
 #include <span>
@@ -98,14 +98,10 @@ public:
     // A DataParallel destroyed in the middle of a step (after an exception, say) aborts the group,
     // so that peers fail at once, and waits for its collectives in flight before it goes.
     ~DataParallel() {
-        try {
-            if (engine_.in_flight()) {
-                abort_group(detail::rank_prefix(rank()) + " destroyed its DataParallel in step " +
-                            std::to_string(current_step()) + " with collectives in flight");
-                engine_.drain(std::chrono::steady_clock::now() + options_.timeout);
-            }
-        } catch (...) {  // a destructor must not throw
-        }
+        detail::abandon_in_flight(backend_, engine_, options_.timeout, [this] {
+            return detail::rank_prefix(rank()) + " destroyed its DataParallel in step " +
+                   std::to_string(current_step()) + " with collectives in flight";
+        });
     }
 
     // Gradient of parameter `index` (its position in the model's parameter list, zero-sized ones
@@ -354,27 +350,10 @@ private:
         if constexpr (HealthPolling<BackendT>) backend_.throw_if_failed();
     }
 
-    // Runs f; on an exception, aborts the group so that peers fail now, drains, and rethrows. An
-    // error every rank raised alike (RaisedOnEveryRank) needs no abort: under MPI one ends the job.
+    // Runs f; a failure on this rank becomes the group's (data_parallel/group_failure.hpp).
     template <class F>
     void guard(F&& f) {
-        try {
-            f();
-        } catch (const RaisedOnEveryRank&) {
-            end_step();
-            throw;
-        } catch (const std::exception& e) {
-            abort_group(e.what());
-            engine_.drain(std::chrono::steady_clock::now() + options_.timeout);
-            end_step();
-            throw;
-        }
-    }
-
-    void abort_group(const std::string& reason) {
-        if constexpr (Abortable<BackendT>) {
-            if (backend_.size() > 1) backend_.abort(reason);
-        }
+        detail::run_guarded(backend_, engine_, options_.timeout, f, [this] { end_step(); });
     }
 
     void end_step() {

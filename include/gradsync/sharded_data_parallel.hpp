@@ -25,6 +25,7 @@
 #include <gradsync/bytes.hpp>
 #include <gradsync/data_parallel/buffer_sync.hpp>
 #include <gradsync/data_parallel/finalize_step.hpp>
+#include <gradsync/data_parallel/group_failure.hpp>
 #include <gradsync/data_parallel/history.hpp>
 #include <gradsync/data_parallel/layout_agreement.hpp>
 #include <gradsync/data_parallel/model_layout.hpp>
@@ -163,10 +164,8 @@ public:
         try {
             return step_now(optimizer);
         } catch (const std::exception& e) {
-            if constexpr (Abortable<BackendT>)
-                if (backend_.size() > 1)
-                    backend_.abort(detail::rank_prefix(rank()) + " failed in step " + std::to_string(steps_) + ": " +
-                                   e.what());
+            detail::abort_group(
+                backend_, detail::rank_prefix(rank()) + " failed in step " + std::to_string(steps_) + ": " + e.what());
             throw;
         }
     }

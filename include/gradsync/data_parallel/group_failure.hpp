@@ -1,0 +1,53 @@
+// How a failure on one rank becomes the group's: the group is aborted (where the backend can be),
+// so that peers waiting in collectives fail at once rather than at their deadline; the
+// collectives in flight are drained; the error goes on. An error every rank raised alike
+// (RaisedOnEveryRank) needs no abort: under MPI an abort would end the job.
+#pragma once
+
+#include <gradsync/backend/concepts.hpp>
+#include <gradsync/error.hpp>
+
+#include <chrono>
+#include <exception>
+#include <string>
+
+namespace gradsync::inline v0::detail {
+
+// Aborts the group of `backend` with `reason`, where it can be aborted and has peers.
+template <class Backend>
+void abort_group(Backend& backend, const std::string& reason) {
+    if constexpr (Abortable<Backend>)
+        if (backend.size() > 1) backend.abort(reason);
+}
+
+// Runs f. On an exception: aborts the group (unless every rank raised it alike), drains the
+// engine's collectives up to `timeout` from now, calls end_step() and rethrows.
+template <class Backend, class Engine, class F, class EndStep>
+void run_guarded(Backend& backend, Engine& engine, std::chrono::milliseconds timeout, F&& f, EndStep&& end_step) {
+    try {
+        f();
+    } catch (const RaisedOnEveryRank&) {
+        end_step();
+        throw;
+    } catch (const std::exception& e) {
+        abort_group(backend, e.what());
+        engine.drain(std::chrono::steady_clock::now() + timeout);
+        end_step();
+        throw;
+    }
+}
+
+// For a destructor: with collectives still in flight (a step cut short by an exception), aborts
+// the group with reason() and drains them. Never throws.
+template <class Backend, class Engine, class Reason>
+void abandon_in_flight(Backend& backend, Engine& engine, std::chrono::milliseconds timeout,
+                       const Reason& reason) noexcept {
+    try {
+        if (!engine.in_flight()) return;
+        abort_group(backend, reason());
+        engine.drain(std::chrono::steady_clock::now() + timeout);
+    } catch (...) {  // a destructor must not throw
+    }
+}
+
+}  // namespace gradsync::inline v0::detail
