@@ -170,36 +170,41 @@ private:
 
 }  // namespace
 
-TEST_CASE("released gradients with an unused parameter: its zeros reduced at step(), the rest as stage 1") {
-    for (bool spare_first : {false, true}) {
-        for (int world : {2, 3}) {
-            CAPTURE(spare_first);
-            CAPTURE(world);
-            const auto stage1 = train_sharded<false>(world, small_caps, {}, world);
-            std::vector<float> spare;
-            Weights weights;
-            gradsync::spawn(world, [&](gradsync::LocalBackend& backend) {
-                WithUnused model(1, spare_first);
-                gradsync::ShardedDataParallel sdp(model, backend, small_caps, stage2);
-                model.on_grad_ready = [&](std::size_t i) { sdp.grad_ready(spare_first ? i + 1 : i); };
-                ShardedSgd sgd;
-                sgd.velocity.assign(sdp.state_elements(), 0.0f);
-                for (int s = 0; s < steps; ++s) {
-                    model.forward_backward(batch_of(world, backend.rank(), s));
-                    // Listed first, only the spare's bucket waits for step().
-                    CHECK(sdp.buckets_launched() == (spare_first ? sdp.plan().buckets.size() - 1 : 0));
-                    CHECK(sdp.step(sgd).applied);
-                    // Nothing is left made: not the spare's zeros, not what step()'s listing made.
-                    CHECK(model.spare_grad.empty());
-                    CHECK(model.gradient_bytes() == 0);
-                }
-                if (backend.rank() == 0) {
-                    spare = model.spare;
-                    weights = weights_of(model);
-                }
-            });
-            CHECK(spare == std::vector<float>(37, 0.5f));
-            CHECK(bitwise_equal(weights, stage1));
+TEST_CASE("an unused parameter, gradients kept or released: its zeros reduced at step(), the rest unchanged") {
+    for (bool release : {false, true}) {
+        for (bool spare_first : {false, true}) {
+            for (int world : {2, 3}) {
+                CAPTURE(release);
+                CAPTURE(spare_first);
+                CAPTURE(world);
+                const auto plain = train_sharded<false>(world, small_caps, {}, world);
+                std::vector<float> spare;
+                Weights weights;
+                gradsync::spawn(world, [&](gradsync::LocalBackend& backend) {
+                    WithUnused model(1, spare_first);
+                    gradsync::ShardedDataParallel sdp(model, backend, small_caps,
+                                                      gradsync::ShardedOptions{.release_gradients = release});
+                    model.on_grad_ready = [&](std::size_t i) { sdp.grad_ready(spare_first ? i + 1 : i); };
+                    ShardedSgd sgd;
+                    sgd.velocity.assign(sdp.state_elements(), 0.0f);
+                    for (int s = 0; s < steps; ++s) {
+                        model.forward_backward(batch_of(world, backend.rank(), s));
+                        // Listed first, only the spare's bucket waits for step().
+                        CHECK(sdp.buckets_launched() == (spare_first ? sdp.plan().buckets.size() - 1 : 0));
+                        CHECK(sdp.step(sgd).applied);
+                        // Released: nothing is left made, not the spare's zeros, not what step()'s
+                        // listing made again.
+                        if (release) CHECK(model.spare_grad.empty());
+                        if (release) CHECK(model.gradient_bytes() == 0);
+                    }
+                    if (backend.rank() == 0) {
+                        spare = model.spare;
+                        weights = weights_of(model);
+                    }
+                });
+                CHECK(spare == std::vector<float>(37, 0.5f));
+                CHECK(bitwise_equal(weights, plain));
+            }
         }
     }
 }
