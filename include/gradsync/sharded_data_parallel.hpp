@@ -31,6 +31,7 @@
 #include <gradsync/data_parallel/model_layout.hpp>
 #include <gradsync/data_parallel/settings.hpp>
 #include <gradsync/data_parallel/shard_layout.hpp>
+#include <gradsync/data_parallel/sharded_options.hpp>
 #include <gradsync/data_parallel/readiness.hpp>
 #include <gradsync/error.hpp>
 #include <gradsync/memory/detail/host_passes.hpp>
@@ -53,24 +54,6 @@
 #include <vector>
 
 namespace gradsync::inline v0 {
-
-struct ShardedOptions {
-    // Above 0: gradients whose global L2 norm exceeds it are scaled down to it before the optimizer.
-    double clip_norm = 0;
-    // The model's buffers (batch-norm statistics), as DataParallel's buffer policies keep them:
-    // rank 0's copied at construction and at every step (the default), averaged, or left alone.
-    BufferSync buffers = BufferSync::broadcast_every_step;
-    // Stage 2: once a bucket is reduce-scattered (during backward with grad_ready), this rank's
-    // share of its averaged gradients is copied into memory of the wrapper's (state_elements()
-    // floats) and the model is told to release the bucket's gradients
-    // (gradsync::release_gradients), so that a model which makes its gradients in backward holds
-    // about a bucket or two of them at a time instead of all. Needs such a model and a backend
-    // that reduces where the gradients lie (LocalBackend, MpiBackend).
-    bool release_gradients = false;
-    // Gradients whose storage moves between steps (made anew in backward) are followed: the model
-    // is listed again before each bucket is reduced. Always on with release_gradients.
-    bool storage_may_move = true;
-};
 
 namespace detail {
 // What a bucket's asynchronous reduce_scatter returns: over segments where they lie, or packed.
@@ -126,7 +109,7 @@ public:
                                                     {"bucketer", bucketer.settings()},
                                                     {"clip_norm", std::to_string(options_.clip_norm)},
                                                     {"loss_scaler", scaler_.settings()},
-                                                    {"buffers", buffer_sync_name(options_.buffers)}};
+                                                    {"buffers", detail::buffer_sync_name(options_.buffers)}};
         detail::agree_on_layout(backend_, layout_.params, layout_.buffers, plan_, settings, problem);
         for (const auto& p : layout_.params)
             backend_.broadcast(std::span(static_cast<std::byte*>(p.data), p.bytes().count()), 0);
@@ -217,7 +200,7 @@ private:
                 keep(kept_);
             }
             const std::size_t released = stage2() ? launched_.size() : 0;
-            if (follow_storage(launched_.size(), shards_.slots.size(), /*in_backward=*/false) && released > 0)
+            if (follow_storage(launched_.size(), shards_.slots.size(), /*in_backward=*/false, steps_) && released > 0)
                 for (std::size_t b = 0; b < released; ++b) release(b);  // what that listing made again
             for (std::size_t b = launched_.size(); b < shards_.slots.size(); ++b) {
                 auto& slot = shards_.slots[b];
@@ -291,16 +274,6 @@ private:
         return names;
     }
 
-    static std::string buffer_sync_name(BufferSync mode) {
-        switch (mode) {
-            case BufferSync::broadcast_every_step: return "broadcast every step";
-            case BufferSync::broadcast_once: return "broadcast once";
-            case BufferSync::average_every_step: return "average every step";
-            case BufferSync::ignore: return "ignore";
-        }
-        return "unknown (" + std::to_string(int(mode)) + ")";
-    }
-
     using Handle = typename detail::ShardedHandle<BackendT, in_place>::type;
     static Handle reduce_scatter_async(BackendT& backend, detail::ShardSlot& slot) {
         if constexpr (in_place) {
@@ -325,7 +298,7 @@ private:
 
     // Bucket b goes now (during backward, under the readiness lock).
     void launch(std::size_t b) {
-        follow_storage(b, b + 1, /*in_backward=*/true);
+        follow_storage(b, b + 1, /*in_backward=*/true, steps_ + 1);
         launched_.push_back(reduce_scatter_async(backend_, shards_.slots[b]));
         // Stage 2: the buckets reduced by now give their gradients back while backward goes on,
         // and at most two stay in flight (backward waits for the oldest), which bounds the
@@ -342,12 +315,12 @@ private:
     // Storage that moved since the last step is followed before each bucket's reduce_scatter.
     // Returns whether the model was listed (outside backward that makes every gradient, also
     // those of buckets already released).
-    bool follow_storage(std::size_t first, std::size_t last, bool in_backward) {
+    bool follow_storage(std::size_t first, std::size_t last, bool in_backward, std::uint64_t step) {
         if ((!options_.storage_may_move && !stage2()) || first == last) return false;
         return storage_.follow(
             model_, layout_, plan_, first, last, in_backward,
             [this](std::size_t b) { shards_.refresh(b, layout_.params); },
-            [this] { return detail::rank_prefix(rank()) + ", step " + std::to_string(steps_ + 1); });
+            [&] { return detail::rank_prefix(rank()) + ", step " + std::to_string(step); });
     }
 
     // Bucket b is reduced: with release_gradients, this rank's share is kept and the model

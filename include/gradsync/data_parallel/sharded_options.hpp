@@ -1,0 +1,42 @@
+// ShardedOptions: the run-time settings of ShardedDataParallel, and how its buffer setting reads
+// in the settings every rank agrees on.
+#pragma once
+
+#include <gradsync/data_parallel/buffer_sync.hpp>
+
+#include <string>
+
+namespace gradsync::inline v0 {
+
+struct ShardedOptions {
+    // Above 0: gradients whose global L2 norm exceeds it are scaled down to it before the optimizer.
+    double clip_norm = 0;
+    // The model's buffers (batch-norm statistics), as DataParallel's buffer policies keep them:
+    // rank 0's copied at construction and at every step (the default), averaged, or left alone.
+    BufferSync buffers = BufferSync::broadcast_every_step;
+    // Stage 2: once a bucket is reduce-scattered (during backward with grad_ready), this rank's
+    // share of its averaged gradients is copied into memory of the wrapper's (state_elements()
+    // floats) and the model is told to release the bucket's gradients
+    // (gradsync::release_gradients), so that a model which makes its gradients in backward holds
+    // about a bucket or two of them at a time instead of all. Needs such a model and a backend
+    // that reduces where the gradients lie (LocalBackend, MpiBackend).
+    bool release_gradients = false;
+    // Gradients whose storage moves between steps (made anew in backward) are followed: the model
+    // is listed again before each bucket is reduced. Always on with release_gradients.
+    bool storage_may_move = true;
+};
+
+namespace detail {
+
+inline std::string buffer_sync_name(BufferSync mode) {
+    switch (mode) {
+        case BufferSync::broadcast_every_step: return "broadcast every step";
+        case BufferSync::broadcast_once: return "broadcast once";
+        case BufferSync::average_every_step: return "average every step";
+        case BufferSync::ignore: return "ignore";
+    }
+    return "unknown (" + std::to_string(int(mode)) + ")";
+}
+
+}  // namespace detail
+}  // namespace gradsync::inline v0
