@@ -4,6 +4,7 @@
 #pragma once
 
 #include <gradsync/backend/detail/host_reduce.hpp>
+#include <gradsync/backend/detail/wide_vectors.hpp>  // for add_scaled
 #include <gradsync/backend/mpi/mpi_api.hpp>
 #include <gradsync/detail/dtype_visit.hpp>
 #include <gradsync/dtype.hpp>
@@ -13,21 +14,6 @@
 #include <cstddef>
 
 namespace gradsync::inline v0::detail {
-
-// out[i] = (out[i] + in[i]) * factor, in the accumulator type of the dtype; factor 1 multiplies
-// nothing. (x + y) * f rounds exactly as a sum followed by a separate scaling pass would.
-template <class T>
-void add_scaled(T* __restrict out, const T* __restrict in, T factor, std::size_t n) {
-    if (factor == T(1)) {
-        add_into(out, in, n);
-        return;
-    }
-    std::size_t i = 0;
-    if constexpr (Simd<T>::available)
-        for (; i < vector_part<T>(n); i += lanes_of<T>)
-            store_vector(out + i, (load_vector(out + i) + load_vector(in + i)) * factor);
-    for (; i < n; ++i) out[i] = (out[i] + in[i]) * factor;
-}
 
 template <class S>
 void add_scaled_16(S* out, const S* in, float factor, std::size_t n) {
