@@ -2422,34 +2422,48 @@ public:
         if (size_ == 1) return;  // the sum and the average of one rank are its own values
         const std::size_t elem = size_of(t);
         const std::size_t small = options_.pack_below.count() / elem;
-        std::size_t packed = 0;  // elements in staging_
+        auto is_small = [&](const Segment& s) { return s.count != 0 && s.count < small; };
+        std::size_t pending = 0;  // elements of the small segments [first_small, ...) not yet reduced
         std::size_t first_small = 0;
-        // Reduces the small segments [first_small, end) packed in staging_ and copies them back.
+        // Reduces the small segments [first_small, end): one where it lies, several packed
+        // together in staging_ and copied back.
         auto flush = [&](std::size_t end) {
-            if (packed == 0) return;
-            reduce_run(staging_.data(), packed, t, op);
-            std::size_t at = 0;
-            for (std::size_t i = first_small; i < end; ++i) {
-                const auto& s = segments[i];
-                if (s.count >= small || s.count == 0) continue;
-                std::memcpy(s.data, staging_.data() + at * elem, s.count * elem);
-                at += s.count;
+            if (pending == 0) return;
+            std::size_t smalls = 0, last = first_small;
+            for (std::size_t i = first_small; i < end; ++i)
+                if (is_small(segments[i])) ++smalls, last = i;
+            if (smalls == 1) {
+                reduce_run(static_cast<std::byte*>(segments[last].data), pending, t, op);
+                pending = 0;
+                return;
             }
-            packed = 0;
+            if (staging_.size() < pending * elem)
+                staging_.resize(std::max(options_.pack_below.count() * 4, pending * elem * 2));
+            std::size_t at = 0;
+            for (std::size_t i = first_small; i < end; ++i)
+                if (is_small(segments[i])) {
+                    std::memcpy(staging_.data() + at * elem, segments[i].data, segments[i].count * elem);
+                    at += segments[i].count;
+                }
+            reduce_run(staging_.data(), pending, t, op);
+            at = 0;
+            for (std::size_t i = first_small; i < end; ++i)
+                if (is_small(segments[i])) {
+                    std::memcpy(segments[i].data, staging_.data() + at * elem, segments[i].count * elem);
+                    at += segments[i].count;
+                }
+            pending = 0;
         };
         for (std::size_t i = 0; i < segments.size(); ++i) {
             const auto& s = segments[i];
             if (s.count == 0) continue;
-            if (s.count >= small) {
+            if (!is_small(s)) {
                 reduce_run(static_cast<std::byte*>(s.data), s.count, t, op);
                 continue;
             }
-            if (packed == 0) first_small = i;
-            if (staging_.size() < (packed + s.count) * elem)
-                staging_.resize(std::max(options_.pack_below.count() * 4, (packed + s.count) * elem * 2));
-            std::memcpy(staging_.data() + packed * elem, s.data, s.count * elem);
-            packed += s.count;
-            if (packed * elem >= options_.chunk.count()) flush(i + 1);
+            if (pending == 0) first_small = i;
+            pending += s.count;
+            if (pending * elem >= options_.chunk.count()) flush(i + 1);
         }
         flush(segments.size());
     }

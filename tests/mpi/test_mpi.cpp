@@ -147,27 +147,36 @@ TEST_CASE("MpiBackend: scattered segments, large ones in place and small ones pa
     options.pack_below = 1_KiB;
     options.ring_min = 2_KiB;  // the ring for most pieces, MPI_Allreduce for the rest
     gradsync::MpiBackend backend(gradsync::mpi_world(), options);
-    // Sizes straddle pack_below (256 floats) and chunk (2048 floats); a zero-sized one too.
+    // Sizes straddle pack_below (256 floats) and chunk (2048 floats); a zero-sized one too. A small
+    // segment alone is reduced where it lies, several are packed together.
     std::vector<std::size_t> sizes{3, 5000, 0, 255, 256, 1, 2048, 700, 9000, 17};
-    std::vector<std::vector<float>> tensors;
-    std::vector<gradsync::Segment> segments;
-    std::size_t base = 0;
-    for (auto n : sizes) {
-        tensors.emplace_back(n);
-        for (std::size_t i = 0; i < n; ++i) tensors.back()[i] = input_value(backend.rank(), base + i);
-        base += n;
-    }
-    for (auto& t : tensors) segments.push_back({t.data(), t.size()});
-    SUBCASE("synchronous") { backend.allreduce(segments, gradsync::DType::float32, gradsync::ReduceOp::average); }
-    SUBCASE("asynchronous") {
-        auto h = backend.allreduce_async(segments, gradsync::DType::float32, gradsync::ReduceOp::average);
-        h.wait();
-        CHECK(h.ready());
-    }
-    base = 0;
-    for (auto& t : tensors) {
-        for (std::size_t i = 0; i < t.size(); ++i) REQUIRE(t[i] == expected_sum(base + i) / float(world_size()));
-        base += t.size();
+    SUBCASE("sizes around the limits") {}
+    SUBCASE("one small segment alone") { sizes = {5000, 0, 17, 3000}; }
+    SUBCASE("only one small segment") { sizes = {100}; }
+    SUBCASE("more small segments than one chunk holds") { sizes = std::vector<std::size_t>(20, 200); }
+    for (const bool asynchronous : {false, true}) {
+        CAPTURE(asynchronous);
+        std::vector<std::vector<float>> tensors;
+        std::vector<gradsync::Segment> segments;
+        std::size_t base = 0;
+        for (auto n : sizes) {
+            tensors.emplace_back(n);
+            for (std::size_t i = 0; i < n; ++i) tensors.back()[i] = input_value(backend.rank(), base + i);
+            base += n;
+        }
+        for (auto& t : tensors) segments.push_back({t.data(), t.size()});
+        if (asynchronous) {
+            auto h = backend.allreduce_async(segments, gradsync::DType::float32, gradsync::ReduceOp::average);
+            h.wait();
+            CHECK(h.ready());
+        } else {
+            backend.allreduce(segments, gradsync::DType::float32, gradsync::ReduceOp::average);
+        }
+        base = 0;
+        for (auto& t : tensors) {
+            for (std::size_t i = 0; i < t.size(); ++i) REQUIRE(t[i] == expected_sum(base + i) / float(world_size()));
+            base += t.size();
+        }
     }
 }
 
