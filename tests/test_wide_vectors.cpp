@@ -1,6 +1,6 @@
-// The ring's reduction step at every vector width the CPU offers gives the bits of the scalar
+// The host reduction loops at every vector width the CPU offers give the bits of the scalar
 // loop: wider vectors must never change a result, or ranks on different CPUs would drift apart.
-#include <gradsync/backend/detail/wide_vectors.hpp>
+#include <gradsync/backend/detail/host_reduce.hpp>
 
 #include <doctest/doctest.h>
 
@@ -38,8 +38,9 @@ std::vector<T> values(std::size_t n, unsigned seed) {
     return v;
 }
 
-template <class T>
-void check_every_width() {
+// Runs `kernel(width, out, in, factor, n)` against `scalar(out_i, in_i, factor)` element by element.
+template <class T, class Kernel, class Scalar>
+void check_every_width(Kernel kernel, Scalar scalar) {
     const auto widths = widths_here();
     for (const T factor : {T(1), T(0.5), T(1) / T(3)}) {
         for (std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{15}, std::size_t{16},
@@ -48,13 +49,13 @@ void check_every_width() {
                 const auto in = values<T>(n + skew, 1);
                 const auto start = values<T>(n + skew, 2);
                 std::vector<T> expected = start;
-                for (std::size_t i = skew; i < n + skew; ++i) expected[i] = (start[i] + in[i]) * factor;
+                for (std::size_t i = skew; i < n + skew; ++i) expected[i] = scalar(start[i], in[i], factor);
                 for (const auto width : widths) {
                     CAPTURE(int(width));
                     CAPTURE(n);
                     CAPTURE(skew);
                     std::vector<T> out = start;
-                    gradsync::detail::add_scaled_at(width, out.data() + skew, in.data() + skew, factor, n);
+                    kernel(width, out.data() + skew, in.data() + skew, factor, n);
                     CHECK(std::memcmp(out.data(), expected.data(), out.size() * sizeof(T)) == 0);
                 }
             }
@@ -62,11 +63,32 @@ void check_every_width() {
     }
 }
 
+template <class T>
+void check_kernels() {
+    using namespace gradsync::detail;
+    check_every_width<T>(
+        [](VectorWidth w, T* out, const T* in, T f, std::size_t n) { run_at<AddScaled, T>(w, out, in, f, n); },
+        [](T o, T i, T f) { return (o + i) * f; });
+    check_every_width<T>(
+        [](VectorWidth w, T* out, const T* in, T, std::size_t n) { run_at<AddInto, T>(w, out, in, n); },
+        [](T o, T i, T) { return o + i; });
+    check_every_width<T>(
+        [](VectorWidth w, T* out, const T*, T f, std::size_t n) { run_at<ScaleInPlace, T>(w, out, f, n); },
+        [](T o, T, T f) { return o * f; });
+    // out = in + out, through a copy of out as the second input (AddTwo's inputs may not alias out).
+    check_every_width<T>(
+        [](VectorWidth w, T* out, const T* in, T, std::size_t n) {
+            const std::vector<T> b(out, out + n);
+            run_at<AddTwo, T>(w, out, in, b.data(), n);
+        },
+        [](T o, T i, T) { return i + o; });
+}
+
 }  // namespace
 
-TEST_CASE("the reduction step gives the scalar loop's bits at every vector width, float and double") {
-    check_every_width<float>();
-    check_every_width<double>();
+TEST_CASE("the host reduction loops give the scalar loop's bits at every vector width, float and double") {
+    check_kernels<float>();
+    check_kernels<double>();
 }
 
 TEST_CASE("the widest vector width is one the compiler's own detection agrees the CPU has") {

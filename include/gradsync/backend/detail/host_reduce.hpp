@@ -1,8 +1,9 @@
-// Host reduction loops, written with 16-byte vectors so that they compile alike at -O2 and -O3;
+// Host reduction loops, in the widest vectors the CPU has (wide_vectors.hpp);
 // the sum order is always rank 0, 1, 2, ... so every algorithm and every rank produces bitwise
 // identical results. Also the streaming copy, for large results nobody reads before they land.
 #pragma once
 
+#include <gradsync/backend/detail/wide_vectors.hpp>
 #include <gradsync/half.hpp>
 #include <gradsync/version.hpp>
 
@@ -20,46 +21,6 @@ namespace gradsync::inline v0::detail {
 
 inline constexpr std::size_t reduce_block_bytes = 8192;  // one block of every input fits in L1
 inline constexpr std::size_t simd_width = 16;
-
-// float and double as 16-byte vectors of GCC and Clang. The loops below are written with them
-// rather than left to the loop vectorizer: at -O3 it rewrote the plain loops into a form that ran
-// MpiBackend's ring reduction step at half the speed of -O2 (stalled on its stores while the peer
-// process read the same pages). Element by element the same arithmetic, so the same bits.
-template <class T>
-struct Simd {
-    static constexpr bool available = false;
-};
-template <>
-struct Simd<float> {
-    static constexpr bool available = true;
-    using type = float __attribute__((vector_size(16)));
-};
-template <>
-struct Simd<double> {
-    static constexpr bool available = true;
-    using type = double __attribute__((vector_size(16)));
-};
-
-template <class T>
-using vector_of = typename Simd<T>::type;
-template <class T>
-inline constexpr std::size_t lanes_of = sizeof(vector_of<T>) / sizeof(T);
-// The elements of n that whole vectors cover; the rest is left to a scalar tail.
-template <class T>
-inline std::size_t vector_part(std::size_t n) {
-    return n - n % lanes_of<T>;
-}
-
-template <class T>
-inline vector_of<T> load_vector(const T* p) {
-    vector_of<T> v;
-    std::memcpy(&v, p, sizeof v);
-    return v;
-}
-template <class T>
-inline void store_vector(T* p, vector_of<T> v) {
-    std::memcpy(p, &v, sizeof v);
-}
 
 // Copies into memory that is not read before it is overwritten and far larger than the cache:
 // stores that bypass the cache (non-temporal), so that no line is fetched only to be overwritten.
@@ -112,32 +73,95 @@ inline void streaming_fence() {
 #endif
 }
 
+// The loops, each a kernel for run_widest: whole vectors V while they fit (none where V is
+// void), then element by element.
+template <class V, class T>
+inline constexpr std::size_t lanes = std::is_void_v<V> ? std::size_t{1} << 62 : sizeof(V) / sizeof(T);
+
+struct AddTwo {
+    template <class V, class T>
+    [[gnu::always_inline]] static void run(T* __restrict out, const T* __restrict a, const T* __restrict b,
+                                           std::size_t n) {
+        std::size_t i = 0;
+        if constexpr (!std::is_void_v<V>)
+            for (V x, y; i + lanes<V, T> <= n; i += lanes<V, T>) {
+                std::memcpy(&x, a + i, sizeof x);
+                std::memcpy(&y, b + i, sizeof y);
+                x = x + y;
+                std::memcpy(out + i, &x, sizeof x);
+            }
+        for (; i < n; ++i) out[i] = a[i] + b[i];
+    }
+};
+struct AddInto {
+    template <class V, class T>
+    [[gnu::always_inline]] static void run(T* __restrict out, const T* __restrict a, std::size_t n) {
+        std::size_t i = 0;
+        if constexpr (!std::is_void_v<V>)
+            for (V x, y; i + lanes<V, T> <= n; i += lanes<V, T>) {
+                std::memcpy(&x, out + i, sizeof x);
+                std::memcpy(&y, a + i, sizeof y);
+                x = x + y;
+                std::memcpy(out + i, &x, sizeof x);
+            }
+        for (; i < n; ++i) out[i] += a[i];
+    }
+};
+struct ScaleInPlace {
+    template <class V, class T>
+    [[gnu::always_inline]] static void run(T* __restrict out, T factor, std::size_t n) {
+        std::size_t i = 0;
+        if constexpr (!std::is_void_v<V>)
+            for (V x; i + lanes<V, T> <= n; i += lanes<V, T>) {
+                std::memcpy(&x, out + i, sizeof x);
+                x = x * factor;
+                std::memcpy(out + i, &x, sizeof x);
+            }
+        for (; i < n; ++i) out[i] *= factor;
+    }
+};
+// (out + in) * factor rounds exactly as a sum followed by a separate scaling pass would, and is
+// an add then a multiply: nothing a compiler may fuse into one rounding.
+struct AddScaled {
+    template <class V, class T>
+    [[gnu::always_inline]] static void run(T* __restrict out, const T* __restrict in, T factor, std::size_t n) {
+        std::size_t i = 0;
+        if constexpr (!std::is_void_v<V>)
+            for (V x, y; i + lanes<V, T> <= n; i += lanes<V, T>) {
+                std::memcpy(&x, out + i, sizeof x);
+                std::memcpy(&y, in + i, sizeof y);
+                x = (x + y) * factor;
+                std::memcpy(out + i, &x, sizeof x);
+            }
+        for (; i < n; ++i) out[i] = (out[i] + in[i]) * factor;
+    }
+};
+
 // out[i] = a[i] + b[i]
 template <class T>
 inline void add_two(T* __restrict out, const T* __restrict a, const T* __restrict b, std::size_t n) {
-    std::size_t i = 0;
-    if constexpr (Simd<T>::available)
-        for (; i < vector_part<T>(n); i += lanes_of<T>) store_vector(out + i, load_vector(a + i) + load_vector(b + i));
-    for (; i < n; ++i) out[i] = a[i] + b[i];
+    run_widest<AddTwo, T>(out, a, b, n);
 }
 
 // out[i] += a[i]
 template <class T>
 inline void add_into(T* __restrict out, const T* __restrict a, std::size_t n) {
-    std::size_t i = 0;
-    if constexpr (Simd<T>::available)
-        for (; i < vector_part<T>(n); i += lanes_of<T>)
-            store_vector(out + i, load_vector(out + i) + load_vector(a + i));
-    for (; i < n; ++i) out[i] += a[i];
+    run_widest<AddInto, T>(out, a, n);
 }
 
 // out[i] *= factor
 template <class T>
 inline void scale_in_place(T* __restrict out, T factor, std::size_t n) {
-    std::size_t i = 0;
-    if constexpr (Simd<T>::available)
-        for (; i < vector_part<T>(n); i += lanes_of<T>) store_vector(out + i, load_vector(out + i) * factor);
-    for (; i < n; ++i) out[i] *= factor;
+    run_widest<ScaleInPlace, T>(out, factor, n);
+}
+
+// out[i] = (out[i] + in[i]) * factor; factor 1 multiplies nothing.
+template <class T>
+inline void add_scaled(T* __restrict out, const T* __restrict in, T factor, std::size_t n) {
+    if (factor == T(1))
+        add_into(out, in, n);
+    else
+        run_widest<AddScaled, T>(out, in, factor, n);
 }
 
 // What a storage type is summed in: itself, or float for the 16-bit types.

@@ -1,16 +1,17 @@
-// The ring's reduction step, out = (out + in) * factor, in the widest vectors the CPU offers
-// (AVX-512, AVX2, else 16 bytes), chosen once at run time: the library is compiled for the
-// baseline x86-64 its users build for, but on 2 processes of an AVX-512 VM MpiBackend's step took
-// 8 % of BERT-base's synchronize() more with 16-byte vectors than Open MPI's own reduction, which
-// dispatches the same way. Element by element the same arithmetic as the scalar loop, so the same
-// bits at every width (an add then a multiply: nothing a compiler may fuse).
+// Host loops in the widest vectors the CPU offers (AVX-512, AVX2, else 16 bytes), chosen once at
+// run time: the library is compiled for the baseline x86-64 its users build for, and on the
+// AVX-512 development VMs 16-byte vectors left 8-11 % of an allreduce's time on the table
+// (LocalBackend's in-place reduction of ResNet-50's gradients, MpiBackend's ring step against
+// Open MPI's own reduction, which dispatches the same way). The loops are written with GCC / Clang
+// vectors rather than left to the loop vectorizer: at -O3 it rewrote plain loops into a form that
+// ran MpiBackend's ring step at half the speed of -O2. Element by element every width computes the
+// same arithmetic, so the same bits.
 #pragma once
 
-#include <gradsync/backend/detail/host_reduce.hpp>
 #include <gradsync/version.hpp>
 
 #include <cstddef>
-#include <cstring>  // for std::memcpy
+#include <type_traits>  // for std::is_void_v
 
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__)) && !defined(__CUDACC__) && \
     !defined(__NVCOMPILER)
@@ -36,80 +37,67 @@ inline VectorWidth widest_vector_width() {
 #endif
 }
 
-// The loop at one width: V is a GCC vector of T. Inlined into a function compiled for V's
-// instruction set.
-template <class V, class T>
-[[gnu::always_inline]] inline void add_scaled_as(T* __restrict out, const T* __restrict in, T factor, std::size_t n) {
-    constexpr std::size_t lanes = sizeof(V) / sizeof(T);
-    std::size_t i = 0;
-    if (factor == T(1)) {
-        for (; i + lanes <= n; i += lanes) {
-            V a, b;
-            std::memcpy(&a, out + i, sizeof a);
-            std::memcpy(&b, in + i, sizeof b);
-            a = a + b;
-            std::memcpy(out + i, &a, sizeof a);
-        }
-        for (; i < n; ++i) out[i] = out[i] + in[i];
-        return;
-    }
-    for (; i + lanes <= n; i += lanes) {
-        V a, b;
-        std::memcpy(&a, out + i, sizeof a);
-        std::memcpy(&b, in + i, sizeof b);
-        a = (a + b) * factor;
-        std::memcpy(out + i, &a, sizeof a);
-    }
-    for (; i < n; ++i) out[i] = (out[i] + in[i]) * factor;
-}
-
-#ifdef GRADSYNC_WIDE_VECTORS
+// A vector of T of `Bytes` bytes; void where T has none (the loops then run element by element).
+// Kernels keep them in local variables: a function that takes or returns one of 32 or 64 bytes
+// has a different ABI with and without the instruction set.
 template <class T, std::size_t Bytes>
-struct WideVector;
-template <>
-struct WideVector<float, 64> {
-    using type = float __attribute__((vector_size(64)));
+struct VectorOf {
+    using type = void;
 };
 template <>
-struct WideVector<double, 64> {
-    using type = double __attribute__((vector_size(64)));
+struct VectorOf<float, 16> {
+    using type = float __attribute__((vector_size(16)));
 };
 template <>
-struct WideVector<float, 32> {
+struct VectorOf<double, 16> {
+    using type = double __attribute__((vector_size(16)));
+};
+template <>
+struct VectorOf<float, 32> {
     using type = float __attribute__((vector_size(32)));
 };
 template <>
-struct WideVector<double, 32> {
+struct VectorOf<double, 32> {
     using type = double __attribute__((vector_size(32)));
 };
+template <>
+struct VectorOf<float, 64> {
+    using type = float __attribute__((vector_size(64)));
+};
+template <>
+struct VectorOf<double, 64> {
+    using type = double __attribute__((vector_size(64)));
+};
 
-template <class T>
-[[gnu::target("avx512f")]] inline void add_scaled_64(T* __restrict out, const T* __restrict in, T factor,
-                                                     std::size_t n) {
-    add_scaled_as<typename WideVector<T, 64>::type>(out, in, factor, n);
+// Kernel::run<V>(args...) with V of each width, inlined (run is always_inline) into a function
+// compiled for that width's instruction set.
+#ifdef GRADSYNC_WIDE_VECTORS
+template <class Kernel, class T, class... Args>
+[[gnu::target("avx512f")]] inline void run_at_64(Args... args) {
+    Kernel::template run<typename VectorOf<T, 64>::type>(args...);
 }
-template <class T>
-[[gnu::target("avx2")]] inline void add_scaled_32(T* __restrict out, const T* __restrict in, T factor, std::size_t n) {
-    add_scaled_as<typename WideVector<T, 32>::type>(out, in, factor, n);
+template <class Kernel, class T, class... Args>
+[[gnu::target("avx2")]] inline void run_at_32(Args... args) {
+    Kernel::template run<typename VectorOf<T, 32>::type>(args...);
 }
 #endif
 
-// out[i] = (out[i] + in[i]) * factor for float or double, at the given width (one the CPU has).
-template <class T>
-void add_scaled_at(VectorWidth width, T* __restrict out, const T* __restrict in, T factor, std::size_t n) {
+// Kernel::run<V>(args...) at the given width (one the CPU has) for elements of type T.
+template <class Kernel, class T, class... Args>
+inline void run_at(VectorWidth width, Args... args) {
+    if constexpr (std::is_void_v<typename VectorOf<T, 16>::type>) return Kernel::template run<void>(args...);
 #ifdef GRADSYNC_WIDE_VECTORS
-    if (width == VectorWidth::bytes64) return add_scaled_64(out, in, factor, n);
-    if (width == VectorWidth::bytes32) return add_scaled_32(out, in, factor, n);
+    if (width == VectorWidth::bytes64) return run_at_64<Kernel, T>(args...);
+    if (width == VectorWidth::bytes32) return run_at_32<Kernel, T>(args...);
 #else
     (void)width;
 #endif
-    add_scaled_as<vector_of<T>>(out, in, factor, n);
+    Kernel::template run<typename VectorOf<T, 16>::type>(args...);
 }
 
-// out[i] = (out[i] + in[i]) * factor at the widest width the CPU has; factor 1 multiplies nothing.
-template <class T>
-void add_scaled(T* __restrict out, const T* __restrict in, T factor, std::size_t n) {
-    add_scaled_at(widest_vector_width(), out, in, factor, n);
+template <class Kernel, class T, class... Args>
+inline void run_widest(Args... args) {
+    run_at<Kernel, T>(widest_vector_width(), args...);
 }
 
 }  // namespace gradsync::inline v0::detail

@@ -4,7 +4,6 @@
 #pragma once
 
 #include <gradsync/backend/detail/host_reduce.hpp>
-#include <gradsync/backend/detail/wide_vectors.hpp>  // for add_scaled
 #include <gradsync/backend/mpi/mpi_api.hpp>
 #include <gradsync/detail/dtype_visit.hpp>
 #include <gradsync/dtype.hpp>
