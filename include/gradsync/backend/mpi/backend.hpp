@@ -256,28 +256,26 @@ private:
     template <class F>
     void run_now(const CollectiveCall& call, F&& body) {
         async_.wait_for_all();
-        guarded(call.seq, call.describe(), body);
+        guarded(call, body);
     }
 
     template <class F>
     CollectiveHandle launch(const CollectiveCall& call, F body) {
         auto done = std::make_shared<detail::Completion>(waiting_);
-        async_.launch([this, seq = call.seq, what = call.describe(),
-                       body = std::move(body)]() mutable { guarded(seq, what, body); },
-                      done);
+        async_.launch([this, call, body = std::move(body)]() mutable { guarded(call, body); }, done);
         return CollectiveHandle(std::move(done));
     }
 
-    // Runs collective #seq under the watcher's eye; refuses it when a rank it needs has left.
+    // Runs `call` under the watcher's eye; refuses it when a rank it needs has left.
     template <class F>
-    void guarded(std::uint64_t seq, const std::string& what, F& body) {
-        watch_->start(seq, what);
+    void guarded(const CollectiveCall& call, F& body) {
+        watch_->start(call);
         struct Stop {
             detail::CollectiveWatch& watch;
             std::uint64_t seq;
             bool completed = false;
             ~Stop() { watch.stop(seq, completed); }
-        } stop{*watch_, seq};
+        } stop{*watch_, call.seq};
         body();
         stop.completed = true;
     }

@@ -3,6 +3,7 @@
 // collectives' threads write it, the watcher reads it; one mutex guards each half.
 #pragma once
 
+#include <gradsync/backend/collective.hpp>  // for CollectiveCall
 #include <gradsync/backend/mpi/departures.hpp>
 #include <gradsync/error.hpp>
 
@@ -26,14 +27,15 @@ public:
     CollectiveWatch(int rank, int size, std::chrono::milliseconds timeout)
         : rank_(rank), size_(size), timeout_(timeout) {}
 
-    // Collective #seq, described by `what`, starts on this thread now: refused with a
-    // CollectiveError when a rank it needs has left.
-    void start(std::uint64_t seq, const std::string& what) {
+    // `call` starts on this thread now: refused with a CollectiveError when a rank it needs has
+    // left. Kept as it is and described only for a message (describing every call cost a
+    // small allreduce a tenth of its time).
+    void start(const CollectiveCall& call) {
         std::lock_guard lock(mutex_);
-        if (const auto* gone = departed_before(seq))
-            throw CollectiveError(rank_prefix(rank_, size_) + ": " + what + " cannot complete: " + gone->describe());
-        current_ = what;
-        current_seq_ = seq;
+        if (const auto* gone = departed_before(call.seq))
+            throw CollectiveError(rank_prefix(rank_, size_) + ": " + call.describe() +
+                                  " cannot complete: " + gone->describe());
+        current_ = call;
         deadline_ = Clock::now() + timeout_;
         busy_ = true;
     }
@@ -67,9 +69,9 @@ public:
             std::lock_guard lock(mutex_);
             departed_.insert(departed_.end(), arrived.begin(), arrived.end());
             if (!busy_) return std::nullopt;
-            const auto* gone = departed_before(current_seq_);
+            const auto* gone = departed_before(current_.seq);
             if (!gone) return std::nullopt;
-            what = current_;
+            what = current_.describe();
             why = gone->describe();
         }
         return "gradsync: rank " + std::to_string(rank_) + " of " + std::to_string(size_) + ": " + why + "; " + what +
@@ -83,7 +85,7 @@ public:
         {
             std::lock_guard lock(mutex_);
             if (!busy_ || Clock::now() < deadline_) return std::nullopt;
-            what = current_;
+            what = current_.describe();
         }
         char seconds[32];
         std::snprintf(seconds, sizeof seconds, "%.3g", std::chrono::duration<double>(timeout_).count());
@@ -130,8 +132,7 @@ private:
     std::chrono::milliseconds timeout_;
 
     std::mutex mutex_;  // the running collective and the departed peers
-    std::string current_;
-    std::uint64_t current_seq_ = 0;
+    CollectiveCall current_;
     std::uint64_t last_completed_ = 0;
     Clock::time_point deadline_;
     bool busy_ = false;
