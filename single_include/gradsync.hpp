@@ -1377,12 +1377,13 @@ struct std::hash<gradsync::BucketPlan> {
 #endif  // GRADSYNC_SINGLE_BUCKET_PLAN_HPP
 // ---- end gradsync/bucket/plan.hpp ----
 
-#include <algorithm>  // for std::find_if
+#include <algorithm>  // for std::find, std::find_if, std::reverse, std::stable_sort
 #include <concepts>   // for std::same_as
 #include <cstddef>
 #include <cstdint>
 #include <span>
 #include <string>
+#include <utility>  // for std::exchange, std::move
 #include <vector>
 
 namespace gradsync::inline v0 {
@@ -1456,14 +1457,22 @@ private:
 // reverse registration order), the first bucket capped at `first_cap` so communication
 // starts early, the rest at `cap`. A bucket is closed before a parameter that would push it over
 // its cap, so a parameter larger than the cap gets a bucket of its own.
+//
+// `growing`: buckets filled to the cap from the last one back, so that what is left for the first
+// is the smallest and sizes do not shrink along backward (but by a parameter's size). A bucket's
+// allreduce then fits in the next bucket's backward wherever communication is no slower than
+// compute, and only the last bucket is left exposed after backward; filled forward, a plan that
+// ends with a smaller bucket exposes its largest one when they are as fast (docs/performance.md).
 struct SizeCappedBuckets {
     using policy_category = policy_category::bucketer;
 
     Bytes cap = Bytes{25ull << 20};
     Bytes first_cap = Bytes{1ull << 20};
+    bool growing = false;
 
     [[nodiscard]] std::string settings() const {
-        return "size-capped, cap " + to_string(cap) + ", first cap " + to_string(first_cap);
+        return "size-capped, cap " + to_string(cap) + ", first cap " + to_string(first_cap) +
+               (growing ? ", growing along backward" : "");
     }
     [[nodiscard]] std::string invalid() const {
         if (cap.count() != 0 && first_cap.count() != 0) return {};
@@ -1473,6 +1482,7 @@ struct SizeCappedBuckets {
 
     [[nodiscard]] BucketPlan plan(std::span<const Parameter> params, std::span<const std::size_t> order = {}) const {
         if (auto why = invalid(); !why.empty()) throw Error("gradsync: " + why);
+        if (growing) return plan_growing(params, detail::readiness_order(params.size(), order));
         BucketPlan plan;
         detail::BucketFiller filler(params, plan);
         struct Limit {
@@ -1502,6 +1512,56 @@ struct SizeCappedBuckets {
             }
         }
         filler.close_all();
+        return plan;
+    }
+
+private:
+    [[nodiscard]] BucketPlan plan_growing(std::span<const Parameter> params,
+                                          const std::vector<std::size_t>& ready) const {
+        std::vector<std::size_t> position(params.size());
+        for (std::size_t k = 0; k < ready.size(); ++k) position[ready[k]] = k;
+        std::vector<DType> dtypes;
+        for (auto i : ready)
+            if (params[i].count != 0 && std::find(dtypes.begin(), dtypes.end(), params[i].dtype) == dtypes.end())
+                dtypes.push_back(params[i].dtype);
+        BucketPlan plan;
+        for (const DType t : dtypes) {
+            // From the last parameter of this dtype back: close a bucket before one that would
+            // push it over the cap, so that what is left for the front is the smallest.
+            std::vector<Bucket> backwards;
+            Bucket open{t, {}, 0};
+            for (auto k = ready.size(); k-- > 0;) {
+                const auto& p = params[ready[k]];
+                if (p.count == 0 || p.dtype != t) continue;
+                if (!open.parameters.empty() && open.bytes() + p.bytes() > cap)
+                    backwards.push_back(std::exchange(open, Bucket{t, {}, 0}));
+                open.parameters.push_back(ready[k]);
+                open.count += p.count;
+            }
+            if (!open.parameters.empty()) backwards.push_back(std::move(open));
+            // The first bucket of the dtype (the rest of it, at the front) at most first_cap.
+            if (!backwards.empty() && backwards.back().bytes() > first_cap && backwards.back().parameters.size() > 1) {
+                Bucket& front = backwards.back();  // parameters in reverse readiness order
+                Bucket first{t, {}, 0};
+                while (front.parameters.size() > 1 &&
+                       (first.parameters.empty() ||
+                        first.bytes() + params[front.parameters.back()].bytes() <= first_cap)) {
+                    first.count += params[front.parameters.back()].count;
+                    front.count -= params[front.parameters.back()].count;
+                    first.parameters.insert(first.parameters.begin(), front.parameters.back());
+                    front.parameters.pop_back();
+                }
+                if (!first.parameters.empty()) backwards.push_back(std::move(first));
+            }
+            for (auto& b : backwards) {
+                std::reverse(b.parameters.begin(), b.parameters.end());
+                plan.buckets.push_back(std::move(b));
+            }
+        }
+        // Launch order: as each bucket completes, the readiness of its last parameter.
+        std::stable_sort(plan.buckets.begin(), plan.buckets.end(), [&](const Bucket& a, const Bucket& b) {
+            return position[a.parameters.back()] < position[b.parameters.back()];
+        });
         return plan;
     }
 };

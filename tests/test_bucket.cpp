@@ -77,6 +77,8 @@ TEST_CASE("every bucketer covers every parameter once, one dtype per bucket, in 
         CAPTURE(trial);
         check_common(params, gradsync::SizeCappedBuckets{}.plan(params));
         check_common(params, gradsync::SizeCappedBuckets{64_KiB, 8_KiB}.plan(params));
+        check_common(params, gradsync::SizeCappedBuckets{.growing = true}.plan(params));
+        check_common(params, gradsync::SizeCappedBuckets{64_KiB, 8_KiB, true}.plan(params));
         check_common(params, gradsync::SingleBucket{}.plan(params));
         check_common(params, gradsync::PerParameterBuckets{}.plan(params));
     }
@@ -191,4 +193,56 @@ TEST_CASE("a size-capped bucketer without a cap is an error") {
     std::vector<Parameter> params{fake(4)};
     CHECK_THROWS_WITH_AS(gradsync::SizeCappedBuckets({0_B, 1_MiB}).plan(params),
                          doctest::Contains("needs a cap and a first_cap above 0 bytes"), gradsync::Error);
+}
+
+TEST_CASE("growing buckets are filled to the cap from the last one back, the first at most first_cap") {
+    std::mt19937_64 rng(20261203);
+    for (int trial = 0; trial < 300; ++trial) {
+        auto params = random_layout(rng);
+        CAPTURE(trial);
+        const gradsync::SizeCappedBuckets policy{64_KiB, 8_KiB, true};
+        const auto plan = policy.plan(params);
+        // Launch order: each bucket completes before the next (its last parameter, registered
+        // later, is ready earlier).
+        for (std::size_t k = 1; k < plan.buckets.size(); ++k)
+            CHECK(plan.buckets[k - 1].parameters.back() > plan.buckets[k].parameters.back());
+        for (int t = 0; t < 4; ++t) {
+            std::vector<const gradsync::Bucket*> mine;
+            for (const auto& b : plan.buckets)
+                if (static_cast<int>(b.dtype) == t) mine.push_back(&b);
+            for (std::size_t k = 0; k < mine.size(); ++k) {
+                const auto& b = *mine[k];
+                CHECK((b.bytes() <= 64_KiB || b.parameters.size() == 1));
+                if (k == 0) {
+                    if (mine.size() > 1 || b.parameters.size() > 1)
+                        CHECK((b.bytes() <= 8_KiB || b.parameters.size() == 1));
+                    continue;
+                }
+                // Every bucket but the dtype's first two (the first and what is left beside it) is
+                // full: the parameter ready just before it would have pushed it over the cap.
+                if (k >= 2) {
+                    const auto& before = *mine[k - 1];
+                    CHECK(b.bytes() + params[before.parameters.back()].bytes() > 64_KiB);
+                }
+            }
+        }
+    }
+}
+
+TEST_CASE("growing buckets on ResNet-50 end with the largest, and say so in their settings") {
+    std::vector<Parameter> params;
+    for (const auto& t : layouts::resnet50()) params.push_back(fake(t.count, DType::float32, t.name));
+    const gradsync::SizeCappedBuckets growing{.growing = true};
+    const auto plan = growing.plan(params);
+    const auto forward = gradsync::SizeCappedBuckets{}.plan(params);
+    REQUIRE(plan.buckets.size() >= 4);
+    CHECK(plan.bytes() == forward.bytes());
+    CHECK(plan.buckets[0].parameters.front() == 160);  // fc.bias is ready first, as without
+    CHECK(plan.buckets[0].bytes() <= 1_MiB);
+    for (const auto& b : plan.buckets) CHECK(b.bytes() <= plan.buckets.back().bytes());
+    CHECK(plan.buckets.back().parameters.back() == 0);  // conv1, ready last
+    // Filled forward, the default plan ends with a bucket smaller than the one before it.
+    CHECK(forward.buckets.back().bytes() < forward.buckets[forward.buckets.size() - 2].bytes());
+    CHECK(growing.settings().find("growing along backward") != std::string::npos);
+    CHECK(gradsync::SizeCappedBuckets{}.settings().find("growing") == std::string::npos);
 }

@@ -102,6 +102,7 @@ void check_all_bucketers() {
         auto single = train_single<Opt>(world);
         check_close(train_parallel<Opt>(world, gradsync::SizeCappedBuckets{}), single);
         check_close(train_parallel<Opt>(world, gradsync::SizeCappedBuckets{64_KiB, 4_KiB}), single);
+        check_close(train_parallel<Opt>(world, gradsync::SizeCappedBuckets{64_KiB, 4_KiB, true}), single);
         check_close(train_parallel<Opt>(world, gradsync::SingleBucket{}), single);
         check_close(train_parallel<Opt>(world, gradsync::PerParameterBuckets{}), single);
         check_close(train_parallel<Opt>(world, gradsync::SizeCappedBuckets{}, gradsync::PackedBuckets{}), single);
