@@ -7,6 +7,7 @@
 
 #include <gradsync/data_parallel/options.hpp>
 
+#include "overlap_summary.hpp"
 #include "results.hpp"
 #include "summary_rows.hpp"
 
@@ -191,65 +192,7 @@ void print_summary() {
                     gradsync::to_string(m.second).c_str(), double(m.first.count()) / double(m.second.count()));
     }
 
-    std::printf(
-        "\nOverlap with a synthetic backward (2 ranks; times in ms; exposed = overlapped - compute;\n"
-        "plan bound = the exposure the bucket plan leaves even a perfect engine; cap 25 = the default;\n"
-        "cap auto = Options::autotune_buckets, from the default caps)\n");
-    std::printf("  %-10s %5s %6s %8s %8s %11s %11s %8s %11s %12s %13s\n", "layout", "cap", "comm/c", "compute", "comm",
-                "sequential", "overlapped", "exposed", "plan bound", "last bucket", "exposed/last");
-    struct Worst {
-        double ratio = 0;
-        std::string where;
-    } worst, worst_auto, worst_growing, worst_vs_sweep;
-    // Per layout and comm/compute: exposed ms of the 25 MiB caps, the best fixed cap, autotuned.
-    struct Versus {
-        double fixed25 = 0, best = 0, tuned = 0, tuned_buckets = 0;
-        std::string best_cap;
-    };
-    std::map<std::pair<std::string, std::string>, Versus> versus;
-    for (const auto& [key, counters] : median_counters) {
-        if (key.rfind("overlap/", 0) != 0) continue;
-        auto get = [&](const char* name) { return counters.count(name) ? counters.at(name) : 0.0; };
-        auto part = [&](const std::string& label) {
-            auto at = key.find(label);
-            return at == std::string::npos ? std::string()
-                                           : key.substr(at + label.size(), key.find('/', at) - at - label.size());
-        };
-        std::string layout = key.substr(8, key.find('/', 8) - 8), cap = part("cap_mib:");
-        const std::string ratio_text = part("comm_to_compute:");
-        double ratio = std::stod(ratio_text);
-        std::printf("  %-10s %5s %6.2f %8.2f %8.2f %11.2f %11.2f %8.2f %11.2f %12.2f %13.2f\n", layout.c_str(),
-                    cap.c_str(), ratio, get("compute_ms"), get("comm_ms"), get("sequential_ms"), get("overlapped_ms"),
-                    get("exposed_ms"), get("plan_bound_ms"), get("last_bucket_ms"),
-                    get("exposed_ms") / std::max(get("last_bucket_ms"), 1e-9));
-        auto& v = versus[{layout, ratio_text}];
-        if (ratio <= 1.0 && get("last_bucket_ms") > 0 && (cap == "auto" || cap == "25" || cap == "8grow")) {
-            const double r = get("exposed_ms") / get("last_bucket_ms");
-            auto& w = cap == "auto" ? worst_auto : cap == "25" ? worst : worst_growing;
-            if (r > w.ratio) w = {r, layout + " at comm/compute " + ratio_text};
-        }
-        if (cap == "auto") {
-            v.tuned = get("exposed_ms");
-            v.tuned_buckets = get("buckets");
-        } else {
-            if (cap == "25") v.fixed25 = get("exposed_ms");
-            if (v.best_cap.empty() || get("exposed_ms") < v.best)
-                v = {v.fixed25, get("exposed_ms"), v.tuned, v.tuned_buckets, cap};
-        }
-    }
-    std::printf(
-        "\nAutotuned buckets (Options::autotune_buckets) against fixed caps: exposed ms after backward (below 0.1 ms "
-        "counts as "
-        "0.1)\n  %-10s %6s %9s %16s %18s %12s\n",
-        "layout", "comm/c", "25 MiB", "best fixed (MiB)", "autotuned (buckets)", "auto / best");
-    for (const auto& [where, v] : versus) {
-        const double r = std::max(v.tuned, 0.1) / std::max(v.best, 0.1);
-        std::printf("  %-10s %6s %9.2f %11.2f (%2s) %12.2f (%3.0f) %12.2f\n", where.first.c_str(), where.second.c_str(),
-                    v.fixed25, v.best, v.best_cap.c_str(), v.tuned, v.tuned_buckets, r);
-        if (std::stod(where.second) <= 1.0 && r > worst_vs_sweep.ratio)
-            worst_vs_sweep = {r,
-                              where.first + " at comm/compute " + where.second + ", best fixed " + v.best_cap + " MiB"};
-    }
+    const auto overlap = bench::print_overlap(median_counters);
     auto copy_view = counter("views_vs_copies/resnet50", "copy_over_view");
 
     std::printf("\nMixed precision\n");
@@ -378,26 +321,26 @@ void print_summary() {
         target_row("allreduce busbw / memcpy at 64 MiB, under load", shown("%.2f", busy_bw, "GB/s"),
                    shown("%.2f", busy_copy, "GB/s", "memcpy"), busy_ratio, ">= 0.70", busy_ratio >= 0.70);
     std::printf("\nTargets: overlap and views\n");
-    if (worst.ratio <= 0) missing("exposed / last bucket");
-    if (worst.ratio > 0) {
-        target_row("exposed / last bucket, comm <= compute, worst", shown("%.2f", worst.ratio, "x"),
-                   label_only(worst.where), worst.ratio, "<= 1.50", worst.ratio <= 1.5);
+    if (overlap.fixed25.ratio <= 0) missing("exposed / last bucket");
+    if (overlap.fixed25.ratio > 0) {
+        target_row("exposed / last bucket, comm <= compute, worst", shown("%.2f", overlap.fixed25.ratio, "x"),
+                   label_only(overlap.fixed25.where), overlap.fixed25.ratio, "<= 1.50", overlap.fixed25.ratio <= 1.5);
     }
-    if (worst_growing.ratio <= 0) missing("exposed / last bucket, 8 MiB growing");
-    if (worst_growing.ratio > 0) {
-        target_row("the same, 8 MiB buckets growing along backward", shown("%.2f", worst_growing.ratio, "x"),
-                   label_only(worst_growing.where), worst_growing.ratio, "-", true);
+    if (overlap.growing.ratio <= 0) missing("exposed / last bucket, 8 MiB growing");
+    if (overlap.growing.ratio > 0) {
+        target_row("the same, 8 MiB buckets growing along backward", shown("%.2f", overlap.growing.ratio, "x"),
+                   label_only(overlap.growing.where), overlap.growing.ratio, "-", true);
     }
-    if (worst_auto.ratio <= 0) missing("exposed / last bucket, autotuned");
-    if (worst_auto.ratio > 0) {
-        target_row("the same, autotuned buckets", shown("%.2f", worst_auto.ratio, "x"), label_only(worst_auto.where),
-                   worst_auto.ratio, "<= 1.50", worst_auto.ratio <= 1.5);
+    if (overlap.tuned.ratio <= 0) missing("exposed / last bucket, autotuned");
+    if (overlap.tuned.ratio > 0) {
+        target_row("the same, autotuned buckets", shown("%.2f", overlap.tuned.ratio, "x"),
+                   label_only(overlap.tuned.where), overlap.tuned.ratio, "<= 1.50", overlap.tuned.ratio <= 1.5);
     }
-    if (worst_vs_sweep.ratio <= 0) missing("autotuned / best fixed cap");
-    if (worst_vs_sweep.ratio > 0) {
+    if (overlap.tuned_vs_sweep.ratio <= 0) missing("autotuned / best fixed cap");
+    if (overlap.tuned_vs_sweep.ratio > 0) {
         target_row("autotuned exposed / best fixed cap, comm <= compute, worst",
-                   shown("%.2f", worst_vs_sweep.ratio, "x"), label_only(worst_vs_sweep.where), worst_vs_sweep.ratio,
-                   "<= 1.10", worst_vs_sweep.ratio <= 1.1);
+                   shown("%.2f", overlap.tuned_vs_sweep.ratio, "x"), label_only(overlap.tuned_vs_sweep.where),
+                   overlap.tuned_vs_sweep.ratio, "<= 1.10", overlap.tuned_vs_sweep.ratio <= 1.1);
     }
     if (!copy_view) missing("views_vs_copies/resnet50");
     if (copy_view) {

@@ -1,0 +1,85 @@
+// The overlap benchmark's part of the summary: the table of every plan at every comm/compute
+// ratio, autotuning against the fixed caps, and the worst figures the targets are set on.
+#pragma once
+
+#include <algorithm>  // for std::max
+#include <cstdio>
+#include <map>
+#include <string>
+#include <utility>  // for std::pair
+
+namespace bench {
+
+struct Worst {
+    double ratio = 0;
+    std::string where;
+};
+
+// Over comm/compute <= 1: exposed / last bucket of the default caps, of 8 MiB growing buckets and of
+// autotuning; autotuned exposed / the best fixed cap.
+struct OverlapWorst {
+    Worst fixed25, growing, tuned, tuned_vs_sweep;
+};
+
+// From the medians of the overlap benchmarks' counters, by "name/args".
+inline OverlapWorst print_overlap(const std::map<std::string, std::map<std::string, double>>& median_counters) {
+    std::printf(
+        "\nOverlap with a synthetic backward (2 ranks; times in ms; exposed = overlapped - compute;\n"
+        "plan bound = the exposure the bucket plan leaves even a perfect engine; cap 25 = the default;\n"
+        "cap auto = Options::autotune_buckets, from the default caps)\n");
+    std::printf("  %-10s %5s %6s %8s %8s %11s %11s %8s %11s %12s %13s\n", "layout", "cap", "comm/c", "compute", "comm",
+                "sequential", "overlapped", "exposed", "plan bound", "last bucket", "exposed/last");
+    OverlapWorst worst;
+    // Per layout and comm/compute: exposed ms of the 25 MiB caps, the best fixed cap, autotuned.
+    struct Versus {
+        double fixed25 = 0, best = 0, tuned = 0, tuned_buckets = 0;
+        std::string best_cap;
+    };
+    std::map<std::pair<std::string, std::string>, Versus> versus;
+    for (const auto& [key, counters] : median_counters) {
+        if (key.rfind("overlap/", 0) != 0) continue;
+        auto get = [&](const char* name) { return counters.count(name) ? counters.at(name) : 0.0; };
+        auto part = [&](const std::string& label) {
+            auto at = key.find(label);
+            return at == std::string::npos ? std::string()
+                                           : key.substr(at + label.size(), key.find('/', at) - at - label.size());
+        };
+        std::string layout = key.substr(8, key.find('/', 8) - 8), cap = part("cap_mib:");
+        const std::string ratio_text = part("comm_to_compute:");
+        double ratio = std::stod(ratio_text);
+        std::printf("  %-10s %5s %6.2f %8.2f %8.2f %11.2f %11.2f %8.2f %11.2f %12.2f %13.2f\n", layout.c_str(),
+                    cap.c_str(), ratio, get("compute_ms"), get("comm_ms"), get("sequential_ms"), get("overlapped_ms"),
+                    get("exposed_ms"), get("plan_bound_ms"), get("last_bucket_ms"),
+                    get("exposed_ms") / std::max(get("last_bucket_ms"), 1e-9));
+        auto& v = versus[{layout, ratio_text}];
+        if (ratio <= 1.0 && get("last_bucket_ms") > 0 && (cap == "auto" || cap == "25" || cap == "8grow")) {
+            const double r = get("exposed_ms") / get("last_bucket_ms");
+            auto& w = cap == "auto" ? worst.tuned : cap == "25" ? worst.fixed25 : worst.growing;
+            if (r > w.ratio) w = {r, layout + " at comm/compute " + ratio_text};
+        }
+        if (cap == "auto") {
+            v.tuned = get("exposed_ms");
+            v.tuned_buckets = get("buckets");
+        } else {
+            if (cap == "25") v.fixed25 = get("exposed_ms");
+            if (v.best_cap.empty() || get("exposed_ms") < v.best)
+                v = {v.fixed25, get("exposed_ms"), v.tuned, v.tuned_buckets, cap};
+        }
+    }
+    std::printf(
+        "\nAutotuned buckets (Options::autotune_buckets) against fixed caps: exposed ms after backward (below 0.1 ms "
+        "counts as "
+        "0.1)\n  %-10s %6s %9s %16s %18s %12s\n",
+        "layout", "comm/c", "25 MiB", "best fixed (MiB)", "autotuned (buckets)", "auto / best");
+    for (const auto& [where, v] : versus) {
+        const double r = std::max(v.tuned, 0.1) / std::max(v.best, 0.1);
+        std::printf("  %-10s %6s %9.2f %11.2f (%2s) %12.2f (%3.0f) %12.2f\n", where.first.c_str(), where.second.c_str(),
+                    v.fixed25, v.best, v.best_cap.c_str(), v.tuned, v.tuned_buckets, r);
+        if (std::stod(where.second) <= 1.0 && r > worst.tuned_vs_sweep.ratio)
+            worst.tuned_vs_sweep = {
+                r, where.first + " at comm/compute " + where.second + ", best fixed " + v.best_cap + " MiB"};
+    }
+    return worst;
+}
+
+}  // namespace bench
