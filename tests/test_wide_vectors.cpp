@@ -46,8 +46,9 @@ void check_every_width(Kernel kernel, Scalar scalar) {
         for (std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{15}, std::size_t{16},
                               std::size_t{17}, std::size_t{63}, std::size_t{1000}, std::size_t{4099}}) {
             for (std::size_t skew : {std::size_t{0}, std::size_t{1}, std::size_t{3}}) {  // unaligned starts
-                const auto in = values<T>(n + skew, 1);
-                const auto start = values<T>(n + skew, 2);
+                // One element past the end, which no loop may touch.
+                const auto in = values<T>(n + skew + 1, 1);
+                const auto start = values<T>(n + skew + 1, 2);
                 std::vector<T> expected = start;
                 for (std::size_t i = skew; i < n + skew; ++i) expected[i] = scalar(start[i], in[i], factor);
                 for (const auto width : widths) {
