@@ -2704,6 +2704,100 @@ void reduce_to_all(S* const* inputs, int n_in, S* const* outputs, int n_out, std
 // themselves are in local_collectives.hpp.
 
 
+// ---- begin gradsync/backend/detail/piece_claims.hpp ----
+#ifndef GRADSYNC_SINGLE_BACKEND_DETAIL_PIECE_CLAIMS_HPP
+#define GRADSYNC_SINGLE_BACKEND_DETAIL_PIECE_CLAIMS_HPP
+// PieceClaims: the pieces of one rank's share of a collective that nobody has taken yet. Its
+// owner takes them from the front, in order; a peer done with its own share takes them from the
+// back. A rank whose thread lost its core (to the trainer's backward, to another process) is then
+// not waited for: its peers finish its share, and it finds nothing left when it runs again.
+
+
+// ---- begin gradsync/detail/aligned_bytes.hpp ----
+#ifndef GRADSYNC_SINGLE_DETAIL_ALIGNED_BYTES_HPP
+#define GRADSYNC_SINGLE_DETAIL_ALIGNED_BYTES_HPP
+// AlignedBytes: an owning, cache-line aligned byte buffer whose pages are touched at allocation,
+// so the first training step does not pay for page faults.
+
+
+#include <cstddef>
+#include <cstdlib>  // for std::aligned_alloc, std::free
+#include <cstring>  // for std::memset
+#include <memory>   // for std::unique_ptr
+#include <new>      // for std::bad_alloc
+
+namespace gradsync::inline v0::detail {
+
+inline constexpr std::size_t cache_line = 64;
+
+class AlignedBytes {
+public:
+    AlignedBytes() = default;
+    explicit AlignedBytes(std::size_t size) : size_(size) {
+        if (size == 0) return;
+        std::size_t rounded = (size + cache_line - 1) / cache_line * cache_line;
+        void* p = std::aligned_alloc(cache_line, rounded);
+        if (p == nullptr) throw std::bad_alloc();
+        std::memset(p, 0, rounded);  // touch every page now
+        data_.reset(static_cast<std::byte*>(p));
+    }
+
+    [[nodiscard]] std::byte* data() const { return data_.get(); }
+    [[nodiscard]] std::size_t size() const { return size_; }
+
+private:
+    struct Free {
+        void operator()(std::byte* p) const { std::free(p); }
+    };
+    std::unique_ptr<std::byte, Free> data_;
+    std::size_t size_ = 0;
+};
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_DETAIL_ALIGNED_BYTES_HPP
+// ---- end gradsync/detail/aligned_bytes.hpp ----
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+
+namespace gradsync::inline v0::detail {
+
+class PieceClaims {
+public:
+    enum class End : std::uint8_t { front, back };
+
+    // Pieces [first, end) are untaken. Only while nobody takes: before the round that starts the
+    // collective, which publishes it to the peers.
+    void reset(std::size_t first, std::size_t end) { range_.store(pack(first, end), std::memory_order_relaxed); }
+
+    // Takes the first or the last untaken piece; nothing once every piece is taken. The pieces'
+    // data need no ordering here: the round that ends the collective publishes them.
+    [[nodiscard]] std::optional<std::size_t> take(End end) {
+        auto v = range_.load(std::memory_order_relaxed);
+        for (;;) {
+            const std::size_t first = v & 0xffffffffu, last_end = v >> 32;
+            if (first >= last_end) return std::nullopt;
+            const auto taken = end == End::front ? pack(first + 1, last_end) : pack(first, last_end - 1);
+            if (range_.compare_exchange_weak(v, taken, std::memory_order_relaxed))
+                return end == End::front ? first : last_end - 1;
+        }
+    }
+
+private:
+    // Both ends in one word, so that owner and peers never take the same piece.
+    static std::uint64_t pack(std::size_t first, std::size_t end) {
+        return static_cast<std::uint64_t>(first) | static_cast<std::uint64_t>(end) << 32;
+    }
+
+    alignas(cache_line) std::atomic<std::uint64_t> range_{0};
+};
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_BACKEND_DETAIL_PIECE_CLAIMS_HPP
+// ---- end gradsync/backend/detail/piece_claims.hpp ----
+
 // ---- begin gradsync/backend/detail/segment_cursor.hpp ----
 #ifndef GRADSYNC_SINGLE_BACKEND_DETAIL_SEGMENT_CURSOR_HPP
 #define GRADSYNC_SINGLE_BACKEND_DETAIL_SEGMENT_CURSOR_HPP
@@ -2793,50 +2887,6 @@ struct LocalGroupOptions {
 #endif  // GRADSYNC_SINGLE_BACKEND_LOCAL_OPTIONS_HPP
 // ---- end gradsync/backend/local_options.hpp ----
 
-// ---- begin gradsync/detail/aligned_bytes.hpp ----
-#ifndef GRADSYNC_SINGLE_DETAIL_ALIGNED_BYTES_HPP
-#define GRADSYNC_SINGLE_DETAIL_ALIGNED_BYTES_HPP
-// AlignedBytes: an owning, cache-line aligned byte buffer whose pages are touched at allocation,
-// so the first training step does not pay for page faults.
-
-
-#include <cstddef>
-#include <cstdlib>  // for std::aligned_alloc, std::free
-#include <cstring>  // for std::memset
-#include <memory>   // for std::unique_ptr
-#include <new>      // for std::bad_alloc
-
-namespace gradsync::inline v0::detail {
-
-inline constexpr std::size_t cache_line = 64;
-
-class AlignedBytes {
-public:
-    AlignedBytes() = default;
-    explicit AlignedBytes(std::size_t size) : size_(size) {
-        if (size == 0) return;
-        std::size_t rounded = (size + cache_line - 1) / cache_line * cache_line;
-        void* p = std::aligned_alloc(cache_line, rounded);
-        if (p == nullptr) throw std::bad_alloc();
-        std::memset(p, 0, rounded);  // touch every page now
-        data_.reset(static_cast<std::byte*>(p));
-    }
-
-    [[nodiscard]] std::byte* data() const { return data_.get(); }
-    [[nodiscard]] std::size_t size() const { return size_; }
-
-private:
-    struct Free {
-        void operator()(std::byte* p) const { std::free(p); }
-    };
-    std::unique_ptr<std::byte, Free> data_;
-    std::size_t size_ = 0;
-};
-
-}  // namespace gradsync::inline v0::detail
-#endif  // GRADSYNC_SINGLE_DETAIL_ALIGNED_BYTES_HPP
-// ---- end gradsync/detail/aligned_bytes.hpp ----
-
 // ---- begin gradsync/detail/dtype_visit.hpp ----
 #ifndef GRADSYNC_SINGLE_DETAIL_DTYPE_VISIT_HPP
 #define GRADSYNC_SINGLE_DETAIL_DTYPE_VISIT_HPP
@@ -2902,6 +2952,7 @@ struct alignas(cache_line) LocalRankState {
     std::atomic<std::uint64_t> epoch{0};  // barrier rounds this rank has arrived at
     alignas(cache_line) std::atomic<bool> departed{false};
     std::atomic<std::uint64_t> calls_entered{0};
+    PieceClaims share;        // of a two-phase allreduce
     LocalCall calls[2];       // the current collective, by round parity
     AlignedBytes staging[2];  // one-shot input copies, by round parity
     // Scratch for the thread executing this rank's collectives.
@@ -3089,6 +3140,15 @@ protected:
 
 namespace gradsync::inline v0::detail {
 
+// The unit of work ranks claim in a two-phase allreduce: a few per rank, so that a rank whose
+// thread stalls leaves its peers little to wait on, but at least 4 KiB (claiming is no cheaper
+// than reducing that much) and at most 256 KiB (more buys nothing).
+template <class T>
+std::size_t piece_elements(std::size_t n, std::size_t ranks) {
+    constexpr std::size_t per_rank = 4, least = 4096 / sizeof(T), most = (std::size_t{256} << 10) / sizeof(T);
+    return std::clamp((n + ranks * per_rank - 1) / (ranks * per_rank), least, most);
+}
+
 class LocalGroup : public LocalGroupState {
 public:
     using LocalGroupState::LocalGroupState;
@@ -3180,32 +3240,42 @@ private:
     template <class T>
     void allreduce_two_phase(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
         auto& me = ranks_[idx(rank)];
+        // My share: a contiguous 1/n of the pieces, taken from the front; then what is left of
+        // my peers' shares, taken from the back. A rank whose thread lost its core (to the
+        // trainer's backward, another process) is not waited for: its peers finish its share.
+        const std::size_t n = call.count, piece_size = piece_elements<T>(n, idx(size_));
+        const std::size_t pieces = (n + piece_size - 1) / piece_size;
+        const auto share_begin = [&](int r) { return pieces * static_cast<std::size_t>(r) / idx(size_); };
+        me.share.reset(share_begin(rank), share_begin(rank + 1));
         const unsigned parity = begin(rank, call, deadline);
-
-        // My share: a cache-line aligned 1/n of the elements. (Claiming pieces from a shared
-        // counter instead was tried: slower below 4 MiB and no better above, even overlapped.)
-        const std::size_t n = call.count;
-        const std::size_t align = cache_line / sizeof(T);
-        std::size_t chunk = (n + static_cast<std::size_t>(size_) - 1) / static_cast<std::size_t>(size_);
-        chunk = (chunk + align - 1) / align * align;
-        std::size_t lo = std::min(n, static_cast<std::size_t>(rank) * chunk);
-        std::size_t hi = std::min(n, lo + chunk);
-        if (lo < hi) {
-            const auto factor = accumulator_t<T>(1) / static_cast<accumulator_t<T>>(size_);
-            me.cursors.clear();
-            for (int s = 0; s < size_; ++s) me.cursors.emplace_back(ranks_[idx(s)].calls[parity].segs(), lo, sizeof(T));
-            auto** ptrs = reinterpret_cast<T**>(me.pointers.data());
-            for (std::size_t pos = lo; pos < hi;) {
-                std::size_t k = hi - pos;
-                for (const auto& c : me.cursors) k = std::min(k, c.left());
-                for (int s = 0; s < size_; ++s) ptrs[s] = reinterpret_cast<T*>(me.cursors[idx(s)].ptr());
-                reduce_to_all<T>(ptrs, size_, ptrs, size_, k, call.op == ReduceOp::average, factor, me.block.data());
-                for (auto& c : me.cursors) c.advance(k);
-                pos += k;
+        for (int k = 0; k < size_; ++k) {
+            auto& share = ranks_[idx((rank + k) % size_)].share;
+            const auto end = k == 0 ? PieceClaims::End::front : PieceClaims::End::back;
+            while (const auto piece = share.take(end)) {
+                const std::size_t lo = *piece * piece_size;
+                reduce_range<T>(rank, call, parity, lo, std::min(n, lo + piece_size));
             }
         }
-        // Nobody returns, and reuses its buffer, before every share is written.
+        // Nobody returns, and reuses its buffer, before every piece is written.
         round(rank, call, deadline);
+    }
+
+    // Sums elements [lo, hi) of every rank's buffer, in rank order, into all of them.
+    template <class T>
+    void reduce_range(int rank, const LocalCall& call, unsigned parity, std::size_t lo, std::size_t hi) {
+        auto& me = ranks_[idx(rank)];
+        const auto factor = accumulator_t<T>(1) / static_cast<accumulator_t<T>>(size_);
+        me.cursors.clear();
+        for (int s = 0; s < size_; ++s) me.cursors.emplace_back(ranks_[idx(s)].calls[parity].segs(), lo, sizeof(T));
+        auto** ptrs = reinterpret_cast<T**>(me.pointers.data());
+        for (std::size_t pos = lo; pos < hi;) {
+            std::size_t k = hi - pos;
+            for (const auto& c : me.cursors) k = std::min(k, c.left());
+            for (int s = 0; s < size_; ++s) ptrs[s] = reinterpret_cast<T*>(me.cursors[idx(s)].ptr());
+            reduce_to_all<T>(ptrs, size_, ptrs, size_, k, call.op == ReduceOp::average, factor, me.block.data());
+            for (auto& c : me.cursors) c.advance(k);
+            pos += k;
+        }
     }
 
     void broadcast(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {

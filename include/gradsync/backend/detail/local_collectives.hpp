@@ -21,6 +21,15 @@
 
 namespace gradsync::inline v0::detail {
 
+// The unit of work ranks claim in a two-phase allreduce: a few per rank, so that a rank whose
+// thread stalls leaves its peers little to wait on, but at least 4 KiB (claiming is no cheaper
+// than reducing that much) and at most 256 KiB (more buys nothing).
+template <class T>
+std::size_t piece_elements(std::size_t n, std::size_t ranks) {
+    constexpr std::size_t per_rank = 4, least = 4096 / sizeof(T), most = (std::size_t{256} << 10) / sizeof(T);
+    return std::clamp((n + ranks * per_rank - 1) / (ranks * per_rank), least, most);
+}
+
 class LocalGroup : public LocalGroupState {
 public:
     using LocalGroupState::LocalGroupState;
@@ -112,32 +121,42 @@ private:
     template <class T>
     void allreduce_two_phase(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
         auto& me = ranks_[idx(rank)];
+        // My share: a contiguous 1/n of the pieces, taken from the front; then what is left of
+        // my peers' shares, taken from the back. A rank whose thread lost its core (to the
+        // trainer's backward, another process) is not waited for: its peers finish its share.
+        const std::size_t n = call.count, piece_size = piece_elements<T>(n, idx(size_));
+        const std::size_t pieces = (n + piece_size - 1) / piece_size;
+        const auto share_begin = [&](int r) { return pieces * static_cast<std::size_t>(r) / idx(size_); };
+        me.share.reset(share_begin(rank), share_begin(rank + 1));
         const unsigned parity = begin(rank, call, deadline);
-
-        // My share: a cache-line aligned 1/n of the elements. (Claiming pieces from a shared
-        // counter instead was tried: slower below 4 MiB and no better above, even overlapped.)
-        const std::size_t n = call.count;
-        const std::size_t align = cache_line / sizeof(T);
-        std::size_t chunk = (n + static_cast<std::size_t>(size_) - 1) / static_cast<std::size_t>(size_);
-        chunk = (chunk + align - 1) / align * align;
-        std::size_t lo = std::min(n, static_cast<std::size_t>(rank) * chunk);
-        std::size_t hi = std::min(n, lo + chunk);
-        if (lo < hi) {
-            const auto factor = accumulator_t<T>(1) / static_cast<accumulator_t<T>>(size_);
-            me.cursors.clear();
-            for (int s = 0; s < size_; ++s) me.cursors.emplace_back(ranks_[idx(s)].calls[parity].segs(), lo, sizeof(T));
-            auto** ptrs = reinterpret_cast<T**>(me.pointers.data());
-            for (std::size_t pos = lo; pos < hi;) {
-                std::size_t k = hi - pos;
-                for (const auto& c : me.cursors) k = std::min(k, c.left());
-                for (int s = 0; s < size_; ++s) ptrs[s] = reinterpret_cast<T*>(me.cursors[idx(s)].ptr());
-                reduce_to_all<T>(ptrs, size_, ptrs, size_, k, call.op == ReduceOp::average, factor, me.block.data());
-                for (auto& c : me.cursors) c.advance(k);
-                pos += k;
+        for (int k = 0; k < size_; ++k) {
+            auto& share = ranks_[idx((rank + k) % size_)].share;
+            const auto end = k == 0 ? PieceClaims::End::front : PieceClaims::End::back;
+            while (const auto piece = share.take(end)) {
+                const std::size_t lo = *piece * piece_size;
+                reduce_range<T>(rank, call, parity, lo, std::min(n, lo + piece_size));
             }
         }
-        // Nobody returns, and reuses its buffer, before every share is written.
+        // Nobody returns, and reuses its buffer, before every piece is written.
         round(rank, call, deadline);
+    }
+
+    // Sums elements [lo, hi) of every rank's buffer, in rank order, into all of them.
+    template <class T>
+    void reduce_range(int rank, const LocalCall& call, unsigned parity, std::size_t lo, std::size_t hi) {
+        auto& me = ranks_[idx(rank)];
+        const auto factor = accumulator_t<T>(1) / static_cast<accumulator_t<T>>(size_);
+        me.cursors.clear();
+        for (int s = 0; s < size_; ++s) me.cursors.emplace_back(ranks_[idx(s)].calls[parity].segs(), lo, sizeof(T));
+        auto** ptrs = reinterpret_cast<T**>(me.pointers.data());
+        for (std::size_t pos = lo; pos < hi;) {
+            std::size_t k = hi - pos;
+            for (const auto& c : me.cursors) k = std::min(k, c.left());
+            for (int s = 0; s < size_; ++s) ptrs[s] = reinterpret_cast<T*>(me.cursors[idx(s)].ptr());
+            reduce_to_all<T>(ptrs, size_, ptrs, size_, k, call.op == ReduceOp::average, factor, me.block.data());
+            for (auto& c : me.cursors) c.advance(k);
+            pos += k;
+        }
     }
 
     void broadcast(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {

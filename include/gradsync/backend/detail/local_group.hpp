@@ -6,6 +6,7 @@
 
 #include <gradsync/backend/collective.hpp>
 #include <gradsync/backend/concepts.hpp>
+#include <gradsync/backend/detail/piece_claims.hpp>
 #include <gradsync/backend/detail/segment_cursor.hpp>
 #include <gradsync/backend/detail/host_reduce.hpp>
 #include <gradsync/backend/local_options.hpp>
@@ -53,6 +54,7 @@ struct alignas(cache_line) LocalRankState {
     std::atomic<std::uint64_t> epoch{0};  // barrier rounds this rank has arrived at
     alignas(cache_line) std::atomic<bool> departed{false};
     std::atomic<std::uint64_t> calls_entered{0};
+    PieceClaims share;        // of a two-phase allreduce
     LocalCall calls[2];       // the current collective, by round parity
     AlignedBytes staging[2];  // one-shot input copies, by round parity
     // Scratch for the thread executing this rank's collectives.
