@@ -177,8 +177,9 @@ def plots(sources, directory):
         width = 0.8 / len(caps)
         for k, cap in enumerate(caps):
             label = ("autotuned" if cap == "auto" else
-                     f"fixed {cap[:-4]} MiB, growing along backward" if cap.endswith("grow") else
-                     f"fixed {cap} MiB" + (" (the default)" if cap == "25" else ""))
+                     f"{cap[:-4]} MiB growing along backward" + (" (the default)" if cap == "8grow" else "")
+                     if cap.endswith("grow") else
+                     f"{cap} MiB filled forward" + (" (PyTorch DDP's)" if cap == "25" else ""))
             ax.bar([i + (k - (len(caps) - 1) / 2) * width for i in range(len(groups))],
                    [g.get(cap, 0) for _, g in groups], width, label=label)
         ax.set_xticks(range(len(groups)), [f"{layout}\ncomm/compute {ratio}" for (layout, ratio), _ in groups],

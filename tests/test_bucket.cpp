@@ -88,7 +88,7 @@ TEST_CASE("size-capped buckets respect their caps and are filled greedily") {
     std::mt19937_64 rng(7);
     for (int trial = 0; trial < 300; ++trial) {
         auto params = random_layout(rng);
-        const gradsync::SizeCappedBuckets policy{64_KiB, 8_KiB};
+        const gradsync::SizeCappedBuckets policy{64_KiB, 8_KiB, /*growing=*/false};
         auto plan = policy.plan(params);
         CAPTURE(trial);
         // Walk each dtype's buckets: the first has first_cap, the others cap.
@@ -132,7 +132,7 @@ TEST_CASE("a plan is a deterministic function of the layout and the policy") {
 TEST_CASE("size-capped plan worked out by hand") {
     // Registration order: a 40 KiB, b 40 KiB, c 100 KiB, d 4 KiB, e 30 KiB (float32).
     std::vector<Parameter> params{fake(10240), fake(10240), fake(25600), fake(1024), fake(7680)};
-    auto plan = gradsync::SizeCappedBuckets{64_KiB, 32_KiB}.plan(params);
+    auto plan = gradsync::SizeCappedBuckets{64_KiB, 32_KiB, /*growing=*/false}.plan(params);
     // Reverse order e, d, c, b, a. First cap 32 KiB: e (30) + d (4) > 32 closes {e} first.
     // Then {d}; c (100 KiB) would overflow 64 KiB, so {d} closes and c stands alone.
     // Then b (40) + a (40) > 64: {b}, {a}.
@@ -145,7 +145,7 @@ TEST_CASE("size-capped plan worked out by hand") {
 
     // A bucket that reaches its cap exactly closes at once.
     std::vector<Parameter> exact{fake(4096), fake(4096), fake(4096), fake(4096)};  // 16 KiB each
-    auto p2 = gradsync::SizeCappedBuckets{32_KiB, 16_KiB}.plan(exact);
+    auto p2 = gradsync::SizeCappedBuckets{32_KiB, 16_KiB, /*growing=*/false}.plan(exact);
     REQUIRE(p2.buckets.size() == 3);
     CHECK(p2.buckets[0].parameters == std::vector<std::size_t>{3});     // 16 KiB == first cap
     CHECK(p2.buckets[1].parameters == std::vector<std::size_t>{2, 1});  // 32 KiB == cap
@@ -232,17 +232,36 @@ TEST_CASE("growing buckets are filled to the cap from the last one back, the fir
 TEST_CASE("growing buckets on ResNet-50 end with the largest, and say so in their settings") {
     std::vector<Parameter> params;
     for (const auto& t : layouts::resnet50()) params.push_back(fake(t.count, DType::float32, t.name));
-    const gradsync::SizeCappedBuckets growing{.growing = true};
+    const gradsync::SizeCappedBuckets growing{.cap = 25_MiB};
     const auto plan = growing.plan(params);
-    const auto forward = gradsync::SizeCappedBuckets{}.plan(params);
+    const gradsync::SizeCappedBuckets ddp{.cap = 25_MiB, .growing = false};  // PyTorch DDP's plan
+    const auto forward = ddp.plan(params);
     REQUIRE(plan.buckets.size() >= 4);
     CHECK(plan.bytes() == forward.bytes());
     CHECK(plan.buckets[0].parameters.front() == 160);  // fc.bias is ready first, as without
     CHECK(plan.buckets[0].bytes() <= 1_MiB);
     for (const auto& b : plan.buckets) CHECK(b.bytes() <= plan.buckets.back().bytes());
     CHECK(plan.buckets.back().parameters.back() == 0);  // conv1, ready last
-    // Filled forward, the default plan ends with a bucket smaller than the one before it.
+    // Filled forward, DDP's plan ends with a bucket smaller than the one before it.
     CHECK(forward.buckets.back().bytes() < forward.buckets[forward.buckets.size() - 2].bytes());
-    CHECK(growing.settings().find("growing along backward") != std::string::npos);
-    CHECK(gradsync::SizeCappedBuckets{}.settings().find("growing") == std::string::npos);
+    CHECK(ddp.settings() == "size-capped, cap 25 MiB, first cap 1 MiB, filled forward");
+    CHECK(growing.settings() == "size-capped, cap 25 MiB, first cap 1 MiB, growing along backward");
+}
+
+TEST_CASE("the default plan grows along backward, but by a parameter larger than its cap") {
+    for (const auto& layout : {layouts::resnet50(), layouts::bert_base()}) {
+        std::vector<Parameter> params;
+        for (const auto& t : layout) params.push_back(fake(t.count, DType::float32, t.name));
+        const gradsync::SizeCappedBuckets defaults;
+        CHECK(defaults.settings() == "size-capped, cap 8 MiB, first cap 1 MiB, growing along backward");
+        const auto plan = defaults.plan(params);
+        CAPTURE(plan.buckets.size());
+        // A bucket is never larger than the next one and the last-ready parameter it closed on.
+        for (std::size_t k = 1; k + 1 < plan.buckets.size(); ++k) {
+            const auto& b = plan.buckets[k];
+            CHECK(b.bytes() <= plan.buckets[k + 1].bytes() + params[b.parameters.back()].bytes());
+            CHECK((b.bytes() <= 8_MiB || b.parameters.size() == 1));
+        }
+        CHECK(plan.buckets.back().parameters.back() == 0);  // the first parameter is ready last
+    }
 }

@@ -292,9 +292,11 @@ TEST_CASE("a layout that differs across ranks names the first differing paramete
             Toy m({1000, 1000, 1000}, 0.0f);
             DataParallel dp(m, b, gradsync::SizeCappedBuckets{b.rank() == 0 ? 4_KiB : 8_KiB, 1_KiB});
         });
-        check_same_on_every_rank(messages,
-                                 "the ranks' settings differ: bucketer is 'size-capped, cap 4 KiB, first cap 1 KiB' "
-                                 "on rank 0 but 'size-capped, cap 8 KiB, first cap 1 KiB' on rank 1");
+        check_same_on_every_rank(
+            messages,
+            "the ranks' settings differ: bucketer is 'size-capped, cap 4 KiB, first cap 1 KiB, growing "
+            "along backward' on rank 0 but 'size-capped, cap 8 KiB, first cap 1 KiB, growing along "
+            "backward' on rank 1");
     }
     SUBCASE("the plans of a bucketer that does not say its settings") {
         struct ByRank {
