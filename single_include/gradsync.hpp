@@ -1529,16 +1529,13 @@ private:
         BucketPlan plan;
         for (const DType t : dtypes) {
             // From the last parameter of this dtype back: close a bucket before one that would
-            // push it over the cap, so that what is left for the front is the smallest. A
-            // parameter larger than the cap takes a bucket still under first_cap along, rather
-            // than leave it that small (a bias between two large weights).
+            // push it over the cap, so that what is left for the front is the smallest.
             std::vector<Bucket> backwards;
             Bucket open{t, {}, 0};
             for (auto k = ready.size(); k-- > 0;) {
                 const auto& p = params[ready[k]];
                 if (p.count == 0 || p.dtype != t) continue;
-                const bool takes_along = p.bytes() > cap && open.bytes() < first_cap;
-                if (!open.parameters.empty() && open.bytes() + p.bytes() > cap && !takes_along)
+                if (!open.parameters.empty() && open.bytes() + p.bytes() > cap)
                     backwards.push_back(std::exchange(open, Bucket{t, {}, 0}));
                 open.parameters.push_back(ready[k]);
                 open.count += p.count;
