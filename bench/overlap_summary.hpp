@@ -15,8 +15,9 @@ struct Worst {
     std::string where;
 };
 
-// Over comm/compute <= 1: exposed / last bucket of the default plan (8 MiB growing), of PyTorch
-// DDP's (25 MiB, filled forward) and of autotuning; autotuned exposed / the best fixed cap.
+// Over comm/compute <= 1: exposed / last bucket of the untuned default plan (8 MiB growing), of
+// PyTorch DDP's (25 MiB, filled forward) and of autotuning (LocalBackend's default); autotuned
+// exposed / the best fixed cap.
 struct OverlapWorst {
     Worst defaults, ddp, tuned, tuned_vs_sweep;
 };
@@ -25,9 +26,9 @@ struct OverlapWorst {
 inline OverlapWorst print_overlap(const std::map<std::string, std::map<std::string, double>>& median_counters) {
     std::printf(
         "\nOverlap with a synthetic backward (2 ranks; times in ms; exposed = overlapped - compute;\n"
-        "plan bound = the exposure the bucket plan leaves even a perfect engine; cap 8grow = the default,\n"
-        "8 MiB growing along backward; cap 25 = PyTorch DDP's plan; cap auto = Options::autotune_buckets,\n"
-        "from the default plan)\n");
+        "plan bound = the exposure the bucket plan leaves even a perfect engine; cap auto = the default on\n"
+        "LocalBackend, autotuned from 8 MiB growing along backward; cap 8grow = that plan untuned (the default\n"
+        "where tuning is off); cap 25 = PyTorch DDP's plan)\n");
     std::printf("  %-10s %5s %6s %8s %8s %11s %11s %8s %11s %12s %13s\n", "layout", "cap", "comm/c", "compute", "comm",
                 "sequential", "overlapped", "exposed", "plan bound", "last bucket", "exposed/last");
     OverlapWorst worst;
@@ -68,10 +69,11 @@ inline OverlapWorst print_overlap(const std::map<std::string, std::map<std::stri
         }
     }
     std::printf(
-        "\nAutotuned buckets (Options::autotune_buckets) against fixed caps: exposed ms after backward (below 0.1 ms "
+        "\nAutotuned buckets (Options::autotune_buckets, on by default here) against fixed caps: exposed ms after "
+        "backward (below 0.1 ms "
         "counts as "
         "0.1)\n  %-10s %6s %9s %16s %18s %12s\n",
-        "layout", "comm/c", "default", "best fixed (MiB)", "autotuned (buckets)", "auto / best");
+        "layout", "comm/c", "8grow", "best fixed (MiB)", "autotuned (buckets)", "auto / best");
     for (const auto& [where, v] : versus) {
         const double r = std::max(v.tuned, 0.1) / std::max(v.best, 0.1);
         std::printf("  %-10s %6s %9.2f %11.2f (%2s) %12.2f (%3.0f) %12.2f\n", where.first.c_str(), where.second.c_str(),

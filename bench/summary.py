@@ -176,8 +176,8 @@ def plots(sources, directory):
         groups = list(overlap.items())
         width = 0.8 / len(caps)
         for k, cap in enumerate(caps):
-            label = ("autotuned" if cap == "auto" else
-                     f"{cap[:-4]} MiB growing along backward" + (" (the default)" if cap == "8grow" else "")
+            label = ("autotuned from 8 MiB growing (the default here)" if cap == "auto" else
+                     f"{cap[:-4]} MiB growing along backward" + (", untuned" if cap == "8grow" else "")
                      if cap.endswith("grow") else
                      f"{cap} MiB filled forward" + (" (PyTorch DDP's)" if cap == "25" else ""))
             ax.bar([i + (k - (len(caps) - 1) / 2) * width for i in range(len(groups))],

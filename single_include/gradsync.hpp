@@ -1940,6 +1940,14 @@ concept CheckedCollectives = TaggedCollectives<B> && requires {
     requires B::checks_tags;
 };
 
+// A backend that sums every element over the ranks in rank order (0, 1, 2, ...) whatever the
+// collective's size and the element's place in it (`static constexpr bool sums_in_rank_order =
+// true`, LocalBackend): how gradients are cut into buckets cannot change a bit of the result.
+template <class B>
+concept RankOrderedSums = Backend<B> && requires {
+    requires B::sums_in_rank_order;
+};
+
 // A backend whose collectives take device memory (`static constexpr bool device_memory = true`,
 // NcclBackend): DataParallel's gradients must then lie on the device.
 template <class B>
@@ -3445,6 +3453,8 @@ public:
     using TypedCalls::reduce_scatter_async;
 
     static constexpr bool checks_tags = true;  // every collective's tag is compared with rank 0's
+    // Every element is summed rank 0, 1, 2, ... whatever the plan (backend/detail/host_reduce.hpp).
+    static constexpr bool sums_in_rank_order = true;
 
     // A group of `size` ranks; element r is rank r's handle. Hand each to its own thread; a
     // handle is used by one thread at a time.
@@ -5822,11 +5832,14 @@ struct Options {
     // Over the first steps with grad_ready calls, measure when each gradient becomes ready and
     // what each bucket's collective takes, and choose the bucket caps (and the readiness order)
     // that leave the least communication after backward: every few steps, at most twice, the
-    // same plan on every rank (docs/overlap.md). For SizeCappedBuckets with collectives the host
-    // times (LocalBackend, MpiBackend); an error elsewhere. Off by default: a plan chosen from
-    // timings differs from run to run, and with 3 or more ranks the rounding of the sums follows
-    // the plan, so runs (and a resume from a checkpoint) are no longer bit for bit the same.
-    bool autotune_buckets = false;
+    // same plan on every rank (docs/overlap.md). Needs SizeCappedBuckets and collectives the host
+    // times (LocalBackend, MpiBackend); true elsewhere is an error. Unset: on wherever the plan
+    // cannot change a bit of the result, i.e. the backend sums in rank order whatever the plan
+    // (LocalBackend), there is no wire compression (an overflowed float16 bucket is redone
+    // alone) and no clipping (the norm is summed bucket by bucket); off elsewhere, since with 3 or
+    // more ranks a ring's rounding follows the plan and a plan chosen from timings differs from
+    // run to run (and on resume).
+    std::optional<bool> autotune_buckets{};
     // A Chrome trace (chrome://tracing, ui.perfetto.dev) of every bucket's ready, launched and
     // done moments, written when the DataParallel is destroyed. Empty: $GRADSYNC_TIMELINE, if set.
     // "{rank}" in the path is replaced by the rank; ranks of one process may share one file.
@@ -6100,6 +6113,15 @@ struct PolicySet {
     // Collectives the host times (launch to completion): what bucket tuning measures.
     static constexpr bool host_timed = !DeviceBackend<BackendT> && !memory::on_device;
     static constexpr bool tunable = TunableBucketer<bucketer> && host_timed;
+    // No bucket boundary can change a bit of the result: the backend sums in rank order and no
+    // bucket is redone alone (a float16 wire sum that overflowed).
+    static constexpr bool plan_free_result = RankOrderedSums<BackendT> && !compression::compresses;
+    // Whether the buckets are autotuned: as Options::autotune_buckets says or, unset, where tuning
+    // is possible and cannot change the result (nor can the norm clipping scales by, summed
+    // bucket by bucket).
+    static bool autotunes(const Options& options) {
+        return options.autotune_buckets.value_or(tunable && plan_free_result && options.clip_norm == 0);
+    }
 
     // The value of the policy of type P among those given, or a default one.
     template <class P>
@@ -6386,12 +6408,13 @@ public:
 
     [[nodiscard]] const Bucketer& bucketer() const { return bucketer_; }
 
-    // At construction, once the plan is set up: what the first steps record.
-    void start(const Options& options, int world_size, Readiness& readiness) {
+    // At construction, once the plan is set up: what the first steps record. `autotune`: whether
+    // Options::autotune_buckets, resolved, is on.
+    void start(const Options& options, bool autotune, int world_size, Readiness& readiness) {
         rebuild_ = options.rebuild_buckets && Rebuildable;
         if (rebuild_) readiness.record_arrivals();
         if constexpr (Tunable) {
-            tuner_ = BucketTuner(options.autotune_buckets && world_size > 1);
+            tuner_ = BucketTuner(autotune && world_size > 1);
             readiness.time_arrivals(tuner_.active());
         }
     }
@@ -6501,7 +6524,7 @@ std::string invalid_of(const P& p) {
 // The settings that change the sums, in a fixed order.
 template <class Bucketer, class Packing, class Memory, class Buffers, class Scaler, class Compression, class Lr>
 std::vector<Setting> agreed_settings(const Bucketer& bucketer, const Memory& memory, const Scaler& scaler, const Lr& lr,
-                                     const Options& options, bool device_backend, bool device_memory) {
+                                     const Options& options, bool autotunes, bool device_backend, bool device_memory) {
     return {{"bucketer", settings_of(bucketer)},
             {"packing", settings_of(Packing{})},
             {"memory policy", settings_of(memory)},
@@ -6511,7 +6534,7 @@ std::vector<Setting> agreed_settings(const Bucketer& bucketer, const Memory& mem
             {"LR rule", settings_of(lr)},
             {"Options::find_unused_parameters", options.find_unused_parameters ? "true" : "false"},
             {"Options::rebuild_buckets", options.rebuild_buckets ? "true" : "false"},
-            {"Options::autotune_buckets", options.autotune_buckets ? "true" : "false"},
+            {"Options::autotune_buckets", autotunes ? "true" : "false"},
             {"Options::clip_norm", std::to_string(options.clip_norm)},
             {"Options::check_histories", options.check_histories.value_or(!device_backend) ? "true" : "false"},
             {"Options::check_replicas_every", std::to_string(options.replica_check_interval(device_memory))}};
@@ -6880,9 +6903,9 @@ inline std::string device_memory_problem(const Options& options, bool device_mem
     return {};
 }
 
-// Options::autotune_buckets where buckets cannot be tuned.
+// Options::autotune_buckets = true where buckets cannot be tuned.
 inline std::string autotune_problem(const Options& options, bool tunable_bucketer, bool host_timed) {
-    if (!options.autotune_buckets) return {};
+    if (!options.autotune_buckets.value_or(false)) return {};
     if (!tunable_bucketer)
         return "Options::autotune_buckets chooses bucket caps, and this bucketer has none: use "
                "gradsync::SizeCappedBuckets, or leave autotune_buckets off";
@@ -6959,7 +6982,8 @@ BucketPlan check_and_agree(BackendT& backend, const ModelLayout& layout, const t
             backend, layout.params, layout.buffers, plan,
             agreed_settings<typename Set::bucketer, typename Set::packing, memory_type, typename Set::buffers,
                             typename Set::loss_scaler, typename Set::compression, typename Set::lr_rule>(
-                bucketer, memory, scaler, lr, options, DeviceBackend<BackendT>, memory_type::on_device),
+                bucketer, memory, scaler, lr, options, Set::autotunes(options), DeviceBackend<BackendT>,
+                memory_type::on_device),
             problems.first());
     return plan;
 }
@@ -7651,7 +7675,7 @@ private:
         broadcast_parameters();
         detail::sync_buffers(backend_, buffers(), buffers_type::mode, true, history_, current_step());
         setup_buckets();
-        replanning_.start(options_, world_size(), readiness_);
+        replanning_.start(options_, Set::autotunes(options_), world_size(), readiness_);
         timeline_ = detail::Timeline(detail::timeline_path(options_.timeline), rank());
         if (backend_.size() > 1)
             reporter_.start(backend_, [this] {

@@ -815,6 +815,14 @@ concept CheckedCollectives = TaggedCollectives<B> && requires {
     requires B::checks_tags;
 };
 
+// A backend that sums every element over the ranks in rank order (0, 1, 2, ...) whatever the
+// collective's size and the element's place in it (`static constexpr bool sums_in_rank_order =
+// true`, LocalBackend): how gradients are cut into buckets cannot change a bit of the result.
+template <class B>
+concept RankOrderedSums = Backend<B> && requires {
+    requires B::sums_in_rank_order;
+};
+
 // A backend whose collectives take device memory (`static constexpr bool device_memory = true`,
 // NcclBackend): DataParallel's gradients must then lie on the device.
 template <class B>

@@ -1,6 +1,6 @@
 // The overlap engine: grad_ready launches buckets during backward, in plan order whatever the
-// arrival order; accumulation under no_sync; unused parameters; bucket rebuild and autotuning;
-// gradients as bucket views; model buffers.
+// arrival order; accumulation under no_sync; unused parameters; bucket rebuild;
+// gradients as bucket views; model buffers. Autotuning: test_autotuning.cpp.
 #include <gradsync/gradsync.hpp>
 
 #include <doctest/doctest.h>
@@ -446,64 +446,4 @@ TEST_CASE("buffers join the layout agreement") {
     for (const auto& m : messages)
         CHECK(m.find("rank 0 has buffer #0 'bn.running_mean' (4 x float32) where rank 1 has buffer #0 "
                      "'bn.running_mean' (5 x float32)") != std::string::npos);
-}
-
-TEST_CASE("bucket autotuning: from one bucket to a finer plan, the same on every rank, chosen at most twice") {
-    const std::string timeline = "gradsync_test_autotune_timeline.json";
-    std::remove(timeline.c_str());
-    constexpr int steps = 12;
-    std::vector<std::vector<gradsync::BucketPlan>> plans(2);  // per rank, after each step
-    std::vector<int> wrong(2, 0);
-    gradsync::spawn(2, [&](LocalBackend& b) {
-        Toy m(std::vector<std::size_t>(16, 64 * 1024), 0.0f);  // 16 x 256 KiB
-        // One bucket to begin with: all of the communication comes after backward.
-        DataParallel dp(m, b, gradsync::SizeCappedBuckets{64_MiB, 64_MiB},
-                        gradsync::Options{.autotune_buckets = true, .timeline = timeline});
-        const auto r = static_cast<std::size_t>(b.rank());
-        for (int s = 0; s < steps; ++s) {
-            m.fill_grads(b.rank());
-            for (std::size_t i = 16; i-- > 0;) {  // a backward of about 8 ms, last layer first
-                std::this_thread::sleep_for(std::chrono::microseconds(500));
-                dp.grad_ready(i);
-            }
-            dp.synchronize();
-            plans[r].push_back(dp.plan());
-            for (std::size_t k = 0; k < 16; ++k)
-                for (std::size_t i = 0; i < m.tensors[k].g.size(); i += 97)
-                    if (m.tensors[k].g[i] != expected_average<float>(2, k, i)) ++wrong[r];
-        }
-    });
-    CHECK(wrong == std::vector<int>{0, 0});
-    for (int s = 0; s < steps; ++s)
-        CHECK(plans[0][static_cast<std::size_t>(s)] == plans[1][static_cast<std::size_t>(s)]);
-    const auto per = static_cast<std::size_t>(gradsync::detail::BucketTuner::steps_per_round);
-    CHECK(plans[0][per - 2].buckets.size() == 1);  // before the first choice
-    CHECK(plans[0][per - 1].buckets.size() > 1);   // the first choice splits it
-    for (std::size_t s = 2 * per - 1; s < steps; ++s) CHECK(plans[0][s] == plans[0][2 * per - 1]);  // no third
-    std::ifstream in(timeline);
-    std::stringstream text;
-    text << in.rdbuf();
-    CHECK(text.str().find("\"name\":\"buckets tuned\"") != std::string::npos);
-    CHECK(text.str().find("predicted exposed") != std::string::npos);
-    std::remove(timeline.c_str());
-}
-
-TEST_CASE("bucket autotuning is off by default; asking for it where it cannot be is refused") {
-    gradsync::spawn(2, [&](LocalBackend& b) {
-        Toy m(std::vector<std::size_t>(8, 64 * 1024), 0.0f);
-        DataParallel dp(m, b, gradsync::SizeCappedBuckets{64_MiB, 64_MiB});
-        const auto before = dp.plan();
-        for (int s = 0; s < 2 * gradsync::detail::BucketTuner::steps_per_round; ++s) {
-            m.fill_grads(b.rank());
-            for (std::size_t i = 8; i-- > 0;) dp.grad_ready(i);
-            dp.synchronize();
-        }
-        CHECK(dp.plan() == before);
-    });
-    auto ranks = LocalBackend::create_group(1);
-    Toy m({10, 20}, 0.0f);
-    CHECK_THROWS_WITH_AS(
-        DataParallel(m, ranks[0], gradsync::SingleBucket{}, gradsync::Options{.autotune_buckets = true}),
-        doctest::Contains("Options::autotune_buckets chooses bucket caps, and this bucketer has none"),
-        gradsync::Error);
 }

@@ -374,7 +374,7 @@ private:
         broadcast_parameters();
         detail::sync_buffers(backend_, buffers(), buffers_type::mode, true, history_, current_step());
         setup_buckets();
-        replanning_.start(options_, world_size(), readiness_);
+        replanning_.start(options_, Set::autotunes(options_), world_size(), readiness_);
         timeline_ = detail::Timeline(detail::timeline_path(options_.timeline), rank());
         if (backend_.size() > 1)
             reporter_.start(backend_, [this] {

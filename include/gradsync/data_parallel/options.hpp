@@ -26,11 +26,14 @@ struct Options {
     // Over the first steps with grad_ready calls, measure when each gradient becomes ready and
     // what each bucket's collective takes, and choose the bucket caps (and the readiness order)
     // that leave the least communication after backward: every few steps, at most twice, the
-    // same plan on every rank (docs/overlap.md). For SizeCappedBuckets with collectives the host
-    // times (LocalBackend, MpiBackend); an error elsewhere. Off by default: a plan chosen from
-    // timings differs from run to run, and with 3 or more ranks the rounding of the sums follows
-    // the plan, so runs (and a resume from a checkpoint) are no longer bit for bit the same.
-    bool autotune_buckets = false;
+    // same plan on every rank (docs/overlap.md). Needs SizeCappedBuckets and collectives the host
+    // times (LocalBackend, MpiBackend); true elsewhere is an error. Unset: on wherever the plan
+    // cannot change a bit of the result, i.e. the backend sums in rank order whatever the plan
+    // (LocalBackend), there is no wire compression (an overflowed float16 bucket is redone
+    // alone) and no clipping (the norm is summed bucket by bucket); off elsewhere, since with 3 or
+    // more ranks a ring's rounding follows the plan and a plan chosen from timings differs from
+    // run to run (and on resume).
+    std::optional<bool> autotune_buckets{};
     // A Chrome trace (chrome://tracing, ui.perfetto.dev) of every bucket's ready, launched and
     // done moments, written when the DataParallel is destroyed. Empty: $GRADSYNC_TIMELINE, if set.
     // "{rank}" in the path is replaced by the rank; ranks of one process may share one file.

@@ -90,6 +90,15 @@ struct PolicySet {
     // Collectives the host times (launch to completion): what bucket tuning measures.
     static constexpr bool host_timed = !DeviceBackend<BackendT> && !memory::on_device;
     static constexpr bool tunable = TunableBucketer<bucketer> && host_timed;
+    // No bucket boundary can change a bit of the result: the backend sums in rank order and no
+    // bucket is redone alone (a float16 wire sum that overflowed).
+    static constexpr bool plan_free_result = RankOrderedSums<BackendT> && !compression::compresses;
+    // Whether the buckets are autotuned: as Options::autotune_buckets says or, unset, where tuning
+    // is possible and cannot change the result (nor can the norm clipping scales by, summed
+    // bucket by bucket).
+    static bool autotunes(const Options& options) {
+        return options.autotune_buckets.value_or(tunable && plan_free_result && options.clip_norm == 0);
+    }
 
     // The value of the policy of type P among those given, or a default one.
     template <class P>

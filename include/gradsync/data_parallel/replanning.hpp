@@ -40,12 +40,13 @@ public:
 
     [[nodiscard]] const Bucketer& bucketer() const { return bucketer_; }
 
-    // At construction, once the plan is set up: what the first steps record.
-    void start(const Options& options, int world_size, Readiness& readiness) {
+    // At construction, once the plan is set up: what the first steps record. `autotune`: whether
+    // Options::autotune_buckets, resolved, is on.
+    void start(const Options& options, bool autotune, int world_size, Readiness& readiness) {
         rebuild_ = options.rebuild_buckets && Rebuildable;
         if (rebuild_) readiness.record_arrivals();
         if constexpr (Tunable) {
-            tuner_ = BucketTuner(options.autotune_buckets && world_size > 1);
+            tuner_ = BucketTuner(autotune && world_size > 1);
             readiness.time_arrivals(tuner_.active());
         }
     }

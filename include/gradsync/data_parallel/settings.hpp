@@ -43,7 +43,7 @@ std::string invalid_of(const P& p) {
 // The settings that change the sums, in a fixed order.
 template <class Bucketer, class Packing, class Memory, class Buffers, class Scaler, class Compression, class Lr>
 std::vector<Setting> agreed_settings(const Bucketer& bucketer, const Memory& memory, const Scaler& scaler, const Lr& lr,
-                                     const Options& options, bool device_backend, bool device_memory) {
+                                     const Options& options, bool autotunes, bool device_backend, bool device_memory) {
     return {{"bucketer", settings_of(bucketer)},
             {"packing", settings_of(Packing{})},
             {"memory policy", settings_of(memory)},
@@ -53,7 +53,7 @@ std::vector<Setting> agreed_settings(const Bucketer& bucketer, const Memory& mem
             {"LR rule", settings_of(lr)},
             {"Options::find_unused_parameters", options.find_unused_parameters ? "true" : "false"},
             {"Options::rebuild_buckets", options.rebuild_buckets ? "true" : "false"},
-            {"Options::autotune_buckets", options.autotune_buckets ? "true" : "false"},
+            {"Options::autotune_buckets", autotunes ? "true" : "false"},
             {"Options::clip_norm", std::to_string(options.clip_norm)},
             {"Options::check_histories", options.check_histories.value_or(!device_backend) ? "true" : "false"},
             {"Options::check_replicas_every", std::to_string(options.replica_check_interval(device_memory))}};

@@ -43,7 +43,8 @@ BucketPlan check_and_agree(BackendT& backend, const ModelLayout& layout, const t
             backend, layout.params, layout.buffers, plan,
             agreed_settings<typename Set::bucketer, typename Set::packing, memory_type, typename Set::buffers,
                             typename Set::loss_scaler, typename Set::compression, typename Set::lr_rule>(
-                bucketer, memory, scaler, lr, options, DeviceBackend<BackendT>, memory_type::on_device),
+                bucketer, memory, scaler, lr, options, Set::autotunes(options), DeviceBackend<BackendT>,
+                memory_type::on_device),
             problems.first());
     return plan;
 }

@@ -73,9 +73,9 @@ inline std::string device_memory_problem(const Options& options, bool device_mem
     return {};
 }
 
-// Options::autotune_buckets where buckets cannot be tuned.
+// Options::autotune_buckets = true where buckets cannot be tuned.
 inline std::string autotune_problem(const Options& options, bool tunable_bucketer, bool host_timed) {
-    if (!options.autotune_buckets) return {};
+    if (!options.autotune_buckets.value_or(false)) return {};
     if (!tunable_bucketer)
         return "Options::autotune_buckets chooses bucket caps, and this bucketer has none: use "
                "gradsync::SizeCappedBuckets, or leave autotune_buckets off";
