@@ -3022,6 +3022,19 @@ constexpr bool check_step_on_device() {
     return true;
 }
 
+// What step() (`on_device` false) and step_on_device() refuse before they synchronize: a step
+// under no_sync(), which would communicate nothing; clipping on the device, whose norm would have
+// to come to the host.
+inline void refuse_step(bool accumulating, bool on_device, double clip_norm, int rank) {
+    const std::string call = on_device ? "step_on_device()" : "step()";
+    if (on_device && clip_norm > 0)
+        throw Error(rank_prefix(rank) + ": " + call +
+                    " cannot clip: the norm would have to come to the host; use step()");
+    if (accumulating)
+        throw ReadinessError(rank_prefix(rank) + ": " + call +
+                             " under no_sync(); call it after the guard is gone, on the step that synchronizes");
+}
+
 // The step's decision: `optimizer` runs when every gradient is finite, given the LR rule's rate
 // (optimizer(rate), or optimizer() without a rate or an LR rule); the scaler learns the outcome.
 // `name(p)` names parameter p in the report.
@@ -4792,10 +4805,11 @@ struct PolicySet {
 // ---- begin gradsync/data_parallel/replanning.hpp ----
 #ifndef GRADSYNC_SINGLE_DATA_PARALLEL_REPLANNING_HPP
 #define GRADSYNC_SINGLE_DATA_PARALLEL_REPLANNING_HPP
-// Replanning between steps: whether the bucket plan changes after a step, and to what. Owns the
-// bucketer (autotuning changes its caps), the bucket rebuild after the first overlapped step
-// (rebuild.hpp) and the autotuner (bucket_tuner.hpp). DataParallel rebuilds its per-bucket state
-// from the plan this returns.
+// Replanning: the bucket plan in use and whether it changes between steps, and to what. Owns the
+// plan, the bucketer (autotuning changes its caps), the bucket rebuild after the first overlapped
+// step (rebuild.hpp) and the autotuner (bucket_tuner.hpp). A new plan is adopted under a lock that
+// a peer's diagnosis, on another thread, reads the plan under; DataParallel rebuilds its
+// per-bucket state from it there.
 
 
 // ---- begin gradsync/data_parallel/bucket_tuner.hpp ----
@@ -5037,6 +5051,7 @@ BucketPlan plan_in_readiness_order(B& backend, const P& bucketer, std::span<cons
 // ---- end gradsync/data_parallel/rebuild.hpp ----
 
 #include <chrono>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -5051,9 +5066,8 @@ namespace gradsync::inline v0::detail {
 template <class Bucketer, bool Tunable, bool Rebuildable>
 class Replanning {
 public:
-    // A new plan, and what to log about it; `tuned`: chosen by autotuning (noted in the timeline).
-    struct NewPlan {
-        BucketPlan plan;
+    // What changed the plan, to log; `tuned`: autotuning did (noted in the timeline).
+    struct Change {
         std::string what;
         bool tuned = false;
     };
@@ -5062,6 +5076,22 @@ public:
     explicit Replanning(Bucketer bucketer) : bucketer_(std::move(bucketer)) {}
 
     [[nodiscard]] const Bucketer& bucketer() const { return bucketer_; }
+    // The plan in use; read between steps (or through read()).
+    [[nodiscard]] const BucketPlan& plan() const { return plan_; }
+
+    // Takes `plan`, and lets `setup(plan)` rebuild the per-bucket state, both under the lock.
+    template <class Setup>
+    void adopt(BucketPlan plan, Setup&& setup) {
+        std::lock_guard lock(mutex_);
+        plan_ = std::move(plan);
+        setup(plan_);
+    }
+    // f(plan) under the lock: from another thread (a peer's diagnosis).
+    template <class F>
+    auto read(F&& f) const {
+        std::lock_guard lock(mutex_);
+        return f(plan_);
+    }
 
     // At construction, once the plan is set up: what the first steps record. `autotune`: whether
     // Options::autotune_buckets, resolved, is on.
@@ -5080,34 +5110,41 @@ public:
         tuner_.launch_took(std::chrono::duration<double>(d).count());
     }
 
-    // After a synchronized step (`overlapped`: with grad_ready calls), under `plan`. Collective
-    // when it rebuilds or tuning is due, on every rank alike.
-    template <Backend B, class Slots>
-    std::optional<NewPlan> after_step(B& backend, Readiness& readiness, const Slots& slots, const BucketPlan& plan,
-                                      std::span<const Parameter> params, bool overlapped) {
-        std::optional<NewPlan> out;
+    // After a synchronized step (`overlapped`: with grad_ready calls): adopts a new plan (see
+    // adopt) when a rebuild or tuning chose one, and says what changed it. Collective when it
+    // rebuilds or tuning is due, on every rank alike.
+    template <Backend B, class Slots, class Setup>
+    std::optional<Change> after_step(B& backend, Readiness& readiness, const Slots& slots,
+                                     std::span<const Parameter> params, bool overlapped, Setup&& setup) {
+        std::optional<BucketPlan> next;
+        Change change;
         if (overlapped && rebuild_) {
             rebuild_ = false;
-            out = NewPlan{plan_in_readiness_order(backend, bucketer_, params, readiness.arrivals()),
-                          "buckets rebuilt in rank 0's readiness order", false};
+            next = plan_in_readiness_order(backend, bucketer_, params, readiness.arrivals());
+            change = {"buckets rebuilt in rank 0's readiness order", false};
             readiness.stop_recording();
         }
         if constexpr (Tunable) {
             tuner_.observe(
                 overlapped && readiness.timing_arrivals() ? readiness.ready_offsets() : std::vector<double>{}, slots);
-            if (!tuner_.due()) return out;
-            if (auto choice = tuner_.choose(backend, bucketer_, plan, params)) {  // measured under `plan`
-                bucketer_ = choice->bucketer;
-                auto what = "buckets tuned, " + choice->summary();
-                out = NewPlan{std::move(choice->plan), std::move(what), true};
+            if (tuner_.due()) {
+                if (auto choice = tuner_.choose(backend, bucketer_, plan_, params)) {  // measured under plan_
+                    bucketer_ = choice->bucketer;
+                    change = {"buckets tuned, " + choice->summary(), true};
+                    next = std::move(choice->plan);
+                }
+                if (!tuner_.active()) readiness.time_arrivals(false);
             }
-            if (!tuner_.active()) readiness.time_arrivals(false);
         }
-        return out;
+        if (!next) return std::nullopt;
+        adopt(std::move(*next), setup);
+        return change;
     }
 
 private:
     Bucketer bucketer_{};
+    BucketPlan plan_;
+    mutable std::mutex mutex_;
     bool rebuild_ = false;
     BucketTuner tuner_;
 };
@@ -5814,12 +5851,13 @@ void check_replicas(B& backend, const ModelLayout& layout, BufferSync buffers, c
     compare_replicas(backend, std::span<const ReplicaTensor>(tensors), when);
 }
 
-// `histories`: whether this backend compares histories once per step (one that cannot compare
-// them at each collective, and where the Options ask for it).
+// Histories are compared once per step where the backend cannot compare them at each collective
+// and the Options ask for it (by default, unless the host would wait for a device stream).
 template <Backend B>
-void check_step_end(B& backend, const CollectiveHistory& history, bool histories, const Options& options,
-                    bool device_memory, const ModelLayout& layout, BufferSync buffers, std::int64_t step,
+void check_step_end(B& backend, const CollectiveHistory& history, const Options& options, bool device_memory,
+                    const ModelLayout& layout, BufferSync buffers, std::int64_t step,
                     std::optional<StepNumber> number) {
+    const bool histories = !CheckedCollectives<B> && options.check_histories.value_or(!DeviceBackend<B>);
     if (histories || number) history.verify(backend, step, number ? std::optional(number->value) : std::nullopt);
     const auto every = options.replica_check_interval(device_memory);
     if (every > 0 && static_cast<std::uint64_t>(step) % every == 0)
@@ -5991,7 +6029,6 @@ inline std::string timeline_path(const std::string& from_options) {
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
-#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -5999,8 +6036,6 @@ inline std::string timeline_path(const std::string& from_options) {
 #include <tuple>
 #include <type_traits>  // for std::is_pointer_v
 #include <variant>
-#include <utility>  // for std::exchange
-#include <vector>
 
 namespace gradsync::inline v0 {
 
@@ -6086,10 +6121,7 @@ public:
     template <class Optimizer>
     StepReport step(Optimizer&& optimizer, std::optional<StepNumber> number = {}) {
         static_assert(detail::check_optimizer<Optimizer, Set::has_lr_rule>());
-        if (readiness_.accumulating())
-            throw ReadinessError(detail::rank_prefix(rank()) +
-                                 ": step() under no_sync(); call it after the guard is gone, on the step that "
-                                 "synchronizes");
+        detail::refuse_step(readiness_.accumulating(), /*on_device=*/false, options_.clip_norm, rank());
         const std::uint64_t step = steps() + 1;
         synchronize_impl(/*want_stats=*/true, true, number);
         return detail::decide_step(
@@ -6106,11 +6138,7 @@ public:
     template <class Optimizer>
     void step_on_device(Optimizer&& optimizer, std::optional<StepNumber> number = {}) requires(memory_type::on_device) {
         static_assert(detail::check_step_on_device<loss_scaler_type, compression_type>());
-        if (options_.clip_norm > 0)
-            throw Error(detail::rank_prefix(rank()) +
-                        ": step_on_device() cannot clip: the norm would have to come to the host; use step()");
-        if (readiness_.accumulating())
-            throw ReadinessError(detail::rank_prefix(rank()) + ": step_on_device() under no_sync()");
+        detail::refuse_step(readiness_.accumulating(), /*on_device=*/true, options_.clip_norm, rank());
         const std::uint64_t step = steps() + 1;
         synchronize_impl(/*want_stats=*/true, /*read_stats=*/false, number);
         if constexpr (Set::has_lr_rule)
@@ -6160,7 +6188,7 @@ public:
     }
 
     // The bucket plan. A bucket rebuild or autotuning changes it: read it between steps.
-    [[nodiscard]] const BucketPlan& plan() const { return plan_; }
+    [[nodiscard]] const BucketPlan& plan() const { return replanning_.plan(); }
     // The bucketer in use: after autotuning, with the caps it chose.
     [[nodiscard]] const bucketer_type& bucketer() const { return replanning_.bucketer(); }
     // The parameters gradsync synchronizes: the model's, in registration order, without the
@@ -6177,7 +6205,7 @@ public:
     [[nodiscard]] Model& model() const { return model_; }
     [[nodiscard]] BackendT& backend() const { return backend_; }
     [[nodiscard]] const Options& options() const { return options_; }
-    [[nodiscard]] Bytes gradient_bytes() const { return plan_.bytes(); }
+    [[nodiscard]] Bytes gradient_bytes() const { return plan().bytes(); }
     // Buckets whose gradients already lie contiguously in memory, reduced without a copy.
     [[nodiscard]] std::size_t view_buckets() const { return engine_.view_buckets(); }
     // Memory this object holds for synchronization beyond the model's own buffers.
@@ -6232,18 +6260,18 @@ private:
             const bool finalizing = want_stats || scaler_.scale() != 1.0f || options_.clip_norm > 0;
             if (gradients_untouchable && finalizing) throw Error(detail::untouchable_gradients(rank()));
             engine_.begin_step(finalizing, 1.0 / static_cast<double>(scaler_.scale()));
-            follow_storage(0, plan_.buckets.size(), /*in_backward=*/false);
+            follow_storage(0, plan().buckets.size(), /*in_backward=*/false);
             if (overlapped) {
                 complete_readiness();
             } else if (backend_.size() > 1) {
-                for (std::size_t b = 0; b < plan_.buckets.size(); ++b)
+                for (std::size_t b = 0; b < plan().buckets.size(); ++b)
                     engine_.reduce_now(b, tag_of(b, detail::CollectivePurpose::bucket));
             }
             engine_.wait_all(std::chrono::steady_clock::now() + options_.timeout, [&](std::size_t b) {
-                return detail::diagnose_timeout(backend_, current_step(), plan_, parameters(), b, options_.timeout);
+                return detail::diagnose_timeout(backend_, current_step(), plan(), parameters(), b, options_.timeout);
             });
             if (backend_.size() == 1)
-                for (std::size_t b = 0; b < plan_.buckets.size(); ++b) engine_.finalize_in_place(b);
+                for (std::size_t b = 0; b < plan().buckets.size(); ++b) engine_.finalize_in_place(b);
             if (read_stats)
                 stats_ = detail::collect_stats(engine_, [&](std::size_t b) { reduce_again_in_float(b); });
             else
@@ -6251,10 +6279,8 @@ private:
             check_backend_health();  // what the device did while the host did not wait
             if (options_.clip_norm > 0) detail::clip(engine_, stats_, options_.clip_norm);
             detail::sync_buffers(backend_, buffers(), buffers_type::mode, false, history_, current_step());
-            detail::check_step_end(
-                backend_, history_,
-                !CheckedCollectives<BackendT> && options_.check_histories.value_or(!DeviceBackend<BackendT>), options_,
-                memory_type::on_device, layout_, buffers_type::mode, current_step(), number);
+            detail::check_step_end(backend_, history_, options_, memory_type::on_device, layout_, buffers_type::mode,
+                                   current_step(), number);
             detail::record_step(
                 timeline_, current_step(), engine_.slots(), overlapped,
                 [&](std::size_t b) { return readiness_.completed_at(b); }, began);
@@ -6268,9 +6294,9 @@ private:
     void follow_storage(std::size_t first, std::size_t last, bool in_backward) {
         if (options_.storage_may_move)
             storage_.follow(
-                model_, layout_, plan_, first, last, in_backward,
+                model_, layout_, plan(), first, last, in_backward,
                 [this](std::size_t b) {
-                    engine_.refresh(b, plan_.buckets[b], layout_.params);
+                    engine_.refresh(b, plan().buckets[b], layout_.params);
                     if (gradients_untouchable && !engine_.slots()[b].view)
                         throw InvalidModel(where() + ": the gradients of bucket " + std::to_string(b) +
                                            " moved and no longer lie contiguously, as device gradients must");
@@ -6325,49 +6351,44 @@ private:
         // call as ambiguous too.
         static_assert(detail::check_model_access<Model>());
         layout_ = detail::ModelLayout::of(model_, buffers_type::mode != BufferSync::ignore);
-        plan_ = detail::check_and_agree<Set>(backend_, layout_, replanning_.bucketer(), options_, scaler_, lr_,
-                                             engine_.memory());
+        auto agreed = detail::check_and_agree<Set>(backend_, layout_, replanning_.bucketer(), options_, scaler_, lr_,
+                                                   engine_.memory());
         broadcast_parameters();
         detail::sync_buffers(backend_, buffers(), buffers_type::mode, true, history_, current_step());
-        setup_buckets();
+        replanning_.adopt(std::move(agreed), [this](const BucketPlan& p) { setup_buckets(p); });
         replanning_.start(options_, Set::autotunes(options_), world_size(), readiness_);
         timeline_ = detail::Timeline(detail::timeline_path(options_.timeline), rank());
         if (backend_.size() > 1)
             reporter_.start(backend_, [this] {
-                std::lock_guard lock(plan_mutex_);
-                return detail::describe_rank(readiness_, current_step(), plan_, parameters());
+                return replanning_.read([this](const BucketPlan& plan) {
+                    return detail::describe_rank(readiness_, current_step(), plan, parameters());
+                });
             });
         detail::log(detail::LogLevel::info, rank(), [&] {
             return detail::describe_setup(layout_, world_size(), reduces_in_place, compression_type::wire,
-                                          view_buckets(), plan_);
+                                          view_buckets(), plan());
         });
     }
 
-    // (Re)builds the engine's and readiness's per-bucket state from plan_.
-    void setup_buckets() {
-        storage_.reset(plan_.buckets.size());
-        engine_.setup(plan_, parameters());
-        readiness_.plan(plan_, layout_.params.size());
+    // (Re)builds the engine's and readiness's per-bucket state from `plan` (under the plan's lock).
+    void setup_buckets(const BucketPlan& plan) {
+        storage_.reset(plan.buckets.size());
+        engine_.setup(plan, parameters());
+        readiness_.plan(plan, layout_.params.size());
     }
 
     // Between steps: a bucket rebuild or autotuning may change the plan (replanning.hpp).
     void replan(bool overlapped) {
-        auto next = replanning_.after_step(backend_, readiness_, engine_.slots(), plan_, parameters(), overlapped);
-        if (!next) return;
-        adopt(std::move(next->plan));
-        detail::log(detail::LogLevel::info, rank(), next->what + ": " + to_string(plan_));
-        if (next->tuned) timeline_.note("buckets tuned", current_step(), next->what);
-    }
-
-    void adopt(BucketPlan plan) {
-        std::lock_guard lock(plan_mutex_);
-        plan_ = std::move(plan);
-        setup_buckets();
+        const auto change = replanning_.after_step(backend_, readiness_, engine_.slots(), parameters(), overlapped,
+                                                   [this](const BucketPlan& plan) { setup_buckets(plan); });
+        if (!change) return;
+        detail::log(detail::LogLevel::info, rank(), change->what + ": " + to_string(plan()));
+        if (change->tuned) timeline_.note("buckets tuned", current_step(), change->what);
     }
 
     Model& model_;
     BackendT& backend_;
-    detail::Replanning<bucketer_type, Set::tunable, !gradients_untouchable> replanning_;  // owns the bucketer
+    detail::Replanning<bucketer_type, Set::tunable, !gradients_untouchable> replanning_;  // the plan, the bucketer
     Options options_{};
     loss_scaler_type scaler_{};
     lr_type lr_{};
@@ -6377,8 +6398,6 @@ private:
     detail::StepStats stats_;
     const StepVerdict* verdict_ = nullptr;  // in the memory policy's memory, after step_on_device
     detail::ModelLayout layout_;
-    BucketPlan plan_;
-    mutable std::mutex plan_mutex_;  // a peer's diagnosis against a rebuild
     std::atomic<std::uint64_t> steps_{0};
     detail::StorageFollower storage_;
     detail::Timeline timeline_;

@@ -35,7 +35,6 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
-#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -43,8 +42,6 @@
 #include <tuple>
 #include <type_traits>  // for std::is_pointer_v
 #include <variant>
-#include <utility>  // for std::exchange
-#include <vector>
 
 namespace gradsync::inline v0 {
 
@@ -130,10 +127,7 @@ public:
     template <class Optimizer>
     StepReport step(Optimizer&& optimizer, std::optional<StepNumber> number = {}) {
         static_assert(detail::check_optimizer<Optimizer, Set::has_lr_rule>());
-        if (readiness_.accumulating())
-            throw ReadinessError(detail::rank_prefix(rank()) +
-                                 ": step() under no_sync(); call it after the guard is gone, on the step that "
-                                 "synchronizes");
+        detail::refuse_step(readiness_.accumulating(), /*on_device=*/false, options_.clip_norm, rank());
         const std::uint64_t step = steps() + 1;
         synchronize_impl(/*want_stats=*/true, true, number);
         return detail::decide_step(
@@ -150,11 +144,7 @@ public:
     template <class Optimizer>
     void step_on_device(Optimizer&& optimizer, std::optional<StepNumber> number = {}) requires(memory_type::on_device) {
         static_assert(detail::check_step_on_device<loss_scaler_type, compression_type>());
-        if (options_.clip_norm > 0)
-            throw Error(detail::rank_prefix(rank()) +
-                        ": step_on_device() cannot clip: the norm would have to come to the host; use step()");
-        if (readiness_.accumulating())
-            throw ReadinessError(detail::rank_prefix(rank()) + ": step_on_device() under no_sync()");
+        detail::refuse_step(readiness_.accumulating(), /*on_device=*/true, options_.clip_norm, rank());
         const std::uint64_t step = steps() + 1;
         synchronize_impl(/*want_stats=*/true, /*read_stats=*/false, number);
         if constexpr (Set::has_lr_rule)
@@ -204,7 +194,7 @@ public:
     }
 
     // The bucket plan. A bucket rebuild or autotuning changes it: read it between steps.
-    [[nodiscard]] const BucketPlan& plan() const { return plan_; }
+    [[nodiscard]] const BucketPlan& plan() const { return replanning_.plan(); }
     // The bucketer in use: after autotuning, with the caps it chose.
     [[nodiscard]] const bucketer_type& bucketer() const { return replanning_.bucketer(); }
     // The parameters gradsync synchronizes: the model's, in registration order, without the
@@ -221,7 +211,7 @@ public:
     [[nodiscard]] Model& model() const { return model_; }
     [[nodiscard]] BackendT& backend() const { return backend_; }
     [[nodiscard]] const Options& options() const { return options_; }
-    [[nodiscard]] Bytes gradient_bytes() const { return plan_.bytes(); }
+    [[nodiscard]] Bytes gradient_bytes() const { return plan().bytes(); }
     // Buckets whose gradients already lie contiguously in memory, reduced without a copy.
     [[nodiscard]] std::size_t view_buckets() const { return engine_.view_buckets(); }
     // Memory this object holds for synchronization beyond the model's own buffers.
@@ -276,18 +266,18 @@ private:
             const bool finalizing = want_stats || scaler_.scale() != 1.0f || options_.clip_norm > 0;
             if (gradients_untouchable && finalizing) throw Error(detail::untouchable_gradients(rank()));
             engine_.begin_step(finalizing, 1.0 / static_cast<double>(scaler_.scale()));
-            follow_storage(0, plan_.buckets.size(), /*in_backward=*/false);
+            follow_storage(0, plan().buckets.size(), /*in_backward=*/false);
             if (overlapped) {
                 complete_readiness();
             } else if (backend_.size() > 1) {
-                for (std::size_t b = 0; b < plan_.buckets.size(); ++b)
+                for (std::size_t b = 0; b < plan().buckets.size(); ++b)
                     engine_.reduce_now(b, tag_of(b, detail::CollectivePurpose::bucket));
             }
             engine_.wait_all(std::chrono::steady_clock::now() + options_.timeout, [&](std::size_t b) {
-                return detail::diagnose_timeout(backend_, current_step(), plan_, parameters(), b, options_.timeout);
+                return detail::diagnose_timeout(backend_, current_step(), plan(), parameters(), b, options_.timeout);
             });
             if (backend_.size() == 1)
-                for (std::size_t b = 0; b < plan_.buckets.size(); ++b) engine_.finalize_in_place(b);
+                for (std::size_t b = 0; b < plan().buckets.size(); ++b) engine_.finalize_in_place(b);
             if (read_stats)
                 stats_ = detail::collect_stats(engine_, [&](std::size_t b) { reduce_again_in_float(b); });
             else
@@ -295,10 +285,8 @@ private:
             check_backend_health();  // what the device did while the host did not wait
             if (options_.clip_norm > 0) detail::clip(engine_, stats_, options_.clip_norm);
             detail::sync_buffers(backend_, buffers(), buffers_type::mode, false, history_, current_step());
-            detail::check_step_end(
-                backend_, history_,
-                !CheckedCollectives<BackendT> && options_.check_histories.value_or(!DeviceBackend<BackendT>), options_,
-                memory_type::on_device, layout_, buffers_type::mode, current_step(), number);
+            detail::check_step_end(backend_, history_, options_, memory_type::on_device, layout_, buffers_type::mode,
+                                   current_step(), number);
             detail::record_step(
                 timeline_, current_step(), engine_.slots(), overlapped,
                 [&](std::size_t b) { return readiness_.completed_at(b); }, began);
@@ -312,9 +300,9 @@ private:
     void follow_storage(std::size_t first, std::size_t last, bool in_backward) {
         if (options_.storage_may_move)
             storage_.follow(
-                model_, layout_, plan_, first, last, in_backward,
+                model_, layout_, plan(), first, last, in_backward,
                 [this](std::size_t b) {
-                    engine_.refresh(b, plan_.buckets[b], layout_.params);
+                    engine_.refresh(b, plan().buckets[b], layout_.params);
                     if (gradients_untouchable && !engine_.slots()[b].view)
                         throw InvalidModel(where() + ": the gradients of bucket " + std::to_string(b) +
                                            " moved and no longer lie contiguously, as device gradients must");
@@ -369,49 +357,44 @@ private:
         // call as ambiguous too.
         static_assert(detail::check_model_access<Model>());
         layout_ = detail::ModelLayout::of(model_, buffers_type::mode != BufferSync::ignore);
-        plan_ = detail::check_and_agree<Set>(backend_, layout_, replanning_.bucketer(), options_, scaler_, lr_,
-                                             engine_.memory());
+        auto agreed = detail::check_and_agree<Set>(backend_, layout_, replanning_.bucketer(), options_, scaler_, lr_,
+                                                   engine_.memory());
         broadcast_parameters();
         detail::sync_buffers(backend_, buffers(), buffers_type::mode, true, history_, current_step());
-        setup_buckets();
+        replanning_.adopt(std::move(agreed), [this](const BucketPlan& p) { setup_buckets(p); });
         replanning_.start(options_, Set::autotunes(options_), world_size(), readiness_);
         timeline_ = detail::Timeline(detail::timeline_path(options_.timeline), rank());
         if (backend_.size() > 1)
             reporter_.start(backend_, [this] {
-                std::lock_guard lock(plan_mutex_);
-                return detail::describe_rank(readiness_, current_step(), plan_, parameters());
+                return replanning_.read([this](const BucketPlan& plan) {
+                    return detail::describe_rank(readiness_, current_step(), plan, parameters());
+                });
             });
         detail::log(detail::LogLevel::info, rank(), [&] {
             return detail::describe_setup(layout_, world_size(), reduces_in_place, compression_type::wire,
-                                          view_buckets(), plan_);
+                                          view_buckets(), plan());
         });
     }
 
-    // (Re)builds the engine's and readiness's per-bucket state from plan_.
-    void setup_buckets() {
-        storage_.reset(plan_.buckets.size());
-        engine_.setup(plan_, parameters());
-        readiness_.plan(plan_, layout_.params.size());
+    // (Re)builds the engine's and readiness's per-bucket state from `plan` (under the plan's lock).
+    void setup_buckets(const BucketPlan& plan) {
+        storage_.reset(plan.buckets.size());
+        engine_.setup(plan, parameters());
+        readiness_.plan(plan, layout_.params.size());
     }
 
     // Between steps: a bucket rebuild or autotuning may change the plan (replanning.hpp).
     void replan(bool overlapped) {
-        auto next = replanning_.after_step(backend_, readiness_, engine_.slots(), plan_, parameters(), overlapped);
-        if (!next) return;
-        adopt(std::move(next->plan));
-        detail::log(detail::LogLevel::info, rank(), next->what + ": " + to_string(plan_));
-        if (next->tuned) timeline_.note("buckets tuned", current_step(), next->what);
-    }
-
-    void adopt(BucketPlan plan) {
-        std::lock_guard lock(plan_mutex_);
-        plan_ = std::move(plan);
-        setup_buckets();
+        const auto change = replanning_.after_step(backend_, readiness_, engine_.slots(), parameters(), overlapped,
+                                                   [this](const BucketPlan& plan) { setup_buckets(plan); });
+        if (!change) return;
+        detail::log(detail::LogLevel::info, rank(), change->what + ": " + to_string(plan()));
+        if (change->tuned) timeline_.note("buckets tuned", current_step(), change->what);
     }
 
     Model& model_;
     BackendT& backend_;
-    detail::Replanning<bucketer_type, Set::tunable, !gradients_untouchable> replanning_;  // owns the bucketer
+    detail::Replanning<bucketer_type, Set::tunable, !gradients_untouchable> replanning_;  // the plan, the bucketer
     Options options_{};
     loss_scaler_type scaler_{};
     lr_type lr_{};
@@ -421,8 +404,6 @@ private:
     detail::StepStats stats_;
     const StepVerdict* verdict_ = nullptr;  // in the memory policy's memory, after step_on_device
     detail::ModelLayout layout_;
-    BucketPlan plan_;
-    mutable std::mutex plan_mutex_;  // a peer's diagnosis against a rebuild
     std::atomic<std::uint64_t> steps_{0};
     detail::StorageFollower storage_;
     detail::Timeline timeline_;

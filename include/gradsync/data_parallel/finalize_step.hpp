@@ -8,8 +8,10 @@
 
 #include <gradsync/amp/loss_scale.hpp>
 #include <gradsync/data_parallel/bucket_engine.hpp>
+#include <gradsync/data_parallel/readiness.hpp>
 #include <gradsync/detail/log.hpp>
 #include <gradsync/dtype.hpp>
+#include <gradsync/error.hpp>
 #include <gradsync/lr.hpp>
 
 #include <cmath>  // for std::sqrt, std::isfinite
@@ -112,6 +114,19 @@ constexpr bool check_step_on_device() {
                   "gradsync: step_on_device() with wire compression: a float16 overflow is reduced again in float32, "
                   "which the host decides; use step()");
     return true;
+}
+
+// What step() (`on_device` false) and step_on_device() refuse before they synchronize: a step
+// under no_sync(), which would communicate nothing; clipping on the device, whose norm would have
+// to come to the host.
+inline void refuse_step(bool accumulating, bool on_device, double clip_norm, int rank) {
+    const std::string call = on_device ? "step_on_device()" : "step()";
+    if (on_device && clip_norm > 0)
+        throw Error(rank_prefix(rank) + ": " + call +
+                    " cannot clip: the norm would have to come to the host; use step()");
+    if (accumulating)
+        throw ReadinessError(rank_prefix(rank) + ": " + call +
+                             " under no_sync(); call it after the guard is gone, on the step that synchronizes");
 }
 
 // The step's decision: `optimizer` runs when every gradient is finite, given the LR rule's rate
