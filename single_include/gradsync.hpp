@@ -3146,6 +3146,7 @@ protected:
 #include <chrono>
 #include <cstddef>
 #include <cstring>  // for std::memcpy
+#include <optional>
 #include <string>
 
 namespace gradsync::inline v0::detail {
@@ -3270,9 +3271,11 @@ private:
         round(rank, call, deadline);
     }
 
-    // Sums elements [lo, hi) of every rank's buffer, in rank order, into all of them.
+    // Sums elements [lo, hi) of every rank's buffer, in rank order, into all of them, or into rank
+    // `only`'s alone.
     template <class T>
-    void reduce_range(int rank, const LocalCall& call, unsigned parity, std::size_t lo, std::size_t hi) {
+    void reduce_range(int rank, const LocalCall& call, unsigned parity, std::size_t lo, std::size_t hi,
+                      std::optional<int> only = std::nullopt) {
         auto& me = ranks_[idx(rank)];
         const auto factor = accumulator_t<T>(1) / static_cast<accumulator_t<T>>(size_);
         me.cursors.clear();
@@ -3282,7 +3285,9 @@ private:
             std::size_t k = hi - pos;
             for (const auto& c : me.cursors) k = std::min(k, c.left());
             for (int s = 0; s < size_; ++s) ptrs[s] = reinterpret_cast<T*>(me.cursors[idx(s)].ptr());
-            reduce_to_all<T>(ptrs, size_, ptrs, size_, k, call.op == ReduceOp::average, factor, me.block.data());
+            T* single = only ? ptrs[*only] : nullptr;
+            reduce_to_all<T>(ptrs, size_, only ? &single : ptrs, only ? 1 : size_, k, call.op == ReduceOp::average,
+                             factor, me.block.data());
             for (auto& c : me.cursors) c.advance(k);
             pos += k;
         }
@@ -3306,25 +3311,9 @@ private:
     // half. Nobody writes what another rank reads: rank r writes only shard r of its buffer.
     template <class T>
     void reduce_scatter(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
-        auto& me = ranks_[idx(rank)];
         const unsigned parity = begin(rank, call, deadline);
         const Shard mine = shard_of(call.count, size_, rank);
-        if (mine.count != 0) {
-            const auto factor = accumulator_t<T>(1) / static_cast<accumulator_t<T>>(size_);
-            me.cursors.clear();
-            for (int s = 0; s < size_; ++s)
-                me.cursors.emplace_back(ranks_[idx(s)].calls[parity].segs(), mine.offset, sizeof(T));
-            auto** ptrs = reinterpret_cast<T**>(me.pointers.data());
-            for (std::size_t done = 0; done < mine.count;) {
-                std::size_t k = mine.count - done;
-                for (const auto& c : me.cursors) k = std::min(k, c.left());
-                for (int s = 0; s < size_; ++s) ptrs[s] = reinterpret_cast<T*>(me.cursors[idx(s)].ptr());
-                T* out = ptrs[rank];
-                reduce_to_all<T>(ptrs, size_, &out, 1, k, call.op == ReduceOp::average, factor, me.block.data());
-                for (auto& c : me.cursors) c.advance(k);
-                done += k;
-            }
-        }
+        if (mine.count != 0) reduce_range<T>(rank, call, parity, mine.offset, mine.offset + mine.count, rank);
         // Nobody returns, and reuses its buffer, before every shard is read.
         round(rank, call, deadline);
     }
