@@ -323,7 +323,7 @@ void print_summary() {
     std::printf("\nTargets: overlap and views\n");
     if (overlap.tuned.ratio <= 0) missing("exposed / last bucket, by default (autotuned)");
     if (overlap.tuned.ratio > 0) {
-        target_row("exposed / last bucket, comm <= compute, worst, by default (autotuned)",
+        target_row("exposed / last bucket, comm <= compute, worst (default: tuned)",
                    shown("%.2f", overlap.tuned.ratio, "x"), label_only(overlap.tuned.where), overlap.tuned.ratio,
                    "<= 1.50", overlap.tuned.ratio <= 1.5);
     }
