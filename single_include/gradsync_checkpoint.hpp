@@ -3600,7 +3600,8 @@ constexpr bool check_bucketer() {
 // inputs give the same plan on every rank.
 
 
-#include <algorithm>  // for std::max, std::min, std::sort
+#include <algorithm>  // for std::max, std::min, std::sort, std::count_if, std::clamp
+#include <cmath>      // for std::abs
 #include <concepts>   // for std::same_as
 #include <cstddef>
 #include <cstdint>
@@ -3617,11 +3618,14 @@ concept TunableBucketer = Bucketer<B> && std::copyable<B> && requires(B b) {
 };
 
 // The time of one collective as latency + bytes x seconds per byte, and what launching one costs
-// the thread that runs backward (the host's share: listing, packing, queueing).
+// the thread that runs backward (the host's share: listing, packing, queueing). `stall`: the share
+// of a launch that lengthens backward, 0 where backward does not wait for that thread (a GPU
+// computes while the host runs ahead), 1 where backward runs on it (a CPU-bound backward).
 struct CollectiveCost {
     double latency = 0;   // seconds
     double per_byte = 0;  // seconds
     double launch = 0;    // seconds of the launching thread per bucket
+    double stall = 0;     // 0 to 1
 
     [[nodiscard]] double of(Bytes bytes) const { return latency + per_byte * static_cast<double>(bytes.count()); }
 };
@@ -3663,20 +3667,64 @@ inline CollectiveCost fit_cost(std::span<const CollectiveSample> samples) {
     return cost;
 }
 
-// The communication `plan` leaves after backward, in seconds, if parameter p is ready at
-// ready[p] (seconds into backward, which ends with the last of them): buckets are launched one
-// at a time in plan order, each once complete (taking cost.launch of the launching thread), and
-// their collectives run one at a time, each once launched and its predecessor done.
-inline double predicted_exposure(const BucketPlan& plan, std::span<const double> ready, const CollectiveCost& cost) {
-    double end_of_backward = 0, launched = 0, done = 0;
-    for (double r : ready) end_of_backward = std::max(end_of_backward, r);
+// When each bucket of `plan` is complete: the ready time of its last parameter.
+inline std::vector<double> completion_times(const BucketPlan& plan, std::span<const double> ready) {
+    std::vector<double> out;
     for (const auto& bucket : plan.buckets) {
         double complete = 0;
         for (auto p : bucket.parameters) complete = std::max(complete, ready[p]);
-        launched = std::max(launched, complete) + cost.launch;
-        done = std::max(done, launched) + cost.of(bucket.bytes());
+        out.push_back(complete);
     }
-    return std::max(0.0, done - end_of_backward);
+    return out;
+}
+
+// How many of `plan`'s buckets complete before `t`: the launches backward has made by then.
+inline std::size_t launches_before(std::span<const double> completions, double t) {
+    return static_cast<std::size_t>(
+        std::count_if(completions.begin(), completions.end(), [&](double c) { return c < t; }));
+}
+
+// Ready times without the stalls that the launches of `plan` (under which they were measured) put
+// into backward: what backward alone would take, as any other plan's launches would shift it.
+inline std::vector<double> without_launch_stalls(const BucketPlan& plan, std::span<const double> ready,
+                                                 const CollectiveCost& cost) {
+    std::vector<double> out(ready.begin(), ready.end());
+    if (cost.stall <= 0) return out;
+    const auto completions = completion_times(plan, ready);
+    for (auto& r : out) r -= cost.stall * cost.launch * static_cast<double>(launches_before(completions, r));
+    return out;
+}
+
+// The communication `plan` leaves after backward, in seconds, if parameter p is ready at
+// ready[p] (seconds into backward, which ends with the last of them; without launch stalls):
+// buckets are launched one at a time in plan order, each once complete (taking cost.launch of the
+// launching thread), and their collectives run one at a time, each once launched and its
+// predecessor done. A launch in backward also delays, by cost.stall of it, all backward does
+// after it: what a plan's launches lengthen backward by counts as exposed too.
+inline double predicted_exposure(const BucketPlan& plan, std::span<const double> ready, const CollectiveCost& cost) {
+    double end_of_backward = 0, launched = 0, done = 0;
+    for (double r : ready) end_of_backward = std::max(end_of_backward, r);
+    const auto completions = completion_times(plan, ready);
+    const double stall = cost.stall * cost.launch;
+    for (std::size_t b = 0; b < plan.buckets.size(); ++b) {
+        const double complete =
+            completions[b] + stall * static_cast<double>(launches_before(completions, completions[b]));
+        launched = std::max(launched, complete) + cost.launch;
+        done = std::max(done, launched) + cost.of(plan.buckets[b].bytes());
+    }
+    const double lengthened =
+        end_of_backward + stall * static_cast<double>(launches_before(completions, end_of_backward));
+    return std::max(done, lengthened) - end_of_backward;
+}
+
+// The share of a launch that lengthened backward, from two plans measured in turn: backward's
+// length (the last ready time) and the launches made in it under each. 0 when backward did not
+// grow with the launches (or they differ too little to tell: by less than a millisecond and 5 %
+// of backward); at most 1.
+inline double launch_stall(double end_a, std::size_t launches_a, double end_b, std::size_t launches_b, double launch) {
+    const double extra = (static_cast<double>(launches_b) - static_cast<double>(launches_a)) * launch;
+    if (std::abs(extra) < std::max(1e-3, 0.05 * std::min(end_a, end_b))) return 0;
+    return std::clamp((end_b - end_a) / extra, 0.0, 1.0);
 }
 
 // What tuning chose, and what it expects.
@@ -4852,12 +4900,12 @@ public:
         // "cap 4 MiB, first cap 256 KiB: 27 buckets; predicted exposed 0.81 ms after backward
         // (2.90 ms before); a collective takes 21 us + 0.360 ns per byte, its launch 12 us"
         [[nodiscard]] std::string summary() const {
-            char figures[160];
+            char figures[256];
             std::snprintf(figures, sizeof figures,
                           "; predicted exposed %.2f ms after backward (%.2f ms before); a collective takes %.0f us + "
-                          "%.3f ns per byte, its launch %.0f us",
+                          "%.3f ns per byte, its launch %.0f us (%.0f %% of it lengthening backward)",
                           exposure_after * 1e3, exposure_before * 1e3, cost.latency * 1e6, cost.per_byte * 1e9,
-                          cost.launch * 1e6);
+                          cost.launch * 1e6, cost.stall * 100);
             return "cap " + to_string(bucketer.cap) + ", first cap " + to_string(bucketer.first_cap) + ": " +
                    std::to_string(plan.buckets.size()) + " buckets" + figures;
         }
@@ -4912,8 +4960,9 @@ public:
     std::optional<Choice<B>> choose(BackendT& backend, const B& current, const BucketPlan& plan,
                                     std::span<const Parameter> params) {
         const std::size_t n = params.size();
-        // [ranks that measured, latency, seconds per byte, launch, ready time of each parameter]
-        constexpr std::size_t head = 4;
+        // [ranks that measured, latency, seconds per byte, launch, stall, ready time of each
+        // parameter]
+        constexpr std::size_t head = 5;
         std::vector<double> pooled(head + n, 0.0);
         if (!ready_.empty()) {
             // Earlier rounds' samples too: their buckets had other sizes, which the fit needs.
@@ -4925,6 +4974,7 @@ public:
             pooled[2] = cost.per_byte;
             pooled[3] = median(launch_);
             for (std::size_t p = 0; p < n; ++p) pooled[head + p] = median_ready(p);
+            pooled[4] = stall_since_last_round(plan, std::span<const double>(pooled).subspan(head), pooled[3]);
         }
         ready_.clear();
         durations_.clear();
@@ -4936,12 +4986,13 @@ public:
         }
         for (std::size_t k = 1; k < pooled.size(); ++k) pooled[k] /= pooled[0];
 
-        // Rank 0 decides: [changed, cap, first cap, exposure before, after, cost (3), order...]
-        constexpr std::size_t decided = 8;
+        // Rank 0 decides: [changed, cap, first cap, exposure before, after, cost (4), order...]
+        constexpr std::size_t decided = 9;
         std::vector<double> decision(decided + n, 0.0);
         if (backend.rank() == 0) {
-            const CollectiveCost cost{pooled[1], pooled[2], pooled[3]};
-            const std::span<const double> ready(pooled.data() + head, n);
+            const CollectiveCost cost{pooled[1], pooled[2], pooled[3], pooled[4]};
+            // As backward alone would run them: each plan's own launches stall it anew.
+            const auto ready = without_launch_stalls(plan, std::span<const double>(pooled).subspan(head, n), cost);
             const auto order = readiness_order_of(ready);
             const auto tuned = tune_caps(current, params, order, ready, cost);
             decision = {tuned.plan == plan ? 0.0 : 1.0,
@@ -4951,14 +5002,15 @@ public:
                         tuned.exposure,
                         cost.latency,
                         cost.per_byte,
-                        cost.launch};
+                        cost.launch,
+                        cost.stall};
             for (auto p : order) decision.push_back(static_cast<double>(p));
         }
         if (backend.size() > 1) backend.broadcast(std::as_writable_bytes(std::span<double>(decision)), 0);
         if (++round_ >= rounds) active_ = false;
         warmed_up_ = false;
         if (decision[0] == 0) return std::nullopt;
-        Choice<B> choice{current, {}, decision[3], decision[4], {decision[5], decision[6], decision[7]}};
+        Choice<B> choice{current, {}, decision[3], decision[4], {decision[5], decision[6], decision[7], decision[8]}};
         choice.bucketer.cap = Bytes{static_cast<std::uint64_t>(decision[1])};
         choice.bucketer.first_cap = Bytes{static_cast<std::uint64_t>(decision[2])};
         std::vector<std::size_t> order;
@@ -4968,6 +5020,19 @@ public:
     }
 
 private:
+    // The share of a launch that lengthened backward, from this round (under `plan`, with median
+    // ready times `ready` and launches of `launch` seconds) and the one before, under another plan
+    // (bucket/tuning.hpp, launch_stall). 0 in the first round. Remembers this round for the next.
+    double stall_since_last_round(const BucketPlan& plan, std::span<const double> ready, double launch) {
+        double end = 0;
+        for (double r : ready) end = std::max(end, r);
+        const auto launches = launches_before(completion_times(plan, ready), end);
+        const double stall =
+            last_round_ ? launch_stall(last_round_->end, last_round_->launches, end, launches, launch) : 0.0;
+        last_round_ = Round{end, launches};
+        return stall;
+    }
+
     // Parameters by the time they were ready; ties in reverse registration order.
     static std::vector<std::size_t> readiness_order_of(std::span<const double> ready) {
         std::vector<std::size_t> order(ready.size());
@@ -5009,7 +5074,12 @@ private:
     std::vector<std::vector<double>> durations_;  // per measured step, per bucket
     std::vector<double> launch_;                  // per measured step, the mean launch
     std::vector<CollectiveSample> samples_;       // per bucket of every round so far
-    double launch_seconds_ = 0;                   // this step's launches so far
+    struct Round {
+        double end = 0;            // backward's length (the last median ready time), seconds
+        std::size_t launches = 0;  // buckets launched in it
+    };
+    std::optional<Round> last_round_;  // the last round that measured
+    double launch_seconds_ = 0;        // this step's launches so far
     std::size_t launches_ = 0;
 };
 

@@ -7,10 +7,12 @@
 #include "support/recording_backend.hpp"
 #include "support/toy_model.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <string>
@@ -46,6 +48,35 @@ std::vector<gradsync::BucketPlan> sleepy_steps(Backend& b, int steps, Policies..
         plans.push_back(dp.plan());
     }
     return plans;
+}
+
+// A bucket engine's slot as the tuner reads it: when its collective was launched and finished.
+struct TimedSlot {
+    std::chrono::steady_clock::time_point launched_at, finished_at;
+};
+
+// One tuning round of BucketTuner on one rank, under `plan`: steps_per_round steps whose
+// parameters are ready at `ready` (seconds into backward), each launch taking `launch` seconds
+// and collectives at 4 GB/s. Returns the round's choice.
+template <class B>
+std::optional<gradsync::detail::BucketTuner::Choice<B>> tuning_round(gradsync::detail::BucketTuner& tuner,
+                                                                     LocalBackend& backend, const B& bucketer,
+                                                                     const gradsync::BucketPlan& plan,
+                                                                     const std::vector<gradsync::Parameter>& params,
+                                                                     const std::vector<double>& ready, double launch) {
+    // Collectives at 4 GB/s, one after the other.
+    auto at = std::chrono::steady_clock::now();
+    std::vector<TimedSlot> slots;
+    for (const auto& bucket : plan.buckets) {
+        const auto took = std::chrono::nanoseconds(bucket.bytes().count() / 4);
+        slots.push_back({at, at + took});
+        at += took;
+    }
+    for (int s = 0; s < steps_per_round; ++s) {
+        for (std::size_t k = 0; k < plan.buckets.size(); ++k) tuner.launch_took(launch);
+        tuner.observe(ready, slots);
+    }
+    return tuner.choose(backend, bucketer, plan, params);
 }
 
 }  // namespace
@@ -121,11 +152,20 @@ TEST_CASE("bucket autotuning is on by default where the plan cannot change the r
         });
     }
     SUBCASE("a backend that does not promise sums in rank order: off, and on when asked") {
+        // Tuning shows itself by pooling the ranks' measurements every few steps: an allreduce of
+        // float64, one per parameter and a few more.
+        auto pooled = [](const RecordingBackend& b) {
+            return std::count_if(b.log.begin(), b.log.end(), [](const testing_support::Collective& c) {
+                return c.kind == "allreduce" && c.dtype == gradsync::DType::float64 && c.count > 16;
+            });
+        };
         gradsync::spawn(2, [&](LocalBackend& inner) {
-            RecordingBackend b(inner);
-            CHECK(sleepy_steps(b, 2 * steps_per_round).back().buckets.size() == 1);
-            CHECK(sleepy_steps(b, steps_per_round, gradsync::Options{.autotune_buckets = true}).back().buckets.size() >
-                  1);
+            RecordingBackend off(inner);
+            const auto plans = sleepy_steps(off, 2 * steps_per_round);
+            CHECK(plans.back().buckets.size() == 1);
+            RecordingBackend on(inner);
+            sleepy_steps(on, 2 * steps_per_round, gradsync::Options{.autotune_buckets = true});
+            CHECK(pooled(on) - pooled(off) == 2);  // two rounds; the rest is the set-up's agreement
         });
     }
 }
@@ -181,4 +221,37 @@ TEST_CASE("LocalBackend averages do not depend on the bucket plan, to the bit, o
                 CHECK(std::memcmp(ranked.data(), first.data(), first.size() * sizeof(float)) == 0);
             }
     }
+}
+
+TEST_CASE("bucket autotuning learns from two plans whether launches lengthen backward") {
+    // 16 parameters of 256 KiB, ready every 2 ms in reverse order when backward runs alone.
+    Toy m(std::vector<std::size_t>(16, 64 * 1024), 0.0f);
+    const auto params = m.parameters();
+    std::vector<double> alone(16);
+    for (std::size_t i = 0; i < 16; ++i) alone[i] = 2e-3 * static_cast<double>(16 - i);
+    const gradsync::SizeCappedBuckets one{64_MiB, 64_MiB}, each{256_KiB, 256_KiB};
+    const auto single = one.plan(params), per_layer = each.plan(params);
+    REQUIRE(per_layer.buckets.size() == 16);
+    auto ranks = LocalBackend::create_group(1);
+    // Under one bucket nothing launches in backward; under one per layer 15 launches of 1 ms do.
+    // `stalled`: each of them lengthened backward by its millisecond.
+    auto second_round = [&](bool stalled) {
+        gradsync::detail::BucketTuner tuner(true);
+        const auto first = tuning_round(tuner, ranks[0], one, single, params, alone, 1e-3);
+        REQUIRE(first);
+        CHECK(first->cost.stall == 0);  // one plan measured: nothing to compare yet
+        std::vector<double> ready = alone;
+        if (stalled)
+            for (std::size_t i = 0; i < 16; ++i) ready[i] += 1e-3 * static_cast<double>(15 - i);
+        return tuning_round(tuner, ranks[0], each, per_layer, params, ready, 1e-3);
+    };
+    // Where backward waited, the plan measured, one bucket per layer, stays (no new choice).
+    CHECK(!second_round(false));
+    const auto stalled = second_round(true);
+    REQUIRE(stalled);
+    CHECK(stalled->cost.stall == doctest::Approx(1.0));
+    CHECK(stalled->summary().find("(100 % of it lengthening backward)") != std::string::npos);
+    // Counting the stalls, 15 launches in backward cost more than they hide: fewer buckets.
+    CHECK(stalled->plan.buckets.size() < per_layer.buckets.size());
+    CHECK(stalled->exposure_before > stalled->exposure_after);
 }

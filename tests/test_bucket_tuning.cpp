@@ -86,7 +86,7 @@ TEST_CASE("tune_caps splits ResNet-50 finer than 25 MiB when backward takes twic
     const SizeCappedBuckets standard{};
     const auto tuned = gradsync::tune_caps(standard, params, {}, ready, cost);
     const double before = gradsync::predicted_exposure(standard.plan(params), ready, cost);
-    MESSAGE("25 MiB caps: ", before * 1e3, " ms exposed; tuned (cap ", to_string(tuned.bucketer.cap), ", first ",
+    MESSAGE("default caps: ", before * 1e3, " ms exposed; tuned (cap ", to_string(tuned.bucketer.cap), ", first ",
             to_string(tuned.bucketer.first_cap), ", ", tuned.plan.buckets.size(), " buckets): ", tuned.exposure * 1e3,
             " ms");
     CHECK(tuned.bucketer.cap < standard.cap);
@@ -114,4 +114,60 @@ TEST_CASE("tune_caps keeps the current caps when no plan is better") {
     const auto tuned = gradsync::tune_caps(current, params, {}, std::vector<double>{0.0, 0.0}, CollectiveCost{});
     CHECK(tuned.bucketer.cap == current.cap);
     CHECK(tuned.bucketer.first_cap == current.first_cap);
+}
+
+TEST_CASE("launches that stall backward count as exposed, and measured ready times shed the stalls") {
+    const std::vector<Parameter> params{{"a", nullptr, nullptr, 1000, DType::float32},
+                                        {"b", nullptr, nullptr, 1000, DType::float32},
+                                        {"c", nullptr, nullptr, 1000, DType::float32}};
+    gradsync::BucketPlan per_parameter;
+    for (std::size_t p = 3; p-- > 0;) per_parameter.buckets.push_back({DType::float32, {p}, 1000});
+    const std::vector<double> ready{3.0, 2.0, 1.0};  // backward alone: c at 1, b at 2, a at 3
+    // Free collectives, launches of 0.25 s. Backward does not wait for them: only the last
+    // launch, at the end, is exposed.
+    CollectiveCost cost{0, 0, 0.25, 0};
+    CHECK(gradsync::predicted_exposure(per_parameter, ready, cost) == doctest::Approx(0.25));
+    // Backward runs on the launching thread: the launches at 1 and 2 push the end to 3.5, and the
+    // last one goes after it.
+    cost.stall = 1;
+    CHECK(gradsync::predicted_exposure(per_parameter, ready, cost) == doctest::Approx(0.75));
+    // Times measured under that plan carry its stalls (b at 2.25, a at 3.5); shed, they are
+    // backward's own again.
+    const std::vector<double> measured{3.5, 2.25, 1.0};
+    const auto own = gradsync::without_launch_stalls(per_parameter, measured, cost);
+    CHECK(own[0] == doctest::Approx(3.0));
+    CHECK(own[1] == doctest::Approx(2.0));
+    CHECK(own[2] == doctest::Approx(1.0));
+    cost.stall = 0;
+    CHECK(gradsync::without_launch_stalls(per_parameter, measured, cost) == measured);
+}
+
+TEST_CASE("launch_stall: how much of a launch lengthened backward, from two plans measured in turn") {
+    // 10 more launches of 1 ms made backward 10 ms longer: every launch stalled it.
+    CHECK(gradsync::launch_stall(0.100, 5, 0.110, 15, 1e-3) == doctest::Approx(1.0));
+    // Half of it: a backward that waited on something else half of the time.
+    CHECK(gradsync::launch_stall(0.100, 15, 0.095, 5, 1e-3) == doctest::Approx(0.5));
+    // Unchanged (a GPU computing, or a backward that sleeps to its deadlines).
+    CHECK(gradsync::launch_stall(0.100, 5, 0.100, 15, 1e-3) == 0);
+    // Noise is clamped into [0, 1].
+    CHECK(gradsync::launch_stall(0.100, 5, 0.130, 15, 1e-3) == 1);
+    CHECK(gradsync::launch_stall(0.100, 5, 0.090, 15, 1e-3) == 0);
+    // Launches that differ by less than a millisecond (or 5 % of backward) tell nothing.
+    CHECK(gradsync::launch_stall(0.100, 5, 0.1009, 14, 1e-4) == 0);
+    CHECK(gradsync::launch_stall(1.0, 5, 1.02, 25, 1e-3) == 0);
+}
+
+TEST_CASE("tune_caps takes fewer buckets for ResNet-50 when every launch stalls backward") {
+    const auto params = resnet50();
+    const auto ready = uniform_backward(params, 0.034);
+    const SizeCappedBuckets standard{};
+    CollectiveCost cost{20e-6, 1.0 / 6e9, 200e-6, 0};  // launches of 200 us (a slow model listing)
+    const auto hidden = gradsync::tune_caps(standard, params, {}, ready, cost);
+    cost.stall = 1;
+    const auto stalling = gradsync::tune_caps(standard, params, {}, ready, cost);
+    MESSAGE("launches hidden: ", hidden.plan.buckets.size(), " buckets, ", hidden.exposure * 1e3,
+            " ms; stalling backward: ", stalling.plan.buckets.size(), " buckets, ", stalling.exposure * 1e3, " ms");
+    CHECK(stalling.plan.buckets.size() < hidden.plan.buckets.size());
+    // What the stalls cost the plan chosen without them is counted now, and more than the choice.
+    CHECK(gradsync::predicted_exposure(hidden.plan, ready, cost) > stalling.exposure);
 }

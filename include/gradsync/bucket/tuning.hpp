@@ -9,7 +9,8 @@
 #include <gradsync/bytes.hpp>
 #include <gradsync/model/model.hpp>
 
-#include <algorithm>  // for std::max, std::min, std::sort
+#include <algorithm>  // for std::max, std::min, std::sort, std::count_if, std::clamp
+#include <cmath>      // for std::abs
 #include <concepts>   // for std::same_as
 #include <cstddef>
 #include <cstdint>
@@ -26,11 +27,14 @@ concept TunableBucketer = Bucketer<B> && std::copyable<B> && requires(B b) {
 };
 
 // The time of one collective as latency + bytes x seconds per byte, and what launching one costs
-// the thread that runs backward (the host's share: listing, packing, queueing).
+// the thread that runs backward (the host's share: listing, packing, queueing). `stall`: the share
+// of a launch that lengthens backward, 0 where backward does not wait for that thread (a GPU
+// computes while the host runs ahead), 1 where backward runs on it (a CPU-bound backward).
 struct CollectiveCost {
     double latency = 0;   // seconds
     double per_byte = 0;  // seconds
     double launch = 0;    // seconds of the launching thread per bucket
+    double stall = 0;     // 0 to 1
 
     [[nodiscard]] double of(Bytes bytes) const { return latency + per_byte * static_cast<double>(bytes.count()); }
 };
@@ -72,20 +76,64 @@ inline CollectiveCost fit_cost(std::span<const CollectiveSample> samples) {
     return cost;
 }
 
-// The communication `plan` leaves after backward, in seconds, if parameter p is ready at
-// ready[p] (seconds into backward, which ends with the last of them): buckets are launched one
-// at a time in plan order, each once complete (taking cost.launch of the launching thread), and
-// their collectives run one at a time, each once launched and its predecessor done.
-inline double predicted_exposure(const BucketPlan& plan, std::span<const double> ready, const CollectiveCost& cost) {
-    double end_of_backward = 0, launched = 0, done = 0;
-    for (double r : ready) end_of_backward = std::max(end_of_backward, r);
+// When each bucket of `plan` is complete: the ready time of its last parameter.
+inline std::vector<double> completion_times(const BucketPlan& plan, std::span<const double> ready) {
+    std::vector<double> out;
     for (const auto& bucket : plan.buckets) {
         double complete = 0;
         for (auto p : bucket.parameters) complete = std::max(complete, ready[p]);
-        launched = std::max(launched, complete) + cost.launch;
-        done = std::max(done, launched) + cost.of(bucket.bytes());
+        out.push_back(complete);
     }
-    return std::max(0.0, done - end_of_backward);
+    return out;
+}
+
+// How many of `plan`'s buckets complete before `t`: the launches backward has made by then.
+inline std::size_t launches_before(std::span<const double> completions, double t) {
+    return static_cast<std::size_t>(
+        std::count_if(completions.begin(), completions.end(), [&](double c) { return c < t; }));
+}
+
+// Ready times without the stalls that the launches of `plan` (under which they were measured) put
+// into backward: what backward alone would take, as any other plan's launches would shift it.
+inline std::vector<double> without_launch_stalls(const BucketPlan& plan, std::span<const double> ready,
+                                                 const CollectiveCost& cost) {
+    std::vector<double> out(ready.begin(), ready.end());
+    if (cost.stall <= 0) return out;
+    const auto completions = completion_times(plan, ready);
+    for (auto& r : out) r -= cost.stall * cost.launch * static_cast<double>(launches_before(completions, r));
+    return out;
+}
+
+// The communication `plan` leaves after backward, in seconds, if parameter p is ready at
+// ready[p] (seconds into backward, which ends with the last of them; without launch stalls):
+// buckets are launched one at a time in plan order, each once complete (taking cost.launch of the
+// launching thread), and their collectives run one at a time, each once launched and its
+// predecessor done. A launch in backward also delays, by cost.stall of it, all backward does
+// after it: what a plan's launches lengthen backward by counts as exposed too.
+inline double predicted_exposure(const BucketPlan& plan, std::span<const double> ready, const CollectiveCost& cost) {
+    double end_of_backward = 0, launched = 0, done = 0;
+    for (double r : ready) end_of_backward = std::max(end_of_backward, r);
+    const auto completions = completion_times(plan, ready);
+    const double stall = cost.stall * cost.launch;
+    for (std::size_t b = 0; b < plan.buckets.size(); ++b) {
+        const double complete =
+            completions[b] + stall * static_cast<double>(launches_before(completions, completions[b]));
+        launched = std::max(launched, complete) + cost.launch;
+        done = std::max(done, launched) + cost.of(plan.buckets[b].bytes());
+    }
+    const double lengthened =
+        end_of_backward + stall * static_cast<double>(launches_before(completions, end_of_backward));
+    return std::max(done, lengthened) - end_of_backward;
+}
+
+// The share of a launch that lengthened backward, from two plans measured in turn: backward's
+// length (the last ready time) and the launches made in it under each. 0 when backward did not
+// grow with the launches (or they differ too little to tell: by less than a millisecond and 5 %
+// of backward); at most 1.
+inline double launch_stall(double end_a, std::size_t launches_a, double end_b, std::size_t launches_b, double launch) {
+    const double extra = (static_cast<double>(launches_b) - static_cast<double>(launches_a)) * launch;
+    if (std::abs(extra) < std::max(1e-3, 0.05 * std::min(end_a, end_b))) return 0;
+    return std::clamp((end_b - end_a) / extra, 0.0, 1.0);
 }
 
 // What tuning chose, and what it expects.

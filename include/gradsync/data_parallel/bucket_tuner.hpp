@@ -42,12 +42,12 @@ public:
         // "cap 4 MiB, first cap 256 KiB: 27 buckets; predicted exposed 0.81 ms after backward
         // (2.90 ms before); a collective takes 21 us + 0.360 ns per byte, its launch 12 us"
         [[nodiscard]] std::string summary() const {
-            char figures[160];
+            char figures[256];
             std::snprintf(figures, sizeof figures,
                           "; predicted exposed %.2f ms after backward (%.2f ms before); a collective takes %.0f us + "
-                          "%.3f ns per byte, its launch %.0f us",
+                          "%.3f ns per byte, its launch %.0f us (%.0f %% of it lengthening backward)",
                           exposure_after * 1e3, exposure_before * 1e3, cost.latency * 1e6, cost.per_byte * 1e9,
-                          cost.launch * 1e6);
+                          cost.launch * 1e6, cost.stall * 100);
             return "cap " + to_string(bucketer.cap) + ", first cap " + to_string(bucketer.first_cap) + ": " +
                    std::to_string(plan.buckets.size()) + " buckets" + figures;
         }
@@ -102,8 +102,9 @@ public:
     std::optional<Choice<B>> choose(BackendT& backend, const B& current, const BucketPlan& plan,
                                     std::span<const Parameter> params) {
         const std::size_t n = params.size();
-        // [ranks that measured, latency, seconds per byte, launch, ready time of each parameter]
-        constexpr std::size_t head = 4;
+        // [ranks that measured, latency, seconds per byte, launch, stall, ready time of each
+        // parameter]
+        constexpr std::size_t head = 5;
         std::vector<double> pooled(head + n, 0.0);
         if (!ready_.empty()) {
             // Earlier rounds' samples too: their buckets had other sizes, which the fit needs.
@@ -115,6 +116,7 @@ public:
             pooled[2] = cost.per_byte;
             pooled[3] = median(launch_);
             for (std::size_t p = 0; p < n; ++p) pooled[head + p] = median_ready(p);
+            pooled[4] = stall_since_last_round(plan, std::span<const double>(pooled).subspan(head), pooled[3]);
         }
         ready_.clear();
         durations_.clear();
@@ -126,12 +128,13 @@ public:
         }
         for (std::size_t k = 1; k < pooled.size(); ++k) pooled[k] /= pooled[0];
 
-        // Rank 0 decides: [changed, cap, first cap, exposure before, after, cost (3), order...]
-        constexpr std::size_t decided = 8;
+        // Rank 0 decides: [changed, cap, first cap, exposure before, after, cost (4), order...]
+        constexpr std::size_t decided = 9;
         std::vector<double> decision(decided + n, 0.0);
         if (backend.rank() == 0) {
-            const CollectiveCost cost{pooled[1], pooled[2], pooled[3]};
-            const std::span<const double> ready(pooled.data() + head, n);
+            const CollectiveCost cost{pooled[1], pooled[2], pooled[3], pooled[4]};
+            // As backward alone would run them: each plan's own launches stall it anew.
+            const auto ready = without_launch_stalls(plan, std::span<const double>(pooled).subspan(head, n), cost);
             const auto order = readiness_order_of(ready);
             const auto tuned = tune_caps(current, params, order, ready, cost);
             decision = {tuned.plan == plan ? 0.0 : 1.0,
@@ -141,14 +144,15 @@ public:
                         tuned.exposure,
                         cost.latency,
                         cost.per_byte,
-                        cost.launch};
+                        cost.launch,
+                        cost.stall};
             for (auto p : order) decision.push_back(static_cast<double>(p));
         }
         if (backend.size() > 1) backend.broadcast(std::as_writable_bytes(std::span<double>(decision)), 0);
         if (++round_ >= rounds) active_ = false;
         warmed_up_ = false;
         if (decision[0] == 0) return std::nullopt;
-        Choice<B> choice{current, {}, decision[3], decision[4], {decision[5], decision[6], decision[7]}};
+        Choice<B> choice{current, {}, decision[3], decision[4], {decision[5], decision[6], decision[7], decision[8]}};
         choice.bucketer.cap = Bytes{static_cast<std::uint64_t>(decision[1])};
         choice.bucketer.first_cap = Bytes{static_cast<std::uint64_t>(decision[2])};
         std::vector<std::size_t> order;
@@ -158,6 +162,19 @@ public:
     }
 
 private:
+    // The share of a launch that lengthened backward, from this round (under `plan`, with median
+    // ready times `ready` and launches of `launch` seconds) and the one before, under another plan
+    // (bucket/tuning.hpp, launch_stall). 0 in the first round. Remembers this round for the next.
+    double stall_since_last_round(const BucketPlan& plan, std::span<const double> ready, double launch) {
+        double end = 0;
+        for (double r : ready) end = std::max(end, r);
+        const auto launches = launches_before(completion_times(plan, ready), end);
+        const double stall =
+            last_round_ ? launch_stall(last_round_->end, last_round_->launches, end, launches, launch) : 0.0;
+        last_round_ = Round{end, launches};
+        return stall;
+    }
+
     // Parameters by the time they were ready; ties in reverse registration order.
     static std::vector<std::size_t> readiness_order_of(std::span<const double> ready) {
         std::vector<std::size_t> order(ready.size());
@@ -199,7 +216,12 @@ private:
     std::vector<std::vector<double>> durations_;  // per measured step, per bucket
     std::vector<double> launch_;                  // per measured step, the mean launch
     std::vector<CollectiveSample> samples_;       // per bucket of every round so far
-    double launch_seconds_ = 0;                   // this step's launches so far
+    struct Round {
+        double end = 0;            // backward's length (the last median ready time), seconds
+        std::size_t launches = 0;  // buckets launched in it
+    };
+    std::optional<Round> last_round_;  // the last round that measured
+    double launch_seconds_ = 0;        // this step's launches so far
     std::size_t launches_ = 0;
 };
 
