@@ -6232,7 +6232,8 @@ public:
         CollectiveCost cost;
 
         // "cap 4 MiB, first cap 256 KiB: 27 buckets; predicted exposed 0.81 ms after backward
-        // (2.90 ms before); a collective takes 21 us + 0.360 ns per byte, its launch 12 us"
+        // (2.90 ms before); a collective takes 21 us + 0.360 ns per byte, its launch 12 us (0 % of
+        // it lengthening backward)"
         [[nodiscard]] std::string summary() const {
             char figures[256];
             std::snprintf(figures, sizeof figures,
@@ -6241,7 +6242,7 @@ public:
                           exposure_after * 1e3, exposure_before * 1e3, cost.latency * 1e6, cost.per_byte * 1e9,
                           cost.launch * 1e6, cost.stall * 100);
             return "cap " + to_string(bucketer.cap) + ", first cap " + to_string(bucketer.first_cap) + ": " +
-                   std::to_string(plan.buckets.size()) + " buckets" + figures;
+                   std::to_string(plan.buckets.size()) + (plan.buckets.size() == 1 ? " bucket" : " buckets") + figures;
         }
     };
 
