@@ -344,6 +344,13 @@ void print_summary() {
                    shown("%.2f", overlap.tuned_vs_sweep.ratio, "x"), label_only(overlap.tuned_vs_sweep.where),
                    overlap.tuned_vs_sweep.ratio, "<= 1.10", overlap.tuned_vs_sweep.ratio <= 1.1);
     }
+    if (overlap.tuned_above_floor.where.empty()) missing("autotuned exposed beside the floor");
+    if (!overlap.tuned_above_floor.where.empty()) {
+        const auto& above = overlap.tuned_above_floor;
+        target_row("autotuned exposed / the floor any plan leaves, most above it (" + above.where + ")",
+                   shown("%.2f", above.exposed_ms, "ms"), shown("%.2f", above.floor_ms, "ms", "floor"),
+                   above.exposed_ms / std::max(above.floor_ms, 1e-6), "-", true);
+    }
     if (!copy_view) missing("views_vs_copies/resnet50");
     if (copy_view) {
         auto copy = counter("views_vs_copies/resnet50", "copy_ms"),
