@@ -5910,12 +5910,13 @@ struct Options {
 // inputs give the same plan on every rank.
 
 
-#include <algorithm>  // for std::max, std::min, std::sort, std::count_if, std::clamp
+#include <algorithm>  // for std::max, std::min, std::sort, std::lower_bound, std::clamp
 #include <cmath>      // for std::abs
 #include <concepts>   // for std::same_as
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <utility>  // for std::move
 #include <vector>
 
 namespace gradsync::inline v0 {
@@ -5988,11 +5989,20 @@ inline std::vector<double> completion_times(const BucketPlan& plan, std::span<co
     return out;
 }
 
-// How many of `plan`'s buckets complete before `t`: the launches backward has made by then.
-inline std::size_t launches_before(std::span<const double> completions, double t) {
-    return static_cast<std::size_t>(
-        std::count_if(completions.begin(), completions.end(), [&](double c) { return c < t; }));
-}
+// How many of a plan's buckets complete before a given time: the launches backward has made by
+// then. Sorted once, so that a replay asks it once per bucket in logarithmic time.
+class LaunchCount {
+public:
+    explicit LaunchCount(std::vector<double> completions) : sorted_(std::move(completions)) {
+        std::sort(sorted_.begin(), sorted_.end());
+    }
+    [[nodiscard]] std::size_t before(double t) const {
+        return static_cast<std::size_t>(std::lower_bound(sorted_.begin(), sorted_.end(), t) - sorted_.begin());
+    }
+
+private:
+    std::vector<double> sorted_;
+};
 
 // Ready times without the stalls that the launches of `plan` (under which they were measured) put
 // into backward: what backward alone would take, as any other plan's launches would shift it.
@@ -6000,8 +6010,8 @@ inline std::vector<double> without_launch_stalls(const BucketPlan& plan, std::sp
                                                  const CollectiveCost& cost) {
     std::vector<double> out(ready.begin(), ready.end());
     if (cost.stall <= 0) return out;
-    const auto completions = completion_times(plan, ready);
-    for (auto& r : out) r -= cost.stall * cost.launch * static_cast<double>(launches_before(completions, r));
+    const LaunchCount launches(completion_times(plan, ready));
+    for (auto& r : out) r -= cost.stall * cost.launch * static_cast<double>(launches.before(r));
     return out;
 }
 
@@ -6015,15 +6025,14 @@ inline double predicted_exposure(const BucketPlan& plan, std::span<const double>
     double end_of_backward = 0, launched = 0, done = 0;
     for (double r : ready) end_of_backward = std::max(end_of_backward, r);
     const auto completions = completion_times(plan, ready);
+    const LaunchCount launches(completions);
     const double stall = cost.stall * cost.launch;
     for (std::size_t b = 0; b < plan.buckets.size(); ++b) {
-        const double complete =
-            completions[b] + stall * static_cast<double>(launches_before(completions, completions[b]));
+        const double complete = completions[b] + stall * static_cast<double>(launches.before(completions[b]));
         launched = std::max(launched, complete) + cost.launch;
         done = std::max(done, launched) + cost.of(plan.buckets[b].bytes());
     }
-    const double lengthened =
-        end_of_backward + stall * static_cast<double>(launches_before(completions, end_of_backward));
+    const double lengthened = end_of_backward + stall * static_cast<double>(launches.before(end_of_backward));
     return std::max(done, lengthened) - end_of_backward;
 }
 
@@ -6361,7 +6370,7 @@ private:
     double stall_since_last_round(const BucketPlan& plan, std::span<const double> ready, double launch) {
         double end = 0;
         for (double r : ready) end = std::max(end, r);
-        const auto launches = launches_before(completion_times(plan, ready), end);
+        const auto launches = LaunchCount(completion_times(plan, ready)).before(end);
         const double stall =
             last_round_ ? launch_stall(last_round_->end, last_round_->launches, end, launches, launch) : 0.0;
         last_round_ = Round{end, launches};

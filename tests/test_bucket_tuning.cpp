@@ -142,6 +142,18 @@ TEST_CASE("launches that stall backward count as exposed, and measured ready tim
     CHECK(gradsync::without_launch_stalls(per_parameter, measured, cost) == measured);
 }
 
+TEST_CASE("LaunchCount counts the buckets complete strictly before a time, in any plan order") {
+    // Plan order need not be completion order (a bucket filled forward completes last).
+    const gradsync::LaunchCount launches({3.0, 1.0, 2.0, 1.0});
+    CHECK(launches.before(0.5) == 0);
+    CHECK(launches.before(1.0) == 0);  // a bucket completing at t is launched at t, not before
+    CHECK(launches.before(1.5) == 2);
+    CHECK(launches.before(2.0) == 2);
+    CHECK(launches.before(2.5) == 3);
+    CHECK(launches.before(9.0) == 4);
+    CHECK(gradsync::LaunchCount({}).before(1.0) == 0);
+}
+
 TEST_CASE("launch_stall: how much of a launch lengthened backward, from two plans measured in turn") {
     // 10 more launches of 1 ms made backward 10 ms longer: every launch stalled it.
     CHECK(gradsync::launch_stall(0.100, 5, 0.110, 15, 1e-3) == doctest::Approx(1.0));

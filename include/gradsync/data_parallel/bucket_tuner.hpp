@@ -169,7 +169,7 @@ private:
     double stall_since_last_round(const BucketPlan& plan, std::span<const double> ready, double launch) {
         double end = 0;
         for (double r : ready) end = std::max(end, r);
-        const auto launches = launches_before(completion_times(plan, ready), end);
+        const auto launches = LaunchCount(completion_times(plan, ready)).before(end);
         const double stall =
             last_round_ ? launch_stall(last_round_->end, last_round_->launches, end, launches, launch) : 0.0;
         last_round_ = Round{end, launches};
