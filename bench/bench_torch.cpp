@@ -2,7 +2,8 @@
 // whose parameters have ResNet-50's layout, against the same layout in plain std::vector<float>
 // buffers, in the same run and alternating, so that both see the same machine. The adapter lists
 // the module again every step (named_parameters(), to follow gradients torch may reallocate);
-// the plain model is listed too (Options::storage_may_move is on for both).
+// the plain model is listed too (Options::storage_may_move is on for both). Beside it, what a bucket
+// launched in backward pays to list the module again, from what the step kept.
 //
 //   bench_torch [--quick]   (--quick: one round of one step, only to check every figure is produced)
 #include <torch/torch.h>
@@ -56,26 +57,34 @@ int main(int argc, char** argv) {
     const int rounds = quick ? 1 : 5, steps_per_round = quick ? 1 : 6;
     torch::set_num_threads(1);
     const auto tensors = layouts::resnet50();
-    std::vector<double> torch_ms, plain_ms, listing_us;
+    std::vector<double> torch_ms, plain_ms, listing_us, relisting_us;
     gradsync::spawn(2, [&](gradsync::LocalBackend& backend) {
         LayoutModule module(tensors);
         bench::LayoutModel plain(tensors);
         gradsync::DataParallel torch_dp(module, backend);
         gradsync::DataParallel plain_dp(plain, backend);
-        std::vector<double> mine_torch, mine_plain, mine_listing;
+        std::vector<double> mine_torch, mine_plain, mine_listing, mine_relisting;
+        auto microseconds = [](auto&& list) {
+            const auto start = std::chrono::steady_clock::now();
+            const auto listed = list();
+            const double us =
+                std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
+            if (listed.size() != layouts::resnet50().size()) std::abort();
+            return us;
+        };
         for (int r = 0; r < rounds; ++r) {
             time_steps(torch_dp, steps_per_round, mine_torch);
             time_steps(plain_dp, steps_per_round, mine_plain);
-            const auto start = std::chrono::steady_clock::now();
-            const auto listed = gradsync::parameters(module);
-            mine_listing.push_back(
-                std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count());
-            if (listed.size() != tensors.size()) std::abort();
+            mine_listing.push_back(microseconds([&] { return gradsync::parameters(module); }));
+            // In backward, every bucket after the first lists through what the step kept.
+            auto lister = gradsync::model_traits<LayoutModule>::lister_for_step(module);
+            mine_relisting.push_back(microseconds([&] { return lister.parameters_now(); }));
         }
         if (backend.rank() == 0) {
             torch_ms = mine_torch;
             plain_ms = mine_plain;
             listing_us = mine_listing;
+            relisting_us = mine_relisting;
         }
     });
     const double t = bench::median(torch_ms), p = bench::median(plain_ms);
@@ -84,12 +93,18 @@ int main(int argc, char** argv) {
     std::printf("  torch module   %8.2f ms\n  plain vectors  %8.2f ms   (the ceiling: same layout, no adapter)\n", t,
                 p);
     std::printf("  ratio          %8.3f   (1.0 = the adapter costs nothing)\n", t / p);
-    std::printf("  listing the module once: %.0f us (median)\n", bench::median(listing_us));
+    const double list = bench::median(listing_us), relist = bench::median(relisting_us);
+    std::printf("  listing the module once: %.0f us (median)\n", list);
+    std::printf("  listing it again in backward, from what the step kept: %.1f us (median; %.3f of a listing)\n",
+                relist, relist / list);
     // A figure that is not a finite positive number means the benchmark broke.
-    if (!bench::sane(t) || !bench::sane(p)) {
-        std::printf("BROKEN: the adapter's or the plain model's time is not a finite positive figure\n");
+    if (!bench::sane(t) || !bench::sane(p) || !bench::sane(list) || !bench::sane(relist)) {
+        std::printf("BROKEN: a time (adapter, plain model, listings) is not a finite positive figure\n");
         return 1;
     }
-    bench::write_summary_rows("torch_adapter", {{"libtorch adapter synchronize(), ResNet-50 / plain vectors", t, "ms",
-                                                 "plain vectors", p, "", t / p, "-", true}});
+    bench::write_summary_rows(
+        "torch_adapter", {{"libtorch adapter synchronize(), ResNet-50 / plain vectors", t, "ms", "plain vectors", p, "",
+                           t / p, "-", true},
+                          {"libtorch listing per bucket in backward, kept for the step / a full listing", relist, "us",
+                           "full listing", list, "", relist / list, "-", true}});
 }

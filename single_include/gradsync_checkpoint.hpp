@@ -1368,7 +1368,9 @@ P policy_value(const std::tuple<Ps...>& given) {
 
 #include <concepts>  // for std::convertible_to
 #include <cstddef>
-#include <ranges>  // for std::ranges::input_range, contiguous_range
+#include <functional>  // for std::function
+#include <memory>      // for std::make_shared
+#include <ranges>      // for std::ranges::input_range, contiguous_range
 #include <span>
 #include <string>
 #include <type_traits>  // for std::remove_cvref_t, std::is_pointer_v
@@ -1417,8 +1419,13 @@ requires std::ranges::sized_range<D> && std::ranges::sized_range<G> &&
 //       // Optional: the parameters as they are during backward, where a gradient the framework
 //       // has not made yet may be null (parameters() must make it: it is read at synchronize()).
 //       static std::vector<gradsync::Parameter> parameters_now(Net& net);
+//       // Optional: what listing them again within one step needs, kept: an object whose
+//       // parameters_now() lists as parameters_now(net) would, without what does not change in
+//       // a step (a framework's parameter objects, their names). Made once per step, at the first
+//       // bucket launched in backward, and asked for that bucket and every one launched after it.
+//       static Lister lister_for_step(Net& net);
 //   };
-// (A model type of your own may have a member parameters_now() instead.)
+// (A model type of your own may have members parameters_now() and lister_for_step() instead.)
 template <class Model>
 struct model_traits {};
 
@@ -1489,6 +1496,29 @@ std::vector<Parameter> parameters_now(M& model) {
         return parameters_cpo::to_vector(model.parameters_now());
     else
         return gradsync::parameters(model);
+}
+
+// Lists the parameters again and again during one step's backward: with the lister the model
+// keeps for a step (model_traits<M>::lister_for_step or member lister_for_step()) where it has
+// one, else parameters_now(model) each time. Valid until the step ends.
+template <class M>
+std::function<std::vector<Parameter>()> lister_for_step(M& model) {
+    using traits = model_traits<std::remove_cvref_t<M>>;
+    auto keep = [](auto lister) {
+        return [kept = std::make_shared<decltype(lister)>(std::move(lister))] {
+            return parameters_cpo::to_vector(kept->parameters_now());
+        };
+    };
+    if constexpr (requires {
+                      { traits::lister_for_step(model).parameters_now() } -> ParameterRange;
+                  })
+        return keep(traits::lister_for_step(model));
+    else if constexpr (requires {
+                           { model.lister_for_step().parameters_now() } -> ParameterRange;
+                       })
+        return keep(model.lister_for_step());
+    else
+        return [&model] { return parameters_now(model); };
 }
 
 }  // namespace detail
@@ -2239,13 +2269,11 @@ struct ModelLayout {
         return out;
     }
 
-    // The model's parameters now, to follow storage that moves between steps (a framework that
-    // frees gradients and allocates new ones in backward); `in_backward`: while backward runs,
-    // when gradients not reached yet may be null. A list of another length is an InvalidModel
-    // error; where() begins its message.
-    template <class Model, class Where>
-    std::vector<Parameter> relist(Model& model, bool in_backward, const Where& where) const {
-        auto listed = in_backward ? detail::parameters_now(model) : gradsync::parameters(model);
+    // `listed`, the model's parameters now (to follow storage that moves between steps: a
+    // framework that frees gradients and allocates new ones in backward), if there are as many as
+    // at construction; another number is an InvalidModel error, where() begins its message.
+    template <class Where>
+    std::vector<Parameter> checked(std::vector<Parameter> listed, const Where& where) const {
         if (listed.size() != param_of_model_index.size())
             throw InvalidModel(where() + ": the model lists " + std::to_string(listed.size()) +
                                " parameters now and listed " + std::to_string(param_of_model_index.size()) +
@@ -3139,11 +3167,13 @@ void abandon_in_flight(Backend& backend, Engine& engine, std::chrono::millisecon
 // optimizer and allocates new ones in backward (libtorch 2.x's zero_grad() sets them to none)
 // would leave a DataParallel reading freed memory. Before each bucket's collective the model is
 // listed again and the bucket follows its gradients to where they are now: pointer compares per
-// step, and new tables only for a bucket whose storage moved.
+// step, and new tables only for a bucket whose storage moved. In backward, once per bucket
+// launched, through what the model keeps for the step where it keeps something (model.hpp).
 
 
 #include <algorithm>  // for std::all_of, std::fill
 #include <cstddef>
+#include <functional>  // for std::function
 #include <vector>
 
 namespace gradsync::inline v0::detail {
@@ -3151,8 +3181,14 @@ namespace gradsync::inline v0::detail {
 class StorageFollower {
 public:
     // A new plan of `buckets` buckets.
-    void reset(std::size_t buckets) { followed_.assign(buckets, 0); }
-    void end_step() { std::fill(followed_.begin(), followed_.end(), 0); }
+    void reset(std::size_t buckets) {
+        followed_.assign(buckets, 0);
+        lister_ = nullptr;
+    }
+    void end_step() {
+        std::fill(followed_.begin(), followed_.end(), 0);
+        lister_ = nullptr;
+    }
 
     // Follows the storage of buckets [first, last) not followed yet this step, with one listing
     // of the model (`in_backward`: a bucket launched while backward runs); moved(b) is called for
@@ -3163,7 +3199,10 @@ public:
                 bool in_backward, const Moved& moved, const Where& where) {
         const auto begin = followed_.begin();
         if (std::all_of(begin + first, begin + last, [](char f) { return f != 0; })) return false;
-        const auto listed = layout.relist(model, in_backward, where);
+        // While backward runs, gradients not reached yet may be null; the model's lister for the
+        // step (model.hpp) lists it again for each bucket launched after the first.
+        if (in_backward && !lister_) lister_ = lister_for_step(model);
+        const auto listed = layout.checked(in_backward ? lister_() : gradsync::parameters(model), where);
         for (std::size_t b = first; b < last; ++b) {
             if (followed_[b] != 0) continue;
             followed_[b] = 1;
@@ -3173,7 +3212,8 @@ public:
     }
 
 private:
-    std::vector<char> followed_;  // per bucket: followed this step
+    std::vector<char> followed_;                      // per bucket: followed this step
+    std::function<std::vector<Parameter>()> lister_;  // this step's, once backward launched a bucket
 };
 
 }  // namespace gradsync::inline v0::detail

@@ -151,3 +151,51 @@ TEST_CASE("moved storage: one listing per plain step, one per bucket launched in
         });
     }
 }
+
+TEST_CASE("moved storage: in backward, a lister the model keeps for the step lists it for every bucket") {
+    // Lists through what it kept for the step; counts how often each way is taken.
+    struct Keeping : Reallocating {
+        int listings = 0, kept = 0, relisted = 0;
+        std::vector<gradsync::Parameter> parameters() {
+            ++listings;
+            return Reallocating::parameters();
+        }
+        struct Lister {
+            Keeping* model;
+            std::vector<gradsync::Parameter> parameters_now() {
+                ++model->relisted;
+                return model->Reallocating::parameters();
+            }
+        };
+        Lister lister_for_step() {
+            ++kept;
+            return {this};
+        }
+    };
+    constexpr int world = 3, steps = 5;
+    const auto fixed = train(world, false, true);
+    std::vector<std::vector<float>> weights(world);
+    gradsync::spawn(world, [&](LocalBackend& b) {
+        Keeping m;  // gradients allocated anew in every backward, after the step's lister was made
+        gradsync::DataParallel dp(
+            m, b, gradsync::SizeCappedBuckets{.cap = gradsync::Bytes{1200}, .first_cap = gradsync::Bytes{1200}},
+            gradsync::Options{.autotune_buckets = false});  // three buckets in every step
+        REQUIRE(dp.plan().buckets.size() == 3);
+        const int at_start = m.listings;
+        for (int s = 0; s < steps; ++s) {
+            for (std::size_t k = m.sizes.size(); k-- > 0;) {
+                m.backward(b.rank(), s, k);
+                dp.grad_ready(k);
+            }
+            dp.synchronize();
+            m.sgd();
+        }
+        CHECK(m.kept == steps);          // one lister per step
+        CHECK(m.relisted == 3 * steps);  // asked for every bucket
+        CHECK(m.listings == at_start);   // never the full listing
+        std::vector<float> all;
+        for (const auto& w : m.w) all.insert(all.end(), w.begin(), w.end());
+        weights[static_cast<std::size_t>(b.rank())] = all;
+    });
+    for (int r = 0; r < world; ++r) CHECK(weights[static_cast<std::size_t>(r)] == fixed[0]);
+}

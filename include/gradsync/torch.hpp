@@ -138,12 +138,11 @@ inline std::vector<std::pair<std::string, ::at::Tensor>> trainable(::torch::nn::
     return out;
 }
 
-// The module's trainable parameters as gradsync parameters, gradients made where absent unless
-// `missing` says to leave them null.
-inline std::vector<Parameter> parameters_of(::torch::nn::Module& module,
+// Trainable parameters (as trainable() lists them) as gradsync parameters, gradients made where
+// absent unless `missing` says to leave them null.
+inline std::vector<Parameter> parameters_of(std::span<std::pair<std::string, ::at::Tensor>> params,
                                             MissingGradients missing = MissingGradients::make_zeros) {
     std::vector<Parameter> out;
-    auto params = trainable(module);
     out.reserve(params.size());
     for (auto& [name, param] : params) {
         const auto dtype = detail::gradsync_dtype(param.scalar_type());
@@ -152,11 +151,31 @@ inline std::vector<Parameter> parameters_of(::torch::nn::Module& module,
                                "; gradsync synchronizes float32, float64, float16 and bfloat16 parameters");
         detail::check_dense(param, params.front().second.device(), [&] { return "parameter '" + name + "'"; });
         void* grad = detail::gradient_of(param, name, missing);
-        out.push_back(
-            Parameter{std::move(name), param.data_ptr(), grad, static_cast<std::size_t>(param.numel()), *dtype});
+        out.push_back(Parameter{name, param.data_ptr(), grad, static_cast<std::size_t>(param.numel()), *dtype});
     }
     return out;
 }
+
+// The module's trainable parameters as gradsync parameters (see above).
+inline std::vector<Parameter> parameters_of(::torch::nn::Module& module,
+                                            MissingGradients missing = MissingGradients::make_zeros) {
+    auto params = trainable(module);
+    return parameters_of(params, missing);
+}
+
+// The module's trainable parameters kept for one step, to list them again during its backward
+// from the tensors themselves: named_parameters() builds every name anew, most of a listing's
+// cost, and a module's parameter tensors do not change within a step (their gradients may).
+class StepLister {
+public:
+    explicit StepLister(::torch::nn::Module& module) : params_(trainable(module)) {}
+    [[nodiscard]] std::vector<Parameter> parameters_now() {
+        return parameters_of(params_, MissingGradients::leave_null);
+    }
+
+private:
+    std::vector<std::pair<std::string, ::at::Tensor>> params_;
+};
 
 // The module's buffers (BatchNorm's running mean and variance, its int64 batch counter).
 inline std::vector<ModelBuffer> buffers_of(::torch::nn::Module& module) {
@@ -277,6 +296,8 @@ struct model_traits<M> {
     static std::vector<Parameter> parameters_now(M& model) {
         return libtorch::parameters_of(libtorch::module_of(model), libtorch::MissingGradients::leave_null);
     }
+    // Within one step's backward, again for every bucket launched after the first.
+    static libtorch::StepLister lister_for_step(M& model) { return libtorch::StepLister(libtorch::module_of(model)); }
     static std::vector<ModelBuffer> buffers(M& model) { return libtorch::buffers_of(libtorch::module_of(model)); }
     // ShardedDataParallel's stage 2: the gradients go back to torch's allocator (as zero_grad(true)
     // would send them); torch's next backward makes them again.

@@ -259,9 +259,20 @@ TEST_SUITE("in-process") {
         Net net(/*batch_norm=*/false);
         for (auto& p : net->parameters()) CHECK_FALSE(p.grad().defined());
         for (auto& p : gradsync::model_traits<Net>::parameters_now(net)) CHECK(p.grad == nullptr);
+        auto lister = gradsync::model_traits<Net>::lister_for_step(net);  // what a step's backward lists through
+        for (auto& p : lister.parameters_now()) CHECK(p.grad == nullptr);
         for (auto& p : net->parameters()) CHECK_FALSE(p.grad().defined());   // still none
         for (auto& p : gradsync::parameters(net)) CHECK(p.grad != nullptr);  // made, zeros
         for (auto& p : net->parameters()) CHECK(p.grad().defined());
+        // The lister reads gradients made after it was: the same list as a full listing.
+        const auto listed = gradsync::parameters(net), relisted = lister.parameters_now();
+        REQUIRE(relisted.size() == listed.size());
+        for (std::size_t i = 0; i < listed.size(); ++i) {
+            CHECK(relisted[i].name == listed[i].name);
+            CHECK(relisted[i].data == listed[i].data);
+            CHECK(relisted[i].grad == listed[i].grad);
+            CHECK(relisted[i].count == listed[i].count);
+        }
 
         // One bucket per tensor, so buckets go while backward runs. A tensor hook runs before torch
         // accumulates: no gradient may exist yet there, or torch sums into memory gradsync zeroed

@@ -48,13 +48,11 @@ struct ModelLayout {
         return out;
     }
 
-    // The model's parameters now, to follow storage that moves between steps (a framework that
-    // frees gradients and allocates new ones in backward); `in_backward`: while backward runs,
-    // when gradients not reached yet may be null. A list of another length is an InvalidModel
-    // error; where() begins its message.
-    template <class Model, class Where>
-    std::vector<Parameter> relist(Model& model, bool in_backward, const Where& where) const {
-        auto listed = in_backward ? detail::parameters_now(model) : gradsync::parameters(model);
+    // `listed`, the model's parameters now (to follow storage that moves between steps: a
+    // framework that frees gradients and allocates new ones in backward), if there are as many as
+    // at construction; another number is an InvalidModel error, where() begins its message.
+    template <class Where>
+    std::vector<Parameter> checked(std::vector<Parameter> listed, const Where& where) const {
         if (listed.size() != param_of_model_index.size())
             throw InvalidModel(where() + ": the model lists " + std::to_string(listed.size()) +
                                " parameters now and listed " + std::to_string(param_of_model_index.size()) +

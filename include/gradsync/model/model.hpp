@@ -10,7 +10,9 @@
 
 #include <concepts>  // for std::convertible_to
 #include <cstddef>
-#include <ranges>  // for std::ranges::input_range, contiguous_range
+#include <functional>  // for std::function
+#include <memory>      // for std::make_shared
+#include <ranges>      // for std::ranges::input_range, contiguous_range
 #include <span>
 #include <string>
 #include <type_traits>  // for std::remove_cvref_t, std::is_pointer_v
@@ -59,8 +61,13 @@ requires std::ranges::sized_range<D> && std::ranges::sized_range<G> &&
 //       // Optional: the parameters as they are during backward, where a gradient the framework
 //       // has not made yet may be null (parameters() must make it: it is read at synchronize()).
 //       static std::vector<gradsync::Parameter> parameters_now(Net& net);
+//       // Optional: what listing them again within one step needs, kept: an object whose
+//       // parameters_now() lists as parameters_now(net) would, without what does not change in
+//       // a step (a framework's parameter objects, their names). Made once per step, at the first
+//       // bucket launched in backward, and asked for that bucket and every one launched after it.
+//       static Lister lister_for_step(Net& net);
 //   };
-// (A model type of your own may have a member parameters_now() instead.)
+// (A model type of your own may have members parameters_now() and lister_for_step() instead.)
 template <class Model>
 struct model_traits {};
 
@@ -131,6 +138,29 @@ std::vector<Parameter> parameters_now(M& model) {
         return parameters_cpo::to_vector(model.parameters_now());
     else
         return gradsync::parameters(model);
+}
+
+// Lists the parameters again and again during one step's backward: with the lister the model
+// keeps for a step (model_traits<M>::lister_for_step or member lister_for_step()) where it has
+// one, else parameters_now(model) each time. Valid until the step ends.
+template <class M>
+std::function<std::vector<Parameter>()> lister_for_step(M& model) {
+    using traits = model_traits<std::remove_cvref_t<M>>;
+    auto keep = [](auto lister) {
+        return [kept = std::make_shared<decltype(lister)>(std::move(lister))] {
+            return parameters_cpo::to_vector(kept->parameters_now());
+        };
+    };
+    if constexpr (requires {
+                      { traits::lister_for_step(model).parameters_now() } -> ParameterRange;
+                  })
+        return keep(traits::lister_for_step(model));
+    else if constexpr (requires {
+                           { model.lister_for_step().parameters_now() } -> ParameterRange;
+                       })
+        return keep(model.lister_for_step());
+    else
+        return [&model] { return parameters_now(model); };
 }
 
 }  // namespace detail
