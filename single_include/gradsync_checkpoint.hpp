@@ -1517,8 +1517,13 @@ std::function<std::vector<Parameter>()> lister_for_step(M& model) {
                            { model.lister_for_step().parameters_now() } -> ParameterRange;
                        })
         return keep(model.lister_for_step());
-    else
+    else {
+        static_assert(
+            !requires { traits::lister_for_step(model); } && !requires { model.lister_for_step(); },
+            "gradsync: the model's lister_for_step() must return an object whose parameters_now() "
+            "returns std::vector<gradsync::Parameter> (or a range of them)");
         return [&model] { return parameters_now(model); };
+    }
 }
 
 }  // namespace detail
