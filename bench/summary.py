@@ -163,6 +163,7 @@ def plots(sources, directory):
         save(fig, "synchronize_vs_flat.png")
 
     overlap = {}  # (layout, comm/compute) -> {cap: exposed ms}
+    floors = {}  # (layout, comm/compute) -> the least exposure any plan leaves, ms (the lowest measured)
     caps = []
     for key, c in counters.items():
         m = re.fullmatch(r"overlap/(\w+)/cap_mib:(\w+)/comm_to_compute:([0-9.]+)", key)
@@ -170,6 +171,9 @@ def plots(sources, directory):
             short = {"resnet50": "ResNet-50", "bert_base": "BERT-base"}.get(m.group(1), m.group(1))
             overlap.setdefault((short, m.group(3)), {})[m.group(2)] = c["exposed_ms"]
             caps += [m.group(2)] if m.group(2) not in caps else []
+            if "floor_ms" in c:
+                where = (short, m.group(3))
+                floors[where] = min(floors.get(where, c["floor_ms"]), c["floor_ms"])
     if overlap:
         caps.sort(key=lambda cap: (cap == "auto", -int(cap) if cap.isdigit() else 0))
         fig, ax = plt.subplots(figsize=(max(8, len(overlap) * 1.2), 4))
@@ -182,6 +186,10 @@ def plots(sources, directory):
                      f"{cap} MiB filled forward" + (" (PyTorch DDP's)" if cap == "25" else ""))
             ax.bar([i + (k - (len(caps) - 1) / 2) * width for i in range(len(groups))],
                    [g.get(cap, 0) for _, g in groups], width, label=label)
+        for i, (where, _) in enumerate(groups):
+            if where in floors:
+                ax.hlines(floors[where], i - 0.45, i + 0.45, colors="black", linewidths=1.5,
+                          label="floor: the least any plan leaves" if i == 0 else None)
         ax.set_xticks(range(len(groups)), [f"{layout}\ncomm/compute {ratio}" for (layout, ratio), _ in groups],
                       fontsize=7)
         ax.set_ylabel("ms of communication left after backward")
