@@ -5911,7 +5911,8 @@ struct Options {
     std::uint64_t check_replicas_every = replica_check_auto;
     // Gradient storage may move between steps (a framework that frees gradients and allocates new
     // ones in backward): before each bucket's collective the model is listed again and the bucket
-    // follows its gradients (one listing per step; one per bucket launched during backward).
+    // follows its gradients (one listing per step; one per bucket launched during backward, through
+    // what the model keeps for the step where it keeps something: model_traits::lister_for_step).
     // false: the storage stays where it was at construction, and nothing is listed.
     bool storage_may_move = true;
 
