@@ -190,7 +190,7 @@ def plots(sources, directory):
             if where in floors:
                 ax.hlines(floors[where], i - 0.45, i + 0.45, colors="black", linewidths=1.5,
                           label="floor: the least any plan leaves" if i == 0 else None)
-        ax.set_xticks(range(len(groups)), [f"{layout}\ncomm/compute {ratio}" for (layout, ratio), _ in groups],
+        ax.set_xticks(range(len(groups)), [f"{layout}\ncomm/compute\n{ratio}" for (layout, ratio), _ in groups],
                       fontsize=7)
         ax.set_ylabel("ms of communication left after backward")
         ax.set_title("Exposed communication by bucket plan, synthetic backward, 2 ranks")
