@@ -163,17 +163,23 @@ def plots(sources, directory):
         save(fig, "synchronize_vs_flat.png")
 
     overlap = {}  # (layout, comm/compute) -> {cap: exposed ms}
-    floors = {}  # (layout, comm/compute) -> the least exposure any plan leaves, ms (the lowest measured)
+    floors = {}  # (layout, comm/compute) -> the least exposure any plan leaves, ms
     caps = []
     for key, c in counters.items():
-        m = re.fullmatch(r"overlap/(\w+)/cap_mib:(\w+)/comm_to_compute:([0-9.]+)", key)
-        if m and "exposed_ms" in c:
-            short = {"resnet50": "ResNet-50", "bert_base": "BERT-base"}.get(m.group(1), m.group(1))
-            overlap.setdefault((short, m.group(3)), {})[m.group(2)] = c["exposed_ms"]
-            caps += [m.group(2)] if m.group(2) not in caps else []
-            if "floor_ms" in c:
-                where = (short, m.group(3))
-                floors[where] = min(floors.get(where, c["floor_ms"]), c["floor_ms"])
+        # One benchmark per layout and ratio; its counters per plan, "<cap>.exposed_ms".
+        m = re.fullmatch(r"overlap/(\w+)/comm_to_compute:([0-9.]+)", key)
+        if not m:
+            continue
+        short = {"resnet50": "ResNet-50", "bert_base": "BERT-base"}.get(m.group(1), m.group(1))
+        where = (short, m.group(2))
+        for name, value in c.items():
+            if not name.endswith(".exposed_ms"):
+                continue
+            cap = name[: -len(".exposed_ms")]
+            overlap.setdefault(where, {})[cap] = value
+            caps += [cap] if cap not in caps else []
+        if "floor_ms" in c:
+            floors[where] = c["floor_ms"]
     if overlap:
         caps.sort(key=lambda cap: (cap == "auto", -int(cap) if cap.isdigit() else 0))
         fig, ax = plt.subplots(figsize=(max(8, len(overlap) * 1.2), 4))

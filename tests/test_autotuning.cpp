@@ -64,8 +64,9 @@ std::optional<gradsync::detail::BucketTuner::Choice<B>> tuning_round(gradsync::d
                                                                      const gradsync::BucketPlan& plan,
                                                                      const std::vector<gradsync::Parameter>& params,
                                                                      const std::vector<double>& ready, double launch) {
-    // Collectives at 4 GB/s, one after the other.
-    auto at = std::chrono::steady_clock::now();
+    // Collectives at 4 GB/s, one after the other from the start of backward.
+    const auto began = std::chrono::steady_clock::now();
+    auto at = began;
     std::vector<TimedSlot> slots;
     for (const auto& bucket : plan.buckets) {
         const auto took = std::chrono::nanoseconds(bucket.bytes().count() / 4);
@@ -74,7 +75,7 @@ std::optional<gradsync::detail::BucketTuner::Choice<B>> tuning_round(gradsync::d
     }
     for (int s = 0; s < steps_per_round; ++s) {
         for (std::size_t k = 0; k < plan.buckets.size(); ++k) tuner.launch_took(launch);
-        tuner.observe(ready, slots);
+        tuner.observe(ready, slots, began);
     }
     return tuner.choose(backend, bucketer, plan, params);
 }

@@ -183,3 +183,29 @@ TEST_CASE("tune_caps takes fewer buckets for ResNet-50 when every launch stalls 
     // What the stalls cost the plan chosen without them is counted now, and more than the choice.
     CHECK(gradsync::predicted_exposure(hidden.plan, ready, cost) > stalling.exposure);
 }
+
+TEST_CASE("fitted_to_exposure charges each collective what the replay missed, and a finer plan pays it") {
+    const auto params = resnet50();
+    const CollectiveCost fitted{5e-6, 1.0 / 12e9};  // 12 GB/s: about 8.5 ms for the 97.5 MiB
+    const auto ready = uniform_backward(params, 0.017);
+    const SizeCappedBuckets fine{.cap = 256_KiB, .first_cap = 64_KiB};
+    const auto plan = fine.plan(params);
+    const double replayed = gradsync::predicted_exposure(plan, ready, fitted);
+    // Less measured than replayed (or as much): the cost stays as fitted, never lowered.
+    CHECK(gradsync::fitted_to_exposure(plan, ready, fitted, replayed / 2).latency == fitted.latency);
+    CHECK(gradsync::fitted_to_exposure(plan, ready, fitted, replayed).latency == fitted.latency);
+    // More measured: the latency rises until the replay exposes what was measured.
+    const double measured = replayed + 0.6e-3;
+    const auto raised = gradsync::fitted_to_exposure(plan, ready, fitted, measured);
+    CHECK(raised.latency > fitted.latency);
+    CHECK(raised.per_byte == fitted.per_byte);
+    CHECK(gradsync::predicted_exposure(plan, ready, raised) == doctest::Approx(measured).epsilon(1e-6));
+    // Tuned with what the steps met, the plan has fewer buckets than with the samples alone.
+    const SizeCappedBuckets standard{};
+    const auto naive = gradsync::tune_caps(standard, params, {}, ready, fitted);
+    const auto met = gradsync::tune_caps(standard, params, {}, ready, raised);
+    MESSAGE("tuned from the samples: ", naive.plan.buckets.size(), " buckets; from the exposure measured under ",
+            plan.buckets.size(), ": ", met.plan.buckets.size(), " (", raised.latency * 1e6, " us per collective)");
+    CHECK(met.plan.buckets.size() < naive.plan.buckets.size());
+    CHECK(met.plan.buckets.size() < plan.buckets.size());
+}

@@ -135,6 +135,25 @@ inline double predicted_exposure(const BucketPlan& plan, std::span<const double>
     return std::max(done, lengthened) - end_of_backward;
 }
 
+// The cost with its latency raised until the replay of `plan` exposes `measured`, what steps under
+// it left after backward: what the collectives met beside backward (a host's cores shared with
+// backward and its launches, peers that launch later) and the samples of each alone do not show.
+// Charged per collective, since that is what a finer plan multiplies. Never lowered: a plan that
+// exposed less than its replay leaves the cost as fitted.
+inline CollectiveCost fitted_to_exposure(const BucketPlan& plan, std::span<const double> ready, CollectiveCost cost,
+                                         double measured) {
+    if (plan.buckets.empty() || !(measured > predicted_exposure(plan, ready, cost))) return cost;
+    // With `measured` more per collective, the bucket completed last alone exposes at least that.
+    double below = 0, above = measured;
+    for (int k = 0; k < 40; ++k) {
+        CollectiveCost c = cost;
+        c.latency += (below + above) / 2;
+        (predicted_exposure(plan, ready, c) < measured ? below : above) = (below + above) / 2;
+    }
+    cost.latency += above;
+    return cost;
+}
+
 // The share of a launch that lengthened backward, from two plans measured in turn: backward's
 // length (the last ready time) and the launches made in it under each. 0 when backward did not
 // grow with the launches (or they differ too little to tell: by less than a millisecond and 5 %

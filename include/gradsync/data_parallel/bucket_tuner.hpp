@@ -1,5 +1,6 @@
 // Bucket autotuning over the first steps: each overlapped step notes when every gradient became
-// ready and how long each bucket's collective took; every few steps the ranks pool what they
+// ready, how long each bucket's collective took and how much communication was left after
+// backward; every few steps the ranks pool what they
 // measured, rank 0 chooses the caps that expose the least communication after backward
 // (bucket/tuning.hpp) and every rank takes its choice. At most `rounds` choices, then it stops
 // measuring.
@@ -38,17 +39,18 @@ public:
         BucketPlan plan;
         double exposure_before = 0, exposure_after = 0;  // predicted, seconds
         CollectiveCost cost;
+        double exposure_measured = 0;  // under the plan before, seconds
 
         // "cap 4 MiB, first cap 256 KiB: 27 buckets; predicted exposed 0.81 ms after backward
-        // (2.90 ms before); a collective takes 21 us + 0.360 ns per byte, its launch 12 us (0 % of
-        // it lengthening backward)"
+        // (2.90 ms before, 3.10 measured); a collective takes 21 us + 0.360 ns per byte, its launch
+        // 12 us (0 % of it lengthening backward)"
         [[nodiscard]] std::string summary() const {
-            char figures[256];
+            char figures[320];
             std::snprintf(figures, sizeof figures,
-                          "; predicted exposed %.2f ms after backward (%.2f ms before); a collective takes %.0f us + "
-                          "%.3f ns per byte, its launch %.0f us (%.0f %% of it lengthening backward)",
-                          exposure_after * 1e3, exposure_before * 1e3, cost.latency * 1e6, cost.per_byte * 1e9,
-                          cost.launch * 1e6, cost.stall * 100);
+                          "; predicted exposed %.2f ms after backward (%.2f ms before, %.2f measured); a collective "
+                          "takes %.0f us + %.3f ns per byte, its launch %.0f us (%.0f %% of it lengthening backward)",
+                          exposure_after * 1e3, exposure_before * 1e3, exposure_measured * 1e3, cost.latency * 1e6,
+                          cost.per_byte * 1e9, cost.launch * 1e6, cost.stall * 100);
             return "cap " + to_string(bucketer.cap) + ", first cap " + to_string(bucketer.first_cap) + ": " +
                    std::to_string(plan.buckets.size()) + (plan.buckets.size() == 1 ? " bucket" : " buckets") + figures;
         }
@@ -65,11 +67,11 @@ public:
         ++launches_;
     }
 
-    // After a synchronized step. `ready`: seconds into backward each parameter was ready (empty
+    // After a synchronized step. `ready`: seconds after `began` each parameter was ready (empty
     // when nothing overlapped); `slots`: the bucket engine's, with when each collective was
     // launched and finished. The first overlapped step of a plan only warms up.
     template <class Slots>
-    void observe(std::span<const double> ready, const Slots& slots) {
+    void observe(std::span<const double> ready, const Slots& slots, std::chrono::steady_clock::time_point began) {
         if (!active_) return;
         ++steps_;
         if (ready.empty()) return;
@@ -80,13 +82,16 @@ public:
             return;
         }
         std::vector<double> seconds;
-        std::chrono::steady_clock::time_point free_at{};
+        std::chrono::steady_clock::time_point free_at{}, last{};
         for (const auto& slot : slots) {
             if (slot.finished_at == std::chrono::steady_clock::time_point{}) return;  // not timed by the host
             const auto start = std::max(slot.launched_at, free_at);
             seconds.push_back(std::chrono::duration<double>(slot.finished_at - start).count());
             free_at = slot.finished_at;
+            last = std::max(last, slot.finished_at);
         }
+        const double end_of_backward = *std::max_element(ready.begin(), ready.end());
+        exposed_.push_back(std::max(0.0, std::chrono::duration<double>(last - began).count() - end_of_backward));
         ready_.emplace_back(ready.begin(), ready.end());
         durations_.push_back(std::move(seconds));
         launch_.push_back(launches_ > 0 ? launch_seconds_ / static_cast<double>(launches_) : 0.0);
@@ -103,9 +108,9 @@ public:
     std::optional<Choice<B>> choose(BackendT& backend, const B& current, const BucketPlan& plan,
                                     std::span<const Parameter> params) {
         const std::size_t n = params.size();
-        // [ranks that measured, latency, seconds per byte, launch, stall, ready time of each
-        // parameter]
-        constexpr std::size_t head = 5;
+        // [ranks that measured, latency, seconds per byte, launch, stall, exposed after backward,
+        // ready time of each parameter]
+        constexpr std::size_t head = 6;
         std::vector<double> pooled(head + n, 0.0);
         if (!ready_.empty()) {
             // Earlier rounds' samples too: their buckets had other sizes, which the fit needs.
@@ -118,8 +123,10 @@ public:
             pooled[3] = median(launch_);
             for (std::size_t p = 0; p < n; ++p) pooled[head + p] = median_ready(p);
             pooled[4] = stall_since_last_round(plan, std::span<const double>(pooled).subspan(head), pooled[3]);
+            pooled[5] = median(exposed_);
         }
         ready_.clear();
+        exposed_.clear();
         durations_.clear();
         launch_.clear();
         if (backend.size() > 1) backend.allreduce(Buffer{pooled.data(), pooled.size(), DType::float64}, ReduceOp::sum);
@@ -133,9 +140,10 @@ public:
         constexpr std::size_t decided = 9;
         std::vector<double> decision(decided + n, 0.0);
         if (backend.rank() == 0) {
-            const CollectiveCost cost{pooled[1], pooled[2], pooled[3], pooled[4]};
+            const CollectiveCost fitted{pooled[1], pooled[2], pooled[3], pooled[4]};
             // As backward alone would run them: each plan's own launches stall it anew.
-            const auto ready = without_launch_stalls(plan, std::span<const double>(pooled).subspan(head, n), cost);
+            const auto ready = without_launch_stalls(plan, std::span<const double>(pooled).subspan(head, n), fitted);
+            const auto cost = fitted_to_exposure(plan, ready, fitted, pooled[5]);
             const auto order = readiness_order_of(ready);
             const auto tuned = tune_caps(current, params, order, ready, cost);
             decision = {tuned.plan == plan ? 0.0 : 1.0,
@@ -153,7 +161,8 @@ public:
         if (++round_ >= rounds) active_ = false;
         warmed_up_ = false;
         if (decision[0] == 0) return std::nullopt;
-        Choice<B> choice{current, {}, decision[3], decision[4], {decision[5], decision[6], decision[7], decision[8]}};
+        Choice<B> choice{current,  {}, decision[3], decision[4], {decision[5], decision[6], decision[7], decision[8]},
+                         pooled[5]};
         choice.bucketer.cap = Bytes{static_cast<std::uint64_t>(decision[1])};
         choice.bucketer.first_cap = Bytes{static_cast<std::uint64_t>(decision[2])};
         std::vector<std::size_t> order;
@@ -196,16 +205,19 @@ private:
         return median(std::move(v));
     }
 
-    // One sample per bucket: the shortest of its collective's durations over the measured steps.
-    // The shortest, not the median: a collective also waits for the last rank to launch it, and
-    // that wait is the readiness of the peers (measured apart), not the collective's cost.
+    // One sample per bucket: the median of its collective's durations over the measured steps.
+    // The median, not the shortest: what a step meets is the collective slowed by what runs beside
+    // it (the launches and the backward of its own step, on a host whose cores it shares) and by
+    // the wait for the last rank to launch it, which the mean ready times pooled from the ranks do
+    // not show. The shortest made a collective look up to 15 us cheaper, which a plan of 90
+    // buckets paid in full after backward.
     [[nodiscard]] std::vector<CollectiveSample> bucket_samples(const BucketPlan& plan) const {
         std::vector<CollectiveSample> out;
         for (std::size_t b = 0; b < plan.buckets.size(); ++b) {
-            double shortest = -1;
+            std::vector<double> seconds;
             for (const auto& step : durations_)
-                if (b < step.size() && (shortest < 0 || step[b] < shortest)) shortest = step[b];
-            if (shortest >= 0) out.push_back({plan.buckets[b].bytes(), shortest});
+                if (b < step.size()) seconds.push_back(step[b]);
+            if (!seconds.empty()) out.push_back({plan.buckets[b].bytes(), median(std::move(seconds))});
         }
         return out;
     }
@@ -216,6 +228,7 @@ private:
     std::vector<std::vector<double>> ready_;      // per measured step, per parameter
     std::vector<std::vector<double>> durations_;  // per measured step, per bucket
     std::vector<double> launch_;                  // per measured step, the mean launch
+    std::vector<double> exposed_;                 // per measured step, seconds after backward
     std::vector<CollectiveSample> samples_;       // per bucket of every round so far
     struct Round {
         double end = 0;            // backward's length (the last median ready time), seconds

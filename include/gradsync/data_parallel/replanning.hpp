@@ -90,7 +90,8 @@ public:
         }
         if constexpr (Tunable) {
             tuner_.observe(
-                overlapped && readiness.timing_arrivals() ? readiness.ready_offsets() : std::vector<double>{}, slots);
+                overlapped && readiness.timing_arrivals() ? readiness.ready_offsets() : std::vector<double>{}, slots,
+                readiness.began());
             if (tuner_.due()) {
                 if (auto choice = tuner_.choose(backend, bucketer_, plan_, params)) {  // measured under plan_
                     bucketer_ = choice->bucketer;
