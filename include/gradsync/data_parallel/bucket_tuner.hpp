@@ -13,7 +13,7 @@
 #include <gradsync/bytes.hpp>
 #include <gradsync/model/model.hpp>
 
-#include <algorithm>  // for std::max, std::nth_element, std::stable_sort
+#include <algorithm>  // for std::max, std::max_element, std::min_element, std::nth_element, std::stable_sort
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -123,7 +123,9 @@ public:
             pooled[3] = median(launch_);
             for (std::size_t p = 0; p < n; ++p) pooled[head + p] = median_ready(p);
             pooled[4] = stall_since_last_round(plan, std::span<const double>(pooled).subspan(head), pooled[3]);
-            pooled[5] = median(exposed_);
+            // The least of the steps: an excess every step showed, not one step's hiccup, which
+            // charged to every collective would make the next plan much coarser than pays.
+            pooled[5] = *std::min_element(exposed_.begin(), exposed_.end());
         }
         ready_.clear();
         exposed_.clear();
