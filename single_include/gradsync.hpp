@@ -6273,10 +6273,9 @@ struct PolicySet {
 #define GRADSYNC_SINGLE_DATA_PARALLEL_BUCKET_TUNER_HPP
 // Bucket autotuning over the first steps: each overlapped step notes when every gradient became
 // ready, how long each bucket's collective took and how much communication was left after
-// backward; every few steps the ranks pool what they
-// measured, rank 0 chooses the caps that expose the least communication after backward
-// (bucket/tuning.hpp) and every rank takes its choice. At most `rounds` choices, then it stops
-// measuring.
+// backward; every few steps the ranks pool what they measured, rank 0 chooses the caps that expose
+// the least communication after backward (bucket/tuning.hpp) and every rank takes its choice. At
+// most `rounds` choices, then it stops measuring.
 
 
 #include <algorithm>  // for std::max, std::max_element, std::min_element, std::nth_element, std::stable_sort
