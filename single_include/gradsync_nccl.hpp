@@ -1196,7 +1196,7 @@ private:
 #include <optional>
 #include <string>
 #include <thread>
-#include <utility>  // for std::move
+#include <utility>  // for std::move, std::pair
 
 namespace gradsync::inline v0::detail {
 
@@ -1348,6 +1348,13 @@ public:
         error_ = std::make_exception_ptr(CollectiveError(reason));
         failed_.store(true, std::memory_order_release);
         pending_.clear();
+    }
+
+    // The ops not yet seen complete (a check() first retires those the device has finished),
+    // and the oldest of them described; none once the communicator failed.
+    [[nodiscard]] std::pair<std::size_t, std::string> pending() const {
+        std::lock_guard lock(mutex_);
+        return {pending_.size(), pending_.empty() ? std::string() : pending_.front()->describe()};
     }
 
     [[nodiscard]] bool failed() const { return failed_.load(std::memory_order_acquire); }
@@ -1600,6 +1607,9 @@ namespace detail {
 
 inline void check_cuda(cudaError_t code, const char* call, const char* file, int line) {
     if (code == cudaSuccess) return;
+    // The runtime keeps the failure as this thread's last error too: cleared, so that the next
+    // check after a launch (cudaGetLastError) does not report it again as the launch's.
+    cudaGetLastError();
     throw CudaError("gradsync: " + std::string(call) + " failed at " + file + ":" + std::to_string(line) + ": " +
                         cudaGetErrorName(code) + " (" + cudaGetErrorString(code) + ")",
                     code);
@@ -1639,23 +1649,49 @@ inline CudaDevices cuda_devices() {
 
 namespace detail {
 
-// Makes `device` current while it lives and restores the caller's.
+// Whether the calling thread has a current CUDA context. One that never chose a device has none:
+// making device 0 current there (as restoring cudaGetDevice's answer would) creates a context on
+// a GPU this process may never use. True where the driver cannot be asked (CUDA before 12.5).
+inline bool thread_has_context() {
+#if CUDART_VERSION >= 12050
+    using GetCurrent = int (*)(void** context);  // the driver's cuCtxGetCurrent
+    static const GetCurrent get = [] {
+        void* function = nullptr;
+        cudaDriverEntryPointQueryResult found{};
+        if (cudaGetDriverEntryPointByVersion("cuCtxGetCurrent", &function, 12000, cudaEnableDefault, &found) !=
+                cudaSuccess ||
+            found != cudaDriverEntryPointSuccess) {
+            cudaGetLastError();
+            return GetCurrent{nullptr};
+        }
+        return reinterpret_cast<GetCurrent>(function);
+    }();
+    void* context = nullptr;
+    return get == nullptr || (get(&context) == 0 && context != nullptr);
+#else
+    return true;
+#endif
+}
+
+// Makes `device` current while it lives and restores the caller's; a thread that had no current
+// context keeps `device` (see thread_has_context).
 class DeviceScope {
 public:
     explicit DeviceScope(int device) {
         GRADSYNC_CUDA_CHECK(cudaGetDevice(&before_));
-        if (before_ != device) GRADSYNC_CUDA_CHECK(cudaSetDevice(device));
-        changed_ = before_ != device;
+        if (before_ == device) return;
+        restore_ = thread_has_context();
+        GRADSYNC_CUDA_CHECK(cudaSetDevice(device));
     }
     DeviceScope(const DeviceScope&) = delete;
     DeviceScope& operator=(const DeviceScope&) = delete;
     ~DeviceScope() {
-        if (changed_) cudaSetDevice(before_);
+        if (restore_) cudaSetDevice(before_);
     }
 
 private:
     int before_ = 0;
-    bool changed_ = false;
+    bool restore_ = false;
 };
 
 }  // namespace detail
@@ -1742,6 +1778,7 @@ private:
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>  // for std::fprintf
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -1749,6 +1786,7 @@ private:
 #include <stop_token>
 #include <string>
 #include <thread>
+#include <utility>  // for std::pair
 #include <vector>
 
 namespace gradsync::inline v0::detail {
@@ -1790,7 +1828,20 @@ struct NcclCommunicator {
 
     void close() {
         on_stop.reset();  // waits for a stop request in progress
-        const bool failed = watchdog && watchdog->failed();
+        // Collectives still pending now were abandoned (an exception unwound past their wait):
+        // flushing them would wait for peers that may never issue theirs, for the whole timeout.
+        // The communicator is aborted instead; the peers learn of it by their own deadlines.
+        std::pair<std::size_t, std::string> abandoned{0, ""};
+        if (watchdog && !watchdog->failed()) {
+            watchdog->check();
+            abandoned = watchdog->pending();
+        }
+        if (abandoned.first != 0)
+            std::fprintf(stderr,
+                         "%s: destroyed while %zu collective%s had not completed (the first: %s): the "
+                         "communicator is aborted, not flushed\n",
+                         who.c_str(), abandoned.first, abandoned.first == 1 ? "" : "s", abandoned.second.c_str());
+        const bool failed = (watchdog && watchdog->failed()) || abandoned.first != 0;
         // Handles that outlive the backend must not reach the communicator or this state.
         if (watchdog) watchdog->close(who + ": the backend was destroyed");
         DeviceScope scope(device);

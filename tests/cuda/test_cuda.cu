@@ -248,6 +248,9 @@ struct ScatteredDeviceModel {
             for (std::size_t k = 0; k < sizes[i]; ++k) host[i][k] = (float(k % 17) - 8.0f) * scale;
             GRADSYNC_CUDA_CHECK(cudaMemcpy(grads[i], host[i].data(), sizes[i] * sizeof(float), cudaMemcpyHostToDevice));
         }
+        // A copy from pageable memory may land after cudaMemcpy returns, on the default stream,
+        // which the trainer's non-blocking stream does not wait for.
+        GRADSYNC_CUDA_CHECK(cudaDeviceSynchronize());
         return host;
     }
     std::vector<float> grad(std::size_t i) const {
@@ -335,6 +338,12 @@ void check_local_sharded(int n, gradsync::DType dtype, std::size_t count, bool o
     }
 }
 
+}  // namespace
+
+// The test's own kernels, outside the anonymous namespace: the stand-in run registers host
+// references for them (test_kernels_on_standin.cu).
+namespace test_kernels {
+
 // Spins for about `cycles` clock cycles, then writes `value` everywhere: a gradient that is
 // written late on its stream.
 __global__ void late_fill(float* data, std::size_t n, float value, long long cycles) {
@@ -360,7 +369,11 @@ __global__ void add_one(float* data, std::size_t n) {
         data[i] += 1.0f;
 }
 
-}  // namespace
+}  // namespace test_kernels
+
+using test_kernels::add_one;
+using test_kernels::count_if_finite;
+using test_kernels::late_fill;
 
 // Every member of DataParallel over NcclBackend with CudaMemory compiles.
 template class gradsync::DataParallel<ScatteredDeviceModel, gradsync::NcclBackend<>, gradsync::CudaMemory>;
@@ -525,6 +538,7 @@ TEST_SUITE("gpu") {
             model.fill(1024.0f);
             const float inf = INFINITY;
             GRADSYNC_CUDA_CHECK(cudaMemcpy(model.grads[2] + 5, &inf, sizeof inf, cudaMemcpyHostToDevice));
+            GRADSYNC_CUDA_CHECK(cudaDeviceSynchronize());  // landed before the step
             report = dp.step([&] { ++applied; });
             CHECK_FALSE(report.applied);
             CHECK(applied == 1);
@@ -686,6 +700,7 @@ TEST_SUITE("gpu") {
                 std::vector<float> p0(model.sizes[0], value);
                 GRADSYNC_CUDA_CHECK(
                     cudaMemcpy(model.grads[0], p0.data(), p0.size() * sizeof(float), cudaMemcpyHostToDevice));
+                GRADSYNC_CUDA_CHECK(cudaDeviceSynchronize());  // landed before the step
                 dp.synchronize();
                 GRADSYNC_CUDA_CHECK(cudaStreamSynchronize(stream));
                 grads[r] = model.grad(0);
@@ -731,6 +746,7 @@ TEST_SUITE("gpu") {
             model.fill(2.0f);
             const float inf = INFINITY;
             GRADSYNC_CUDA_CHECK(cudaMemcpy(model.grads[1], &inf, sizeof inf, cudaMemcpyHostToDevice));
+            GRADSYNC_CUDA_CHECK(cudaDeviceSynchronize());  // landed before the step
             dp.step_on_device([&](const gradsync::StepVerdict* verdict) {
                 count_if_finite<<<1, 1, 0, stream>>>(verdict, applied.data);
             });
@@ -852,6 +868,7 @@ int main(int argc, char** argv) {
             std::printf("skipped: %s\n", devices.why.c_str());
             return 0;
         }
+        GRADSYNC_CUDA_CHECK(cudaSetDevice(0));  // the tests' own thread drives GPU 0, and says so
     }
     return context.run();
 }

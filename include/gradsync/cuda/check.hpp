@@ -25,6 +25,9 @@ namespace detail {
 
 inline void check_cuda(cudaError_t code, const char* call, const char* file, int line) {
     if (code == cudaSuccess) return;
+    // The runtime keeps the failure as this thread's last error too: cleared, so that the next
+    // check after a launch (cudaGetLastError) does not report it again as the launch's.
+    cudaGetLastError();
     throw CudaError("gradsync: " + std::string(call) + " failed at " + file + ":" + std::to_string(line) + ": " +
                         cudaGetErrorName(code) + " (" + cudaGetErrorString(code) + ")",
                     code);
@@ -64,23 +67,49 @@ inline CudaDevices cuda_devices() {
 
 namespace detail {
 
-// Makes `device` current while it lives and restores the caller's.
+// Whether the calling thread has a current CUDA context. One that never chose a device has none:
+// making device 0 current there (as restoring cudaGetDevice's answer would) creates a context on
+// a GPU this process may never use. True where the driver cannot be asked (CUDA before 12.5).
+inline bool thread_has_context() {
+#if CUDART_VERSION >= 12050
+    using GetCurrent = int (*)(void** context);  // the driver's cuCtxGetCurrent
+    static const GetCurrent get = [] {
+        void* function = nullptr;
+        cudaDriverEntryPointQueryResult found{};
+        if (cudaGetDriverEntryPointByVersion("cuCtxGetCurrent", &function, 12000, cudaEnableDefault, &found) !=
+                cudaSuccess ||
+            found != cudaDriverEntryPointSuccess) {
+            cudaGetLastError();
+            return GetCurrent{nullptr};
+        }
+        return reinterpret_cast<GetCurrent>(function);
+    }();
+    void* context = nullptr;
+    return get == nullptr || (get(&context) == 0 && context != nullptr);
+#else
+    return true;
+#endif
+}
+
+// Makes `device` current while it lives and restores the caller's; a thread that had no current
+// context keeps `device` (see thread_has_context).
 class DeviceScope {
 public:
     explicit DeviceScope(int device) {
         GRADSYNC_CUDA_CHECK(cudaGetDevice(&before_));
-        if (before_ != device) GRADSYNC_CUDA_CHECK(cudaSetDevice(device));
-        changed_ = before_ != device;
+        if (before_ == device) return;
+        restore_ = thread_has_context();
+        GRADSYNC_CUDA_CHECK(cudaSetDevice(device));
     }
     DeviceScope(const DeviceScope&) = delete;
     DeviceScope& operator=(const DeviceScope&) = delete;
     ~DeviceScope() {
-        if (changed_) cudaSetDevice(before_);
+        if (restore_) cudaSetDevice(before_);
     }
 
 private:
     int before_ = 0;
-    bool changed_ = false;
+    bool restore_ = false;
 };
 
 }  // namespace detail

@@ -28,7 +28,7 @@
 #include <optional>
 #include <string>
 #include <thread>
-#include <utility>  // for std::move
+#include <utility>  // for std::move, std::pair
 
 namespace gradsync::inline v0::detail {
 
@@ -180,6 +180,13 @@ public:
         error_ = std::make_exception_ptr(CollectiveError(reason));
         failed_.store(true, std::memory_order_release);
         pending_.clear();
+    }
+
+    // The ops not yet seen complete (a check() first retires those the device has finished),
+    // and the oldest of them described; none once the communicator failed.
+    [[nodiscard]] std::pair<std::size_t, std::string> pending() const {
+        std::lock_guard lock(mutex_);
+        return {pending_.size(), pending_.empty() ? std::string() : pending_.front()->describe()};
     }
 
     [[nodiscard]] bool failed() const { return failed_.load(std::memory_order_acquire); }

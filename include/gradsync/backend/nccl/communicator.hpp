@@ -13,6 +13,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>  // for std::fprintf
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -20,6 +21,7 @@
 #include <stop_token>
 #include <string>
 #include <thread>
+#include <utility>  // for std::pair
 #include <vector>
 
 namespace gradsync::inline v0::detail {
@@ -61,7 +63,20 @@ struct NcclCommunicator {
 
     void close() {
         on_stop.reset();  // waits for a stop request in progress
-        const bool failed = watchdog && watchdog->failed();
+        // Collectives still pending now were abandoned (an exception unwound past their wait):
+        // flushing them would wait for peers that may never issue theirs, for the whole timeout.
+        // The communicator is aborted instead; the peers learn of it by their own deadlines.
+        std::pair<std::size_t, std::string> abandoned{0, ""};
+        if (watchdog && !watchdog->failed()) {
+            watchdog->check();
+            abandoned = watchdog->pending();
+        }
+        if (abandoned.first != 0)
+            std::fprintf(stderr,
+                         "%s: destroyed while %zu collective%s had not completed (the first: %s): the "
+                         "communicator is aborted, not flushed\n",
+                         who.c_str(), abandoned.first, abandoned.first == 1 ? "" : "s", abandoned.second.c_str());
+        const bool failed = (watchdog && watchdog->failed()) || abandoned.first != 0;
         // Handles that outlive the backend must not reach the communicator or this state.
         if (watchdog) watchdog->close(who + ": the backend was destroyed");
         DeviceScope scope(device);

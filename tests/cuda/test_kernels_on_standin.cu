@@ -1,0 +1,36 @@
+// Host references for the kernels of test_cuda.cu itself, for its run on the stand-in CUDA runtime
+// (tests/standin): what each writes, on the stream's thread.
+#include "../standin/kernels.hpp"
+
+#include <gradsync/memory/policy.hpp>
+
+#include <chrono>
+#include <cstddef>
+#include <thread>
+
+namespace test_kernels {
+__global__ void late_fill(float* data, std::size_t n, float value, long long cycles);
+__global__ void count_if_finite(const gradsync::StepVerdict* verdict, int* applied);
+__global__ void add_one(float* data, std::size_t n);
+}  // namespace test_kernels
+
+namespace {
+
+[[maybe_unused]] const bool registered = [] {
+    // late_fill spins `cycles` clock cycles first: about that many nanoseconds at 2 GHz, halved.
+    standin::on_kernel(&test_kernels::late_fill, "late_fill",
+                       [](dim3, dim3, float* data, std::size_t n, float value, long long cycles) {
+                           std::this_thread::sleep_for(std::chrono::nanoseconds(cycles / 2));
+                           for (std::size_t i = 0; i < n; ++i) data[i] = value;
+                       });
+    standin::on_kernel(&test_kernels::count_if_finite, "count_if_finite",
+                       [](dim3, dim3, const gradsync::StepVerdict* verdict, int* applied) {
+                           if (verdict->finite != 0) ++*applied;
+                       });
+    standin::on_kernel(&test_kernels::add_one, "add_one", [](dim3, dim3, float* data, std::size_t n) {
+        for (std::size_t i = 0; i < n; ++i) data[i] += 1.0f;
+    });
+    return true;
+}();
+
+}  // namespace

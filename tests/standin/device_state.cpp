@@ -1,0 +1,220 @@
+// The stand-in CUDA runtime's shared state (device_state.hpp) and the test-facing controls of
+// standin.hpp that concern it.
+#include "device_state.hpp"
+
+#include "standin.hpp"
+
+#include <array>
+#include <cstdio>
+#include <utility>  // for std::move
+
+namespace standin::detail {
+namespace {
+
+struct Registry {
+    std::mutex mutex;
+    std::map<CUstream_st*, std::shared_ptr<CUstream_st>> streams;
+    std::map<CUevent_st*, std::shared_ptr<CUevent_st>> events;
+    std::array<std::shared_ptr<CUstream_st>, max_devices> legacy{};  // made on first use
+    std::vector<std::string> misuses;
+    std::array<int, max_devices> contexts{};
+};
+
+Registry& registry() {
+    static auto* r = new Registry;  // never destroyed: stream threads may outlive main
+    return *r;
+}
+
+std::shared_ptr<CUstream_st> legacy_stream(int device) {
+    auto& r = registry();
+    std::lock_guard lock(r.mutex);
+    auto& s = r.legacy[std::size_t(device)];
+    if (!s) {
+        s = std::make_shared<CUstream_st>();
+        s->device = device;
+        s->legacy = true;
+        s->queue = WorkQueue::start();
+    }
+    return s;
+}
+
+// Queues on `waiter` a wait for what `other` was given so far.
+void wait_for(CUstream_st& waiter, const CUstream_st& other) {
+    const std::uint64_t ticket = other.queue->last_ticket();
+    if (other.queue->done(ticket)) return;
+    waiter.queue->push([queue = other.queue, ticket] { queue->wait_done(ticket); });
+}
+
+}  // namespace
+
+ThreadState& this_thread() {
+    thread_local ThreadState state;
+    return state;
+}
+
+void report_misuse(std::string what) {
+    std::fprintf(stderr, "stand-in CUDA/NCCL: misuse: %s\n", what.c_str());
+    auto& r = registry();
+    std::lock_guard lock(r.mutex);
+    r.misuses.push_back(std::move(what));
+}
+
+namespace {
+struct Memory {
+    std::mutex mutex;
+    std::map<std::uintptr_t, Allocation> by_begin;
+};
+Memory& memory() {
+    static auto* m = new Memory;
+    return *m;
+}
+}  // namespace
+
+void add_allocation(const Allocation& a) {
+    auto& m = memory();
+    std::lock_guard lock(m.mutex);
+    m.by_begin[a.begin] = a;
+}
+
+std::optional<Allocation> remove_allocation(const void* p) {
+    auto& m = memory();
+    std::lock_guard lock(m.mutex);
+    const auto it = m.by_begin.find(reinterpret_cast<std::uintptr_t>(p));
+    if (it == m.by_begin.end()) return std::nullopt;
+    Allocation a = it->second;
+    m.by_begin.erase(it);
+    return a;
+}
+
+std::optional<Allocation> find_allocation(const void* p) {
+    const auto at = reinterpret_cast<std::uintptr_t>(p);
+    auto& m = memory();
+    std::lock_guard lock(m.mutex);
+    auto it = m.by_begin.upper_bound(at);
+    if (it == m.by_begin.begin()) return std::nullopt;
+    --it;
+    const Allocation& a = it->second;
+    if (at < a.begin + a.size || (a.size == 0 && at == a.begin)) return a;
+    return std::nullopt;
+}
+
+void add_stream(std::shared_ptr<CUstream_st> s) {
+    auto& r = registry();
+    std::lock_guard lock(r.mutex);
+    r.streams[s.get()] = std::move(s);
+}
+
+std::shared_ptr<CUstream_st> remove_stream(cudaStream_t s) {
+    auto& r = registry();
+    std::lock_guard lock(r.mutex);
+    const auto it = r.streams.find(s);
+    if (it == r.streams.end()) return nullptr;
+    auto out = std::move(it->second);
+    r.streams.erase(it);
+    return out;
+}
+
+std::shared_ptr<CUstream_st> find_stream(cudaStream_t s) {
+    auto& r = registry();
+    std::lock_guard lock(r.mutex);
+    const auto it = r.streams.find(s);
+    return it == r.streams.end() ? nullptr : it->second;
+}
+
+std::shared_ptr<CUstream_st> resolve_stream(cudaStream_t s) {
+    if (s == nullptr || s == cudaStreamLegacy) return legacy_stream(this_thread().device);
+    return find_stream(s);
+}
+
+void add_event(std::shared_ptr<CUevent_st> e) {
+    auto& r = registry();
+    std::lock_guard lock(r.mutex);
+    r.events[e.get()] = std::move(e);
+}
+
+std::shared_ptr<CUevent_st> remove_event(cudaEvent_t e) {
+    auto& r = registry();
+    std::lock_guard lock(r.mutex);
+    const auto it = r.events.find(e);
+    if (it == r.events.end()) return nullptr;
+    auto out = std::move(it->second);
+    r.events.erase(it);
+    return out;
+}
+
+std::shared_ptr<CUevent_st> find_event(cudaEvent_t e) {
+    auto& r = registry();
+    std::lock_guard lock(r.mutex);
+    const auto it = r.events.find(e);
+    return it == r.events.end() ? nullptr : it->second;
+}
+
+std::vector<std::shared_ptr<CUstream_st>> streams_of(int device) {
+    std::vector<std::shared_ptr<CUstream_st>> out;
+    auto legacy = legacy_stream(device);
+    auto& r = registry();
+    std::lock_guard lock(r.mutex);
+    out.push_back(std::move(legacy));
+    for (const auto& [handle, s] : r.streams)
+        if (s->device == device) out.push_back(s);
+    return out;
+}
+
+void enqueue(CUstream_st& stream, std::function<void()> task) {
+    // The default stream waits for every blocking stream of its device, and they for it.
+    if (stream.legacy) {
+        for (const auto& other : streams_of(stream.device))
+            if (other->blocking) wait_for(stream, *other);
+    } else if (stream.blocking) {
+        wait_for(stream, *legacy_stream(stream.device));
+    }
+    stream.queue->push(std::move(task));
+}
+
+void note_context(int device) {
+    auto& r = registry();
+    std::lock_guard lock(r.mutex);
+    ++r.contexts[std::size_t(device)];
+}
+
+int device_for_call(const char* call) {
+    auto& t = this_thread();
+    if (!t.chosen && !t.context)
+        report_misuse(std::string(call) + " from a thread that never called cudaSetDevice: it runs on device 0");
+    if (!t.context) {
+        t.context = true;
+        note_context(t.device);
+    }
+    return t.device;
+}
+
+std::atomic<int>& device_count() {
+    static std::atomic<int> count{4};
+    return count;
+}
+
+}  // namespace standin::detail
+
+namespace standin {
+
+void set_device_count(int n) { detail::device_count().store(n); }
+
+std::vector<std::string> take_misuses() {
+    auto& r = detail::registry();
+    std::lock_guard lock(r.mutex);
+    return std::exchange(r.misuses, {});
+}
+
+int contexts_made(int device) {
+    auto& r = detail::registry();
+    std::lock_guard lock(r.mutex);
+    return r.contexts[std::size_t(device)];
+}
+
+std::uint64_t host_waits() { return detail::this_thread().waits; }
+
+void slow_stream(cudaStream_t stream, std::chrono::microseconds delay) {
+    if (auto s = detail::resolve_stream(stream)) s->queue->set_delay(delay);
+}
+
+}  // namespace standin
