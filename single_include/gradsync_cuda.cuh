@@ -1341,32 +1341,53 @@ namespace gradsync::inline v0 {
 
 namespace cuda {
 
-// Device memory owned by one object; size() in bytes.
+// Device memory owned by one object; size() in bytes. Made with a stream, it is allocated and
+// freed in that stream's order (cudaMallocAsync, cudaFreeAsync): freeing it then waits for
+// neither the host nor the rest of the device, unlike cudaFree.
 class DeviceBytes {
 public:
     DeviceBytes() = default;
     explicit DeviceBytes(std::size_t bytes) : size_(bytes) {
         if (bytes != 0) GRADSYNC_CUDA_CHECK(cudaMalloc(&data_, bytes));
     }
-    DeviceBytes(DeviceBytes&& o) noexcept : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
+    DeviceBytes(std::size_t bytes, cudaStream_t stream) : size_(bytes), stream_(stream), ordered_(true) {
+        if (bytes != 0) GRADSYNC_CUDA_CHECK(cudaMallocAsync(&data_, bytes, stream));
+    }
+    DeviceBytes(DeviceBytes&& o) noexcept
+        : data_(std::exchange(o.data_, nullptr)),
+          size_(std::exchange(o.size_, 0)),
+          stream_(o.stream_),
+          ordered_(o.ordered_) {}
     DeviceBytes& operator=(DeviceBytes&& o) noexcept {
         if (this != &o) {
-            cudaFree(data_);
+            release();
             data_ = std::exchange(o.data_, nullptr);
             size_ = std::exchange(o.size_, 0);
+            stream_ = o.stream_;
+            ordered_ = o.ordered_;
         }
         return *this;
     }
     DeviceBytes(const DeviceBytes&) = delete;
     DeviceBytes& operator=(const DeviceBytes&) = delete;
-    ~DeviceBytes() { cudaFree(data_); }
+    ~DeviceBytes() { release(); }
 
     [[nodiscard]] std::byte* data() const { return static_cast<std::byte*>(data_); }
     [[nodiscard]] std::size_t size() const { return size_; }
 
 private:
+    void release() {
+        if (data_ == nullptr) return;
+        if (ordered_)
+            cudaFreeAsync(data_, stream_);
+        else
+            cudaFree(data_);
+    }
+
     void* data_ = nullptr;
     std::size_t size_ = 0;
+    cudaStream_t stream_ = nullptr;
+    bool ordered_ = false;
 };
 
 namespace detail {
@@ -1475,14 +1496,24 @@ public:
     };
 
     // Kernels go on `stream`: the stream the trainer's backward runs on (NcclOptions::compute_stream).
-    explicit CudaMemory(cudaStream_t stream = nullptr) : stream_(stream), state_(std::make_shared<State>()) {}
+    // Every pass selects the stream's device first, whatever device the calling thread has current.
+    explicit CudaMemory(cudaStream_t stream = nullptr) : stream_(stream), device_(device_of(stream)) {
+        gradsync::detail::DeviceScope scope(device_);
+        state_ = std::make_shared<State>();
+    }
 
     [[nodiscard]] cudaStream_t stream() const { return stream_; }
 
-    Storage allocate(Bytes size) const { return Storage(size.count()); }
+    Storage allocate(Bytes size) const {
+        gradsync::detail::DeviceScope scope(device_);
+        return Storage(size.count());
+    }
     static std::byte* data(const Storage& s) { return s.data(); }
 
+    // Made during backward where gradients move: the upload and the allocation are ordered on the
+    // stream (and the table a new one replaces is freed there), so no pass waits for the device.
     Table table(std::span<const Segment> segments, DType t) const {
+        gradsync::detail::DeviceScope scope(device_);
         Table out;
         out.dtype = t;
         out.host.assign(segments.begin(), segments.end());
@@ -1491,10 +1522,11 @@ public:
             entries.push_back(cuda::Segment{s.data, s.count, out.total});
             out.total += s.count;
         }
-        out.device = std::make_shared<cuda::DeviceBytes>(entries.size() * sizeof(cuda::Segment));
+        out.device = std::make_shared<cuda::DeviceBytes>(entries.size() * sizeof(cuda::Segment), stream_);
+        // From pageable memory: staged before the call returns, so `entries` may go at once.
         if (!entries.empty())
-            GRADSYNC_CUDA_CHECK(
-                cudaMemcpy(out.device->data(), entries.data(), out.device->size(), cudaMemcpyHostToDevice));
+            GRADSYNC_CUDA_CHECK(cudaMemcpyAsync(out.device->data(), entries.data(), out.device->size(),
+                                                cudaMemcpyHostToDevice, stream_));
         return out;
     }
 
@@ -1503,6 +1535,7 @@ public:
 
     // Wire compression: the float32 gradients into `dst` as `wire` values times `factor`.
     void compress(const Table& t, std::byte* dst, DType wire, double factor) const {
+        gradsync::detail::DeviceScope scope(device_);
         if (t.total == 0) return;
         const unsigned blocks = unsigned((t.total + cuda::pack_tile - 1) / cuda::pack_tile);
         const auto f = static_cast<float>(factor);
@@ -1517,6 +1550,7 @@ public:
     }
 
     void prepare_results(std::size_t slots) {
+        gradsync::detail::DeviceScope scope(device_);
         state_->results = cuda::DeviceBytes((slots + 1) * sizeof(double));  // the last: for scale()
         state_->host.assign(slots, 0.0);
         GRADSYNC_CUDA_CHECK(cudaMemsetAsync(state_->results.data(), 0, state_->results.size(), stream_));
@@ -1527,6 +1561,7 @@ public:
     // float16 wire (float32 gradients) is first checked for an infinity or NaN, on the device: if
     // it holds one, nothing is written and the slot's result is NaN.
     void finalize(const Table& t, const std::byte* src, DType src_type, double factor, std::size_t slot) {
+        gradsync::detail::DeviceScope scope(device_);
         if (src == nullptr || src_type == t.dtype)
             return launch_finalize(t, src, factor, src != nullptr || factor != 1.0, result(slot));
         if (t.dtype != DType::float32 || (src_type != DType::float16 && src_type != DType::bfloat16))
@@ -1555,6 +1590,7 @@ public:
 
     // Reads every result slot back: waits for the stream (the step's one host synchronization).
     std::span<const double> results() {
+        gradsync::detail::DeviceScope scope(device_);
         auto& s = *state_;
         if (!s.host.empty()) {
             GRADSYNC_CUDA_CHECK(cudaMemcpyAsync(s.host.data(), s.results.data(), s.host.size() * sizeof(double),
@@ -1566,6 +1602,7 @@ public:
 
     // Every slot combined, in slot order, in device memory: no host synchronization.
     const StepVerdict* verdict() {
+        gradsync::detail::DeviceScope scope(device_);
         auto* out = reinterpret_cast<StepVerdict*>(state_->verdict.data());
         auto* kernel = &cuda::detail::verdict_kernel<void>;
         kernel<<<1, 1, 0, stream_>>>(result(0), state_->host.size(), out);
@@ -1574,6 +1611,7 @@ public:
     }
 
     std::vector<double> segment_sums(const Table& t) const {
+        gradsync::detail::DeviceScope scope(device_);
         std::vector<double> out(t.host.size());
         if (out.empty()) return out;
         cuda::DeviceBytes sums(out.size() * sizeof(double));
@@ -1589,10 +1627,12 @@ public:
 
     // Clipping's second pass: one launch per bucket (its sum goes to a slot nobody reads).
     void scale(const Table& t, double factor) const {
+        gradsync::detail::DeviceScope scope(device_);
         launch_finalize(t, nullptr, factor, true, result(state_->host.size()));
     }
 
     void zero(Segment s, DType t) const {
+        gradsync::detail::DeviceScope scope(device_);
         GRADSYNC_CUDA_CHECK(cudaMemsetAsync(s.data, 0, s.count * size_of(t), stream_));
     }
 
@@ -1633,6 +1673,7 @@ private:
 
     template <bool to_bucket>
     void copy(const Table& t, std::byte* bucket) const {
+        gradsync::detail::DeviceScope scope(device_);
         switch (size_of(t.dtype)) {
             case 2:
                 return cuda::detail::launch_copy<std::uint16_t, to_bucket>(
@@ -1646,7 +1687,21 @@ private:
         }
     }
 
+    // The device `stream` belongs to (the current one for the default stream).
+    static int device_of(cudaStream_t stream) {
+        int device = 0;
+#if CUDART_VERSION >= 12080
+        if (stream != nullptr) {
+            GRADSYNC_CUDA_CHECK(cudaStreamGetDevice(stream, &device));
+            return device;
+        }
+#endif
+        GRADSYNC_CUDA_CHECK(cudaGetDevice(&device));
+        return device;
+    }
+
     cudaStream_t stream_ = nullptr;
+    int device_ = 0;
     std::shared_ptr<State> state_;
 };
 

@@ -31,6 +31,10 @@
 
 #include "../support/generic_trainer.hpp"
 
+// The host waits the stand-in CUDA runtime has counted on this thread (tests/standin), where the
+// test is linked against it; null on a GPU, where nothing counts them.
+extern "C" std::uint64_t gradsync_standin_host_waits() __attribute__((weak));
+
 // A trainer's collective calls, written once, compile against the device backends as against
 // LocalBackend and MpiBackend (where the tests run them).
 template void generic::collective_step<gradsync::NcclBackend<>>(gradsync::NcclBackend<>&, std::span<float>,
@@ -735,10 +739,12 @@ TEST_SUITE("gpu") {
             model.fill(2.0f);
             GRADSYNC_CUDA_CHECK(cudaDeviceSynchronize());
             late_fill<<<64, 256, 0, stream>>>(model.grads[2], model.sizes[2], 4.0f, 200'000'000LL);  // ~0.1 s
+            const std::uint64_t waits = gradsync_standin_host_waits ? gradsync_standin_host_waits() : 0;
             dp.step_on_device([&](const gradsync::StepVerdict* verdict) {
                 count_if_finite<<<1, 1, 0, stream>>>(verdict, applied.data);
             });
             CHECK(cudaStreamQuery(stream) == cudaErrorNotReady);  // the step is queued, not waited for
+            if (gradsync_standin_host_waits) CHECK(gradsync_standin_host_waits() == waits);  // not one host wait
             GRADSYNC_CUDA_CHECK(cudaStreamSynchronize(stream));
             CHECK(model.grad(2).front() == 2.0f);  // the late value, unscaled once
             // A second step on fresh gradients, one of them infinite: not applied, and p2 holds its
@@ -754,6 +760,27 @@ TEST_SUITE("gpu") {
             CHECK(applied.download() == std::vector<int>{1});  // the second step was not finite
             CHECK(model.grad(2).front() == -8.0f);             // fill(2): (0 - 8) * 2, unscaled by 2
         }
+    }
+
+    TEST_CASE("DataParallel<NcclBackend, CudaMemory> on GPU 1 steps from a thread whose current device is GPU 0") {
+        if (gradsync::cuda_devices().count < 2) {
+            MESSAGE("skipped: needs two GPUs");
+            return;
+        }
+        GRADSYNC_CUDA_CHECK(cudaSetDevice(1));
+        {
+            const Stream stream;
+            gradsync::NcclBackend<> backend(0, 1, 1, nccl_id(), gradsync::NcclOptions{.compute_stream = stream});
+            ScatteredDeviceModel model;
+            gradsync::DataParallel dp(model, backend, gradsync::CudaMemory{stream},
+                                      gradsync::StaticLossScale{.value = 2.0f});
+            model.fill(2.0f);
+            GRADSYNC_CUDA_CHECK(cudaSetDevice(0));  // every pass selects GPU 1 itself
+            CHECK(dp.step([] {}).applied);
+            GRADSYNC_CUDA_CHECK(cudaSetDevice(1));
+            CHECK(model.grad(2).front() == -8.0f);  // fill(2): (0 - 8) * 2, unscaled by 2
+        }
+        GRADSYNC_CUDA_CHECK(cudaSetDevice(0));
     }
 
     TEST_CASE("NcclBackend<Ring> and <Tree> join and reduce (NCCL_ALGO set for their initialization)") {

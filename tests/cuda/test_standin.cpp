@@ -146,7 +146,7 @@ TEST_CASE("stand-in NCCL: ranks on threads join, reduce in rank order, and host 
     ncclUniqueId id{};
     REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
     std::vector<std::vector<float>> results(n);
-    std::vector<std::vector<std::string>> misuses(n);
+    (void)standin::take_misuses();
     std::vector<std::thread> ranks;
     for (int r = 0; r < n; ++r) {
         ranks.emplace_back([&, r] {
@@ -169,10 +169,8 @@ TEST_CASE("stand-in NCCL: ranks on threads join, reduce in rank order, and host 
             REQUIRE(cudaMemcpy(results[std::size_t(r)].data(), data, mine.size() * sizeof(float),
                                cudaMemcpyDeviceToHost) == cudaSuccess);
             std::vector<float> host(3);
-            misuses[std::size_t(r)] = misuses_of([&] {
-                CHECK(ncclAllReduce(host.data(), host.data(), 3, ncclFloat32, ncclSum, comm, nullptr) ==
-                      ncclInvalidArgument);
-            });
+            CHECK(ncclAllReduce(host.data(), host.data(), 3, ncclFloat32, ncclSum, comm, nullptr) ==
+                  ncclInvalidArgument);
             CHECK(std::string(ncclGetLastError(comm)).find("lies in host memory") != std::string::npos);
             CHECK(ncclCommFinalize(comm) == ncclInProgress);
             ncclResult_t flushed = ncclInProgress;
@@ -188,8 +186,10 @@ TEST_CASE("stand-in NCCL: ranks on threads join, reduce in rank order, and host 
     for (int r = 0; r < n; ++r) {
         CAPTURE(r);
         CHECK(std::memcmp(results[std::size_t(r)].data(), expected.data(), expected.size() * sizeof(float)) == 0);
-        CHECK(mentions(misuses[std::size_t(r)], "ncclAllReduce's send buffer lies in host memory"));
     }
+    const auto misuses = standin::take_misuses();
+    CHECK(misuses.size() == std::size_t(n));  // one host buffer handed to ncclAllReduce by each rank
+    CHECK(mentions(misuses, "ncclAllReduce's send buffer lies in host memory"));
 }
 
 TEST_CASE("stand-in NCCL: two ranks on one device are refused as NCCL refuses them") {
@@ -207,4 +207,35 @@ TEST_CASE("stand-in NCCL: two ranks on one device are refused as NCCL refuses th
         });
     for (auto& t : ranks) t.join();
     CHECK(got == std::vector<ncclResult_t>{ncclInvalidUsage, ncclInvalidUsage});
+}
+
+TEST_CASE("stand-in NCCL: ncclCommSplit makes a communicator of each colour, ranked by key") {
+    constexpr int n = 4;
+    ncclUniqueId id{};
+    REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
+    std::vector<float> sums(n);
+    std::vector<int> sizes(n), ranks_in_split(n);
+    std::vector<std::thread> ranks;
+    for (int r = 0; r < n; ++r)
+        ranks.emplace_back([&, r] {
+            REQUIRE(cudaSetDevice(r) == cudaSuccess);
+            ncclComm_t world = nullptr, half = nullptr;
+            REQUIRE(ncclCommInitRank(&world, n, id, r) == ncclSuccess);
+            REQUIRE(ncclCommSplit(world, r % 2, -r, &half, nullptr) == ncclSuccess);  // keys reverse the order
+            REQUIRE(ncclCommCount(half, &sizes[std::size_t(r)]) == ncclSuccess);
+            REQUIRE(ncclCommUserRank(half, &ranks_in_split[std::size_t(r)]) == ncclSuccess);
+            float* value = nullptr;
+            REQUIRE(cudaMalloc(&value, sizeof(float)) == cudaSuccess);
+            const float mine = float(r + 1);
+            REQUIRE(cudaMemcpy(value, &mine, sizeof mine, cudaMemcpyHostToDevice) == cudaSuccess);
+            REQUIRE(ncclAllReduce(value, value, 1, ncclFloat32, ncclSum, half, nullptr) == ncclSuccess);
+            REQUIRE(cudaMemcpy(&sums[std::size_t(r)], value, sizeof(float), cudaMemcpyDeviceToHost) == cudaSuccess);
+            CHECK(cudaFree(value) == cudaSuccess);
+            CHECK(ncclCommDestroy(half) == ncclSuccess);
+            CHECK(ncclCommDestroy(world) == ncclSuccess);
+        });
+    for (auto& t : ranks) t.join();
+    CHECK(sums == std::vector<float>{4, 6, 4, 6});  // 1 + 3 and 2 + 4
+    CHECK(sizes == std::vector<int>{2, 2, 2, 2});
+    CHECK(ranks_in_split == std::vector<int>{1, 1, 0, 0});  // rank 2 has the lower key (-2) of its pair
 }

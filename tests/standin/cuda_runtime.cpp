@@ -197,6 +197,41 @@ cudaError_t cudaFree(void* p) {
     return cudaSuccess;
 }
 
+// Stream-ordered: the memory may be used by work queued after the allocation, and is freed when
+// the stream reaches the free.
+cudaError_t cudaMallocAsync(void** p, std::size_t bytes, cudaStream_t stream) {
+    const int device = standin::detail::device_for_call("cudaMallocAsync");
+    auto s = standin::detail::resolve_stream(stream);
+    if (!s) return misuse(cudaErrorInvalidResourceHandle, "cudaMallocAsync on a stream the runtime does not know");
+    if (s->device != device)
+        return misuse(cudaErrorInvalidValue, "cudaMallocAsync on a stream of device " + std::to_string(s->device) +
+                                                 " from a thread whose current device is " + std::to_string(device));
+    *p = bytes == 0 ? nullptr : allocate(bytes, MemoryKind::device, device);
+    return cudaSuccess;
+}
+
+cudaError_t cudaFreeAsync(void* p, cudaStream_t stream) {
+    (void)standin::detail::device_for_call("cudaFreeAsync");
+    if (p == nullptr) return cudaSuccess;
+    auto s = standin::detail::resolve_stream(stream);
+    if (!s) return misuse(cudaErrorInvalidResourceHandle, "cudaFreeAsync on a stream the runtime does not know");
+    const auto a = standin::detail::find_allocation(p);
+    if (!a || a->begin != reinterpret_cast<std::uintptr_t>(p) || a->kind != MemoryKind::device)
+        return misuse(cudaErrorInvalidValue, "cudaFreeAsync of memory cudaMalloc did not return");
+    standin::detail::enqueue(*s, [p] {
+        standin::detail::remove_allocation(p);
+        release(p);
+    });
+    return cudaSuccess;
+}
+
+cudaError_t cudaStreamGetDevice(cudaStream_t stream, int* device) {
+    auto s = standin::detail::resolve_stream(stream);
+    if (!s) return misuse(cudaErrorInvalidResourceHandle, "cudaStreamGetDevice of a stream the runtime does not know");
+    *device = s->device;
+    return cudaSuccess;
+}
+
 cudaError_t cudaMallocHost(void** p, std::size_t bytes) {
     const int device = standin::detail::device_for_call("cudaMallocHost");
     *p = allocate(bytes == 0 ? 1 : bytes, MemoryKind::pinned, device);
