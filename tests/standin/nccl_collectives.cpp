@@ -81,13 +81,15 @@ ncclResult_t issue(const char* call, NcclPart part, ncclComm_t handle, cudaStrea
     if (!comm)
         return refuse(nullptr, ncclInvalidArgument,
                       std::string(call) + " on a communicator NCCL does not know (destroyed or aborted?)");
+    bool all_joined = false;
+    {
+        std::lock_guard clique_lock(comm->clique->mutex);
+        all_joined = comm->clique->joined == comm->clique->size;
+    }
     {
         std::lock_guard lock(comm->mutex);
-        if (comm->joining) {
-            // Joined by now if every rank has: the caller just has not polled since.
-            std::lock_guard clique_lock(comm->clique->mutex);
-            if (comm->clique->joined == comm->clique->size) comm->joining = false;
-        }
+        // Joined by now if every rank has: the caller just has not polled since.
+        if (all_joined) comm->joining = false;
         if (comm->joining) {
             comm->last_error = std::string(call) + " on a communicator that has not finished joining";
             report_misuse(comm->last_error);

@@ -236,8 +236,6 @@ ncclResult_t ncclCommSplit(ncclComm_t handle, int color, int key, ncclComm_t* ou
         for (int r = 0; r < clique.size; ++r)
             if (round.arrivals[std::size_t(r)]->color != NCCL_SPLIT_NOCOLOR)
                 by_color[round.arrivals[std::size_t(r)]->color].push_back(r);
-        auto& registered = nccl_registry();
-        std::lock_guard registry_lock(registered.mutex);
         for (auto& [c, ranks] : by_color) {
             std::stable_sort(ranks.begin(), ranks.end(), [&](int a, int b) {
                 return round.arrivals[std::size_t(a)]->key < round.arrivals[std::size_t(b)]->key;
@@ -253,10 +251,19 @@ ncclResult_t ncclCommSplit(ncclComm_t handle, int color, int key, ncclComm_t* ou
                 child->device = a.device;
                 child->blocking = a.blocking;
                 made->members[i] = child.get();
-                registered.comms[child.get()] = child;
                 round.made[std::size_t(ranks[i])] = std::move(child);
             }
         }
+        // Registered outside the clique's lock (the registry's is taken first everywhere); the
+        // other ranks wait for `done` meanwhile.
+        lock.unlock();
+        {
+            auto& registered = nccl_registry();
+            std::lock_guard registry_lock(registered.mutex);
+            for (const auto& child : round.made)
+                if (child) registered.comms[child.get()] = child;
+        }
+        lock.lock();
         round.done = true;
         clique.changed.notify_all();
     } else {
