@@ -7921,7 +7921,7 @@ private:
 // norm pass. Model buffers are kept as ShardedOptions::buffers says. With
 // ShardedOptions::release_gradients (stage 2), each bucket's share of this rank is copied out once
 // reduced and the model releases the bucket's gradients. This version: float32 parameters in host
-// memory, no wire compression.
+// memory (a backend whose collectives take device memory is refused), no wire compression.
 
 
 // ---- begin gradsync/data_parallel/shard_layout.hpp ----
@@ -8164,6 +8164,10 @@ template <class Model, class BackendT, class Scaler = NoLossScaling>
 class ShardedDataParallel {
     static_assert(detail::check_backend<BackendT>());
     static_assert(detail::check_sharded_collectives<BackendT>());
+    static_assert(!DeviceBackend<BackendT>,
+                  "gradsync: ShardedDataParallel keeps parameters, gradients and optimizer shards in host memory, "
+                  "and this backend's collectives take device memory (NcclBackend, CudaLocalBackend): for gradients "
+                  "on the GPU use DataParallel with gradsync::CudaMemory{stream}");
 
 public:
     // Lists the model's parameters, checks them and agrees on the layout and the plan with every
