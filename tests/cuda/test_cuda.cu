@@ -379,6 +379,54 @@ using test_kernels::add_one;
 using test_kernels::count_if_finite;
 using test_kernels::late_fill;
 
+namespace {
+
+// n ranks (started by spawn(n, fn), each with its backend) train DataParallel with CudaMemory for
+// two steps on gradients (r + 1) g, p2's written late on the rank's stream: every rank ends with
+// the mean (n + 1) / 2 g, bit for bit alike, and the same norm.
+template <class Spawn>
+void check_mean_over_ranks(int n, Spawn spawn) {
+    std::vector<std::vector<std::vector<float>>> grads(static_cast<std::size_t>(n));
+    std::vector<double> norms(static_cast<std::size_t>(n));
+    spawn(n, [&](auto& backend) {
+        const auto r = std::size_t(backend.rank());
+        const Stream stream;
+        backend.set_compute_stream(stream);
+        ScatteredDeviceModel model;
+        gradsync::DataParallel dp(
+            model, backend, gradsync::CudaMemory{stream}, gradsync::StaticLossScale{.value = 256.0f},
+            gradsync::SizeCappedBuckets{.cap = gradsync::Bytes{64 << 10}, .first_cap = gradsync::Bytes{4 << 10}});
+        for (int step = 0; step < 2; ++step) {
+            model.fill(256.0f * float(r + 1));  // rank r's micro-batch gradient: (r + 1) g
+            GRADSYNC_CUDA_CHECK(cudaDeviceSynchronize());
+            // Backward, last parameter first; p2's gradient is written late on the stream.
+            late_fill<<<64, 256, 0, stream>>>(model.grads[2], model.sizes[2], 256.0f * float(r + 1), 50'000'000LL);
+            for (std::size_t i = model.sizes.size(); i-- > 0;) dp.grad_ready(i);
+            const auto report = dp.step([] {});
+            CHECK(report.applied);
+            norms[r] = report.grad_norm;
+        }
+        GRADSYNC_CUDA_CHECK(cudaStreamSynchronize(stream));
+        for (std::size_t i = 0; i < model.sizes.size(); ++i) grads[r].push_back(model.grad(i));
+    });
+    // The whole batch's gradient: the mean of (r + 1) g over the ranks, (n + 1) / 2 g.
+    const float mean = float(n + 1) / 2.0f;
+    for (std::size_t i = 0; i < 3; ++i) {
+        const auto& g = grads[0][i];
+        for (std::size_t k = 0; k < g.size(); ++k) {
+            const float want = i == 2 ? mean : (float(k % 17) - 8.0f) * mean;
+            if (g[k] != doctest::Approx(want).epsilon(1e-6)) {
+                FAIL_CHECK("parameter ", i, " element ", k, ": ", g[k], " != ", want);
+                break;
+            }
+        }
+        for (int r = 1; r < n; ++r) CHECK(same_bytes(grads[std::size_t(r)][i], g));
+    }
+    for (int r = 1; r < n; ++r) CHECK(std::memcmp(&norms[std::size_t(r)], &norms[0], sizeof(double)) == 0);
+}
+
+}  // namespace
+
 // Every member of DataParallel over NcclBackend with CudaMemory compiles.
 template class gradsync::DataParallel<ScatteredDeviceModel, gradsync::NcclBackend<>, gradsync::CudaMemory>;
 
@@ -646,46 +694,19 @@ TEST_SUITE("gpu") {
         "is still the one reduced") {
         for (int n : {2, 3, 4}) {
             CAPTURE(n);
-            std::vector<std::vector<std::vector<float>>> grads(static_cast<std::size_t>(n));
-            std::vector<double> norms(static_cast<std::size_t>(n));
-            gradsync::cuda_local_spawn(n, [&](gradsync::CudaLocalBackend& backend) {
-                const auto r = std::size_t(backend.rank());
-                const Stream stream;
-                backend.set_compute_stream(stream);
-                ScatteredDeviceModel model;
-                gradsync::DataParallel dp(model, backend, gradsync::CudaMemory{stream},
-                                          gradsync::StaticLossScale{.value = 256.0f},
-                                          gradsync::SizeCappedBuckets{.cap = gradsync::Bytes{64 << 10},
-                                                                      .first_cap = gradsync::Bytes{4 << 10}});
-                for (int step = 0; step < 2; ++step) {
-                    model.fill(256.0f * float(r + 1));  // rank r's micro-batch gradient: (r + 1) g
-                    GRADSYNC_CUDA_CHECK(cudaDeviceSynchronize());
-                    // Backward, last parameter first; p2's gradient is written late on the stream.
-                    late_fill<<<64, 256, 0, stream>>>(model.grads[2], model.sizes[2], 256.0f * float(r + 1),
-                                                      50'000'000LL);
-                    for (std::size_t i = model.sizes.size(); i-- > 0;) dp.grad_ready(i);
-                    const auto report = dp.step([] {});
-                    CHECK(report.applied);
-                    norms[r] = report.grad_norm;
-                }
-                GRADSYNC_CUDA_CHECK(cudaStreamSynchronize(stream));
-                for (std::size_t i = 0; i < model.sizes.size(); ++i) grads[r].push_back(model.grad(i));
+            check_mean_over_ranks(n, [](int ranks, auto fn) {
+                gradsync::cuda_local_spawn(ranks, [&](gradsync::CudaLocalBackend& backend) { fn(backend); });
             });
-            // The whole batch's gradient: the mean of (r + 1) g over the ranks, (n + 1) / 2 g.
-            const float mean = float(n + 1) / 2.0f;
-            for (std::size_t i = 0; i < 3; ++i) {
-                const auto& g = grads[0][i];
-                for (std::size_t k = 0; k < g.size(); ++k) {
-                    const float want = i == 2 ? mean : (float(k % 17) - 8.0f) * mean;
-                    if (g[k] != doctest::Approx(want).epsilon(1e-6)) {
-                        FAIL_CHECK("parameter ", i, " element ", k, ": ", g[k], " != ", want);
-                        break;
-                    }
-                }
-                for (int r = 1; r < n; ++r) CHECK(same_bytes(grads[std::size_t(r)][i], g));
-            }
-            for (int r = 1; r < n; ++r) CHECK(std::memcmp(&norms[std::size_t(r)], &norms[0], sizeof(double)) == 0);
         }
+    }
+
+    TEST_CASE(
+        "DataParallel<NcclBackend, CudaMemory>, one rank per GPU (nccl_spawn): the mean of the ranks' gradients, "
+        "bit for bit alike on every rank") {
+        const int n = gradsync::cuda_devices().count;
+        check_mean_over_ranks(n, [](int ranks, auto fn) {
+            gradsync::nccl_spawn(ranks, [&](gradsync::NcclBackend<>& backend) { fn(backend); });
+        });
     }
 
     TEST_CASE(
@@ -760,6 +781,29 @@ TEST_SUITE("gpu") {
             CHECK(applied.download() == std::vector<int>{1});  // the second step was not finite
             CHECK(model.grad(2).front() == -8.0f);             // fill(2): (0 - 8) * 2, unscaled by 2
         }
+    }
+
+    TEST_CASE("CudaMemory: a bucket table is made and replaced in the stream's order, with no host wait") {
+        const Stream stream;
+        ScatteredDeviceModel model;
+        const auto host = model.fill(1.0f);
+        std::vector<gradsync::Segment> segments;
+        std::size_t total = 0;
+        for (std::size_t i = 0; i < model.sizes.size(); ++i) {
+            segments.push_back({model.grads[i], model.sizes[i]});
+            total += model.sizes[i];
+        }
+        DeviceArray<float> bucket(total);
+        gradsync::CudaMemory memory{stream};
+        const std::uint64_t waits = gradsync_standin_host_waits ? gradsync_standin_host_waits() : 0;
+        auto table = memory.table(segments, gradsync::DType::float32);
+        table = memory.table(segments, gradsync::DType::float32);  // as gradients that moved during backward
+        memory.pack(table, reinterpret_cast<std::byte*>(bucket.data));
+        if (gradsync_standin_host_waits) CHECK(gradsync_standin_host_waits() == waits);
+        GRADSYNC_CUDA_CHECK(cudaStreamSynchronize(stream));
+        std::vector<float> expected;
+        for (const auto& h : host) expected.insert(expected.end(), h.begin(), h.end());
+        CHECK(same_bytes(bucket.download(), expected));
     }
 
     TEST_CASE("DataParallel<NcclBackend, CudaMemory> on GPU 1 steps from a thread whose current device is GPU 0") {
