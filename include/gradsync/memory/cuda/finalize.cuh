@@ -5,8 +5,8 @@
 // non-finite exactly when some element is (as in the host pass, detail/finalize.hpp).
 //
 // Deterministic: the grid does not depend on the GPU, each thread sums a fixed set of elements,
-// blocks reduce in a fixed tree (CUB) and the last block adds the block sums in order, so every
-// rank computes the same norm, bit for bit, and so clips alike. Loads and stores move 16 bytes
+// blocks reduce in a fixed tree (CUB) and the last block adds the block sums in another fixed
+// tree, so every rank computes the same norm, bit for bit, and so clips alike. Loads and stores move 16 bytes
 // where the data allow, several per thread in flight. Needs nvcc.
 #pragma once
 
@@ -49,8 +49,9 @@ private:
 namespace detail {
 
 // Ends a pass that summed squares per thread: the block's sum goes to block_sums, and the last
-// block to arrive adds them in block order into *sum, so the total does not depend on timing.
-// Every thread of the block calls it.
+// block to arrive adds them into *sum with all its threads (thread t takes blocks t, t + threads,
+// ... in order, then the same fixed tree), so the total depends on the grid only, never on
+// timing, and no thread adds up to a thousand sums alone. Every thread of the block calls it.
 __device__ inline void sum_over_blocks(double squares, double* block_sums, unsigned* ticket, double* sum) {
     using BlockReduce = cub::BlockReduce<double, finalize_threads>;
     __shared__ typename BlockReduce::TempStorage temp;
@@ -62,10 +63,13 @@ __device__ inline void sum_over_blocks(double squares, double* block_sums, unsig
         last = atomicAdd(ticket, 1u) == gridDim.x - 1;
     }
     __syncthreads();
-    if (last && threadIdx.x == 0) {
-        const volatile double* sums = block_sums;
-        double total = 0;
-        for (unsigned b = 0; b < gridDim.x; ++b) total += sums[b];
+    if (!last) return;  // the same for every thread of the block
+    const volatile double* sums = block_sums;
+    double part = 0;
+    for (unsigned b = threadIdx.x; b < gridDim.x; b += blockDim.x) part += sums[b];
+    __syncthreads();  // `temp` is reused
+    const double total = BlockReduce(temp).Sum(part);
+    if (threadIdx.x == 0) {
         *sum = total;
         *ticket = 0;  // ready for the next launch on this scratch
     }
