@@ -1873,6 +1873,20 @@ concept Waitable = requires(const H& h, std::chrono::steady_clock::time_point de
     { h.wait_until(deadline) } -> std::convertible_to<bool>;
 };
 
+namespace detail {
+
+// When a completed collective finished, where its handle can tell (`finished_at()`, for timelines
+// and bucket tuning); none otherwise, and the collective is then shown as untimed.
+template <Waitable H>
+std::chrono::steady_clock::time_point finished_at(const H& handle) {
+    if constexpr (requires { handle.finished_at(); })
+        return handle.finished_at();
+    else
+        return {};
+}
+
+}  // namespace detail
+
 }  // namespace gradsync::inline v0
 #endif  // GRADSYNC_SINGLE_BACKEND_HANDLE_HPP
 // ---- end gradsync/backend/handle.hpp ----
@@ -4920,7 +4934,7 @@ public:
             }
             if (!slot.handle->wait_until(deadline)) throw TimeoutError(diagnose(b));
             finish(b);
-            slot.finished_at = slot.handle->finished_at();
+            slot.finished_at = detail::finished_at(*slot.handle);
             slot.handle.reset();
         }
     }

@@ -146,7 +146,7 @@ public:
             }
             if (!slot.handle->wait_until(deadline)) throw TimeoutError(diagnose(b));
             finish(b);
-            slot.finished_at = slot.handle->finished_at();
+            slot.finished_at = detail::finished_at(*slot.handle);
             slot.handle.reset();
         }
     }
