@@ -8107,6 +8107,7 @@ private:
 // in the settings every rank agrees on.
 
 
+#include <chrono>
 #include <string>
 
 namespace gradsync::inline v0 {
@@ -8127,6 +8128,9 @@ struct ShardedOptions {
     // Gradients whose storage moves between steps (made anew in backward) are followed: the model
     // is listed again before each bucket is reduced. Always on with release_gradients.
     bool storage_may_move = true;
+    // How long a destroyed ShardedDataParallel waits for the collectives it abandons, after
+    // aborting the group (where the backend can be aborted they end at once).
+    std::chrono::milliseconds timeout = std::chrono::seconds(600);
 };
 
 namespace detail {
@@ -8146,6 +8150,7 @@ inline std::string buffer_sync_name(BufferSync mode) {
 #endif  // GRADSYNC_SINGLE_DATA_PARALLEL_SHARDED_OPTIONS_HPP
 // ---- end gradsync/data_parallel/sharded_options.hpp ----
 
+#include <chrono>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -8230,8 +8235,6 @@ public:
         storage_.reset(plan_.buckets.size());
         readiness_.plan(plan_, layout_.params.size());
     }
-    ShardedDataParallel(const ShardedDataParallel&) = delete;
-    ShardedDataParallel& operator=(const ShardedDataParallel&) = delete;
 
     // Overlap with backward: call as each parameter's gradient becomes final (from any thread).
     // A bucket's reduce_scatter starts once all its parameters are ready and every bucket before
@@ -8262,6 +8265,19 @@ public:
             throw;
         }
     }
+
+    // Destroyed with reduce_scatters in flight (an exception left the step after grad_ready
+    // launched them): the group is aborted, so that peers waiting in them fail at once naming
+    // this rank, and they are drained before the memory they write goes.
+    ~ShardedDataParallel() {
+        InFlight in_flight{launched_};
+        detail::abandon_in_flight(backend_, in_flight, options_.timeout, [this] {
+            return detail::rank_prefix(rank()) + " destroyed its ShardedDataParallel in step " +
+                   std::to_string(steps_ + 1) + " with collectives in flight";
+        });
+    }
+    ShardedDataParallel(const ShardedDataParallel&) = delete;
+    ShardedDataParallel& operator=(const ShardedDataParallel&) = delete;
 
     // Buckets whose reduce_scatter grad_ready has started in this step (during backward).
     [[nodiscard]] std::size_t buckets_launched() const { return readiness_.launched(); }
@@ -8421,6 +8437,21 @@ private:
     }
 
     [[nodiscard]] bool stage2() const { return options_.release_gradients; }
+
+    // The launched reduce_scatters, as detail::abandon_in_flight drains them.
+    struct InFlight {
+        std::vector<Handle>& handles;
+        [[nodiscard]] bool in_flight() const { return !handles.empty(); }
+        void drain(std::chrono::steady_clock::time_point deadline) {
+            for (auto& h : handles) {
+                try {
+                    (void)h.wait_until(deadline);
+                } catch (...) {  // aborted: ends at once
+                }
+            }
+            handles.clear();
+        }
+    };
 
     // Storage that moved since the last step is followed before each bucket's reduce_scatter.
     // Returns whether the model was listed (outside backward that makes every gradient, also

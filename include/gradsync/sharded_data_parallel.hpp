@@ -40,6 +40,7 @@
 #include <gradsync/model/gradient_release.hpp>
 #include <gradsync/model/model.hpp>
 
+#include <chrono>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -124,8 +125,6 @@ public:
         storage_.reset(plan_.buckets.size());
         readiness_.plan(plan_, layout_.params.size());
     }
-    ShardedDataParallel(const ShardedDataParallel&) = delete;
-    ShardedDataParallel& operator=(const ShardedDataParallel&) = delete;
 
     // Overlap with backward: call as each parameter's gradient becomes final (from any thread).
     // A bucket's reduce_scatter starts once all its parameters are ready and every bucket before
@@ -156,6 +155,19 @@ public:
             throw;
         }
     }
+
+    // Destroyed with reduce_scatters in flight (an exception left the step after grad_ready
+    // launched them): the group is aborted, so that peers waiting in them fail at once naming
+    // this rank, and they are drained before the memory they write goes.
+    ~ShardedDataParallel() {
+        InFlight in_flight{launched_};
+        detail::abandon_in_flight(backend_, in_flight, options_.timeout, [this] {
+            return detail::rank_prefix(rank()) + " destroyed its ShardedDataParallel in step " +
+                   std::to_string(steps_ + 1) + " with collectives in flight";
+        });
+    }
+    ShardedDataParallel(const ShardedDataParallel&) = delete;
+    ShardedDataParallel& operator=(const ShardedDataParallel&) = delete;
 
     // Buckets whose reduce_scatter grad_ready has started in this step (during backward).
     [[nodiscard]] std::size_t buckets_launched() const { return readiness_.launched(); }
@@ -315,6 +327,21 @@ private:
     }
 
     [[nodiscard]] bool stage2() const { return options_.release_gradients; }
+
+    // The launched reduce_scatters, as detail::abandon_in_flight drains them.
+    struct InFlight {
+        std::vector<Handle>& handles;
+        [[nodiscard]] bool in_flight() const { return !handles.empty(); }
+        void drain(std::chrono::steady_clock::time_point deadline) {
+            for (auto& h : handles) {
+                try {
+                    (void)h.wait_until(deadline);
+                } catch (...) {  // aborted: ends at once
+                }
+            }
+            handles.clear();
+        }
+    };
 
     // Storage that moved since the last step is followed before each bucket's reduce_scatter.
     // Returns whether the model was listed (outside backward that makes every gradient, also

@@ -4,6 +4,7 @@
 
 #include <gradsync/data_parallel/buffer_sync.hpp>
 
+#include <chrono>
 #include <string>
 
 namespace gradsync::inline v0 {
@@ -24,6 +25,9 @@ struct ShardedOptions {
     // Gradients whose storage moves between steps (made anew in backward) are followed: the model
     // is listed again before each bucket is reduced. Always on with release_gradients.
     bool storage_may_move = true;
+    // How long a destroyed ShardedDataParallel waits for the collectives it abandons, after
+    // aborting the group (where the backend can be aborted they end at once).
+    std::chrono::milliseconds timeout = std::chrono::seconds(600);
 };
 
 namespace detail {
