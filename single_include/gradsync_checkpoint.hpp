@@ -3135,6 +3135,7 @@ StepReport decide_step(const StepStats& stats, Scaler& scaler, const Lr& lr, int
 #include <chrono>
 #include <exception>
 #include <string>
+#include <vector>
 
 namespace gradsync::inline v0::detail {
 
@@ -3161,6 +3162,23 @@ void run_guarded(Backend& backend, Engine& engine, std::chrono::milliseconds tim
         throw;
     }
 }
+
+// Collectives launched and not yet retired, as abandon_in_flight drains them: for a front that
+// keeps its handles in a list.
+template <class Handle>
+struct HandlesInFlight {
+    std::vector<Handle>& handles;
+    [[nodiscard]] bool in_flight() const { return !handles.empty(); }
+    void drain(std::chrono::steady_clock::time_point deadline) {
+        for (auto& h : handles) {
+            try {
+                (void)h.wait_until(deadline);
+            } catch (...) {  // aborted: ends at once
+            }
+        }
+        handles.clear();
+    }
+};
 
 // For a destructor: with collectives still in flight (a step cut short by an exception), aborts
 // the group with reason() and drains them. Never throws.
@@ -6999,7 +7017,7 @@ public:
     // launched them): the group is aborted, so that peers waiting in them fail at once naming
     // this rank, and they are drained before the memory they write goes.
     ~ShardedDataParallel() {
-        InFlight in_flight{launched_};
+        detail::HandlesInFlight<Handle> in_flight{launched_};
         detail::abandon_in_flight(backend_, in_flight, options_.timeout, [this] {
             return detail::rank_prefix(rank()) + " destroyed its ShardedDataParallel in step " +
                    std::to_string(steps_ + 1) + " with collectives in flight";
@@ -7166,21 +7184,6 @@ private:
     }
 
     [[nodiscard]] bool stage2() const { return options_.release_gradients; }
-
-    // The launched reduce_scatters, as detail::abandon_in_flight drains them.
-    struct InFlight {
-        std::vector<Handle>& handles;
-        [[nodiscard]] bool in_flight() const { return !handles.empty(); }
-        void drain(std::chrono::steady_clock::time_point deadline) {
-            for (auto& h : handles) {
-                try {
-                    (void)h.wait_until(deadline);
-                } catch (...) {  // aborted: ends at once
-                }
-            }
-            handles.clear();
-        }
-    };
 
     // Storage that moved since the last step is followed before each bucket's reduce_scatter.
     // Returns whether the model was listed (outside backward that makes every gradient, also

@@ -160,7 +160,7 @@ public:
     // launched them): the group is aborted, so that peers waiting in them fail at once naming
     // this rank, and they are drained before the memory they write goes.
     ~ShardedDataParallel() {
-        InFlight in_flight{launched_};
+        detail::HandlesInFlight<Handle> in_flight{launched_};
         detail::abandon_in_flight(backend_, in_flight, options_.timeout, [this] {
             return detail::rank_prefix(rank()) + " destroyed its ShardedDataParallel in step " +
                    std::to_string(steps_ + 1) + " with collectives in flight";
@@ -327,21 +327,6 @@ private:
     }
 
     [[nodiscard]] bool stage2() const { return options_.release_gradients; }
-
-    // The launched reduce_scatters, as detail::abandon_in_flight drains them.
-    struct InFlight {
-        std::vector<Handle>& handles;
-        [[nodiscard]] bool in_flight() const { return !handles.empty(); }
-        void drain(std::chrono::steady_clock::time_point deadline) {
-            for (auto& h : handles) {
-                try {
-                    (void)h.wait_until(deadline);
-                } catch (...) {  // aborted: ends at once
-                }
-            }
-            handles.clear();
-        }
-    };
 
     // Storage that moved since the last step is followed before each bucket's reduce_scatter.
     // Returns whether the model was listed (outside backward that makes every gradient, also

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <exception>
 #include <string>
+#include <vector>
 
 namespace gradsync::inline v0::detail {
 
@@ -36,6 +37,23 @@ void run_guarded(Backend& backend, Engine& engine, std::chrono::milliseconds tim
         throw;
     }
 }
+
+// Collectives launched and not yet retired, as abandon_in_flight drains them: for a front that
+// keeps its handles in a list.
+template <class Handle>
+struct HandlesInFlight {
+    std::vector<Handle>& handles;
+    [[nodiscard]] bool in_flight() const { return !handles.empty(); }
+    void drain(std::chrono::steady_clock::time_point deadline) {
+        for (auto& h : handles) {
+            try {
+                (void)h.wait_until(deadline);
+            } catch (...) {  // aborted: ends at once
+            }
+        }
+        handles.clear();
+    }
+};
 
 // For a destructor: with collectives still in flight (a step cut short by an exception), aborts
 // the group with reason() and drains them. Never throws.
