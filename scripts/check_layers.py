@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """The folders of include/gradsync are the library's layers; a header includes only headers of
 its own layer or of the layers below it. This script is where the layers are listed, and the test
-that fails when an include runs back up, when a header sits in no layer, or when a detail/ header
-(the bottom layer's helpers) includes anything but the bottom layer.
+that fails when an include runs back up, when a header sits in no layer, when a detail/ header
+(the bottom layer's helpers) includes anything but the bottom layer, or when a folder's own
+detail/ (backend/detail/, say) is included from outside that folder.
 
 Lowest first. A path ending in / is a folder (and everything under it); otherwise one header.
 """
@@ -56,6 +57,10 @@ def main():
                                 "a higher layer")
             elif relative.startswith("detail/") and theirs != 0:
                 problems.append(f"{relative}: detail/ holds bottom-layer helpers, but it includes {included}")
+            elif "/detail/" in included and not relative.startswith(included.split("/detail/")[0] + "/"):
+                owner = included.split("/detail/")[0]
+                problems.append(f"{relative} includes {included}: {owner}/detail/ is private to {owner}/ (move "
+                                "what is shared down to detail/)")
     for problem in problems:
         print(problem)
     if problems:

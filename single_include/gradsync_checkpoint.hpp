@@ -3937,25 +3937,25 @@ private:
 #endif  // GRADSYNC_SINGLE_DETAIL_ALIGNED_BYTES_HPP
 // ---- end gradsync/detail/aligned_bytes.hpp ----
 
-// ---- begin gradsync/memory/detail/host_passes.hpp ----
-#ifndef GRADSYNC_SINGLE_MEMORY_DETAIL_HOST_PASSES_HPP
-#define GRADSYNC_SINGLE_MEMORY_DETAIL_HOST_PASSES_HPP
+// ---- begin gradsync/detail/host_passes.hpp ----
+#ifndef GRADSYNC_SINGLE_DETAIL_HOST_PASSES_HPP
+#define GRADSYNC_SINGLE_DETAIL_HOST_PASSES_HPP
 // The fused finalize pass over reduced gradients: scale (1 / (world size x loss scale)), sum of
 // squares for the global norm, and detection of non-finite values, in one read and one write of
 // each element, widening or narrowing between storage types on the way.
 
 
-// ---- begin gradsync/backend/detail/host_reduce.hpp ----
-#ifndef GRADSYNC_SINGLE_BACKEND_DETAIL_HOST_REDUCE_HPP
-#define GRADSYNC_SINGLE_BACKEND_DETAIL_HOST_REDUCE_HPP
+// ---- begin gradsync/detail/host_reduce.hpp ----
+#ifndef GRADSYNC_SINGLE_DETAIL_HOST_REDUCE_HPP
+#define GRADSYNC_SINGLE_DETAIL_HOST_REDUCE_HPP
 // Host reduction loops, in the widest vectors the CPU has (wide_vectors.hpp);
 // the sum order is always rank 0, 1, 2, ... so every algorithm and every rank produces bitwise
 // identical results. Also the streaming copy, for large results nobody reads before they land.
 
 
-// ---- begin gradsync/backend/detail/wide_vectors.hpp ----
-#ifndef GRADSYNC_SINGLE_BACKEND_DETAIL_WIDE_VECTORS_HPP
-#define GRADSYNC_SINGLE_BACKEND_DETAIL_WIDE_VECTORS_HPP
+// ---- begin gradsync/detail/wide_vectors.hpp ----
+#ifndef GRADSYNC_SINGLE_DETAIL_WIDE_VECTORS_HPP
+#define GRADSYNC_SINGLE_DETAIL_WIDE_VECTORS_HPP
 // Host loops in the widest vectors the CPU offers (AVX-512, AVX2, else 16 bytes), chosen once at
 // run time: the library is compiled for the baseline x86-64 its users build for, and on the
 // AVX-512 development VMs 16-byte vectors left 8-11 % of an allreduce's time on the table
@@ -4057,8 +4057,8 @@ inline void run_widest(Args... args) {
 }
 
 }  // namespace gradsync::inline v0::detail
-#endif  // GRADSYNC_SINGLE_BACKEND_DETAIL_WIDE_VECTORS_HPP
-// ---- end gradsync/backend/detail/wide_vectors.hpp ----
+#endif  // GRADSYNC_SINGLE_DETAIL_WIDE_VECTORS_HPP
+// ---- end gradsync/detail/wide_vectors.hpp ----
 
 // ---- begin gradsync/half.hpp ----
 #ifndef GRADSYNC_SINGLE_HALF_HPP
@@ -4456,8 +4456,8 @@ void reduce_to_all(S* const* inputs, int n_in, S* const* outputs, int n_out, std
 }
 
 }  // namespace gradsync::inline v0::detail
-#endif  // GRADSYNC_SINGLE_BACKEND_DETAIL_HOST_REDUCE_HPP
-// ---- end gradsync/backend/detail/host_reduce.hpp ----
+#endif  // GRADSYNC_SINGLE_DETAIL_HOST_REDUCE_HPP
+// ---- end gradsync/detail/host_reduce.hpp ----
 
 // ---- begin gradsync/detail/dtype_visit.hpp ----
 #ifndef GRADSYNC_SINGLE_DETAIL_DTYPE_VISIT_HPP
@@ -4667,8 +4667,8 @@ void scale_only(T* __restrict data, std::size_t n, double factor) {
 }
 
 }  // namespace gradsync::inline v0::detail
-#endif  // GRADSYNC_SINGLE_MEMORY_DETAIL_HOST_PASSES_HPP
-// ---- end gradsync/memory/detail/host_passes.hpp ----
+#endif  // GRADSYNC_SINGLE_DETAIL_HOST_PASSES_HPP
+// ---- end gradsync/detail/host_passes.hpp ----
 
 #include <cmath>  // for std::isfinite
 #include <cstddef>

@@ -2732,17 +2732,17 @@ private:
 #endif  // GRADSYNC_SINGLE_DETAIL_FIRST_ERROR_HPP
 // ---- end gradsync/detail/first_error.hpp ----
 
-// ---- begin gradsync/backend/detail/host_reduce.hpp ----
-#ifndef GRADSYNC_SINGLE_BACKEND_DETAIL_HOST_REDUCE_HPP
-#define GRADSYNC_SINGLE_BACKEND_DETAIL_HOST_REDUCE_HPP
+// ---- begin gradsync/detail/host_reduce.hpp ----
+#ifndef GRADSYNC_SINGLE_DETAIL_HOST_REDUCE_HPP
+#define GRADSYNC_SINGLE_DETAIL_HOST_REDUCE_HPP
 // Host reduction loops, in the widest vectors the CPU has (wide_vectors.hpp);
 // the sum order is always rank 0, 1, 2, ... so every algorithm and every rank produces bitwise
 // identical results. Also the streaming copy, for large results nobody reads before they land.
 
 
-// ---- begin gradsync/backend/detail/wide_vectors.hpp ----
-#ifndef GRADSYNC_SINGLE_BACKEND_DETAIL_WIDE_VECTORS_HPP
-#define GRADSYNC_SINGLE_BACKEND_DETAIL_WIDE_VECTORS_HPP
+// ---- begin gradsync/detail/wide_vectors.hpp ----
+#ifndef GRADSYNC_SINGLE_DETAIL_WIDE_VECTORS_HPP
+#define GRADSYNC_SINGLE_DETAIL_WIDE_VECTORS_HPP
 // Host loops in the widest vectors the CPU offers (AVX-512, AVX2, else 16 bytes), chosen once at
 // run time: the library is compiled for the baseline x86-64 its users build for, and on the
 // AVX-512 development VMs 16-byte vectors left 8-11 % of an allreduce's time on the table
@@ -2844,8 +2844,8 @@ inline void run_widest(Args... args) {
 }
 
 }  // namespace gradsync::inline v0::detail
-#endif  // GRADSYNC_SINGLE_BACKEND_DETAIL_WIDE_VECTORS_HPP
-// ---- end gradsync/backend/detail/wide_vectors.hpp ----
+#endif  // GRADSYNC_SINGLE_DETAIL_WIDE_VECTORS_HPP
+// ---- end gradsync/detail/wide_vectors.hpp ----
 
 #if (defined(__SSE2__) || defined(_M_X64))
 #include <emmintrin.h>  // for the streaming stores
@@ -3062,8 +3062,8 @@ void reduce_to_all(S* const* inputs, int n_in, S* const* outputs, int n_out, std
 }
 
 }  // namespace gradsync::inline v0::detail
-#endif  // GRADSYNC_SINGLE_BACKEND_DETAIL_HOST_REDUCE_HPP
-// ---- end gradsync/backend/detail/host_reduce.hpp ----
+#endif  // GRADSYNC_SINGLE_DETAIL_HOST_REDUCE_HPP
+// ---- end gradsync/detail/host_reduce.hpp ----
 
 // ---- begin gradsync/backend/detail/typed_calls.hpp ----
 #ifndef GRADSYNC_SINGLE_BACKEND_DETAIL_TYPED_CALLS_HPP

@@ -1,6 +1,6 @@
 // The host reduction loops at every vector width the CPU offers give the bits of the scalar
 // loop: wider vectors must never change a result, or ranks on different CPUs would drift apart.
-#include <gradsync/backend/detail/host_reduce.hpp>
+#include <gradsync/detail/host_reduce.hpp>
 
 #include <doctest/doctest.h>
 

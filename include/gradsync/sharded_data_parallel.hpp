@@ -34,7 +34,7 @@
 #include <gradsync/data_parallel/sharded_options.hpp>
 #include <gradsync/data_parallel/readiness.hpp>
 #include <gradsync/error.hpp>
-#include <gradsync/memory/detail/host_passes.hpp>
+#include <gradsync/detail/host_passes.hpp>
 #include <gradsync/data_parallel/moved_storage.hpp>
 #include <gradsync/model/buffers.hpp>
 #include <gradsync/model/gradient_release.hpp>

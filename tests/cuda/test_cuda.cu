@@ -13,8 +13,8 @@
 #include <gradsync/backend/cuda_local.cuh>
 #include <gradsync/memory/cuda.cuh>
 #include <gradsync/memory/cuda/pack.cuh>
-#include <gradsync/memory/detail/host_passes.hpp>
-#include <gradsync/backend/detail/host_reduce.hpp>
+#include <gradsync/detail/host_passes.hpp>
+#include <gradsync/detail/host_reduce.hpp>
 
 #include <algorithm>
 #include <cmath>

@@ -5,7 +5,7 @@
 #pragma once
 
 #include <gradsync/backend/concepts.hpp>
-#include <gradsync/backend/detail/host_reduce.hpp>  // for accumulator_t
+#include <gradsync/detail/host_reduce.hpp>  // for accumulator_t
 #include <gradsync/buffer.hpp>
 #include <gradsync/half.hpp>
 

@@ -19,7 +19,7 @@
 #include <gradsync/detail/aligned_bytes.hpp>
 #include <gradsync/detail/dtype_visit.hpp>
 #include <gradsync/detail/first_error.hpp>
-#include <gradsync/backend/detail/host_reduce.hpp>
+#include <gradsync/detail/host_reduce.hpp>
 #include <gradsync/backend/detail/rendezvous.hpp>
 #include <gradsync/backend/detail/typed_calls.hpp>
 #include <gradsync/dtype.hpp>

@@ -37,7 +37,7 @@ public:
     using TypedCalls::reduce_scatter_async;
 
     static constexpr bool checks_tags = true;  // every collective's tag is compared with rank 0's
-    // Every element is summed rank 0, 1, 2, ... whatever the plan (backend/detail/host_reduce.hpp).
+    // Every element is summed rank 0, 1, 2, ... whatever the plan (detail/host_reduce.hpp).
     static constexpr bool sums_in_rank_order = true;
 
     // A group of `size` ranks; element r is rank r's handle. Hand each to its own thread; a

@@ -5,7 +5,7 @@
 #include <gradsync/buffer.hpp>
 #include <gradsync/bytes.hpp>
 #include <gradsync/detail/aligned_bytes.hpp>
-#include <gradsync/memory/detail/host_passes.hpp>
+#include <gradsync/detail/host_passes.hpp>
 #include <gradsync/detail/policy.hpp>
 #include <gradsync/memory/policy.hpp>
 #include <gradsync/dtype.hpp>

@@ -5,7 +5,7 @@
 #pragma once
 
 #include <gradsync/backend/collective.hpp>
-#include <gradsync/backend/detail/host_reduce.hpp>
+#include <gradsync/detail/host_reduce.hpp>
 #include <gradsync/backend/detail/local_group.hpp>
 #include <gradsync/backend/detail/segment_cursor.hpp>
 #include <gradsync/backend/local_options.hpp>

@@ -8,7 +8,7 @@
 #include <gradsync/backend/concepts.hpp>
 #include <gradsync/backend/detail/piece_claims.hpp>
 #include <gradsync/backend/detail/segment_cursor.hpp>
-#include <gradsync/backend/detail/host_reduce.hpp>
+#include <gradsync/detail/host_reduce.hpp>
 #include <gradsync/backend/local_options.hpp>
 #include <gradsync/buffer.hpp>
 #include <gradsync/bytes.hpp>

@@ -3,7 +3,7 @@
 // the 16-bit types (widened to float, added, rounded once).
 #pragma once
 
-#include <gradsync/backend/detail/host_reduce.hpp>
+#include <gradsync/detail/host_reduce.hpp>
 #include <gradsync/backend/mpi/mpi_api.hpp>
 #include <gradsync/detail/dtype_visit.hpp>
 #include <gradsync/dtype.hpp>

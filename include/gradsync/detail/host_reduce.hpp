@@ -3,7 +3,7 @@
 // identical results. Also the streaming copy, for large results nobody reads before they land.
 #pragma once
 
-#include <gradsync/backend/detail/wide_vectors.hpp>
+#include <gradsync/detail/wide_vectors.hpp>
 #include <gradsync/half.hpp>
 #include <gradsync/version.hpp>
 

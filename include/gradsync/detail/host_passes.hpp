@@ -3,7 +3,7 @@
 // each element, widening or narrowing between storage types on the way.
 #pragma once
 
-#include <gradsync/backend/detail/host_reduce.hpp>
+#include <gradsync/detail/host_reduce.hpp>
 #include <gradsync/detail/dtype_visit.hpp>
 #include <gradsync/dtype.hpp>
 #include <gradsync/error.hpp>
