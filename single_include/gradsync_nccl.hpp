@@ -1210,7 +1210,7 @@ private:
 #include <optional>
 #include <string>
 #include <thread>
-#include <utility>  // for std::move, std::pair
+#include <utility>  // for std::move
 
 namespace gradsync::inline v0::detail {
 
@@ -1221,8 +1221,19 @@ struct WatchedOp {
     void* event = nullptr;                              // the device's completion marker (a cudaEvent_t)
     std::chrono::steady_clock::time_point finished_at;  // written before `done`
     std::atomic<bool> done{false};
+    // Someone waits for it: the host (wait_until) or a stream (a device wait). One nobody waits
+    // for when its backend goes was abandoned.
+    std::atomic<bool> awaited{false};
 
     [[nodiscard]] std::string describe() const { return call.describe(); }
+};
+
+// The ops not yet seen complete, as a backend going away sees them.
+struct PendingOps {
+    std::size_t count = 0;
+    std::size_t abandoned = 0;    // nobody waits for them
+    std::string first_abandoned;  // described
+    std::chrono::steady_clock::time_point latest_deadline{};
 };
 
 // What the watchdog needs from the device. `finished`, `error` and `release` run under the
@@ -1364,11 +1375,18 @@ public:
         pending_.clear();
     }
 
-    // The ops not yet seen complete (a check() first retires those the device has finished),
-    // and the oldest of them described; none once the communicator failed.
-    [[nodiscard]] std::pair<std::size_t, std::string> pending() const {
+    // The ops not yet seen complete (a check() first retires those the device has finished);
+    // none once the communicator failed.
+    [[nodiscard]] PendingOps pending() const {
         std::lock_guard lock(mutex_);
-        return {pending_.size(), pending_.empty() ? std::string() : pending_.front()->describe()};
+        PendingOps out;
+        for (const auto& op : pending_) {
+            ++out.count;
+            if (op->deadline > out.latest_deadline) out.latest_deadline = op->deadline;
+            if (op->awaited.load(std::memory_order_acquire)) continue;
+            if (out.abandoned++ == 0) out.first_abandoned = op->describe();
+        }
+        return out;
     }
 
     [[nodiscard]] bool failed() const { return failed_.load(std::memory_order_acquire); }
@@ -1761,7 +1779,9 @@ public:
     void wait() const { (void)wait_until(std::chrono::steady_clock::time_point::max()); }
     // False when `deadline` passed first; throws when the communicator failed first.
     [[nodiscard]] bool wait_until(std::chrono::steady_clock::time_point deadline) const {
-        return !op_ || watchdog_->wait_until(*op_, deadline);
+        if (!op_) return true;
+        op_->awaited.store(true, std::memory_order_release);
+        return watchdog_->wait_until(*op_, deadline);
     }
     // When the watchdog or a waiter saw it complete (for timelines); only meaningful once ready().
     [[nodiscard]] std::chrono::steady_clock::time_point finished_at() const {
@@ -1770,6 +1790,7 @@ public:
     // Makes `stream` wait for this collective, without blocking the host.
     void then(cudaStream_t stream) const {
         if (!op_) return;
+        op_->awaited.store(true, std::memory_order_release);
         watchdog_->run([&] {
             detail::DeviceScope scope(device_);
             if (!op_->done.load(std::memory_order_acquire))
@@ -1800,7 +1821,6 @@ private:
 #include <stop_token>
 #include <string>
 #include <thread>
-#include <utility>  // for std::pair
 #include <vector>
 
 namespace gradsync::inline v0::detail {
@@ -1842,20 +1862,22 @@ struct NcclCommunicator {
 
     void close() {
         on_stop.reset();  // waits for a stop request in progress
-        // Collectives still pending now were abandoned (an exception unwound past their wait):
-        // flushing them would wait for peers that may never issue theirs, for the whole timeout.
-        // The communicator is aborted instead; the peers learn of it by their own deadlines.
-        std::pair<std::size_t, std::string> abandoned{0, ""};
+        // Collectives nobody waits for (an exception unwound past their wait) were abandoned:
+        // flushing them would wait for peers that may never issue theirs, for the whole timeout,
+        // so the communicator is aborted instead and the peers learn of it by their deadlines.
+        // Those a stream or the host waits for are flushed, by their own deadlines.
+        PendingOps pending;
         if (watchdog && !watchdog->failed()) {
             watchdog->check();
-            abandoned = watchdog->pending();
+            pending = watchdog->pending();
         }
-        if (abandoned.first != 0)
+        if (pending.abandoned != 0)
             std::fprintf(stderr,
-                         "%s: destroyed while %zu collective%s had not completed (the first: %s): the "
-                         "communicator is aborted, not flushed\n",
-                         who.c_str(), abandoned.first, abandoned.first == 1 ? "" : "s", abandoned.second.c_str());
-        const bool failed = (watchdog && watchdog->failed()) || abandoned.first != 0;
+                         "%s: destroyed while %zu collective%s nobody waits for had not completed (the first: %s): "
+                         "the communicator is aborted, not flushed\n",
+                         who.c_str(), pending.abandoned, pending.abandoned == 1 ? "" : "s",
+                         pending.first_abandoned.c_str());
+        const bool failed = (watchdog && watchdog->failed()) || pending.abandoned != 0;
         // Handles that outlive the backend must not reach the communicator or this state.
         if (watchdog) watchdog->close(who + ": the backend was destroyed");
         DeviceScope scope(device);
@@ -1863,7 +1885,8 @@ struct NcclCommunicator {
             // Flush what is queued, by the deadline, then free; a communicator that cannot
             // be flushed in time is aborted below.
             ncclResult_t state = ncclCommFinalize(comm);
-            const auto deadline = std::chrono::steady_clock::now() + timeout;
+            const auto deadline =
+                pending.count != 0 ? pending.latest_deadline : std::chrono::steady_clock::now() + timeout;
             while (state == ncclInProgress && std::chrono::steady_clock::now() < deadline) {
                 std::this_thread::sleep_for(std::chrono::microseconds(200));
                 if (ncclCommGetAsyncError(comm, &state) != ncclSuccess) break;
@@ -2586,8 +2609,9 @@ public:
     NcclBackend(const NcclBackend&) = delete;
     NcclBackend& operator=(const NcclBackend&) = delete;
 
-    // Flushes the communicator (ncclCommFinalize, by the timeout) and frees it; a failed or
-    // late one is aborted instead.
+    // Flushes the communicator (ncclCommFinalize, by the pending collectives' deadlines) and frees
+    // it; a failed or late one is aborted instead, and so is one with a collective nobody waits for
+    // (neither the host nor a stream: abandoned by an exception), whose peers may never come.
     ~NcclBackend() {
         if (!state_) return;
         try {

@@ -171,3 +171,32 @@ TEST_CASE("NcclBackend on the stand-ins: host memory for reduce_scatter and all_
           "gradsync: rank 0 of 1 (NCCL, GPU 0): reduce_scatter takes device (or managed) memory; this buffer "
           "lies in host memory");
 }
+
+TEST_CASE(
+    "NcclBackend on the stand-ins: a backend destroyed while a stream waits for its collective flushes it: "
+    "the late peer's part arrives and the sum lands") {
+    std::vector<float*> data(2, nullptr);
+    const auto [what, took] = spawn_failure(
+        2,
+        [&](gradsync::NcclBackend<>& backend) {
+            const auto r = std::size_t(backend.rank());
+            // Not freed here: cudaFree would wait for the device, where the collective may still run.
+            GRADSYNC_CUDA_CHECK(cudaMalloc(&data[r], sizeof(float)));
+            const float mine = float(r + 1);
+            GRADSYNC_CUDA_CHECK(cudaMemcpy(data[r], &mine, sizeof mine, cudaMemcpyHostToDevice));
+            GRADSYNC_CUDA_CHECK(cudaDeviceSynchronize());
+            if (r == 1) std::this_thread::sleep_for(200ms);  // the peer comes late
+            auto handle = backend.allreduce_async(gradsync::Buffer{data[r], 1, gradsync::DType::float32});
+            backend.wait_on_device(handle);  // the trainer's stream waits; the host goes on, and ends
+        },
+        gradsync::NcclOptions{.timeout = 120s});
+    CHECK(what.empty());
+    CHECK(took < 30s);
+    for (int r = 0; r < 2; ++r) {
+        REQUIRE(cudaSetDevice(r) == cudaSuccess);
+        float sum = 0;
+        REQUIRE(cudaMemcpy(&sum, data[std::size_t(r)], sizeof sum, cudaMemcpyDeviceToHost) == cudaSuccess);
+        CHECK(sum == 3.0f);
+        CHECK(cudaFree(data[std::size_t(r)]) == cudaSuccess);
+    }
+}

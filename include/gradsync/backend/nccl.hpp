@@ -137,8 +137,9 @@ public:
     NcclBackend(const NcclBackend&) = delete;
     NcclBackend& operator=(const NcclBackend&) = delete;
 
-    // Flushes the communicator (ncclCommFinalize, by the timeout) and frees it; a failed or
-    // late one is aborted instead.
+    // Flushes the communicator (ncclCommFinalize, by the pending collectives' deadlines) and frees
+    // it; a failed or late one is aborted instead, and so is one with a collective nobody waits for
+    // (neither the host nor a stream: abandoned by an exception), whose peers may never come.
     ~NcclBackend() {
         if (!state_) return;
         try {

@@ -28,7 +28,7 @@
 #include <optional>
 #include <string>
 #include <thread>
-#include <utility>  // for std::move, std::pair
+#include <utility>  // for std::move
 
 namespace gradsync::inline v0::detail {
 
@@ -39,8 +39,19 @@ struct WatchedOp {
     void* event = nullptr;                              // the device's completion marker (a cudaEvent_t)
     std::chrono::steady_clock::time_point finished_at;  // written before `done`
     std::atomic<bool> done{false};
+    // Someone waits for it: the host (wait_until) or a stream (a device wait). One nobody waits
+    // for when its backend goes was abandoned.
+    std::atomic<bool> awaited{false};
 
     [[nodiscard]] std::string describe() const { return call.describe(); }
+};
+
+// The ops not yet seen complete, as a backend going away sees them.
+struct PendingOps {
+    std::size_t count = 0;
+    std::size_t abandoned = 0;    // nobody waits for them
+    std::string first_abandoned;  // described
+    std::chrono::steady_clock::time_point latest_deadline{};
 };
 
 // What the watchdog needs from the device. `finished`, `error` and `release` run under the
@@ -182,11 +193,18 @@ public:
         pending_.clear();
     }
 
-    // The ops not yet seen complete (a check() first retires those the device has finished),
-    // and the oldest of them described; none once the communicator failed.
-    [[nodiscard]] std::pair<std::size_t, std::string> pending() const {
+    // The ops not yet seen complete (a check() first retires those the device has finished);
+    // none once the communicator failed.
+    [[nodiscard]] PendingOps pending() const {
         std::lock_guard lock(mutex_);
-        return {pending_.size(), pending_.empty() ? std::string() : pending_.front()->describe()};
+        PendingOps out;
+        for (const auto& op : pending_) {
+            ++out.count;
+            if (op->deadline > out.latest_deadline) out.latest_deadline = op->deadline;
+            if (op->awaited.load(std::memory_order_acquire)) continue;
+            if (out.abandoned++ == 0) out.first_abandoned = op->describe();
+        }
+        return out;
     }
 
     [[nodiscard]] bool failed() const { return failed_.load(std::memory_order_acquire); }

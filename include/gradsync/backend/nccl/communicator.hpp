@@ -21,7 +21,6 @@
 #include <stop_token>
 #include <string>
 #include <thread>
-#include <utility>  // for std::pair
 #include <vector>
 
 namespace gradsync::inline v0::detail {
@@ -63,20 +62,22 @@ struct NcclCommunicator {
 
     void close() {
         on_stop.reset();  // waits for a stop request in progress
-        // Collectives still pending now were abandoned (an exception unwound past their wait):
-        // flushing them would wait for peers that may never issue theirs, for the whole timeout.
-        // The communicator is aborted instead; the peers learn of it by their own deadlines.
-        std::pair<std::size_t, std::string> abandoned{0, ""};
+        // Collectives nobody waits for (an exception unwound past their wait) were abandoned:
+        // flushing them would wait for peers that may never issue theirs, for the whole timeout,
+        // so the communicator is aborted instead and the peers learn of it by their deadlines.
+        // Those a stream or the host waits for are flushed, by their own deadlines.
+        PendingOps pending;
         if (watchdog && !watchdog->failed()) {
             watchdog->check();
-            abandoned = watchdog->pending();
+            pending = watchdog->pending();
         }
-        if (abandoned.first != 0)
+        if (pending.abandoned != 0)
             std::fprintf(stderr,
-                         "%s: destroyed while %zu collective%s had not completed (the first: %s): the "
-                         "communicator is aborted, not flushed\n",
-                         who.c_str(), abandoned.first, abandoned.first == 1 ? "" : "s", abandoned.second.c_str());
-        const bool failed = (watchdog && watchdog->failed()) || abandoned.first != 0;
+                         "%s: destroyed while %zu collective%s nobody waits for had not completed (the first: %s): "
+                         "the communicator is aborted, not flushed\n",
+                         who.c_str(), pending.abandoned, pending.abandoned == 1 ? "" : "s",
+                         pending.first_abandoned.c_str());
+        const bool failed = (watchdog && watchdog->failed()) || pending.abandoned != 0;
         // Handles that outlive the backend must not reach the communicator or this state.
         if (watchdog) watchdog->close(who + ": the backend was destroyed");
         DeviceScope scope(device);
@@ -84,7 +85,8 @@ struct NcclCommunicator {
             // Flush what is queued, by the deadline, then free; a communicator that cannot
             // be flushed in time is aborted below.
             ncclResult_t state = ncclCommFinalize(comm);
-            const auto deadline = std::chrono::steady_clock::now() + timeout;
+            const auto deadline =
+                pending.count != 0 ? pending.latest_deadline : std::chrono::steady_clock::now() + timeout;
             while (state == ncclInProgress && std::chrono::steady_clock::now() < deadline) {
                 std::this_thread::sleep_for(std::chrono::microseconds(200));
                 if (ncclCommGetAsyncError(comm, &state) != ncclSuccess) break;

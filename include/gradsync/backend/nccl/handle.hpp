@@ -54,7 +54,9 @@ public:
     void wait() const { (void)wait_until(std::chrono::steady_clock::time_point::max()); }
     // False when `deadline` passed first; throws when the communicator failed first.
     [[nodiscard]] bool wait_until(std::chrono::steady_clock::time_point deadline) const {
-        return !op_ || watchdog_->wait_until(*op_, deadline);
+        if (!op_) return true;
+        op_->awaited.store(true, std::memory_order_release);
+        return watchdog_->wait_until(*op_, deadline);
     }
     // When the watchdog or a waiter saw it complete (for timelines); only meaningful once ready().
     [[nodiscard]] std::chrono::steady_clock::time_point finished_at() const {
@@ -63,6 +65,7 @@ public:
     // Makes `stream` wait for this collective, without blocking the host.
     void then(cudaStream_t stream) const {
         if (!op_) return;
+        op_->awaited.store(true, std::memory_order_release);
         watchdog_->run([&] {
             detail::DeviceScope scope(device_);
             if (!op_->done.load(std::memory_order_acquire))
