@@ -132,7 +132,7 @@ TEST_CASE("bucket engine: a bucket not reduced by the deadline is named by the d
     CHECK((what == "bucket 0 is late" || what.find("rank 1 left the group") != std::string::npos));
 }
 
-TEST_CASE("bucket engine: the finalize pass unscales and measures each bucket; without it, nothing changes") {
+TEST_CASE("bucket engine: the finalize pass unscales and measures each bucket, and without it, nothing changes") {
     gradsync::spawn(1, [](gradsync::LocalBackend& local) {
         Mixed m;
         m.fill(0);

@@ -208,7 +208,7 @@ TEST_CASE("device memory policy: packed, unscaled, measured and stepped as on th
 
 TEST_CASE(
     "device memory policy: a float16 sum that overflows is reduced again in float32, and an overflow in a "
-    "gradient is named; a failure the backend found is thrown at synchronize") {
+    "gradient is named, and a failure the backend found is thrown at synchronize") {
     gradsync::spawn(2, [&](LocalBackend& b) {
         FakeDeviceBackend fake(b);
         Toy model({1000, 10}, 0.0f);

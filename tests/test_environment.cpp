@@ -38,7 +38,7 @@ TEST_CASE("each launcher's variables give the process's place") {
     CHECK(alone.world_size == 1);
 }
 
-TEST_CASE("nested launchers: the innermost one's variables win; an outer world larger than the inner is an error") {
+TEST_CASE("nested launchers: the innermost one's variables win, and an outer world larger than the inner is an error") {
     auto both =
         place({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"}});
     CHECK(both.source == "RANK/WORLD_SIZE");

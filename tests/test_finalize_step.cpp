@@ -55,7 +55,7 @@ TEST_CASE("finalize step: the decision runs the optimizer with the rate only on 
 }
 
 TEST_CASE(
-    "finalize step: measurements read once name the parameters that are not finite; clipping scales down "
+    "finalize step: measurements read once name the parameters that are not finite, and clipping scales down "
     "only above the bound") {
     gradsync::spawn(1, [](gradsync::LocalBackend& local) {
         std::vector<float> w(8), g0(3, 3.0f), g1(5, 4.0f);

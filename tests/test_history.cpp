@@ -13,7 +13,7 @@ using gradsync::DType;
 using gradsync::detail::CollectiveHistory;
 using gradsync::detail::CollectivePurpose;
 
-TEST_CASE("history: a tag names the step and the bucket; buffers have none; fingerprints fold in the past") {
+TEST_CASE("history: a tag names the step and the bucket, buffers have none, and fingerprints fold in the past") {
     CollectiveHistory a, b;
     const auto first = a.next(CollectivePurpose::bucket, 3, 2, 4096, DType::float32);
     CHECK(first.step == 3);

@@ -46,7 +46,7 @@ TEST_CASE("readiness: buckets go in plan order, whatever order their gradients a
     CHECK(r.bucket_of(2) == 0);
 }
 
-TEST_CASE("readiness: a second grad_ready in one step is reported; reset() starts the next step") {
+TEST_CASE("readiness: a second grad_ready in one step is reported, and reset() starts the next step") {
     Readiness r;
     r.plan(three_buckets(), 4);
     const auto launch = [](std::size_t) {};
@@ -59,7 +59,7 @@ TEST_CASE("readiness: a second grad_ready in one step is reported; reset() start
     CHECK(r.mark(0, launch) == Readiness::Mark::accepted);
 }
 
-TEST_CASE("readiness: under no_sync() gradients only accumulate; complete() counts them ready, or asks") {
+TEST_CASE("readiness: under no_sync() gradients only accumulate, and complete() counts them ready, or asks") {
     Readiness r;
     r.plan(three_buckets(), 4);
     std::vector<std::size_t> launched;

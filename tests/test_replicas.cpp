@@ -91,7 +91,7 @@ TEST_CASE("replica check: a parameter changed on one rank is named, with the ran
     }
 }
 
-TEST_CASE("replica check: unchanged replicas pass every check; buffers broadcast once may differ") {
+TEST_CASE("replica check: unchanged replicas pass every check, and buffers broadcast once may differ") {
     const auto got = run(3, [](LocalBackend& b, int& s) {
         Toy m({64, 5}, 0.25f);
         m.running_mean.assign(4, 0.0f);
@@ -122,7 +122,7 @@ TEST_CASE("replica check: a buffer averaged every step is compared too, and on d
               std::string::npos);
 }
 
-TEST_CASE("replica check: by default every 500 steps on host memory, off on device memory; ranks agree on it") {
+TEST_CASE("replica check: by default every 500 steps on host memory, off on device memory, and ranks agree on it") {
     CHECK(Options{}.replica_check_interval(false) == Options::replica_check_default);
     CHECK(Options::replica_check_default == 500);
     CHECK(Options{}.replica_check_interval(true) == 0);

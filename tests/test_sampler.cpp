@@ -71,7 +71,7 @@ TEST_CASE("the shuffle is a function of seed and epoch, the same on every rank")
     CHECK(pinned[1] == std::vector<std::size_t>{2, 3, 1});
 }
 
-TEST_CASE("batch counts are equal across ranks; bad arguments are errors") {
+TEST_CASE("batch counts are equal across ranks, and bad arguments are errors") {
     ShardedSampler s(10, 3, 2);
     CHECK(s.size() == 4);
     CHECK(s.batches(3) == 2);

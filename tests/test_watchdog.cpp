@@ -282,7 +282,7 @@ TEST_CASE("a collective is described the same way everywhere: kind, number, size
     CHECK_FALSE(other.same_as(c));
 }
 
-TEST_CASE("watchdog: closing it (the backend goes away) aborts nothing; a handle left over throws the reason") {
+TEST_CASE("watchdog: closing it (the backend goes away) aborts nothing, and a handle left over throws the reason") {
     FakeDevice device;
     Watchdog dog("gradsync: rank 0 of 2 (fake)", device.callbacks(), 1ms);
     auto a = op(device, 0, 10s);

@@ -539,7 +539,7 @@ TEST_SUITE("gpu") {
 
     TEST_CASE(
         "NcclBackend: a collective reduces what the compute stream wrote before it was queued, however "
-        "late, and the compute stream's next work sees the result; the host waits for neither") {
+        "late, and the compute stream's next work sees the result, and the host waits for neither") {
         const ncclUniqueId id = nccl_id();
         const Stream compute;
         gradsync::NcclBackend<> backend(0, 1, 0, id, gradsync::NcclOptions{.compute_stream = compute});
@@ -651,7 +651,8 @@ TEST_SUITE("gpu") {
         }
     }
 
-    TEST_CASE("NcclBackend, a world of one: reduce_scatter and all_gather keep the values; host memory is refused") {
+    TEST_CASE(
+        "NcclBackend, a world of one: reduce_scatter and all_gather keep the values, and host memory is refused") {
         gradsync::NcclBackend<> backend(0, 1, 0, nccl_id());
         static_assert(gradsync::ShardedCollectives<gradsync::NcclBackend<>>);
         DeviceArray<float> data(1001);
@@ -690,7 +691,7 @@ TEST_SUITE("gpu") {
 
     TEST_CASE(
         "DataParallel<CudaLocalBackend, CudaMemory>: N ranks on one GPU end with the gradients of one process "
-        "with the whole batch, bit for bit alike on every rank; a gradient written late on a rank's stream "
+        "with the whole batch, bit for bit alike on every rank, and a gradient written late on a rank's stream "
         "is still the one reduced") {
         for (int n : {2, 3, 4}) {
             CAPTURE(n);
@@ -711,7 +712,7 @@ TEST_SUITE("gpu") {
 
     TEST_CASE(
         "DataParallel<CudaLocalBackend, CudaMemory>, float16 and bfloat16 on the wire: the mean within the "
-        "wire's precision; a float16 sum that overflows is reduced again in float32") {
+        "wire's precision, and a float16 sum that overflows is reduced again in float32") {
         const auto run = [](auto compression, float value) {
             std::vector<std::vector<float>> grads(2);
             gradsync::cuda_local_spawn(2, [&](gradsync::CudaLocalBackend& backend) {
@@ -746,7 +747,8 @@ TEST_SUITE("gpu") {
         CHECK(run(gradsync::Bf16Compression{}, 1e5f).front() == doctest::Approx(1e5f).epsilon(1e-2));
     }
 
-    TEST_CASE("step_on_device: the optimizer's kernel reads the verdict on the device; the host waits for nothing") {
+    TEST_CASE(
+        "step_on_device: the optimizer's kernel reads the verdict on the device, and the host waits for nothing") {
         const ncclUniqueId id = nccl_id();
         const Stream stream;
         {
@@ -903,7 +905,7 @@ TEST_SUITE("gpu") {
     }
 
     TEST_CASE(
-        "DataParallel<NcclBackend>, a world of one: contiguous device gradients synchronize; step() is "
+        "DataParallel<NcclBackend>, a world of one: contiguous device gradients synchronize, and step() is "
         "refused until the finalize pass runs on the device") {
         const ncclUniqueId id = nccl_id();
         gradsync::NcclBackend<> backend(0, 1, 0, id);

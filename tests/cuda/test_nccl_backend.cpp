@@ -106,7 +106,7 @@ TEST_CASE("NCCL_ALGO: a communicator of another choice waits until the others ha
     CHECK(env_or_none("NCCL_ALGO") == "<unset>");
 }
 
-TEST_CASE("NCCL dtypes: the floating ones reduce; every gradsync dtype has an NCCL type") {
+TEST_CASE("NCCL dtypes: the floating ones reduce, and every gradsync dtype has an NCCL type") {
     using gradsync::DType;
     CHECK(gradsync::detail::nccl_type(DType::float32) == ncclFloat32);
     CHECK(gradsync::detail::nccl_type(DType::float64) == ncclFloat64);

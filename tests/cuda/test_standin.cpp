@@ -32,7 +32,7 @@ bool mentions(const std::vector<std::string>& misuses, const std::string& words)
 
 }  // namespace
 
-TEST_CASE("stand-in CUDA: a slow stream runs its copies in order and late; events and waits order two streams") {
+TEST_CASE("stand-in CUDA: a slow stream runs its copies in order and late, and events and waits order two streams") {
     REQUIRE(cudaSetDevice(0) == cudaSuccess);
     (void)standin::take_misuses();
     cudaStream_t first = nullptr, second = nullptr;
@@ -119,7 +119,7 @@ TEST_CASE(
 }
 
 TEST_CASE(
-    "stand-in CUDA: a pageable copy lands on the device after cudaMemcpy returns; a blocking stream waits "
+    "stand-in CUDA: a pageable copy lands on the device after cudaMemcpy returns, and a blocking stream waits "
     "for it, a non-blocking one does not") {
     REQUIRE(cudaSetDevice(0) == cudaSuccess);
     cudaStream_t blocking = nullptr;
