@@ -440,6 +440,13 @@ GRADSYNC_HOST_DEVICE void for_each_piece(const Segment* table, std::size_t segme
 #endif  // GRADSYNC_SINGLE_MEMORY_CUDA_BUCKET_TABLE_HPP
 // ---- end gradsync/memory/cuda/bucket_table.hpp ----
 
+// ---- begin gradsync/memory/cuda/device_bytes.cuh ----
+#ifndef GRADSYNC_SINGLE_MEMORY_CUDA_DEVICE_BYTES_CUH
+#define GRADSYNC_SINGLE_MEMORY_CUDA_DEVICE_BYTES_CUH
+// DeviceBytes: device memory owned by one object, freed with it; made with a stream, allocated
+// and freed in that stream's order. Needs the CUDA runtime.
+
+
 // ---- begin gradsync/cuda/check.hpp ----
 #ifndef GRADSYNC_SINGLE_CUDA_CHECK_HPP
 #define GRADSYNC_SINGLE_CUDA_CHECK_HPP
@@ -560,6 +567,66 @@ private:
 }  // namespace gradsync::inline v0
 #endif  // GRADSYNC_SINGLE_CUDA_CHECK_HPP
 // ---- end gradsync/cuda/check.hpp ----
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <utility>  // for std::exchange
+
+namespace gradsync::inline v0::cuda {
+
+// Device memory owned by one object; size() in bytes. Made with a stream, it is allocated and
+// freed in that stream's order (cudaMallocAsync, cudaFreeAsync): freeing it then waits for
+// neither the host nor the rest of the device, unlike cudaFree.
+class DeviceBytes {
+public:
+    DeviceBytes() = default;
+    explicit DeviceBytes(std::size_t bytes) : size_(bytes) {
+        if (bytes != 0) GRADSYNC_CUDA_CHECK(cudaMalloc(&data_, bytes));
+    }
+    DeviceBytes(std::size_t bytes, cudaStream_t stream) : size_(bytes), stream_(stream), ordered_(true) {
+        if (bytes != 0) GRADSYNC_CUDA_CHECK(cudaMallocAsync(&data_, bytes, stream));
+    }
+    DeviceBytes(DeviceBytes&& o) noexcept
+        : data_(std::exchange(o.data_, nullptr)),
+          size_(std::exchange(o.size_, 0)),
+          stream_(o.stream_),
+          ordered_(o.ordered_) {}
+    DeviceBytes& operator=(DeviceBytes&& o) noexcept {
+        if (this != &o) {
+            release();
+            data_ = std::exchange(o.data_, nullptr);
+            size_ = std::exchange(o.size_, 0);
+            stream_ = o.stream_;
+            ordered_ = o.ordered_;
+        }
+        return *this;
+    }
+    DeviceBytes(const DeviceBytes&) = delete;
+    DeviceBytes& operator=(const DeviceBytes&) = delete;
+    ~DeviceBytes() { release(); }
+
+    [[nodiscard]] std::byte* data() const { return static_cast<std::byte*>(data_); }
+    [[nodiscard]] std::size_t size() const { return size_; }
+
+private:
+    void release() {
+        if (data_ == nullptr) return;
+        if (ordered_)
+            cudaFreeAsync(data_, stream_);
+        else
+            cudaFree(data_);
+    }
+
+    void* data_ = nullptr;
+    std::size_t size_ = 0;
+    cudaStream_t stream_ = nullptr;
+    bool ordered_ = false;
+};
+
+}  // namespace gradsync::inline v0::cuda
+#endif  // GRADSYNC_SINGLE_MEMORY_CUDA_DEVICE_BYTES_CUH
+// ---- end gradsync/memory/cuda/device_bytes.cuh ----
 
 // ---- begin gradsync/memory/cuda/finalize.cuh ----
 #ifndef GRADSYNC_SINGLE_MEMORY_CUDA_FINALIZE_CUH
@@ -1338,61 +1405,11 @@ constexpr bool check_memory_policy() {
 #include <memory>
 #include <span>
 #include <string>
-#include <utility>  // for std::exchange
 #include <vector>
 
 namespace gradsync::inline v0 {
 
 namespace cuda {
-
-// Device memory owned by one object; size() in bytes. Made with a stream, it is allocated and
-// freed in that stream's order (cudaMallocAsync, cudaFreeAsync): freeing it then waits for
-// neither the host nor the rest of the device, unlike cudaFree.
-class DeviceBytes {
-public:
-    DeviceBytes() = default;
-    explicit DeviceBytes(std::size_t bytes) : size_(bytes) {
-        if (bytes != 0) GRADSYNC_CUDA_CHECK(cudaMalloc(&data_, bytes));
-    }
-    DeviceBytes(std::size_t bytes, cudaStream_t stream) : size_(bytes), stream_(stream), ordered_(true) {
-        if (bytes != 0) GRADSYNC_CUDA_CHECK(cudaMallocAsync(&data_, bytes, stream));
-    }
-    DeviceBytes(DeviceBytes&& o) noexcept
-        : data_(std::exchange(o.data_, nullptr)),
-          size_(std::exchange(o.size_, 0)),
-          stream_(o.stream_),
-          ordered_(o.ordered_) {}
-    DeviceBytes& operator=(DeviceBytes&& o) noexcept {
-        if (this != &o) {
-            release();
-            data_ = std::exchange(o.data_, nullptr);
-            size_ = std::exchange(o.size_, 0);
-            stream_ = o.stream_;
-            ordered_ = o.ordered_;
-        }
-        return *this;
-    }
-    DeviceBytes(const DeviceBytes&) = delete;
-    DeviceBytes& operator=(const DeviceBytes&) = delete;
-    ~DeviceBytes() { release(); }
-
-    [[nodiscard]] std::byte* data() const { return static_cast<std::byte*>(data_); }
-    [[nodiscard]] std::size_t size() const { return size_; }
-
-private:
-    void release() {
-        if (data_ == nullptr) return;
-        if (ordered_)
-            cudaFreeAsync(data_, stream_);
-        else
-            cudaFree(data_);
-    }
-
-    void* data_ = nullptr;
-    std::size_t size_ = 0;
-    cudaStream_t stream_ = nullptr;
-    bool ordered_ = false;
-};
 
 namespace detail {
 

@@ -11,10 +11,30 @@
 namespace standin::detail {
 namespace {
 
+// The handles of one kind the runtime gave out, each owned until destroyed (work queued on a
+// stream keeps what it uses alive beyond that).
+template <class T>
+struct HandleTable {
+    std::map<T*, std::shared_ptr<T>> owned;
+
+    void add(std::shared_ptr<T> h) { owned[h.get()] = std::move(h); }
+    std::shared_ptr<T> remove(T* h) {
+        const auto it = owned.find(h);
+        if (it == owned.end()) return nullptr;
+        auto out = std::move(it->second);
+        owned.erase(it);
+        return out;
+    }
+    [[nodiscard]] std::shared_ptr<T> find(T* h) const {
+        const auto it = owned.find(h);
+        return it == owned.end() ? nullptr : it->second;
+    }
+};
+
 struct Registry {
-    std::mutex mutex;
-    std::map<CUstream_st*, std::shared_ptr<CUstream_st>> streams;
-    std::map<CUevent_st*, std::shared_ptr<CUevent_st>> events;
+    std::mutex mutex;  // everything below
+    HandleTable<CUstream_st> streams;
+    HandleTable<CUevent_st> events;
     std::array<std::shared_ptr<CUstream_st>, max_devices> legacy{};  // made on first use
     std::vector<std::string> misuses;
     std::array<int, max_devices> contexts{};
@@ -98,27 +118,22 @@ std::optional<Allocation> find_allocation(const void* p) {
     return std::nullopt;
 }
 
+// Each under the registry's lock.
+template <class Fn>
+auto locked(Fn&& fn) {
+    auto& r = registry();
+    std::lock_guard lock(r.mutex);
+    return fn(r);
+}
+
 void add_stream(std::shared_ptr<CUstream_st> s) {
-    auto& r = registry();
-    std::lock_guard lock(r.mutex);
-    r.streams[s.get()] = std::move(s);
+    locked([&](Registry& r) { r.streams.add(std::move(s)); });
 }
-
 std::shared_ptr<CUstream_st> remove_stream(cudaStream_t s) {
-    auto& r = registry();
-    std::lock_guard lock(r.mutex);
-    const auto it = r.streams.find(s);
-    if (it == r.streams.end()) return nullptr;
-    auto out = std::move(it->second);
-    r.streams.erase(it);
-    return out;
+    return locked([&](Registry& r) { return r.streams.remove(s); });
 }
-
 std::shared_ptr<CUstream_st> find_stream(cudaStream_t s) {
-    auto& r = registry();
-    std::lock_guard lock(r.mutex);
-    const auto it = r.streams.find(s);
-    return it == r.streams.end() ? nullptr : it->second;
+    return locked([&](Registry& r) { return r.streams.find(s); });
 }
 
 std::shared_ptr<CUstream_st> resolve_stream(cudaStream_t s) {
@@ -127,26 +142,13 @@ std::shared_ptr<CUstream_st> resolve_stream(cudaStream_t s) {
 }
 
 void add_event(std::shared_ptr<CUevent_st> e) {
-    auto& r = registry();
-    std::lock_guard lock(r.mutex);
-    r.events[e.get()] = std::move(e);
+    locked([&](Registry& r) { r.events.add(std::move(e)); });
 }
-
 std::shared_ptr<CUevent_st> remove_event(cudaEvent_t e) {
-    auto& r = registry();
-    std::lock_guard lock(r.mutex);
-    const auto it = r.events.find(e);
-    if (it == r.events.end()) return nullptr;
-    auto out = std::move(it->second);
-    r.events.erase(it);
-    return out;
+    return locked([&](Registry& r) { return r.events.remove(e); });
 }
-
 std::shared_ptr<CUevent_st> find_event(cudaEvent_t e) {
-    auto& r = registry();
-    std::lock_guard lock(r.mutex);
-    const auto it = r.events.find(e);
-    return it == r.events.end() ? nullptr : it->second;
+    return locked([&](Registry& r) { return r.events.find(e); });
 }
 
 std::vector<std::shared_ptr<CUstream_st>> streams_of(int device) {
@@ -155,7 +157,7 @@ std::vector<std::shared_ptr<CUstream_st>> streams_of(int device) {
     auto& r = registry();
     std::lock_guard lock(r.mutex);
     out.push_back(std::move(legacy));
-    for (const auto& [handle, s] : r.streams)
+    for (const auto& [handle, s] : r.streams.owned)
         if (s->device == device) out.push_back(s);
     return out;
 }
