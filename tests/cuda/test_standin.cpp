@@ -192,6 +192,51 @@ TEST_CASE("stand-in NCCL: ranks on threads join, reduce in rank order, and host 
     CHECK(mentions(misuses, "ncclAllReduce's send buffer lies in host memory"));
 }
 
+TEST_CASE(
+    "stand-in NCCL: a rank aborted inside a collective takes its part back: a peer arriving later never "
+    "touches its freed buffers, and waits until its own abort") {
+    ncclUniqueId id{};
+    REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
+    std::vector<ncclComm_t> comms(2, nullptr);
+    {
+        std::vector<std::thread> joining;
+        for (int r = 0; r < 2; ++r)
+            joining.emplace_back([&, r] {
+                REQUIRE(cudaSetDevice(r) == cudaSuccess);
+                REQUIRE(ncclCommInitRank(&comms[std::size_t(r)], 2, id, r) == ncclSuccess);
+            });
+        for (auto& t : joining) t.join();
+    }
+    (void)standin::take_misuses();
+    const std::vector<float> ones(4, 1.0f);
+    REQUIRE(cudaSetDevice(0) == cudaSuccess);
+    float* first = nullptr;
+    REQUIRE(cudaMalloc(&first, sizeof(float) * ones.size()) == cudaSuccess);
+    REQUIRE(cudaMemcpy(first, ones.data(), sizeof(float) * ones.size(), cudaMemcpyHostToDevice) == cudaSuccess);
+    REQUIRE(ncclAllReduce(first, first, ones.size(), ncclFloat32, ncclSum, comms[0], nullptr) == ncclSuccess);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (standin::nccl_parts_waiting(comms[0]) == 0 && std::chrono::steady_clock::now() < deadline)
+        std::this_thread::yield();
+    REQUIRE(standin::nccl_parts_waiting(comms[0]) == 1);  // rank 0's part waits for rank 1's
+    REQUIRE(ncclCommAbort(comms[0]) == ncclSuccess);
+    REQUIRE(cudaFree(first) == cudaSuccess);  // waits for rank 0's stream, which gave up
+
+    REQUIRE(cudaSetDevice(1) == cudaSuccess);
+    float* second = nullptr;
+    REQUIRE(cudaMalloc(&second, sizeof(float) * ones.size()) == cudaSuccess);
+    REQUIRE(cudaMemcpy(second, ones.data(), sizeof(float) * ones.size(), cudaMemcpyHostToDevice) == cudaSuccess);
+    REQUIRE(ncclAllReduce(second, second, ones.size(), ncclFloat32, ncclSum, comms[1], nullptr) == ncclSuccess);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    CHECK(cudaStreamQuery(nullptr) == cudaErrorNotReady);  // waits for a part that was taken back
+    REQUIRE(ncclCommAbort(comms[1]) == ncclSuccess);
+    REQUIRE(cudaStreamSynchronize(nullptr) == cudaSuccess);
+    std::vector<float> after(ones.size());
+    REQUIRE(cudaMemcpy(after.data(), second, sizeof(float) * after.size(), cudaMemcpyDeviceToHost) == cudaSuccess);
+    CHECK(after == ones);  // never summed with rank 0's freed buffer
+    CHECK(cudaFree(second) == cudaSuccess);
+    CHECK(standin::take_misuses().empty());
+}
+
 TEST_CASE("stand-in NCCL: two ranks on one device are refused as NCCL refuses them") {
     ncclUniqueId id{};
     REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);

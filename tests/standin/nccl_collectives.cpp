@@ -67,6 +67,12 @@ void run_part(const std::shared_ptr<ncclComm>& comm, std::uint64_t seq, const Nc
                 clique.changed.notify_all();
             } else {
                 clique.changed.wait(lock, [&] { return op.done || comm->aborted || clique.broken != ncclSuccess; });
+                if (!op.done) {
+                    // Leaving unfinished (aborted or broken): take the part back, so that no peer
+                    // arriving later reads or writes buffers this rank may free the moment it returns.
+                    op.parts[std::size_t(comm->rank)].reset();
+                    --op.arrived;
+                }
             }
             if (op.done && ++op.left == clique.size) clique.ops.erase(seq);
         }

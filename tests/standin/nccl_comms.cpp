@@ -123,6 +123,16 @@ std::uint64_t nccl_calls(ncclComm_t comm) {
     return c->issued;
 }
 
+int nccl_parts_waiting(ncclComm_t comm) {
+    auto c = find_comm(comm);
+    if (!c) return 0;
+    std::lock_guard lock(c->clique->mutex);
+    int waiting = 0;
+    for (const auto& [seq, op] : c->clique->ops)
+        if (!op.done && op.parts[std::size_t(c->rank)]) ++waiting;
+    return waiting;
+}
+
 }  // namespace standin
 ncclResult_t ncclGetVersion(int* version) {
     *version = NCCL_VERSION_CODE;

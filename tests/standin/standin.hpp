@@ -50,5 +50,7 @@ void nccl_inject_error(ncclComm_t comm, ncclResult_t error, std::string why);
 void nccl_set_in_progress_polls(int polls);
 // Collectives issued on `comm` so far (every call, grouped ones one each).
 std::uint64_t nccl_calls(ncclComm_t comm);
+// Parts of `comm`'s rank that its streams have reached and that wait there for a peer's.
+int nccl_parts_waiting(ncclComm_t comm);
 
 }  // namespace standin
