@@ -716,6 +716,15 @@ concept TaggedShardedCollectives = ShardedCollectives<B> && requires(B& b, Buffe
     { b.all_gather_async(buf, tag) } -> Waitable;
 };
 
+// ...and the scattered ones too.
+template <class B>
+concept TaggedScatteredShardedCollectives = ScatteredShardedCollectives<B> &&
+    requires(B& b, std::span<const Segment> segs, DType t, ReduceOp op, CollectiveTag tag) {
+    b.reduce_scatter(segs, t, op, tag);
+    { b.reduce_scatter_async(segs, t, op, tag) } -> Waitable;
+    b.all_gather(segs, t, tag);
+};
+
 // Collectives that carry a CollectiveTag (to name them in errors, and to check them): the
 // allreduce and the broadcast, and the scattered allreduce where there is one.
 template <class B>
@@ -884,6 +893,13 @@ void broadcast_tagged(B& b, std::span<std::byte> bytes, int root, CollectiveTag 
 }
 
 template <ShardedCollectives B>
+void reduce_scatter_tagged(B& b, Buffer buf, ReduceOp op, CollectiveTag tag) {
+    if constexpr (TaggedShardedCollectives<B>)
+        b.reduce_scatter(buf, op, tag);
+    else
+        b.reduce_scatter(buf, op);
+}
+template <ShardedCollectives B>
 auto reduce_scatter_async_tagged(B& b, Buffer buf, ReduceOp op, CollectiveTag tag) {
     if constexpr (TaggedShardedCollectives<B>)
         return b.reduce_scatter_async(buf, op, tag);
@@ -891,11 +907,39 @@ auto reduce_scatter_async_tagged(B& b, Buffer buf, ReduceOp op, CollectiveTag ta
         return b.reduce_scatter_async(buf, op);
 }
 template <ShardedCollectives B>
+void all_gather_tagged(B& b, Buffer buf, CollectiveTag tag) {
+    if constexpr (TaggedShardedCollectives<B>)
+        b.all_gather(buf, tag);
+    else
+        b.all_gather(buf);
+}
+template <ShardedCollectives B>
 auto all_gather_async_tagged(B& b, Buffer buf, CollectiveTag tag) {
     if constexpr (TaggedShardedCollectives<B>)
         return b.all_gather_async(buf, tag);
     else
         return b.all_gather_async(buf);
+}
+template <ScatteredShardedCollectives B>
+void reduce_scatter_tagged(B& b, std::span<const Segment> segs, DType t, ReduceOp op, CollectiveTag tag) {
+    if constexpr (TaggedScatteredShardedCollectives<B>)
+        b.reduce_scatter(segs, t, op, tag);
+    else
+        b.reduce_scatter(segs, t, op);
+}
+template <ScatteredShardedCollectives B>
+auto reduce_scatter_async_tagged(B& b, std::span<const Segment> segs, DType t, ReduceOp op, CollectiveTag tag) {
+    if constexpr (TaggedScatteredShardedCollectives<B>)
+        return b.reduce_scatter_async(segs, t, op, tag);
+    else
+        return b.reduce_scatter_async(segs, t, op);
+}
+template <ScatteredShardedCollectives B>
+void all_gather_tagged(B& b, std::span<const Segment> segs, DType t, CollectiveTag tag) {
+    if constexpr (TaggedScatteredShardedCollectives<B>)
+        b.all_gather(segs, t, tag);
+    else
+        b.all_gather(segs, t);
 }
 
 // What a backend for sharded data parallel lacks, named.
@@ -1127,7 +1171,8 @@ struct std::hash<gradsync::BucketPlan> {
 // ---- begin gradsync/data_parallel/history.hpp ----
 #ifndef GRADSYNC_SINGLE_DATA_PARALLEL_HISTORY_HPP
 #define GRADSYNC_SINGLE_DATA_PARALLEL_HISTORY_HPP
-// CollectiveHistory: every collective a DataParallel issues gets a tag that says what it is for
+// CollectiveHistory: every collective a DataParallel or ShardedDataParallel issues gets a tag that
+// says what it is for
 // (which step, which bucket) and a fingerprint that folds in every collective before it, so that
 // ranks whose histories diverged are caught: at each call by a backend that compares tags
 // (CheckedCollectives), or once per step by comparing fingerprints (and the trainer's step
@@ -1194,12 +1239,15 @@ private:
 
 namespace gradsync::inline v0::detail {
 
-// What a DataParallel collective is for.
+// What a collective is for.
 enum class CollectivePurpose : std::uint8_t {
-    bucket,            // a bucket's gradients
+    bucket,            // a bucket's gradients (averaged, or reduce-scattered into shards)
     buffer_broadcast,  // a model buffer, rank 0's copied to every rank
     buffer_average,    // a model buffer, averaged
     float_redo,        // a bucket again, in float32, after its float16 sum overflowed
+    shard_gather,      // a bucket's parameters, each rank's updated shard gathered to every rank
+    step_decision,     // the norm and the finite check of the sharded gradients
+    overflow_report,   // which parameters overflowed, after the ranks agreed that one did
 };
 
 class CollectiveHistory {
@@ -1213,7 +1261,8 @@ public:
         fingerprint_ = fnv1a(fingerprint_, index);
         fingerprint_ = fnv1a(fingerprint_, bytes);
         fingerprint_ = fnv1a(fingerprint_, static_cast<std::uint64_t>(dtype));
-        const bool of_bucket = purpose == CollectivePurpose::bucket || purpose == CollectivePurpose::float_redo;
+        const bool of_bucket = purpose == CollectivePurpose::bucket || purpose == CollectivePurpose::float_redo ||
+                               purpose == CollectivePurpose::shard_gather;
         return CollectiveTag{fingerprint_, step, of_bucket ? static_cast<std::int32_t>(index) : -1};
     }
 
@@ -3133,6 +3182,7 @@ StepReport decide_step(const StepStats& stats, Scaler& scaler, const Lr& lr, int
 
 
 #include <chrono>
+#include <cstdint>
 #include <exception>
 #include <string>
 #include <vector>
@@ -3146,21 +3196,36 @@ void abort_group(Backend& backend, const std::string& reason) {
         if (backend.size() > 1) backend.abort(reason);
 }
 
-// Runs f. On an exception: aborts the group (unless every rank raised it alike), drains the
-// engine's collectives up to `timeout` from now, calls end_step() and rethrows.
-template <class Backend, class Engine, class F, class EndStep>
-void run_guarded(Backend& backend, Engine& engine, std::chrono::milliseconds timeout, F&& f, EndStep&& end_step) {
+// Runs f. On an exception: aborts the group (unless every rank raised it alike) with
+// reason(exception), drains the engine's collectives up to `timeout` from now, calls end_step()
+// and rethrows.
+template <class Backend, class Engine, class F, class EndStep, class Reason>
+void run_guarded(Backend& backend, Engine& engine, std::chrono::milliseconds timeout, F&& f, EndStep&& end_step,
+                 Reason&& reason) {
     try {
         f();
     } catch (const RaisedOnEveryRank&) {
         end_step();
         throw;
     } catch (const std::exception& e) {
-        abort_group(backend, e.what());
+        abort_group(backend, reason(e));
         engine.drain(std::chrono::steady_clock::now() + timeout);
         end_step();
         throw;
     }
+}
+// ...telling the peers the exception's own words.
+template <class Backend, class Engine, class F, class EndStep>
+void run_guarded(Backend& backend, Engine& engine, std::chrono::milliseconds timeout, F&& f, EndStep&& end_step) {
+    run_guarded(backend, engine, timeout, f, end_step, [](const std::exception& e) { return std::string(e.what()); });
+}
+
+// What peers are told of an exception on this rank in `step`: gradsync's own errors already say
+// which rank and where; the trainer's (an optimizer that threw) are prefixed with both.
+inline std::string failure_of(int rank, std::uint64_t step, const std::exception& e) {
+    const std::string what = e.what();
+    if (what.rfind("gradsync: ", 0) == 0) return what;
+    return rank_prefix(rank) + " failed in step " + std::to_string(step) + ": " + what;
 }
 
 // Collectives launched and not yet retired, as abandon_in_flight drains them: for a front that
@@ -6784,6 +6849,87 @@ private:
 #endif  // GRADSYNC_SINGLE_DATA_PARALLEL_SHARD_LAYOUT_HPP
 // ---- end gradsync/data_parallel/shard_layout.hpp ----
 
+// ---- begin gradsync/data_parallel/shard_step.hpp ----
+#ifndef GRADSYNC_SINGLE_DATA_PARALLEL_SHARD_STEP_HPP
+#define GRADSYNC_SINGLE_DATA_PARALLEL_SHARD_STEP_HPP
+// What ShardedDataParallel's step decides over this rank's shards with the other ranks: the global
+// norm and whether every averaged gradient is finite (one small allreduce), which parameters
+// overflowed when one is not, and clipping. Each collective carries its tag.
+
+
+#include <cmath>
+#include <cstddef>
+#include <span>
+#include <string>
+#include <utility>  // for std::declval
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+// What a bucket's asynchronous reduce_scatter returns: over segments where they lie, or packed.
+template <class B, bool InPlace>
+struct ShardedHandle {
+    using type = decltype(reduce_scatter_async_tagged(std::declval<B&>(), std::declval<Buffer>(), ReduceOp::average,
+                                                      CollectiveTag{}));
+};
+template <class B>
+struct ShardedHandle<B, true> {
+    using type = decltype(reduce_scatter_async_tagged(std::declval<B&>(), std::declval<std::span<const Segment>>(),
+                                                      DType::float32, ReduceOp::average, CollectiveTag{}));
+};
+
+struct ShardVerdict {
+    double norm = 0;  // not finite when a gradient is not
+    bool finite = true;
+};
+
+// Unscales this rank's shards by `unscale` (1: leaves them) while summing their squares, then
+// agrees with every rank on the norm and the finite check (the square sum is non-finite exactly
+// when an element is).
+template <Backend B>
+ShardVerdict agree_on_shards(B& backend, std::span<const std::span<float>> grads, double unscale, CollectiveTag tag) {
+    SquareSum squares;
+    for (const auto g : grads) {
+        if (unscale == 1.0)
+            square_sum(g.data(), g.size(), squares);
+        else
+            scale_square_sum(g.data(), g.size(), unscale, squares);
+    }
+    const double mine = squares.total();
+    double partial[2] = {std::isfinite(mine) ? mine : 0.0, std::isfinite(mine) ? 0.0 : 1.0};
+    if (backend.size() > 1) allreduce_tagged(backend, Buffer{partial, 2, DType::float64}, ReduceOp::sum, tag);
+    if (partial[1] > 0) return {std::nan(""), false};
+    return {std::sqrt(partial[0]), true};
+}
+
+// After an overflow, which every rank agreed on: the parameters with a non-finite averaged
+// gradient in any rank's pieces, named alike on every rank (one allreduce of a flag each).
+template <Backend B>
+std::vector<std::string> overflowed_parameters(B& backend, std::span<const ShardPiece<float>> pieces,
+                                               std::span<const Parameter> params, CollectiveTag tag) {
+    std::vector<float> flags(params.size(), 0.0f);
+    for (const auto& piece : pieces) {
+        SquareSum squares;
+        square_sum(piece.grads.data(), piece.grads.size(), squares);
+        if (!std::isfinite(squares.total())) flags[piece.parameter] = 1.0f;
+    }
+    if (backend.size() > 1)
+        allreduce_tagged(backend, Buffer{flags.data(), flags.size(), DType::float32}, ReduceOp::sum, tag);
+    std::vector<std::string> names;
+    for (std::size_t p = 0; p < flags.size(); ++p)
+        if (flags[p] > 0) names.push_back(params[p].name);
+    return names;
+}
+
+// Scales this rank's shards down so that the global norm `norm` becomes `clip_norm`.
+inline void clip_shards(std::span<const std::span<float>> grads, double norm, double clip_norm) {
+    for (const auto g : grads) scale_only(g.data(), g.size(), clip_norm / (norm + 1e-6));
+}
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_DATA_PARALLEL_SHARD_STEP_HPP
+// ---- end gradsync/data_parallel/shard_step.hpp ----
+
 // ---- begin gradsync/data_parallel/sharded_options.hpp ----
 #ifndef GRADSYNC_SINGLE_DATA_PARALLEL_SHARDED_OPTIONS_HPP
 #define GRADSYNC_SINGLE_DATA_PARALLEL_SHARDED_OPTIONS_HPP
@@ -6812,6 +6958,12 @@ struct ShardedOptions {
     // Gradients whose storage moves between steps (made anew in backward) are followed: the model
     // is listed again before each bucket is reduced. Always on with release_gradients.
     bool storage_may_move = true;
+    // Once per step, after the reduce-scatters and before the optimizer, with a backend that
+    // cannot compare the ranks' collectives as they are issued (MpiBackend), one small allreduce
+    // compares the ranks' collective histories, so that ranks whose collectives diverged fail
+    // instead of updating from mixed gradients. false turns it off. (A step number passed to
+    // step() is checked there whatever this says.)
+    bool check_histories = true;
     // How long a destroyed ShardedDataParallel waits for the collectives it abandons, after
     // aborting the group (where the backend can be aborted they end at once).
     std::chrono::milliseconds timeout = std::chrono::seconds(600);
@@ -6898,33 +7050,18 @@ concept ReleasableGradients =
 // ---- end gradsync/model/gradient_release.hpp ----
 
 #include <chrono>
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>  // for std::memcpy
 #include <exception>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 #include <type_traits>  // for std::is_invocable_v
-#include <utility>      // for std::move, std::declval
 #include <variant>
 #include <vector>
 
 namespace gradsync::inline v0 {
-
-namespace detail {
-// What a bucket's asynchronous reduce_scatter returns: over segments where they lie, or packed.
-template <class B, bool InPlace>
-struct ShardedHandle {
-    using type = decltype(std::declval<B&>().reduce_scatter_async(std::declval<Buffer>(), ReduceOp::average));
-};
-template <class B>
-struct ShardedHandle<B, true> {
-    using type = decltype(std::declval<B&>().reduce_scatter_async(std::declval<std::span<const Segment>>(),
-                                                                  DType::float32, ReduceOp::average));
-};
-}  // namespace detail
 
 template <class Model, class BackendT, class Scaler = NoLossScaling>
 class ShardedDataParallel {
@@ -6970,6 +7107,7 @@ public:
         const std::vector<detail::Setting> settings{{"mode", stage2() ? "sharded (stage 2)" : "sharded (stage 1)"},
                                                     {"bucketer", bucketer.settings()},
                                                     {"clip_norm", std::to_string(options_.clip_norm)},
+                                                    {"check_histories", options_.check_histories ? "on" : "off"},
                                                     {"loss_scaler", scaler_.settings()},
                                                     {"buffers", detail::buffer_sync_name(options_.buffers)}};
         detail::agree_on_layout(backend_, layout_.params, layout_.buffers, plan_, settings, problem);
@@ -6987,9 +7125,14 @@ public:
     // A bucket's reduce_scatter starts once all its parameters are ready and every bucket before
     // it in the plan has started, so every rank issues them in the same order; step() waits for
     // them and reduces the rest. Without these calls step() reduces every bucket itself. All
-    // calls of a step must have returned before step() is called.
-    void grad_ready(std::size_t index) { mark(layout_.at_model_index(index)); }
-    void grad_ready(std::string_view name) { mark(layout_.named(name)); }
+    // calls of a step must have returned before step() is called. A misuse (a parameter reported
+    // twice in a step, a name the model lacks) aborts the group, as any failure in a step does.
+    void grad_ready(std::size_t index) {
+        guard([&] { mark(layout_.at_model_index(index)); });
+    }
+    void grad_ready(std::string_view name) {
+        guard([&] { mark(layout_.named(name)); });
+    }
 
     // After backward, on every rank: reduce-scatters the gradients, agrees on their norm, calls
     // optimizer(std::span<const ShardPiece<float>>) with this rank's pieces when every gradient
@@ -6997,20 +7140,20 @@ public:
     // model. Afterwards the model's gradients hold the average in this rank's shard where the
     // backend reduces in place (LocalBackend) and are otherwise unspecified; with
     // release_gradients the model has released them all.
-    // A failure on this rank (the optimizer threw, say) aborts the group, so that peers waiting
-    // in the step's collectives fail at once rather than at their deadline; then it is rethrown.
+    // Before the optimizer, the ranks check that their collective histories agree
+    // (ShardedOptions::check_histories) and, given the trainer's step number, that every rank
+    // passed the same one: a rank that skipped or repeated an iteration throws the same
+    // StepMismatch on every rank, with nothing updated. A failure on this rank (the optimizer
+    // threw, say) aborts the group, so that peers waiting in the step's collectives fail at once
+    // rather than at their deadline, naming this rank and step; then it is rethrown.
     template <class Optimizer>
-    StepReport step(Optimizer&& optimizer) {
+    StepReport step(Optimizer&& optimizer, std::optional<StepNumber> number = {}) {
         static_assert(std::is_invocable_v<Optimizer&, std::span<const ShardPiece<float>>>,
                       "gradsync: ShardedDataParallel::step(optimizer) calls "
                       "optimizer(std::span<const gradsync::ShardPiece<float>>)");
-        try {
-            return step_now(optimizer);
-        } catch (const std::exception& e) {
-            detail::abort_group(
-                backend_, detail::rank_prefix(rank()) + " failed in step " + std::to_string(steps_) + ": " + e.what());
-            throw;
-        }
+        StepReport report;
+        guard([&] { report = step_now(optimizer, number); });
+        return report;
     }
 
     // Destroyed with reduce_scatters in flight (an exception left the step after grad_ready
@@ -7020,7 +7163,7 @@ public:
         detail::HandlesInFlight<Handle> in_flight{launched_};
         detail::abandon_in_flight(backend_, in_flight, options_.timeout, [this] {
             return detail::rank_prefix(rank()) + " destroyed its ShardedDataParallel in step " +
-                   std::to_string(steps_ + 1) + " with collectives in flight";
+                   std::to_string(current_step()) + " with collectives in flight";
         });
     }
     ShardedDataParallel(const ShardedDataParallel&) = delete;
@@ -7060,10 +7203,16 @@ public:
     static constexpr bool in_place = ScatteredShardedCollectives<BackendT>;
 
 private:
+    using Handle = typename detail::ShardedHandle<BackendT, in_place>::type;
+
+    // The step in progress (or the next): 1 for the first.
+    [[nodiscard]] std::uint64_t current_step() const { return steps_ + 1; }
+
     template <class Optimizer>
-    StepReport step_now(Optimizer& optimizer) {
+    StepReport step_now(Optimizer& optimizer, std::optional<StepNumber> number) {
         StepReport report;
-        report.step = ++steps_;
+        report.step = current_step();
+        const auto step = static_cast<std::int64_t>(report.step);
         {
             // The buckets grad_ready launched, then the rest on this thread, bucket after bucket
             // (a progress thread would only compete with this one for the cores). The backend's
@@ -7073,106 +7222,110 @@ private:
                 keep(kept_);
             }
             const std::size_t released = stage2() ? launched_.size() : 0;
-            if (follow_storage(launched_.size(), shards_.slots.size(), /*in_backward=*/false, steps_) && released > 0)
+            if (follow_storage(launched_.size(), shards_.slots.size(), /*in_backward=*/false) && released > 0)
                 for (std::size_t b = 0; b < released; ++b) release(b);  // what that listing made again
             for (std::size_t b = launched_.size(); b < shards_.slots.size(); ++b) {
                 auto& slot = shards_.slots[b];
                 if constexpr (in_place) {
-                    backend_.reduce_scatter(slot.grads.segments, DType::float32, ReduceOp::average);
+                    detail::reduce_scatter_tagged(backend_, slot.grads.segments, DType::float32, ReduceOp::average,
+                                                  tag_of(detail::CollectivePurpose::bucket, b));
                 } else {
                     slot.pack_grads();
-                    backend_.reduce_scatter(buffer_of(std::span<float>(slot.grad_buffer)), ReduceOp::average);
+                    detail::reduce_scatter_tagged(backend_, buffer_of(std::span<float>(slot.grad_buffer)),
+                                                  ReduceOp::average, tag_of(detail::CollectivePurpose::bucket, b));
                 }
                 keep(b);
             }
             new_step();
         }
-        detail::sync_buffers(backend_, buffers(), options_.buffers, /*at_construction=*/false, history_,
-                             static_cast<std::int64_t>(steps_));
-        // This rank's share of the norm and of the finite check (the square sum is non-finite
-        // exactly when an element is), then everyone's.
-        // With a loss scale, the same pass unscales, as DataParallel's finalize pass does.
+        detail::sync_buffers(backend_, buffers(), options_.buffers, /*at_construction=*/false, history_, step);
+        const bool histories = options_.check_histories && !CheckedCollectives<BackendT>;
+        if (histories || number) history_.verify(backend_, step, number ? std::optional(number->value) : std::nullopt);
+        // This rank's share of the norm and of the finite check, then everyone's. With a loss
+        // scale, the same pass unscales, as DataParallel's finalize pass does.
         report.loss_scale = scaler_.scale();
-        const double unscale = 1.0 / static_cast<double>(report.loss_scale);
-        detail::SquareSum squares;
-        for (const auto grads : shards_.grads) {
-            if (unscale == 1.0)
-                detail::square_sum(grads.data(), grads.size(), squares);
-            else
-                detail::scale_square_sum(grads.data(), grads.size(), unscale, squares);
-        }
-        const double mine = squares.total();
-        double partial[2] = {std::isfinite(mine) ? mine : 0.0, std::isfinite(mine) ? 0.0 : 1.0};
-        if (backend_.size() > 1) backend_.allreduce(std::span<double>(partial, 2), ReduceOp::sum);
-        report.grad_norm = partial[1] > 0 ? std::nan("") : std::sqrt(partial[0]);
-        report.applied = partial[1] == 0;
+        const auto verdict = detail::agree_on_shards(backend_, std::span<const std::span<float>>(shards_.grads),
+                                                     1.0 / static_cast<double>(report.loss_scale),
+                                                     tag_of(detail::CollectivePurpose::step_decision, 0));
+        report.grad_norm = verdict.norm;
+        report.applied = verdict.finite;
         scaler_.update(!report.applied);  // every rank alike: the decision is agreed
         report.next_loss_scale = scaler_.scale();
         if (!report.applied) {
-            report.overflowed = overflowed_parameters();
+            report.overflowed =
+                detail::overflowed_parameters(backend_, std::span<const ShardPiece<float>>(shards_.pieces),
+                                              parameters(), tag_of(detail::CollectivePurpose::overflow_report, 0));
+            steps_ = report.step;
             return report;
         }
         if (options_.clip_norm > 0 && report.grad_norm > options_.clip_norm) {
-            for (const auto grads : shards_.grads)
-                detail::scale_only(grads.data(), grads.size(), options_.clip_norm / (report.grad_norm + 1e-6));
+            detail::clip_shards(std::span<const std::span<float>>(shards_.grads), report.grad_norm, options_.clip_norm);
             report.clipped = true;
         }
         if constexpr (!in_place)
             for (auto& slot : shards_.slots) slot.pack_shard();  // the parameters as the model holds them now
         optimizer(std::span<const ShardPiece<float>>(shards_.pieces));
-        for (auto& slot : shards_.slots) {
+        for (std::size_t b = 0; b < shards_.slots.size(); ++b) {
+            auto& slot = shards_.slots[b];
+            const auto tag = tag_of(detail::CollectivePurpose::shard_gather, b);
             if constexpr (in_place)
-                backend_.all_gather(slot.params.segments, DType::float32);
+                detail::all_gather_tagged(backend_, slot.params.segments, DType::float32, tag);
             else
-                backend_.all_gather(buffer_of(std::span<float>(slot.param_buffer)));
+                detail::all_gather_tagged(backend_, buffer_of(std::span<float>(slot.param_buffer)), tag);
         }
         if constexpr (!in_place)
             for (auto& slot : shards_.slots) slot.unpack_params();
+        steps_ = report.step;
         return report;
     }
 
-    // After an overflow, which every rank agreed on: the parameters with a non-finite averaged
-    // gradient in any rank's pieces, named alike on every rank (one allreduce of a flag each).
-    std::vector<std::string> overflowed_parameters() {
-        std::vector<float> flags(layout_.params.size(), 0.0f);
-        for (const auto& piece : shards_.pieces) {
-            detail::SquareSum squares;
-            detail::square_sum(piece.grads.data(), piece.grads.size(), squares);
-            if (!std::isfinite(squares.total())) flags[piece.parameter] = 1.0f;
-        }
-        if (backend_.size() > 1) backend_.allreduce(std::span<float>(flags), ReduceOp::sum);
-        std::vector<std::string> names;
-        for (std::size_t p = 0; p < flags.size(); ++p)
-            if (flags[p] > 0) names.push_back(layout_.params[p].name);
-        return names;
+    // The tag of the step's next collective: bucket b's reduce_scatter or all_gather, or the
+    // step's decision (b unused).
+    CollectiveTag tag_of(detail::CollectivePurpose purpose, std::size_t b) {
+        const auto& bucket = plan_.buckets[b];
+        const bool of_bucket =
+            purpose == detail::CollectivePurpose::bucket || purpose == detail::CollectivePurpose::shard_gather;
+        return history_.next(purpose, static_cast<std::int64_t>(current_step()), b,
+                             of_bucket ? bucket.bytes().count() : 0, DType::float32);
     }
 
-    using Handle = typename detail::ShardedHandle<BackendT, in_place>::type;
-    static Handle reduce_scatter_async(BackendT& backend, detail::ShardSlot& slot) {
+    Handle reduce_scatter_async(std::size_t b) {
+        auto& slot = shards_.slots[b];
+        const auto tag = tag_of(detail::CollectivePurpose::bucket, b);
         if constexpr (in_place) {
-            return backend.reduce_scatter_async(std::span<const Segment>(slot.grads.segments), DType::float32,
-                                                ReduceOp::average);
+            return detail::reduce_scatter_async_tagged(backend_, std::span<const Segment>(slot.grads.segments),
+                                                       DType::float32, ReduceOp::average, tag);
         } else {
             slot.pack_grads();
-            return backend.reduce_scatter_async(buffer_of(std::span<float>(slot.grad_buffer)), ReduceOp::average);
+            return detail::reduce_scatter_async_tagged(backend_, buffer_of(std::span<float>(slot.grad_buffer)),
+                                                       ReduceOp::average, tag);
         }
+    }
+
+    // Runs f; a failure on this rank becomes the group's (data_parallel/group_failure.hpp): the
+    // peers are told which rank failed in which step.
+    template <class F>
+    void guard(F&& f) {
+        detail::HandlesInFlight<Handle> in_flight{launched_};
+        detail::run_guarded(
+            backend_, in_flight, options_.timeout, f, [this] { new_step(); },
+            [this](const std::exception& e) { return detail::failure_of(rank(), current_step(), e); });
     }
 
     // Parameter p is ready: every bucket that completes goes, in plan order (Readiness).
     void mark(const std::variant<std::size_t, std::string>& found) {
-        if (const auto* problem = std::get_if<std::string>(&found))
-            throw ReadinessError(detail::rank_prefix(rank()) + ": " + *problem);
+        if (const auto* problem = std::get_if<std::string>(&found)) throw ReadinessError(where() + ": " + *problem);
         const auto p = std::get<std::size_t>(found);
         if (p == detail::ModelLayout::none) return;
         if (readiness_.mark(p, [this](std::size_t b) { launch(b); }) == detail::Readiness::Mark::twice)
-            throw ReadinessError(detail::rank_prefix(rank()) + ": grad_ready for parameter '" + layout_.params[p].name +
+            throw ReadinessError(where() + ": grad_ready for parameter '" + layout_.params[p].name +
                                  "' was called twice in one step");
     }
 
     // Bucket b goes now (during backward, under the readiness lock).
     void launch(std::size_t b) {
-        follow_storage(b, b + 1, /*in_backward=*/true, steps_ + 1);
-        launched_.push_back(reduce_scatter_async(backend_, shards_.slots[b]));
+        follow_storage(b, b + 1, /*in_backward=*/true);
+        launched_.push_back(reduce_scatter_async(b));
         // Stage 2: the buckets reduced by now give their gradients back while backward goes on,
         // and at most two stay in flight (backward waits for the oldest), which bounds the
         // gradient memory to about two buckets beside this rank's share.
@@ -7184,16 +7337,18 @@ private:
     }
 
     [[nodiscard]] bool stage2() const { return options_.release_gradients; }
+    [[nodiscard]] std::string where() const {
+        return detail::rank_prefix(rank()) + ", step " + std::to_string(current_step());
+    }
 
     // Storage that moved since the last step is followed before each bucket's reduce_scatter.
     // Returns whether the model was listed (outside backward that makes every gradient, also
     // those of buckets already released).
-    bool follow_storage(std::size_t first, std::size_t last, bool in_backward, std::uint64_t step) {
+    bool follow_storage(std::size_t first, std::size_t last, bool in_backward) {
         if ((!options_.storage_may_move && !stage2()) || first == last) return false;
         return storage_.follow(
             model_, layout_, plan_, first, last, in_backward,
-            [this](std::size_t b) { shards_.refresh(b, layout_.params); },
-            [&] { return detail::rank_prefix(rank()) + ", step " + std::to_string(step); });
+            [this](std::size_t b) { shards_.refresh(b, layout_.params); }, [this] { return where(); });
     }
 
     // Bucket b is reduced: with release_gradients, this rank's share is kept and the model
@@ -7233,7 +7388,7 @@ private:
     BucketPlan plan_;
     detail::ShardLayout<in_place> shards_;
     std::uint64_t steps_ = 0;
-    detail::CollectiveHistory history_;  // tags the buffers' collectives
+    detail::CollectiveHistory history_;  // tags every collective of a step
     detail::StorageFollower storage_;
     std::vector<float> grad_store_;           // stage 2: this rank's share of the averaged gradients
     std::vector<std::size_t> model_indices_;  // a bucket's parameters, to release

@@ -804,6 +804,15 @@ concept TaggedShardedCollectives = ShardedCollectives<B> && requires(B& b, Buffe
     { b.all_gather_async(buf, tag) } -> Waitable;
 };
 
+// ...and the scattered ones too.
+template <class B>
+concept TaggedScatteredShardedCollectives = ScatteredShardedCollectives<B> &&
+    requires(B& b, std::span<const Segment> segs, DType t, ReduceOp op, CollectiveTag tag) {
+    b.reduce_scatter(segs, t, op, tag);
+    { b.reduce_scatter_async(segs, t, op, tag) } -> Waitable;
+    b.all_gather(segs, t, tag);
+};
+
 // Collectives that carry a CollectiveTag (to name them in errors, and to check them): the
 // allreduce and the broadcast, and the scattered allreduce where there is one.
 template <class B>
@@ -972,6 +981,13 @@ void broadcast_tagged(B& b, std::span<std::byte> bytes, int root, CollectiveTag 
 }
 
 template <ShardedCollectives B>
+void reduce_scatter_tagged(B& b, Buffer buf, ReduceOp op, CollectiveTag tag) {
+    if constexpr (TaggedShardedCollectives<B>)
+        b.reduce_scatter(buf, op, tag);
+    else
+        b.reduce_scatter(buf, op);
+}
+template <ShardedCollectives B>
 auto reduce_scatter_async_tagged(B& b, Buffer buf, ReduceOp op, CollectiveTag tag) {
     if constexpr (TaggedShardedCollectives<B>)
         return b.reduce_scatter_async(buf, op, tag);
@@ -979,11 +995,39 @@ auto reduce_scatter_async_tagged(B& b, Buffer buf, ReduceOp op, CollectiveTag ta
         return b.reduce_scatter_async(buf, op);
 }
 template <ShardedCollectives B>
+void all_gather_tagged(B& b, Buffer buf, CollectiveTag tag) {
+    if constexpr (TaggedShardedCollectives<B>)
+        b.all_gather(buf, tag);
+    else
+        b.all_gather(buf);
+}
+template <ShardedCollectives B>
 auto all_gather_async_tagged(B& b, Buffer buf, CollectiveTag tag) {
     if constexpr (TaggedShardedCollectives<B>)
         return b.all_gather_async(buf, tag);
     else
         return b.all_gather_async(buf);
+}
+template <ScatteredShardedCollectives B>
+void reduce_scatter_tagged(B& b, std::span<const Segment> segs, DType t, ReduceOp op, CollectiveTag tag) {
+    if constexpr (TaggedScatteredShardedCollectives<B>)
+        b.reduce_scatter(segs, t, op, tag);
+    else
+        b.reduce_scatter(segs, t, op);
+}
+template <ScatteredShardedCollectives B>
+auto reduce_scatter_async_tagged(B& b, std::span<const Segment> segs, DType t, ReduceOp op, CollectiveTag tag) {
+    if constexpr (TaggedScatteredShardedCollectives<B>)
+        return b.reduce_scatter_async(segs, t, op, tag);
+    else
+        return b.reduce_scatter_async(segs, t, op);
+}
+template <ScatteredShardedCollectives B>
+void all_gather_tagged(B& b, std::span<const Segment> segs, DType t, CollectiveTag tag) {
+    if constexpr (TaggedScatteredShardedCollectives<B>)
+        b.all_gather(segs, t, tag);
+    else
+        b.all_gather(segs, t);
 }
 
 // What a backend for sharded data parallel lacks, named.

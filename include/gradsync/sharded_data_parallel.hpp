@@ -30,44 +30,30 @@
 #include <gradsync/data_parallel/layout_agreement.hpp>
 #include <gradsync/data_parallel/model_layout.hpp>
 #include <gradsync/data_parallel/settings.hpp>
-#include <gradsync/data_parallel/shard_layout.hpp>
-#include <gradsync/data_parallel/sharded_options.hpp>
-#include <gradsync/data_parallel/readiness.hpp>
-#include <gradsync/error.hpp>
-#include <gradsync/detail/host_passes.hpp>
 #include <gradsync/data_parallel/moved_storage.hpp>
+#include <gradsync/data_parallel/readiness.hpp>
+#include <gradsync/data_parallel/shard_layout.hpp>
+#include <gradsync/data_parallel/shard_step.hpp>
+#include <gradsync/data_parallel/sharded_options.hpp>
+#include <gradsync/data_parallel/step_number.hpp>
+#include <gradsync/error.hpp>
 #include <gradsync/model/buffers.hpp>
 #include <gradsync/model/gradient_release.hpp>
 #include <gradsync/model/model.hpp>
 
 #include <chrono>
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>  // for std::memcpy
 #include <exception>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 #include <type_traits>  // for std::is_invocable_v
-#include <utility>      // for std::move, std::declval
 #include <variant>
 #include <vector>
 
 namespace gradsync::inline v0 {
-
-namespace detail {
-// What a bucket's asynchronous reduce_scatter returns: over segments where they lie, or packed.
-template <class B, bool InPlace>
-struct ShardedHandle {
-    using type = decltype(std::declval<B&>().reduce_scatter_async(std::declval<Buffer>(), ReduceOp::average));
-};
-template <class B>
-struct ShardedHandle<B, true> {
-    using type = decltype(std::declval<B&>().reduce_scatter_async(std::declval<std::span<const Segment>>(),
-                                                                  DType::float32, ReduceOp::average));
-};
-}  // namespace detail
 
 template <class Model, class BackendT, class Scaler = NoLossScaling>
 class ShardedDataParallel {
@@ -113,6 +99,7 @@ public:
         const std::vector<detail::Setting> settings{{"mode", stage2() ? "sharded (stage 2)" : "sharded (stage 1)"},
                                                     {"bucketer", bucketer.settings()},
                                                     {"clip_norm", std::to_string(options_.clip_norm)},
+                                                    {"check_histories", options_.check_histories ? "on" : "off"},
                                                     {"loss_scaler", scaler_.settings()},
                                                     {"buffers", detail::buffer_sync_name(options_.buffers)}};
         detail::agree_on_layout(backend_, layout_.params, layout_.buffers, plan_, settings, problem);
@@ -130,9 +117,14 @@ public:
     // A bucket's reduce_scatter starts once all its parameters are ready and every bucket before
     // it in the plan has started, so every rank issues them in the same order; step() waits for
     // them and reduces the rest. Without these calls step() reduces every bucket itself. All
-    // calls of a step must have returned before step() is called.
-    void grad_ready(std::size_t index) { mark(layout_.at_model_index(index)); }
-    void grad_ready(std::string_view name) { mark(layout_.named(name)); }
+    // calls of a step must have returned before step() is called. A misuse (a parameter reported
+    // twice in a step, a name the model lacks) aborts the group, as any failure in a step does.
+    void grad_ready(std::size_t index) {
+        guard([&] { mark(layout_.at_model_index(index)); });
+    }
+    void grad_ready(std::string_view name) {
+        guard([&] { mark(layout_.named(name)); });
+    }
 
     // After backward, on every rank: reduce-scatters the gradients, agrees on their norm, calls
     // optimizer(std::span<const ShardPiece<float>>) with this rank's pieces when every gradient
@@ -140,20 +132,20 @@ public:
     // model. Afterwards the model's gradients hold the average in this rank's shard where the
     // backend reduces in place (LocalBackend) and are otherwise unspecified; with
     // release_gradients the model has released them all.
-    // A failure on this rank (the optimizer threw, say) aborts the group, so that peers waiting
-    // in the step's collectives fail at once rather than at their deadline; then it is rethrown.
+    // Before the optimizer, the ranks check that their collective histories agree
+    // (ShardedOptions::check_histories) and, given the trainer's step number, that every rank
+    // passed the same one: a rank that skipped or repeated an iteration throws the same
+    // StepMismatch on every rank, with nothing updated. A failure on this rank (the optimizer
+    // threw, say) aborts the group, so that peers waiting in the step's collectives fail at once
+    // rather than at their deadline, naming this rank and step; then it is rethrown.
     template <class Optimizer>
-    StepReport step(Optimizer&& optimizer) {
+    StepReport step(Optimizer&& optimizer, std::optional<StepNumber> number = {}) {
         static_assert(std::is_invocable_v<Optimizer&, std::span<const ShardPiece<float>>>,
                       "gradsync: ShardedDataParallel::step(optimizer) calls "
                       "optimizer(std::span<const gradsync::ShardPiece<float>>)");
-        try {
-            return step_now(optimizer);
-        } catch (const std::exception& e) {
-            detail::abort_group(
-                backend_, detail::rank_prefix(rank()) + " failed in step " + std::to_string(steps_) + ": " + e.what());
-            throw;
-        }
+        StepReport report;
+        guard([&] { report = step_now(optimizer, number); });
+        return report;
     }
 
     // Destroyed with reduce_scatters in flight (an exception left the step after grad_ready
@@ -163,7 +155,7 @@ public:
         detail::HandlesInFlight<Handle> in_flight{launched_};
         detail::abandon_in_flight(backend_, in_flight, options_.timeout, [this] {
             return detail::rank_prefix(rank()) + " destroyed its ShardedDataParallel in step " +
-                   std::to_string(steps_ + 1) + " with collectives in flight";
+                   std::to_string(current_step()) + " with collectives in flight";
         });
     }
     ShardedDataParallel(const ShardedDataParallel&) = delete;
@@ -203,10 +195,16 @@ public:
     static constexpr bool in_place = ScatteredShardedCollectives<BackendT>;
 
 private:
+    using Handle = typename detail::ShardedHandle<BackendT, in_place>::type;
+
+    // The step in progress (or the next): 1 for the first.
+    [[nodiscard]] std::uint64_t current_step() const { return steps_ + 1; }
+
     template <class Optimizer>
-    StepReport step_now(Optimizer& optimizer) {
+    StepReport step_now(Optimizer& optimizer, std::optional<StepNumber> number) {
         StepReport report;
-        report.step = ++steps_;
+        report.step = current_step();
+        const auto step = static_cast<std::int64_t>(report.step);
         {
             // The buckets grad_ready launched, then the rest on this thread, bucket after bucket
             // (a progress thread would only compete with this one for the cores). The backend's
@@ -216,106 +214,110 @@ private:
                 keep(kept_);
             }
             const std::size_t released = stage2() ? launched_.size() : 0;
-            if (follow_storage(launched_.size(), shards_.slots.size(), /*in_backward=*/false, steps_) && released > 0)
+            if (follow_storage(launched_.size(), shards_.slots.size(), /*in_backward=*/false) && released > 0)
                 for (std::size_t b = 0; b < released; ++b) release(b);  // what that listing made again
             for (std::size_t b = launched_.size(); b < shards_.slots.size(); ++b) {
                 auto& slot = shards_.slots[b];
                 if constexpr (in_place) {
-                    backend_.reduce_scatter(slot.grads.segments, DType::float32, ReduceOp::average);
+                    detail::reduce_scatter_tagged(backend_, slot.grads.segments, DType::float32, ReduceOp::average,
+                                                  tag_of(detail::CollectivePurpose::bucket, b));
                 } else {
                     slot.pack_grads();
-                    backend_.reduce_scatter(buffer_of(std::span<float>(slot.grad_buffer)), ReduceOp::average);
+                    detail::reduce_scatter_tagged(backend_, buffer_of(std::span<float>(slot.grad_buffer)),
+                                                  ReduceOp::average, tag_of(detail::CollectivePurpose::bucket, b));
                 }
                 keep(b);
             }
             new_step();
         }
-        detail::sync_buffers(backend_, buffers(), options_.buffers, /*at_construction=*/false, history_,
-                             static_cast<std::int64_t>(steps_));
-        // This rank's share of the norm and of the finite check (the square sum is non-finite
-        // exactly when an element is), then everyone's.
-        // With a loss scale, the same pass unscales, as DataParallel's finalize pass does.
+        detail::sync_buffers(backend_, buffers(), options_.buffers, /*at_construction=*/false, history_, step);
+        const bool histories = options_.check_histories && !CheckedCollectives<BackendT>;
+        if (histories || number) history_.verify(backend_, step, number ? std::optional(number->value) : std::nullopt);
+        // This rank's share of the norm and of the finite check, then everyone's. With a loss
+        // scale, the same pass unscales, as DataParallel's finalize pass does.
         report.loss_scale = scaler_.scale();
-        const double unscale = 1.0 / static_cast<double>(report.loss_scale);
-        detail::SquareSum squares;
-        for (const auto grads : shards_.grads) {
-            if (unscale == 1.0)
-                detail::square_sum(grads.data(), grads.size(), squares);
-            else
-                detail::scale_square_sum(grads.data(), grads.size(), unscale, squares);
-        }
-        const double mine = squares.total();
-        double partial[2] = {std::isfinite(mine) ? mine : 0.0, std::isfinite(mine) ? 0.0 : 1.0};
-        if (backend_.size() > 1) backend_.allreduce(std::span<double>(partial, 2), ReduceOp::sum);
-        report.grad_norm = partial[1] > 0 ? std::nan("") : std::sqrt(partial[0]);
-        report.applied = partial[1] == 0;
+        const auto verdict = detail::agree_on_shards(backend_, std::span<const std::span<float>>(shards_.grads),
+                                                     1.0 / static_cast<double>(report.loss_scale),
+                                                     tag_of(detail::CollectivePurpose::step_decision, 0));
+        report.grad_norm = verdict.norm;
+        report.applied = verdict.finite;
         scaler_.update(!report.applied);  // every rank alike: the decision is agreed
         report.next_loss_scale = scaler_.scale();
         if (!report.applied) {
-            report.overflowed = overflowed_parameters();
+            report.overflowed =
+                detail::overflowed_parameters(backend_, std::span<const ShardPiece<float>>(shards_.pieces),
+                                              parameters(), tag_of(detail::CollectivePurpose::overflow_report, 0));
+            steps_ = report.step;
             return report;
         }
         if (options_.clip_norm > 0 && report.grad_norm > options_.clip_norm) {
-            for (const auto grads : shards_.grads)
-                detail::scale_only(grads.data(), grads.size(), options_.clip_norm / (report.grad_norm + 1e-6));
+            detail::clip_shards(std::span<const std::span<float>>(shards_.grads), report.grad_norm, options_.clip_norm);
             report.clipped = true;
         }
         if constexpr (!in_place)
             for (auto& slot : shards_.slots) slot.pack_shard();  // the parameters as the model holds them now
         optimizer(std::span<const ShardPiece<float>>(shards_.pieces));
-        for (auto& slot : shards_.slots) {
+        for (std::size_t b = 0; b < shards_.slots.size(); ++b) {
+            auto& slot = shards_.slots[b];
+            const auto tag = tag_of(detail::CollectivePurpose::shard_gather, b);
             if constexpr (in_place)
-                backend_.all_gather(slot.params.segments, DType::float32);
+                detail::all_gather_tagged(backend_, slot.params.segments, DType::float32, tag);
             else
-                backend_.all_gather(buffer_of(std::span<float>(slot.param_buffer)));
+                detail::all_gather_tagged(backend_, buffer_of(std::span<float>(slot.param_buffer)), tag);
         }
         if constexpr (!in_place)
             for (auto& slot : shards_.slots) slot.unpack_params();
+        steps_ = report.step;
         return report;
     }
 
-    // After an overflow, which every rank agreed on: the parameters with a non-finite averaged
-    // gradient in any rank's pieces, named alike on every rank (one allreduce of a flag each).
-    std::vector<std::string> overflowed_parameters() {
-        std::vector<float> flags(layout_.params.size(), 0.0f);
-        for (const auto& piece : shards_.pieces) {
-            detail::SquareSum squares;
-            detail::square_sum(piece.grads.data(), piece.grads.size(), squares);
-            if (!std::isfinite(squares.total())) flags[piece.parameter] = 1.0f;
-        }
-        if (backend_.size() > 1) backend_.allreduce(std::span<float>(flags), ReduceOp::sum);
-        std::vector<std::string> names;
-        for (std::size_t p = 0; p < flags.size(); ++p)
-            if (flags[p] > 0) names.push_back(layout_.params[p].name);
-        return names;
+    // The tag of the step's next collective: bucket b's reduce_scatter or all_gather, or the
+    // step's decision (b unused).
+    CollectiveTag tag_of(detail::CollectivePurpose purpose, std::size_t b) {
+        const auto& bucket = plan_.buckets[b];
+        const bool of_bucket =
+            purpose == detail::CollectivePurpose::bucket || purpose == detail::CollectivePurpose::shard_gather;
+        return history_.next(purpose, static_cast<std::int64_t>(current_step()), b,
+                             of_bucket ? bucket.bytes().count() : 0, DType::float32);
     }
 
-    using Handle = typename detail::ShardedHandle<BackendT, in_place>::type;
-    static Handle reduce_scatter_async(BackendT& backend, detail::ShardSlot& slot) {
+    Handle reduce_scatter_async(std::size_t b) {
+        auto& slot = shards_.slots[b];
+        const auto tag = tag_of(detail::CollectivePurpose::bucket, b);
         if constexpr (in_place) {
-            return backend.reduce_scatter_async(std::span<const Segment>(slot.grads.segments), DType::float32,
-                                                ReduceOp::average);
+            return detail::reduce_scatter_async_tagged(backend_, std::span<const Segment>(slot.grads.segments),
+                                                       DType::float32, ReduceOp::average, tag);
         } else {
             slot.pack_grads();
-            return backend.reduce_scatter_async(buffer_of(std::span<float>(slot.grad_buffer)), ReduceOp::average);
+            return detail::reduce_scatter_async_tagged(backend_, buffer_of(std::span<float>(slot.grad_buffer)),
+                                                       ReduceOp::average, tag);
         }
+    }
+
+    // Runs f; a failure on this rank becomes the group's (data_parallel/group_failure.hpp): the
+    // peers are told which rank failed in which step.
+    template <class F>
+    void guard(F&& f) {
+        detail::HandlesInFlight<Handle> in_flight{launched_};
+        detail::run_guarded(
+            backend_, in_flight, options_.timeout, f, [this] { new_step(); },
+            [this](const std::exception& e) { return detail::failure_of(rank(), current_step(), e); });
     }
 
     // Parameter p is ready: every bucket that completes goes, in plan order (Readiness).
     void mark(const std::variant<std::size_t, std::string>& found) {
-        if (const auto* problem = std::get_if<std::string>(&found))
-            throw ReadinessError(detail::rank_prefix(rank()) + ": " + *problem);
+        if (const auto* problem = std::get_if<std::string>(&found)) throw ReadinessError(where() + ": " + *problem);
         const auto p = std::get<std::size_t>(found);
         if (p == detail::ModelLayout::none) return;
         if (readiness_.mark(p, [this](std::size_t b) { launch(b); }) == detail::Readiness::Mark::twice)
-            throw ReadinessError(detail::rank_prefix(rank()) + ": grad_ready for parameter '" + layout_.params[p].name +
+            throw ReadinessError(where() + ": grad_ready for parameter '" + layout_.params[p].name +
                                  "' was called twice in one step");
     }
 
     // Bucket b goes now (during backward, under the readiness lock).
     void launch(std::size_t b) {
-        follow_storage(b, b + 1, /*in_backward=*/true, steps_ + 1);
-        launched_.push_back(reduce_scatter_async(backend_, shards_.slots[b]));
+        follow_storage(b, b + 1, /*in_backward=*/true);
+        launched_.push_back(reduce_scatter_async(b));
         // Stage 2: the buckets reduced by now give their gradients back while backward goes on,
         // and at most two stay in flight (backward waits for the oldest), which bounds the
         // gradient memory to about two buckets beside this rank's share.
@@ -327,16 +329,18 @@ private:
     }
 
     [[nodiscard]] bool stage2() const { return options_.release_gradients; }
+    [[nodiscard]] std::string where() const {
+        return detail::rank_prefix(rank()) + ", step " + std::to_string(current_step());
+    }
 
     // Storage that moved since the last step is followed before each bucket's reduce_scatter.
     // Returns whether the model was listed (outside backward that makes every gradient, also
     // those of buckets already released).
-    bool follow_storage(std::size_t first, std::size_t last, bool in_backward, std::uint64_t step) {
+    bool follow_storage(std::size_t first, std::size_t last, bool in_backward) {
         if ((!options_.storage_may_move && !stage2()) || first == last) return false;
         return storage_.follow(
             model_, layout_, plan_, first, last, in_backward,
-            [this](std::size_t b) { shards_.refresh(b, layout_.params); },
-            [&] { return detail::rank_prefix(rank()) + ", step " + std::to_string(step); });
+            [this](std::size_t b) { shards_.refresh(b, layout_.params); }, [this] { return where(); });
     }
 
     // Bucket b is reduced: with release_gradients, this rank's share is kept and the model
@@ -376,7 +380,7 @@ private:
     BucketPlan plan_;
     detail::ShardLayout<in_place> shards_;
     std::uint64_t steps_ = 0;
-    detail::CollectiveHistory history_;  // tags the buffers' collectives
+    detail::CollectiveHistory history_;  // tags every collective of a step
     detail::StorageFollower storage_;
     std::vector<float> grad_store_;           // stage 2: this rank's share of the averaged gradients
     std::vector<std::size_t> model_indices_;  // a bucket's parameters, to release

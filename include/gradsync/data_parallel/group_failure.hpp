@@ -8,6 +8,7 @@
 #include <gradsync/error.hpp>
 
 #include <chrono>
+#include <cstdint>
 #include <exception>
 #include <string>
 #include <vector>
@@ -21,21 +22,36 @@ void abort_group(Backend& backend, const std::string& reason) {
         if (backend.size() > 1) backend.abort(reason);
 }
 
-// Runs f. On an exception: aborts the group (unless every rank raised it alike), drains the
-// engine's collectives up to `timeout` from now, calls end_step() and rethrows.
-template <class Backend, class Engine, class F, class EndStep>
-void run_guarded(Backend& backend, Engine& engine, std::chrono::milliseconds timeout, F&& f, EndStep&& end_step) {
+// Runs f. On an exception: aborts the group (unless every rank raised it alike) with
+// reason(exception), drains the engine's collectives up to `timeout` from now, calls end_step()
+// and rethrows.
+template <class Backend, class Engine, class F, class EndStep, class Reason>
+void run_guarded(Backend& backend, Engine& engine, std::chrono::milliseconds timeout, F&& f, EndStep&& end_step,
+                 Reason&& reason) {
     try {
         f();
     } catch (const RaisedOnEveryRank&) {
         end_step();
         throw;
     } catch (const std::exception& e) {
-        abort_group(backend, e.what());
+        abort_group(backend, reason(e));
         engine.drain(std::chrono::steady_clock::now() + timeout);
         end_step();
         throw;
     }
+}
+// ...telling the peers the exception's own words.
+template <class Backend, class Engine, class F, class EndStep>
+void run_guarded(Backend& backend, Engine& engine, std::chrono::milliseconds timeout, F&& f, EndStep&& end_step) {
+    run_guarded(backend, engine, timeout, f, end_step, [](const std::exception& e) { return std::string(e.what()); });
+}
+
+// What peers are told of an exception on this rank in `step`: gradsync's own errors already say
+// which rank and where; the trainer's (an optimizer that threw) are prefixed with both.
+inline std::string failure_of(int rank, std::uint64_t step, const std::exception& e) {
+    const std::string what = e.what();
+    if (what.rfind("gradsync: ", 0) == 0) return what;
+    return rank_prefix(rank) + " failed in step " + std::to_string(step) + ": " + what;
 }
 
 // Collectives launched and not yet retired, as abandon_in_flight drains them: for a front that

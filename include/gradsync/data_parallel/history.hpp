@@ -1,4 +1,5 @@
-// CollectiveHistory: every collective a DataParallel issues gets a tag that says what it is for
+// CollectiveHistory: every collective a DataParallel or ShardedDataParallel issues gets a tag that
+// says what it is for
 // (which step, which bucket) and a fingerprint that folds in every collective before it, so that
 // ranks whose histories diverged are caught: at each call by a backend that compares tags
 // (CheckedCollectives), or once per step by comparing fingerprints (and the trainer's step
@@ -17,12 +18,15 @@
 
 namespace gradsync::inline v0::detail {
 
-// What a DataParallel collective is for.
+// What a collective is for.
 enum class CollectivePurpose : std::uint8_t {
-    bucket,            // a bucket's gradients
+    bucket,            // a bucket's gradients (averaged, or reduce-scattered into shards)
     buffer_broadcast,  // a model buffer, rank 0's copied to every rank
     buffer_average,    // a model buffer, averaged
     float_redo,        // a bucket again, in float32, after its float16 sum overflowed
+    shard_gather,      // a bucket's parameters, each rank's updated shard gathered to every rank
+    step_decision,     // the norm and the finite check of the sharded gradients
+    overflow_report,   // which parameters overflowed, after the ranks agreed that one did
 };
 
 class CollectiveHistory {
@@ -36,7 +40,8 @@ public:
         fingerprint_ = fnv1a(fingerprint_, index);
         fingerprint_ = fnv1a(fingerprint_, bytes);
         fingerprint_ = fnv1a(fingerprint_, static_cast<std::uint64_t>(dtype));
-        const bool of_bucket = purpose == CollectivePurpose::bucket || purpose == CollectivePurpose::float_redo;
+        const bool of_bucket = purpose == CollectivePurpose::bucket || purpose == CollectivePurpose::float_redo ||
+                               purpose == CollectivePurpose::shard_gather;
         return CollectiveTag{fingerprint_, step, of_bucket ? static_cast<std::int32_t>(index) : -1};
     }
 

@@ -25,6 +25,12 @@ struct ShardedOptions {
     // Gradients whose storage moves between steps (made anew in backward) are followed: the model
     // is listed again before each bucket is reduced. Always on with release_gradients.
     bool storage_may_move = true;
+    // Once per step, after the reduce-scatters and before the optimizer, with a backend that
+    // cannot compare the ranks' collectives as they are issued (MpiBackend), one small allreduce
+    // compares the ranks' collective histories, so that ranks whose collectives diverged fail
+    // instead of updating from mixed gradients. false turns it off. (A step number passed to
+    // step() is checked there whatever this says.)
+    bool check_histories = true;
     // How long a destroyed ShardedDataParallel waits for the collectives it abandons, after
     // aborting the group (where the backend can be aborted they end at once).
     std::chrono::milliseconds timeout = std::chrono::seconds(600);
