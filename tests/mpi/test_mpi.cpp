@@ -438,6 +438,41 @@ TEST_CASE("sharded over MPI: optimizer state split across processes == one proce
         }
 }
 
+TEST_CASE("sharded over MPI: a rank that skipped an iteration is caught by its step number, before any update") {
+    // The last rank skips iteration 2: its step() pairs with the others' iteration 2. Every rank
+    // stops there with the same StepMismatch, and the histories compared in every step before it
+    // (MpiBackend cannot compare tags itself) agreed.
+    if (world_size() < 2) return;  // nobody to be out of step with
+    gradsync::MpiBackend backend;
+    const int last = world_size() - 1;
+    testing_support::Toy model({3000, 2000}, 1.0f);
+    gradsync::ShardedDataParallel sdp(model, backend, gradsync::SizeCappedBuckets{.cap = gradsync::Bytes{4096}});
+    auto sgd = [](std::span<const gradsync::ShardPiece<float>> pieces) {
+        for (const auto& piece : pieces)
+            for (std::size_t i = 0; i < piece.params.size(); ++i) piece.params[i] -= 0.1f * piece.grads[i];
+    };
+    std::string what;
+    int stopped_at = -1;
+    std::vector<float> before;
+    for (int s = 0; s < 5; ++s) {
+        if (s == 2 && world_rank() == last) continue;
+        model.fill_grads(world_rank());
+        before = model.tensors[0].w;
+        try {
+            (void)sdp.step(sgd, gradsync::StepNumber{static_cast<std::uint64_t>(s)});
+        } catch (const gradsync::StepMismatch& e) {
+            what = e.what();
+            stopped_at = s;
+            break;
+        }
+    }
+    CHECK(stopped_at == (world_rank() == last ? 3 : 2));
+    CHECK(what.find("step 3: the ranks are at different steps of the trainer: rank 0 passed step number 2 and rank " +
+                    std::to_string(last) + " 3") != std::string::npos);
+    CHECK(model.tensors[0].w == before);  // the mismatched step updated nothing
+    CHECK(same_on_every_rank(model.tensors[0].w));
+}
+
 TEST_CASE("over MPI, bucket autotuning turns one bucket into a finer plan, the same on every rank") {
     gradsync::MpiBackend backend;
     testing_support::Toy m(std::vector<std::size_t>(16, 64 * 1024), 0.0f);  // 16 x 256 KiB
