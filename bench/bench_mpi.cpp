@@ -8,7 +8,8 @@
 // and the fastest and slowest iteration. First, unless --in-place-only or --busy, allreduce
 // bandwidth by message size: raw MPI_Allreduce beside MpiBackend's. --busy runs it all beside one
 // busy-looping thread per core, shared out among the processes. Unless --in-place-only or --busy,
-// ShardedDataParallel::step beside DataParallel::step on each layout.
+// ShardedDataParallel::step and DataParallel::step with PowerSGD beside DataParallel::step on each
+// layout (mpi_step_pairs.hpp).
 //
 //   bench_mpi [--iterations N] [--chunk-kib K] [--pack-kib K] [--algorithm auto|ring|mpi]
 //             [--layout resnet50|bert_base] [--in-place-only] [--busy]
@@ -20,6 +21,7 @@
 #include "model_layouts.hpp"
 #include "stats.hpp"
 #include "busy_neighbours.hpp"
+#include "mpi_step_pairs.hpp"
 #include "summary_rows.hpp"
 
 #include <algorithm>
@@ -45,17 +47,6 @@ struct Settings {
     bool busy = false;            // one busy-looping thread per core beside the ranks (spread over the processes)
     std::string results = "mpi";  // the name of its results file (summary_rows.hpp)
 };
-
-// Seconds `f` takes on the slowest rank, started together.
-double timed(MPI_Comm comm, const std::function<void()>& f) {
-    MPI_Barrier(comm);
-    const auto t0 = std::chrono::steady_clock::now();
-    f();
-    const double mine = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    double slowest = 0;
-    MPI_Allreduce(&mine, &slowest, 1, MPI_DOUBLE, MPI_MAX, comm);
-    return slowest;
-}
 
 struct Row {
     std::string name;
@@ -125,59 +116,6 @@ Row measure(const std::string& name, const std::vector<layouts::Tensor>& tensors
         std::fflush(stdout);
     }
     return row;
-}
-
-// ShardedDataParallel::step against DataParallel::step on the same layout and processes, each
-// with plain SGD on its own copy of the model, alternating in alternating order: the same bytes
-// cross the link (reduce-scatter + all-gather against the allreduce, which is the two halves).
-struct StepPair {
-    std::string name;
-    double sharded_ms = 0, unsharded_ms = 0, ratio = 0;  // medians; ratio of the per-iteration ratios
-};
-
-StepPair sharded_step(const std::string& name, const std::vector<layouts::Tensor>& tensors, const Settings& s) {
-    gradsync::MpiBackend backend(gradsync::mpi_world(), s.mpi);
-    bench::LayoutModel plain(tensors), split(tensors);
-    gradsync::DataParallel dp(plain, backend);
-    gradsync::ShardedDataParallel sdp(split, backend);
-    constexpr float lr = 1e-6f;
-    auto unsharded = [&] {
-        (void)dp.step([&] {
-            for (const auto& p : dp.parameters()) {
-                auto* w = static_cast<float*>(p.data);
-                const auto* g = static_cast<const float*>(p.grad);
-                for (std::size_t i = 0; i < p.count; ++i) w[i] -= lr * g[i];
-            }
-        });
-    };
-    auto sharded = [&] {
-        (void)sdp.step([&](std::span<const gradsync::ShardPiece<float>> pieces) {
-            for (const auto& p : pieces)
-                for (std::size_t i = 0; i < p.params.size(); ++i) p.params[i] -= lr * p.grads[i];
-        });
-    };
-    std::vector<double> sharded_s, unsharded_s, ratios;
-    for (int i = -2; i < s.iterations; ++i) {  // two rounds of warm-up
-        double sh = 0, un = 0;
-        if (i % 2 == 0) {
-            sh = timed(gradsync::mpi_world(), sharded);
-            un = timed(gradsync::mpi_world(), unsharded);
-        } else {
-            un = timed(gradsync::mpi_world(), unsharded);
-            sh = timed(gradsync::mpi_world(), sharded);
-        }
-        if (i < 0) continue;
-        sharded_s.push_back(sh);
-        unsharded_s.push_back(un);
-        ratios.push_back(sh / un);
-    }
-    StepPair pair{name, bench::median(sharded_s) * 1e3, bench::median(unsharded_s) * 1e3, bench::median(ratios)};
-    if (backend.rank() == 0) {
-        std::printf("  %-22s sharded step %8.2f ms | DataParallel step %8.2f ms, ratio %.3f\n", name.c_str(),
-                    pair.sharded_ms, pair.unsharded_ms, pair.ratio);
-        std::fflush(stdout);
-    }
-    return pair;
 }
 
 // Allreduce bandwidth from 4 KiB to 256 MiB across the processes: raw in-place MPI_Allreduce (sum)
@@ -311,6 +249,7 @@ int main(int argc, char** argv) {
     }
     std::vector<Row> rows;
     std::vector<StepPair> steps;
+    std::vector<HookPair> hooks;
     for (auto layout : {Layout{"resnet50", layouts::resnet50}, Layout{"bert_base", layouts::bert_base}}) {
         if (!s.only.empty() && s.only != layout.name) continue;
         const auto tensors = layout.tensors();
@@ -319,7 +258,10 @@ int main(int argc, char** argv) {
         if (s.in_place_only) continue;
         rows.push_back(measure(n + "/packed", tensors, s, gradsync::PackedBuckets{}));
         rows.push_back(measure(n + "/bf16_wire", tensors, s, gradsync::Bf16Compression{}));
-        if (!s.busy) steps.push_back(sharded_step(n + "/sharded_step", tensors, s));
+        if (!s.busy) {
+            steps.push_back(sharded_step(n + "/sharded_step", tensors, s.mpi, s.iterations));
+            hooks.push_back(powersgd_step(n + "/powersgd_step", tensors, s.mpi, std::min(s.iterations, 5)));
+        }
     }
     if (rank == 0) {
         std::printf(
@@ -341,6 +283,11 @@ int main(int argc, char** argv) {
             std::printf("BROKEN: %s: not a finite positive figure\n", p.name.c_str());
             broken = true;
         }
+        for (const auto& h : hooks) {
+            if (bench::sane(h.hooked_ms) && bench::sane(h.plain_ms) && bench::sane(h.wire_ratio)) continue;
+            std::printf("BROKEN: %s: not a finite positive figure\n", h.name.c_str());
+            broken = true;
+        }
         if (broken) return 1;
         std::vector<bench::SummaryRow> summary;
         const std::string load = s.busy ? " beside busy threads" : "";
@@ -359,6 +306,12 @@ int main(int argc, char** argv) {
             summary.push_back({"MpiBackend ShardedDataParallel step " + p.name + " / DataParallel step", p.sharded_ms,
                                "ms", "DataParallel step (allreduce)", p.unsharded_ms, "", p.ratio, "<= 1.10",
                                p.ratio <= 1.10});
+        for (const auto& h : hooks) {
+            summary.push_back({"MpiBackend PowerSGD rank 4 values sent " + h.name + " / plain allreduce", h.sent_mb,
+                               "MB", "plain allreduce", h.plain_mb, "", h.wire_ratio, "-", true});
+            summary.push_back({"MpiBackend PowerSGD rank 4 step " + h.name + " / DataParallel step", h.hooked_ms, "ms",
+                               "DataParallel step (allreduce)", h.plain_ms, "", h.ratio, "-", true});
+        }
         nlohmann::json points = nlohmann::json::array();
         for (const auto& p : sweep) {
             if (!bench::sane(p.raw_s) || !bench::sane(p.ours_s) || !bench::sane(p.raw_sharded_s) ||

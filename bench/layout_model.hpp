@@ -22,7 +22,7 @@ public:
     std::vector<gradsync::Parameter> parameters() {
         std::vector<gradsync::Parameter> out;
         for (std::size_t i = 0; i < tensors_.size(); ++i)
-            out.push_back(gradsync::parameter(tensors_[i].name, values_[i], grads_[i]));
+            out.push_back(gradsync::parameter(tensors_[i].name, values_[i], grads_[i], tensors_[i].shape));
         return out;
     }
     // The gradient tensors, e.g. for a reference that reduces the very same memory.

@@ -11,17 +11,18 @@ namespace layouts {
 struct Tensor {
     std::string name;
     std::size_t count;
+    std::vector<std::size_t> shape{};  // as the framework holds it
 };
 
 // torchvision's ResNet-50: 161 tensors, 25,557,032 parameters, in registration order.
 inline std::vector<Tensor> resnet50() {
     std::vector<Tensor> t;
     auto conv = [&](const std::string& name, std::size_t out, std::size_t in, std::size_t k) {
-        t.push_back({name + ".weight", out * in * k * k});
+        t.push_back({name + ".weight", out * in * k * k, {out, in, k, k}});
     };
     auto bn = [&](const std::string& name, std::size_t c) {
-        t.push_back({name + ".weight", c});
-        t.push_back({name + ".bias", c});
+        t.push_back({name + ".weight", c, {c}});
+        t.push_back({name + ".bias", c, {c}});
     };
     conv("conv1", 64, 3, 7);
     bn("bn1", 64);
@@ -44,8 +45,8 @@ inline std::vector<Tensor> resnet50() {
             in = out;
         }
     }
-    t.push_back({"fc.weight", 1000 * 2048});
-    t.push_back({"fc.bias", 1000});
+    t.push_back({"fc.weight", 1000 * 2048, {1000, 2048}});
+    t.push_back({"fc.bias", 1000, {1000}});
     return t;
 }
 
@@ -54,16 +55,16 @@ inline std::vector<Tensor> bert_base() {
     const std::size_t hidden = 768, ffn = 3072, vocab = 30522, positions = 512, types = 2;
     std::vector<Tensor> t;
     auto dense = [&](const std::string& name, std::size_t out, std::size_t in) {
-        t.push_back({name + ".weight", out * in});
-        t.push_back({name + ".bias", out});
+        t.push_back({name + ".weight", out * in, {out, in}});
+        t.push_back({name + ".bias", out, {out}});
     };
     auto norm = [&](const std::string& name) {
-        t.push_back({name + ".weight", hidden});
-        t.push_back({name + ".bias", hidden});
+        t.push_back({name + ".weight", hidden, {hidden}});
+        t.push_back({name + ".bias", hidden, {hidden}});
     };
-    t.push_back({"embeddings.word_embeddings.weight", vocab * hidden});
-    t.push_back({"embeddings.position_embeddings.weight", positions * hidden});
-    t.push_back({"embeddings.token_type_embeddings.weight", types * hidden});
+    t.push_back({"embeddings.word_embeddings.weight", vocab * hidden, {vocab, hidden}});
+    t.push_back({"embeddings.position_embeddings.weight", positions * hidden, {positions, hidden}});
+    t.push_back({"embeddings.token_type_embeddings.weight", types * hidden, {types, hidden}});
     norm("embeddings.LayerNorm");
     for (int layer = 0; layer < 12; ++layer) {
         std::string p = "encoder.layer." + std::to_string(layer);

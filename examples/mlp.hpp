@@ -137,10 +137,10 @@ public:
     // Called with a parameter's index (its position in parameters()) when its gradient is final.
     std::function<void(std::size_t)> on_grad_ready;
 
-    // What gradsync needs to know: each tensor's name, values and gradient.
+    // What gradsync needs to know: each tensor's name, values and gradient (and a weight's shape).
     std::vector<gradsync::Parameter> parameters() {
-        return {gradsync::parameter("fc1.weight", w1, gw1), gradsync::parameter("fc1.bias", b1, gb1),
-                gradsync::parameter("fc2.weight", w2, gw2), gradsync::parameter("fc2.bias", b2, gb2)};
+        return {gradsync::parameter("fc1.weight", w1, gw1, {in, hidden}), gradsync::parameter("fc1.bias", b1, gb1),
+                gradsync::parameter("fc2.weight", w2, gw2, {hidden, out}), gradsync::parameter("fc2.bias", b2, gb2)};
     }
 
     std::vector<float> w1, b1, w2, b2;      // values

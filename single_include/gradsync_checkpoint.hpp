@@ -1341,6 +1341,7 @@ struct options {};      // run-time settings (options.hpp)
 struct loss_scaler {};  // mixed-precision loss scaling (amp.hpp)
 struct compression {};  // the dtype gradients travel in (compression.hpp)
 struct lr_rule {};      // the learning rate step() passes to the optimizer (lr.hpp)
+struct comm_hook {};    // how a bucket is averaged, in place of the plain allreduce (reduction/comm_hook.hpp)
 }  // namespace policy_category
 
 namespace detail {
@@ -1444,21 +1445,37 @@ namespace gradsync::inline v0 {
 
 // One trainable tensor: its values, its gradient, both of `count` elements of `dtype`.
 // gradsync reads and writes through the pointers; the buffers stay owned by the model and must
-// not move while a DataParallel uses them.
+// not move while a DataParallel uses them. `shape`, optional, gives the tensor's dimensions,
+// row-major (their product is `count`): a communication hook that treats a weight as a matrix
+// (PowerSGD) reads it; every rank must state the same.
 struct Parameter {
     std::string name;
     void* data = nullptr;
     void* grad = nullptr;
     std::size_t count = 0;
     DType dtype = DType::float32;
+    std::vector<std::size_t> shape{};
 
     [[nodiscard]] Bytes bytes() const { return Bytes{count * size_of(dtype)}; }
 };
 
+// The elements a shape holds.
+inline std::size_t shape_elements(const std::vector<std::size_t>& shape) {
+    std::size_t n = 1;
+    for (auto d : shape) n *= d;
+    return n;
+}
+// "[784, 512]"
+inline std::string shape_text(const std::vector<std::size_t>& shape) {
+    std::string out = "[";
+    for (std::size_t k = 0; k < shape.size(); ++k) out += (k ? ", " : "") + std::to_string(shape[k]);
+    return out + "]";
+}
+
 // A parameter over raw pointers of an element type with a DType (float, double).
 template <HasDType T>
-Parameter parameter(std::string name, T* data, T* grad, std::size_t count) {
-    return Parameter{std::move(name), data, grad, count, dtype_of<T>};
+Parameter parameter(std::string name, T* data, T* grad, std::size_t count, std::vector<std::size_t> shape = {}) {
+    return Parameter{std::move(name), data, grad, count, dtype_of<T>, std::move(shape)};
 }
 
 // A parameter over two contiguous containers (std::vector, std::array, std::span) of equal size.
@@ -1466,14 +1483,14 @@ template <std::ranges::contiguous_range D, std::ranges::contiguous_range G>
 requires std::ranges::sized_range<D> && std::ranges::sized_range<G> &&
     std::same_as<std::ranges::range_value_t<D>, std::ranges::range_value_t<G>> &&
     HasDType<std::ranges::range_value_t<D>>
-        Parameter parameter(std::string name, D& data, G& grad) {
+        Parameter parameter(std::string name, D& data, G& grad, std::vector<std::size_t> shape = {}) {
     auto n = std::ranges::size(data);
     if (std::ranges::size(grad) != n) {
         throw InvalidModel("gradsync: parameter '" + name + "' has " + std::to_string(n) + " values but " +
                            std::to_string(std::ranges::size(grad)) +
                            " gradient elements; give both buffers the same size");
     }
-    return parameter(std::move(name), std::ranges::data(data), std::ranges::data(grad), n);
+    return parameter(std::move(name), std::ranges::data(data), std::ranges::data(grad), n, std::move(shape));
 }
 
 // Specialize for a model type you cannot change:
@@ -1773,12 +1790,12 @@ void sync_buffers(B& backend, std::span<const ModelBuffer> buffers, BufferSync m
 #ifndef GRADSYNC_SINGLE_DATA_PARALLEL_BUCKET_ENGINE_HPP
 #define GRADSYNC_SINGLE_DATA_PARALLEL_BUCKET_ENGINE_HPP
 // BucketEngine: each bucket's storage and its collective in the current step. A bucket travels
-// one of four ways: reduced where its gradients lie (a backend that takes scattered segments),
-// as one view when they lie contiguously, through a packed copy, or packed into a narrower wire
-// dtype. The engine launches a bucket's collective (during backward) or runs it now (at
-// synchronize()), waits for the launched ones by a deadline (or, on the device, makes the
-// trainer's stream wait), and then runs the finalize pass over the bucket through the memory
-// policy: unpack, unscale, measure.
+// one of five ways: reduced where its gradients lie (a backend that takes scattered segments),
+// as one view when they lie contiguously, through a packed copy, packed into a narrower wire
+// dtype, or through the communication hook (reduction/comm_hook.hpp), as a view or a packed copy. The engine launches a
+// bucket's collective (during backward) or runs it now (at synchronize()), waits for the launched ones by a deadline
+// (or, on the device, makes the trainer's stream wait), and then runs the finalize pass over the bucket through the
+// memory policy: unpack, unscale, measure.
 
 
 // ---- begin gradsync/detail/log.hpp ----
@@ -1984,10 +2001,169 @@ constexpr bool check_memory_policy() {
 #endif  // GRADSYNC_SINGLE_MEMORY_POLICY_HPP
 // ---- end gradsync/memory/policy.hpp ----
 
+// ---- begin gradsync/reduction/comm_hook.hpp ----
+#ifndef GRADSYNC_SINGLE_REDUCTION_COMM_HOOK_HPP
+#define GRADSYNC_SINGLE_REDUCTION_COMM_HOOK_HPP
+// Communication hooks: a policy that decides how a float32 bucket's gradients are averaged over
+// the ranks, in place of the plain allreduce (low-rank compression, say). The bucket engine hands
+// the hook each bucket's gradients as one contiguous array, the parameters in it, and a HookComm
+// through which it issues its collectives; every collective the hook issues is tagged with the
+// step and bucket like the engine's own. start() runs when the bucket's gradients are final
+// (during backward with grad_ready, else at synchronize) and returns what is in flight;
+// finish() runs once that has completed, on the thread that synchronizes, and leaves the average
+// in the bucket. Buckets of another dtype are allreduced as without a hook; a world of one runs
+// no hook (the local gradient is the average).
+
+
+#include <chrono>
+#include <concepts>  // for std::convertible_to, std::same_as
+#include <cstddef>
+#include <cstdint>
+#include <functional>  // for std::function
+#include <memory>      // for std::shared_ptr
+#include <span>
+#include <string>
+#include <utility>  // for std::move
+#include <vector>
+
+namespace gradsync::inline v0 {
+
+// One parameter of a bucket, as a hook sees it.
+struct HookParameter {
+    std::string name;
+    std::size_t offset = 0;          // where its elements start in HookBucket::values
+    std::size_t count = 0;           // elements
+    std::vector<std::size_t> shape;  // as the model states it (Parameter::shape); empty: a vector
+};
+
+// A bucket, as a hook sees it.
+struct HookBucket {
+    std::size_t index = 0;    // in the bucket plan
+    std::int64_t step = 0;    // 1 for the first
+    std::span<float> values;  // in: this rank's gradients; after finish(): their average over the ranks
+    std::span<const HookParameter> parameters;  // in element order, covering `values`
+    float loss_scale = 1.0f;                    // the factor the gradients carry (1 without a loss scaler)
+};
+
+// The collectives a hook may issue for one bucket. Each is tagged with the step and bucket, so
+// a backend that compares tags, the collective history and every error name them. Collectives
+// run in the order they are issued, which must be the same on every rank.
+class HookComm {
+public:
+    // What is in flight: one or more collectives.
+    class Pending {
+    public:
+        Pending() = default;
+        template <class Handle>
+        requires(!std::same_as<Handle, Pending>) explicit Pending(Handle handle) {
+            waits_.push_back([h = std::make_shared<Handle>(std::move(handle))](
+                                 std::chrono::steady_clock::time_point deadline) { return h->wait_until(deadline); });
+        }
+        // Joins `other`: this then completes when both have.
+        Pending& join(Pending other) {
+            for (auto& w : other.waits_) waits_.push_back(std::move(w));
+            return *this;
+        }
+        // False when the deadline passed first; otherwise rethrows a collective's error, if any.
+        [[nodiscard]] bool wait_until(std::chrono::steady_clock::time_point deadline) const {
+            for (const auto& w : waits_)
+                if (!w(deadline)) return false;
+            return true;
+        }
+        // Every collective ends by its backend's deadline.
+        void wait() const { (void)wait_until(std::chrono::steady_clock::time_point::max()); }
+
+    private:
+        std::vector<std::function<bool(std::chrono::steady_clock::time_point)>> waits_;
+    };
+
+    using Issue = std::function<Pending(std::span<float>, ReduceOp)>;
+    HookComm(int rank, int size, Issue issue) : rank_(rank), size_(size), issue_(std::move(issue)) {}
+
+    // Starts an allreduce of `values` in place (ReduceOp::sum or average); they must stay valid
+    // and untouched until it completes.
+    [[nodiscard]] Pending allreduce_async(std::span<float> values, ReduceOp op) { return issue_(values, op); }
+    void allreduce(std::span<float> values, ReduceOp op) { allreduce_async(values, op).wait(); }
+
+    [[nodiscard]] int rank() const { return rank_; }
+    [[nodiscard]] int size() const { return size_; }
+
+private:
+    int rank_, size_;
+    Issue issue_;
+};
+
+// What DataParallel needs of a communication hook. settings() is agreed across the ranks like
+// every other setting (the same text on every rank, or construction fails on every rank).
+template <class H>
+concept CommHook = std::movable<H> && requires(H h, const H ch, const HookBucket& bucket, HookComm& comm) {
+    { H::hooked } -> std::convertible_to<bool>;
+    { ch.settings() } -> std::convertible_to<std::string>;
+    { h.start(bucket, comm) } -> std::same_as<HookComm::Pending>;
+    h.finish(bucket, comm);
+};
+
+// No hook: every bucket takes the engine's own route (in place, packed or compressed). The
+// default.
+struct NoCommHook {
+    using policy_category = policy_category::comm_hook;
+    static constexpr bool hooked = false;
+    [[nodiscard]] std::string settings() const { return "none"; }
+    HookComm::Pending start(const HookBucket&, HookComm&) { return {}; }
+    void finish(const HookBucket&, HookComm&) {}
+};
+
+// The plain average through a hook: one allreduce per bucket. The reference a hook is measured
+// against, and a model of the concept to start a hook of your own from.
+struct AllreduceHook {
+    using policy_category = policy_category::comm_hook;
+    static constexpr bool hooked = true;
+    [[nodiscard]] std::string settings() const { return "allreduce"; }
+    HookComm::Pending start(const HookBucket& bucket, HookComm& comm) {
+        return comm.allreduce_async(bucket.values, ReduceOp::average);
+    }
+    void finish(const HookBucket&, HookComm&) {}
+};
+
+namespace detail {
+
+template <class H>
+constexpr bool check_comm_hook() {
+    static_assert(
+        requires {
+            { H::hooked } -> std::convertible_to<bool>;
+        },
+        "gradsync: a communication hook needs `static constexpr bool hooked = true`");
+    static_assert(
+        requires(const H ch) {
+            { ch.settings() } -> std::convertible_to<std::string>;
+        },
+        "gradsync: a communication hook needs `std::string settings() const`, agreed across the ranks");
+    static_assert(
+        requires(H h, const HookBucket& bucket, HookComm& comm) {
+            { h.start(bucket, comm) } -> std::same_as<HookComm::Pending>;
+        },
+        "gradsync: a communication hook needs `gradsync::HookComm::Pending start(const gradsync::HookBucket&, "
+        "gradsync::HookComm&)`, which starts the bucket's collectives");
+    static_assert(
+        requires(H h, const HookBucket& bucket, HookComm& comm) { h.finish(bucket, comm); },
+        "gradsync: a communication hook needs `void finish(const gradsync::HookBucket&, gradsync::HookComm&)`, "
+        "which leaves the bucket's average in bucket.values once start()'s collectives completed");
+    static_assert(std::movable<H>, "gradsync: a communication hook must be movable");
+    return true;
+}
+
+}  // namespace detail
+
+}  // namespace gradsync::inline v0
+#endif  // GRADSYNC_SINGLE_REDUCTION_COMM_HOOK_HPP
+// ---- end gradsync/reduction/comm_hook.hpp ----
+
 #include <algorithm>  // for std::sort
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>  // for std::function
 #include <optional>
 #include <span>
 #include <string>
@@ -2006,9 +2182,16 @@ inline std::size_t first_gap(std::span<const Segment> segs, DType t) {
 }
 
 // How a bucket travels.
-enum class Route : std::uint8_t { in_place, view, packed, compressed };
+enum class Route : std::uint8_t { in_place, view, packed, compressed, hook };
 
-template <Backend BackendT, MemoryPolicy Memory, DType Wire, bool InPlace>
+// What a communication hook's buckets need from the front: the tag of each further collective
+// of bucket b (of `bytes` bytes), and the loss scale the gradients carry.
+struct HookContext {
+    std::function<CollectiveTag(std::size_t b, std::uint64_t bytes)> next_tag;
+    std::function<float()> loss_scale;
+};
+
+template <Backend BackendT, MemoryPolicy Memory, DType Wire, bool InPlace, class Hook = NoCommHook>
 class BucketEngine {
     static constexpr bool compresses = Wire != DType::float32;
     using clock = std::chrono::steady_clock;
@@ -2038,10 +2221,16 @@ public:
         typename Memory::Storage buffer;   // packed or compressed, world > 1
         typename Memory::Storage widened;  // a float32 copy, made once when a compressed sum overflowed
         std::optional<handle_type> handle;
+        std::optional<HookComm::Pending> pending;  // the hook's collectives in flight
+        std::vector<HookParameter> hooked;         // the parameters, as the hook sees them
+        std::int64_t hook_step = 0;                // the step the hook started in
         clock::time_point launched_at, finished_at;
     };
 
-    BucketEngine(BackendT& backend, Memory memory) : backend_(backend), memory_(std::move(memory)) {}
+    BucketEngine(BackendT& backend, Memory memory, Hook hook = {})
+        : backend_(backend), memory_(std::move(memory)), hook_(std::move(hook)) {}
+
+    void connect_hook(HookContext context) { hook_context_ = std::move(context); }
 
     // (Re)builds every bucket's state from the plan; between steps.
     void setup(const BucketPlan& plan, std::span<const Parameter> params) {
@@ -2069,7 +2258,9 @@ public:
         auto& slot = slots_[b];
         slot.launched_at = clock::now();
         if (backend_.size() == 1) return;  // the local gradient is already the average
-        if (slot.route == Route::in_place) {
+        if (slot.route == Route::hook) {
+            start_hook(b, tag);
+        } else if (slot.route == Route::in_place) {
             if constexpr (InPlace)
                 slot.handle.emplace(
                     allreduce_async_tagged(backend_, segments_of(slot), slot.dtype, ReduceOp::average, tag));
@@ -2087,7 +2278,12 @@ public:
             slot.handle.emplace(allreduce_async_tagged(backend_, contiguous(b), op_of(slot), tag));
             return;
         }
-        if (slot.route == Route::in_place) {
+        if (slot.route == Route::hook) {
+            start_hook(b, tag);
+            slot.pending->wait();
+            slot.pending.reset();
+            finish_hook(b);
+        } else if (slot.route == Route::in_place) {
             if constexpr (InPlace) allreduce_tagged(backend_, segments_of(slot), slot.dtype, ReduceOp::average, tag);
         } else {
             allreduce_tagged(backend_, contiguous(b), op_of(slot), tag);
@@ -2104,6 +2300,13 @@ public:
     void wait_all(clock::time_point deadline, Diagnose&& diagnose) {
         for (std::size_t b = 0; b < slots_.size(); ++b) {
             auto& slot = slots_[b];
+            if (slot.pending) {
+                if (!slot.pending->wait_until(deadline)) throw TimeoutError(diagnose(b));
+                slot.pending.reset();
+                finish_hook(b);
+                slot.finished_at = clock::now();
+                continue;
+            }
             if (!slot.handle) continue;
             if constexpr (StreamOrdered<BackendT>) {
                 backend_.wait_on_device(*slot.handle);
@@ -2157,7 +2360,7 @@ public:
 
     [[nodiscard]] bool in_flight() const {
         for (const auto& s : slots_)
-            if (s.handle) return true;
+            if (s.handle || s.pending) return true;
         return false;
     }
 
@@ -2165,12 +2368,13 @@ public:
     // they end at once.
     void drain(clock::time_point deadline) {
         for (auto& slot : slots_) {
-            if (!slot.handle) continue;
             try {
-                (void)slot.handle->wait_until(deadline);
+                if (slot.handle) (void)slot.handle->wait_until(deadline);
+                if (slot.pending) (void)slot.pending->wait_until(deadline);
             } catch (...) {
             }
             slot.handle.reset();
+            slot.pending.reset();
         }
     }
 
@@ -2182,6 +2386,8 @@ public:
     [[nodiscard]] std::span<const Slot> slots() const { return slots_; }
     [[nodiscard]] Memory& memory() { return memory_; }
     [[nodiscard]] const Memory& memory() const { return memory_; }
+    [[nodiscard]] Hook& hook() { return hook_; }
+    [[nodiscard]] const Hook& hook() const { return hook_; }
 
     // Buckets whose gradients already lie contiguously in memory, reduced without a copy.
     [[nodiscard]] std::size_t view_buckets() const {
@@ -2209,7 +2415,15 @@ private:
         const bool contiguous = first_gap(slot.segments, bucket.dtype) == 0;
         slot.view.reset();
         if (contiguous) slot.view = Segment{slot.segments.front().data, bucket.count};
-        if (compresses && bucket.dtype == DType::float32) {
+        slot.hooked.clear();
+        if (Hook::hooked && bucket.dtype == DType::float32) {
+            slot.route = Route::hook;
+            std::size_t offset = 0;
+            for (auto i : slot.indices) {
+                slot.hooked.push_back(HookParameter{params[i].name, offset, params[i].count, params[i].shape});
+                offset += params[i].count;
+            }
+        } else if (compresses && bucket.dtype == DType::float32) {
             slot.route = Route::compressed;
             slot.wire = Wire;
         } else if (InPlace) {
@@ -2218,7 +2432,8 @@ private:
             slot.route = contiguous ? Route::view : Route::packed;
         }
         slot.table = memory_.table(slot.segments, bucket.dtype);
-        const bool needs_buffer = slot.route == Route::packed || slot.route == Route::compressed;
+        const bool needs_buffer = slot.route == Route::packed || slot.route == Route::compressed ||
+                                  (slot.route == Route::hook && !contiguous);
         if (needs_buffer && backend_.size() > 1 && slot.buffer.size() == 0)
             slot.buffer = memory_.allocate(Bytes{bucket.count * size_of(slot.wire)});
     }
@@ -2260,7 +2475,46 @@ private:
                 if (!finalizing_) return memory_.unpack(slot.table, data);
                 return finalize_from(b, data, slot.dtype);
             case Route::compressed: return finalize_from(b, data, slot.wire);
+            case Route::hook:
+                if (slot.view) return finalize_in_place(b);
+                if (!finalizing_) return memory_.unpack(slot.table, data);
+                return finalize_from(b, data, slot.dtype);
         }
+    }
+
+    // The bucket as the hook sees it: its gradients where they lie when contiguous, else packed.
+    HookBucket hook_bucket(std::size_t b, std::int64_t step) {
+        auto& slot = slots_[b];
+        auto* values = static_cast<float*>(slot.view ? slot.view->data : static_cast<void*>(Memory::data(slot.buffer)));
+        const float scale = hook_context_.loss_scale ? hook_context_.loss_scale() : 1.0f;
+        return HookBucket{b, step, std::span<float>(values, slot.count), slot.hooked, scale};
+    }
+
+    // The collectives of bucket b's hook: the first carries the engine's tag for the bucket, each
+    // further one the next from the front.
+    HookComm hook_comm(std::size_t b, std::optional<CollectiveTag> first) {
+        return HookComm(
+            backend_.rank(), backend_.size(), [this, b, first](std::span<float> values, ReduceOp op) mutable {
+                CollectiveTag tag = first ? *first : hook_context_.next_tag(b, values.size_bytes());
+                first.reset();
+                return HookComm::Pending(
+                    allreduce_async_tagged(backend_, Buffer{values.data(), values.size(), DType::float32}, op, tag));
+            });
+    }
+
+    void start_hook(std::size_t b, CollectiveTag tag) {
+        auto& slot = slots_[b];
+        if (!slot.view) memory_.pack(slot.table, Memory::data(slot.buffer));
+        slot.hook_step = tag.step;
+        auto comm = hook_comm(b, tag);
+        slot.pending.emplace(hook_.start(hook_bucket(b, tag.step), comm));
+    }
+
+    // After the hook's collectives of bucket b completed: its finish(), then the finalize pass.
+    void finish_hook(std::size_t b) {
+        auto comm = hook_comm(b, std::nullopt);
+        hook_.finish(hook_bucket(b, slots_[b].hook_step), comm);
+        finish(b);
     }
 
     void finalize_from(std::size_t b, const std::byte* data, DType type) {
@@ -2270,6 +2524,8 @@ private:
 
     BackendT& backend_;
     Memory memory_;
+    Hook hook_;
+    HookContext hook_context_;
     std::vector<Slot> slots_;
     bool finalizing_ = false;
     double unscale_ = 1.0;
@@ -4975,10 +5231,17 @@ struct PolicySet {
     using loss_scaler = select_policy<policy_category::loss_scaler, NoLossScaling, Policies...>;
     using compression = select_policy<policy_category::compression, NoCompression, Policies...>;
     using lr_rule = select_policy<policy_category::lr_rule, NoLrRule, Policies...>;
+    using comm_hook = select_policy<policy_category::comm_hook, NoCommHook, Policies...>;
 
     static_assert(check_bucketer<bucketer>() && check_packing_policy<packing>() && check_memory_policy<memory>() &&
                   check_buffer_policy<buffers>() && check_loss_scaler<loss_scaler>() &&
-                  check_compression<compression>() && check_lr_rule<lr_rule>());
+                  check_compression<compression>() && check_lr_rule<lr_rule>() && check_comm_hook<comm_hook>());
+    static_assert(!comm_hook::hooked || !compression::compresses,
+                  "gradsync: a communication hook decides what travels on the wire itself; drop the compression "
+                  "policy");
+    static_assert(!comm_hook::hooked || (!DeviceBackend<BackendT> && !memory::on_device),
+                  "gradsync: communication hooks run on gradients in host memory; this backend or memory policy "
+                  "keeps them on the device");
 
     // Gradients reduced where they lie, with no bucket buffer and no copies.
     static constexpr bool in_place = packing::mode == PackingMode::in_place ||
@@ -5001,8 +5264,9 @@ struct PolicySet {
     static constexpr bool host_timed = !DeviceBackend<BackendT> && !memory::on_device;
     static constexpr bool tunable = TunableBucketer<bucketer> && host_timed;
     // No bucket boundary can change a bit of the result: the backend sums in rank order and no
-    // bucket is redone alone (a float16 wire sum that overflowed).
-    static constexpr bool plan_free_result = RankOrderedSums<BackendT> && !compression::compresses;
+    // bucket is redone alone (a float16 wire sum that overflowed), and no hook sees buckets.
+    static constexpr bool plan_free_result =
+        RankOrderedSums<BackendT> && !compression::compresses && !comm_hook::hooked;
     // Whether the buckets are autotuned: as Options::autotune_buckets says or, unset, where tuning
     // is possible and cannot change the result (nor can the norm clipping scales by, summed
     // bucket by bucket).
@@ -5471,9 +5735,11 @@ std::string invalid_of(const P& p) {
 }
 
 // The settings that change the sums, in a fixed order.
-template <class Bucketer, class Packing, class Memory, class Buffers, class Scaler, class Compression, class Lr>
+template <class Bucketer, class Packing, class Memory, class Buffers, class Scaler, class Compression, class Lr,
+          class Hook>
 std::vector<Setting> agreed_settings(const Bucketer& bucketer, const Memory& memory, const Scaler& scaler, const Lr& lr,
-                                     const Options& options, bool autotunes, bool device_backend, bool device_memory) {
+                                     const Hook& hook, const Options& options, bool autotunes, bool device_backend,
+                                     bool device_memory) {
     return {{"bucketer", settings_of(bucketer)},
             {"packing", settings_of(Packing{})},
             {"memory policy", settings_of(memory)},
@@ -5481,6 +5747,7 @@ std::vector<Setting> agreed_settings(const Bucketer& bucketer, const Memory& mem
             {"loss scaler", settings_of(scaler)},
             {"compression", settings_of(Compression{})},
             {"LR rule", settings_of(lr)},
+            {"communication hook", settings_of(hook)},
             {"Options::find_unused_parameters", options.find_unused_parameters ? "true" : "false"},
             {"Options::rebuild_buckets", options.rebuild_buckets ? "true" : "false"},
             {"Options::autotune_buckets", autotunes ? "true" : "false"},
@@ -5529,6 +5796,9 @@ std::string find_model_problem(std::span<const Parameter> params, std::span<cons
             return who + " has an unknown dtype (code " + std::to_string(static_cast<unsigned>(p.dtype)) + ")";
         if (!backend.supports(p.dtype)) return who + " is " + to_string(p.dtype) + ", which this backend cannot reduce";
         if (p.data == nullptr) return who + " has a null data pointer";
+        if (!p.shape.empty() && shape_elements(p.shape) != p.count)
+            return who + " has " + std::to_string(p.count) + " elements but its shape " + shape_text(p.shape) +
+                   " holds " + std::to_string(shape_elements(p.shape)) + "; state the shape of its elements, or none";
         if (p.grad == nullptr && !gradients_later)
             return who + " has a null gradient pointer (with device memory, or Options::storage_may_move off, " +
                    "every gradient must exist when the DataParallel is made)";
@@ -5561,18 +5831,19 @@ struct LayoutEntry {
     std::string name;
     std::uint64_t count = 0;
     DType dtype = DType::float32;
+    std::vector<std::size_t> shape;  // a parameter's, where the model states it
 };
 
 inline std::vector<LayoutEntry> layout_of(std::span<const Parameter> params, std::span<const ModelBuffer> buffers) {
     std::vector<LayoutEntry> out;
     for (std::size_t i = 0; i < params.size(); ++i)
-        out.push_back({false, i, params[i].name, params[i].count, params[i].dtype});
+        out.push_back({false, i, params[i].name, params[i].count, params[i].dtype, params[i].shape});
     for (std::size_t i = 0; i < buffers.size(); ++i)
-        out.push_back({true, i, buffers[i].name, buffers[i].count, buffers[i].dtype});
+        out.push_back({true, i, buffers[i].name, buffers[i].count, buffers[i].dtype, {}});
     return out;
 }
 
-// What must agree: the kind, name, element count and dtype of every tensor, in order. Names too:
+// What must agree: the kind, name, element count, dtype and shape of every tensor, in order. Names too:
 // two tensors of one size registered in another order would be averaged into each other's place.
 inline std::uint64_t layout_hash(const std::vector<LayoutEntry>& layout) {
     Fnv1a h;
@@ -5580,6 +5851,8 @@ inline std::uint64_t layout_hash(const std::vector<LayoutEntry>& layout) {
     for (const auto& e : layout) {
         h.add(e.is_buffer ? 1 : 0).add(e.count).add(static_cast<std::uint64_t>(e.dtype)).add(e.name.size());
         for (unsigned char c : e.name) h.add(c);
+        h.add(e.shape.size());
+        for (auto d : e.shape) h.add(d);
     }
     return h.value();
 }
@@ -5640,6 +5913,9 @@ inline std::vector<std::byte> serialize_layout(const std::vector<LayoutEntry>& l
         put(out, &dtype, sizeof dtype);
         put(out, &name_size, sizeof name_size);
         put(out, e.name.data(), e.name.size());
+        std::uint64_t dims = e.shape.size();
+        put(out, &dims, sizeof dims);
+        for (std::uint64_t d : e.shape) put(out, &d, sizeof d);
     }
     return out;
 }
@@ -5666,6 +5942,14 @@ inline std::vector<LayoutEntry> parse_layout(std::span<const std::byte> bytes) {
         e.dtype = static_cast<DType>(dtype);
         e.name.resize(name_size);
         get(e.name.data(), name_size);
+        std::uint64_t dims = 0;
+        get(&dims, sizeof dims);
+        if (dims > bytes.size()) throw Error("gradsync: internal error: truncated layout record");
+        for (std::uint64_t k = 0; k < dims; ++k) {
+            std::uint64_t d = 0;
+            get(&d, sizeof d);
+            e.shape.push_back(static_cast<std::size_t>(d));
+        }
         out.push_back(std::move(e));
     }
     return out;
@@ -5673,7 +5957,8 @@ inline std::vector<LayoutEntry> parse_layout(std::span<const std::byte> bytes) {
 
 inline std::string describe_entry(const LayoutEntry& e) {
     return std::string(e.is_buffer ? "buffer #" : "parameter #") + std::to_string(e.index) + " '" + e.name + "' (" +
-           std::to_string(e.count) + " x " + to_string(e.dtype) + ")";
+           std::to_string(e.count) + " x " + to_string(e.dtype) +
+           (e.shape.empty() ? "" : ", shape " + shape_text(e.shape)) + ")";
 }
 
 // Names the first tensor where rank a's and rank b's layouts differ.
@@ -5681,12 +5966,12 @@ inline std::string describe_layout_difference(int a, const std::vector<LayoutEnt
                                               const std::vector<LayoutEntry>& lb) {
     std::string prefix = "gradsync: the model's layout differs across ranks: ";
     std::string suffix =
-        ". Every rank must register the same parameters and buffers, in the same order, with the same names, sizes "
-        "and dtypes (zero-sized parameters are skipped and not compared)";
+        ". Every rank must register the same parameters and buffers, in the same order, with the same names, sizes, "
+        "dtypes and shapes (zero-sized parameters are skipped and not compared)";
     std::size_t n = std::min(la.size(), lb.size());
     for (std::size_t i = 0; i < n; ++i) {
         if (la[i].is_buffer != lb[i].is_buffer || la[i].count != lb[i].count || la[i].dtype != lb[i].dtype ||
-            la[i].name != lb[i].name) {
+            la[i].name != lb[i].name || la[i].shape != lb[i].shape) {
             return prefix + "rank " + std::to_string(a) + " has " + describe_entry(la[i]) + " where rank " +
                    std::to_string(b) + " has " + describe_entry(lb[i]) + suffix;
         }
@@ -5910,7 +6195,8 @@ namespace gradsync::inline v0::detail {
 template <class Set, class BackendT>
 BucketPlan check_and_agree(BackendT& backend, const ModelLayout& layout, const typename Set::bucketer& bucketer,
                            const Options& options, const typename Set::loss_scaler& scaler,
-                           const typename Set::lr_rule& lr, const typename Set::memory& memory) {
+                           const typename Set::lr_rule& lr, const typename Set::memory& memory,
+                           const typename Set::comm_hook& hook) {
     using memory_type = typename Set::memory;
     SetupProblems problems(backend.rank());
     problems.configuration(invalid_configuration(options, bucketer, scaler, lr));
@@ -5927,13 +6213,13 @@ BucketPlan check_and_agree(BackendT& backend, const ModelLayout& layout, const t
     problems.configuration(autotune_problem(options, TunableBucketer<typename Set::bucketer>, Set::host_timed));
     if (backend.size() == 1) problems.throw_first();
     if (backend.size() > 1)
-        agree_on_layout(
-            backend, layout.params, layout.buffers, plan,
-            agreed_settings<typename Set::bucketer, typename Set::packing, memory_type, typename Set::buffers,
-                            typename Set::loss_scaler, typename Set::compression, typename Set::lr_rule>(
-                bucketer, memory, scaler, lr, options, Set::autotunes(options), DeviceBackend<BackendT>,
-                memory_type::on_device),
-            problems.first());
+        agree_on_layout(backend, layout.params, layout.buffers, plan,
+                        agreed_settings<typename Set::bucketer, typename Set::packing, memory_type,
+                                        typename Set::buffers, typename Set::loss_scaler, typename Set::compression,
+                                        typename Set::lr_rule, typename Set::comm_hook>(
+                            bucketer, memory, scaler, lr, hook, options, Set::autotunes(options),
+                            DeviceBackend<BackendT>, memory_type::on_device),
+                        problems.first());
     return plan;
 }
 
@@ -6297,7 +6583,7 @@ inline std::string timeline_path(const std::string& from_options) {
 namespace gradsync::inline v0 {
 
 // Policies, in any order, each optional (data_parallel/policies.hpp): bucketer, packing, memory,
-// buffers, Options, loss scaler, compression, LR rule.
+// buffers, Options, loss scaler, compression, LR rule, communication hook.
 template <class Model, class BackendT, class... Policies>
 class DataParallel {
     static_assert(detail::check_backend<BackendT>());
@@ -6312,9 +6598,11 @@ public:
     using loss_scaler_type = typename Set::loss_scaler;
     using compression_type = typename Set::compression;
     using lr_type = typename Set::lr_rule;
+    using comm_hook_type = typename Set::comm_hook;
     static constexpr bool reduces_in_place = Set::in_place;
     static constexpr bool gradients_untouchable = Set::gradients_untouchable;
-    using engine_type = detail::BucketEngine<BackendT, memory_type, compression_type::wire, reduces_in_place>;
+    using engine_type =
+        detail::BucketEngine<BackendT, memory_type, compression_type::wire, reduces_in_place, comm_hook_type>;
     using handle_type = typename engine_type::handle_type;
 
     // Lists the model's parameters and buffers, checks them on every rank, agrees on the layout
@@ -6327,7 +6615,8 @@ public:
           options_(Set::template value<Options>(std::tuple(policies...))),
           scaler_(Set::template value<loss_scaler_type>(std::tuple(policies...))),
           lr_(Set::template value<lr_type>(std::tuple(policies...))),
-          engine_(backend, Set::template value<memory_type>(std::tuple(policies...))) {
+          engine_(backend, Set::template value<memory_type>(std::tuple(policies...)),
+                  Set::template value<comm_hook_type>(std::tuple(policies...))) {
         init();
     }
     DataParallel(Model& model, BackendT& backend) requires(sizeof...(Policies) > 0 && !std::is_pointer_v<Model>)
@@ -6406,6 +6695,8 @@ public:
 
     // The factor to multiply the loss by before backward.
     [[nodiscard]] float loss_scale() const { return scaler_.scale(); }
+    // The communication hook, to read or restore its state (PowerSGD's error feedback).
+    [[nodiscard]] comm_hook_type& comm_hook() { return engine_.hook(); }
     // The loss scaler, to save or restore its state (DynamicLossScale::state).
     [[nodiscard]] loss_scaler_type& loss_scaler() { return scaler_; }
     // The learning rate step() will pass next (an LR policy is required).
@@ -6609,7 +6900,13 @@ private:
         static_assert(detail::check_model_access<Model>());
         layout_ = detail::ModelLayout::of(model_, buffers_type::mode != BufferSync::ignore);
         auto agreed = detail::check_and_agree<Set>(backend_, layout_, replanning_.bucketer(), options_, scaler_, lr_,
-                                                   engine_.memory());
+                                                   engine_.memory(), engine_.hook());
+        if constexpr (comm_hook_type::hooked)
+            engine_.connect_hook({[this](std::size_t b, std::uint64_t bytes) {
+                                      return history_.next(detail::CollectivePurpose::bucket, current_step(), b, bytes,
+                                                           DType::float32);
+                                  },
+                                  [this] { return scaler_.scale(); }});
         broadcast_parameters();
         detail::sync_buffers(backend_, buffers(), buffers_type::mode, true, history_, current_step());
         replanning_.adopt(std::move(agreed), [this](const BucketPlan& p) { setup_buckets(p); });

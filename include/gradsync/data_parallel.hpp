@@ -46,7 +46,7 @@
 namespace gradsync::inline v0 {
 
 // Policies, in any order, each optional (data_parallel/policies.hpp): bucketer, packing, memory,
-// buffers, Options, loss scaler, compression, LR rule.
+// buffers, Options, loss scaler, compression, LR rule, communication hook.
 template <class Model, class BackendT, class... Policies>
 class DataParallel {
     static_assert(detail::check_backend<BackendT>());
@@ -61,9 +61,11 @@ public:
     using loss_scaler_type = typename Set::loss_scaler;
     using compression_type = typename Set::compression;
     using lr_type = typename Set::lr_rule;
+    using comm_hook_type = typename Set::comm_hook;
     static constexpr bool reduces_in_place = Set::in_place;
     static constexpr bool gradients_untouchable = Set::gradients_untouchable;
-    using engine_type = detail::BucketEngine<BackendT, memory_type, compression_type::wire, reduces_in_place>;
+    using engine_type =
+        detail::BucketEngine<BackendT, memory_type, compression_type::wire, reduces_in_place, comm_hook_type>;
     using handle_type = typename engine_type::handle_type;
 
     // Lists the model's parameters and buffers, checks them on every rank, agrees on the layout
@@ -76,7 +78,8 @@ public:
           options_(Set::template value<Options>(std::tuple(policies...))),
           scaler_(Set::template value<loss_scaler_type>(std::tuple(policies...))),
           lr_(Set::template value<lr_type>(std::tuple(policies...))),
-          engine_(backend, Set::template value<memory_type>(std::tuple(policies...))) {
+          engine_(backend, Set::template value<memory_type>(std::tuple(policies...)),
+                  Set::template value<comm_hook_type>(std::tuple(policies...))) {
         init();
     }
     DataParallel(Model& model, BackendT& backend) requires(sizeof...(Policies) > 0 && !std::is_pointer_v<Model>)
@@ -155,6 +158,8 @@ public:
 
     // The factor to multiply the loss by before backward.
     [[nodiscard]] float loss_scale() const { return scaler_.scale(); }
+    // The communication hook, to read or restore its state (PowerSGD's error feedback).
+    [[nodiscard]] comm_hook_type& comm_hook() { return engine_.hook(); }
     // The loss scaler, to save or restore its state (DynamicLossScale::state).
     [[nodiscard]] loss_scaler_type& loss_scaler() { return scaler_; }
     // The learning rate step() will pass next (an LR policy is required).
@@ -358,7 +363,13 @@ private:
         static_assert(detail::check_model_access<Model>());
         layout_ = detail::ModelLayout::of(model_, buffers_type::mode != BufferSync::ignore);
         auto agreed = detail::check_and_agree<Set>(backend_, layout_, replanning_.bucketer(), options_, scaler_, lr_,
-                                                   engine_.memory());
+                                                   engine_.memory(), engine_.hook());
+        if constexpr (comm_hook_type::hooked)
+            engine_.connect_hook({[this](std::size_t b, std::uint64_t bytes) {
+                                      return history_.next(detail::CollectivePurpose::bucket, current_step(), b, bytes,
+                                                           DType::float32);
+                                  },
+                                  [this] { return scaler_.scale(); }});
         broadcast_parameters();
         detail::sync_buffers(backend_, buffers(), buffers_type::mode, true, history_, current_step());
         replanning_.adopt(std::move(agreed), [this](const BucketPlan& p) { setup_buckets(p); });

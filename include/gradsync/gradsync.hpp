@@ -30,6 +30,9 @@
 #include <gradsync/amp/compression.hpp>
 #include <gradsync/amp/loss_scale.hpp>
 #include <gradsync/lr.hpp>
+// Communication hooks.
+#include <gradsync/reduction/comm_hook.hpp>
+#include <gradsync/reduction/powersgd.hpp>
 // DataParallel.
 #include <gradsync/data_parallel.hpp>
 #include <gradsync/data_parallel/options.hpp>

@@ -151,7 +151,9 @@ inline std::vector<Parameter> parameters_of(std::span<std::pair<std::string, ::a
                                "; gradsync synchronizes float32, float64, float16 and bfloat16 parameters");
         detail::check_dense(param, params.front().second.device(), [&] { return "parameter '" + name + "'"; });
         void* grad = detail::gradient_of(param, name, missing);
-        out.push_back(Parameter{name, param.data_ptr(), grad, static_cast<std::size_t>(param.numel()), *dtype});
+        const auto sizes = param.sizes();
+        out.push_back(Parameter{name, param.data_ptr(), grad, static_cast<std::size_t>(param.numel()), *dtype,
+                                std::vector<std::size_t>(sizes.begin(), sizes.end())});
     }
     return out;
 }

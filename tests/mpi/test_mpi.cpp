@@ -518,6 +518,33 @@ TEST_CASE("over MPI, bf16 wire compression with dynamic loss scaling trains clos
     check_close(resume::flat(model), single, /*tolerance=*/1e-2);
 }
 
+TEST_CASE("over MPI, PowerSGD overlapped with backward keeps every process bitwise equal, sending a fraction") {
+    gradsync::MpiBackend backend;
+    mlp::Mlp model(1);
+    gradsync::DataParallel dp(model, backend, gradsync::PowerSGD({.rank = 4}));
+    model.on_grad_ready = [&dp](std::size_t i) { dp.grad_ready(i); };
+    mlp::Sgd opt(0.05f, 0.9f);
+    for (int s = 0; s < steps; ++s) {
+        auto first = std::size_t(s * world_size() * micro_batch + backend.rank() * micro_batch);
+        model.forward_backward(mlp::make_batch(2026, first, micro_batch));
+        dp.synchronize();
+        opt.step(model);
+    }
+    const auto flat = resume::flat(model);
+    std::vector<char> bytes(flat.size() * sizeof(float));
+    std::memcpy(bytes.data(), flat.data(), bytes.size());
+    CHECK(same_on_every_rank(bytes));
+    if (world_size() > 1) {
+        CHECK(dp.comm_hook().elements_sent() * 20 < dp.comm_hook().elements_reduced());
+        // Each process keeps its own error: what the approximation left out of its gradients.
+        const auto& error = dp.comm_hook().state().at("fc1.weight").error;
+        REQUIRE(error.size() == mlp::Mlp::in * mlp::Mlp::hidden);
+        std::vector<char> error_bytes(error.size() * sizeof(float));
+        std::memcpy(error_bytes.data(), error.data(), error_bytes.size());
+        CHECK_FALSE(same_on_every_rank(error_bytes));
+    }
+}
+
 TEST_CASE("over MPI, a layout that differs on one rank throws the same LayoutMismatch on every rank") {
     struct Model {
         std::vector<float> a = std::vector<float>(10), ga = std::vector<float>(10);

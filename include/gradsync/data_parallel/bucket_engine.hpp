@@ -1,10 +1,10 @@
 // BucketEngine: each bucket's storage and its collective in the current step. A bucket travels
-// one of four ways: reduced where its gradients lie (a backend that takes scattered segments),
-// as one view when they lie contiguously, through a packed copy, or packed into a narrower wire
-// dtype. The engine launches a bucket's collective (during backward) or runs it now (at
-// synchronize()), waits for the launched ones by a deadline (or, on the device, makes the
-// trainer's stream wait), and then runs the finalize pass over the bucket through the memory
-// policy: unpack, unscale, measure.
+// one of five ways: reduced where its gradients lie (a backend that takes scattered segments),
+// as one view when they lie contiguously, through a packed copy, packed into a narrower wire
+// dtype, or through the communication hook (reduction/comm_hook.hpp), as a view or a packed copy. The engine launches a
+// bucket's collective (during backward) or runs it now (at synchronize()), waits for the launched ones by a deadline
+// (or, on the device, makes the trainer's stream wait), and then runs the finalize pass over the bucket through the
+// memory policy: unpack, unscale, measure.
 #pragma once
 
 #include <gradsync/backend/concepts.hpp>
@@ -16,11 +16,13 @@
 #include <gradsync/error.hpp>
 #include <gradsync/memory/policy.hpp>
 #include <gradsync/model/model.hpp>
+#include <gradsync/reduction/comm_hook.hpp>
 
 #include <algorithm>  // for std::sort
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>  // for std::function
 #include <optional>
 #include <span>
 #include <string>
@@ -39,9 +41,16 @@ inline std::size_t first_gap(std::span<const Segment> segs, DType t) {
 }
 
 // How a bucket travels.
-enum class Route : std::uint8_t { in_place, view, packed, compressed };
+enum class Route : std::uint8_t { in_place, view, packed, compressed, hook };
 
-template <Backend BackendT, MemoryPolicy Memory, DType Wire, bool InPlace>
+// What a communication hook's buckets need from the front: the tag of each further collective
+// of bucket b (of `bytes` bytes), and the loss scale the gradients carry.
+struct HookContext {
+    std::function<CollectiveTag(std::size_t b, std::uint64_t bytes)> next_tag;
+    std::function<float()> loss_scale;
+};
+
+template <Backend BackendT, MemoryPolicy Memory, DType Wire, bool InPlace, class Hook = NoCommHook>
 class BucketEngine {
     static constexpr bool compresses = Wire != DType::float32;
     using clock = std::chrono::steady_clock;
@@ -71,10 +80,16 @@ public:
         typename Memory::Storage buffer;   // packed or compressed, world > 1
         typename Memory::Storage widened;  // a float32 copy, made once when a compressed sum overflowed
         std::optional<handle_type> handle;
+        std::optional<HookComm::Pending> pending;  // the hook's collectives in flight
+        std::vector<HookParameter> hooked;         // the parameters, as the hook sees them
+        std::int64_t hook_step = 0;                // the step the hook started in
         clock::time_point launched_at, finished_at;
     };
 
-    BucketEngine(BackendT& backend, Memory memory) : backend_(backend), memory_(std::move(memory)) {}
+    BucketEngine(BackendT& backend, Memory memory, Hook hook = {})
+        : backend_(backend), memory_(std::move(memory)), hook_(std::move(hook)) {}
+
+    void connect_hook(HookContext context) { hook_context_ = std::move(context); }
 
     // (Re)builds every bucket's state from the plan; between steps.
     void setup(const BucketPlan& plan, std::span<const Parameter> params) {
@@ -102,7 +117,9 @@ public:
         auto& slot = slots_[b];
         slot.launched_at = clock::now();
         if (backend_.size() == 1) return;  // the local gradient is already the average
-        if (slot.route == Route::in_place) {
+        if (slot.route == Route::hook) {
+            start_hook(b, tag);
+        } else if (slot.route == Route::in_place) {
             if constexpr (InPlace)
                 slot.handle.emplace(
                     allreduce_async_tagged(backend_, segments_of(slot), slot.dtype, ReduceOp::average, tag));
@@ -120,7 +137,12 @@ public:
             slot.handle.emplace(allreduce_async_tagged(backend_, contiguous(b), op_of(slot), tag));
             return;
         }
-        if (slot.route == Route::in_place) {
+        if (slot.route == Route::hook) {
+            start_hook(b, tag);
+            slot.pending->wait();
+            slot.pending.reset();
+            finish_hook(b);
+        } else if (slot.route == Route::in_place) {
             if constexpr (InPlace) allreduce_tagged(backend_, segments_of(slot), slot.dtype, ReduceOp::average, tag);
         } else {
             allreduce_tagged(backend_, contiguous(b), op_of(slot), tag);
@@ -137,6 +159,13 @@ public:
     void wait_all(clock::time_point deadline, Diagnose&& diagnose) {
         for (std::size_t b = 0; b < slots_.size(); ++b) {
             auto& slot = slots_[b];
+            if (slot.pending) {
+                if (!slot.pending->wait_until(deadline)) throw TimeoutError(diagnose(b));
+                slot.pending.reset();
+                finish_hook(b);
+                slot.finished_at = clock::now();
+                continue;
+            }
             if (!slot.handle) continue;
             if constexpr (StreamOrdered<BackendT>) {
                 backend_.wait_on_device(*slot.handle);
@@ -190,7 +219,7 @@ public:
 
     [[nodiscard]] bool in_flight() const {
         for (const auto& s : slots_)
-            if (s.handle) return true;
+            if (s.handle || s.pending) return true;
         return false;
     }
 
@@ -198,12 +227,13 @@ public:
     // they end at once.
     void drain(clock::time_point deadline) {
         for (auto& slot : slots_) {
-            if (!slot.handle) continue;
             try {
-                (void)slot.handle->wait_until(deadline);
+                if (slot.handle) (void)slot.handle->wait_until(deadline);
+                if (slot.pending) (void)slot.pending->wait_until(deadline);
             } catch (...) {
             }
             slot.handle.reset();
+            slot.pending.reset();
         }
     }
 
@@ -215,6 +245,8 @@ public:
     [[nodiscard]] std::span<const Slot> slots() const { return slots_; }
     [[nodiscard]] Memory& memory() { return memory_; }
     [[nodiscard]] const Memory& memory() const { return memory_; }
+    [[nodiscard]] Hook& hook() { return hook_; }
+    [[nodiscard]] const Hook& hook() const { return hook_; }
 
     // Buckets whose gradients already lie contiguously in memory, reduced without a copy.
     [[nodiscard]] std::size_t view_buckets() const {
@@ -242,7 +274,15 @@ private:
         const bool contiguous = first_gap(slot.segments, bucket.dtype) == 0;
         slot.view.reset();
         if (contiguous) slot.view = Segment{slot.segments.front().data, bucket.count};
-        if (compresses && bucket.dtype == DType::float32) {
+        slot.hooked.clear();
+        if (Hook::hooked && bucket.dtype == DType::float32) {
+            slot.route = Route::hook;
+            std::size_t offset = 0;
+            for (auto i : slot.indices) {
+                slot.hooked.push_back(HookParameter{params[i].name, offset, params[i].count, params[i].shape});
+                offset += params[i].count;
+            }
+        } else if (compresses && bucket.dtype == DType::float32) {
             slot.route = Route::compressed;
             slot.wire = Wire;
         } else if (InPlace) {
@@ -251,7 +291,8 @@ private:
             slot.route = contiguous ? Route::view : Route::packed;
         }
         slot.table = memory_.table(slot.segments, bucket.dtype);
-        const bool needs_buffer = slot.route == Route::packed || slot.route == Route::compressed;
+        const bool needs_buffer = slot.route == Route::packed || slot.route == Route::compressed ||
+                                  (slot.route == Route::hook && !contiguous);
         if (needs_buffer && backend_.size() > 1 && slot.buffer.size() == 0)
             slot.buffer = memory_.allocate(Bytes{bucket.count * size_of(slot.wire)});
     }
@@ -293,7 +334,46 @@ private:
                 if (!finalizing_) return memory_.unpack(slot.table, data);
                 return finalize_from(b, data, slot.dtype);
             case Route::compressed: return finalize_from(b, data, slot.wire);
+            case Route::hook:
+                if (slot.view) return finalize_in_place(b);
+                if (!finalizing_) return memory_.unpack(slot.table, data);
+                return finalize_from(b, data, slot.dtype);
         }
+    }
+
+    // The bucket as the hook sees it: its gradients where they lie when contiguous, else packed.
+    HookBucket hook_bucket(std::size_t b, std::int64_t step) {
+        auto& slot = slots_[b];
+        auto* values = static_cast<float*>(slot.view ? slot.view->data : static_cast<void*>(Memory::data(slot.buffer)));
+        const float scale = hook_context_.loss_scale ? hook_context_.loss_scale() : 1.0f;
+        return HookBucket{b, step, std::span<float>(values, slot.count), slot.hooked, scale};
+    }
+
+    // The collectives of bucket b's hook: the first carries the engine's tag for the bucket, each
+    // further one the next from the front.
+    HookComm hook_comm(std::size_t b, std::optional<CollectiveTag> first) {
+        return HookComm(
+            backend_.rank(), backend_.size(), [this, b, first](std::span<float> values, ReduceOp op) mutable {
+                CollectiveTag tag = first ? *first : hook_context_.next_tag(b, values.size_bytes());
+                first.reset();
+                return HookComm::Pending(
+                    allreduce_async_tagged(backend_, Buffer{values.data(), values.size(), DType::float32}, op, tag));
+            });
+    }
+
+    void start_hook(std::size_t b, CollectiveTag tag) {
+        auto& slot = slots_[b];
+        if (!slot.view) memory_.pack(slot.table, Memory::data(slot.buffer));
+        slot.hook_step = tag.step;
+        auto comm = hook_comm(b, tag);
+        slot.pending.emplace(hook_.start(hook_bucket(b, tag.step), comm));
+    }
+
+    // After the hook's collectives of bucket b completed: its finish(), then the finalize pass.
+    void finish_hook(std::size_t b) {
+        auto comm = hook_comm(b, std::nullopt);
+        hook_.finish(hook_bucket(b, slots_[b].hook_step), comm);
+        finish(b);
     }
 
     void finalize_from(std::size_t b, const std::byte* data, DType type) {
@@ -303,6 +383,8 @@ private:
 
     BackendT& backend_;
     Memory memory_;
+    Hook hook_;
+    HookContext hook_context_;
     std::vector<Slot> slots_;
     bool finalizing_ = false;
     double unscale_ = 1.0;

@@ -41,6 +41,9 @@ std::string find_model_problem(std::span<const Parameter> params, std::span<cons
             return who + " has an unknown dtype (code " + std::to_string(static_cast<unsigned>(p.dtype)) + ")";
         if (!backend.supports(p.dtype)) return who + " is " + to_string(p.dtype) + ", which this backend cannot reduce";
         if (p.data == nullptr) return who + " has a null data pointer";
+        if (!p.shape.empty() && shape_elements(p.shape) != p.count)
+            return who + " has " + std::to_string(p.count) + " elements but its shape " + shape_text(p.shape) +
+                   " holds " + std::to_string(shape_elements(p.shape)) + "; state the shape of its elements, or none";
         if (p.grad == nullptr && !gradients_later)
             return who + " has a null gradient pointer (with device memory, or Options::storage_may_move off, " +
                    "every gradient must exist when the DataParallel is made)";
@@ -73,18 +76,19 @@ struct LayoutEntry {
     std::string name;
     std::uint64_t count = 0;
     DType dtype = DType::float32;
+    std::vector<std::size_t> shape;  // a parameter's, where the model states it
 };
 
 inline std::vector<LayoutEntry> layout_of(std::span<const Parameter> params, std::span<const ModelBuffer> buffers) {
     std::vector<LayoutEntry> out;
     for (std::size_t i = 0; i < params.size(); ++i)
-        out.push_back({false, i, params[i].name, params[i].count, params[i].dtype});
+        out.push_back({false, i, params[i].name, params[i].count, params[i].dtype, params[i].shape});
     for (std::size_t i = 0; i < buffers.size(); ++i)
-        out.push_back({true, i, buffers[i].name, buffers[i].count, buffers[i].dtype});
+        out.push_back({true, i, buffers[i].name, buffers[i].count, buffers[i].dtype, {}});
     return out;
 }
 
-// What must agree: the kind, name, element count and dtype of every tensor, in order. Names too:
+// What must agree: the kind, name, element count, dtype and shape of every tensor, in order. Names too:
 // two tensors of one size registered in another order would be averaged into each other's place.
 inline std::uint64_t layout_hash(const std::vector<LayoutEntry>& layout) {
     Fnv1a h;
@@ -92,6 +96,8 @@ inline std::uint64_t layout_hash(const std::vector<LayoutEntry>& layout) {
     for (const auto& e : layout) {
         h.add(e.is_buffer ? 1 : 0).add(e.count).add(static_cast<std::uint64_t>(e.dtype)).add(e.name.size());
         for (unsigned char c : e.name) h.add(c);
+        h.add(e.shape.size());
+        for (auto d : e.shape) h.add(d);
     }
     return h.value();
 }
@@ -152,6 +158,9 @@ inline std::vector<std::byte> serialize_layout(const std::vector<LayoutEntry>& l
         put(out, &dtype, sizeof dtype);
         put(out, &name_size, sizeof name_size);
         put(out, e.name.data(), e.name.size());
+        std::uint64_t dims = e.shape.size();
+        put(out, &dims, sizeof dims);
+        for (std::uint64_t d : e.shape) put(out, &d, sizeof d);
     }
     return out;
 }
@@ -178,6 +187,14 @@ inline std::vector<LayoutEntry> parse_layout(std::span<const std::byte> bytes) {
         e.dtype = static_cast<DType>(dtype);
         e.name.resize(name_size);
         get(e.name.data(), name_size);
+        std::uint64_t dims = 0;
+        get(&dims, sizeof dims);
+        if (dims > bytes.size()) throw Error("gradsync: internal error: truncated layout record");
+        for (std::uint64_t k = 0; k < dims; ++k) {
+            std::uint64_t d = 0;
+            get(&d, sizeof d);
+            e.shape.push_back(static_cast<std::size_t>(d));
+        }
         out.push_back(std::move(e));
     }
     return out;
@@ -185,7 +202,8 @@ inline std::vector<LayoutEntry> parse_layout(std::span<const std::byte> bytes) {
 
 inline std::string describe_entry(const LayoutEntry& e) {
     return std::string(e.is_buffer ? "buffer #" : "parameter #") + std::to_string(e.index) + " '" + e.name + "' (" +
-           std::to_string(e.count) + " x " + to_string(e.dtype) + ")";
+           std::to_string(e.count) + " x " + to_string(e.dtype) +
+           (e.shape.empty() ? "" : ", shape " + shape_text(e.shape)) + ")";
 }
 
 // Names the first tensor where rank a's and rank b's layouts differ.
@@ -193,12 +211,12 @@ inline std::string describe_layout_difference(int a, const std::vector<LayoutEnt
                                               const std::vector<LayoutEntry>& lb) {
     std::string prefix = "gradsync: the model's layout differs across ranks: ";
     std::string suffix =
-        ". Every rank must register the same parameters and buffers, in the same order, with the same names, sizes "
-        "and dtypes (zero-sized parameters are skipped and not compared)";
+        ". Every rank must register the same parameters and buffers, in the same order, with the same names, sizes, "
+        "dtypes and shapes (zero-sized parameters are skipped and not compared)";
     std::size_t n = std::min(la.size(), lb.size());
     for (std::size_t i = 0; i < n; ++i) {
         if (la[i].is_buffer != lb[i].is_buffer || la[i].count != lb[i].count || la[i].dtype != lb[i].dtype ||
-            la[i].name != lb[i].name) {
+            la[i].name != lb[i].name || la[i].shape != lb[i].shape) {
             return prefix + "rank " + std::to_string(a) + " has " + describe_entry(la[i]) + " where rank " +
                    std::to_string(b) + " has " + describe_entry(lb[i]) + suffix;
         }

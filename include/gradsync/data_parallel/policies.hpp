@@ -16,6 +16,7 @@
 #include <gradsync/memory/packing.hpp>
 #include <gradsync/memory/policy.hpp>
 #include <gradsync/model/buffers.hpp>
+#include <gradsync/reduction/comm_hook.hpp>
 
 #include <concepts>  // for std::convertible_to
 #include <tuple>
@@ -65,10 +66,17 @@ struct PolicySet {
     using loss_scaler = select_policy<policy_category::loss_scaler, NoLossScaling, Policies...>;
     using compression = select_policy<policy_category::compression, NoCompression, Policies...>;
     using lr_rule = select_policy<policy_category::lr_rule, NoLrRule, Policies...>;
+    using comm_hook = select_policy<policy_category::comm_hook, NoCommHook, Policies...>;
 
     static_assert(check_bucketer<bucketer>() && check_packing_policy<packing>() && check_memory_policy<memory>() &&
                   check_buffer_policy<buffers>() && check_loss_scaler<loss_scaler>() &&
-                  check_compression<compression>() && check_lr_rule<lr_rule>());
+                  check_compression<compression>() && check_lr_rule<lr_rule>() && check_comm_hook<comm_hook>());
+    static_assert(!comm_hook::hooked || !compression::compresses,
+                  "gradsync: a communication hook decides what travels on the wire itself; drop the compression "
+                  "policy");
+    static_assert(!comm_hook::hooked || (!DeviceBackend<BackendT> && !memory::on_device),
+                  "gradsync: communication hooks run on gradients in host memory; this backend or memory policy "
+                  "keeps them on the device");
 
     // Gradients reduced where they lie, with no bucket buffer and no copies.
     static constexpr bool in_place = packing::mode == PackingMode::in_place ||
@@ -91,8 +99,9 @@ struct PolicySet {
     static constexpr bool host_timed = !DeviceBackend<BackendT> && !memory::on_device;
     static constexpr bool tunable = TunableBucketer<bucketer> && host_timed;
     // No bucket boundary can change a bit of the result: the backend sums in rank order and no
-    // bucket is redone alone (a float16 wire sum that overflowed).
-    static constexpr bool plan_free_result = RankOrderedSums<BackendT> && !compression::compresses;
+    // bucket is redone alone (a float16 wire sum that overflowed), and no hook sees buckets.
+    static constexpr bool plan_free_result =
+        RankOrderedSums<BackendT> && !compression::compresses && !comm_hook::hooked;
     // Whether the buckets are autotuned: as Options::autotune_buckets says or, unset, where tuning
     // is possible and cannot change the result (nor can the norm clipping scales by, summed
     // bucket by bucket).

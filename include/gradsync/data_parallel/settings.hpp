@@ -41,9 +41,11 @@ std::string invalid_of(const P& p) {
 }
 
 // The settings that change the sums, in a fixed order.
-template <class Bucketer, class Packing, class Memory, class Buffers, class Scaler, class Compression, class Lr>
+template <class Bucketer, class Packing, class Memory, class Buffers, class Scaler, class Compression, class Lr,
+          class Hook>
 std::vector<Setting> agreed_settings(const Bucketer& bucketer, const Memory& memory, const Scaler& scaler, const Lr& lr,
-                                     const Options& options, bool autotunes, bool device_backend, bool device_memory) {
+                                     const Hook& hook, const Options& options, bool autotunes, bool device_backend,
+                                     bool device_memory) {
     return {{"bucketer", settings_of(bucketer)},
             {"packing", settings_of(Packing{})},
             {"memory policy", settings_of(memory)},
@@ -51,6 +53,7 @@ std::vector<Setting> agreed_settings(const Bucketer& bucketer, const Memory& mem
             {"loss scaler", settings_of(scaler)},
             {"compression", settings_of(Compression{})},
             {"LR rule", settings_of(lr)},
+            {"communication hook", settings_of(hook)},
             {"Options::find_unused_parameters", options.find_unused_parameters ? "true" : "false"},
             {"Options::rebuild_buckets", options.rebuild_buckets ? "true" : "false"},
             {"Options::autotune_buckets", autotunes ? "true" : "false"},

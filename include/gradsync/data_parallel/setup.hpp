@@ -22,7 +22,8 @@ namespace gradsync::inline v0::detail {
 template <class Set, class BackendT>
 BucketPlan check_and_agree(BackendT& backend, const ModelLayout& layout, const typename Set::bucketer& bucketer,
                            const Options& options, const typename Set::loss_scaler& scaler,
-                           const typename Set::lr_rule& lr, const typename Set::memory& memory) {
+                           const typename Set::lr_rule& lr, const typename Set::memory& memory,
+                           const typename Set::comm_hook& hook) {
     using memory_type = typename Set::memory;
     SetupProblems problems(backend.rank());
     problems.configuration(invalid_configuration(options, bucketer, scaler, lr));
@@ -39,13 +40,13 @@ BucketPlan check_and_agree(BackendT& backend, const ModelLayout& layout, const t
     problems.configuration(autotune_problem(options, TunableBucketer<typename Set::bucketer>, Set::host_timed));
     if (backend.size() == 1) problems.throw_first();
     if (backend.size() > 1)
-        agree_on_layout(
-            backend, layout.params, layout.buffers, plan,
-            agreed_settings<typename Set::bucketer, typename Set::packing, memory_type, typename Set::buffers,
-                            typename Set::loss_scaler, typename Set::compression, typename Set::lr_rule>(
-                bucketer, memory, scaler, lr, options, Set::autotunes(options), DeviceBackend<BackendT>,
-                memory_type::on_device),
-            problems.first());
+        agree_on_layout(backend, layout.params, layout.buffers, plan,
+                        agreed_settings<typename Set::bucketer, typename Set::packing, memory_type,
+                                        typename Set::buffers, typename Set::loss_scaler, typename Set::compression,
+                                        typename Set::lr_rule, typename Set::comm_hook>(
+                            bucketer, memory, scaler, lr, hook, options, Set::autotunes(options),
+                            DeviceBackend<BackendT>, memory_type::on_device),
+                        problems.first());
     return plan;
 }
 

@@ -23,21 +23,37 @@ namespace gradsync::inline v0 {
 
 // One trainable tensor: its values, its gradient, both of `count` elements of `dtype`.
 // gradsync reads and writes through the pointers; the buffers stay owned by the model and must
-// not move while a DataParallel uses them.
+// not move while a DataParallel uses them. `shape`, optional, gives the tensor's dimensions,
+// row-major (their product is `count`): a communication hook that treats a weight as a matrix
+// (PowerSGD) reads it; every rank must state the same.
 struct Parameter {
     std::string name;
     void* data = nullptr;
     void* grad = nullptr;
     std::size_t count = 0;
     DType dtype = DType::float32;
+    std::vector<std::size_t> shape{};
 
     [[nodiscard]] Bytes bytes() const { return Bytes{count * size_of(dtype)}; }
 };
 
+// The elements a shape holds.
+inline std::size_t shape_elements(const std::vector<std::size_t>& shape) {
+    std::size_t n = 1;
+    for (auto d : shape) n *= d;
+    return n;
+}
+// "[784, 512]"
+inline std::string shape_text(const std::vector<std::size_t>& shape) {
+    std::string out = "[";
+    for (std::size_t k = 0; k < shape.size(); ++k) out += (k ? ", " : "") + std::to_string(shape[k]);
+    return out + "]";
+}
+
 // A parameter over raw pointers of an element type with a DType (float, double).
 template <HasDType T>
-Parameter parameter(std::string name, T* data, T* grad, std::size_t count) {
-    return Parameter{std::move(name), data, grad, count, dtype_of<T>};
+Parameter parameter(std::string name, T* data, T* grad, std::size_t count, std::vector<std::size_t> shape = {}) {
+    return Parameter{std::move(name), data, grad, count, dtype_of<T>, std::move(shape)};
 }
 
 // A parameter over two contiguous containers (std::vector, std::array, std::span) of equal size.
@@ -45,14 +61,14 @@ template <std::ranges::contiguous_range D, std::ranges::contiguous_range G>
 requires std::ranges::sized_range<D> && std::ranges::sized_range<G> &&
     std::same_as<std::ranges::range_value_t<D>, std::ranges::range_value_t<G>> &&
     HasDType<std::ranges::range_value_t<D>>
-        Parameter parameter(std::string name, D& data, G& grad) {
+        Parameter parameter(std::string name, D& data, G& grad, std::vector<std::size_t> shape = {}) {
     auto n = std::ranges::size(data);
     if (std::ranges::size(grad) != n) {
         throw InvalidModel("gradsync: parameter '" + name + "' has " + std::to_string(n) + " values but " +
                            std::to_string(std::ranges::size(grad)) +
                            " gradient elements; give both buffers the same size");
     }
-    return parameter(std::move(name), std::ranges::data(data), std::ranges::data(grad), n);
+    return parameter(std::move(name), std::ranges::data(data), std::ranges::data(grad), n, std::move(shape));
 }
 
 // Specialize for a model type you cannot change:

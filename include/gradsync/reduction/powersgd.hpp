@@ -1,0 +1,268 @@
+// PowerSGD (Vogels, Karimireddy and Jaggi, 2019), a communication hook: each weight matrix M
+// (n x m, from its parameter's shape: the first dimension by the rest) is averaged as a rank-r
+// approximation P Q^T, so (n + m) r values travel instead of n m. One power iteration per step:
+// P = M Q is summed over the ranks and orthonormalized, Q = M^T P is summed, and every rank sets
+// its gradient to P Q^T / world, the same on every rank. Error feedback adds what the
+// approximation left out of this rank's gradient to its next one; warm start begins each step's
+// iteration from the last step's Q. Vectors (biases), parameters without a shape, and matrices
+// too small to gain are averaged exactly, in one allreduce per bucket.
+#pragma once
+
+#include <gradsync/reduction/comm_hook.hpp>
+
+#include <algorithm>  // for std::min
+#include <cmath>      // for std::sqrt, std::isfinite
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>  // for std::snprintf
+#include <limits>
+#include <map>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace gradsync::inline v0 {
+
+class PowerSGD {
+public:
+    using policy_category = policy_category::comm_hook;
+    static constexpr bool hooked = true;
+
+    struct Config {
+        std::size_t rank = 1;        // of the approximation
+        bool error_feedback = true;  // carry what was left out into the next step
+        bool warm_start = true;      // start from the last step's Q
+        std::uint64_t seed = 0;      // of the first Q (and every Q without warm start)
+        // A matrix is compressed only where that divides its values by at least this much
+        // (n m >= rate (n + m) r); 0 compresses every matrix.
+        double min_compression_rate = 2.0;
+    };
+
+    // What carries over from step to step, for one matrix: the error (unscaled: the loss scale
+    // may change between steps) and the last Q (m x r).
+    struct MatrixState {
+        std::vector<float> error;
+        std::vector<float> q;
+    };
+
+    PowerSGD() = default;
+    explicit PowerSGD(Config config) : config_(config) {}
+
+    [[nodiscard]] std::string settings() const {
+        return "PowerSGD rank " + std::to_string(config_.rank) + ", error feedback " +
+               (config_.error_feedback ? "on" : "off") + ", warm start " + (config_.warm_start ? "on" : "off") +
+               ", seed " + std::to_string(config_.seed) + ", min compression rate " +
+               exact_text(config_.min_compression_rate);
+    }
+    [[nodiscard]] std::string invalid() const {
+        if (config_.rank == 0) return "PowerSGD's rank must be at least 1";
+        if (!(config_.min_compression_rate >= 0)) return "PowerSGD's min_compression_rate must be at least 0";
+        return {};
+    }
+    [[nodiscard]] const Config& config() const { return config_; }
+
+    // The state of each compressed parameter, by name: to save it with a checkpoint or restore it.
+    [[nodiscard]] std::map<std::string, MatrixState>& state() { return state_; }
+    [[nodiscard]] const std::map<std::string, MatrixState>& state() const { return state_; }
+    // Elements this rank handed to collectives since construction, and the elements of the
+    // buckets it reduced (what plain allreduces would have moved).
+    [[nodiscard]] std::uint64_t elements_sent() const { return sent_; }
+    [[nodiscard]] std::uint64_t elements_reduced() const { return reduced_; }
+
+    HookComm::Pending start(const HookBucket& bucket, HookComm& comm) {
+        auto& w = work_[bucket.index];
+        w = {};
+        for (const auto& p : bucket.parameters) {
+            const auto shape = matrix_shape(p);
+            if (!shape) {
+                w.exact.push_back(&p);
+                w.flat.insert(w.flat.end(), bucket.values.begin() + static_cast<std::ptrdiff_t>(p.offset),
+                              bucket.values.begin() + static_cast<std::ptrdiff_t>(p.offset + p.count));
+                continue;
+            }
+            Matrix mx{&p, shape->n, shape->m, shape->r, w.ps.size(), w.qs.size()};
+            w.ps.resize(w.ps.size() + mx.n * mx.r);
+            w.qs.resize(w.qs.size() + mx.m * mx.r);
+            begin_matrix(mx, bucket, w, comm);
+            w.matrices.push_back(mx);
+        }
+        reduced_ += bucket.values.size();
+        sent_ += w.ps.size() + w.flat.size();
+        HookComm::Pending pending;
+        if (!w.ps.empty()) pending = comm.allreduce_async(w.ps, ReduceOp::sum);
+        if (!w.flat.empty()) pending.join(comm.allreduce_async(w.flat, ReduceOp::average));
+        return pending;
+    }
+
+    void finish(const HookBucket& bucket, HookComm& comm) {
+        auto& w = work_[bucket.index];
+        std::size_t at = 0;
+        for (const auto* p : w.exact) {
+            std::copy_n(w.flat.begin() + static_cast<std::ptrdiff_t>(at), p->count,
+                        bucket.values.begin() + static_cast<std::ptrdiff_t>(p->offset));
+            at += p->count;
+        }
+        if (w.matrices.empty()) return;
+        // Every rank holds the same sums, so every rank takes the same branch.
+        if (!all_finite(w.ps)) return give_up(bucket, w);
+        for (const auto& mx : w.matrices) orthonormalize(std::span<float>(w.ps).subspan(mx.p_at, mx.n * mx.r), mx);
+        for (const auto& mx : w.matrices) project(mx, bucket, w);
+        sent_ += w.qs.size();
+        comm.allreduce(w.qs, ReduceOp::sum);
+        if (!all_finite(w.qs)) return give_up(bucket, w);
+        for (const auto& mx : w.matrices) approximate(mx, bucket, w, comm.size());
+    }
+
+private:
+    struct Shape {
+        std::size_t n, m, r;
+    };
+    struct Matrix {
+        const HookParameter* param;
+        std::size_t n, m, r;
+        std::size_t p_at, q_at;  // where its P and Q lie in the bucket's work arrays
+    };
+    struct Work {
+        std::vector<float> ps, qs, flat;  // every matrix's P and Q, the exact parameters' values
+        std::vector<Matrix> matrices;
+        std::vector<const HookParameter*> exact;
+    };
+
+    // The matrix a parameter is compressed as, or none: vectors, parameters without a shape and
+    // matrices whose factors would be no smaller are averaged exactly.
+    [[nodiscard]] std::optional<Shape> matrix_shape(const HookParameter& p) const {
+        if (p.shape.size() < 2 || p.shape[0] == 0) return std::nullopt;
+        const std::size_t n = p.shape[0], m = p.count / n;
+        const std::size_t r = std::min({config_.rank, n, m});
+        if (static_cast<double>(n) * static_cast<double>(m) <
+            config_.min_compression_rate * static_cast<double>((n + m) * r))
+            return std::nullopt;
+        return Shape{n, m, r};
+    }
+
+    static float* values_of(const HookBucket& bucket, const HookParameter& p) {
+        return bucket.values.data() + p.offset;
+    }
+
+    // Adds the error carried from the last step, picks Q, and computes this rank's P = M Q.
+    void begin_matrix(const Matrix& mx, const HookBucket& bucket, Work& w, const HookComm&) {
+        auto& st = state_[mx.param->name];
+        float* M = values_of(bucket, *mx.param);
+        if (config_.error_feedback) {
+            if (st.error.size() != mx.n * mx.m) st.error.assign(mx.n * mx.m, 0.0f);
+            for (std::size_t i = 0; i < st.error.size(); ++i) M[i] += st.error[i] * bucket.loss_scale;
+        }
+        if (!config_.warm_start || st.q.size() != mx.m * mx.r) {
+            st.q.resize(mx.m * mx.r);
+            std::uint64_t key = config_.seed ^ name_hash(mx.param->name);
+            if (!config_.warm_start) key ^= static_cast<std::uint64_t>(bucket.step) * 0x9e3779b97f4a7c15ull;
+            for (std::size_t i = 0; i < st.q.size(); ++i) st.q[i] = uniform(key + i);
+        }
+        // Row by row, so M streams through once.
+        float* P = w.ps.data() + mx.p_at;
+        std::vector<double> acc(mx.r);
+        for (std::size_t i = 0; i < mx.n; ++i) {
+            std::fill(acc.begin(), acc.end(), 0.0);
+            const float* row = M + i * mx.m;
+            for (std::size_t j = 0; j < mx.m; ++j)
+                for (std::size_t k = 0; k < mx.r; ++k) acc[k] += double(row[j]) * st.q[j * mx.r + k];
+            for (std::size_t k = 0; k < mx.r; ++k) P[i * mx.r + k] = static_cast<float>(acc[k]);
+        }
+    }
+
+    // P's columns made orthonormal (Gram-Schmidt, twice, in double); a column that vanishes is
+    // left zero.
+    static void orthonormalize(std::span<float> P, const Matrix& mx) {
+        std::vector<double> col(mx.n);
+        for (std::size_t k = 0; k < mx.r; ++k) {
+            for (std::size_t i = 0; i < mx.n; ++i) col[i] = P[i * mx.r + k];
+            for (int pass = 0; pass < 2; ++pass)
+                for (std::size_t c = 0; c < k; ++c) {
+                    double dot = 0;
+                    for (std::size_t i = 0; i < mx.n; ++i) dot += col[i] * P[i * mx.r + c];
+                    for (std::size_t i = 0; i < mx.n; ++i) col[i] -= dot * P[i * mx.r + c];
+                }
+            double norm = 0;
+            for (double v : col) norm += v * v;
+            norm = std::sqrt(norm);
+            for (std::size_t i = 0; i < mx.n; ++i)
+                P[i * mx.r + k] = norm > 0 ? static_cast<float>(col[i] / norm) : 0.0f;
+        }
+    }
+
+    // This rank's Q = M^T P, row by row of M, so it streams through once.
+    static void project(const Matrix& mx, const HookBucket& bucket, Work& w) {
+        const float* M = values_of(bucket, *mx.param);
+        const float* P = w.ps.data() + mx.p_at;
+        std::vector<double> acc(mx.m * mx.r, 0.0);
+        for (std::size_t i = 0; i < mx.n; ++i) {
+            const float* row = M + i * mx.m;
+            const float* p = P + i * mx.r;
+            for (std::size_t j = 0; j < mx.m; ++j)
+                for (std::size_t k = 0; k < mx.r; ++k) acc[j * mx.r + k] += double(row[j]) * p[k];
+        }
+        float* Q = w.qs.data() + mx.q_at;
+        for (std::size_t e = 0; e < acc.size(); ++e) Q[e] = static_cast<float>(acc[e]);
+    }
+
+    // The gradient becomes P Q^T / world; the error keeps what that left out of this rank's.
+    void approximate(const Matrix& mx, const HookBucket& bucket, const Work& w, int world) {
+        auto& st = state_[mx.param->name];
+        float* M = values_of(bucket, *mx.param);
+        const float* P = w.ps.data() + mx.p_at;
+        const float* Q = w.qs.data() + mx.q_at;
+        const double unscale = 1.0 / static_cast<double>(bucket.loss_scale);
+        for (std::size_t i = 0; i < mx.n; ++i)
+            for (std::size_t j = 0; j < mx.m; ++j) {
+                double s = 0;
+                for (std::size_t k = 0; k < mx.r; ++k) s += double(P[i * mx.r + k]) * Q[j * mx.r + k];
+                const auto approx = static_cast<float>(s / world);
+                if (config_.error_feedback)
+                    st.error[i * mx.m + j] = static_cast<float>((double(M[i * mx.m + j]) - approx) * unscale);
+                M[i * mx.m + j] = approx;
+            }
+        if (config_.warm_start) st.q.assign(Q, Q + mx.m * mx.r);
+    }
+
+    // A sum that is not finite (a rank's gradients overflowed): the matrices' gradients are left
+    // not finite, so that a step measuring them skips; the error and Q stay as they were.
+    void give_up(const HookBucket& bucket, const Work& w) {
+        for (const auto& mx : w.matrices) {
+            float* M = values_of(bucket, *mx.param);
+            std::fill(M, M + mx.n * mx.m, std::numeric_limits<float>::quiet_NaN());
+        }
+    }
+
+    // The value's every bit, as text (settings are agreed exactly).
+    static std::string exact_text(double v) {
+        char text[64];
+        std::snprintf(text, sizeof text, "%.17g", v);
+        return text;
+    }
+    static bool all_finite(std::span<const float> v) {
+        for (float x : v)
+            if (!std::isfinite(x)) return false;
+        return true;
+    }
+    static std::uint64_t name_hash(const std::string& name) {
+        std::uint64_t h = 1469598103934665603ull;
+        for (unsigned char c : name) h = (h ^ c) * 1099511628211ull;
+        return h;
+    }
+    // In [-1, 1), the same on every rank.
+    static float uniform(std::uint64_t x) {
+        x += 0x9e3779b97f4a7c15ull;
+        x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+        x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+        x ^= x >> 31;
+        return static_cast<float>(x >> 40) * (2.0f / 16777216.0f) - 1.0f;
+    }
+
+    Config config_;
+    std::map<std::string, MatrixState> state_;
+    std::map<std::size_t, Work> work_;  // by bucket, within a step
+    std::uint64_t sent_ = 0, reduced_ = 0;
+};
+
+}  // namespace gradsync::inline v0
