@@ -4761,8 +4761,8 @@ public:
         double min_compression_rate = 2.0;
     };
 
-    // What carries over from step to step, for one matrix: the error (unscaled: the loss scale
-    // may change between steps) and the last Q (m x r).
+    // What carries over from step to step, for one matrix: the error (n x m, unscaled: the loss
+    // scale may change between steps) and the last Q, transposed (r x m).
     struct MatrixState {
         std::vector<float> error;
         std::vector<float> q;
@@ -4843,7 +4843,7 @@ private:
     struct Matrix {
         const HookParameter* param;
         std::size_t n, m, r;
-        std::size_t p_at, q_at;  // where its P and Q lie in the bucket's work arrays
+        std::size_t p_at, q_at;  // where its P and Q lie in the bucket's work arrays, transposed
     };
     struct Work {
         std::vector<float> ps, qs, flat;  // every matrix's P and Q, the exact parameters' values
@@ -4867,84 +4867,94 @@ private:
         return bucket.values.data() + p.offset;
     }
 
-    // Adds the error carried from the last step, picks Q, and computes this rank's P = M Q.
+    // Adds the error carried from the last step, picks Q, and computes this rank's P = M Q, in
+    // one pass over M.
     void begin_matrix(const Matrix& mx, const HookBucket& bucket, Work& w, const HookComm&) {
         auto& st = state_[mx.param->name];
         float* M = values_of(bucket, *mx.param);
-        if (config_.error_feedback) {
-            if (st.error.size() != mx.n * mx.m) st.error.assign(mx.n * mx.m, 0.0f);
-            for (std::size_t i = 0; i < st.error.size(); ++i) M[i] += st.error[i] * bucket.loss_scale;
-        }
+        const bool feedback = config_.error_feedback;
+        if (feedback && st.error.size() != mx.n * mx.m) st.error.assign(mx.n * mx.m, 0.0f);
         if (!config_.warm_start || st.q.size() != mx.m * mx.r) {
             st.q.resize(mx.m * mx.r);
             std::uint64_t key = config_.seed ^ name_hash(mx.param->name);
             if (!config_.warm_start) key ^= static_cast<std::uint64_t>(bucket.step) * 0x9e3779b97f4a7c15ull;
             for (std::size_t i = 0; i < st.q.size(); ++i) st.q[i] = uniform(key + i);
         }
-        // Row by row, so M streams through once.
-        float* P = w.ps.data() + mx.p_at;
-        std::vector<double> acc(mx.r);
+        float* Pt = w.ps.data() + mx.p_at;
         for (std::size_t i = 0; i < mx.n; ++i) {
-            std::fill(acc.begin(), acc.end(), 0.0);
-            const float* row = M + i * mx.m;
-            for (std::size_t j = 0; j < mx.m; ++j)
-                for (std::size_t k = 0; k < mx.r; ++k) acc[k] += double(row[j]) * st.q[j * mx.r + k];
-            for (std::size_t k = 0; k < mx.r; ++k) P[i * mx.r + k] = static_cast<float>(acc[k]);
+            float* row = M + i * mx.m;
+            if (feedback) axpy(row, st.error.data() + i * mx.m, bucket.loss_scale, mx.m);
+            for (std::size_t k = 0; k < mx.r; ++k) Pt[k * mx.n + i] = dot(row, st.q.data() + k * mx.m, mx.m);
         }
     }
 
     // P's columns made orthonormal (Gram-Schmidt, twice, in double); a column that vanishes is
     // left zero.
-    static void orthonormalize(std::span<float> P, const Matrix& mx) {
+    static void orthonormalize(std::span<float> Pt, const Matrix& mx) {
         std::vector<double> col(mx.n);
         for (std::size_t k = 0; k < mx.r; ++k) {
-            for (std::size_t i = 0; i < mx.n; ++i) col[i] = P[i * mx.r + k];
+            for (std::size_t i = 0; i < mx.n; ++i) col[i] = Pt[k * mx.n + i];
             for (int pass = 0; pass < 2; ++pass)
                 for (std::size_t c = 0; c < k; ++c) {
+                    const float* other = Pt.data() + c * mx.n;
                     double dot = 0;
-                    for (std::size_t i = 0; i < mx.n; ++i) dot += col[i] * P[i * mx.r + c];
-                    for (std::size_t i = 0; i < mx.n; ++i) col[i] -= dot * P[i * mx.r + c];
+                    for (std::size_t i = 0; i < mx.n; ++i) dot += col[i] * other[i];
+                    for (std::size_t i = 0; i < mx.n; ++i) col[i] -= dot * other[i];
                 }
             double norm = 0;
             for (double v : col) norm += v * v;
             norm = std::sqrt(norm);
             for (std::size_t i = 0; i < mx.n; ++i)
-                P[i * mx.r + k] = norm > 0 ? static_cast<float>(col[i] / norm) : 0.0f;
+                Pt[k * mx.n + i] = norm > 0 ? static_cast<float>(col[i] / norm) : 0.0f;
         }
     }
 
-    // This rank's Q = M^T P, row by row of M, so it streams through once.
+    // This rank's Q = M^T P, in one pass over M.
     static void project(const Matrix& mx, const HookBucket& bucket, Work& w) {
         const float* M = values_of(bucket, *mx.param);
-        const float* P = w.ps.data() + mx.p_at;
-        std::vector<double> acc(mx.m * mx.r, 0.0);
-        for (std::size_t i = 0; i < mx.n; ++i) {
-            const float* row = M + i * mx.m;
-            const float* p = P + i * mx.r;
-            for (std::size_t j = 0; j < mx.m; ++j)
-                for (std::size_t k = 0; k < mx.r; ++k) acc[j * mx.r + k] += double(row[j]) * p[k];
-        }
-        float* Q = w.qs.data() + mx.q_at;
-        for (std::size_t e = 0; e < acc.size(); ++e) Q[e] = static_cast<float>(acc[e]);
+        const float* Pt = w.ps.data() + mx.p_at;
+        float* Qt = w.qs.data() + mx.q_at;
+        std::fill(Qt, Qt + mx.m * mx.r, 0.0f);
+        for (std::size_t i = 0; i < mx.n; ++i)
+            for (std::size_t k = 0; k < mx.r; ++k) axpy(Qt + k * mx.m, M + i * mx.m, Pt[k * mx.n + i], mx.m);
     }
 
-    // The gradient becomes P Q^T / world; the error keeps what that left out of this rank's.
+    // The gradient becomes P Q^T / world; the error keeps what that left out of this rank's. One
+    // pass over M.
     void approximate(const Matrix& mx, const HookBucket& bucket, const Work& w, int world) {
         auto& st = state_[mx.param->name];
         float* M = values_of(bucket, *mx.param);
-        const float* P = w.ps.data() + mx.p_at;
-        const float* Q = w.qs.data() + mx.q_at;
-        const double unscale = 1.0 / static_cast<double>(bucket.loss_scale);
-        for (std::size_t i = 0; i < mx.n; ++i)
-            for (std::size_t j = 0; j < mx.m; ++j) {
-                double s = 0;
-                for (std::size_t k = 0; k < mx.r; ++k) s += double(P[i * mx.r + k]) * Q[j * mx.r + k];
-                const auto approx = static_cast<float>(s / world);
-                if (config_.error_feedback)
-                    st.error[i * mx.m + j] = static_cast<float>((double(M[i * mx.m + j]) - approx) * unscale);
-                M[i * mx.m + j] = approx;
+        const float* Pt = w.ps.data() + mx.p_at;
+        const float* Qt = w.qs.data() + mx.q_at;
+        const float unscale = 1.0f / bucket.loss_scale;
+        const float share = 1.0f / static_cast<float>(world);
+        std::vector<float> approx(mx.m);
+        for (std::size_t i = 0; i < mx.n; ++i) {
+            std::fill(approx.begin(), approx.end(), 0.0f);
+            for (std::size_t k = 0; k < mx.r; ++k) axpy(approx.data(), Qt + k * mx.m, Pt[k * mx.n + i] * share, mx.m);
+            float* row = M + i * mx.m;
+            if (config_.error_feedback) {
+                float* error = st.error.data() + i * mx.m;
+                for (std::size_t j = 0; j < mx.m; ++j) error[j] = (row[j] - approx[j]) * unscale;
             }
-        if (config_.warm_start) st.q.assign(Q, Q + mx.m * mx.r);
+            std::copy(approx.begin(), approx.end(), row);
+        }
+        if (config_.warm_start) st.q.assign(Qt, Qt + mx.m * mx.r);
+    }
+
+    // y += a x, over n elements.
+    static void axpy(float* __restrict y, const float* __restrict x, float a, std::size_t n) {
+        for (std::size_t j = 0; j < n; ++j) y[j] += a * x[j];
+    }
+    // The sum of a[j] b[j], in eight interleaved partial sums (the same order on every rank).
+    static float dot(const float* a, const float* b, std::size_t n) {
+        float part[8] = {};
+        std::size_t j = 0;
+        for (; j + 8 <= n; j += 8)
+            for (std::size_t l = 0; l < 8; ++l) part[l] += a[j + l] * b[j + l];
+        float tail = 0;
+        for (; j < n; ++j) tail += a[j] * b[j];
+        return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7])) + tail;
     }
 
     // A sum that is not finite (a rank's gradients overflowed): the matrices' gradients are left
