@@ -4792,6 +4792,13 @@ public:
     [[nodiscard]] std::uint64_t elements_sent() const { return sent_; }
     [[nodiscard]] std::uint64_t elements_reduced() const { return reduced_; }
 
+    // Makes the state of every matrix among `parameters` (the engine calls it when it plans the
+    // buckets), so that a checkpoint can restore it before the first step.
+    void prepare(std::span<const HookParameter> parameters) {
+        for (const auto& p : parameters)
+            if (const auto shape = matrix_shape(p)) make_state(p.name, *shape, 0);
+    }
+
     HookComm::Pending start(const HookBucket& bucket, HookComm& comm) {
         auto& w = work_[bucket.index];
         w = {};
@@ -4863,6 +4870,20 @@ private:
         return Shape{n, m, r};
     }
 
+    // A matrix's state, made when missing: the error zero, the first Q drawn from the seed (and
+    // drawn again every step without warm start).
+    MatrixState& make_state(const std::string& name, const Shape& shape, std::int64_t step) {
+        auto& st = state_[name];
+        if (config_.error_feedback && st.error.size() != shape.n * shape.m) st.error.assign(shape.n * shape.m, 0.0f);
+        if (!config_.warm_start || st.q.size() != shape.m * shape.r) {
+            st.q.resize(shape.m * shape.r);
+            std::uint64_t key = config_.seed ^ name_hash(name);
+            if (!config_.warm_start) key ^= static_cast<std::uint64_t>(step) * 0x9e3779b97f4a7c15ull;
+            for (std::size_t i = 0; i < st.q.size(); ++i) st.q[i] = uniform(key + i);
+        }
+        return st;
+    }
+
     static float* values_of(const HookBucket& bucket, const HookParameter& p) {
         return bucket.values.data() + p.offset;
     }
@@ -4870,16 +4891,9 @@ private:
     // Adds the error carried from the last step, picks Q, and computes this rank's P = M Q, in
     // one pass over M.
     void begin_matrix(const Matrix& mx, const HookBucket& bucket, Work& w, const HookComm&) {
-        auto& st = state_[mx.param->name];
+        auto& st = make_state(mx.param->name, Shape{mx.n, mx.m, mx.r}, bucket.step);
         float* M = values_of(bucket, *mx.param);
         const bool feedback = config_.error_feedback;
-        if (feedback && st.error.size() != mx.n * mx.m) st.error.assign(mx.n * mx.m, 0.0f);
-        if (!config_.warm_start || st.q.size() != mx.m * mx.r) {
-            st.q.resize(mx.m * mx.r);
-            std::uint64_t key = config_.seed ^ name_hash(mx.param->name);
-            if (!config_.warm_start) key ^= static_cast<std::uint64_t>(bucket.step) * 0x9e3779b97f4a7c15ull;
-            for (std::size_t i = 0; i < st.q.size(); ++i) st.q[i] = uniform(key + i);
-        }
         float* Pt = w.ps.data() + mx.p_at;
         for (std::size_t i = 0; i < mx.n; ++i) {
             float* row = M + i * mx.m;
@@ -5391,6 +5405,9 @@ public:
         slots_.resize(plan.buckets.size());
         for (std::size_t b = 0; b < slots_.size(); ++b) build(slots_[b], plan.buckets[b], params);
         memory_.prepare_results(slots_.size());
+        if constexpr (requires { hook_.prepare(std::span<const HookParameter>{}); })
+            for (const auto& slot : slots_)
+                if (slot.route == Route::hook) hook_.prepare(slot.hooked);
     }
 
     // Bucket b's gradients moved (a framework that allocates new ones each step): its segments,

@@ -11,7 +11,8 @@
 // sampler's epoch and seed to one safetensors file, atomically, once every rank's replica matches
 // rank 0's; loading checks that every rank loads the same tensors, checks the file against them on
 // rank 0 and broadcasts it to every rank, so resuming is bitwise exact. With ShardedDataParallel,
-// optimizer state split across the ranks goes to one shard file per rank beside it (shard_files.hpp).
+// optimizer state split across the ranks goes to one shard file per rank beside it (shard_files.hpp);
+// state that differs by rank (PowerSGD's error feedback) to one file per rank (local_files.hpp).
 // Not included by <gradsync/gradsync.hpp>: it needs nlohmann/json (Debian: nlohmann-json3-dev).
 
 
@@ -2238,6 +2239,9 @@ public:
         slots_.resize(plan.buckets.size());
         for (std::size_t b = 0; b < slots_.size(); ++b) build(slots_[b], plan.buckets[b], params);
         memory_.prepare_results(slots_.size());
+        if constexpr (requires { hook_.prepare(std::span<const HookParameter>{}); })
+            for (const auto& slot : slots_)
+                if (slot.route == Route::hook) hook_.prepare(slot.hooked);
     }
 
     // Bucket b's gradients moved (a framework that allocates new ones each step): its segments,
@@ -8135,8 +8139,10 @@ inline std::string shard_file_name(const std::filesystem::path& checkpoint, std:
            "-of-" + std::to_string(ranks) + ".safetensors";
 }
 
-// Whether `name` is a shard file of `checkpoint` (any step, rank, world size).
-inline bool is_shard_file_of(const std::filesystem::path& checkpoint, const std::string& name) {
+// Whether `name` is a shard file of `checkpoint` (any step, rank, world size), or with `kind`
+// "rank", a file of state that differs by rank (local_files.hpp).
+inline bool is_shard_file_of(const std::filesystem::path& checkpoint, const std::string& name,
+                             const std::string& kind = "shard") {
     const std::string head = checkpoint.filename().string() + ".step-", tail = ".safetensors";
     if (name.size() <= head.size() + tail.size() || !name.starts_with(head) || !name.ends_with(tail)) return false;
     const std::string middle = name.substr(head.size(), name.size() - head.size() - tail.size());
@@ -8151,7 +8157,7 @@ inline bool is_shard_file_of(const std::filesystem::path& checkpoint, const std:
         at += w.size();
         return true;
     };
-    return digits() && word(".shard-") && digits() && word("-of-") && digits() && at == middle.size();
+    return digits() && word("." + kind + "-") && digits() && word("-of-") && digits() && at == middle.size();
 }
 
 // What a shard's hash covers: its tensors' names, dtypes and bytes, and its metadata.
@@ -8342,16 +8348,17 @@ inline std::string read_shard_list(const SafetensorsFile& file, std::uint64_t st
     return {};
 }
 
-// Removes the shard files of `checkpoint` in its folder that `list` does not name: those of
-// earlier saves, and of saves a crash interrupted. Errors are ignored (another rank may remove the
-// same file at once).
-inline void remove_stale_shards(const std::filesystem::path& checkpoint, const ShardList& list) {
+// Removes the shard files (or with `kind` "rank", the rank files) of `checkpoint` in its folder
+// that `list` does not name: those of earlier saves, and of saves a crash interrupted. Errors are
+// ignored (another rank may remove the same file at once).
+inline void remove_stale_shards(const std::filesystem::path& checkpoint, const ShardList& list,
+                                const std::string& kind = "shard") {
     std::error_code ec;
     const auto folder = checkpoint.parent_path().empty() ? std::filesystem::path(".") : checkpoint.parent_path();
     std::vector<std::filesystem::path> stale;
     for (const auto& entry : std::filesystem::directory_iterator(folder, ec)) {
         const auto name = entry.path().filename().string();
-        if (is_shard_file_of(checkpoint, name) &&
+        if (is_shard_file_of(checkpoint, name, kind) &&
             std::find(list.names.begin(), list.names.end(), name) == list.names.end())
             stale.push_back(entry.path());
     }
@@ -8435,6 +8442,129 @@ std::string differs_from_rank0(B& backend, const std::filesystem::path& path, st
 }  // namespace gradsync::inline v0::detail
 #endif  // GRADSYNC_SINGLE_CHECKPOINT_AGREEMENT_HPP
 // ---- end gradsync/checkpoint/agreement.hpp ----
+
+// ---- begin gradsync/checkpoint/local_files.hpp ----
+#ifndef GRADSYNC_SINGLE_CHECKPOINT_LOCAL_FILES_HPP
+#define GRADSYNC_SINGLE_CHECKPOINT_LOCAL_FILES_HPP
+// The files of state that differs by rank (a communication hook's error feedback): each rank
+// writes its own arrays to a file of its own beside the checkpoint, which lists every rank's file
+// with a hash of its contents; a load reads each rank's own file back, into as many ranks as saved.
+
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>  // for std::memcpy
+#include <filesystem>
+#include <map>
+#include <set>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+inline std::string local_file_name(const std::filesystem::path& checkpoint, std::uint64_t step, int rank, int ranks) {
+    return checkpoint.filename().string() + ".step-" + std::to_string(step) + ".rank-" + std::to_string(rank) + "-of-" +
+           std::to_string(ranks) + ".safetensors";
+}
+
+// Writes this rank's arrays to its file (atomically); returns its hash.
+inline std::uint64_t write_local(const std::filesystem::path& path, std::span<const ShardedArray> arrays,
+                                 std::uint64_t step, int rank, int ranks, const SafetensorsWriteOptions& options) {
+    std::vector<TensorBytes> tensors;
+    const std::map<std::string, std::string> meta{{"format", "pt"},
+                                                  {"gradsync.step", std::to_string(step)},
+                                                  {"gradsync.rank", std::to_string(rank)},
+                                                  {"gradsync.ranks", std::to_string(ranks)}};
+    for (const auto& a : arrays)
+        tensors.push_back(TensorBytes{
+            a.name, a.dtype, {a.count}, std::span(static_cast<const std::byte*>(a.data), a.count * size_of(a.dtype))});
+    write_safetensors(path, tensors, meta, options);
+    std::vector<const TensorBytes*> all;
+    for (const auto& t : tensors) all.push_back(&t);
+    return shard_hash(std::move(all), meta);
+}
+
+// Fills `out` (one vector per array, of its bytes) from this rank's file of those `list` names;
+// returns "" or the first problem found.
+inline std::string read_local(const std::filesystem::path& checkpoint, const ShardList& list,
+                              std::span<const ShardedArray> arrays, int rank, int ranks,
+                              std::vector<std::vector<std::byte>>& out) {
+    const std::string of = "gradsync: checkpoint " + checkpoint.string();
+    if (list.names.size() != static_cast<std::size_t>(ranks))
+        return of + " holds state that differs by rank, saved by " + std::to_string(list.names.size()) +
+               " ranks; it loads into as many ranks, not " + std::to_string(ranks);
+    const auto r = static_cast<std::size_t>(rank);
+    const auto path = checkpoint.parent_path() / list.names[r];
+    const std::string where = "gradsync: rank " + std::to_string(rank) + "'s state of checkpoint " +
+                              checkpoint.string() + " (" + path.string() + ")";
+    try {
+        const SafetensorsFile file(path);
+        std::vector<const TensorBytes*> all;
+        for (const auto& t : file.tensors()) all.push_back(&t);
+        if (shard_hash(all, file.metadata()) != list.hashes[r])
+            return where +
+                   " is not the one the checkpoint lists: its contents differ (written by another save, or "
+                   "changed since)";
+        std::set<std::string> wanted;
+        out.assign(arrays.size(), {});
+        for (std::size_t a = 0; a < arrays.size(); ++a) {
+            wanted.insert(arrays[a].name);
+            const auto* saved = file.find(arrays[a].name);
+            if (saved == nullptr) return where + " has no tensor '" + arrays[a].name + "'";
+            if (saved->dtype != arrays[a].dtype || saved->bytes.size() != arrays[a].count * size_of(arrays[a].dtype))
+                return where + ": tensor '" + arrays[a].name + "' is " +
+                       std::to_string(saved->bytes.size() / size_of(saved->dtype)) + " x " + to_string(saved->dtype) +
+                       " there and " + std::to_string(arrays[a].count) + " x " + to_string(arrays[a].dtype) + " here";
+            out[a].assign(saved->bytes.begin(), saved->bytes.end());
+        }
+        for (const auto& t : file.tensors())
+            if (!wanted.contains(t.name)) return where + " holds tensor '" + t.name + "', which nothing here loads";
+    } catch (const std::exception& e) {  // the reader's message names the file
+        std::string what = e.what();
+        if (what.starts_with("gradsync: ")) what.erase(0, 10);
+        return "gradsync: rank " + std::to_string(rank) + "'s state of checkpoint " + checkpoint.string() + ": " + what;
+    }
+    return {};
+}
+
+// Checks that `file` lists rank files exactly when state that differs by rank is wanted, and
+// that its list is well formed; puts the list's text in `text`. Empty or the problem.
+inline std::string read_local_list(const SafetensorsFile& file, std::uint64_t step,
+                                   std::span<const ShardedArray> arrays, std::string& text) {
+    const std::string where = "gradsync: checkpoint " + file.path().string();
+    const auto it = file.metadata().find("gradsync.local");
+    if (it == file.metadata().end())
+        return arrays.empty()
+                   ? ""
+                   : where + " holds no state that differs by rank, but '" + arrays.front().name + "' is wanted";
+    if (arrays.empty())
+        return where + " holds state that differs by rank in files of each rank; load it with Checkpoint::add_local";
+    try {
+        const auto list = shard_list_from_text(it->second);
+        if (list.names.empty() || list.names.size() != list.hashes.size() || list.step != step)
+            return where + ": its list of rank files is inconsistent";
+        for (const auto& name : list.names)
+            if (name.empty() || std::filesystem::path(name).filename().string() != name)
+                return where + ": rank file name '" + excerpt(name) + "' is not a plain file name";
+    } catch (const std::exception&) {
+        return where + ": its list of rank files is unreadable: '" + excerpt(it->second) + "'";
+    }
+    text = it->second;
+    return {};
+}
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_CHECKPOINT_LOCAL_FILES_HPP
+// ---- end gradsync/checkpoint/local_files.hpp ----
+
+// ---- begin gradsync/checkpoint/metadata.hpp ----
+#ifndef GRADSYNC_SINGLE_CHECKPOINT_METADATA_HPP
+#define GRADSYNC_SINGLE_CHECKPOINT_METADATA_HPP
+// What a checkpoint's main file says besides its tensors: the step, the world size, the loss
+// scaler's and the sampler's state, as metadata text; and the check that a file holds exactly the
+// tensors a load wants.
+
 
 // ---- begin gradsync/launch/sampler.hpp ----
 #ifndef GRADSYNC_SINGLE_LAUNCH_SAMPLER_HPP
@@ -8536,6 +8666,417 @@ private:
 #include <charconv>  // for std::to_chars, std::from_chars
 #include <cmath>     // for std::isfinite
 #include <cstdint>
+#include <limits>
+#include <map>
+#include <set>
+#include <string>
+#include <system_error>  // for std::errc
+#include <utility>       // for std::pair
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+// Fixed-size, so that it can be broadcast as bytes.
+struct CheckpointScalars {
+    std::uint64_t step = 0;
+    std::uint64_t epoch = 0;
+    std::uint64_t seed = 0;
+    float scale = 0;
+    std::uint32_t good_steps = 0;
+    std::uint32_t bad_steps = 0;
+};
+
+inline std::string metadata_number(std::uint64_t v) { return std::to_string(v); }
+inline std::string metadata_number(float v) {
+    char buf[32];
+    auto r = std::to_chars(buf, buf + sizeof buf, v);  // shortest text that reads back the same float
+    return std::string(buf, r.ptr);
+}
+
+// The checkpoint's metadata: the step, the world size, the loss scaler's state, the sampler's.
+template <class DP>
+std::map<std::string, std::string> checkpoint_metadata(DP& dp, const ShardedSampler* sampler) {
+    std::map<std::string, std::string> m{{"format", "pt"},  // what Python loaders expect
+                                         {"gradsync.step", metadata_number(dp.steps())},
+                                         {"gradsync.world_size", metadata_number(std::uint64_t(dp.world_size()))}};
+    if constexpr (requires { dp.loss_scaler().state; }) {
+        const auto& s = dp.loss_scaler().state;
+        m["gradsync.loss_scale"] = metadata_number(s.scale);
+        m["gradsync.good_steps"] = metadata_number(std::uint64_t(s.good_steps));
+        m["gradsync.bad_steps"] = metadata_number(std::uint64_t(s.bad_steps));
+    }
+    if (sampler != nullptr) {
+        m["gradsync.sampler.epoch"] = metadata_number(sampler->epoch());
+        m["gradsync.sampler.seed"] = metadata_number(sampler->options().seed);
+    }
+    return m;
+}
+
+// Empty when `file` holds exactly the tensors wanted (each with name, count and dtype), with
+// their dtypes and sizes.
+template <class Tensor>
+std::string check_contents(const SafetensorsFile& file, const std::vector<Tensor>& wanted) {
+    const std::string where = "gradsync: checkpoint " + file.path().string() + " does not fit: ";
+    std::set<std::string> names;
+    for (const auto& t : wanted) {
+        names.insert(t.name);
+        const auto* saved = file.find(t.name);
+        if (saved == nullptr) return where + "it has no tensor '" + t.name + "'";
+        if (saved->dtype != t.dtype)
+            return where + "tensor '" + t.name + "' is " + to_string(saved->dtype) + " there and " +
+                   to_string(t.dtype) + " here";
+        if (saved->bytes.size() != t.count * size_of(t.dtype))
+            return where + "tensor '" + t.name + "' has " + std::to_string(saved->bytes.size() / size_of(t.dtype)) +
+                   " elements there and " + std::to_string(t.count) + " here";
+    }
+    for (const auto& saved : file.tensors())
+        if (!names.contains(saved.name))
+            return where + "it holds tensor '" + saved.name + "', which nothing here loads";
+    return {};
+}
+
+// The scalars of `file`'s metadata (the sampler's where `with_sampler`); empty or the problem.
+inline std::string read_scalars(const SafetensorsFile& file, CheckpointScalars& s, bool with_sampler) {
+    const auto& m = file.metadata();
+    const std::string where = "gradsync: checkpoint " + file.path().string() + ": metadata '";
+    std::string problem;
+    auto get = [&](const std::string& key, auto& out) {
+        auto it = m.find(key);
+        if (it == m.end()) {
+            if (problem.empty())
+                problem = "gradsync: checkpoint " + file.path().string() + " lacks metadata '" + key + "'";
+            return;
+        }
+        const auto& text = it->second;
+        auto r = std::from_chars(text.data(), text.data() + text.size(), out);
+        if ((r.ec != std::errc{} || r.ptr != text.data() + text.size()) && problem.empty())
+            problem = where + key + "' = '" + excerpt(text) + "' is not a number in range";
+    };
+    get("gradsync.step", s.step);
+    if (m.contains("gradsync.loss_scale")) {
+        get("gradsync.loss_scale", s.scale);
+        if (problem.empty() && !(std::isfinite(s.scale) && s.scale > 0))
+            problem = where + "gradsync.loss_scale' = '" + excerpt(m.at("gradsync.loss_scale")) +
+                      "' is not a finite scale above 0";
+        std::uint64_t good = 0, bad = 0;
+        get("gradsync.good_steps", good);
+        get("gradsync.bad_steps", bad);
+        for (auto [key, v] : {std::pair{"gradsync.good_steps", good}, std::pair{"gradsync.bad_steps", bad}})
+            if (problem.empty() && v > std::numeric_limits<std::uint32_t>::max())
+                problem = where + std::string(key) + "' = " + std::to_string(v) + " is out of range";
+        s.good_steps = static_cast<std::uint32_t>(good);
+        s.bad_steps = static_cast<std::uint32_t>(bad);
+    }
+    if (with_sampler) {
+        get("gradsync.sampler.epoch", s.epoch);
+        get("gradsync.sampler.seed", s.seed);
+    }
+    return problem;
+}
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_CHECKPOINT_METADATA_HPP
+// ---- end gradsync/checkpoint/metadata.hpp ----
+
+// ---- begin gradsync/reduction/powersgd.hpp ----
+#ifndef GRADSYNC_SINGLE_REDUCTION_POWERSGD_HPP
+#define GRADSYNC_SINGLE_REDUCTION_POWERSGD_HPP
+// PowerSGD (Vogels, Karimireddy and Jaggi, 2019), a communication hook: each weight matrix M
+// (n x m, from its parameter's shape: the first dimension by the rest) is averaged as a rank-r
+// approximation P Q^T, so (n + m) r values travel instead of n m. One power iteration per step:
+// P = M Q is summed over the ranks and orthonormalized, Q = M^T P is summed, and every rank sets
+// its gradient to P Q^T / world, the same on every rank. Error feedback adds what the
+// approximation left out of this rank's gradient to its next one; warm start begins each step's
+// iteration from the last step's Q. Vectors (biases), parameters without a shape, and matrices
+// too small to gain are averaged exactly, in one allreduce per bucket.
+
+
+#include <algorithm>  // for std::min
+#include <cmath>      // for std::sqrt, std::isfinite
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>  // for std::snprintf
+#include <limits>
+#include <map>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace gradsync::inline v0 {
+
+class PowerSGD {
+public:
+    using policy_category = policy_category::comm_hook;
+    static constexpr bool hooked = true;
+
+    struct Config {
+        std::size_t rank = 1;        // of the approximation
+        bool error_feedback = true;  // carry what was left out into the next step
+        bool warm_start = true;      // start from the last step's Q
+        std::uint64_t seed = 0;      // of the first Q (and every Q without warm start)
+        // A matrix is compressed only where that divides its values by at least this much
+        // (n m >= rate (n + m) r); 0 compresses every matrix.
+        double min_compression_rate = 2.0;
+    };
+
+    // What carries over from step to step, for one matrix: the error (n x m, unscaled: the loss
+    // scale may change between steps) and the last Q, transposed (r x m).
+    struct MatrixState {
+        std::vector<float> error;
+        std::vector<float> q;
+    };
+
+    PowerSGD() = default;
+    explicit PowerSGD(Config config) : config_(config) {}
+
+    [[nodiscard]] std::string settings() const {
+        return "PowerSGD rank " + std::to_string(config_.rank) + ", error feedback " +
+               (config_.error_feedback ? "on" : "off") + ", warm start " + (config_.warm_start ? "on" : "off") +
+               ", seed " + std::to_string(config_.seed) + ", min compression rate " +
+               exact_text(config_.min_compression_rate);
+    }
+    [[nodiscard]] std::string invalid() const {
+        if (config_.rank == 0) return "PowerSGD's rank must be at least 1";
+        if (!(config_.min_compression_rate >= 0)) return "PowerSGD's min_compression_rate must be at least 0";
+        return {};
+    }
+    [[nodiscard]] const Config& config() const { return config_; }
+
+    // The state of each compressed parameter, by name: to save it with a checkpoint or restore it.
+    [[nodiscard]] std::map<std::string, MatrixState>& state() { return state_; }
+    [[nodiscard]] const std::map<std::string, MatrixState>& state() const { return state_; }
+    // Elements this rank handed to collectives since construction, and the elements of the
+    // buckets it reduced (what plain allreduces would have moved).
+    [[nodiscard]] std::uint64_t elements_sent() const { return sent_; }
+    [[nodiscard]] std::uint64_t elements_reduced() const { return reduced_; }
+
+    // Makes the state of every matrix among `parameters` (the engine calls it when it plans the
+    // buckets), so that a checkpoint can restore it before the first step.
+    void prepare(std::span<const HookParameter> parameters) {
+        for (const auto& p : parameters)
+            if (const auto shape = matrix_shape(p)) make_state(p.name, *shape, 0);
+    }
+
+    HookComm::Pending start(const HookBucket& bucket, HookComm& comm) {
+        auto& w = work_[bucket.index];
+        w = {};
+        for (const auto& p : bucket.parameters) {
+            const auto shape = matrix_shape(p);
+            if (!shape) {
+                w.exact.push_back(&p);
+                w.flat.insert(w.flat.end(), bucket.values.begin() + static_cast<std::ptrdiff_t>(p.offset),
+                              bucket.values.begin() + static_cast<std::ptrdiff_t>(p.offset + p.count));
+                continue;
+            }
+            Matrix mx{&p, shape->n, shape->m, shape->r, w.ps.size(), w.qs.size()};
+            w.ps.resize(w.ps.size() + mx.n * mx.r);
+            w.qs.resize(w.qs.size() + mx.m * mx.r);
+            begin_matrix(mx, bucket, w, comm);
+            w.matrices.push_back(mx);
+        }
+        reduced_ += bucket.values.size();
+        sent_ += w.ps.size() + w.flat.size();
+        HookComm::Pending pending;
+        if (!w.ps.empty()) pending = comm.allreduce_async(w.ps, ReduceOp::sum);
+        if (!w.flat.empty()) pending.join(comm.allreduce_async(w.flat, ReduceOp::average));
+        return pending;
+    }
+
+    void finish(const HookBucket& bucket, HookComm& comm) {
+        auto& w = work_[bucket.index];
+        std::size_t at = 0;
+        for (const auto* p : w.exact) {
+            std::copy_n(w.flat.begin() + static_cast<std::ptrdiff_t>(at), p->count,
+                        bucket.values.begin() + static_cast<std::ptrdiff_t>(p->offset));
+            at += p->count;
+        }
+        if (w.matrices.empty()) return;
+        // Every rank holds the same sums, so every rank takes the same branch.
+        if (!all_finite(w.ps)) return give_up(bucket, w);
+        for (const auto& mx : w.matrices) orthonormalize(std::span<float>(w.ps).subspan(mx.p_at, mx.n * mx.r), mx);
+        for (const auto& mx : w.matrices) project(mx, bucket, w);
+        sent_ += w.qs.size();
+        comm.allreduce(w.qs, ReduceOp::sum);
+        if (!all_finite(w.qs)) return give_up(bucket, w);
+        for (const auto& mx : w.matrices) approximate(mx, bucket, w, comm.size());
+    }
+
+private:
+    struct Shape {
+        std::size_t n, m, r;
+    };
+    struct Matrix {
+        const HookParameter* param;
+        std::size_t n, m, r;
+        std::size_t p_at, q_at;  // where its P and Q lie in the bucket's work arrays, transposed
+    };
+    struct Work {
+        std::vector<float> ps, qs, flat;  // every matrix's P and Q, the exact parameters' values
+        std::vector<Matrix> matrices;
+        std::vector<const HookParameter*> exact;
+    };
+
+    // The matrix a parameter is compressed as, or none: vectors, parameters without a shape and
+    // matrices whose factors would be no smaller are averaged exactly.
+    [[nodiscard]] std::optional<Shape> matrix_shape(const HookParameter& p) const {
+        if (p.shape.size() < 2 || p.shape[0] == 0) return std::nullopt;
+        const std::size_t n = p.shape[0], m = p.count / n;
+        const std::size_t r = std::min({config_.rank, n, m});
+        if (static_cast<double>(n) * static_cast<double>(m) <
+            config_.min_compression_rate * static_cast<double>((n + m) * r))
+            return std::nullopt;
+        return Shape{n, m, r};
+    }
+
+    // A matrix's state, made when missing: the error zero, the first Q drawn from the seed (and
+    // drawn again every step without warm start).
+    MatrixState& make_state(const std::string& name, const Shape& shape, std::int64_t step) {
+        auto& st = state_[name];
+        if (config_.error_feedback && st.error.size() != shape.n * shape.m) st.error.assign(shape.n * shape.m, 0.0f);
+        if (!config_.warm_start || st.q.size() != shape.m * shape.r) {
+            st.q.resize(shape.m * shape.r);
+            std::uint64_t key = config_.seed ^ name_hash(name);
+            if (!config_.warm_start) key ^= static_cast<std::uint64_t>(step) * 0x9e3779b97f4a7c15ull;
+            for (std::size_t i = 0; i < st.q.size(); ++i) st.q[i] = uniform(key + i);
+        }
+        return st;
+    }
+
+    static float* values_of(const HookBucket& bucket, const HookParameter& p) {
+        return bucket.values.data() + p.offset;
+    }
+
+    // Adds the error carried from the last step, picks Q, and computes this rank's P = M Q, in
+    // one pass over M.
+    void begin_matrix(const Matrix& mx, const HookBucket& bucket, Work& w, const HookComm&) {
+        auto& st = make_state(mx.param->name, Shape{mx.n, mx.m, mx.r}, bucket.step);
+        float* M = values_of(bucket, *mx.param);
+        const bool feedback = config_.error_feedback;
+        float* Pt = w.ps.data() + mx.p_at;
+        for (std::size_t i = 0; i < mx.n; ++i) {
+            float* row = M + i * mx.m;
+            if (feedback) axpy(row, st.error.data() + i * mx.m, bucket.loss_scale, mx.m);
+            for (std::size_t k = 0; k < mx.r; ++k) Pt[k * mx.n + i] = dot(row, st.q.data() + k * mx.m, mx.m);
+        }
+    }
+
+    // P's columns made orthonormal (Gram-Schmidt, twice, in double); a column that vanishes is
+    // left zero.
+    static void orthonormalize(std::span<float> Pt, const Matrix& mx) {
+        std::vector<double> col(mx.n);
+        for (std::size_t k = 0; k < mx.r; ++k) {
+            for (std::size_t i = 0; i < mx.n; ++i) col[i] = Pt[k * mx.n + i];
+            for (int pass = 0; pass < 2; ++pass)
+                for (std::size_t c = 0; c < k; ++c) {
+                    const float* other = Pt.data() + c * mx.n;
+                    double dot = 0;
+                    for (std::size_t i = 0; i < mx.n; ++i) dot += col[i] * other[i];
+                    for (std::size_t i = 0; i < mx.n; ++i) col[i] -= dot * other[i];
+                }
+            double norm = 0;
+            for (double v : col) norm += v * v;
+            norm = std::sqrt(norm);
+            for (std::size_t i = 0; i < mx.n; ++i)
+                Pt[k * mx.n + i] = norm > 0 ? static_cast<float>(col[i] / norm) : 0.0f;
+        }
+    }
+
+    // This rank's Q = M^T P, in one pass over M.
+    static void project(const Matrix& mx, const HookBucket& bucket, Work& w) {
+        const float* M = values_of(bucket, *mx.param);
+        const float* Pt = w.ps.data() + mx.p_at;
+        float* Qt = w.qs.data() + mx.q_at;
+        std::fill(Qt, Qt + mx.m * mx.r, 0.0f);
+        for (std::size_t i = 0; i < mx.n; ++i)
+            for (std::size_t k = 0; k < mx.r; ++k) axpy(Qt + k * mx.m, M + i * mx.m, Pt[k * mx.n + i], mx.m);
+    }
+
+    // The gradient becomes P Q^T / world; the error keeps what that left out of this rank's. One
+    // pass over M.
+    void approximate(const Matrix& mx, const HookBucket& bucket, const Work& w, int world) {
+        auto& st = state_[mx.param->name];
+        float* M = values_of(bucket, *mx.param);
+        const float* Pt = w.ps.data() + mx.p_at;
+        const float* Qt = w.qs.data() + mx.q_at;
+        const float unscale = 1.0f / bucket.loss_scale;
+        const float share = 1.0f / static_cast<float>(world);
+        std::vector<float> approx(mx.m);
+        for (std::size_t i = 0; i < mx.n; ++i) {
+            std::fill(approx.begin(), approx.end(), 0.0f);
+            for (std::size_t k = 0; k < mx.r; ++k) axpy(approx.data(), Qt + k * mx.m, Pt[k * mx.n + i] * share, mx.m);
+            float* row = M + i * mx.m;
+            if (config_.error_feedback) {
+                float* error = st.error.data() + i * mx.m;
+                for (std::size_t j = 0; j < mx.m; ++j) error[j] = (row[j] - approx[j]) * unscale;
+            }
+            std::copy(approx.begin(), approx.end(), row);
+        }
+        if (config_.warm_start) st.q.assign(Qt, Qt + mx.m * mx.r);
+    }
+
+    // y += a x, over n elements.
+    static void axpy(float* __restrict y, const float* __restrict x, float a, std::size_t n) {
+        for (std::size_t j = 0; j < n; ++j) y[j] += a * x[j];
+    }
+    // The sum of a[j] b[j], in eight interleaved partial sums (the same order on every rank).
+    static float dot(const float* a, const float* b, std::size_t n) {
+        float part[8] = {};
+        std::size_t j = 0;
+        for (; j + 8 <= n; j += 8)
+            for (std::size_t l = 0; l < 8; ++l) part[l] += a[j + l] * b[j + l];
+        float tail = 0;
+        for (; j < n; ++j) tail += a[j] * b[j];
+        return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7])) + tail;
+    }
+
+    // A sum that is not finite (a rank's gradients overflowed): the matrices' gradients are left
+    // not finite, so that a step measuring them skips; the error and Q stay as they were.
+    void give_up(const HookBucket& bucket, const Work& w) {
+        for (const auto& mx : w.matrices) {
+            float* M = values_of(bucket, *mx.param);
+            std::fill(M, M + mx.n * mx.m, std::numeric_limits<float>::quiet_NaN());
+        }
+    }
+
+    // The value's every bit, as text (settings are agreed exactly).
+    static std::string exact_text(double v) {
+        char text[64];
+        std::snprintf(text, sizeof text, "%.17g", v);
+        return text;
+    }
+    static bool all_finite(std::span<const float> v) {
+        for (float x : v)
+            if (!std::isfinite(x)) return false;
+        return true;
+    }
+    static std::uint64_t name_hash(const std::string& name) {
+        std::uint64_t h = 1469598103934665603ull;
+        for (unsigned char c : name) h = (h ^ c) * 1099511628211ull;
+        return h;
+    }
+    // In [-1, 1), the same on every rank.
+    static float uniform(std::uint64_t x) {
+        x += 0x9e3779b97f4a7c15ull;
+        x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+        x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+        x ^= x >> 31;
+        return static_cast<float>(x >> 40) * (2.0f / 16777216.0f) - 1.0f;
+    }
+
+    Config config_;
+    std::map<std::string, MatrixState> state_;
+    std::map<std::size_t, Work> work_;  // by bucket, within a step
+    std::uint64_t sent_ = 0, reduced_ = 0;
+};
+
+}  // namespace gradsync::inline v0
+#endif  // GRADSYNC_SINGLE_REDUCTION_POWERSGD_HPP
+// ---- end gradsync/reduction/powersgd.hpp ----
+
+#include <charconv>  // for std::to_chars, std::from_chars
+#include <cmath>     // for std::isfinite
+#include <cstdint>
 #include <cstring>  // for std::memcpy
 #include <filesystem>
 #include <limits>
@@ -8578,6 +9119,24 @@ public:
         shards_.push_back(detail::ShardedArray{std::move(name), state.data(), state.size(), dtype_of<T>});
         return *this;
     }
+    // State that differs by rank, such as a communication hook's error feedback: each rank saves
+    // its own array to a file of its own beside the checkpoint, and a load, into as many ranks,
+    // restores each rank's own. Its size at load time must be the size saved.
+    template <HasDType T>
+    Checkpoint& add_local(std::string name, std::span<T> data) {
+        locals_.push_back(detail::ShardedArray{std::move(name), data.data(), data.size(), dtype_of<T>});
+        return *this;
+    }
+    // PowerSGD's state: each matrix's last Q (the same on every rank, in the checkpoint) and its
+    // error (this rank's, in the rank's file), as "powersgd.q.<parameter>" and
+    // "powersgd.error.<parameter>". The hook must be the DataParallel's (dp.comm_hook()).
+    Checkpoint& add(PowerSGD& hook) {
+        for (auto& [name, state] : hook.state()) {
+            if (hook.config().warm_start) add("powersgd.q." + name, std::span(state.q));
+            if (hook.config().error_feedback) add_local("powersgd.error." + name, std::span(state.error));
+        }
+        return *this;
+    }
     // The sampler's epoch and seed, so that a resumed run reads the same examples.
     Checkpoint& add(ShardedSampler& sampler) {
         sampler_ = &sampler;
@@ -8607,13 +9166,18 @@ public:
             detail::compare_replicas(dp.backend(), std::span<const detail::ReplicaTensor>(tensors),
                                      "checkpoint save after step " + std::to_string(dp.steps()));
         }
-        auto meta = metadata(dp);
+        auto meta = detail::checkpoint_metadata(dp, sampler_);
         detail::ShardList shards;
         if constexpr (sharded<DP>)
             if (!shards_.empty()) {
                 shards = write_shards(path, dp);
                 meta["gradsync.shards"] = detail::to_text(shards);
             }
+        detail::ShardList locals;
+        if (!locals_.empty()) {
+            locals = write_locals(path, dp);
+            meta["gradsync.local"] = detail::to_text(locals);
+        }
         if (dp.rank() == 0) {
             try {
                 std::vector<TensorBytes> tensors;
@@ -8630,6 +9194,7 @@ public:
         }
         detail::agree_on_problem(dp.backend(), problem);
         if (!shards.names.empty()) detail::remove_stale_shards(path, shards);
+        if (!locals.names.empty()) detail::remove_stale_shards(path, locals, "rank");
     }
 
     // Every rank checks that it loads what rank 0 loads (names, dtypes, sizes); rank 0 reads
@@ -8650,15 +9215,16 @@ public:
         detail::agree_on_problem(dp.backend(), problem);
         problem = detail::differs_from_rank0(dp.backend(), path, std::span<const Extra>(wanted),
                                              std::span<const detail::ShardedArray>(shards_));
-        Scalars scalars;
+        detail::CheckpointScalars scalars;
         std::optional<SafetensorsFile> file;
-        std::string shard_text;
+        std::string shard_text, local_text;
         if (dp.rank() == 0 && problem.empty()) {
             try {
                 file.emplace(path);
-                problem = check(*file, wanted);
-                if (problem.empty()) problem = read_scalars(*file, scalars);
+                problem = detail::check_contents(*file, wanted);
+                if (problem.empty()) problem = detail::read_scalars(*file, scalars, sampler_ != nullptr);
                 if (problem.empty()) problem = detail::read_shard_list(*file, scalars.step, shards_, shard_text);
+                if (problem.empty()) problem = detail::read_local_list(*file, scalars.step, locals_, local_text);
             } catch (const std::exception& e) {
                 problem = e.what();
             }
@@ -8671,6 +9237,17 @@ public:
                 problem = read_shards(path, shard_text, dp, state);
                 detail::agree_on_problem(dp.backend(), problem);
             }
+        std::vector<std::vector<std::byte>> local;  // this rank's own arrays
+        if (!locals_.empty()) {
+            detail::broadcast_text(dp.backend(), local_text, 0);
+            try {
+                problem = detail::read_local(path, detail::shard_list_from_text(local_text), locals_, dp.rank(),
+                                             dp.world_size(), local);
+            } catch (const std::exception& e) {
+                problem = e.what();
+            }
+            detail::agree_on_problem(dp.backend(), problem);
+        }
         // Everything checks out on every rank: only now is anything overwritten.
         if (dp.rank() == 0)
             for (const auto& t : wanted) {
@@ -8683,6 +9260,7 @@ public:
             dp.backend().broadcast(std::as_writable_bytes(std::span(&scalars, 1)), 0);
         }
         for (std::size_t a = 0; a < state.size(); ++a) std::memcpy(shards_[a].data, state[a].data(), state[a].size());
+        for (std::size_t a = 0; a < local.size(); ++a) std::memcpy(locals_[a].data, local[a].data(), local[a].size());
         dp.restore_steps(scalars.step);
         if constexpr (requires { dp.loss_scaler().state; }) {
             dp.loss_scaler().state.scale = scalars.scale;
@@ -8701,15 +9279,6 @@ private:
         void* data;
         std::size_t count;
         DType dtype;
-    };
-    // Fixed-size, so that it can be broadcast as bytes.
-    struct Scalars {
-        std::uint64_t step = 0;
-        std::uint64_t epoch = 0;
-        std::uint64_t seed = 0;
-        float scale = 0;
-        std::uint32_t good_steps = 0;
-        std::uint32_t bad_steps = 0;
     };
 
     // What differs between the fronts: ShardedDataParallel has sharded state and no memory policy.
@@ -8744,6 +9313,26 @@ private:
             auto& mine = list.hashes[static_cast<std::size_t>(dp.rank())];
             mine = detail::write_shard(path.parent_path() / list.names[static_cast<std::size_t>(dp.rank())], shards_,
                                        pieces_of(dp), dp.parameters(), dp.steps(), dp.rank(), ranks, options_.write);
+        } catch (const std::exception& e) {
+            problem = e.what();
+        }
+        detail::agree_on_problem(dp.backend(), problem);
+        for (int r = 0; r < ranks && ranks > 1; ++r)
+            dp.backend().broadcast(std::as_writable_bytes(std::span(&list.hashes[static_cast<std::size_t>(r)], 1)), r);
+        return list;
+    }
+
+    // Each rank writes its file of state that differs by rank; every rank returns the list of them.
+    template <class DP>
+    detail::ShardList write_locals(const std::filesystem::path& path, DP& dp) const {
+        const int ranks = dp.world_size();
+        detail::ShardList list{dp.steps(), {}, std::vector<std::uint64_t>(static_cast<std::size_t>(ranks), 0)};
+        for (int r = 0; r < ranks; ++r) list.names.push_back(detail::local_file_name(path, dp.steps(), r, ranks));
+        std::string problem;
+        try {
+            list.hashes[static_cast<std::size_t>(dp.rank())] =
+                detail::write_local(path.parent_path() / list.names[static_cast<std::size_t>(dp.rank())], locals_,
+                                    dp.steps(), dp.rank(), ranks, options_.write);
         } catch (const std::exception& e) {
             problem = e.what();
         }
@@ -8796,6 +9385,10 @@ private:
             if (!names.insert(t.name).second)
                 throw CheckpointError("gradsync: two sharded state arrays named '" + t.name + "'");
         names.clear();
+        for (const auto& t : locals_)
+            if (!names.insert(t.name).second)
+                throw CheckpointError("gradsync: two arrays of state that differs by rank named '" + t.name + "'");
+        names.clear();
         for (const auto& t : all)
             if (!names.insert(t.name).second)
                 throw CheckpointError("gradsync: two tensors named '" + t.name +
@@ -8803,93 +9396,10 @@ private:
         return all;
     }
 
-    static std::string number(std::uint64_t v) { return std::to_string(v); }
-    static std::string number(float v) {
-        char buf[32];
-        auto r = std::to_chars(buf, buf + sizeof buf, v);  // shortest text that reads back the same float
-        return std::string(buf, r.ptr);
-    }
-
-    template <class DP>
-    std::map<std::string, std::string> metadata(DP& dp) const {
-        std::map<std::string, std::string> m{{"format", "pt"},  // what Python loaders expect
-                                             {"gradsync.step", number(dp.steps())},
-                                             {"gradsync.world_size", number(std::uint64_t(dp.world_size()))}};
-        if constexpr (requires { dp.loss_scaler().state; }) {
-            const auto& s = dp.loss_scaler().state;
-            m["gradsync.loss_scale"] = number(s.scale);
-            m["gradsync.good_steps"] = number(std::uint64_t(s.good_steps));
-            m["gradsync.bad_steps"] = number(std::uint64_t(s.bad_steps));
-        }
-        if (sampler_ != nullptr) {
-            m["gradsync.sampler.epoch"] = number(sampler_->epoch());
-            m["gradsync.sampler.seed"] = number(sampler_->options().seed);
-        }
-        return m;
-    }
-
-    // Empty when `file` holds exactly the tensors wanted, with their dtypes and sizes.
-    static std::string check(const SafetensorsFile& file, const std::vector<Extra>& wanted) {
-        const std::string where = "gradsync: checkpoint " + file.path().string() + " does not fit: ";
-        std::set<std::string> names;
-        for (const auto& t : wanted) {
-            names.insert(t.name);
-            const auto* saved = file.find(t.name);
-            if (saved == nullptr) return where + "it has no tensor '" + t.name + "'";
-            if (saved->dtype != t.dtype)
-                return where + "tensor '" + t.name + "' is " + to_string(saved->dtype) + " there and " +
-                       to_string(t.dtype) + " here";
-            if (saved->bytes.size() != t.count * size_of(t.dtype))
-                return where + "tensor '" + t.name + "' has " + std::to_string(saved->bytes.size() / size_of(t.dtype)) +
-                       " elements there and " + std::to_string(t.count) + " here";
-        }
-        for (const auto& saved : file.tensors())
-            if (!names.contains(saved.name))
-                return where + "it holds tensor '" + saved.name + "', which nothing here loads";
-        return {};
-    }
-
-    std::string read_scalars(const SafetensorsFile& file, Scalars& s) const {
-        const auto& m = file.metadata();
-        const std::string where = "gradsync: checkpoint " + file.path().string() + ": metadata '";
-        std::string problem;
-        auto get = [&](const std::string& key, auto& out) {
-            auto it = m.find(key);
-            if (it == m.end()) {
-                if (problem.empty())
-                    problem = "gradsync: checkpoint " + file.path().string() + " lacks metadata '" + key + "'";
-                return;
-            }
-            const auto& text = it->second;
-            auto r = std::from_chars(text.data(), text.data() + text.size(), out);
-            if ((r.ec != std::errc{} || r.ptr != text.data() + text.size()) && problem.empty())
-                problem = where + key + "' = '" + detail::excerpt(text) + "' is not a number in range";
-        };
-        get("gradsync.step", s.step);
-        if (m.contains("gradsync.loss_scale")) {
-            get("gradsync.loss_scale", s.scale);
-            if (problem.empty() && !(std::isfinite(s.scale) && s.scale > 0))
-                problem = where + "gradsync.loss_scale' = '" + detail::excerpt(m.at("gradsync.loss_scale")) +
-                          "' is not a finite scale above 0";
-            std::uint64_t good = 0, bad = 0;
-            get("gradsync.good_steps", good);
-            get("gradsync.bad_steps", bad);
-            for (auto [key, v] : {std::pair{"gradsync.good_steps", good}, std::pair{"gradsync.bad_steps", bad}})
-                if (problem.empty() && v > std::numeric_limits<std::uint32_t>::max())
-                    problem = where + std::string(key) + "' = " + std::to_string(v) + " is out of range";
-            s.good_steps = static_cast<std::uint32_t>(good);
-            s.bad_steps = static_cast<std::uint32_t>(bad);
-        }
-        if (sampler_ != nullptr) {
-            get("gradsync.sampler.epoch", s.epoch);
-            get("gradsync.sampler.seed", s.seed);
-        }
-        return problem;
-    }
-
     Options options_;
     std::vector<Extra> extras_;
     std::vector<detail::ShardedArray> shards_;
+    std::vector<detail::ShardedArray> locals_;  // state that differs by rank
     ShardedSampler* sampler_ = nullptr;
 };
 

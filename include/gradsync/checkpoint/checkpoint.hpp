@@ -3,7 +3,8 @@
 // sampler's epoch and seed to one safetensors file, atomically, once every rank's replica matches
 // rank 0's; loading checks that every rank loads the same tensors, checks the file against them on
 // rank 0 and broadcasts it to every rank, so resuming is bitwise exact. With ShardedDataParallel,
-// optimizer state split across the ranks goes to one shard file per rank beside it (shard_files.hpp).
+// optimizer state split across the ranks goes to one shard file per rank beside it (shard_files.hpp);
+// state that differs by rank (PowerSGD's error feedback) to one file per rank (local_files.hpp).
 // Not included by <gradsync/gradsync.hpp>: it needs nlohmann/json (Debian: nlohmann-json3-dev).
 #pragma once
 
@@ -14,9 +15,12 @@
 #include <gradsync/dtype.hpp>
 #include <gradsync/checkpoint/agreement.hpp>
 #include <gradsync/checkpoint/safetensors.hpp>
+#include <gradsync/checkpoint/local_files.hpp>
+#include <gradsync/checkpoint/metadata.hpp>
 #include <gradsync/checkpoint/shard_files.hpp>
 #include <gradsync/checkpoint/safetensors_file.hpp>
 #include <gradsync/launch/sampler.hpp>
+#include <gradsync/reduction/powersgd.hpp>
 
 #include <charconv>  // for std::to_chars, std::from_chars
 #include <cmath>     // for std::isfinite
@@ -63,6 +67,24 @@ public:
         shards_.push_back(detail::ShardedArray{std::move(name), state.data(), state.size(), dtype_of<T>});
         return *this;
     }
+    // State that differs by rank, such as a communication hook's error feedback: each rank saves
+    // its own array to a file of its own beside the checkpoint, and a load, into as many ranks,
+    // restores each rank's own. Its size at load time must be the size saved.
+    template <HasDType T>
+    Checkpoint& add_local(std::string name, std::span<T> data) {
+        locals_.push_back(detail::ShardedArray{std::move(name), data.data(), data.size(), dtype_of<T>});
+        return *this;
+    }
+    // PowerSGD's state: each matrix's last Q (the same on every rank, in the checkpoint) and its
+    // error (this rank's, in the rank's file), as "powersgd.q.<parameter>" and
+    // "powersgd.error.<parameter>". The hook must be the DataParallel's (dp.comm_hook()).
+    Checkpoint& add(PowerSGD& hook) {
+        for (auto& [name, state] : hook.state()) {
+            if (hook.config().warm_start) add("powersgd.q." + name, std::span(state.q));
+            if (hook.config().error_feedback) add_local("powersgd.error." + name, std::span(state.error));
+        }
+        return *this;
+    }
     // The sampler's epoch and seed, so that a resumed run reads the same examples.
     Checkpoint& add(ShardedSampler& sampler) {
         sampler_ = &sampler;
@@ -92,13 +114,18 @@ public:
             detail::compare_replicas(dp.backend(), std::span<const detail::ReplicaTensor>(tensors),
                                      "checkpoint save after step " + std::to_string(dp.steps()));
         }
-        auto meta = metadata(dp);
+        auto meta = detail::checkpoint_metadata(dp, sampler_);
         detail::ShardList shards;
         if constexpr (sharded<DP>)
             if (!shards_.empty()) {
                 shards = write_shards(path, dp);
                 meta["gradsync.shards"] = detail::to_text(shards);
             }
+        detail::ShardList locals;
+        if (!locals_.empty()) {
+            locals = write_locals(path, dp);
+            meta["gradsync.local"] = detail::to_text(locals);
+        }
         if (dp.rank() == 0) {
             try {
                 std::vector<TensorBytes> tensors;
@@ -115,6 +142,7 @@ public:
         }
         detail::agree_on_problem(dp.backend(), problem);
         if (!shards.names.empty()) detail::remove_stale_shards(path, shards);
+        if (!locals.names.empty()) detail::remove_stale_shards(path, locals, "rank");
     }
 
     // Every rank checks that it loads what rank 0 loads (names, dtypes, sizes); rank 0 reads
@@ -135,15 +163,16 @@ public:
         detail::agree_on_problem(dp.backend(), problem);
         problem = detail::differs_from_rank0(dp.backend(), path, std::span<const Extra>(wanted),
                                              std::span<const detail::ShardedArray>(shards_));
-        Scalars scalars;
+        detail::CheckpointScalars scalars;
         std::optional<SafetensorsFile> file;
-        std::string shard_text;
+        std::string shard_text, local_text;
         if (dp.rank() == 0 && problem.empty()) {
             try {
                 file.emplace(path);
-                problem = check(*file, wanted);
-                if (problem.empty()) problem = read_scalars(*file, scalars);
+                problem = detail::check_contents(*file, wanted);
+                if (problem.empty()) problem = detail::read_scalars(*file, scalars, sampler_ != nullptr);
                 if (problem.empty()) problem = detail::read_shard_list(*file, scalars.step, shards_, shard_text);
+                if (problem.empty()) problem = detail::read_local_list(*file, scalars.step, locals_, local_text);
             } catch (const std::exception& e) {
                 problem = e.what();
             }
@@ -156,6 +185,17 @@ public:
                 problem = read_shards(path, shard_text, dp, state);
                 detail::agree_on_problem(dp.backend(), problem);
             }
+        std::vector<std::vector<std::byte>> local;  // this rank's own arrays
+        if (!locals_.empty()) {
+            detail::broadcast_text(dp.backend(), local_text, 0);
+            try {
+                problem = detail::read_local(path, detail::shard_list_from_text(local_text), locals_, dp.rank(),
+                                             dp.world_size(), local);
+            } catch (const std::exception& e) {
+                problem = e.what();
+            }
+            detail::agree_on_problem(dp.backend(), problem);
+        }
         // Everything checks out on every rank: only now is anything overwritten.
         if (dp.rank() == 0)
             for (const auto& t : wanted) {
@@ -168,6 +208,7 @@ public:
             dp.backend().broadcast(std::as_writable_bytes(std::span(&scalars, 1)), 0);
         }
         for (std::size_t a = 0; a < state.size(); ++a) std::memcpy(shards_[a].data, state[a].data(), state[a].size());
+        for (std::size_t a = 0; a < local.size(); ++a) std::memcpy(locals_[a].data, local[a].data(), local[a].size());
         dp.restore_steps(scalars.step);
         if constexpr (requires { dp.loss_scaler().state; }) {
             dp.loss_scaler().state.scale = scalars.scale;
@@ -186,15 +227,6 @@ private:
         void* data;
         std::size_t count;
         DType dtype;
-    };
-    // Fixed-size, so that it can be broadcast as bytes.
-    struct Scalars {
-        std::uint64_t step = 0;
-        std::uint64_t epoch = 0;
-        std::uint64_t seed = 0;
-        float scale = 0;
-        std::uint32_t good_steps = 0;
-        std::uint32_t bad_steps = 0;
     };
 
     // What differs between the fronts: ShardedDataParallel has sharded state and no memory policy.
@@ -229,6 +261,26 @@ private:
             auto& mine = list.hashes[static_cast<std::size_t>(dp.rank())];
             mine = detail::write_shard(path.parent_path() / list.names[static_cast<std::size_t>(dp.rank())], shards_,
                                        pieces_of(dp), dp.parameters(), dp.steps(), dp.rank(), ranks, options_.write);
+        } catch (const std::exception& e) {
+            problem = e.what();
+        }
+        detail::agree_on_problem(dp.backend(), problem);
+        for (int r = 0; r < ranks && ranks > 1; ++r)
+            dp.backend().broadcast(std::as_writable_bytes(std::span(&list.hashes[static_cast<std::size_t>(r)], 1)), r);
+        return list;
+    }
+
+    // Each rank writes its file of state that differs by rank; every rank returns the list of them.
+    template <class DP>
+    detail::ShardList write_locals(const std::filesystem::path& path, DP& dp) const {
+        const int ranks = dp.world_size();
+        detail::ShardList list{dp.steps(), {}, std::vector<std::uint64_t>(static_cast<std::size_t>(ranks), 0)};
+        for (int r = 0; r < ranks; ++r) list.names.push_back(detail::local_file_name(path, dp.steps(), r, ranks));
+        std::string problem;
+        try {
+            list.hashes[static_cast<std::size_t>(dp.rank())] =
+                detail::write_local(path.parent_path() / list.names[static_cast<std::size_t>(dp.rank())], locals_,
+                                    dp.steps(), dp.rank(), ranks, options_.write);
         } catch (const std::exception& e) {
             problem = e.what();
         }
@@ -281,6 +333,10 @@ private:
             if (!names.insert(t.name).second)
                 throw CheckpointError("gradsync: two sharded state arrays named '" + t.name + "'");
         names.clear();
+        for (const auto& t : locals_)
+            if (!names.insert(t.name).second)
+                throw CheckpointError("gradsync: two arrays of state that differs by rank named '" + t.name + "'");
+        names.clear();
         for (const auto& t : all)
             if (!names.insert(t.name).second)
                 throw CheckpointError("gradsync: two tensors named '" + t.name +
@@ -288,93 +344,10 @@ private:
         return all;
     }
 
-    static std::string number(std::uint64_t v) { return std::to_string(v); }
-    static std::string number(float v) {
-        char buf[32];
-        auto r = std::to_chars(buf, buf + sizeof buf, v);  // shortest text that reads back the same float
-        return std::string(buf, r.ptr);
-    }
-
-    template <class DP>
-    std::map<std::string, std::string> metadata(DP& dp) const {
-        std::map<std::string, std::string> m{{"format", "pt"},  // what Python loaders expect
-                                             {"gradsync.step", number(dp.steps())},
-                                             {"gradsync.world_size", number(std::uint64_t(dp.world_size()))}};
-        if constexpr (requires { dp.loss_scaler().state; }) {
-            const auto& s = dp.loss_scaler().state;
-            m["gradsync.loss_scale"] = number(s.scale);
-            m["gradsync.good_steps"] = number(std::uint64_t(s.good_steps));
-            m["gradsync.bad_steps"] = number(std::uint64_t(s.bad_steps));
-        }
-        if (sampler_ != nullptr) {
-            m["gradsync.sampler.epoch"] = number(sampler_->epoch());
-            m["gradsync.sampler.seed"] = number(sampler_->options().seed);
-        }
-        return m;
-    }
-
-    // Empty when `file` holds exactly the tensors wanted, with their dtypes and sizes.
-    static std::string check(const SafetensorsFile& file, const std::vector<Extra>& wanted) {
-        const std::string where = "gradsync: checkpoint " + file.path().string() + " does not fit: ";
-        std::set<std::string> names;
-        for (const auto& t : wanted) {
-            names.insert(t.name);
-            const auto* saved = file.find(t.name);
-            if (saved == nullptr) return where + "it has no tensor '" + t.name + "'";
-            if (saved->dtype != t.dtype)
-                return where + "tensor '" + t.name + "' is " + to_string(saved->dtype) + " there and " +
-                       to_string(t.dtype) + " here";
-            if (saved->bytes.size() != t.count * size_of(t.dtype))
-                return where + "tensor '" + t.name + "' has " + std::to_string(saved->bytes.size() / size_of(t.dtype)) +
-                       " elements there and " + std::to_string(t.count) + " here";
-        }
-        for (const auto& saved : file.tensors())
-            if (!names.contains(saved.name))
-                return where + "it holds tensor '" + saved.name + "', which nothing here loads";
-        return {};
-    }
-
-    std::string read_scalars(const SafetensorsFile& file, Scalars& s) const {
-        const auto& m = file.metadata();
-        const std::string where = "gradsync: checkpoint " + file.path().string() + ": metadata '";
-        std::string problem;
-        auto get = [&](const std::string& key, auto& out) {
-            auto it = m.find(key);
-            if (it == m.end()) {
-                if (problem.empty())
-                    problem = "gradsync: checkpoint " + file.path().string() + " lacks metadata '" + key + "'";
-                return;
-            }
-            const auto& text = it->second;
-            auto r = std::from_chars(text.data(), text.data() + text.size(), out);
-            if ((r.ec != std::errc{} || r.ptr != text.data() + text.size()) && problem.empty())
-                problem = where + key + "' = '" + detail::excerpt(text) + "' is not a number in range";
-        };
-        get("gradsync.step", s.step);
-        if (m.contains("gradsync.loss_scale")) {
-            get("gradsync.loss_scale", s.scale);
-            if (problem.empty() && !(std::isfinite(s.scale) && s.scale > 0))
-                problem = where + "gradsync.loss_scale' = '" + detail::excerpt(m.at("gradsync.loss_scale")) +
-                          "' is not a finite scale above 0";
-            std::uint64_t good = 0, bad = 0;
-            get("gradsync.good_steps", good);
-            get("gradsync.bad_steps", bad);
-            for (auto [key, v] : {std::pair{"gradsync.good_steps", good}, std::pair{"gradsync.bad_steps", bad}})
-                if (problem.empty() && v > std::numeric_limits<std::uint32_t>::max())
-                    problem = where + std::string(key) + "' = " + std::to_string(v) + " is out of range";
-            s.good_steps = static_cast<std::uint32_t>(good);
-            s.bad_steps = static_cast<std::uint32_t>(bad);
-        }
-        if (sampler_ != nullptr) {
-            get("gradsync.sampler.epoch", s.epoch);
-            get("gradsync.sampler.seed", s.seed);
-        }
-        return problem;
-    }
-
     Options options_;
     std::vector<Extra> extras_;
     std::vector<detail::ShardedArray> shards_;
+    std::vector<detail::ShardedArray> locals_;  // state that differs by rank
     ShardedSampler* sampler_ = nullptr;
 };
 

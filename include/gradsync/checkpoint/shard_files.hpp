@@ -57,8 +57,10 @@ inline std::string shard_file_name(const std::filesystem::path& checkpoint, std:
            "-of-" + std::to_string(ranks) + ".safetensors";
 }
 
-// Whether `name` is a shard file of `checkpoint` (any step, rank, world size).
-inline bool is_shard_file_of(const std::filesystem::path& checkpoint, const std::string& name) {
+// Whether `name` is a shard file of `checkpoint` (any step, rank, world size), or with `kind`
+// "rank", a file of state that differs by rank (local_files.hpp).
+inline bool is_shard_file_of(const std::filesystem::path& checkpoint, const std::string& name,
+                             const std::string& kind = "shard") {
     const std::string head = checkpoint.filename().string() + ".step-", tail = ".safetensors";
     if (name.size() <= head.size() + tail.size() || !name.starts_with(head) || !name.ends_with(tail)) return false;
     const std::string middle = name.substr(head.size(), name.size() - head.size() - tail.size());
@@ -73,7 +75,7 @@ inline bool is_shard_file_of(const std::filesystem::path& checkpoint, const std:
         at += w.size();
         return true;
     };
-    return digits() && word(".shard-") && digits() && word("-of-") && digits() && at == middle.size();
+    return digits() && word("." + kind + "-") && digits() && word("-of-") && digits() && at == middle.size();
 }
 
 // What a shard's hash covers: its tensors' names, dtypes and bytes, and its metadata.
@@ -264,16 +266,17 @@ inline std::string read_shard_list(const SafetensorsFile& file, std::uint64_t st
     return {};
 }
 
-// Removes the shard files of `checkpoint` in its folder that `list` does not name: those of
-// earlier saves, and of saves a crash interrupted. Errors are ignored (another rank may remove the
-// same file at once).
-inline void remove_stale_shards(const std::filesystem::path& checkpoint, const ShardList& list) {
+// Removes the shard files (or with `kind` "rank", the rank files) of `checkpoint` in its folder
+// that `list` does not name: those of earlier saves, and of saves a crash interrupted. Errors are
+// ignored (another rank may remove the same file at once).
+inline void remove_stale_shards(const std::filesystem::path& checkpoint, const ShardList& list,
+                                const std::string& kind = "shard") {
     std::error_code ec;
     const auto folder = checkpoint.parent_path().empty() ? std::filesystem::path(".") : checkpoint.parent_path();
     std::vector<std::filesystem::path> stale;
     for (const auto& entry : std::filesystem::directory_iterator(folder, ec)) {
         const auto name = entry.path().filename().string();
-        if (is_shard_file_of(checkpoint, name) &&
+        if (is_shard_file_of(checkpoint, name, kind) &&
             std::find(list.names.begin(), list.names.end(), name) == list.names.end())
             stale.push_back(entry.path());
     }

@@ -97,6 +97,9 @@ public:
         slots_.resize(plan.buckets.size());
         for (std::size_t b = 0; b < slots_.size(); ++b) build(slots_[b], plan.buckets[b], params);
         memory_.prepare_results(slots_.size());
+        if constexpr (requires { hook_.prepare(std::span<const HookParameter>{}); })
+            for (const auto& slot : slots_)
+                if (slot.route == Route::hook) hook_.prepare(slot.hooked);
     }
 
     // Bucket b's gradients moved (a framework that allocates new ones each step): its segments,

@@ -1,0 +1,121 @@
+// What a checkpoint's main file says besides its tensors: the step, the world size, the loss
+// scaler's and the sampler's state, as metadata text; and the check that a file holds exactly the
+// tensors a load wants.
+#pragma once
+
+#include <gradsync/checkpoint/safetensors_file.hpp>
+#include <gradsync/dtype.hpp>
+#include <gradsync/launch/sampler.hpp>
+
+#include <charconv>  // for std::to_chars, std::from_chars
+#include <cmath>     // for std::isfinite
+#include <cstdint>
+#include <limits>
+#include <map>
+#include <set>
+#include <string>
+#include <system_error>  // for std::errc
+#include <utility>       // for std::pair
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+// Fixed-size, so that it can be broadcast as bytes.
+struct CheckpointScalars {
+    std::uint64_t step = 0;
+    std::uint64_t epoch = 0;
+    std::uint64_t seed = 0;
+    float scale = 0;
+    std::uint32_t good_steps = 0;
+    std::uint32_t bad_steps = 0;
+};
+
+inline std::string metadata_number(std::uint64_t v) { return std::to_string(v); }
+inline std::string metadata_number(float v) {
+    char buf[32];
+    auto r = std::to_chars(buf, buf + sizeof buf, v);  // shortest text that reads back the same float
+    return std::string(buf, r.ptr);
+}
+
+// The checkpoint's metadata: the step, the world size, the loss scaler's state, the sampler's.
+template <class DP>
+std::map<std::string, std::string> checkpoint_metadata(DP& dp, const ShardedSampler* sampler) {
+    std::map<std::string, std::string> m{{"format", "pt"},  // what Python loaders expect
+                                         {"gradsync.step", metadata_number(dp.steps())},
+                                         {"gradsync.world_size", metadata_number(std::uint64_t(dp.world_size()))}};
+    if constexpr (requires { dp.loss_scaler().state; }) {
+        const auto& s = dp.loss_scaler().state;
+        m["gradsync.loss_scale"] = metadata_number(s.scale);
+        m["gradsync.good_steps"] = metadata_number(std::uint64_t(s.good_steps));
+        m["gradsync.bad_steps"] = metadata_number(std::uint64_t(s.bad_steps));
+    }
+    if (sampler != nullptr) {
+        m["gradsync.sampler.epoch"] = metadata_number(sampler->epoch());
+        m["gradsync.sampler.seed"] = metadata_number(sampler->options().seed);
+    }
+    return m;
+}
+
+// Empty when `file` holds exactly the tensors wanted (each with name, count and dtype), with
+// their dtypes and sizes.
+template <class Tensor>
+std::string check_contents(const SafetensorsFile& file, const std::vector<Tensor>& wanted) {
+    const std::string where = "gradsync: checkpoint " + file.path().string() + " does not fit: ";
+    std::set<std::string> names;
+    for (const auto& t : wanted) {
+        names.insert(t.name);
+        const auto* saved = file.find(t.name);
+        if (saved == nullptr) return where + "it has no tensor '" + t.name + "'";
+        if (saved->dtype != t.dtype)
+            return where + "tensor '" + t.name + "' is " + to_string(saved->dtype) + " there and " +
+                   to_string(t.dtype) + " here";
+        if (saved->bytes.size() != t.count * size_of(t.dtype))
+            return where + "tensor '" + t.name + "' has " + std::to_string(saved->bytes.size() / size_of(t.dtype)) +
+                   " elements there and " + std::to_string(t.count) + " here";
+    }
+    for (const auto& saved : file.tensors())
+        if (!names.contains(saved.name))
+            return where + "it holds tensor '" + saved.name + "', which nothing here loads";
+    return {};
+}
+
+// The scalars of `file`'s metadata (the sampler's where `with_sampler`); empty or the problem.
+inline std::string read_scalars(const SafetensorsFile& file, CheckpointScalars& s, bool with_sampler) {
+    const auto& m = file.metadata();
+    const std::string where = "gradsync: checkpoint " + file.path().string() + ": metadata '";
+    std::string problem;
+    auto get = [&](const std::string& key, auto& out) {
+        auto it = m.find(key);
+        if (it == m.end()) {
+            if (problem.empty())
+                problem = "gradsync: checkpoint " + file.path().string() + " lacks metadata '" + key + "'";
+            return;
+        }
+        const auto& text = it->second;
+        auto r = std::from_chars(text.data(), text.data() + text.size(), out);
+        if ((r.ec != std::errc{} || r.ptr != text.data() + text.size()) && problem.empty())
+            problem = where + key + "' = '" + excerpt(text) + "' is not a number in range";
+    };
+    get("gradsync.step", s.step);
+    if (m.contains("gradsync.loss_scale")) {
+        get("gradsync.loss_scale", s.scale);
+        if (problem.empty() && !(std::isfinite(s.scale) && s.scale > 0))
+            problem = where + "gradsync.loss_scale' = '" + excerpt(m.at("gradsync.loss_scale")) +
+                      "' is not a finite scale above 0";
+        std::uint64_t good = 0, bad = 0;
+        get("gradsync.good_steps", good);
+        get("gradsync.bad_steps", bad);
+        for (auto [key, v] : {std::pair{"gradsync.good_steps", good}, std::pair{"gradsync.bad_steps", bad}})
+            if (problem.empty() && v > std::numeric_limits<std::uint32_t>::max())
+                problem = where + std::string(key) + "' = " + std::to_string(v) + " is out of range";
+        s.good_steps = static_cast<std::uint32_t>(good);
+        s.bad_steps = static_cast<std::uint32_t>(bad);
+    }
+    if (with_sampler) {
+        get("gradsync.sampler.epoch", s.epoch);
+        get("gradsync.sampler.seed", s.seed);
+    }
+    return problem;
+}
+
+}  // namespace gradsync::inline v0::detail
