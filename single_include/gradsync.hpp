@@ -5452,8 +5452,11 @@ public:
             start_hook(b, tag);
             slot.pending->wait();
             slot.pending.reset();
-            finish_hook(b);
-        } else if (slot.route == Route::in_place) {
+            finish_hook(b);  // with the finalize pass
+            slot.finished_at = clock::now();
+            return;
+        }
+        if (slot.route == Route::in_place) {
             if constexpr (InPlace) allreduce_tagged(backend_, segments_of(slot), slot.dtype, ReduceOp::average, tag);
         } else {
             allreduce_tagged(backend_, contiguous(b), op_of(slot), tag);

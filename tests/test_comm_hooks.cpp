@@ -18,6 +18,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <utility>  // for std::pair
 #include <mutex>
 #include <span>
 #include <string>
@@ -187,6 +188,39 @@ TEST_CASE("AllreduceHook averages exactly as DataParallel does without a hook, b
     });
     CHECK(overlapped[0] == plain[0][2]);
     CHECK(overlapped[1] == plain[1][2]);
+}
+
+TEST_CASE("a hook's buckets get the finalize pass once: with a loss scale, step() unscales as without a hook") {
+    // step() with a static loss scale, the buckets reduced at step() and overlapped: the
+    // gradients after the step and the norm are bitwise those of DataParallel without a hook.
+    auto steps = [](bool overlapped, auto... hook) {
+        std::vector<std::vector<std::vector<float>>> grads(2);
+        std::vector<double> norms(2);
+        gradsync::spawn(2, [&](gradsync::LocalBackend& backend) {
+            const auto r = static_cast<std::size_t>(backend.rank());
+            Matrices model(shapes);
+            gradsync::DataParallel dp(model, backend, gradsync::SizeCappedBuckets{.cap = gradsync::Bytes{128}},
+                                      gradsync::StaticLossScale{.value = 256.0f}, hook...);
+            for (int s = 0; s < 2; ++s) {
+                model.fill(backend.rank(), s);
+                for (auto& t : model.tensors)
+                    for (auto& g : t.g) g *= dp.loss_scale();
+                if (overlapped)
+                    for (std::size_t p = 3; p-- > 0;) dp.grad_ready(p);
+                norms[r] = dp.step([] {}).grad_norm;
+            }
+            grads[r] = model.grads();
+        });
+        return std::pair(grads, norms);
+    };
+    for (const bool overlapped : {false, true}) {
+        CAPTURE(overlapped);
+        const auto plain = steps(overlapped);
+        const auto hooked = steps(overlapped, gradsync::AllreduceHook{});
+        CHECK(hooked.first == plain.first);
+        CHECK(hooked.second == plain.second);
+        CHECK(plain.second[0] > 0);
+    }
 }
 
 TEST_CASE("PowerSGD at full rank equals the plain average, step after step with error feedback") {
