@@ -475,7 +475,9 @@ TEST_CASE("sharded over MPI: a rank that skipped an iteration is caught by its s
 
 TEST_CASE("over MPI, bucket autotuning turns one bucket into a finer plan, the same on every rank") {
     gradsync::MpiBackend backend;
-    testing_support::Toy m(std::vector<std::size_t>(16, 64 * 1024), 0.0f);  // 16 x 256 KiB
+    // 16 x 1 MiB over a backward of about 24 ms: the collective's bytes, not its launch, decide, even
+    // when other jobs share the cores.
+    testing_support::Toy m(std::vector<std::size_t>(16, 256 * 1024), 0.0f);
     gradsync::DataParallel dp(m, backend, gradsync::SizeCappedBuckets{64_MiB, 64_MiB},
                               gradsync::Options{.autotune_buckets = true});
     int wrong = 0;
@@ -483,8 +485,8 @@ TEST_CASE("over MPI, bucket autotuning turns one bucket into a finer plan, the s
     std::size_t first_choice = 0;  // buckets after it
     for (int s = 0; s < 3 * gradsync::detail::BucketTuner::steps_per_round; ++s) {
         m.fill_grads(backend.rank());
-        for (std::size_t i = 16; i-- > 0;) {  // a backward of about 8 ms, last layer first
-            std::this_thread::sleep_for(std::chrono::microseconds(500));
+        for (std::size_t i = 16; i-- > 0;) {  // last layer first
+            std::this_thread::sleep_for(std::chrono::microseconds(1500));
             dp.grad_ready(i);
         }
         dp.synchronize();
