@@ -706,6 +706,8 @@ inline constexpr bool dependent_false = false;
 #endif  // GRADSYNC_SINGLE_DETAIL_META_HPP
 // ---- end gradsync/detail/meta.hpp ----
 
+#include <concepts>  // for std::convertible_to
+#include <string>
 #include <tuple>
 #include <type_traits>
 
@@ -753,6 +755,14 @@ concept is_policy = requires {
     typename P::policy_category;
 };
 
+// What every policy says of itself (Options aside, whose fields are agreed one by one): the text
+// every rank must agree on at construction, with each value that changes the result written
+// exactly (numbers as detail::exact_text writes them).
+template <class P>
+concept has_settings = requires(const P& p) {
+    { p.settings() } -> std::convertible_to<std::string>;
+};
+
 // P's category, or void for a type that is no policy (reported by check_policy).
 template <class P>
 struct category_of {
@@ -778,6 +788,11 @@ constexpr bool check_policy() {
     static_assert(is_policy<P>,
                   "gradsync: a DataParallel template argument after Model and Backend is not a "
                   "policy (it has no `policy_category` member type); see detail/policy.hpp");
+    if constexpr (is_policy<P>)
+        static_assert(std::is_same_v<typename P::policy_category, policy_category::options> || has_settings<P>,
+                      "gradsync: a policy needs `std::string settings() const`: the text every rank must agree on "
+                      "at construction, with every value that changes the result written exactly, so that ranks "
+                      "given different settings fail there rather than train apart");
     return true;
 }
 
@@ -1444,7 +1459,8 @@ namespace gradsync::inline v0 {
 // gradients are expected to become ready into a plan. An empty order means reverse registration
 // order, the order backward usually finishes them. Zero-sized parameters belong to no bucket.
 template <class B>
-concept Bucketer = requires(const B& b, std::span<const Parameter> params, std::span<const std::size_t> order) {
+concept Bucketer = detail::has_settings<B> &&
+    requires(const B& b, std::span<const Parameter> params, std::span<const std::size_t> order) {
     { b.plan(params, order) } -> std::same_as<BucketPlan>;
 };
 
@@ -2482,6 +2498,32 @@ private:
 // ranks publish and check their calls, and ends with one after which no peer reads its memory.
 
 
+// ---- begin gradsync/detail/deadline.hpp ----
+#ifndef GRADSYNC_SINGLE_DETAIL_DEADLINE_HPP
+#define GRADSYNC_SINGLE_DETAIL_DEADLINE_HPP
+// Deadlines from timeouts: now + timeout, saturated at the latest time the clock can hold, so
+// that a huge timeout (std::chrono::milliseconds::max(), say) means "wait forever" instead of
+// overflowing into a deadline in the past.
+
+
+#include <chrono>
+
+namespace gradsync::inline v0::detail {
+
+template <class Clock = std::chrono::steady_clock, class Rep, class Period>
+typename Clock::time_point deadline_after(std::chrono::duration<Rep, Period> timeout) {
+    const auto now = Clock::now();
+    // Compared in floating seconds, a second short to absorb rounding: converting a huge timeout
+    // to the clock's ticks would overflow.
+    using seconds = std::chrono::duration<double>;
+    if (seconds(timeout) >= seconds(Clock::time_point::max() - now) - seconds(1)) return Clock::time_point::max();
+    return now + std::chrono::duration_cast<typename Clock::duration>(timeout);
+}
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_DETAIL_DEADLINE_HPP
+// ---- end gradsync/detail/deadline.hpp ----
+
 // ---- begin gradsync/detail/host_reduce.hpp ----
 #ifndef GRADSYNC_SINGLE_DETAIL_HOST_REDUCE_HPP
 #define GRADSYNC_SINGLE_DETAIL_HOST_REDUCE_HPP
@@ -3276,7 +3318,7 @@ public:
 
     // Runs one collective for `rank` on the calling thread.
     void execute(int rank, const LocalCall& call) {
-        auto deadline = std::chrono::steady_clock::now() + options_.timeout;
+        auto deadline = detail::deadline_after(options_.timeout);
         throw_if_aborted(rank, call);
         ranks_[idx(rank)].calls_entered.store(call.seq, std::memory_order_relaxed);
         if (size_ == 1) return execute_alone(rank, call);
@@ -3982,8 +4024,9 @@ struct StepVerdict {
 };
 
 template <class M>
-concept MemoryPolicy = requires(M& m, const M& cm, std::span<const Segment> segs, DType t, Bytes size, std::byte* bytes,
-                                double factor, std::size_t slot) {
+concept MemoryPolicy = detail::has_settings<M> &&
+    requires(M& m, const M& cm, std::span<const Segment> segs, DType t, Bytes size, std::byte* bytes, double factor,
+             std::size_t slot) {
     typename M::Storage;
     typename M::Table;
     { M::on_device } -> std::convertible_to<bool>;
@@ -4286,7 +4329,7 @@ struct Bf16Compression {
 // What DataParallel needs of a wire compression policy: the dtype float32 gradients travel in,
 // and whether that is a compression at all.
 template <class C>
-concept WireCompression = requires {
+concept WireCompression = detail::has_settings<C> && requires {
     { C::wire } -> std::convertible_to<DType>;
     { C::compresses } -> std::convertible_to<bool>;
 };
@@ -4323,6 +4366,33 @@ constexpr bool check_compression() {
 // skips the optimizer when a gradient overflowed and tells the scaler either way.
 
 
+// ---- begin gradsync/detail/number_text.hpp ----
+#ifndef GRADSYNC_SINGLE_DETAIL_NUMBER_TEXT_HPP
+#define GRADSYNC_SINGLE_DETAIL_NUMBER_TEXT_HPP
+// Numbers as text that reads back as the same number: the shortest such text (1e-07, 0.1, 65536),
+// so that settings the ranks agree on are compared exactly, and read as a user wrote them.
+
+
+#include <charconv>  // for std::to_chars
+#include <string>
+
+namespace gradsync::inline v0::detail {
+
+inline std::string exact_text(double v) {
+    char text[32];
+    const auto end = std::to_chars(text, text + sizeof text, v).ptr;
+    return std::string(text, end);
+}
+inline std::string exact_text(float v) {
+    char text[32];
+    const auto end = std::to_chars(text, text + sizeof text, v).ptr;
+    return std::string(text, end);
+}
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_DETAIL_NUMBER_TEXT_HPP
+// ---- end gradsync/detail/number_text.hpp ----
+
 #include <algorithm>  // for std::min, std::max
 #include <cmath>      // for std::isfinite
 #include <concepts>   // for std::convertible_to
@@ -4343,7 +4413,7 @@ struct NoLossScaling {
 // use_dynamic_loss_scaling=False). Steps that overflow are still skipped.
 struct StaticLossScale {
     using policy_category = policy_category::loss_scaler;
-    [[nodiscard]] std::string settings() const { return "static " + std::to_string(value); }
+    [[nodiscard]] std::string settings() const { return "static " + detail::exact_text(value); }
     [[nodiscard]] std::string invalid() const {
         if (value > 0 && std::isfinite(value)) return {};
         return "StaticLossScale needs a finite value above 0, got " + std::to_string(value);
@@ -4405,10 +4475,10 @@ struct DynamicLossScale {
     [[nodiscard]] bool at_minimum() const { return scale() <= min_scale; }
 
     [[nodiscard]] std::string settings() const {
-        return "dynamic, init " + std::to_string(init_scale) + ", x" + std::to_string(growth_factor) + " every " +
-               std::to_string(growth_interval) + ", x" + std::to_string(backoff_factor) + " after " +
-               std::to_string(backoff_after) + ", within [" + std::to_string(min_scale) + ", " +
-               std::to_string(max_scale) + "]";
+        return "dynamic, init " + detail::exact_text(init_scale) + ", x" + detail::exact_text(growth_factor) +
+               " every " + std::to_string(growth_interval) + ", x" + detail::exact_text(backoff_factor) + " after " +
+               std::to_string(backoff_after) + ", within [" + detail::exact_text(min_scale) + ", " +
+               detail::exact_text(max_scale) + "]";
     }
     [[nodiscard]] std::string invalid() const {
         if (min_scale > 0 && max_scale >= min_scale && growth_factor >= 1 && backoff_factor > 0 &&
@@ -4430,7 +4500,7 @@ private:
 // each step's outcome. A scaler whose scale follows the outcomes says `static constexpr bool
 // adaptive = true` (step_on_device() cannot decide it on the device).
 template <class S>
-concept LossScaler = requires(S& s, const S& cs, bool overflow) {
+concept LossScaler = detail::has_settings<S> && requires(S& s, const S& cs, bool overflow) {
     { cs.scale() } -> std::convertible_to<float>;
     s.update(overflow);
 };
@@ -4513,7 +4583,7 @@ struct ScaledLr {
     }
     [[nodiscard]] std::string settings() const {
         const char* kind = Scaling == LrScaling::none ? "unscaled" : Scaling == LrScaling::linear ? "linear" : "sqrt";
-        return std::string(kind) + ", base " + std::to_string(base_lr) + ", micro batch " +
+        return std::string(kind) + ", base " + detail::exact_text(base_lr) + ", micro batch " +
                std::to_string(micro_batch) + ", reference batch " + std::to_string(reference_batch) +
                ", accumulation " + std::to_string(accumulation_steps) + ", warm-up " + std::to_string(warmup_steps);
     }
@@ -4540,7 +4610,7 @@ struct NoLrRule {
 // An LR rule gives the learning rate step() passes to the optimizer, from the world size and the
 // step number (from 0). NoLrRule is none: step() then calls the optimizer without one.
 template <class R>
-concept LrRule = requires(const R& r, int world, std::uint64_t step) {
+concept LrRule = detail::has_settings<R> && requires(const R& r, int world, std::uint64_t step) {
     { r.rate(world, step) } -> std::convertible_to<double>;
 };
 
@@ -4736,7 +4806,6 @@ constexpr bool check_comm_hook() {
 #include <cmath>      // for std::sqrt, std::isfinite
 #include <cstddef>
 #include <cstdint>
-#include <cstdio>  // for std::snprintf
 #include <limits>
 #include <map>
 #include <optional>
@@ -4775,7 +4844,7 @@ public:
         return "PowerSGD rank " + std::to_string(config_.rank) + ", error feedback " +
                (config_.error_feedback ? "on" : "off") + ", warm start " + (config_.warm_start ? "on" : "off") +
                ", seed " + std::to_string(config_.seed) + ", min compression rate " +
-               exact_text(config_.min_compression_rate);
+               detail::exact_text(config_.min_compression_rate);
     }
     [[nodiscard]] std::string invalid() const {
         if (config_.rank == 0) return "PowerSGD's rank must be at least 1";
@@ -4981,16 +5050,13 @@ private:
     }
 
     // The value's every bit, as text (settings are agreed exactly).
-    static std::string exact_text(double v) {
-        char text[64];
-        std::snprintf(text, sizeof text, "%.17g", v);
-        return text;
-    }
     static bool all_finite(std::span<const float> v) {
         for (float x : v)
             if (!std::isfinite(x)) return false;
         return true;
     }
+    // Byte-wise FNV-1a of the parameter's name (with this basis: it picks each matrix's first Q,
+    // which the tests' tolerances were measured with).
     static std::uint64_t name_hash(const std::string& name) {
         std::uint64_t h = 1469598103934665603ull;
         for (unsigned char c : name) h = (h ^ c) * 1099511628211ull;
@@ -6393,7 +6459,7 @@ void run_guarded(Backend& backend, Engine& engine, std::chrono::milliseconds tim
         throw;
     } catch (const std::exception& e) {
         abort_group(backend, reason(e));
-        engine.drain(std::chrono::steady_clock::now() + timeout);
+        engine.drain(detail::deadline_after(timeout));
         end_step();
         throw;
     }
@@ -6429,15 +6495,17 @@ struct HandlesInFlight {
     }
 };
 
-// For a destructor: with collectives still in flight (a step cut short by an exception), aborts
-// the group with reason() and drains them. Never throws.
-template <class Backend, class Engine, class Reason>
-void abandon_in_flight(Backend& backend, Engine& engine, std::chrono::milliseconds timeout,
-                       const Reason& reason) noexcept {
+// For a front's destructor: with collectives still in flight (a step cut short by an exception),
+// aborts the group, saying that this rank destroyed its `front` in `step`, and drains them. Never
+// throws.
+template <class Backend, class Engine>
+void abandon_in_flight(Backend& backend, Engine& engine, std::chrono::milliseconds timeout, const char* front,
+                       std::uint64_t step) noexcept {
     try {
         if (!engine.in_flight()) return;
-        abort_group(backend, reason());
-        engine.drain(std::chrono::steady_clock::now() + timeout);
+        abort_group(backend, rank_prefix(backend.rank()) + " destroyed its " + front + " in step " +
+                                 std::to_string(step) + " with collectives in flight");
+        engine.drain(detail::deadline_after(timeout));
     } catch (...) {  // a destructor must not throw
     }
 }
@@ -6446,65 +6514,22 @@ void abandon_in_flight(Backend& backend, Engine& engine, std::chrono::millisecon
 #endif  // GRADSYNC_SINGLE_DATA_PARALLEL_GROUP_FAILURE_HPP
 // ---- end gradsync/data_parallel/group_failure.hpp ----
 
-// ---- begin gradsync/data_parallel/moved_storage.hpp ----
-#ifndef GRADSYNC_SINGLE_DATA_PARALLEL_MOVED_STORAGE_HPP
-#define GRADSYNC_SINGLE_DATA_PARALLEL_MOVED_STORAGE_HPP
-// Gradient storage that moves between steps: a framework that frees gradients after the
-// optimizer and allocates new ones in backward (libtorch 2.x's zero_grad() sets them to none)
-// would leave a DataParallel reading freed memory. Before each bucket's collective the model is
-// listed again and the bucket follows its gradients to where they are now: pointer compares per
-// step, and new tables only for a bucket whose storage moved. In backward, once per bucket
-// launched, through what the model keeps for the step where it keeps something (model.hpp).
+// ---- begin gradsync/data_parallel/layout_agreement.hpp ----
+#ifndef GRADSYNC_SINGLE_DATA_PARALLEL_LAYOUT_AGREEMENT_HPP
+#define GRADSYNC_SINGLE_DATA_PARALLEL_LAYOUT_AGREEMENT_HPP
+// Construction-time agreement between ranks: each rank checks its own parameter list, then all
+// ranks compare layouts and bucket plans by hash and, only on a difference, exchange the
+// details, so that every rank throws the same message naming the first differing parameter.
 
 
-#include <algorithm>  // for std::all_of, std::fill
-#include <cstddef>
-#include <functional>  // for std::function
-#include <vector>
+// ---- begin gradsync/data_parallel/settings.hpp ----
+#ifndef GRADSYNC_SINGLE_DATA_PARALLEL_SETTINGS_HPP
+#define GRADSYNC_SINGLE_DATA_PARALLEL_SETTINGS_HPP
+// What every rank must agree on besides the layout: each setting that changes what is summed or
+// how it is applied (the policies and the Options that change the arithmetic), as text, so that
+// ranks that differ are told which setting differs, and how. And what is wrong with a setting on
+// its own, found at construction rather than after the first step.
 
-namespace gradsync::inline v0::detail {
-
-class StorageFollower {
-public:
-    // A new plan of `buckets` buckets.
-    void reset(std::size_t buckets) {
-        followed_.assign(buckets, 0);
-        lister_ = nullptr;
-    }
-    void end_step() {
-        std::fill(followed_.begin(), followed_.end(), 0);
-        lister_ = nullptr;
-    }
-
-    // Follows the storage of buckets [first, last) not followed yet this step, with one listing
-    // of the model (`in_backward`: a bucket launched while backward runs); moved(b) is called for
-    // each bucket whose storage moved, to rebuild what points into it. where() begins error
-    // messages. Returns whether it listed the model.
-    template <class Model, class Moved, class Where>
-    bool follow(Model& model, ModelLayout& layout, const BucketPlan& plan, std::size_t first, std::size_t last,
-                bool in_backward, const Moved& moved, const Where& where) {
-        const auto begin = followed_.begin();
-        if (std::all_of(begin + first, begin + last, [](char f) { return f != 0; })) return false;
-        // While backward runs, gradients not reached yet may be null; the model's lister for the
-        // step (model.hpp) lists it again for each bucket launched after the first.
-        if (in_backward && !lister_) lister_ = lister_for_step(model);
-        const auto listed = layout.checked(in_backward ? lister_() : gradsync::parameters(model), where);
-        for (std::size_t b = first; b < last; ++b) {
-            if (followed_[b] != 0) continue;
-            followed_[b] = 1;
-            if (layout.follow(listed, plan.buckets[b].parameters, where)) moved(b);
-        }
-        return true;
-    }
-
-private:
-    std::vector<char> followed_;                      // per bucket: followed this step
-    std::function<std::vector<Parameter>()> lister_;  // this step's, once backward launched a bucket
-};
-
-}  // namespace gradsync::inline v0::detail
-#endif  // GRADSYNC_SINGLE_DATA_PARALLEL_MOVED_STORAGE_HPP
-// ---- end gradsync/data_parallel/moved_storage.hpp ----
 
 // ---- begin gradsync/data_parallel/options.hpp ----
 #ifndef GRADSYNC_SINGLE_DATA_PARALLEL_OPTIONS_HPP
@@ -6577,9 +6602,8 @@ struct Options {
         if (timeout.count() <= 0)
             return "Options::timeout is " + std::to_string(timeout.count()) + " ms; it must be above 0";
         if (!(clip_norm >= 0) || !std::isfinite(clip_norm))
-            return "Options::clip_norm is " + std::to_string(clip_norm) +
-                   "; it must be finite and at least 0 (0: no "
-                   "clipping)";
+            return "Options::clip_norm is " + detail::exact_text(clip_norm) +
+                   "; it must be finite and at least 0 (0: no clipping)";
         return {};
     }
 
@@ -6593,6 +6617,434 @@ struct Options {
 }  // namespace gradsync::inline v0
 #endif  // GRADSYNC_SINGLE_DATA_PARALLEL_OPTIONS_HPP
 // ---- end gradsync/data_parallel/options.hpp ----
+
+#include <string>
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+struct Setting {
+    std::string name;
+    std::string value;
+};
+
+// A policy's settings() (every policy has one: detail::has_settings).
+template <has_settings P>
+std::string settings_of(const P& p) {
+    return p.settings();
+}
+
+// What is wrong with a policy on its own (its invalid(), where it has one), or "".
+template <class P>
+std::string invalid_of(const P& p) {
+    if constexpr (requires {
+                      { p.invalid() } -> std::convertible_to<std::string>;
+                  })
+        return p.invalid();
+    else
+        return {};
+}
+
+// The settings that change the sums, in a fixed order.
+template <class Bucketer, class Packing, class Memory, class Buffers, class Scaler, class Compression, class Lr,
+          class Hook>
+std::vector<Setting> agreed_settings(const Bucketer& bucketer, const Memory& memory, const Scaler& scaler, const Lr& lr,
+                                     const Hook& hook, const Options& options, bool autotunes, bool device_backend,
+                                     bool device_memory) {
+    return {{"bucketer", settings_of(bucketer)},
+            {"packing", settings_of(Packing{})},
+            {"memory policy", settings_of(memory)},
+            {"buffer policy", settings_of(Buffers{})},
+            {"loss scaler", settings_of(scaler)},
+            {"compression", settings_of(Compression{})},
+            {"LR rule", settings_of(lr)},
+            {"communication hook", settings_of(hook)},
+            {"Options::find_unused_parameters", options.find_unused_parameters ? "true" : "false"},
+            {"Options::rebuild_buckets", options.rebuild_buckets ? "true" : "false"},
+            {"Options::autotune_buckets", autotunes ? "true" : "false"},
+            {"Options::clip_norm", exact_text(options.clip_norm)},
+            {"Options::check_histories", options.check_histories.value_or(!device_backend) ? "true" : "false"},
+            {"Options::check_replicas_every", std::to_string(options.replica_check_interval(device_memory))}};
+}
+
+// The first thing wrong with the configuration, or "".
+template <class... Policies>
+std::string invalid_configuration(const Options& options, const Policies&... policies) {
+    std::string why = options.invalid();
+    ((why = why.empty() ? invalid_of(policies) : why), ...);
+    return why;
+}
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_DATA_PARALLEL_SETTINGS_HPP
+// ---- end gradsync/data_parallel/settings.hpp ----
+
+#include <algorithm>  // for std::sort
+#include <cstddef>
+#include <cstdint>
+#include <cstring>  // for std::memcpy
+#include <span>
+#include <string>
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+// The first problem with this rank's parameters and buffers, or "" when there is none. With
+// `gradients_later`, a gradient may not exist yet (a framework that allocates it in the first
+// backward); it is bound at the latest in the first synchronize().
+template <class B>
+std::string find_model_problem(std::span<const Parameter> params, std::span<const ModelBuffer> buffers,
+                               const B& backend, bool gradients_later) {
+    for (const auto& b : buffers) {
+        const std::string who = "buffer '" + b.name + "'";
+        if (!is_known(b.dtype))
+            return who + " has an unknown dtype (code " + std::to_string(static_cast<unsigned>(b.dtype)) + ")";
+        if (b.data == nullptr && b.count != 0) return who + " has a null data pointer";
+    }
+    for (const auto& p : params) {
+        const std::string who = "parameter '" + p.name + "'";
+        if (!is_known(p.dtype))
+            return who + " has an unknown dtype (code " + std::to_string(static_cast<unsigned>(p.dtype)) + ")";
+        if (!backend.supports(p.dtype)) return who + " is " + to_string(p.dtype) + ", which this backend cannot reduce";
+        if (p.data == nullptr) return who + " has a null data pointer";
+        if (!p.shape.empty() && shape_elements(p.shape) != p.count)
+            return who + " has " + std::to_string(p.count) + " elements but its shape " + shape_text(p.shape) +
+                   " holds " + std::to_string(shape_elements(p.shape)) + "; state the shape of its elements, or none";
+        if (p.grad == nullptr && !gradients_later)
+            return who + " has a null gradient pointer (with device memory, or Options::storage_may_move off, " +
+                   "every gradient must exist when the DataParallel is made)";
+    }
+    struct Range {
+        std::uintptr_t begin, end;
+        const Parameter* param;
+    };
+    std::vector<Range> ranges;
+    ranges.reserve(params.size());
+    for (const auto& p : params) {
+        if (p.grad == nullptr) continue;  // not made yet
+        auto begin = reinterpret_cast<std::uintptr_t>(p.grad);
+        ranges.push_back({begin, begin + p.bytes().count(), &p});
+    }
+    std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) { return a.begin < b.begin; });
+    for (std::size_t i = 1; i < ranges.size(); ++i) {
+        if (ranges[i].begin < ranges[i - 1].end) {
+            return "parameters '" + ranges[i - 1].param->name + "' and '" + ranges[i].param->name +
+                   "' share gradient memory; give each parameter a gradient buffer of its own";
+        }
+    }
+    return {};
+}
+
+// One tensor of the layout that must agree across ranks: a parameter or a buffer.
+struct LayoutEntry {
+    bool is_buffer = false;
+    std::size_t index = 0;  // among the parameters, or among the buffers
+    std::string name;
+    std::uint64_t count = 0;
+    DType dtype = DType::float32;
+    std::vector<std::size_t> shape;  // a parameter's, where the model states it
+};
+
+inline std::vector<LayoutEntry> layout_of(std::span<const Parameter> params, std::span<const ModelBuffer> buffers) {
+    std::vector<LayoutEntry> out;
+    for (std::size_t i = 0; i < params.size(); ++i)
+        out.push_back({false, i, params[i].name, params[i].count, params[i].dtype, params[i].shape});
+    for (std::size_t i = 0; i < buffers.size(); ++i)
+        out.push_back({true, i, buffers[i].name, buffers[i].count, buffers[i].dtype, {}});
+    return out;
+}
+
+// What must agree: the kind, name, element count, dtype and shape of every tensor, in order. Names too:
+// two tensors of one size registered in another order would be averaged into each other's place.
+inline std::uint64_t layout_hash(const std::vector<LayoutEntry>& layout) {
+    Fnv1a h;
+    h.add(layout.size());
+    for (const auto& e : layout) {
+        h.add(e.is_buffer ? 1 : 0).add(e.count).add(static_cast<std::uint64_t>(e.dtype)).add(e.name.size());
+        for (unsigned char c : e.name) h.add(c);
+        h.add(e.shape.size());
+        for (auto d : e.shape) h.add(d);
+    }
+    return h.value();
+}
+
+// The settings as one text: "name\0value\0" for each.
+inline std::string serialize_settings(std::span<const Setting> settings) {
+    std::string out;
+    for (const auto& s : settings) {
+        out += s.name;
+        out += '\0';
+        out += s.value;
+        out += '\0';
+    }
+    return out;
+}
+
+inline std::vector<Setting> parse_settings(const std::string& text) {
+    std::vector<Setting> out;
+    std::size_t at = 0;
+    while (at < text.size()) {
+        const auto name_end = text.find('\0', at);
+        const auto value_end = name_end == std::string::npos ? std::string::npos : text.find('\0', name_end + 1);
+        if (value_end == std::string::npos) throw Error("gradsync: internal error: truncated settings record");
+        out.push_back({text.substr(at, name_end - at), text.substr(name_end + 1, value_end - name_end - 1)});
+        at = value_end + 1;
+    }
+    return out;
+}
+
+// Names the first setting where rank a's and rank b's differ.
+inline std::string describe_settings_difference(int a, const std::vector<Setting>& sa, int b,
+                                                const std::vector<Setting>& sb) {
+    std::string what = "a setting";
+    for (std::size_t i = 0; i < sa.size() && i < sb.size(); ++i) {
+        if (sa[i].name == sb[i].name && sa[i].value == sb[i].value) continue;
+        what = sa[i].name + " is '" + sa[i].value + "' on rank " + std::to_string(a) + " but '" + sb[i].value +
+               "' on rank " + std::to_string(b);
+        break;
+    }
+    return "gradsync: the ranks' settings differ: " + what +
+           ". Every rank must construct its DataParallel with the same policies and the same Options";
+}
+
+inline void put(std::vector<std::byte>& out, const void* p, std::size_t n) {
+    auto* b = static_cast<const std::byte*>(p);
+    out.insert(out.end(), b, b + n);
+}
+
+inline std::vector<std::byte> serialize_layout(const std::vector<LayoutEntry>& layout) {
+    std::vector<std::byte> out;
+    for (const auto& e : layout) {
+        std::uint8_t kind = e.is_buffer ? 1 : 0;
+        std::uint64_t index = e.index, count = e.count, name_size = e.name.size();
+        auto dtype = static_cast<std::uint8_t>(e.dtype);
+        put(out, &kind, sizeof kind);
+        put(out, &index, sizeof index);
+        put(out, &count, sizeof count);
+        put(out, &dtype, sizeof dtype);
+        put(out, &name_size, sizeof name_size);
+        put(out, e.name.data(), e.name.size());
+        std::uint64_t dims = e.shape.size();
+        put(out, &dims, sizeof dims);
+        for (std::uint64_t d : e.shape) put(out, &d, sizeof d);
+    }
+    return out;
+}
+
+inline std::vector<LayoutEntry> parse_layout(std::span<const std::byte> bytes) {
+    std::vector<LayoutEntry> out;
+    std::size_t pos = 0;
+    auto get = [&](void* dst, std::size_t n) {
+        if (pos + n > bytes.size()) throw Error("gradsync: internal error: truncated layout record");
+        std::memcpy(dst, bytes.data() + pos, n);
+        pos += n;
+    };
+    while (pos < bytes.size()) {
+        LayoutEntry e;
+        std::uint8_t kind = 0, dtype = 0;
+        std::uint64_t index = 0, name_size = 0;
+        get(&kind, sizeof kind);
+        get(&index, sizeof index);
+        get(&e.count, sizeof e.count);
+        get(&dtype, sizeof dtype);
+        get(&name_size, sizeof name_size);
+        e.is_buffer = kind != 0;
+        e.index = static_cast<std::size_t>(index);
+        e.dtype = static_cast<DType>(dtype);
+        e.name.resize(name_size);
+        get(e.name.data(), name_size);
+        std::uint64_t dims = 0;
+        get(&dims, sizeof dims);
+        if (dims > bytes.size()) throw Error("gradsync: internal error: truncated layout record");
+        for (std::uint64_t k = 0; k < dims; ++k) {
+            std::uint64_t d = 0;
+            get(&d, sizeof d);
+            e.shape.push_back(static_cast<std::size_t>(d));
+        }
+        out.push_back(std::move(e));
+    }
+    return out;
+}
+
+inline std::string describe_entry(const LayoutEntry& e) {
+    return std::string(e.is_buffer ? "buffer #" : "parameter #") + std::to_string(e.index) + " '" + e.name + "' (" +
+           std::to_string(e.count) + " x " + to_string(e.dtype) +
+           (e.shape.empty() ? "" : ", shape " + shape_text(e.shape)) + ")";
+}
+
+// Names the first tensor where rank a's and rank b's layouts differ.
+inline std::string describe_layout_difference(int a, const std::vector<LayoutEntry>& la, int b,
+                                              const std::vector<LayoutEntry>& lb) {
+    std::string prefix = "gradsync: the model's layout differs across ranks: ";
+    std::string suffix =
+        ". Every rank must register the same parameters and buffers, in the same order, with the same names, sizes, "
+        "dtypes and shapes (zero-sized parameters are skipped and not compared)";
+    std::size_t n = std::min(la.size(), lb.size());
+    for (std::size_t i = 0; i < n; ++i) {
+        if (la[i].is_buffer != lb[i].is_buffer || la[i].count != lb[i].count || la[i].dtype != lb[i].dtype ||
+            la[i].name != lb[i].name || la[i].shape != lb[i].shape) {
+            return prefix + "rank " + std::to_string(a) + " has " + describe_entry(la[i]) + " where rank " +
+                   std::to_string(b) + " has " + describe_entry(lb[i]) + suffix;
+        }
+    }
+    const auto& longer = la.size() > lb.size() ? la : lb;
+    int longer_rank = la.size() > lb.size() ? a : b;
+    return prefix + "rank " + std::to_string(a) + " has " + std::to_string(la.size()) + " tensors and rank " +
+           std::to_string(b) + " has " + std::to_string(lb.size()) + "; " + describe_entry(longer[n]) +
+           " exists only on rank " + std::to_string(longer_rank) + suffix;
+}
+
+// What a rank found wrong with its own set-up before the agreement: the whole message.
+struct LocalProblem {
+    enum class Kind : std::uint8_t { none, model, configuration };
+    Kind kind = Kind::none;
+    std::string what;
+};
+
+// Every rank calls this with its own parameters, plan, settings and problem, if any. Returns
+// when all ranks agree; otherwise throws the same exception, with the same message, on every
+// rank: the first rank's problem, else the first differing setting, tensor, or the plans.
+template <class B>
+void agree_on_layout(B& backend, std::span<const Parameter> params, std::span<const ModelBuffer> buffers,
+                     const BucketPlan& plan, std::span<const Setting> settings, const LocalProblem& problem) {
+    const int world = backend.size();
+    const int me = backend.rank();
+    const auto entries = layout_of(params, buffers);
+    auto layout = serialize_layout(entries);
+    const auto settings_text = serialize_settings(settings);
+
+    enum : std::size_t {
+        layout_hash_column,
+        plan_hash,
+        settings_hash,
+        problem_kind,
+        problem_size,
+        layout_size,
+        settings_size,
+        columns
+    };
+    RankTable table(world, me, columns);
+    Fnv1a settings_fnv;
+    for (unsigned char c : settings_text) settings_fnv.add(c);
+    table.set(layout_hash_column, layout_hash(entries));
+    table.set(plan_hash, plan.hash());
+    table.set(settings_hash, settings_fnv.value());
+    table.set(problem_kind, static_cast<std::uint64_t>(problem.kind));
+    table.set(problem_size, problem.what.size());
+    table.set(layout_size, layout.size());
+    table.set(settings_size, settings_text.size());
+    table.gather(backend);
+    auto at = [&](int r, std::size_t column) { return table.at(r, column); };
+
+    // Fetches rank r's bytes of the given size: its own copy on r, the broadcast elsewhere.
+    auto fetch = [&](int r, std::size_t size, const void* own) {
+        std::vector<std::byte> bytes(size);
+        if (r == me && size != 0) std::memcpy(bytes.data(), own, size);
+        backend.broadcast(std::span<std::byte>(bytes), r);
+        return bytes;
+    };
+    auto fetch_text = [&](int r, std::size_t size_field, const std::string& own) {
+        const auto bytes = fetch(r, static_cast<std::size_t>(at(r, size_field)), own.data());
+        return std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+    };
+
+    for (int r = 0; r < world; ++r) {
+        if (at(r, problem_kind) == 0) continue;
+        const auto what = fetch_text(r, problem_size, problem.what);
+        if (at(r, problem_kind) == static_cast<std::uint64_t>(LocalProblem::Kind::configuration))
+            throw ConfigurationError(what);
+        throw InvalidModel(what);
+    }
+    for (int r = 1; r < world; ++r) {
+        if (table.same_as_rank0(r, settings_hash)) continue;
+        const auto s0 = parse_settings(fetch_text(0, settings_size, settings_text));
+        const auto sr = parse_settings(fetch_text(r, settings_size, settings_text));
+        throw ConfigurationError(describe_settings_difference(0, s0, r, sr));
+    }
+    for (int r = 1; r < world; ++r) {
+        if (table.same_as_rank0(r, layout_hash_column)) continue;
+        auto l0 = parse_layout(fetch(0, static_cast<std::size_t>(at(0, layout_size)), layout.data()));
+        auto lr = parse_layout(fetch(r, static_cast<std::size_t>(at(r, layout_size)), layout.data()));
+        throw LayoutMismatch(describe_layout_difference(0, l0, r, lr));
+    }
+    for (int r = 1; r < world; ++r) {
+        if (table.same_as_rank0(r, plan_hash)) continue;
+        throw LayoutMismatch("gradsync: the bucket plans of rank 0 and rank " + std::to_string(r) +
+                             " differ although their parameters agree; pass the same bucketer, with the same "
+                             "caps, on every rank");
+    }
+}
+
+// Copies rank 0's parameter values into every rank's parameters (collective).
+template <class B>
+void broadcast_parameters(B& backend, std::span<const Parameter> params) {
+    if (backend.size() == 1) return;
+    for (const auto& p : params) backend.broadcast(std::span(static_cast<std::byte*>(p.data), p.bytes().count()), 0);
+}
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_DATA_PARALLEL_LAYOUT_AGREEMENT_HPP
+// ---- end gradsync/data_parallel/layout_agreement.hpp ----
+
+// ---- begin gradsync/data_parallel/moved_storage.hpp ----
+#ifndef GRADSYNC_SINGLE_DATA_PARALLEL_MOVED_STORAGE_HPP
+#define GRADSYNC_SINGLE_DATA_PARALLEL_MOVED_STORAGE_HPP
+// Gradient storage that moves between steps: a framework that frees gradients after the
+// optimizer and allocates new ones in backward (libtorch 2.x's zero_grad() sets them to none)
+// would leave a DataParallel reading freed memory. Before each bucket's collective the model is
+// listed again and the bucket follows its gradients to where they are now: pointer compares per
+// step, and new tables only for a bucket whose storage moved. In backward, once per bucket
+// launched, through what the model keeps for the step where it keeps something (model.hpp).
+
+
+#include <algorithm>  // for std::all_of, std::fill
+#include <cstddef>
+#include <functional>  // for std::function
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+class StorageFollower {
+public:
+    // A new plan of `buckets` buckets.
+    void reset(std::size_t buckets) {
+        followed_.assign(buckets, 0);
+        lister_ = nullptr;
+    }
+    void end_step() {
+        std::fill(followed_.begin(), followed_.end(), 0);
+        lister_ = nullptr;
+    }
+
+    // Follows the storage of buckets [first, last) not followed yet this step, with one listing
+    // of the model (`in_backward`: a bucket launched while backward runs); moved(b) is called for
+    // each bucket whose storage moved, to rebuild what points into it. where() begins error
+    // messages. Returns whether it listed the model.
+    template <class Model, class Moved, class Where>
+    bool follow(Model& model, ModelLayout& layout, const BucketPlan& plan, std::size_t first, std::size_t last,
+                bool in_backward, const Moved& moved, const Where& where) {
+        const auto begin = followed_.begin();
+        if (std::all_of(begin + first, begin + last, [](char f) { return f != 0; })) return false;
+        // While backward runs, gradients not reached yet may be null; the model's lister for the
+        // step (model.hpp) lists it again for each bucket launched after the first.
+        if (in_backward && !lister_) lister_ = lister_for_step(model);
+        const auto listed = layout.checked(in_backward ? lister_() : gradsync::parameters(model), where);
+        for (std::size_t b = first; b < last; ++b) {
+            if (followed_[b] != 0) continue;
+            followed_[b] = 1;
+            if (layout.follow(listed, plan.buckets[b].parameters, where)) moved(b);
+        }
+        return true;
+    }
+
+private:
+    std::vector<char> followed_;                      // per bucket: followed this step
+    std::function<std::vector<Parameter>()> lister_;  // this step's, once backward launched a bucket
+};
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_DATA_PARALLEL_MOVED_STORAGE_HPP
+// ---- end gradsync/data_parallel/moved_storage.hpp ----
 
 // ---- begin gradsync/data_parallel/policies.hpp ----
 #ifndef GRADSYNC_SINGLE_DATA_PARALLEL_POLICIES_HPP
@@ -6921,6 +7373,48 @@ struct PolicySet {
 }  // namespace gradsync::inline v0::detail
 #endif  // GRADSYNC_SINGLE_DATA_PARALLEL_POLICIES_HPP
 // ---- end gradsync/data_parallel/policies.hpp ----
+
+// ---- begin gradsync/data_parallel/ready_calls.hpp ----
+#ifndef GRADSYNC_SINGLE_DATA_PARALLEL_READY_CALLS_HPP
+#define GRADSYNC_SINGLE_DATA_PARALLEL_READY_CALLS_HPP
+// What both fronts do with the trainer's grad_ready calls: a parameter found by index or name
+// becomes ready in the step's Readiness (launching the buckets it completes), and at the end of
+// backward every parameter without a call is accounted for or named in the error.
+
+
+#include <cstddef>
+#include <string>
+#include <variant>
+
+namespace gradsync::inline v0::detail {
+
+// `found`: the parameter a grad_ready call named (ModelLayout::at_model_index or named), or what
+// was wrong with the call. Launches through launch(b) every bucket it completes, in plan order; a
+// misuse is a ReadinessError that where() (rank and step) begins.
+template <class Launch, class Where>
+void mark_ready(Readiness& readiness, const ModelLayout& layout, const std::variant<std::size_t, std::string>& found,
+                Launch&& launch, const Where& where) {
+    if (const auto* problem = std::get_if<std::string>(&found)) throw ReadinessError(where() + ": " + *problem);
+    const auto p = std::get<std::size_t>(found);
+    if (p == ModelLayout::none) return;
+    if (readiness.mark(p, launch) == Readiness::Mark::twice)
+        throw ReadinessError(where() + ": grad_ready for parameter '" + layout.params[p].name +
+                             "' was called twice in one step");
+}
+
+// At the end of an overlapped backward: every parameter without a grad_ready call is either ready
+// from an earlier micro-step, unused (unused(p) returns true once it has zeroed its gradient) or
+// an error naming them; then every bucket goes through launch(b).
+template <class Launch, class Unused, class Where>
+void complete_readiness(Readiness& readiness, const ModelLayout& layout, Launch&& launch, Unused&& unused,
+                        const Where& where) {
+    const auto missing = readiness.complete(launch, unused);
+    if (!missing.empty()) throw ReadinessError(where() + ": " + missing_gradients(missing, layout.params, readiness));
+}
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_DATA_PARALLEL_READY_CALLS_HPP
+// ---- end gradsync/data_parallel/ready_calls.hpp ----
 
 // ---- begin gradsync/data_parallel/replanning.hpp ----
 #ifndef GRADSYNC_SINGLE_DATA_PARALLEL_REPLANNING_HPP
@@ -7319,391 +7813,6 @@ private:
 // every setting that changes the sums. A problem on any rank throws the same exception on every
 // rank, before anything was broadcast.
 
-
-// ---- begin gradsync/data_parallel/layout_agreement.hpp ----
-#ifndef GRADSYNC_SINGLE_DATA_PARALLEL_LAYOUT_AGREEMENT_HPP
-#define GRADSYNC_SINGLE_DATA_PARALLEL_LAYOUT_AGREEMENT_HPP
-// Construction-time agreement between ranks: each rank checks its own parameter list, then all
-// ranks compare layouts and bucket plans by hash and, only on a difference, exchange the
-// details, so that every rank throws the same message naming the first differing parameter.
-
-
-// ---- begin gradsync/data_parallel/settings.hpp ----
-#ifndef GRADSYNC_SINGLE_DATA_PARALLEL_SETTINGS_HPP
-#define GRADSYNC_SINGLE_DATA_PARALLEL_SETTINGS_HPP
-// What every rank must agree on besides the layout: each setting that changes what is summed or
-// how it is applied (the policies and the Options that change the arithmetic), as text, so that
-// ranks that differ are told which setting differs, and how. And what is wrong with a setting on
-// its own, found at construction rather than after the first step.
-
-
-#include <concepts>  // for std::convertible_to
-#include <string>
-#include <vector>
-
-namespace gradsync::inline v0::detail {
-
-struct Setting {
-    std::string name;
-    std::string value;
-};
-
-// A policy's settings() (every built-in policy has one); a policy of the user's own without one
-// is agreed by its kind only.
-template <class P>
-std::string settings_of(const P& p) {
-    if constexpr (requires {
-                      { p.settings() } -> std::convertible_to<std::string>;
-                  })
-        return p.settings();
-    else
-        return "a policy without settings()";
-}
-
-// What is wrong with a policy on its own (its invalid(), where it has one), or "".
-template <class P>
-std::string invalid_of(const P& p) {
-    if constexpr (requires {
-                      { p.invalid() } -> std::convertible_to<std::string>;
-                  })
-        return p.invalid();
-    else
-        return {};
-}
-
-// The settings that change the sums, in a fixed order.
-template <class Bucketer, class Packing, class Memory, class Buffers, class Scaler, class Compression, class Lr,
-          class Hook>
-std::vector<Setting> agreed_settings(const Bucketer& bucketer, const Memory& memory, const Scaler& scaler, const Lr& lr,
-                                     const Hook& hook, const Options& options, bool autotunes, bool device_backend,
-                                     bool device_memory) {
-    return {{"bucketer", settings_of(bucketer)},
-            {"packing", settings_of(Packing{})},
-            {"memory policy", settings_of(memory)},
-            {"buffer policy", settings_of(Buffers{})},
-            {"loss scaler", settings_of(scaler)},
-            {"compression", settings_of(Compression{})},
-            {"LR rule", settings_of(lr)},
-            {"communication hook", settings_of(hook)},
-            {"Options::find_unused_parameters", options.find_unused_parameters ? "true" : "false"},
-            {"Options::rebuild_buckets", options.rebuild_buckets ? "true" : "false"},
-            {"Options::autotune_buckets", autotunes ? "true" : "false"},
-            {"Options::clip_norm", std::to_string(options.clip_norm)},
-            {"Options::check_histories", options.check_histories.value_or(!device_backend) ? "true" : "false"},
-            {"Options::check_replicas_every", std::to_string(options.replica_check_interval(device_memory))}};
-}
-
-// The first thing wrong with the configuration, or "".
-template <class... Policies>
-std::string invalid_configuration(const Options& options, const Policies&... policies) {
-    std::string why = options.invalid();
-    ((why = why.empty() ? invalid_of(policies) : why), ...);
-    return why;
-}
-
-}  // namespace gradsync::inline v0::detail
-#endif  // GRADSYNC_SINGLE_DATA_PARALLEL_SETTINGS_HPP
-// ---- end gradsync/data_parallel/settings.hpp ----
-
-#include <algorithm>  // for std::sort
-#include <cstddef>
-#include <cstdint>
-#include <cstring>  // for std::memcpy
-#include <span>
-#include <string>
-#include <vector>
-
-namespace gradsync::inline v0::detail {
-
-// The first problem with this rank's parameters and buffers, or "" when there is none. With
-// `gradients_later`, a gradient may not exist yet (a framework that allocates it in the first
-// backward); it is bound at the latest in the first synchronize().
-template <class B>
-std::string find_model_problem(std::span<const Parameter> params, std::span<const ModelBuffer> buffers,
-                               const B& backend, bool gradients_later) {
-    for (const auto& b : buffers) {
-        const std::string who = "buffer '" + b.name + "'";
-        if (!is_known(b.dtype))
-            return who + " has an unknown dtype (code " + std::to_string(static_cast<unsigned>(b.dtype)) + ")";
-        if (b.data == nullptr && b.count != 0) return who + " has a null data pointer";
-    }
-    for (const auto& p : params) {
-        const std::string who = "parameter '" + p.name + "'";
-        if (!is_known(p.dtype))
-            return who + " has an unknown dtype (code " + std::to_string(static_cast<unsigned>(p.dtype)) + ")";
-        if (!backend.supports(p.dtype)) return who + " is " + to_string(p.dtype) + ", which this backend cannot reduce";
-        if (p.data == nullptr) return who + " has a null data pointer";
-        if (!p.shape.empty() && shape_elements(p.shape) != p.count)
-            return who + " has " + std::to_string(p.count) + " elements but its shape " + shape_text(p.shape) +
-                   " holds " + std::to_string(shape_elements(p.shape)) + "; state the shape of its elements, or none";
-        if (p.grad == nullptr && !gradients_later)
-            return who + " has a null gradient pointer (with device memory, or Options::storage_may_move off, " +
-                   "every gradient must exist when the DataParallel is made)";
-    }
-    struct Range {
-        std::uintptr_t begin, end;
-        const Parameter* param;
-    };
-    std::vector<Range> ranges;
-    ranges.reserve(params.size());
-    for (const auto& p : params) {
-        if (p.grad == nullptr) continue;  // not made yet
-        auto begin = reinterpret_cast<std::uintptr_t>(p.grad);
-        ranges.push_back({begin, begin + p.bytes().count(), &p});
-    }
-    std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) { return a.begin < b.begin; });
-    for (std::size_t i = 1; i < ranges.size(); ++i) {
-        if (ranges[i].begin < ranges[i - 1].end) {
-            return "parameters '" + ranges[i - 1].param->name + "' and '" + ranges[i].param->name +
-                   "' share gradient memory; give each parameter a gradient buffer of its own";
-        }
-    }
-    return {};
-}
-
-// One tensor of the layout that must agree across ranks: a parameter or a buffer.
-struct LayoutEntry {
-    bool is_buffer = false;
-    std::size_t index = 0;  // among the parameters, or among the buffers
-    std::string name;
-    std::uint64_t count = 0;
-    DType dtype = DType::float32;
-    std::vector<std::size_t> shape;  // a parameter's, where the model states it
-};
-
-inline std::vector<LayoutEntry> layout_of(std::span<const Parameter> params, std::span<const ModelBuffer> buffers) {
-    std::vector<LayoutEntry> out;
-    for (std::size_t i = 0; i < params.size(); ++i)
-        out.push_back({false, i, params[i].name, params[i].count, params[i].dtype, params[i].shape});
-    for (std::size_t i = 0; i < buffers.size(); ++i)
-        out.push_back({true, i, buffers[i].name, buffers[i].count, buffers[i].dtype, {}});
-    return out;
-}
-
-// What must agree: the kind, name, element count, dtype and shape of every tensor, in order. Names too:
-// two tensors of one size registered in another order would be averaged into each other's place.
-inline std::uint64_t layout_hash(const std::vector<LayoutEntry>& layout) {
-    Fnv1a h;
-    h.add(layout.size());
-    for (const auto& e : layout) {
-        h.add(e.is_buffer ? 1 : 0).add(e.count).add(static_cast<std::uint64_t>(e.dtype)).add(e.name.size());
-        for (unsigned char c : e.name) h.add(c);
-        h.add(e.shape.size());
-        for (auto d : e.shape) h.add(d);
-    }
-    return h.value();
-}
-
-// The settings as one text: "name\0value\0" for each.
-inline std::string serialize_settings(std::span<const Setting> settings) {
-    std::string out;
-    for (const auto& s : settings) {
-        out += s.name;
-        out += '\0';
-        out += s.value;
-        out += '\0';
-    }
-    return out;
-}
-
-inline std::vector<Setting> parse_settings(const std::string& text) {
-    std::vector<Setting> out;
-    std::size_t at = 0;
-    while (at < text.size()) {
-        const auto name_end = text.find('\0', at);
-        const auto value_end = name_end == std::string::npos ? std::string::npos : text.find('\0', name_end + 1);
-        if (value_end == std::string::npos) throw Error("gradsync: internal error: truncated settings record");
-        out.push_back({text.substr(at, name_end - at), text.substr(name_end + 1, value_end - name_end - 1)});
-        at = value_end + 1;
-    }
-    return out;
-}
-
-// Names the first setting where rank a's and rank b's differ.
-inline std::string describe_settings_difference(int a, const std::vector<Setting>& sa, int b,
-                                                const std::vector<Setting>& sb) {
-    std::string what = "a setting";
-    for (std::size_t i = 0; i < sa.size() && i < sb.size(); ++i) {
-        if (sa[i].name == sb[i].name && sa[i].value == sb[i].value) continue;
-        what = sa[i].name + " is '" + sa[i].value + "' on rank " + std::to_string(a) + " but '" + sb[i].value +
-               "' on rank " + std::to_string(b);
-        break;
-    }
-    return "gradsync: the ranks' settings differ: " + what +
-           ". Every rank must construct its DataParallel with the same policies and the same Options";
-}
-
-inline void put(std::vector<std::byte>& out, const void* p, std::size_t n) {
-    auto* b = static_cast<const std::byte*>(p);
-    out.insert(out.end(), b, b + n);
-}
-
-inline std::vector<std::byte> serialize_layout(const std::vector<LayoutEntry>& layout) {
-    std::vector<std::byte> out;
-    for (const auto& e : layout) {
-        std::uint8_t kind = e.is_buffer ? 1 : 0;
-        std::uint64_t index = e.index, count = e.count, name_size = e.name.size();
-        auto dtype = static_cast<std::uint8_t>(e.dtype);
-        put(out, &kind, sizeof kind);
-        put(out, &index, sizeof index);
-        put(out, &count, sizeof count);
-        put(out, &dtype, sizeof dtype);
-        put(out, &name_size, sizeof name_size);
-        put(out, e.name.data(), e.name.size());
-        std::uint64_t dims = e.shape.size();
-        put(out, &dims, sizeof dims);
-        for (std::uint64_t d : e.shape) put(out, &d, sizeof d);
-    }
-    return out;
-}
-
-inline std::vector<LayoutEntry> parse_layout(std::span<const std::byte> bytes) {
-    std::vector<LayoutEntry> out;
-    std::size_t pos = 0;
-    auto get = [&](void* dst, std::size_t n) {
-        if (pos + n > bytes.size()) throw Error("gradsync: internal error: truncated layout record");
-        std::memcpy(dst, bytes.data() + pos, n);
-        pos += n;
-    };
-    while (pos < bytes.size()) {
-        LayoutEntry e;
-        std::uint8_t kind = 0, dtype = 0;
-        std::uint64_t index = 0, name_size = 0;
-        get(&kind, sizeof kind);
-        get(&index, sizeof index);
-        get(&e.count, sizeof e.count);
-        get(&dtype, sizeof dtype);
-        get(&name_size, sizeof name_size);
-        e.is_buffer = kind != 0;
-        e.index = static_cast<std::size_t>(index);
-        e.dtype = static_cast<DType>(dtype);
-        e.name.resize(name_size);
-        get(e.name.data(), name_size);
-        std::uint64_t dims = 0;
-        get(&dims, sizeof dims);
-        if (dims > bytes.size()) throw Error("gradsync: internal error: truncated layout record");
-        for (std::uint64_t k = 0; k < dims; ++k) {
-            std::uint64_t d = 0;
-            get(&d, sizeof d);
-            e.shape.push_back(static_cast<std::size_t>(d));
-        }
-        out.push_back(std::move(e));
-    }
-    return out;
-}
-
-inline std::string describe_entry(const LayoutEntry& e) {
-    return std::string(e.is_buffer ? "buffer #" : "parameter #") + std::to_string(e.index) + " '" + e.name + "' (" +
-           std::to_string(e.count) + " x " + to_string(e.dtype) +
-           (e.shape.empty() ? "" : ", shape " + shape_text(e.shape)) + ")";
-}
-
-// Names the first tensor where rank a's and rank b's layouts differ.
-inline std::string describe_layout_difference(int a, const std::vector<LayoutEntry>& la, int b,
-                                              const std::vector<LayoutEntry>& lb) {
-    std::string prefix = "gradsync: the model's layout differs across ranks: ";
-    std::string suffix =
-        ". Every rank must register the same parameters and buffers, in the same order, with the same names, sizes, "
-        "dtypes and shapes (zero-sized parameters are skipped and not compared)";
-    std::size_t n = std::min(la.size(), lb.size());
-    for (std::size_t i = 0; i < n; ++i) {
-        if (la[i].is_buffer != lb[i].is_buffer || la[i].count != lb[i].count || la[i].dtype != lb[i].dtype ||
-            la[i].name != lb[i].name || la[i].shape != lb[i].shape) {
-            return prefix + "rank " + std::to_string(a) + " has " + describe_entry(la[i]) + " where rank " +
-                   std::to_string(b) + " has " + describe_entry(lb[i]) + suffix;
-        }
-    }
-    const auto& longer = la.size() > lb.size() ? la : lb;
-    int longer_rank = la.size() > lb.size() ? a : b;
-    return prefix + "rank " + std::to_string(a) + " has " + std::to_string(la.size()) + " tensors and rank " +
-           std::to_string(b) + " has " + std::to_string(lb.size()) + "; " + describe_entry(longer[n]) +
-           " exists only on rank " + std::to_string(longer_rank) + suffix;
-}
-
-// What a rank found wrong with its own set-up before the agreement: the whole message.
-struct LocalProblem {
-    enum class Kind : std::uint8_t { none, model, configuration };
-    Kind kind = Kind::none;
-    std::string what;
-};
-
-// Every rank calls this with its own parameters, plan, settings and problem, if any. Returns
-// when all ranks agree; otherwise throws the same exception, with the same message, on every
-// rank: the first rank's problem, else the first differing setting, tensor, or the plans.
-template <class B>
-void agree_on_layout(B& backend, std::span<const Parameter> params, std::span<const ModelBuffer> buffers,
-                     const BucketPlan& plan, std::span<const Setting> settings, const LocalProblem& problem) {
-    const int world = backend.size();
-    const int me = backend.rank();
-    const auto entries = layout_of(params, buffers);
-    auto layout = serialize_layout(entries);
-    const auto settings_text = serialize_settings(settings);
-
-    enum : std::size_t {
-        layout_hash_column,
-        plan_hash,
-        settings_hash,
-        problem_kind,
-        problem_size,
-        layout_size,
-        settings_size,
-        columns
-    };
-    RankTable table(world, me, columns);
-    Fnv1a settings_fnv;
-    for (unsigned char c : settings_text) settings_fnv.add(c);
-    table.set(layout_hash_column, layout_hash(entries));
-    table.set(plan_hash, plan.hash());
-    table.set(settings_hash, settings_fnv.value());
-    table.set(problem_kind, static_cast<std::uint64_t>(problem.kind));
-    table.set(problem_size, problem.what.size());
-    table.set(layout_size, layout.size());
-    table.set(settings_size, settings_text.size());
-    table.gather(backend);
-    auto at = [&](int r, std::size_t column) { return table.at(r, column); };
-
-    // Fetches rank r's bytes of the given size: its own copy on r, the broadcast elsewhere.
-    auto fetch = [&](int r, std::size_t size, const void* own) {
-        std::vector<std::byte> bytes(size);
-        if (r == me && size != 0) std::memcpy(bytes.data(), own, size);
-        backend.broadcast(std::span<std::byte>(bytes), r);
-        return bytes;
-    };
-    auto fetch_text = [&](int r, std::size_t size_field, const std::string& own) {
-        const auto bytes = fetch(r, static_cast<std::size_t>(at(r, size_field)), own.data());
-        return std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size());
-    };
-
-    for (int r = 0; r < world; ++r) {
-        if (at(r, problem_kind) == 0) continue;
-        const auto what = fetch_text(r, problem_size, problem.what);
-        if (at(r, problem_kind) == static_cast<std::uint64_t>(LocalProblem::Kind::configuration))
-            throw ConfigurationError(what);
-        throw InvalidModel(what);
-    }
-    for (int r = 1; r < world; ++r) {
-        if (table.same_as_rank0(r, settings_hash)) continue;
-        const auto s0 = parse_settings(fetch_text(0, settings_size, settings_text));
-        const auto sr = parse_settings(fetch_text(r, settings_size, settings_text));
-        throw ConfigurationError(describe_settings_difference(0, s0, r, sr));
-    }
-    for (int r = 1; r < world; ++r) {
-        if (table.same_as_rank0(r, layout_hash_column)) continue;
-        auto l0 = parse_layout(fetch(0, static_cast<std::size_t>(at(0, layout_size)), layout.data()));
-        auto lr = parse_layout(fetch(r, static_cast<std::size_t>(at(r, layout_size)), layout.data()));
-        throw LayoutMismatch(describe_layout_difference(0, l0, r, lr));
-    }
-    for (int r = 1; r < world; ++r) {
-        if (table.same_as_rank0(r, plan_hash)) continue;
-        throw LayoutMismatch("gradsync: the bucket plans of rank 0 and rank " + std::to_string(r) +
-                             " differ although their parameters agree; pass the same bucketer, with the same "
-                             "caps, on every rank");
-    }
-}
-
-}  // namespace gradsync::inline v0::detail
-#endif  // GRADSYNC_SINGLE_DATA_PARALLEL_LAYOUT_AGREEMENT_HPP
-// ---- end gradsync/data_parallel/layout_agreement.hpp ----
 
 // ---- begin gradsync/data_parallel/setup_checks.hpp ----
 #ifndef GRADSYNC_SINGLE_DATA_PARALLEL_SETUP_CHECKS_HPP
@@ -8272,10 +8381,8 @@ public:
     // A DataParallel destroyed in the middle of a step (after an exception, say) aborts the group,
     // so that peers fail at once, and waits for its collectives in flight before it goes.
     ~DataParallel() {
-        detail::abandon_in_flight(backend_, engine_, options_.timeout, [this] {
-            return detail::rank_prefix(rank()) + " destroyed its DataParallel in step " +
-                   std::to_string(current_step()) + " with collectives in flight";
-        });
+        detail::abandon_in_flight(backend_, engine_, options_.timeout, "DataParallel",
+                                  static_cast<std::uint64_t>(current_step()));
     }
 
     // Gradient of parameter `index` (its position in the model's parameter list, zero-sized ones
@@ -8359,11 +8466,7 @@ public:
     }
 
     // Copies rank 0's parameter values into every rank's parameters.
-    void broadcast_parameters() {
-        if (backend_.size() == 1) return;
-        for (const auto& p : layout_.params)
-            backend_.broadcast(std::span(static_cast<std::byte*>(p.data), p.bytes().count()), 0);
-    }
+    void broadcast_parameters() { detail::broadcast_parameters(backend_, parameters()); }
 
     // Compares every rank's parameters (and the buffers kept equal) with rank 0's, by hash; throws
     // the same ReplicaMismatch on every rank, naming the first that differs and the ranks.
@@ -8406,12 +8509,8 @@ private:
     }
 
     void mark(const std::variant<std::size_t, std::string>& found) {
-        if (const auto* problem = std::get_if<std::string>(&found)) throw ReadinessError(where() + ": " + *problem);
-        const auto p = std::get<std::size_t>(found);
-        if (p == detail::ModelLayout::none) return;
-        if (readiness_.mark(p, [this](std::size_t b) { launch(b); }) == detail::Readiness::Mark::twice)
-            throw ReadinessError(where() + ": grad_ready for parameter '" + layout_.params[p].name +
-                                 "' was called twice in one step");
+        detail::mark_ready(
+            readiness_, layout_, found, [this](std::size_t b) { launch(b); }, [this] { return where(); });
     }
 
     // Bucket b goes now (during backward, under the readiness lock).
@@ -8452,7 +8551,7 @@ private:
                 for (std::size_t b = 0; b < plan().buckets.size(); ++b)
                     engine_.reduce_now(b, tag_of(b, detail::CollectivePurpose::bucket));
             }
-            engine_.wait_all(std::chrono::steady_clock::now() + options_.timeout, [&](std::size_t b) {
+            engine_.wait_all(detail::deadline_after(options_.timeout), [&](std::size_t b) {
                 return detail::diagnose_timeout(backend_, current_step(), plan(), parameters(), b, options_.timeout);
             });
             if (backend_.size() == 1)
@@ -8492,16 +8591,15 @@ private:
     // At synchronize(): every parameter without grad_ready is either accumulated earlier (ready),
     // unused (zero, with find_unused_parameters) or an error; then every bucket is launched.
     void complete_readiness() {
-        const auto missing =
-            readiness_.complete([this](std::size_t b) { launch(b); },
-                                [this](std::size_t p) {
-                                    if (!options_.find_unused_parameters) return false;
-                                    const auto& param = layout_.params[p];
-                                    engine_.memory().zero(Segment{param.grad, param.count}, param.dtype);
-                                    return true;
-                                });
-        if (!missing.empty())
-            throw ReadinessError(where() + ": " + detail::missing_gradients(missing, parameters(), readiness_));
+        detail::complete_readiness(
+            readiness_, layout_, [this](std::size_t b) { launch(b); },
+            [this](std::size_t p) {
+                if (!options_.find_unused_parameters) return false;
+                const auto& param = layout_.params[p];
+                engine_.memory().zero(Segment{param.grad, param.count}, param.dtype);
+                return true;
+            },
+            [this] { return where(); });
     }
 
     void reduce_again_in_float(std::size_t b) {
@@ -8963,7 +9061,7 @@ public:
         if (!(options_.clip_norm >= 0))
             problem = {detail::LocalProblem::Kind::configuration,
                        detail::rank_prefix(rank()) + ": ShardedOptions::clip_norm must be at least 0, got " +
-                           std::to_string(options_.clip_norm)};
+                           detail::exact_text(options_.clip_norm)};
         if (const auto why = detail::invalid_of(scaler_); !why.empty())
             problem = {detail::LocalProblem::Kind::configuration, detail::rank_prefix(rank()) + ": " + why};
         if (options_.release_gradients && !(in_place && ReleasableGradients<Model>))
@@ -8977,13 +9075,12 @@ public:
         plan_ = problem.kind == detail::LocalProblem::Kind::none ? bucketer.plan(layout_.params) : BucketPlan{};
         const std::vector<detail::Setting> settings{{"mode", stage2() ? "sharded (stage 2)" : "sharded (stage 1)"},
                                                     {"bucketer", bucketer.settings()},
-                                                    {"clip_norm", std::to_string(options_.clip_norm)},
+                                                    {"clip_norm", detail::exact_text(options_.clip_norm)},
                                                     {"check_histories", options_.check_histories ? "on" : "off"},
                                                     {"loss_scaler", scaler_.settings()},
                                                     {"buffers", detail::buffer_sync_name(options_.buffers)}};
         detail::agree_on_layout(backend_, layout_.params, layout_.buffers, plan_, settings, problem);
-        for (const auto& p : layout_.params)
-            backend_.broadcast(std::span(static_cast<std::byte*>(p.data), p.bytes().count()), 0);
+        detail::broadcast_parameters(backend_, parameters());
         detail::sync_buffers(backend_, buffers(), options_.buffers, /*at_construction=*/true, history_, 0);
         if (stage2()) grad_store_.assign(detail::ShardLayout<in_place>::shard_elements(plan_, world_size(), rank()), 0);
         shards_ = detail::ShardLayout<in_place>(layout_.params, plan_, world_size(), rank(),
@@ -9032,10 +9129,7 @@ public:
     // this rank, and they are drained before the memory they write goes.
     ~ShardedDataParallel() {
         detail::HandlesInFlight<Handle> in_flight{launched_};
-        detail::abandon_in_flight(backend_, in_flight, options_.timeout, [this] {
-            return detail::rank_prefix(rank()) + " destroyed its ShardedDataParallel in step " +
-                   std::to_string(current_step()) + " with collectives in flight";
-        });
+        detail::abandon_in_flight(backend_, in_flight, options_.timeout, "ShardedDataParallel", current_step());
     }
     ShardedDataParallel(const ShardedDataParallel&) = delete;
     ShardedDataParallel& operator=(const ShardedDataParallel&) = delete;
@@ -9185,12 +9279,8 @@ private:
 
     // Parameter p is ready: every bucket that completes goes, in plan order (Readiness).
     void mark(const std::variant<std::size_t, std::string>& found) {
-        if (const auto* problem = std::get_if<std::string>(&found)) throw ReadinessError(where() + ": " + *problem);
-        const auto p = std::get<std::size_t>(found);
-        if (p == detail::ModelLayout::none) return;
-        if (readiness_.mark(p, [this](std::size_t b) { launch(b); }) == detail::Readiness::Mark::twice)
-            throw ReadinessError(where() + ": grad_ready for parameter '" + layout_.params[p].name +
-                                 "' was called twice in one step");
+        detail::mark_ready(
+            readiness_, layout_, found, [this](std::size_t b) { launch(b); }, [this] { return where(); });
     }
 
     // Bucket b goes now (during backward, under the readiness lock).

@@ -1208,6 +1208,8 @@ inline constexpr bool dependent_false = false;
 #endif  // GRADSYNC_SINGLE_DETAIL_META_HPP
 // ---- end gradsync/detail/meta.hpp ----
 
+#include <concepts>  // for std::convertible_to
+#include <string>
 #include <tuple>
 #include <type_traits>
 
@@ -1255,6 +1257,14 @@ concept is_policy = requires {
     typename P::policy_category;
 };
 
+// What every policy says of itself (Options aside, whose fields are agreed one by one): the text
+// every rank must agree on at construction, with each value that changes the result written
+// exactly (numbers as detail::exact_text writes them).
+template <class P>
+concept has_settings = requires(const P& p) {
+    { p.settings() } -> std::convertible_to<std::string>;
+};
+
 // P's category, or void for a type that is no policy (reported by check_policy).
 template <class P>
 struct category_of {
@@ -1280,6 +1290,11 @@ constexpr bool check_policy() {
     static_assert(is_policy<P>,
                   "gradsync: a DataParallel template argument after Model and Backend is not a "
                   "policy (it has no `policy_category` member type); see detail/policy.hpp");
+    if constexpr (is_policy<P>)
+        static_assert(std::is_same_v<typename P::policy_category, policy_category::options> || has_settings<P>,
+                      "gradsync: a policy needs `std::string settings() const`: the text every rank must agree on "
+                      "at construction, with every value that changes the result written exactly, so that ranks "
+                      "given different settings fail there rather than train apart");
     return true;
 }
 
@@ -1329,8 +1344,9 @@ struct StepVerdict {
 };
 
 template <class M>
-concept MemoryPolicy = requires(M& m, const M& cm, std::span<const Segment> segs, DType t, Bytes size, std::byte* bytes,
-                                double factor, std::size_t slot) {
+concept MemoryPolicy = detail::has_settings<M> &&
+    requires(M& m, const M& cm, std::span<const Segment> segs, DType t, Bytes size, std::byte* bytes, double factor,
+             std::size_t slot) {
     typename M::Storage;
     typename M::Table;
     { M::on_device } -> std::convertible_to<bool>;
@@ -2444,6 +2460,32 @@ constexpr bool check_stream_ordered() {
 // The device LocalBackend (cuda/local_backend.cuh) is built on it.
 
 
+// ---- begin gradsync/detail/deadline.hpp ----
+#ifndef GRADSYNC_SINGLE_DETAIL_DEADLINE_HPP
+#define GRADSYNC_SINGLE_DETAIL_DEADLINE_HPP
+// Deadlines from timeouts: now + timeout, saturated at the latest time the clock can hold, so
+// that a huge timeout (std::chrono::milliseconds::max(), say) means "wait forever" instead of
+// overflowing into a deadline in the past.
+
+
+#include <chrono>
+
+namespace gradsync::inline v0::detail {
+
+template <class Clock = std::chrono::steady_clock, class Rep, class Period>
+typename Clock::time_point deadline_after(std::chrono::duration<Rep, Period> timeout) {
+    const auto now = Clock::now();
+    // Compared in floating seconds, a second short to absorb rounding: converting a huge timeout
+    // to the clock's ticks would overflow.
+    using seconds = std::chrono::duration<double>;
+    if (seconds(timeout) >= seconds(Clock::time_point::max() - now) - seconds(1)) return Clock::time_point::max();
+    return now + std::chrono::duration_cast<typename Clock::duration>(timeout);
+}
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_DETAIL_DEADLINE_HPP
+// ---- end gradsync/detail/deadline.hpp ----
+
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -2475,7 +2517,7 @@ public:
         auto& calls = calls_[round % 2];
         calls[me] = call;
         cv_.notify_all();
-        const auto deadline = std::chrono::steady_clock::now() + timeout_;
+        const auto deadline = detail::deadline_after(timeout_);
         const auto everyone_here = [&] {
             for (auto r : rounds_)
                 if (r < round) return false;
@@ -2603,7 +2645,7 @@ public:
         : done_(std::move(done)),
           group_(std::move(group)),
           what_(std::move(what)),
-          deadline_(std::chrono::steady_clock::now() + group_->options.timeout) {}
+          deadline_(detail::deadline_after(group_->options.timeout)) {}
 
     [[nodiscard]] bool ready() const {
         if (!done_ || group_->meet.failed()) return true;

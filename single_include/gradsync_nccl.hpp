@@ -1243,6 +1243,32 @@ private:
 #endif  // GRADSYNC_SINGLE_BACKEND_DETAIL_WATCHER_THREAD_HPP
 // ---- end gradsync/backend/detail/watcher_thread.hpp ----
 
+// ---- begin gradsync/detail/deadline.hpp ----
+#ifndef GRADSYNC_SINGLE_DETAIL_DEADLINE_HPP
+#define GRADSYNC_SINGLE_DETAIL_DEADLINE_HPP
+// Deadlines from timeouts: now + timeout, saturated at the latest time the clock can hold, so
+// that a huge timeout (std::chrono::milliseconds::max(), say) means "wait forever" instead of
+// overflowing into a deadline in the past.
+
+
+#include <chrono>
+
+namespace gradsync::inline v0::detail {
+
+template <class Clock = std::chrono::steady_clock, class Rep, class Period>
+typename Clock::time_point deadline_after(std::chrono::duration<Rep, Period> timeout) {
+    const auto now = Clock::now();
+    // Compared in floating seconds, a second short to absorb rounding: converting a huge timeout
+    // to the clock's ticks would overflow.
+    using seconds = std::chrono::duration<double>;
+    if (seconds(timeout) >= seconds(Clock::time_point::max() - now) - seconds(1)) return Clock::time_point::max();
+    return now + std::chrono::duration_cast<typename Clock::duration>(timeout);
+}
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_DETAIL_DEADLINE_HPP
+// ---- end gradsync/detail/deadline.hpp ----
+
 #include <atomic>
 #include <chrono>
 #include <cstdio>  // for std::fprintf
@@ -1312,7 +1338,8 @@ public:
     // Starts the thread that looks every `period` (once; a zero period starts none).
     void start(std::chrono::milliseconds period) {
         if (period.count() <= 0 || watcher_) return;
-        watcher_.emplace([period] { return clock::now() + period; }, [this] { check(); }, [this] { enter_thread(); });
+        watcher_.emplace([period] { return detail::deadline_after<clock>(period); }, [this] { check(); },
+                         [this] { enter_thread(); });
     }
 
     // Ends the thread; waiters still check. Idempotent.
@@ -1339,7 +1366,7 @@ public:
     // anyone (an abort request). Throws in the last three cases; the abort then runs as run() ends.
     template <class Poll>
     void settle(Poll&& poll, const std::string& what, std::chrono::milliseconds timeout) {
-        const auto deadline = clock::now() + timeout;
+        const auto deadline = detail::deadline_after<clock>(timeout);
         for (int round = 0;; ++round) {
             const QueueState state = poll();
             if (state) {
@@ -1929,8 +1956,7 @@ struct NcclCommunicator {
             // Flush what is queued, by the deadline, then free; a communicator that cannot
             // be flushed in time is aborted below.
             ncclResult_t state = ncclCommFinalize(comm);
-            const auto deadline =
-                pending.count != 0 ? pending.latest_deadline : std::chrono::steady_clock::now() + timeout;
+            const auto deadline = pending.count != 0 ? pending.latest_deadline : detail::deadline_after(timeout);
             while (state == ncclInProgress && std::chrono::steady_clock::now() < deadline) {
                 std::this_thread::sleep_for(std::chrono::microseconds(200));
                 if (ncclCommGetAsyncError(comm, &state) != ncclSuccess) break;
@@ -2262,7 +2288,7 @@ inline NcclHandle nccl_track(NcclCommunicator& s, const CollectiveCall& call) {
     GRADSYNC_CUDA_CHECK(cudaEventRecord(event, s.stream));
     auto op = std::make_shared<WatchedOp>();
     op->call = call;
-    op->deadline = std::chrono::steady_clock::now() + s.timeout;
+    op->deadline = detail::deadline_after(s.timeout);
     op->event = event;
     s.watchdog->watch(op);
     return NcclHandle(std::move(op), s.watchdog, s.device);
@@ -2808,7 +2834,7 @@ private:
             ncclResult_t r = ncclCommInitRankConfig(&s.comm, s.size, id, s.rank, &config);
             if (r != ncclSuccess && r != ncclInProgress) throw join_error(r);
             s.comm_alive = true;
-            const auto deadline = std::chrono::steady_clock::now() + s.timeout;
+            const auto deadline = detail::deadline_after(s.timeout);
             for (;;) {
                 ncclResult_t state = ncclSuccess;
                 r = ncclCommGetAsyncError(s.comm, &state);

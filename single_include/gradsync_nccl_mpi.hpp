@@ -1567,6 +1567,32 @@ private:
 #endif  // GRADSYNC_SINGLE_BACKEND_MPI_DEPARTURES_HPP
 // ---- end gradsync/backend/mpi/departures.hpp ----
 
+// ---- begin gradsync/detail/deadline.hpp ----
+#ifndef GRADSYNC_SINGLE_DETAIL_DEADLINE_HPP
+#define GRADSYNC_SINGLE_DETAIL_DEADLINE_HPP
+// Deadlines from timeouts: now + timeout, saturated at the latest time the clock can hold, so
+// that a huge timeout (std::chrono::milliseconds::max(), say) means "wait forever" instead of
+// overflowing into a deadline in the past.
+
+
+#include <chrono>
+
+namespace gradsync::inline v0::detail {
+
+template <class Clock = std::chrono::steady_clock, class Rep, class Period>
+typename Clock::time_point deadline_after(std::chrono::duration<Rep, Period> timeout) {
+    const auto now = Clock::now();
+    // Compared in floating seconds, a second short to absorb rounding: converting a huge timeout
+    // to the clock's ticks would overflow.
+    using seconds = std::chrono::duration<double>;
+    if (seconds(timeout) >= seconds(Clock::time_point::max() - now) - seconds(1)) return Clock::time_point::max();
+    return now + std::chrono::duration_cast<typename Clock::duration>(timeout);
+}
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_DETAIL_DEADLINE_HPP
+// ---- end gradsync/detail/deadline.hpp ----
+
 #include <algorithm>  // for std::min
 #include <chrono>
 #include <cstdint>
@@ -1596,7 +1622,7 @@ public:
             throw CollectiveError(rank_prefix(rank_, size_) + ": " + call.describe() +
                                   " cannot complete: " + gone->describe());
         current_ = call;
-        deadline_ = Clock::now() + timeout_;
+        deadline_ = detail::deadline_after<Clock>(timeout_);
         busy_ = true;
     }
     // It ended, `completed` or by an exception.
@@ -1614,10 +1640,9 @@ public:
     // now when none runs (a collective that starts meanwhile has a later deadline, so nothing on
     // the collectives' path ever needs to wake the watcher); and every `poll` while polling.
     [[nodiscard]] Clock::time_point wake_at(std::optional<std::chrono::milliseconds> poll) {
-        const auto now = Clock::now();
         std::lock_guard lock(mutex_);
-        const auto due = busy_ ? deadline_ : now + timeout_;
-        return poll ? std::min(due, now + *poll) : due;
+        const auto due = busy_ ? deadline_ : detail::deadline_after<Clock>(timeout_);
+        return poll ? std::min(due, detail::deadline_after<Clock>(*poll)) : due;
     }
 
     // Peers that said farewell. When the running collective needs one of them it can never
@@ -2732,6 +2757,43 @@ private:
 // one communicator, by a deadline.
 
 
+// ---- begin gradsync/detail/end_process.hpp ----
+#ifndef GRADSYNC_SINGLE_DETAIL_END_PROCESS_HPP
+#define GRADSYNC_SINGLE_DETAIL_END_PROCESS_HPP
+// Ending the whole process from any thread, once. Deadlines on several threads (two backends'
+// watchers, a watcher and the trainer) can fire together; a second MPI_Abort while the first is
+// under way has crashed inside Open MPI. The first caller ends the process; any other waits for
+// that instead of ending it again.
+
+
+#include <atomic>
+#include <chrono>
+#include <cstdlib>  // for std::_Exit
+#include <thread>
+
+namespace gradsync::inline v0::detail {
+
+// One flag for the whole process (a function template's static would be one per caller).
+inline std::atomic<bool>& process_ending() {
+    static std::atomic<bool> ending{false};
+    return ending;
+}
+
+// The first caller runs end() (MPI_Abort, say), then exits with status 1 should end() return;
+// later callers wait for the process to end.
+template <class End>
+[[noreturn]] void end_process_once(End&& end) {
+    if (!process_ending().exchange(true, std::memory_order_acq_rel)) {
+        end();
+        std::_Exit(1);
+    }
+    for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
+}
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_DETAIL_END_PROCESS_HPP
+// ---- end gradsync/detail/end_process.hpp ----
+
 // ---- begin gradsync/environment.hpp ----
 #ifndef GRADSYNC_SINGLE_ENVIRONMENT_HPP
 #define GRADSYNC_SINGLE_ENVIRONMENT_HPP
@@ -2981,7 +3043,7 @@ inline MPI_Comm join_singletons(const ProcessPlace& place, std::chrono::seconds 
                               "torchrun does), the same for every rank");
     const RankClaim claim(service, place, who);
     std::atomic<int> joined{1};
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    const auto deadline = detail::deadline_after(timeout);
     WatcherThread watcher([deadline] { return deadline; },
                           [&] {
                               std::fprintf(stderr,
@@ -2991,7 +3053,7 @@ inline MPI_Comm join_singletons(const ProcessPlace& place, std::chrono::seconds 
                                            who.c_str(), static_cast<long long>(timeout.count()), joined.load(),
                                            place.world_size, join_advice(place).c_str());
                               std::fflush(stderr);
-                              MPI_Abort(MPI_COMM_SELF, 1);
+                              detail::end_process_once([] { MPI_Abort(MPI_COMM_SELF, 1); });
                           });
 
     ErrorsReturned self_errors(MPI_COMM_SELF);
@@ -3222,7 +3284,6 @@ inline ProcessPlace mpi_process_place(MPI_Comm comm = mpi_world()) {
 #include <climits>  // for INT_MAX
 #include <cstddef>
 #include <cstdio>      // for std::fprintf
-#include <cstdlib>     // for std::_Exit
 #include <exception>   // for std::uncaught_exceptions
 #include <functional>  // for std::function
 #include <memory>
@@ -3290,7 +3351,7 @@ public:
         async_.stop();  // drains: every queued collective ends, or the watcher ends the job
         watcher_.reset();
         const auto staying = departures_->leave(watch_->last_completed(), std::uncaught_exceptions() > 0,
-                                                std::chrono::steady_clock::now() + options_.timeout);
+                                                detail::deadline_after(options_.timeout));
         if (!staying.empty()) {
             std::string ranks;
             for (const int r : staying) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
@@ -3481,11 +3542,14 @@ private:
         end_job();
     }
 
+    // Once per process, whichever thread and backend get here first (detail/end_process.hpp).
     [[noreturn]] void end_job() {
-        // MPI_Abort while another thread may be inside MPI is only allowed at MPI_THREAD_MULTIPLE;
-        // below it, exiting without MPI_Finalize makes the launcher end the job just the same.
-        if (level_ == MPI_THREAD_MULTIPLE) MPI_Abort(comm_, 1);
-        std::_Exit(1);
+        detail::end_process_once([this] {
+            // MPI_Abort while another thread may be inside MPI is only allowed at
+            // MPI_THREAD_MULTIPLE; below it, exiting without MPI_Finalize makes the launcher end
+            // the job just the same.
+            if (level_ == MPI_THREAD_MULTIPLE) MPI_Abort(comm_, 1);
+        });
     }
 
     MpiOptions options_;

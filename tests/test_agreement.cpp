@@ -77,7 +77,7 @@ TEST_CASE("agreement: a policy or an Option that changes the sums, different on 
                                 DataParallel dp(m, b);
                             }
                         }),
-              "configuration: gradsync: the ranks' settings differ: loss scaler is 'static 1024.000000' on rank 0 "
+              "configuration: gradsync: the ranks' settings differ: loss scaler is 'static 1024' on rank 0 "
               "but 'none' on rank 1. Every rank must construct its DataParallel with the same policies and the "
               "same Options");
     all_alike(construct(3,
@@ -85,7 +85,7 @@ TEST_CASE("agreement: a policy or an Option that changes the sums, different on 
                             Toy m({100, 20}, 0.0f);
                             DataParallel dp(m, b, gradsync::Options{.clip_norm = b.rank() == 2 ? 1.0 : 5.0});
                         }),
-              "Options::clip_norm is '5.000000' on rank 0 but '1.000000' on rank 2");
+              "Options::clip_norm is '5' on rank 0 but '1' on rank 2");
     all_alike(construct(2,
                         [](LocalBackend& b) {
                             Toy m({100, 20}, 0.0f);
@@ -102,7 +102,29 @@ TEST_CASE("agreement: a policy or an Option that changes the sums, different on 
                             DataParallel dp(
                                 m, b, gradsync::LinearLr{.base_lr = 0.1, .micro_batch = b.rank() == 0 ? 8u : 16u});
                         }),
-              "LR rule is 'linear, base 0.100000, micro batch 8,");
+              "LR rule is 'linear, base 0.1, micro batch 8,");
+    // Numbers are agreed exactly: settings that differ only past the sixth decimal place differ.
+    all_alike(construct(2,
+                        [](LocalBackend& b) {
+                            Toy m({100, 20}, 0.0f);
+                            DataParallel dp(m, b, gradsync::Options{.clip_norm = b.rank() == 0 ? 1e-7 : 2e-7},
+                                            gradsync::LinearLr{.base_lr = 3e-4, .micro_batch = 8});
+                        }),
+              "Options::clip_norm is '1e-07' on rank 0 but '2e-07' on rank 1");
+    all_alike(construct(2,
+                        [](LocalBackend& b) {
+                            Toy m({100, 20}, 0.0f);
+                            DataParallel dp(m, b, gradsync::LinearLr{.base_lr = b.rank() == 0 ? 3e-4 : 3.0000001e-4});
+                        }),
+              "LR rule is 'linear, base 3e-04, micro batch 1, reference batch 0, accumulation 1, warm-up 0' on "
+              "rank 0 but 'linear, base 0.00030000001,");
+    all_alike(construct(2,
+                        [](LocalBackend& b) {
+                            Toy m({100, 20}, 0.0f);
+                            DataParallel dp(
+                                m, b, gradsync::DynamicLossScale{.init_scale = b.rank() == 0 ? 65536.0f : 65536.01f});
+                        }),
+              "loss scaler is 'dynamic, init 65536, x2 every");
     // Settings that do not change the sums may differ: the timeout, the timeline.
     const auto fine = construct(2, [](LocalBackend& b) {
         Toy m({100, 20}, 0.0f);
@@ -135,7 +157,7 @@ TEST_CASE("agreement: a setting that cannot work is refused at construction, on 
     gradsync::spawn(1, [](LocalBackend& b) {
         Toy m({10}, 0.0f);
         CHECK_THROWS_WITH_AS(DataParallel(m, b, gradsync::Options{.clip_norm = -1.0}),
-                             doctest::Contains("invalid configuration on rank 0: Options::clip_norm is -1.000000"),
+                             doctest::Contains("invalid configuration on rank 0: Options::clip_norm is -1;"),
                              gradsync::ConfigurationError);
         CHECK_THROWS_WITH_AS(DataParallel(m, b, gradsync::LinearLr{.base_lr = 0.1, .micro_batch = 0}),
                              doctest::Contains("an LR rule needs"), gradsync::ConfigurationError);

@@ -246,6 +246,30 @@ TEST_CASE("checkpoint: resuming is exact, bit for bit: 10 steps == 5 steps, save
     }
 }
 
+TEST_CASE("checkpoint: saved before its first step, a dynamic loss scale loads as the scale it would have used") {
+    TempDir dir;
+    const auto path = dir.path / "early.safetensors";
+    struct Model {
+        std::vector<float> w = std::vector<float>(4, 1.0f), g = std::vector<float>(4, 0.5f);
+        std::vector<gradsync::Parameter> parameters() { return {gradsync::parameter("w", w, g)}; }
+    };
+    const gradsync::DynamicLossScale scaler{.init_scale = 4096.0f};
+    {
+        Model model;
+        auto group = gradsync::LocalBackend::create_group(1);
+        gradsync::DataParallel dp(model, group[0], scaler);
+        dp.synchronize();  // synchronize() alone: the scaler never learns an outcome
+        REQUIRE(dp.loss_scaler().state.scale == 0.0f);
+        gradsync::Checkpoint().save(path, dp);
+    }
+    Model model;
+    auto group = gradsync::LocalBackend::create_group(1);
+    gradsync::DataParallel dp(model, group[0], gradsync::DynamicLossScale{.init_scale = 8.0f});
+    gradsync::Checkpoint().load(path, dp);
+    CHECK(dp.loss_scale() == 4096.0f);
+    CHECK(dp.loss_scaler().state == gradsync::DynamicLossScale::State{4096.0f, 0, 0});
+}
+
 TEST_CASE("checkpoint: a file that does not fit the model fails on every rank, and changes nothing") {
     TempDir dir;
     const auto path = (dir.path / "model.safetensors").string();

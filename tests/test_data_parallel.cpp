@@ -298,10 +298,11 @@ TEST_CASE("a layout that differs across ranks names the first differing paramete
             "along backward' on rank 0 but 'size-capped, cap 8 KiB, first cap 1 KiB, growing along "
             "backward' on rank 1");
     }
-    SUBCASE("the plans of a bucketer that does not say its settings") {
+    SUBCASE("the plans of a bucketer whose settings do not say how it plans") {
         struct ByRank {
             using policy_category = gradsync::policy_category::bucketer;
             int rank = 0;
+            std::string settings() const { return "by rank"; }
             gradsync::BucketPlan plan(std::span<const gradsync::Parameter> params,
                                       std::span<const std::size_t> order) const {
                 if (rank == 0) return gradsync::SingleBucket{}.plan(params, order);

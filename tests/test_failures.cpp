@@ -170,6 +170,32 @@ TEST_CASE("which deadline applies: synchronize() without grad_ready waits by the
     CHECK(std::chrono::steady_clock::now() - start < 5s);
 }
 
+TEST_CASE("a huge timeout means wait forever: steps with overlap, a slow rank and a plain synchronize() work") {
+    // now + milliseconds::max() overflows; a deadline in the past would time out every wait at once.
+    gradsync::LocalGroupOptions group;
+    group.timeout = std::chrono::milliseconds::max();
+    std::vector<int> wrong(3, 0);
+    gradsync::spawn(
+        3,
+        [&](LocalBackend& b) {
+            Toy m({100, 200, 300}, 0.0f);
+            DataParallel dp(m, b, gradsync::PerParameterBuckets{},
+                            gradsync::Options{.timeout = std::chrono::milliseconds::max()});
+            for (int s = 0; s < 3; ++s) {
+                m.fill_grads(b.rank());
+                if (b.rank() == 2) std::this_thread::sleep_for(50ms);  // the others wait for it
+                if (s != 1)
+                    for (std::size_t i = 3; i-- > 0;) dp.grad_ready(i);
+                dp.synchronize();
+                for (std::size_t k = 0; k < 3; ++k)
+                    if (m.tensors[k].g[7] != testing_support::expected_average<float>(3, k, 7))
+                        ++wrong[static_cast<std::size_t>(b.rank())];
+            }
+        },
+        group);
+    CHECK(wrong == std::vector<int>{0, 0, 0});
+}
+
 TEST_CASE("a slow rank within the deadline is no failure") {
     Fault f{.kind = Fault::Kind::delay, .delay = 150ms};
     auto out = one_step(3, 2, f, 1, all_ready);

@@ -15,17 +15,20 @@
 #include <gradsync/data_parallel/finalize_step.hpp>
 #include <gradsync/data_parallel/group_failure.hpp>
 #include <gradsync/data_parallel/history.hpp>
+#include <gradsync/data_parallel/layout_agreement.hpp>
 #include <gradsync/data_parallel/model_layout.hpp>
 #include <gradsync/data_parallel/moved_storage.hpp>
 #include <gradsync/data_parallel/options.hpp>
 #include <gradsync/data_parallel/policies.hpp>
 #include <gradsync/data_parallel/readiness.hpp>
+#include <gradsync/data_parallel/ready_calls.hpp>
 #include <gradsync/data_parallel/replanning.hpp>
 #include <gradsync/data_parallel/setup.hpp>
 #include <gradsync/data_parallel/setup_checks.hpp>
 #include <gradsync/data_parallel/step_checks.hpp>
 #include <gradsync/data_parallel/step_number.hpp>
 #include <gradsync/data_parallel/timeline.hpp>
+#include <gradsync/detail/deadline.hpp>
 #include <gradsync/detail/log.hpp>
 #include <gradsync/error.hpp>
 #include <gradsync/memory/policy.hpp>
@@ -98,10 +101,8 @@ public:
     // A DataParallel destroyed in the middle of a step (after an exception, say) aborts the group,
     // so that peers fail at once, and waits for its collectives in flight before it goes.
     ~DataParallel() {
-        detail::abandon_in_flight(backend_, engine_, options_.timeout, [this] {
-            return detail::rank_prefix(rank()) + " destroyed its DataParallel in step " +
-                   std::to_string(current_step()) + " with collectives in flight";
-        });
+        detail::abandon_in_flight(backend_, engine_, options_.timeout, "DataParallel",
+                                  static_cast<std::uint64_t>(current_step()));
     }
 
     // Gradient of parameter `index` (its position in the model's parameter list, zero-sized ones
@@ -185,11 +186,7 @@ public:
     }
 
     // Copies rank 0's parameter values into every rank's parameters.
-    void broadcast_parameters() {
-        if (backend_.size() == 1) return;
-        for (const auto& p : layout_.params)
-            backend_.broadcast(std::span(static_cast<std::byte*>(p.data), p.bytes().count()), 0);
-    }
+    void broadcast_parameters() { detail::broadcast_parameters(backend_, parameters()); }
 
     // Compares every rank's parameters (and the buffers kept equal) with rank 0's, by hash; throws
     // the same ReplicaMismatch on every rank, naming the first that differs and the ranks.
@@ -232,12 +229,8 @@ private:
     }
 
     void mark(const std::variant<std::size_t, std::string>& found) {
-        if (const auto* problem = std::get_if<std::string>(&found)) throw ReadinessError(where() + ": " + *problem);
-        const auto p = std::get<std::size_t>(found);
-        if (p == detail::ModelLayout::none) return;
-        if (readiness_.mark(p, [this](std::size_t b) { launch(b); }) == detail::Readiness::Mark::twice)
-            throw ReadinessError(where() + ": grad_ready for parameter '" + layout_.params[p].name +
-                                 "' was called twice in one step");
+        detail::mark_ready(
+            readiness_, layout_, found, [this](std::size_t b) { launch(b); }, [this] { return where(); });
     }
 
     // Bucket b goes now (during backward, under the readiness lock).
@@ -278,7 +271,7 @@ private:
                 for (std::size_t b = 0; b < plan().buckets.size(); ++b)
                     engine_.reduce_now(b, tag_of(b, detail::CollectivePurpose::bucket));
             }
-            engine_.wait_all(std::chrono::steady_clock::now() + options_.timeout, [&](std::size_t b) {
+            engine_.wait_all(detail::deadline_after(options_.timeout), [&](std::size_t b) {
                 return detail::diagnose_timeout(backend_, current_step(), plan(), parameters(), b, options_.timeout);
             });
             if (backend_.size() == 1)
@@ -318,16 +311,15 @@ private:
     // At synchronize(): every parameter without grad_ready is either accumulated earlier (ready),
     // unused (zero, with find_unused_parameters) or an error; then every bucket is launched.
     void complete_readiness() {
-        const auto missing =
-            readiness_.complete([this](std::size_t b) { launch(b); },
-                                [this](std::size_t p) {
-                                    if (!options_.find_unused_parameters) return false;
-                                    const auto& param = layout_.params[p];
-                                    engine_.memory().zero(Segment{param.grad, param.count}, param.dtype);
-                                    return true;
-                                });
-        if (!missing.empty())
-            throw ReadinessError(where() + ": " + detail::missing_gradients(missing, parameters(), readiness_));
+        detail::complete_readiness(
+            readiness_, layout_, [this](std::size_t b) { launch(b); },
+            [this](std::size_t p) {
+                if (!options_.find_unused_parameters) return false;
+                const auto& param = layout_.params[p];
+                engine_.memory().zero(Segment{param.grad, param.count}, param.dtype);
+                return true;
+            },
+            [this] { return where(); });
     }
 
     void reduce_again_in_float(std::size_t b) {

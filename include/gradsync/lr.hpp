@@ -4,6 +4,7 @@
 // is LinearLr with the reference batch equal to the micro-batch.
 #pragma once
 
+#include <gradsync/detail/number_text.hpp>
 #include <gradsync/detail/policy.hpp>
 #include <gradsync/error.hpp>
 
@@ -49,7 +50,7 @@ struct ScaledLr {
     }
     [[nodiscard]] std::string settings() const {
         const char* kind = Scaling == LrScaling::none ? "unscaled" : Scaling == LrScaling::linear ? "linear" : "sqrt";
-        return std::string(kind) + ", base " + std::to_string(base_lr) + ", micro batch " +
+        return std::string(kind) + ", base " + detail::exact_text(base_lr) + ", micro batch " +
                std::to_string(micro_batch) + ", reference batch " + std::to_string(reference_batch) +
                ", accumulation " + std::to_string(accumulation_steps) + ", warm-up " + std::to_string(warmup_steps);
     }
@@ -76,7 +77,7 @@ struct NoLrRule {
 // An LR rule gives the learning rate step() passes to the optimizer, from the world size and the
 // step number (from 0). NoLrRule is none: step() then calls the optimizer without one.
 template <class R>
-concept LrRule = requires(const R& r, int world, std::uint64_t step) {
+concept LrRule = detail::has_settings<R> && requires(const R& r, int world, std::uint64_t step) {
     { r.rate(world, step) } -> std::convertible_to<double>;
 };
 

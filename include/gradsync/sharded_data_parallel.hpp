@@ -32,10 +32,12 @@
 #include <gradsync/data_parallel/settings.hpp>
 #include <gradsync/data_parallel/moved_storage.hpp>
 #include <gradsync/data_parallel/readiness.hpp>
+#include <gradsync/data_parallel/ready_calls.hpp>
 #include <gradsync/data_parallel/shard_layout.hpp>
 #include <gradsync/data_parallel/shard_step.hpp>
 #include <gradsync/data_parallel/sharded_options.hpp>
 #include <gradsync/data_parallel/step_number.hpp>
+#include <gradsync/detail/number_text.hpp>
 #include <gradsync/error.hpp>
 #include <gradsync/model/buffers.hpp>
 #include <gradsync/model/gradient_release.hpp>
@@ -84,7 +86,7 @@ public:
         if (!(options_.clip_norm >= 0))
             problem = {detail::LocalProblem::Kind::configuration,
                        detail::rank_prefix(rank()) + ": ShardedOptions::clip_norm must be at least 0, got " +
-                           std::to_string(options_.clip_norm)};
+                           detail::exact_text(options_.clip_norm)};
         if (const auto why = detail::invalid_of(scaler_); !why.empty())
             problem = {detail::LocalProblem::Kind::configuration, detail::rank_prefix(rank()) + ": " + why};
         if (options_.release_gradients && !(in_place && ReleasableGradients<Model>))
@@ -98,13 +100,12 @@ public:
         plan_ = problem.kind == detail::LocalProblem::Kind::none ? bucketer.plan(layout_.params) : BucketPlan{};
         const std::vector<detail::Setting> settings{{"mode", stage2() ? "sharded (stage 2)" : "sharded (stage 1)"},
                                                     {"bucketer", bucketer.settings()},
-                                                    {"clip_norm", std::to_string(options_.clip_norm)},
+                                                    {"clip_norm", detail::exact_text(options_.clip_norm)},
                                                     {"check_histories", options_.check_histories ? "on" : "off"},
                                                     {"loss_scaler", scaler_.settings()},
                                                     {"buffers", detail::buffer_sync_name(options_.buffers)}};
         detail::agree_on_layout(backend_, layout_.params, layout_.buffers, plan_, settings, problem);
-        for (const auto& p : layout_.params)
-            backend_.broadcast(std::span(static_cast<std::byte*>(p.data), p.bytes().count()), 0);
+        detail::broadcast_parameters(backend_, parameters());
         detail::sync_buffers(backend_, buffers(), options_.buffers, /*at_construction=*/true, history_, 0);
         if (stage2()) grad_store_.assign(detail::ShardLayout<in_place>::shard_elements(plan_, world_size(), rank()), 0);
         shards_ = detail::ShardLayout<in_place>(layout_.params, plan_, world_size(), rank(),
@@ -153,10 +154,7 @@ public:
     // this rank, and they are drained before the memory they write goes.
     ~ShardedDataParallel() {
         detail::HandlesInFlight<Handle> in_flight{launched_};
-        detail::abandon_in_flight(backend_, in_flight, options_.timeout, [this] {
-            return detail::rank_prefix(rank()) + " destroyed its ShardedDataParallel in step " +
-                   std::to_string(current_step()) + " with collectives in flight";
-        });
+        detail::abandon_in_flight(backend_, in_flight, options_.timeout, "ShardedDataParallel", current_step());
     }
     ShardedDataParallel(const ShardedDataParallel&) = delete;
     ShardedDataParallel& operator=(const ShardedDataParallel&) = delete;
@@ -306,12 +304,8 @@ private:
 
     // Parameter p is ready: every bucket that completes goes, in plan order (Readiness).
     void mark(const std::variant<std::size_t, std::string>& found) {
-        if (const auto* problem = std::get_if<std::string>(&found)) throw ReadinessError(where() + ": " + *problem);
-        const auto p = std::get<std::size_t>(found);
-        if (p == detail::ModelLayout::none) return;
-        if (readiness_.mark(p, [this](std::size_t b) { launch(b); }) == detail::Readiness::Mark::twice)
-            throw ReadinessError(where() + ": grad_ready for parameter '" + layout_.params[p].name +
-                                 "' was called twice in one step");
+        detail::mark_ready(
+            readiness_, layout_, found, [this](std::size_t b) { launch(b); }, [this] { return where(); });
     }
 
     // Bucket b goes now (during backward, under the readiness lock).

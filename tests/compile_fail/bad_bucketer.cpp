@@ -4,6 +4,7 @@
 #include <gradsync/gradsync.hpp>
 
 #include <span>
+#include <string>
 #include <vector>
 
 struct Model {
@@ -13,6 +14,7 @@ struct Model {
 
 struct Everything {
     using policy_category = gradsync::policy_category::bucketer;
+    std::string settings() const { return "single bucket"; }
 #ifdef GRADSYNC_EXPECT_FAILURE
     gradsync::BucketPlan plan(std::span<const gradsync::Parameter> params) const {
         return gradsync::SingleBucket{}.plan(params);

@@ -2,6 +2,7 @@
 // expect: a compression policy needs `static constexpr bool compresses`
 #include <gradsync/gradsync.hpp>
 
+#include <string>
 #include <vector>
 
 struct Model {
@@ -12,6 +13,7 @@ struct Model {
 struct Half {
     using policy_category = gradsync::policy_category::compression;
     static constexpr gradsync::DType wire = gradsync::DType::float16;
+    std::string settings() const { return "float16 on the wire"; }
 #ifndef GRADSYNC_EXPECT_FAILURE
     static constexpr bool compresses = true;
 #endif

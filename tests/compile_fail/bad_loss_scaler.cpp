@@ -2,6 +2,7 @@
 // expect: a loss scaler needs `void update\(bool overflow\)`
 #include <gradsync/gradsync.hpp>
 
+#include <string>
 #include <vector>
 
 struct Model {
@@ -12,6 +13,7 @@ struct Model {
 struct FixedScale {
     using policy_category = gradsync::policy_category::loss_scaler;
     float scale() const { return 8.0f; }
+    std::string settings() const { return "fixed 8"; }
 #ifndef GRADSYNC_EXPECT_FAILURE
     void update(bool) {}
 #endif

@@ -3,6 +3,7 @@
 #include <gradsync/gradsync.hpp>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 struct Model {
@@ -12,6 +13,7 @@ struct Model {
 
 struct Constant {
     using policy_category = gradsync::policy_category::lr_rule;
+    std::string settings() const { return "constant 0.1"; }
 #ifdef GRADSYNC_EXPECT_FAILURE
     double learning_rate() const { return 0.1; }
 #else

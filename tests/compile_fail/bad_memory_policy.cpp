@@ -2,6 +2,7 @@
 // expect: a memory policy needs the finalize pass
 #include <gradsync/gradsync.hpp>
 
+#include <string>
 #include <vector>
 
 struct Model {
@@ -16,6 +17,7 @@ struct NoFinalize {
     using Storage = gradsync::HostMemory::Storage;
     using Table = gradsync::HostMemory::Table;
     static constexpr bool on_device = false;
+    std::string settings() const { return "host"; }
     Storage allocate(gradsync::Bytes size) const { return Storage(size.count()); }
     static std::byte* data(const Storage& s) { return s.data(); }
     Table table(std::span<const gradsync::Segment> segments, gradsync::DType t) const {

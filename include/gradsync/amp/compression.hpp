@@ -39,7 +39,7 @@ struct Bf16Compression {
 // What DataParallel needs of a wire compression policy: the dtype float32 gradients travel in,
 // and whether that is a compression at all.
 template <class C>
-concept WireCompression = requires {
+concept WireCompression = detail::has_settings<C> && requires {
     { C::wire } -> std::convertible_to<DType>;
     { C::compresses } -> std::convertible_to<bool>;
 };

@@ -3,6 +3,7 @@
 // skips the optimizer when a gradient overflowed and tells the scaler either way.
 #pragma once
 
+#include <gradsync/detail/number_text.hpp>
 #include <gradsync/detail/policy.hpp>
 #include <gradsync/error.hpp>
 
@@ -26,7 +27,7 @@ struct NoLossScaling {
 // use_dynamic_loss_scaling=False). Steps that overflow are still skipped.
 struct StaticLossScale {
     using policy_category = policy_category::loss_scaler;
-    [[nodiscard]] std::string settings() const { return "static " + std::to_string(value); }
+    [[nodiscard]] std::string settings() const { return "static " + detail::exact_text(value); }
     [[nodiscard]] std::string invalid() const {
         if (value > 0 && std::isfinite(value)) return {};
         return "StaticLossScale needs a finite value above 0, got " + std::to_string(value);
@@ -88,10 +89,10 @@ struct DynamicLossScale {
     [[nodiscard]] bool at_minimum() const { return scale() <= min_scale; }
 
     [[nodiscard]] std::string settings() const {
-        return "dynamic, init " + std::to_string(init_scale) + ", x" + std::to_string(growth_factor) + " every " +
-               std::to_string(growth_interval) + ", x" + std::to_string(backoff_factor) + " after " +
-               std::to_string(backoff_after) + ", within [" + std::to_string(min_scale) + ", " +
-               std::to_string(max_scale) + "]";
+        return "dynamic, init " + detail::exact_text(init_scale) + ", x" + detail::exact_text(growth_factor) +
+               " every " + std::to_string(growth_interval) + ", x" + detail::exact_text(backoff_factor) + " after " +
+               std::to_string(backoff_after) + ", within [" + detail::exact_text(min_scale) + ", " +
+               detail::exact_text(max_scale) + "]";
     }
     [[nodiscard]] std::string invalid() const {
         if (min_scale > 0 && max_scale >= min_scale && growth_factor >= 1 && backoff_factor > 0 &&
@@ -113,7 +114,7 @@ private:
 // each step's outcome. A scaler whose scale follows the outcomes says `static constexpr bool
 // adaptive = true` (step_on_device() cannot decide it on the device).
 template <class S>
-concept LossScaler = requires(S& s, const S& cs, bool overflow) {
+concept LossScaler = detail::has_settings<S> && requires(S& s, const S& cs, bool overflow) {
     { cs.scale() } -> std::convertible_to<float>;
     s.update(overflow);
 };

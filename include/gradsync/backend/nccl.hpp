@@ -23,6 +23,7 @@
 #include <gradsync/backend/nccl/queue.hpp>
 #include <gradsync/bytes.hpp>
 #include <gradsync/cuda/check.hpp>
+#include <gradsync/detail/deadline.hpp>
 #include <gradsync/detail/dtype_visit.hpp>
 #include <gradsync/error.hpp>
 #include <gradsync/half.hpp>
@@ -292,7 +293,7 @@ private:
             ncclResult_t r = ncclCommInitRankConfig(&s.comm, s.size, id, s.rank, &config);
             if (r != ncclSuccess && r != ncclInProgress) throw join_error(r);
             s.comm_alive = true;
-            const auto deadline = std::chrono::steady_clock::now() + s.timeout;
+            const auto deadline = detail::deadline_after(s.timeout);
             for (;;) {
                 ncclResult_t state = ncclSuccess;
                 r = ncclCommGetAsyncError(s.comm, &state);

@@ -26,7 +26,8 @@ namespace gradsync::inline v0 {
 // gradients are expected to become ready into a plan. An empty order means reverse registration
 // order, the order backward usually finishes them. Zero-sized parameters belong to no bucket.
 template <class B>
-concept Bucketer = requires(const B& b, std::span<const Parameter> params, std::span<const std::size_t> order) {
+concept Bucketer = detail::has_settings<B> &&
+    requires(const B& b, std::span<const Parameter> params, std::span<const std::size_t> order) {
     { b.plan(params, order) } -> std::same_as<BucketPlan>;
 };
 

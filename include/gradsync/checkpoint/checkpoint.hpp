@@ -171,8 +171,10 @@ public:
                 file.emplace(path);
                 problem = detail::check_contents(*file, wanted);
                 if (problem.empty()) problem = detail::read_scalars(*file, scalars, sampler_ != nullptr);
-                if (problem.empty()) problem = detail::read_shard_list(*file, scalars.step, shards_, shard_text);
-                if (problem.empty()) problem = detail::read_local_list(*file, scalars.step, locals_, local_text);
+                if (problem.empty())
+                    problem = detail::read_file_list(*file, detail::shard_files, scalars.step, shards_, shard_text);
+                if (problem.empty())
+                    problem = detail::read_file_list(*file, detail::rank_files, scalars.step, locals_, local_text);
             } catch (const std::exception& e) {
                 problem = e.what();
             }
@@ -253,34 +255,33 @@ private:
     // every rank), or throws the same CheckpointError. Collective.
     template <class DP>
     detail::ShardList write_shards(const std::filesystem::path& path, DP& dp) const {
-        const int ranks = dp.world_size();
-        detail::ShardList list{dp.steps(), {}, std::vector<std::uint64_t>(static_cast<std::size_t>(ranks), 0)};
-        for (int r = 0; r < ranks; ++r) list.names.push_back(detail::shard_file_name(path, dp.steps(), r, ranks));
-        std::string problem;
-        try {
-            auto& mine = list.hashes[static_cast<std::size_t>(dp.rank())];
-            mine = detail::write_shard(path.parent_path() / list.names[static_cast<std::size_t>(dp.rank())], shards_,
-                                       pieces_of(dp), dp.parameters(), dp.steps(), dp.rank(), ranks, options_.write);
-        } catch (const std::exception& e) {
-            problem = e.what();
-        }
-        detail::agree_on_problem(dp.backend(), problem);
-        for (int r = 0; r < ranks && ranks > 1; ++r)
-            dp.backend().broadcast(std::as_writable_bytes(std::span(&list.hashes[static_cast<std::size_t>(r)], 1)), r);
-        return list;
+        return write_rank_files(dp, &detail::shard_file_name, path, [&](const std::filesystem::path& mine) {
+            return detail::write_shard(mine, shards_, pieces_of(dp), dp.parameters(), dp.steps(), dp.rank(),
+                                       dp.world_size(), options_.write);
+        });
     }
 
     // Each rank writes its file of state that differs by rank; every rank returns the list of them.
     template <class DP>
     detail::ShardList write_locals(const std::filesystem::path& path, DP& dp) const {
+        return write_rank_files(dp, &detail::local_file_name, path, [&](const std::filesystem::path& mine) {
+            return detail::write_local(mine, locals_, dp.steps(), dp.rank(), dp.world_size(), options_.write);
+        });
+    }
+
+    // One file per rank beside the checkpoint at `path`, named by name_of: write(this rank's path)
+    // writes this rank's and returns its hash; every rank returns the list with every hash. A
+    // failure on any rank throws on every rank.
+    template <class DP, class NameOf, class Write>
+    static detail::ShardList write_rank_files(DP& dp, NameOf name_of, const std::filesystem::path& path,
+                                              Write&& write) {
         const int ranks = dp.world_size();
         detail::ShardList list{dp.steps(), {}, std::vector<std::uint64_t>(static_cast<std::size_t>(ranks), 0)};
-        for (int r = 0; r < ranks; ++r) list.names.push_back(detail::local_file_name(path, dp.steps(), r, ranks));
+        for (int r = 0; r < ranks; ++r) list.names.push_back(name_of(path, dp.steps(), r, ranks));
+        const auto mine = static_cast<std::size_t>(dp.rank());
         std::string problem;
         try {
-            list.hashes[static_cast<std::size_t>(dp.rank())] =
-                detail::write_local(path.parent_path() / list.names[static_cast<std::size_t>(dp.rank())], locals_,
-                                    dp.steps(), dp.rank(), ranks, options_.write);
+            list.hashes[mine] = write(path.parent_path() / list.names[mine]);
         } catch (const std::exception& e) {
             problem = e.what();
         }

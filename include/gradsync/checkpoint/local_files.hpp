@@ -85,30 +85,4 @@ inline std::string read_local(const std::filesystem::path& checkpoint, const Sha
     return {};
 }
 
-// Checks that `file` lists rank files exactly when state that differs by rank is wanted, and
-// that its list is well formed; puts the list's text in `text`. Empty or the problem.
-inline std::string read_local_list(const SafetensorsFile& file, std::uint64_t step,
-                                   std::span<const ShardedArray> arrays, std::string& text) {
-    const std::string where = "gradsync: checkpoint " + file.path().string();
-    const auto it = file.metadata().find("gradsync.local");
-    if (it == file.metadata().end())
-        return arrays.empty()
-                   ? ""
-                   : where + " holds no state that differs by rank, but '" + arrays.front().name + "' is wanted";
-    if (arrays.empty())
-        return where + " holds state that differs by rank in files of each rank; load it with Checkpoint::add_local";
-    try {
-        const auto list = shard_list_from_text(it->second);
-        if (list.names.empty() || list.names.size() != list.hashes.size() || list.step != step)
-            return where + ": its list of rank files is inconsistent";
-        for (const auto& name : list.names)
-            if (name.empty() || std::filesystem::path(name).filename().string() != name)
-                return where + ": rank file name '" + excerpt(name) + "' is not a plain file name";
-    } catch (const std::exception&) {
-        return where + ": its list of rank files is unreadable: '" + excerpt(it->second) + "'";
-    }
-    text = it->second;
-    return {};
-}
-
 }  // namespace gradsync::inline v0::detail

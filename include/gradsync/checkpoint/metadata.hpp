@@ -45,7 +45,8 @@ std::map<std::string, std::string> checkpoint_metadata(DP& dp, const ShardedSamp
                                          {"gradsync.world_size", metadata_number(std::uint64_t(dp.world_size()))}};
     if constexpr (requires { dp.loss_scaler().state; }) {
         const auto& s = dp.loss_scaler().state;
-        m["gradsync.loss_scale"] = metadata_number(s.scale);
+        // The scale in use: a scaler that has not stepped yet holds 0 for "the initial scale".
+        m["gradsync.loss_scale"] = metadata_number(dp.loss_scaler().scale());
         m["gradsync.good_steps"] = metadata_number(std::uint64_t(s.good_steps));
         m["gradsync.bad_steps"] = metadata_number(std::uint64_t(s.bad_steps));
     }

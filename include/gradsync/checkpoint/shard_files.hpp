@@ -240,27 +240,42 @@ inline ShardList shard_list_from_text(const std::string& text) {
                      j.at("hashes").get<std::vector<std::uint64_t>>()};
 }
 
-// Checks that `file` lists shard files exactly when sharded state is wanted (`arrays` not
-// empty), and that its list is well formed; puts the list's text in `text`. Empty or the problem.
-inline std::string read_shard_list(const SafetensorsFile& file, std::uint64_t step,
-                                   std::span<const ShardedArray> arrays, std::string& text) {
+// The files a checkpoint lists beside itself, one per rank: shard files of sharded optimizer
+// state, or rank files of state that differs by rank.
+struct FileListKind {
+    const char* key;       // in the checkpoint's metadata
+    const char* files;     // "shard", "rank"
+    const char* absent;    // "holds no " + absent + ", but 'x' is wanted"
+    const char* unwanted;  // "holds " + unwanted, when none is wanted
+};
+inline constexpr FileListKind shard_files{
+    "gradsync.shards", "shard", "sharded state",
+    "optimizer state split across the ranks in shard files; load it into a ShardedDataParallel, with "
+    "Checkpoint::add_shard for each state array"};
+inline constexpr FileListKind rank_files{
+    "gradsync.local", "rank", "state that differs by rank",
+    "state that differs by rank in files of each rank; load it with Checkpoint::add_local"};
+
+// Checks that `file` lists `kind`'s files exactly when such state is wanted (`arrays` not empty),
+// and that its list is well formed; puts the list's text in `text`. Empty or the problem.
+inline std::string read_file_list(const SafetensorsFile& file, const FileListKind& kind, std::uint64_t step,
+                                  std::span<const ShardedArray> arrays, std::string& text) {
     const std::string where = "gradsync: checkpoint " + file.path().string();
-    const auto it = file.metadata().find("gradsync.shards");
+    const std::string files = std::string(kind.files) + " file";
+    const auto it = file.metadata().find(kind.key);
     if (it == file.metadata().end())
-        return arrays.empty() ? "" : where + " holds no sharded state, but '" + arrays.front().name + "' is wanted";
-    if (arrays.empty())
-        return where +
-               " holds optimizer state split across the ranks in shard files; load it into a "
-               "ShardedDataParallel, with Checkpoint::add_shard for each state array";
+        return arrays.empty() ? ""
+                              : where + " holds no " + kind.absent + ", but '" + arrays.front().name + "' is wanted";
+    if (arrays.empty()) return where + " holds " + kind.unwanted;
     try {
         const auto list = shard_list_from_text(it->second);
         if (list.names.empty() || list.names.size() != list.hashes.size() || list.step != step)
-            return where + ": its list of shard files is inconsistent";
+            return where + ": its list of " + files + "s is inconsistent";
         for (const auto& name : list.names)
             if (name.empty() || std::filesystem::path(name).filename().string() != name)
-                return where + ": shard file name '" + excerpt(name) + "' is not a plain file name";
+                return where + ": " + files + " name '" + excerpt(name) + "' is not a plain file name";
     } catch (const std::exception&) {
-        return where + ": its list of shard files is unreadable: '" + excerpt(it->second) + "'";
+        return where + ": its list of " + files + "s is unreadable: '" + excerpt(it->second) + "'";
     }
     text = it->second;
     return {};

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <gradsync/backend/concepts.hpp>
+#include <gradsync/detail/deadline.hpp>
 #include <gradsync/error.hpp>
 
 #include <chrono>
@@ -35,7 +36,7 @@ void run_guarded(Backend& backend, Engine& engine, std::chrono::milliseconds tim
         throw;
     } catch (const std::exception& e) {
         abort_group(backend, reason(e));
-        engine.drain(std::chrono::steady_clock::now() + timeout);
+        engine.drain(detail::deadline_after(timeout));
         end_step();
         throw;
     }
@@ -71,15 +72,17 @@ struct HandlesInFlight {
     }
 };
 
-// For a destructor: with collectives still in flight (a step cut short by an exception), aborts
-// the group with reason() and drains them. Never throws.
-template <class Backend, class Engine, class Reason>
-void abandon_in_flight(Backend& backend, Engine& engine, std::chrono::milliseconds timeout,
-                       const Reason& reason) noexcept {
+// For a front's destructor: with collectives still in flight (a step cut short by an exception),
+// aborts the group, saying that this rank destroyed its `front` in `step`, and drains them. Never
+// throws.
+template <class Backend, class Engine>
+void abandon_in_flight(Backend& backend, Engine& engine, std::chrono::milliseconds timeout, const char* front,
+                       std::uint64_t step) noexcept {
     try {
         if (!engine.in_flight()) return;
-        abort_group(backend, reason());
-        engine.drain(std::chrono::steady_clock::now() + timeout);
+        abort_group(backend, rank_prefix(backend.rank()) + " destroyed its " + front + " in step " +
+                                 std::to_string(step) + " with collectives in flight");
+        engine.drain(detail::deadline_after(timeout));
     } catch (...) {  // a destructor must not throw
     }
 }

@@ -309,4 +309,11 @@ void agree_on_layout(B& backend, std::span<const Parameter> params, std::span<co
     }
 }
 
+// Copies rank 0's parameter values into every rank's parameters (collective).
+template <class B>
+void broadcast_parameters(B& backend, std::span<const Parameter> params) {
+    if (backend.size() == 1) return;
+    for (const auto& p : params) backend.broadcast(std::span(static_cast<std::byte*>(p.data), p.bytes().count()), 0);
+}
+
 }  // namespace gradsync::inline v0::detail

@@ -2,6 +2,7 @@
 // the backend), e.g. DataParallel dp(model, backend, gradsync::Options{.find_unused_parameters = true}).
 #pragma once
 
+#include <gradsync/detail/number_text.hpp>
 #include <gradsync/detail/policy.hpp>
 
 #include <chrono>
@@ -68,9 +69,8 @@ struct Options {
         if (timeout.count() <= 0)
             return "Options::timeout is " + std::to_string(timeout.count()) + " ms; it must be above 0";
         if (!(clip_norm >= 0) || !std::isfinite(clip_norm))
-            return "Options::clip_norm is " + std::to_string(clip_norm) +
-                   "; it must be finite and at least 0 (0: no "
-                   "clipping)";
+            return "Options::clip_norm is " + detail::exact_text(clip_norm) +
+                   "; it must be finite and at least 0 (0: no clipping)";
         return {};
     }
 

@@ -5,8 +5,9 @@
 #pragma once
 
 #include <gradsync/data_parallel/options.hpp>
+#include <gradsync/detail/number_text.hpp>
+#include <gradsync/detail/policy.hpp>
 
-#include <concepts>  // for std::convertible_to
 #include <string>
 #include <vector>
 
@@ -17,16 +18,10 @@ struct Setting {
     std::string value;
 };
 
-// A policy's settings() (every built-in policy has one); a policy of the user's own without one
-// is agreed by its kind only.
-template <class P>
+// A policy's settings() (every policy has one: detail::has_settings).
+template <has_settings P>
 std::string settings_of(const P& p) {
-    if constexpr (requires {
-                      { p.settings() } -> std::convertible_to<std::string>;
-                  })
-        return p.settings();
-    else
-        return "a policy without settings()";
+    return p.settings();
 }
 
 // What is wrong with a policy on its own (its invalid(), where it has one), or "".
@@ -57,7 +52,7 @@ std::vector<Setting> agreed_settings(const Bucketer& bucketer, const Memory& mem
             {"Options::find_unused_parameters", options.find_unused_parameters ? "true" : "false"},
             {"Options::rebuild_buckets", options.rebuild_buckets ? "true" : "false"},
             {"Options::autotune_buckets", autotunes ? "true" : "false"},
-            {"Options::clip_norm", std::to_string(options.clip_norm)},
+            {"Options::clip_norm", exact_text(options.clip_norm)},
             {"Options::check_histories", options.check_histories.value_or(!device_backend) ? "true" : "false"},
             {"Options::check_replicas_every", std::to_string(options.replica_check_interval(device_memory))}};
 }

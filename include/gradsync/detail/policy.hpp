@@ -4,6 +4,8 @@
 
 #include <gradsync/detail/meta.hpp>
 
+#include <concepts>  // for std::convertible_to
+#include <string>
 #include <tuple>
 #include <type_traits>
 
@@ -51,6 +53,14 @@ concept is_policy = requires {
     typename P::policy_category;
 };
 
+// What every policy says of itself (Options aside, whose fields are agreed one by one): the text
+// every rank must agree on at construction, with each value that changes the result written
+// exactly (numbers as detail::exact_text writes them).
+template <class P>
+concept has_settings = requires(const P& p) {
+    { p.settings() } -> std::convertible_to<std::string>;
+};
+
 // P's category, or void for a type that is no policy (reported by check_policy).
 template <class P>
 struct category_of {
@@ -76,6 +86,11 @@ constexpr bool check_policy() {
     static_assert(is_policy<P>,
                   "gradsync: a DataParallel template argument after Model and Backend is not a "
                   "policy (it has no `policy_category` member type); see detail/policy.hpp");
+    if constexpr (is_policy<P>)
+        static_assert(std::is_same_v<typename P::policy_category, policy_category::options> || has_settings<P>,
+                      "gradsync: a policy needs `std::string settings() const`: the text every rank must agree on "
+                      "at construction, with every value that changes the result written exactly, so that ranks "
+                      "given different settings fail there rather than train apart");
     return true;
 }
 

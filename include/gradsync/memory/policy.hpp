@@ -8,6 +8,7 @@
 #include <gradsync/buffer.hpp>
 #include <gradsync/bytes.hpp>
 #include <gradsync/detail/meta.hpp>
+#include <gradsync/detail/policy.hpp>
 #include <gradsync/dtype.hpp>
 
 #include <concepts>  // for std::same_as, std::convertible_to
@@ -25,8 +26,9 @@ struct StepVerdict {
 };
 
 template <class M>
-concept MemoryPolicy = requires(M& m, const M& cm, std::span<const Segment> segs, DType t, Bytes size, std::byte* bytes,
-                                double factor, std::size_t slot) {
+concept MemoryPolicy = detail::has_settings<M> &&
+    requires(M& m, const M& cm, std::span<const Segment> segs, DType t, Bytes size, std::byte* bytes, double factor,
+             std::size_t slot) {
     typename M::Storage;
     typename M::Table;
     { M::on_device } -> std::convertible_to<bool>;

@@ -8,13 +8,13 @@
 // too small to gain are averaged exactly, in one allreduce per bucket.
 #pragma once
 
+#include <gradsync/detail/number_text.hpp>
 #include <gradsync/reduction/comm_hook.hpp>
 
 #include <algorithm>  // for std::min
 #include <cmath>      // for std::sqrt, std::isfinite
 #include <cstddef>
 #include <cstdint>
-#include <cstdio>  // for std::snprintf
 #include <limits>
 #include <map>
 #include <optional>
@@ -53,7 +53,7 @@ public:
         return "PowerSGD rank " + std::to_string(config_.rank) + ", error feedback " +
                (config_.error_feedback ? "on" : "off") + ", warm start " + (config_.warm_start ? "on" : "off") +
                ", seed " + std::to_string(config_.seed) + ", min compression rate " +
-               exact_text(config_.min_compression_rate);
+               detail::exact_text(config_.min_compression_rate);
     }
     [[nodiscard]] std::string invalid() const {
         if (config_.rank == 0) return "PowerSGD's rank must be at least 1";
@@ -259,16 +259,13 @@ private:
     }
 
     // The value's every bit, as text (settings are agreed exactly).
-    static std::string exact_text(double v) {
-        char text[64];
-        std::snprintf(text, sizeof text, "%.17g", v);
-        return text;
-    }
     static bool all_finite(std::span<const float> v) {
         for (float x : v)
             if (!std::isfinite(x)) return false;
         return true;
     }
+    // Byte-wise FNV-1a of the parameter's name (with this basis: it picks each matrix's first Q,
+    // which the tests' tolerances were measured with).
     static std::uint64_t name_hash(const std::string& name) {
         std::uint64_t h = 1469598103934665603ull;
         for (unsigned char c : name) h = (h ^ c) * 1099511628211ull;

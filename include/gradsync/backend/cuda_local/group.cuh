@@ -6,6 +6,7 @@
 #include <gradsync/backend/collective.hpp>
 #include <gradsync/backend/detail/rendezvous.hpp>
 #include <gradsync/cuda/check.hpp>
+#include <gradsync/detail/deadline.hpp>
 
 #include <cuda_runtime.h>
 
@@ -70,7 +71,7 @@ public:
         : done_(std::move(done)),
           group_(std::move(group)),
           what_(std::move(what)),
-          deadline_(std::chrono::steady_clock::now() + group_->options.timeout) {}
+          deadline_(detail::deadline_after(group_->options.timeout)) {}
 
     [[nodiscard]] bool ready() const {
         if (!done_ || group_->meet.failed()) return true;

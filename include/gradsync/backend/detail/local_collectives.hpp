@@ -5,6 +5,7 @@
 #pragma once
 
 #include <gradsync/backend/collective.hpp>
+#include <gradsync/detail/deadline.hpp>
 #include <gradsync/detail/host_reduce.hpp>
 #include <gradsync/backend/detail/local_group.hpp>
 #include <gradsync/backend/detail/segment_cursor.hpp>
@@ -37,7 +38,7 @@ public:
 
     // Runs one collective for `rank` on the calling thread.
     void execute(int rank, const LocalCall& call) {
-        auto deadline = std::chrono::steady_clock::now() + options_.timeout;
+        auto deadline = detail::deadline_after(options_.timeout);
         throw_if_aborted(rank, call);
         ranks_[idx(rank)].calls_entered.store(call.seq, std::memory_order_relaxed);
         if (size_ == 1) return execute_alone(rank, call);

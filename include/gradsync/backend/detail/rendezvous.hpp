@@ -5,6 +5,7 @@
 // The device LocalBackend (cuda/local_backend.cuh) is built on it.
 #pragma once
 
+#include <gradsync/detail/deadline.hpp>
 #include <gradsync/error.hpp>
 
 #include <chrono>
@@ -38,7 +39,7 @@ public:
         auto& calls = calls_[round % 2];
         calls[me] = call;
         cv_.notify_all();
-        const auto deadline = std::chrono::steady_clock::now() + timeout_;
+        const auto deadline = detail::deadline_after(timeout_);
         const auto everyone_here = [&] {
             for (auto r : rounds_)
                 if (r < round) return false;

@@ -14,6 +14,7 @@
 #include <gradsync/backend/collective.hpp>
 #include <gradsync/backend/detail/watcher_thread.hpp>
 #include <gradsync/bytes.hpp>
+#include <gradsync/detail/deadline.hpp>
 #include <gradsync/dtype.hpp>
 #include <gradsync/error.hpp>
 
@@ -86,7 +87,8 @@ public:
     // Starts the thread that looks every `period` (once; a zero period starts none).
     void start(std::chrono::milliseconds period) {
         if (period.count() <= 0 || watcher_) return;
-        watcher_.emplace([period] { return clock::now() + period; }, [this] { check(); }, [this] { enter_thread(); });
+        watcher_.emplace([period] { return detail::deadline_after<clock>(period); }, [this] { check(); },
+                         [this] { enter_thread(); });
     }
 
     // Ends the thread; waiters still check. Idempotent.
@@ -113,7 +115,7 @@ public:
     // anyone (an abort request). Throws in the last three cases; the abort then runs as run() ends.
     template <class Poll>
     void settle(Poll&& poll, const std::string& what, std::chrono::milliseconds timeout) {
-        const auto deadline = clock::now() + timeout;
+        const auto deadline = detail::deadline_after<clock>(timeout);
         for (int round = 0;; ++round) {
             const QueueState state = poll();
             if (state) {

@@ -21,6 +21,8 @@
 #include <gradsync/backend/mpi/options.hpp>
 #include <gradsync/backend/mpi/reduction.hpp>
 #include <gradsync/backend/mpi/session.hpp>
+#include <gradsync/detail/deadline.hpp>
+#include <gradsync/detail/end_process.hpp>
 #include <gradsync/dtype.hpp>
 #include <gradsync/error.hpp>
 
@@ -29,7 +31,6 @@
 #include <climits>  // for INT_MAX
 #include <cstddef>
 #include <cstdio>      // for std::fprintf
-#include <cstdlib>     // for std::_Exit
 #include <exception>   // for std::uncaught_exceptions
 #include <functional>  // for std::function
 #include <memory>
@@ -97,7 +98,7 @@ public:
         async_.stop();  // drains: every queued collective ends, or the watcher ends the job
         watcher_.reset();
         const auto staying = departures_->leave(watch_->last_completed(), std::uncaught_exceptions() > 0,
-                                                std::chrono::steady_clock::now() + options_.timeout);
+                                                detail::deadline_after(options_.timeout));
         if (!staying.empty()) {
             std::string ranks;
             for (const int r : staying) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
@@ -288,11 +289,14 @@ private:
         end_job();
     }
 
+    // Once per process, whichever thread and backend get here first (detail/end_process.hpp).
     [[noreturn]] void end_job() {
-        // MPI_Abort while another thread may be inside MPI is only allowed at MPI_THREAD_MULTIPLE;
-        // below it, exiting without MPI_Finalize makes the launcher end the job just the same.
-        if (level_ == MPI_THREAD_MULTIPLE) MPI_Abort(comm_, 1);
-        std::_Exit(1);
+        detail::end_process_once([this] {
+            // MPI_Abort while another thread may be inside MPI is only allowed at
+            // MPI_THREAD_MULTIPLE; below it, exiting without MPI_Finalize makes the launcher end
+            // the job just the same.
+            if (level_ == MPI_THREAD_MULTIPLE) MPI_Abort(comm_, 1);
+        });
     }
 
     MpiOptions options_;

@@ -5,6 +5,7 @@
 
 #include <gradsync/backend/collective.hpp>  // for CollectiveCall
 #include <gradsync/backend/mpi/departures.hpp>
+#include <gradsync/detail/deadline.hpp>
 #include <gradsync/error.hpp>
 
 #include <algorithm>  // for std::min
@@ -36,7 +37,7 @@ public:
             throw CollectiveError(rank_prefix(rank_, size_) + ": " + call.describe() +
                                   " cannot complete: " + gone->describe());
         current_ = call;
-        deadline_ = Clock::now() + timeout_;
+        deadline_ = detail::deadline_after<Clock>(timeout_);
         busy_ = true;
     }
     // It ended, `completed` or by an exception.
@@ -54,10 +55,9 @@ public:
     // now when none runs (a collective that starts meanwhile has a later deadline, so nothing on
     // the collectives' path ever needs to wake the watcher); and every `poll` while polling.
     [[nodiscard]] Clock::time_point wake_at(std::optional<std::chrono::milliseconds> poll) {
-        const auto now = Clock::now();
         std::lock_guard lock(mutex_);
-        const auto due = busy_ ? deadline_ : now + timeout_;
-        return poll ? std::min(due, now + *poll) : due;
+        const auto due = busy_ ? deadline_ : detail::deadline_after<Clock>(timeout_);
+        return poll ? std::min(due, detail::deadline_after<Clock>(*poll)) : due;
     }
 
     // Peers that said farewell. When the running collective needs one of them it can never

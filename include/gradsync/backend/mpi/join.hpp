@@ -5,6 +5,8 @@
 
 #include <gradsync/backend/detail/watcher_thread.hpp>
 #include <gradsync/backend/mpi/mpi_api.hpp>
+#include <gradsync/detail/deadline.hpp>
+#include <gradsync/detail/end_process.hpp>
 #include <gradsync/environment.hpp>
 #include <gradsync/error.hpp>
 
@@ -134,7 +136,7 @@ inline MPI_Comm join_singletons(const ProcessPlace& place, std::chrono::seconds 
                               "torchrun does), the same for every rank");
     const RankClaim claim(service, place, who);
     std::atomic<int> joined{1};
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    const auto deadline = detail::deadline_after(timeout);
     WatcherThread watcher([deadline] { return deadline; },
                           [&] {
                               std::fprintf(stderr,
@@ -144,7 +146,7 @@ inline MPI_Comm join_singletons(const ProcessPlace& place, std::chrono::seconds 
                                            who.c_str(), static_cast<long long>(timeout.count()), joined.load(),
                                            place.world_size, join_advice(place).c_str());
                               std::fflush(stderr);
-                              MPI_Abort(MPI_COMM_SELF, 1);
+                              detail::end_process_once([] { MPI_Abort(MPI_COMM_SELF, 1); });
                           });
 
     ErrorsReturned self_errors(MPI_COMM_SELF);

@@ -7,6 +7,7 @@
 #include <gradsync/backend/detail/watchdog.hpp>
 #include <gradsync/backend/nccl/handle.hpp>
 #include <gradsync/cuda/check.hpp>
+#include <gradsync/detail/deadline.hpp>
 
 #include <cuda_runtime.h>
 #include <nccl.h>
@@ -85,8 +86,7 @@ struct NcclCommunicator {
             // Flush what is queued, by the deadline, then free; a communicator that cannot
             // be flushed in time is aborted below.
             ncclResult_t state = ncclCommFinalize(comm);
-            const auto deadline =
-                pending.count != 0 ? pending.latest_deadline : std::chrono::steady_clock::now() + timeout;
+            const auto deadline = pending.count != 0 ? pending.latest_deadline : detail::deadline_after(timeout);
             while (state == ncclInProgress && std::chrono::steady_clock::now() < deadline) {
                 std::this_thread::sleep_for(std::chrono::microseconds(200));
                 if (ncclCommGetAsyncError(comm, &state) != ncclSuccess) break;

@@ -11,6 +11,7 @@
 #include <gradsync/backend/nccl/handle.hpp>
 #include <gradsync/buffer.hpp>
 #include <gradsync/cuda/check.hpp>
+#include <gradsync/detail/deadline.hpp>
 #include <gradsync/dtype.hpp>
 
 #include <cuda_runtime.h>
@@ -66,7 +67,7 @@ inline NcclHandle nccl_track(NcclCommunicator& s, const CollectiveCall& call) {
     GRADSYNC_CUDA_CHECK(cudaEventRecord(event, s.stream));
     auto op = std::make_shared<WatchedOp>();
     op->call = call;
-    op->deadline = std::chrono::steady_clock::now() + s.timeout;
+    op->deadline = detail::deadline_after(s.timeout);
     op->event = event;
     s.watchdog->watch(op);
     return NcclHandle(std::move(op), s.watchdog, s.device);
