@@ -375,7 +375,7 @@ constexpr Bytes operator""_GiB(unsigned long long n) { return Bytes{n << 30}; }
 #ifndef GRADSYNC_SINGLE_ENVIRONMENT_HPP
 #define GRADSYNC_SINGLE_ENVIRONMENT_HPP
 // Where this process stands in a multi-process run: rank, world size, local rank and local world
-// size, read from the variables launchers set (torchrun and paddle.distributed.launch, Open MPI's
+// size, read from the variables launchers set (torchrun, paddle.distributed.launch, Open MPI's
 // mpirun, MPICH/PMI, Slurm's srun), with a clear error when they are missing or disagree.
 
 
@@ -428,10 +428,11 @@ struct Scheme {
     const char* local_size;
 };
 
-// Innermost launcher first: torchrun/Paddle's variables, then mpirun's (Open MPI, MPICH/PMI),
-// then Slurm's.
+// Innermost launcher first: torchrun's variables, paddle.distributed.launch's, then mpirun's (Open
+// MPI, MPICH/PMI), then Slurm's.
 inline constexpr Scheme schemes[] = {
     {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"},
+    {"PADDLE_TRAINER_ID", "PADDLE_TRAINERS_NUM", "PADDLE_RANK_IN_NODE", "PADDLE_LOCAL_SIZE"},
     {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"},
     {"PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"},
     {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", nullptr},

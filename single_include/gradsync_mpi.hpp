@@ -2786,7 +2786,7 @@ template <class End>
 #ifndef GRADSYNC_SINGLE_ENVIRONMENT_HPP
 #define GRADSYNC_SINGLE_ENVIRONMENT_HPP
 // Where this process stands in a multi-process run: rank, world size, local rank and local world
-// size, read from the variables launchers set (torchrun and paddle.distributed.launch, Open MPI's
+// size, read from the variables launchers set (torchrun, paddle.distributed.launch, Open MPI's
 // mpirun, MPICH/PMI, Slurm's srun), with a clear error when they are missing or disagree.
 
 
@@ -2839,10 +2839,11 @@ struct Scheme {
     const char* local_size;
 };
 
-// Innermost launcher first: torchrun/Paddle's variables, then mpirun's (Open MPI, MPICH/PMI),
-// then Slurm's.
+// Innermost launcher first: torchrun's variables, paddle.distributed.launch's, then mpirun's (Open
+// MPI, MPICH/PMI), then Slurm's.
 inline constexpr Scheme schemes[] = {
     {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"},
+    {"PADDLE_TRAINER_ID", "PADDLE_TRAINERS_NUM", "PADDLE_RANK_IN_NODE", "PADDLE_LOCAL_SIZE"},
     {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"},
     {"PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"},
     {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", nullptr},
@@ -2924,15 +2925,16 @@ namespace gradsync::inline v0::detail {
 inline MPI_Comm joined_world = MPI_COMM_NULL;
 
 // The variables that name a job, in the names its ranks meet under, so that jobs sharing a name
-// server never meet: ours, torchrun's run id and address, Slurm's job.
-inline constexpr const char* job_identity_variables[] = {"GRADSYNC_JOB_ID", "TORCHELASTIC_RUN_ID", "MASTER_ADDR",
-                                                         "MASTER_PORT", "SLURM_JOB_ID"};
+// server never meet: ours, torchrun's run id and address, paddle.distributed.launch's endpoints
+// (the address and port it chose for each rank), Slurm's job.
+inline constexpr const char* job_identity_variables[] = {"GRADSYNC_JOB_ID", "TORCHELASTIC_RUN_ID",      "MASTER_ADDR",
+                                                         "MASTER_PORT",     "PADDLE_TRAINER_ENDPOINTS", "SLURM_JOB_ID"};
 
 // The name the job's ranks meet under, or "" when nothing names the job.
-inline std::string join_service(const ProcessPlace& place) {
+inline std::string join_service(const ProcessPlace& place, EnvLookup lookup = real_env) {
     std::string identity;
     for (const char* variable : job_identity_variables)
-        if (auto value = real_env(variable)) identity += std::string(":") + variable + "=" + *value;
+        if (auto value = lookup(variable)) identity += std::string(":") + variable + "=" + *value;
     if (identity.empty()) return {};
     return "gradsync" + identity + ":world=" + std::to_string(place.world_size);
 }

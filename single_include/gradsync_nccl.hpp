@@ -2011,8 +2011,9 @@ inline WatchedDevice watched_device(NcclCommunicator* s) {
 #ifndef GRADSYNC_SINGLE_BACKEND_NCCL_PLACE_HPP
 #define GRADSYNC_SINGLE_BACKEND_NCCL_PLACE_HPP
 // One process per GPU, from the launcher's variables: which rank this is (process_place():
-// RANK/WORLD_SIZE/LOCAL_RANK as torchrun and paddle.distributed.launch set them, or Open MPI's,
-// PMI's, Slurm's), which GPU it drives (LOCAL_RANK among the visible ones, or the one GPU a rank
+// torchrun's RANK/WORLD_SIZE/LOCAL_RANK, paddle.distributed.launch's PADDLE_TRAINER_ID and the
+// rest, or Open MPI's, PMI's, Slurm's), which GPU it drives (the one paddle.distributed.launch
+// chose in FLAGS_selected_gpus, else LOCAL_RANK among the visible ones, or the one GPU a rank
 // sees when CUDA_VISIBLE_DEVICES gives each rank its own), and NCCL's unique id,
 // made the same on every rank without any exchange by NCCL's own mechanism: NCCL_COMM_ID names
 // the address rank 0's NCCL listens on, and every rank derives the id from it. Not included by
@@ -2023,7 +2024,7 @@ inline WatchedDevice watched_device(NcclCommunicator* s) {
 #ifndef GRADSYNC_SINGLE_ENVIRONMENT_HPP
 #define GRADSYNC_SINGLE_ENVIRONMENT_HPP
 // Where this process stands in a multi-process run: rank, world size, local rank and local world
-// size, read from the variables launchers set (torchrun and paddle.distributed.launch, Open MPI's
+// size, read from the variables launchers set (torchrun, paddle.distributed.launch, Open MPI's
 // mpirun, MPICH/PMI, Slurm's srun), with a clear error when they are missing or disagree.
 
 
@@ -2076,10 +2077,11 @@ struct Scheme {
     const char* local_size;
 };
 
-// Innermost launcher first: torchrun/Paddle's variables, then mpirun's (Open MPI, MPICH/PMI),
-// then Slurm's.
+// Innermost launcher first: torchrun's variables, paddle.distributed.launch's, then mpirun's (Open
+// MPI, MPICH/PMI), then Slurm's.
 inline constexpr Scheme schemes[] = {
     {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"},
+    {"PADDLE_TRAINER_ID", "PADDLE_TRAINERS_NUM", "PADDLE_RANK_IN_NODE", "PADDLE_LOCAL_SIZE"},
     {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"},
     {"PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"},
     {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", nullptr},
@@ -2144,6 +2146,8 @@ inline ProcessPlace process_place() { return detail::place_from(detail::real_env
 
 #include <nccl.h>
 
+#include <algorithm>  // for std::min
+#include <cstddef>
 #include <cstdlib>  // for setenv
 #include <string>
 
@@ -2159,9 +2163,19 @@ struct NcclPlace {
 namespace detail {
 
 // NCCL_COMM_ID when the user set it; else MASTER_ADDR and MASTER_PORT + 1, because torchrun's own
-// store already listens on MASTER_PORT.
+// store already listens on MASTER_PORT; else the endpoint paddle.distributed.launch reserved for
+// rank 0 (the first of PADDLE_TRAINER_ENDPOINTS).
 inline std::string nccl_comm_id(EnvLookup lookup, const ProcessPlace& place) {
     if (auto given = lookup("NCCL_COMM_ID")) return *given;
+    if (!lookup("MASTER_ADDR") && !lookup("MASTER_PORT")) {
+        if (auto endpoints = lookup("PADDLE_TRAINER_ENDPOINTS")) {
+            const auto first = endpoints->substr(0, endpoints->find(','));
+            if (first.find(':') == std::string::npos || first.back() == ':')
+                throw Error("gradsync: PADDLE_TRAINER_ENDPOINTS='" + *endpoints +
+                            "' does not begin with an address:port for rank 0");
+            return first;
+        }
+    }
     auto addr = lookup("MASTER_ADDR");
     auto port = lookup("MASTER_PORT");
     if (addr && port) {
@@ -2182,10 +2196,27 @@ inline NcclPlace nccl_place_from(EnvLookup lookup, int device_count, const std::
     p.place = place_from(lookup);
     const std::string who = rank_prefix(p.place.rank, p.place.world_size, p.place.source);
     if (device_count == 0) throw Error(who + " needs a CUDA device: " + why_none);
-    // LOCAL_RANK among the visible GPUs; or, where every rank sees one GPU of its own through
-    // CUDA_VISIBLE_DEVICES (as Slurm's --gpus-per-task=1 sets it), that one.
+    // The GPU paddle.distributed.launch chose; else LOCAL_RANK among the visible GPUs; or, where
+    // every rank sees one GPU of its own through CUDA_VISIBLE_DEVICES (as Slurm's
+    // --gpus-per-task=1 sets it), that one.
     const auto visible = lookup("CUDA_VISIBLE_DEVICES");
-    if (p.place.local_world_size <= device_count) {
+    if (auto selected = lookup("FLAGS_selected_gpus")) {  // paddle.distributed.launch --gpus
+        p.device = parse_count("FLAGS_selected_gpus", *selected);
+        if (visible) {  // a GPU that CUDA_VISIBLE_DEVICES lists is numbered by its place there
+            std::size_t begin = 0;
+            for (int index = 0; begin <= visible->size(); ++index) {
+                const auto end = std::min(visible->find(',', begin), visible->size());
+                if (visible->substr(begin, end - begin) == *selected) {
+                    p.device = index;
+                    break;
+                }
+                begin = end + 1;
+            }
+        }
+        if (p.device >= device_count)
+            throw Error(who + ": FLAGS_selected_gpus=" + *selected + ", but this process sees " +
+                        std::to_string(device_count) + " CUDA device" + (device_count == 1 ? "" : "s"));
+    } else if (p.place.local_world_size <= device_count) {
         p.device = p.place.local_rank;
     } else if (visible && device_count == 1) {
         p.device = 0;

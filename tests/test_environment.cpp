@@ -26,6 +26,16 @@ TEST_CASE("each launcher's variables give the process's place") {
                        {"OMPI_COMM_WORLD_LOCAL_RANK", "2"},
                        {"OMPI_COMM_WORLD_LOCAL_SIZE", "3"}});
     CHECK(ompi == gradsync::ProcessPlace{2, 3, 2, 3, "OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE"});
+    auto paddle = place({{"PADDLE_TRAINER_ID", "3"},
+                         {"PADDLE_TRAINERS_NUM", "4"},
+                         {"PADDLE_RANK_IN_NODE", "1"},
+                         {"PADDLE_LOCAL_SIZE", "2"},
+                         {"PADDLE_TRAINER_ENDPOINTS", "10.0.0.1:6170,10.0.0.1:6171,10.0.0.2:6170,10.0.0.2:6171"},
+                         {"PADDLE_CURRENT_ENDPOINT", "10.0.0.2:6171"}});
+    CHECK(paddle == gradsync::ProcessPlace{3, 4, 1, 2, "PADDLE_TRAINER_ID/PADDLE_TRAINERS_NUM"});
+    // Older paddle.distributed.launch sets no PADDLE_LOCAL_SIZE: at least this many on the machine.
+    auto older = place({{"PADDLE_TRAINER_ID", "2"}, {"PADDLE_TRAINERS_NUM", "4"}, {"PADDLE_RANK_IN_NODE", "0"}});
+    CHECK(older == gradsync::ProcessPlace{2, 4, 0, 1, "PADDLE_TRAINER_ID/PADDLE_TRAINERS_NUM"});
     auto pmi = place({{"PMI_RANK", "0"}, {"PMI_SIZE", "2"}});
     CHECK(pmi.rank == 0);
     CHECK(pmi.world_size == 2);

@@ -118,3 +118,37 @@ TEST_CASE("missing or bad variables, no GPU, and more ranks than GPUs are errors
     CHECK(why.find("(Invalid NCCL_COMM_ID") != std::string::npos);
     CHECK(why.find("NCCL_COMM_ID=not an address") != std::string::npos);
 }
+
+TEST_CASE("paddle.distributed.launch's variables: the rank, the GPU it chose, and rank 0's endpoint as the address") {
+    std::map<std::string, std::string> env{
+        {"PADDLE_TRAINER_ID", "3"},
+        {"PADDLE_TRAINERS_NUM", "4"},
+        {"PADDLE_RANK_IN_NODE", "1"},
+        {"PADDLE_LOCAL_SIZE", "2"},
+        {"PADDLE_TRAINER_ENDPOINTS", "127.0.0.1:6170,127.0.0.1:6171,127.0.0.2:6170,127.0.0.2:6171"},
+        {"PADDLE_CURRENT_ENDPOINT", "127.0.0.2:6171"},
+        {"FLAGS_selected_gpus", "5"}};  // --gpus 4,5: the second process of the machine drives GPU 5
+    const auto r3 = place(env);
+    CHECK(r3.place == gradsync::ProcessPlace{3, 4, 1, 2, "PADDLE_TRAINER_ID/PADDLE_TRAINERS_NUM"});
+    CHECK(r3.device == 5);
+    CHECK(r3.comm_id == "127.0.0.1:6170");
+    env["PADDLE_TRAINER_ID"] = "0";
+    env["PADDLE_RANK_IN_NODE"] = "0";
+    env["FLAGS_selected_gpus"] = "4";
+    const auto r0 = place(env);
+    CHECK(r0.device == 4);
+    CHECK(same(r0.id, r3.id));
+    env["FLAGS_selected_gpus"] = "8";
+    CHECK(error_of(env) ==
+          "gradsync: rank 0 of 4 (PADDLE_TRAINER_ID/PADDLE_TRAINERS_NUM): FLAGS_selected_gpus=8, but this process "
+          "sees 8 CUDA devices");
+    env["FLAGS_selected_gpus"] = "5";
+    env["CUDA_VISIBLE_DEVICES"] = "4,5";  // GPU 5 is the second this process sees
+    CHECK(place(env, 2).device == 1);
+    env.erase("CUDA_VISIBLE_DEVICES");
+    env.erase("FLAGS_selected_gpus");  // every GPU visible and none chosen: the local rank picks
+    CHECK(place(env).device == 0);
+    env["PADDLE_TRAINER_ENDPOINTS"] = "6170";
+    CHECK(error_of(env).find("PADDLE_TRAINER_ENDPOINTS='6170' does not begin with an address:port") !=
+          std::string::npos);
+}

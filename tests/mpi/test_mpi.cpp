@@ -7,6 +7,7 @@
 #include <gradsync/gradsync.hpp>
 
 #include "mlp.hpp"
+#include "support/fake_env.hpp"
 #include "support/faulty_backend.hpp"
 #include "support/generic_trainer.hpp"
 #include "support/resume_run.hpp"
@@ -139,6 +140,19 @@ TEST_CASE("MpiBackend: allreduce sum and average, every floating dtype and algor
         check_all_ops<gradsync::float16>(n);
         check_all_ops<gradsync::bfloat16>(n);
     }
+}
+
+TEST_CASE("the name a job's ranks meet under: paddle.distributed.launch's endpoints name a job, and two jobs differ") {
+    const gradsync::ProcessPlace place{1, 4, 1, 2, "PADDLE_TRAINER_ID/PADDLE_TRAINERS_NUM"};
+    fake_env::variables = {{"PADDLE_TRAINER_ID", "1"}, {"PADDLE_TRAINERS_NUM", "4"}};
+    CHECK(gradsync::detail::join_service(place, fake_env::lookup).empty());  // nothing names it: refused
+    fake_env::variables["PADDLE_TRAINER_ENDPOINTS"] = "127.0.0.1:6170,127.0.0.1:6171,127.0.0.1:6172,127.0.0.1:6173";
+    const auto one = gradsync::detail::join_service(place, fake_env::lookup);
+    fake_env::variables["PADDLE_TRAINER_ENDPOINTS"] = "127.0.0.1:6270,127.0.0.1:6271,127.0.0.1:6272,127.0.0.1:6273";
+    const auto other = gradsync::detail::join_service(place, fake_env::lookup);
+    CHECK_FALSE(one.empty());
+    CHECK(one != other);
+    fake_env::variables.clear();
 }
 
 TEST_CASE("over MPI, a huge timeout means wait forever: overlapped steps with a slow rank reduce as usual") {

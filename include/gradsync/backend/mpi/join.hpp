@@ -29,15 +29,16 @@ namespace gradsync::inline v0::detail {
 inline MPI_Comm joined_world = MPI_COMM_NULL;
 
 // The variables that name a job, in the names its ranks meet under, so that jobs sharing a name
-// server never meet: ours, torchrun's run id and address, Slurm's job.
-inline constexpr const char* job_identity_variables[] = {"GRADSYNC_JOB_ID", "TORCHELASTIC_RUN_ID", "MASTER_ADDR",
-                                                         "MASTER_PORT", "SLURM_JOB_ID"};
+// server never meet: ours, torchrun's run id and address, paddle.distributed.launch's endpoints
+// (the address and port it chose for each rank), Slurm's job.
+inline constexpr const char* job_identity_variables[] = {"GRADSYNC_JOB_ID", "TORCHELASTIC_RUN_ID",      "MASTER_ADDR",
+                                                         "MASTER_PORT",     "PADDLE_TRAINER_ENDPOINTS", "SLURM_JOB_ID"};
 
 // The name the job's ranks meet under, or "" when nothing names the job.
-inline std::string join_service(const ProcessPlace& place) {
+inline std::string join_service(const ProcessPlace& place, EnvLookup lookup = real_env) {
     std::string identity;
     for (const char* variable : job_identity_variables)
-        if (auto value = real_env(variable)) identity += std::string(":") + variable + "=" + *value;
+        if (auto value = lookup(variable)) identity += std::string(":") + variable + "=" + *value;
     if (identity.empty()) return {};
     return "gradsync" + identity + ":world=" + std::to_string(place.world_size);
 }
