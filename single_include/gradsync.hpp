@@ -192,6 +192,14 @@ public:
     using Error::Error;
 };
 
+// The ranks' collective histories differ (found by comparing them, once per step where asked):
+// a rank launched other collectives, or stepped its DataParallel objects in another order. Thrown
+// on every rank with the same message, before any update.
+class HistoryMismatch : public CollectiveError, public RaisedOnEveryRank {
+public:
+    using CollectiveError::CollectiveError;
+};
+
 // The ranks are at different steps of the trainer (by the step numbers it passed): a rank skipped
 // or repeated an iteration. Thrown on every rank with the same message, before any update.
 class StepMismatch : public CollectiveError, public RaisedOnEveryRank {
@@ -3258,9 +3266,14 @@ protected:
         for (int s = 1; s < size_; ++s) {
             const LocalCall& other = ranks_[idx(s)].calls[parity];
             if (!other.same_as(ref)) {
+                // Alike but for the tag's fingerprint: the same call of another history.
+                const bool same_call = ref.describe() == other.describe();
                 fail(rank, call,
                      "collective mismatch: rank 0 is in " + ref.describe() + " but rank " + std::to_string(s) +
                          " is in " + other.describe() +
+                         (same_call ? " of another history (another DataParallel on this backend, or after "
+                                      "collectives that differed earlier)"
+                                    : std::string()) +
                          "; every rank must call the same collectives in the same order with the same sizes");
             }
         }
@@ -5166,8 +5179,12 @@ private:
 #endif  // GRADSYNC_SINGLE_DATA_PARALLEL_RANK_TABLE_HPP
 // ---- end gradsync/data_parallel/rank_table.hpp ----
 
+#include <chrono>
+#include <cstddef>  // for std::byte
 #include <cstdint>
 #include <optional>
+#include <random>  // for std::random_device
+#include <span>
 #include <string>
 #include <vector>
 
@@ -5186,6 +5203,22 @@ enum class CollectivePurpose : std::uint8_t {
 
 class CollectiveHistory {
 public:
+    // Gives this history an identity of its own, the same on every rank (collective: rank 0 draws
+    // it and broadcasts it), so that two wrappers of one model layout on one backend never issue
+    // matching collectives: a rank that steps them in another order is caught like any other
+    // divergence, instead of averaging one wrapper's gradients with the other's.
+    template <Backend B>
+    void take_identity(B& backend) {
+        std::uint64_t identity = 0;
+        if (backend.rank() == 0) {
+            std::random_device entropy;
+            identity = (std::uint64_t{entropy()} << 32) ^ entropy() ^
+                       static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+        }
+        if (backend.size() > 1) backend.broadcast(std::as_writable_bytes(std::span(&identity, 1)), 0);
+        fingerprint_ = fnv1a(fnv1a_basis, identity);
+    }
+
     // The tag of the next collective: `index` is the bucket's, or the buffer's.
     CollectiveTag next(CollectivePurpose purpose, std::int64_t step, std::size_t index, std::uint64_t bytes,
                        DType dtype) {
@@ -5204,7 +5237,7 @@ public:
     [[nodiscard]] std::uint64_t count() const { return count_; }
 
     // Compares every rank's history with rank 0's (one allreduce of a small table), and the
-    // trainer's step number where it passed one; throws the same CollectiveError (StepMismatch
+    // trainer's step number where it passed one; throws the same HistoryMismatch (StepMismatch
     // for the step numbers) on every rank when one differs.
     template <Backend B>
     void verify(B& backend, std::int64_t step, std::optional<std::uint64_t> trainer_step = {}) const {
@@ -5228,12 +5261,12 @@ public:
                                    "; a rank skipped or repeated an iteration, and its gradients were about to be "
                                    "averaged with another iteration's");
             if (table.same_as_rank0(r, fingerprint)) continue;
-            throw CollectiveError("gradsync: step " + std::to_string(step) +
+            throw HistoryMismatch("gradsync: step " + std::to_string(step) +
                                   ": the ranks' collective histories diverged: rank 0 issued " +
                                   std::to_string(table.at(0, count)) + " collectives and rank " + std::to_string(r) +
                                   " " + std::to_string(table.at(r, count)) +
                                   ", with different fingerprints; every rank must launch the same buckets in the "
-                                  "same order");
+                                  "same order, and step its DataParallel objects in the same order");
         }
     }
 
@@ -8644,6 +8677,7 @@ private:
                                   },
                                   [this] { return scaler_.scale(); }});
         broadcast_parameters();
+        history_.take_identity(backend_);
         detail::sync_buffers(backend_, buffers(), buffers_type::mode, true, history_, current_step());
         replanning_.adopt(std::move(agreed), [this](const BucketPlan& p) { setup_buckets(p); });
         replanning_.start(options_, Set::autotunes(options_), world_size(), readiness_);
@@ -9082,6 +9116,7 @@ public:
                                                     {"buffers", detail::buffer_sync_name(options_.buffers)}};
         detail::agree_on_layout(backend_, layout_.params, layout_.buffers, plan_, settings, problem);
         detail::broadcast_parameters(backend_, parameters());
+        history_.take_identity(backend_);
         detail::sync_buffers(backend_, buffers(), options_.buffers, /*at_construction=*/true, history_, 0);
         if (stage2()) grad_store_.assign(detail::ShardLayout<in_place>::shard_elements(plan_, world_size(), rank()), 0);
         shards_ = detail::ShardLayout<in_place>(layout_.params, plan_, world_size(), rank(),

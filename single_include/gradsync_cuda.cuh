@@ -203,6 +203,14 @@ public:
     using Error::Error;
 };
 
+// The ranks' collective histories differ (found by comparing them, once per step where asked):
+// a rank launched other collectives, or stepped its DataParallel objects in another order. Thrown
+// on every rank with the same message, before any update.
+class HistoryMismatch : public CollectiveError, public RaisedOnEveryRank {
+public:
+    using CollectiveError::CollectiveError;
+};
+
 // The ranks are at different steps of the trainer (by the step numbers it passed): a rank skipped
 // or repeated an iteration. Thrown on every rank with the same message, before any update.
 class StepMismatch : public CollectiveError, public RaisedOnEveryRank {

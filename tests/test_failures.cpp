@@ -105,7 +105,7 @@ TEST_CASE("a rank that vanishes in a collective: every rank's error names it as 
         timed_out = timed_out || o.kind == "timeout";
         if (&o == &out[1] && has(o, "injected fault: rank 1 allreduce #7")) continue;  // its own story
         CHECK(has(o, "step 1: bucket 1 of 4 (1.2 KiB, 1 parameters: 't2') was not reduced within 500 ms"));
-        CHECK(has(o, "Behind the furthest rank (7): rank 1 has entered 6 collectives;"));
+        CHECK(has(o, "Behind the furthest rank (8): rank 1 has entered 7 collectives;"));
     }
     CHECK(timed_out);  // whichever rank's deadline came first
 }
@@ -123,7 +123,7 @@ TEST_CASE("a rank stuck in backward: peers name the parameters it has not produc
         const auto& o = out[static_cast<std::size_t>(r)];
         CAPTURE(o.message);
         CHECK(has(o, "step 1: bucket 2 of 4 (800 B, 1 parameters: 't1') was not reduced within 500 ms"));
-        CHECK(has(o, "Behind the furthest rank (8): rank 2 has entered 7 collectives;"));
+        CHECK(has(o, "Behind the furthest rank (9): rank 2 has entered 8 collectives;"));
         CHECK(has(o,
                   "rank 2: in the backward of step 1, 2 of 4 buckets launched; bucket 2 waits for grad_ready of "
                   "'t1' (1 of 1 parameters)"));
@@ -140,6 +140,43 @@ TEST_CASE("a rank that reorders its collectives is caught at the first one out o
         CHECK(has(o, "collective mismatch: rank 0 is in allreduce #"));
         CHECK(has(o, " of 300 x float32 (1.2 KiB), average (step 1, bucket 1) but rank 1 is in allreduce #"));
         CHECK(has(o, " of 200 x float32 (800 B), average (step 1, bucket 2)"));
+    }
+}
+
+TEST_CASE("two DataParallel objects of one layout on one backend never average each other's gradients") {
+    // Rank 1 steps them in the other order: each collective meets the other wrapper's, alike in
+    // every size, and is refused on every rank instead of averaging across the wrappers.
+    std::vector<std::string> errors(2);
+    std::vector<int> wrong(2, 0);
+    gradsync::spawn(2, [&](LocalBackend& b) {
+        const auto r = static_cast<std::size_t>(b.rank());
+        Toy first({100, 200}, 0.0f), second({100, 200}, 0.0f);
+        DataParallel a(first, b), c(second, b);
+        first.fill_grads(b.rank());
+        second.fill_grads(b.rank());
+        a.synchronize();  // in the same order: each averages its own
+        c.synchronize();
+        for (std::size_t k = 0; k < 2; ++k)
+            if (first.tensors[k].g[5] != testing_support::expected_average<float>(2, k, 5) ||
+                second.tensors[k].g[5] != testing_support::expected_average<float>(2, k, 5))
+                ++wrong[r];
+        try {
+            if (b.rank() == 0) {
+                a.synchronize();
+                c.synchronize();
+            } else {
+                c.synchronize();
+                a.synchronize();
+            }
+        } catch (const gradsync::CollectiveError& e) {
+            errors[r] = e.what();
+        }
+    });
+    CHECK(wrong == std::vector<int>{0, 0});
+    for (const auto& e : errors) {
+        CAPTURE(e);
+        CHECK(e.find("collective mismatch: rank 0 is in allreduce #") != std::string::npos);
+        CHECK(e.find("of another history (another DataParallel on this backend") != std::string::npos);
     }
 }
 

@@ -41,7 +41,7 @@ TEST_CASE("history: verify() passes equal histories and fails every rank alike w
         if (backend.rank() == 2) (void)h.next(CollectivePurpose::bucket, 2, 0, 100, DType::float32);
         try {
             h.verify(backend, 2);
-        } catch (const gradsync::CollectiveError& e) {
+        } catch (const gradsync::HistoryMismatch& e) {  // raised on every rank alike: no abort
             errors[static_cast<std::size_t>(backend.rank())] = e.what();
         }
     });
@@ -49,6 +49,7 @@ TEST_CASE("history: verify() passes equal histories and fails every rank alike w
         CHECK(e == errors[0]);
         CHECK(e ==
               "gradsync: step 2: the ranks' collective histories diverged: rank 0 issued 2 collectives and rank 2 3, "
-              "with different fingerprints; every rank must launch the same buckets in the same order");
+              "with different fingerprints; every rank must launch the same buckets in the same order, and step its "
+              "DataParallel objects in the same order");
     }
 }

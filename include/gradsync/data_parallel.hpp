@@ -363,6 +363,7 @@ private:
                                   },
                                   [this] { return scaler_.scale(); }});
         broadcast_parameters();
+        history_.take_identity(backend_);
         detail::sync_buffers(backend_, buffers(), buffers_type::mode, true, history_, current_step());
         replanning_.adopt(std::move(agreed), [this](const BucketPlan& p) { setup_buckets(p); });
         replanning_.start(options_, Set::autotunes(options_), world_size(), readiness_);

@@ -106,6 +106,7 @@ public:
                                                     {"buffers", detail::buffer_sync_name(options_.buffers)}};
         detail::agree_on_layout(backend_, layout_.params, layout_.buffers, plan_, settings, problem);
         detail::broadcast_parameters(backend_, parameters());
+        history_.take_identity(backend_);
         detail::sync_buffers(backend_, buffers(), options_.buffers, /*at_construction=*/true, history_, 0);
         if (stage2()) grad_store_.assign(detail::ShardLayout<in_place>::shard_elements(plan_, world_size(), rank()), 0);
         shards_ = detail::ShardLayout<in_place>(layout_.params, plan_, world_size(), rank(),

@@ -155,6 +155,28 @@ TEST_CASE("the name a job's ranks meet under: paddle.distributed.launch's endpoi
     fake_env::variables.clear();
 }
 
+TEST_CASE(
+    "over MPI, two DataParallel objects of one layout stepped in another order on one rank are caught at that step") {
+    gradsync::MpiBackend backend;
+    testing_support::Toy first({100, 200}, 0.0f), second({100, 200}, 0.0f);
+    gradsync::DataParallel a(first, backend), c(second, backend);
+    const bool last = backend.rank() == world_size() - 1;
+    std::string what;
+    try {
+        first.fill_grads(backend.rank());
+        second.fill_grads(backend.rank());
+        // The step number is the same on every rank: only the wrappers' histories tell them apart.
+        auto& one = last ? c : a;
+        auto& other = last ? a : c;
+        one.synchronize(gradsync::StepNumber{0});
+        other.synchronize(gradsync::StepNumber{0});
+    } catch (const gradsync::CollectiveError& e) {
+        what = e.what();
+    }
+    CHECK(what.find("the ranks' collective histories diverged") != std::string::npos);
+    CHECK(same_on_every_rank(std::vector<char>(what.begin(), what.end())));
+}
+
 TEST_CASE("over MPI, a huge timeout means wait forever: overlapped steps with a slow rank reduce as usual") {
     gradsync::MpiOptions options;
     options.timeout = std::chrono::milliseconds::max();  // now + timeout would overflow

@@ -11,8 +11,12 @@
 #include <gradsync/detail/hash.hpp>
 #include <gradsync/error.hpp>
 
+#include <chrono>
+#include <cstddef>  // for std::byte
 #include <cstdint>
 #include <optional>
+#include <random>  // for std::random_device
+#include <span>
 #include <string>
 #include <vector>
 
@@ -31,6 +35,22 @@ enum class CollectivePurpose : std::uint8_t {
 
 class CollectiveHistory {
 public:
+    // Gives this history an identity of its own, the same on every rank (collective: rank 0 draws
+    // it and broadcasts it), so that two wrappers of one model layout on one backend never issue
+    // matching collectives: a rank that steps them in another order is caught like any other
+    // divergence, instead of averaging one wrapper's gradients with the other's.
+    template <Backend B>
+    void take_identity(B& backend) {
+        std::uint64_t identity = 0;
+        if (backend.rank() == 0) {
+            std::random_device entropy;
+            identity = (std::uint64_t{entropy()} << 32) ^ entropy() ^
+                       static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+        }
+        if (backend.size() > 1) backend.broadcast(std::as_writable_bytes(std::span(&identity, 1)), 0);
+        fingerprint_ = fnv1a(fnv1a_basis, identity);
+    }
+
     // The tag of the next collective: `index` is the bucket's, or the buffer's.
     CollectiveTag next(CollectivePurpose purpose, std::int64_t step, std::size_t index, std::uint64_t bytes,
                        DType dtype) {
@@ -49,7 +69,7 @@ public:
     [[nodiscard]] std::uint64_t count() const { return count_; }
 
     // Compares every rank's history with rank 0's (one allreduce of a small table), and the
-    // trainer's step number where it passed one; throws the same CollectiveError (StepMismatch
+    // trainer's step number where it passed one; throws the same HistoryMismatch (StepMismatch
     // for the step numbers) on every rank when one differs.
     template <Backend B>
     void verify(B& backend, std::int64_t step, std::optional<std::uint64_t> trainer_step = {}) const {
@@ -73,12 +93,12 @@ public:
                                    "; a rank skipped or repeated an iteration, and its gradients were about to be "
                                    "averaged with another iteration's");
             if (table.same_as_rank0(r, fingerprint)) continue;
-            throw CollectiveError("gradsync: step " + std::to_string(step) +
+            throw HistoryMismatch("gradsync: step " + std::to_string(step) +
                                   ": the ranks' collective histories diverged: rank 0 issued " +
                                   std::to_string(table.at(0, count)) + " collectives and rank " + std::to_string(r) +
                                   " " + std::to_string(table.at(r, count)) +
                                   ", with different fingerprints; every rank must launch the same buckets in the "
-                                  "same order");
+                                  "same order, and step its DataParallel objects in the same order");
         }
     }
 
