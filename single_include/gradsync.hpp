@@ -6769,6 +6769,16 @@ std::string find_model_problem(std::span<const Parameter> params, std::span<cons
     return {};
 }
 
+// A model with no parameter that has elements would have nothing averaged, and its ranks would
+// drift apart without a word: "" when it has one, else what to do. `listed`: how many the model
+// listed, empty ones included.
+inline std::string no_parameters_problem(std::span<const Parameter> params, std::size_t listed) {
+    if (!params.empty()) return {};
+    return "the model lists no parameter with elements (" + std::to_string(listed) +
+           " listed, all empty), so nothing would be averaged. A framework that makes its parameters at the first "
+           "forward (lazy modules) must run one forward before the model is wrapped";
+}
+
 // One tensor of the layout that must agree across ranks: a parameter or a buffer.
 struct LayoutEntry {
     bool is_buffer = false;
@@ -7983,6 +7993,7 @@ BucketPlan check_and_agree(BackendT& backend, const ModelLayout& layout, const t
     // Gradients may come later when storage is followed; not device gradients, which are checked
     // for contiguity now.
     const bool gradients_later = options.storage_may_move && !memory_type::on_device;
+    problems.model(no_parameters_problem(layout.params, layout.param_of_model_index.size()));
     problems.model(find_model_problem(layout.params, layout.buffers, backend, gradients_later));
     BucketPlan plan;
     if (!problems.any()) plan = bucketer.plan(layout.params, std::span<const std::size_t>{});
@@ -9093,6 +9104,9 @@ public:
                 problem = {detail::LocalProblem::Kind::configuration,
                            detail::rank_prefix(rank()) + ": ShardedDataParallel steps float32 parameters only; '" +
                                p.name + "' is " + to_string(p.dtype)};
+        if (const auto why = detail::no_parameters_problem(layout_.params, layout_.param_of_model_index.size());
+            !why.empty())
+            problem = {detail::LocalProblem::Kind::model, detail::rank_prefix(rank()) + ": " + why};
         if (!(options_.clip_norm >= 0))
             problem = {detail::LocalProblem::Kind::configuration,
                        detail::rank_prefix(rank()) + ": ShardedOptions::clip_norm must be at least 0, got " +

@@ -2,6 +2,7 @@
 // synchronize() (averaging, bucket order, packing), with errors raised on every rank alike.
 #include <gradsync/data_parallel.hpp>
 #include <gradsync/launch/spawn.hpp>
+#include <gradsync/sharded_data_parallel.hpp>
 
 #include <doctest/doctest.h>
 
@@ -178,6 +179,39 @@ TEST_CASE("zero-sized parameters are skipped, not an error") {
         dp.synchronize();
         CHECK(m.g[0] == 2.0f);
     });
+}
+
+TEST_CASE("a model whose parameters are all empty (made lazily, at the first forward) is refused on every rank") {
+    struct Lazy {
+        bool made = false;  // on one rank only: the other ranks' refusal must come from agreement
+        std::vector<float> w = std::vector<float>(4, 1.0f), g = std::vector<float>(4, 2.0f);
+        std::vector<gradsync::Parameter> parameters() {
+            if (made) return {gradsync::parameter("fc.weight", w, g)};
+            return {gradsync::Parameter{"fc.weight", nullptr, nullptr, 0, gradsync::DType::float32}};
+        }
+    };
+    std::vector<std::string> errors(2), sharded(2);
+    gradsync::spawn(2, [&](LocalBackend& b) {
+        const auto r = static_cast<std::size_t>(b.rank());
+        Lazy m;
+        m.made = b.rank() == 1;
+        try {
+            DataParallel dp(m, b);
+        } catch (const gradsync::Error& e) {
+            errors[r] = e.what();
+        }
+        try {
+            gradsync::ShardedDataParallel dp(m, b);
+        } catch (const gradsync::Error& e) {
+            sharded[r] = e.what();
+        }
+    });
+    for (const auto& e : {errors[0], errors[1], sharded[0], sharded[1]}) {
+        CAPTURE(e);
+        CHECK(e.find("rank 0") != std::string::npos);
+        CHECK(e.find("the model lists no parameter with elements (1 listed, all empty)") != std::string::npos);
+        CHECK(e.find("must run one forward before the model is wrapped") != std::string::npos);
+    }
 }
 
 TEST_CASE("memory held: bucket buffers only when packing") {

@@ -83,6 +83,9 @@ public:
                 problem = {detail::LocalProblem::Kind::configuration,
                            detail::rank_prefix(rank()) + ": ShardedDataParallel steps float32 parameters only; '" +
                                p.name + "' is " + to_string(p.dtype)};
+        if (const auto why = detail::no_parameters_problem(layout_.params, layout_.param_of_model_index.size());
+            !why.empty())
+            problem = {detail::LocalProblem::Kind::model, detail::rank_prefix(rank()) + ": " + why};
         if (!(options_.clip_norm >= 0))
             problem = {detail::LocalProblem::Kind::configuration,
                        detail::rank_prefix(rank()) + ": ShardedOptions::clip_norm must be at least 0, got " +

@@ -69,6 +69,16 @@ std::string find_model_problem(std::span<const Parameter> params, std::span<cons
     return {};
 }
 
+// A model with no parameter that has elements would have nothing averaged, and its ranks would
+// drift apart without a word: "" when it has one, else what to do. `listed`: how many the model
+// listed, empty ones included.
+inline std::string no_parameters_problem(std::span<const Parameter> params, std::size_t listed) {
+    if (!params.empty()) return {};
+    return "the model lists no parameter with elements (" + std::to_string(listed) +
+           " listed, all empty), so nothing would be averaged. A framework that makes its parameters at the first "
+           "forward (lazy modules) must run one forward before the model is wrapped";
+}
+
 // One tensor of the layout that must agree across ranks: a parameter or a buffer.
 struct LayoutEntry {
     bool is_buffer = false;

@@ -30,6 +30,7 @@ BucketPlan check_and_agree(BackendT& backend, const ModelLayout& layout, const t
     // Gradients may come later when storage is followed; not device gradients, which are checked
     // for contiguity now.
     const bool gradients_later = options.storage_may_move && !memory_type::on_device;
+    problems.model(no_parameters_problem(layout.params, layout.param_of_model_index.size()));
     problems.model(find_model_problem(layout.params, layout.buffers, backend, gradients_later));
     BucketPlan plan;
     if (!problems.any()) plan = bucketer.plan(layout.params, std::span<const std::size_t>{});
