@@ -4,10 +4,11 @@
 #pragma once
 
 #include <gradsync/checkpoint/safetensors_file.hpp>
+#include <gradsync/detail/number_text.hpp>
 #include <gradsync/dtype.hpp>
 #include <gradsync/launch/sampler.hpp>
 
-#include <charconv>  // for std::to_chars, std::from_chars
+#include <charconv>  // for std::from_chars
 #include <cmath>     // for std::isfinite
 #include <cstdint>
 #include <limits>
@@ -31,11 +32,7 @@ struct CheckpointScalars {
 };
 
 inline std::string metadata_number(std::uint64_t v) { return std::to_string(v); }
-inline std::string metadata_number(float v) {
-    char buf[32];
-    auto r = std::to_chars(buf, buf + sizeof buf, v);  // shortest text that reads back the same float
-    return std::string(buf, r.ptr);
-}
+inline std::string metadata_number(float v) { return exact_text(v); }  // reads back the same float
 
 // The checkpoint's metadata: the step, the world size, the loss scaler's state, the sampler's.
 template <class DP>
