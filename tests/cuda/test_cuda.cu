@@ -597,7 +597,8 @@ TEST_SUITE("gpu") {
             CHECK(report.overflowed == std::vector<std::string>{"p2"});
         }
         {
-            gradsync::NcclBackend<> backend(0, 1, 0, id, gradsync::NcclOptions{.compute_stream = stream});
+            // A communicator of its own: an NCCL id serves one initialization only.
+            gradsync::NcclBackend<> backend(0, 1, 0, nccl_id(), gradsync::NcclOptions{.compute_stream = stream});
             ScatteredDeviceModel model;
             gradsync::DataParallel dp(model, backend, gradsync::CudaMemory{stream},
                                       gradsync::Options{.clip_norm = 1.0});

@@ -254,6 +254,27 @@ TEST_CASE("stand-in NCCL: two ranks on one device are refused as NCCL refuses th
     CHECK(got == std::vector<ncclResult_t>{ncclInvalidUsage, ncclInvalidUsage});
 }
 
+TEST_CASE("stand-in NCCL: an id from ncclGetUniqueId makes one communicator, and a second init with it is a misuse") {
+    ncclUniqueId id{};
+    REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
+    REQUIRE(cudaSetDevice(0) == cudaSuccess);
+    ncclComm_t first = nullptr, second = nullptr;
+    ncclResult_t again = ncclSuccess;
+    const auto misuses = misuses_of([&] {
+        REQUIRE(ncclCommInitRank(&first, 1, id, 0) == ncclSuccess);
+        again = ncclCommInitRank(&second, 1, id, 0);
+    });
+    CHECK(again == ncclRemoteError);
+    CHECK(second == nullptr);
+    CHECK(std::string(ncclGetLastError(nullptr)).find("serves one initialization") != std::string::npos);
+    CHECK(mentions(misuses, "this unique id's communicator was made already"));
+    CHECK(ncclCommDestroy(first) == ncclSuccess);
+    // A fresh id makes another.
+    REQUIRE(ncclGetUniqueId(&id) == ncclSuccess);
+    CHECK(ncclCommInitRank(&second, 1, id, 0) == ncclSuccess);
+    CHECK(ncclCommDestroy(second) == ncclSuccess);
+}
+
 TEST_CASE("stand-in NCCL: ncclCommSplit makes a communicator of each colour, ranked by key") {
     constexpr int n = 4;
     ncclUniqueId id{};

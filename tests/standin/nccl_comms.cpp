@@ -177,6 +177,12 @@ ncclResult_t ncclCommInitRankConfig(ncclComm_t* out, int nranks, ncclUniqueId id
     std::shared_ptr<Clique> clique;
     {
         std::lock_guard lock(r.mutex);
+        if (r.spent.contains(id_key(id)))
+            return refuse(nullptr, ncclRemoteError,
+                          "ncclCommInitRank: this unique id's communicator was made already, and an id from "
+                          "ncclGetUniqueId serves one initialization (NCCL fails it after its connection retries: "
+                          "remote process exited or there was a network error, connection refused)",
+                          true);
         auto& slot = r.joining[id_key(id)];
         clique = slot.lock();
         if (!clique) {
@@ -201,7 +207,10 @@ ncclResult_t ncclCommInitRankConfig(ncclComm_t* out, int nranks, ncclUniqueId id
             }
         }
         clique->members[std::size_t(rank)] = comm.get();
-        if (++clique->joined == nranks) r.joining.erase(id_key(id));  // the id may make a new clique now
+        if (++clique->joined == nranks) {
+            r.joining.erase(id_key(id));
+            if (id_key(id).starts_with("id ")) r.spent.insert(id_key(id));
+        }
         clique->changed.notify_all();
         comm->clique = clique;
         r.comms[comm.get()] = comm;

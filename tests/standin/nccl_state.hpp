@@ -11,6 +11,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <map>
+#include <set>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -76,6 +77,9 @@ struct Clique {
 struct NcclRegistry {
     std::mutex mutex;
     std::map<std::string, std::weak_ptr<Clique>> joining;  // by unique id, until full
+    // Ids from ncclGetUniqueId whose communicator is made: NCCL's root for such an id serves one
+    // initialization and is gone after it (an id from NCCL_COMM_ID is made anew each time).
+    std::set<std::string> spent;
     std::map<ncclComm*, std::shared_ptr<ncclComm>> comms;
     int in_progress_polls = 1;
 };
