@@ -90,3 +90,32 @@ TEST_CASE("launcher variables that are incomplete or damaged are errors") {
                          doctest::Contains("local rank 2 from LOCAL_RANK is not below the local world size 2"),
                          gradsync::Error);
 }
+
+TEST_CASE("a launcher's local rank and local world size are checked against where the processes lie") {
+    const gradsync::ProcessPlace mpi{5, 8, 1, 4, "MPI"};
+    // torchrun's LOCAL_RANK/LOCAL_WORLD_SIZE as MPI finds them: no problem.
+    auto launcher = place({{"RANK", "5"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "4"}});
+    CHECK(gradsync::detail::local_place_problem(launcher, mpi, fake_env::lookup).empty());
+    // Two torchruns of 2 on one machine: each says 2 here, MPI finds 4.
+    launcher = place({{"RANK", "5"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "2"}});
+    CHECK(gradsync::detail::local_place_problem(launcher, mpi, fake_env::lookup) ==
+          "gradsync: LOCAL_RANK/LOCAL_WORLD_SIZE say local rank 1 of 2 on this machine, but MPI finds 4 processes "
+          "of the job here, this one local rank 1: a GPU chosen by LOCAL_RANK could be another process's too. "
+          "Start one launcher per machine, or set LOCAL_RANK and LOCAL_WORLD_SIZE as the processes lie");
+    // Another local rank, the same size.
+    launcher = place({{"RANK", "5"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "3"}, {"LOCAL_WORLD_SIZE", "4"}});
+    CHECK(gradsync::detail::local_place_problem(launcher, mpi, fake_env::lookup).find("say local rank 3 of 4") !=
+          std::string::npos);
+    // paddle.distributed.launch's, checked alike.
+    launcher = place({{"PADDLE_TRAINER_ID", "5"},
+                      {"PADDLE_TRAINERS_NUM", "8"},
+                      {"PADDLE_RANK_IN_NODE", "0"},
+                      {"PADDLE_LOCAL_SIZE", "4"}});
+    CHECK(gradsync::detail::local_place_problem(launcher, mpi, fake_env::lookup)
+              .starts_with("gradsync: PADDLE_RANK_IN_NODE/PADDLE_LOCAL_SIZE say local rank 0 of 4"));
+    // Not said, not checked: no local variables, or only a local rank (Slurm has no local size here).
+    launcher = place({{"RANK", "5"}, {"WORLD_SIZE", "8"}});
+    CHECK(gradsync::detail::local_place_problem(launcher, mpi, fake_env::lookup).empty());
+    launcher = place({{"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "8"}, {"SLURM_LOCALID", "0"}});
+    CHECK(gradsync::detail::local_place_problem(launcher, mpi, fake_env::lookup).empty());
+}

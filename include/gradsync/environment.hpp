@@ -109,6 +109,25 @@ inline ProcessPlace place_from(EnvLookup lookup) {
     return found[0];
 }
 
+// Checks the launcher's local rank and local world size against those of `found` (MPI's: the
+// processes that share this machine), where the launcher set both: a launcher that numbers a
+// machine's processes otherwise than they lie (two torchruns on one machine, variables left over
+// from another run) would give two processes one GPU. Returns the problem, or nothing.
+inline std::string local_place_problem(const ProcessPlace& launcher, const ProcessPlace& found, EnvLookup lookup) {
+    for (const auto& s : schemes) {
+        if (launcher.source != std::string(s.rank) + "/" + s.size) continue;
+        if (s.local_size == nullptr || !lookup(s.local_rank) || !lookup(s.local_size)) return {};
+        if (launcher.local_rank == found.local_rank && launcher.local_world_size == found.local_world_size) return {};
+        return "gradsync: " + std::string(s.local_rank) + "/" + s.local_size + " say local rank " +
+               std::to_string(launcher.local_rank) + " of " + std::to_string(launcher.local_world_size) +
+               " on this machine, but " + found.source + " finds " + std::to_string(found.local_world_size) +
+               " processes of the job here, this one local rank " + std::to_string(found.local_rank) +
+               ": a GPU chosen by " + s.local_rank + " could be another process's too. Start one launcher per " +
+               "machine, or set " + s.local_rank + " and " + s.local_size + " as the processes lie";
+    }
+    return {};
+}
+
 }  // namespace detail
 
 // This process's place, from the environment the launcher left: where launchers are nested

@@ -24,6 +24,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>  // for setenv, unsetenv
 #include <cstring>
 #include <fstream>
 #include <optional>
@@ -130,6 +131,40 @@ TEST_CASE("MpiBackend: rank and size are the communicator's; the place agrees wi
     CHECK(from_env.world_size == place.world_size);
     CHECK(from_env.local_rank == place.local_rank);
     CHECK(from_env.local_world_size == place.local_world_size);
+}
+
+TEST_CASE("a launcher's LOCAL_RANK/LOCAL_WORLD_SIZE that differ from where MPI finds the processes are refused") {
+    if (world_size() < 2) return;  // one process is alone on its machine either way
+    // Each process told it is alone on its machine, as two launchers on one machine would.
+    struct Variable {
+        const char* name;
+        std::optional<std::string> old;
+    };
+    std::vector<Variable> saved;
+    auto set = [&](const char* name, const std::string& value) {
+        const char* old = std::getenv(name);
+        saved.push_back({name, old ? std::optional<std::string>(old) : std::nullopt});
+        setenv(name, value.c_str(), 1);
+    };
+    set("RANK", std::to_string(world_rank()));
+    set("WORLD_SIZE", std::to_string(world_size()));
+    set("LOCAL_RANK", "0");
+    set("LOCAL_WORLD_SIZE", "1");
+    std::string what;
+    try {
+        (void)gradsync::mpi_process_place();
+    } catch (const gradsync::Error& e) {
+        what = e.what();
+    }
+    for (const auto& v : saved) {
+        if (v.old)
+            setenv(v.name, v.old->c_str(), 1);
+        else
+            unsetenv(v.name);
+    }
+    CHECK(what.find("LOCAL_RANK/LOCAL_WORLD_SIZE say local rank 0 of 1 on this machine, but MPI finds " +
+                    std::to_string(world_size()) + " processes of the job here") != std::string::npos);
+    CHECK(gradsync::mpi_process_place().local_world_size == world_size());  // as the launcher says again
 }
 
 TEST_CASE("MpiBackend: allreduce sum and average, every floating dtype and algorithm, one or many pieces") {

@@ -109,7 +109,8 @@ inline MPI_Comm split_by_node(MPI_Comm comm, int rank) {
 // This process's place from MPI: rank and size in `comm`, local rank and size among the ranks
 // that share its machine. When a launcher's variables (process_place()) say otherwise for the
 // world, throws: the processes were started by a launcher that is not MPI's and MPI was
-// initialised without MpiSession, which would have joined them.
+// initialised without MpiSession, which would have joined them. Where they agree on the world
+// but set a local rank and size (LOCAL_RANK/LOCAL_WORLD_SIZE) that differ from MPI's, throws too.
 inline ProcessPlace mpi_process_place(MPI_Comm comm = mpi_world()) {
     ProcessPlace place;
     MPI_Comm_rank(comm, &place.rank);
@@ -130,6 +131,10 @@ inline ProcessPlace mpi_process_place(MPI_Comm comm = mpi_world()) {
                         ": these processes were not started by an MPI launcher, and MPI was initialised without "
                         "gradsync::MpiSession, which joins such processes. " +
                         detail::join_advice(launcher));
+        if (launcher.world_size > 1) {
+            if (auto problem = detail::local_place_problem(launcher, place, detail::real_env); !problem.empty())
+                throw Error(problem);
+        }
     }
     return place;
 }
