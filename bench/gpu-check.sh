@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # On a machine with a CUDA GPU: builds (nvcc, for sm_90 unless GRADSYNC_CUDA_ARCH says otherwise)
-# and runs every GPU test, the CUDA example and the GPU benchmark, each part under its own time
-# limit, and leaves at most four files in the results folder (first argument, default
-# gpu-check-results): summary.txt, environment.txt, logs.tar.gz (every part's output) and
-# bench_cuda.txt. The summary is printed last. Every part runs even when an earlier one failed; the
-# exit status is 1 when any part failed. Fits a 10-minute call on a 16-core machine.
+# and runs every GPU test, the CUDA example, the GPU benchmark and, where python3 has PyTorch, the
+# libtorch adapter's GPU test against that PyTorch's libtorch, each part under its own time limit,
+# and leaves at most four files in the results folder (first argument, default gpu-check-results):
+# summary.txt, environment.txt, logs.tar.gz (every part's output) and bench_cuda.txt. The summary
+# is printed last. Every part runs even when an earlier one failed; the exit status is 1 when any
+# part failed. Fits a 10-minute call on a 16-core machine.
 #
 #   bash bench/gpu-check.sh [results-folder]   build and run everything
 #   bash bench/gpu-check.sh --dry-run [folder]  find the tools, plan every part, run none
@@ -123,6 +124,8 @@ part() {
     fi
     echo "== $(date -u +%T) $name (limit $limit s)"
     local began=$SECONDS
+    # timeout runs programs only: a function of this script runs in a bash that has it exported.
+    if declare -F "$1" >/dev/null; then set -- bash -c '"$@"' "$1" "$@"; fi
     timeout --kill-after=10 "$limit" "$@" > "$log" 2>&1
     local rc=$?
     if ((rc == 0)); then
@@ -192,6 +195,9 @@ bench_cuda() {
     return "${PIPESTATUS[0]}"
 }
 
+export -f same_checksums example_env example_spawn example_local gpu_suite nccl_algo bench_cuda
+export build logs results
+
 {
     echo "gradsync GPU check, $(date -u +%FT%TZ)"
     nvidia-smi -L 2>/dev/null || echo "(nvidia-smi: no GPU listed)"
@@ -211,7 +217,28 @@ nvcc_flags=(-std=c++20 -O3 "-gencode=arch=compute_$arch,code=sm_$arch" -Iinclude
 cxx_flags=(-std=c++20 -O2 -Iinclude -Itests "${includes[@]}" -isystem "$cuda/include"
     "${nccl_link[@]}" "-Wl,-rpath,$nccl_lib" "-L$cuda/lib64" -lcudart -pthread)
 
+# PyTorch's libtorch, where python3 has torch: the adapter's GPU test is built against it beside the
+# rest and run last (its build is the slowest).
+torch_dir=$(python3 -c 'import os, torch; print(os.path.dirname(torch.__file__))' 2>/dev/null) || torch_dir=""
+torch_flags=()
+if [ -n "$torch_dir" ] && [ -d "$torch_dir/include/torch" ]; then
+    torch_abi=$(python3 -c 'import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))' 2>/dev/null || echo 1)
+    torch_flags=(-isystem "$torch_dir/include" -isystem "$torch_dir/include/torch/csrc/api/include"
+        "-D_GLIBCXX_USE_CXX11_ABI=$torch_abi" -cudart shared "-L$torch_dir/lib" -Xlinker --no-as-needed
+        -ltorch -ltorch_cuda -ltorch_cpu -lc10_cuda -lc10 -Xlinker "-rpath=$torch_dir/lib" -Xlinker "-rpath=$cuda/lib64")
+    echo "libtorch from $torch_dir (C++11 ABI $torch_abi)" | tee -a "$results/environment.txt"
+fi
+
 # The builds, side by side (nvcc is slow; the machine has the cores).
+if ((${#torch_flags[@]})); then
+    if ((dry_run)); then
+        part build.torch_cuda 0 420 "$nvcc" "${nvcc_flags[@]}" tests/cuda/test_torch_cuda.cu -o "$build/test_torch_cuda" "${torch_flags[@]}"
+    else
+        (part build.torch_cuda 0 420 "$nvcc" "${nvcc_flags[@]}" tests/cuda/test_torch_cuda.cu -o "$build/test_torch_cuda" \
+            "${torch_flags[@]}"; exit $failed) &
+        torch_build=$!
+    fi
+fi
 if ((dry_run)); then
     part build.test_cuda 0 300 "$nvcc" "${nvcc_flags[@]}" tests/cuda/test_cuda.cu -o "$build/test_cuda"
     part build.bench_cuda 0 300 "$nvcc" "${nvcc_flags[@]}" bench/bench_cuda.cu -o "$build/bench_cuda"
@@ -239,6 +266,13 @@ part example.one_process_per_gpu 1 60 example_env "$gpus"
 for n in 2 3 4; do part "example.local_ranks_$n" 1 60 example_local "$n"; done
 part nccl_algo 1 60 nccl_algo
 part bench_cuda 1 120 bench_cuda
+if ((${#torch_flags[@]})); then
+    if ((!dry_run)); then wait "$torch_build" || failed=1; fi
+    [ -x "$build/test_torch_cuda" ] || ((dry_run)) || echo "(no test_torch_cuda: its build failed)" > "$logs/tests.torch_cuda.txt"
+    part tests.torch_cuda 1 120 "$build/test_torch_cuda"
+else
+    printf '%-32s SKIPPED (python3 has no PyTorch to take libtorch from)\n' tests.torch_cuda >> "$summary"
+fi
 
 tar -czf "$results/logs.tar.gz" -C "$logs" . 2>/dev/null
 echo

@@ -23,7 +23,7 @@ check() {
 }
 plans_every_part() {
     for part in build.test_cuda build.bench_cuda build.train_mlp_nccl build.nccl_tests tests.cuda_host tests.cuda_gpu \
-        tests.nccl example.nccl_spawn example.one_process_per_gpu example.local_ranks_4 nccl_algo bench_cuda; do
+        tests.nccl example.nccl_spawn example.one_process_per_gpu example.local_ranks_4 nccl_algo bench_cuda tests.torch_cuda; do
         grep -q "^$part " "$work/results.$1/summary.txt" || fail "$1: part $part not planned"
     done
 }
