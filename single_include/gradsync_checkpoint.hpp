@@ -652,6 +652,7 @@ inline constexpr bool dependent_false = false;
 #endif  // GRADSYNC_SINGLE_DETAIL_META_HPP
 // ---- end gradsync/detail/meta.hpp ----
 
+#include <chrono>
 #include <concepts>  // for std::convertible_to
 #include <cstdint>
 #include <functional>  // for std::function
@@ -820,7 +821,23 @@ concept StreamOrdered = DeviceBackend<B> && requires(B& b, const B& cb, Buffer b
     b.wait_on_device(b.allreduce_async(buf, op));
 };
 
+// A backend that says by when each of its blocking collectives ends: options().timeout
+// (LocalBackend, MpiBackend).
+template <class B>
+concept TimedCollectives = Backend<B> && requires(const B& cb) {
+    { cb.options().timeout } -> std::convertible_to<std::chrono::milliseconds>;
+};
+
 namespace detail {
+
+// Whether b's blocking collectives end by `timeout` on their own; false where b does not say.
+template <Backend B>
+bool ends_within(const B& b, std::chrono::milliseconds timeout) {
+    if constexpr (TimedCollectives<B>)
+        return std::chrono::milliseconds(b.options().timeout) <= timeout;
+    else
+        return false;
+}
 
 template <class B>
 constexpr bool check_backend() {
@@ -6961,8 +6978,15 @@ private:
             if (overlapped) {
                 complete_readiness();
             } else if (backend_.size() > 1) {
-                for (std::size_t b = 0; b < plan().buckets.size(); ++b)
-                    engine_.reduce_now(b, tag_of(b, detail::CollectivePurpose::bucket));
+                // Run here where the backend's own deadline ends them by Options::timeout (the
+                // fastest way); else launched, and the wait below ends by Options::timeout.
+                const bool here = detail::ends_within(backend_, options_.timeout);
+                for (std::size_t b = 0; b < plan().buckets.size(); ++b) {
+                    if (here)
+                        engine_.reduce_now(b, tag_of(b, detail::CollectivePurpose::bucket));
+                    else
+                        engine_.launch(b, tag_of(b, detail::CollectivePurpose::bucket));
+                }
             }
             engine_.wait_all(detail::deadline_after(options_.timeout), [&](std::size_t b) {
                 return detail::diagnose_timeout(backend_, current_step(), plan(), parameters(), b, options_.timeout);

@@ -720,6 +720,7 @@ inline constexpr bool dependent_false = false;
 #endif  // GRADSYNC_SINGLE_DETAIL_META_HPP
 // ---- end gradsync/detail/meta.hpp ----
 
+#include <chrono>
 #include <concepts>  // for std::convertible_to
 #include <cstdint>
 #include <functional>  // for std::function
@@ -888,7 +889,23 @@ concept StreamOrdered = DeviceBackend<B> && requires(B& b, const B& cb, Buffer b
     b.wait_on_device(b.allreduce_async(buf, op));
 };
 
+// A backend that says by when each of its blocking collectives ends: options().timeout
+// (LocalBackend, MpiBackend).
+template <class B>
+concept TimedCollectives = Backend<B> && requires(const B& cb) {
+    { cb.options().timeout } -> std::convertible_to<std::chrono::milliseconds>;
+};
+
 namespace detail {
+
+// Whether b's blocking collectives end by `timeout` on their own; false where b does not say.
+template <Backend B>
+bool ends_within(const B& b, std::chrono::milliseconds timeout) {
+    if constexpr (TimedCollectives<B>)
+        return std::chrono::milliseconds(b.options().timeout) <= timeout;
+    else
+        return false;
+}
 
 template <class B>
 constexpr bool check_backend() {

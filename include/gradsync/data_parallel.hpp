@@ -268,8 +268,15 @@ private:
             if (overlapped) {
                 complete_readiness();
             } else if (backend_.size() > 1) {
-                for (std::size_t b = 0; b < plan().buckets.size(); ++b)
-                    engine_.reduce_now(b, tag_of(b, detail::CollectivePurpose::bucket));
+                // Run here where the backend's own deadline ends them by Options::timeout (the
+                // fastest way); else launched, and the wait below ends by Options::timeout.
+                const bool here = detail::ends_within(backend_, options_.timeout);
+                for (std::size_t b = 0; b < plan().buckets.size(); ++b) {
+                    if (here)
+                        engine_.reduce_now(b, tag_of(b, detail::CollectivePurpose::bucket));
+                    else
+                        engine_.launch(b, tag_of(b, detail::CollectivePurpose::bucket));
+                }
             }
             engine_.wait_all(detail::deadline_after(options_.timeout), [&](std::size_t b) {
                 return detail::diagnose_timeout(backend_, current_step(), plan(), parameters(), b, options_.timeout);

@@ -272,6 +272,7 @@ TEST_CASE("MpiBackend: scattered segments, large ones in place and small ones pa
 
 TEST_CASE("MpiBackend: reduce_scatter and all_gather, sizes that do not divide by the ranks, in one or many rounds") {
     static_assert(gradsync::ShardedCollectives<gradsync::MpiBackend>);
+    static_assert(gradsync::TimedCollectives<gradsync::MpiBackend>);  // its deadline is known
     static_assert(gradsync::detail::check_sharded_collectives<gradsync::MpiBackend>());
     gradsync::MpiOptions small_rounds;
     small_rounds.chunk = 4_KiB;  // 64 Ki elements in dozens of rounds
