@@ -2938,6 +2938,28 @@ inline std::string local_place_problem(const ProcessPlace& launcher, const Proce
     return {};
 }
 
+// Where an MPI launcher (mpirun, mpiexec) started this process as MPI numbers it (`mpi`) but the
+// innermost launcher's variables (`launcher`: torchrun's RANK, say) give another rank: those
+// were handed to every process (exported in the shell, or passed with mpirun -x), so every
+// process would claim the same rank. Returns the problem, or nothing.
+inline std::string exported_rank_problem(const ProcessPlace& launcher, const ProcessPlace& mpi, EnvLookup lookup) {
+    if (launcher.rank == mpi.rank && launcher.world_size == mpi.world_size) return {};
+    for (const auto& s : schemes) {
+        const std::string source = std::string(s.rank) + "/" + s.size;
+        if (!source.starts_with("OMPI_") && !source.starts_with("PMI_")) continue;
+        if (source == launcher.source) return {};
+        const auto rank = lookup(s.rank), size = lookup(s.size);
+        if (!rank || !size || parse_count(s.rank, *rank) != mpi.rank || parse_count(s.size, *size) != mpi.world_size)
+            continue;
+        return "gradsync: " + launcher.source + " say rank " + std::to_string(launcher.rank) + " of " +
+               std::to_string(launcher.world_size) + ", but an MPI launcher started this process as rank " +
+               std::to_string(mpi.rank) + " of " + std::to_string(mpi.world_size) + " (" + source +
+               "): " + launcher.source + " were given to every process (exported in the shell, or passed with " +
+               "mpirun -x). Unset them when starting with mpirun, or start the processes with torchrun alone";
+    }
+    return {};
+}
+
 }  // namespace detail
 
 // This process's place, from the environment the launcher left: where launchers are nested
@@ -3299,6 +3321,8 @@ inline ProcessPlace mpi_process_place(MPI_Comm comm = mpi_world()) {
     MPI_Comm_compare(comm, mpi_world(), &same);
     if (same == MPI_IDENT || same == MPI_CONGRUENT) {
         const auto launcher = process_place();
+        if (auto problem = detail::exported_rank_problem(launcher, place, detail::real_env); !problem.empty())
+            throw Error(problem);
         if (launcher.world_size > 1 && (launcher.rank != place.rank || launcher.world_size != place.world_size))
             throw Error("gradsync: " + launcher.source + " say rank " + std::to_string(launcher.rank) + " of " +
                         std::to_string(launcher.world_size) + " but MPI says rank " + std::to_string(place.rank) +

@@ -119,3 +119,26 @@ TEST_CASE("a launcher's local rank and local world size are checked against wher
     launcher = place({{"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "8"}, {"SLURM_LOCALID", "0"}});
     CHECK(gradsync::detail::local_place_problem(launcher, mpi, fake_env::lookup).empty());
 }
+
+TEST_CASE("RANK/WORLD_SIZE handed to every process that mpirun started are named as such") {
+    const gradsync::ProcessPlace mpi{2, 4, 2, 4, "MPI"};
+    const std::map<std::string, std::string> mpirun = {{"OMPI_COMM_WORLD_RANK", "2"},
+                                                       {"OMPI_COMM_WORLD_SIZE", "4"},
+                                                       {"OMPI_COMM_WORLD_LOCAL_RANK", "2"},
+                                                       {"OMPI_COMM_WORLD_LOCAL_SIZE", "4"}};
+    auto env = mpirun;
+    env.insert({{"RANK", "0"}, {"WORLD_SIZE", "4"}});
+    auto launcher = place(env);
+    CHECK(launcher.source == "RANK/WORLD_SIZE");  // the innermost launcher's, as ever
+    CHECK(gradsync::detail::exported_rank_problem(launcher, mpi, fake_env::lookup) ==
+          "gradsync: RANK/WORLD_SIZE say rank 0 of 4, but an MPI launcher started this process as rank 2 of 4 "
+          "(OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE): RANK/WORLD_SIZE were given to every process (exported in "
+          "the shell, or passed with mpirun -x). Unset them when starting with mpirun, or start the processes with "
+          "torchrun alone");
+    // Agreeing with MPI, or mpirun's own variables, or no MPI launcher at all: no such problem.
+    env["RANK"] = "2";
+    CHECK(gradsync::detail::exported_rank_problem(place(env), mpi, fake_env::lookup).empty());
+    CHECK(gradsync::detail::exported_rank_problem(place(mpirun), mpi, fake_env::lookup).empty());
+    launcher = place({{"RANK", "0"}, {"WORLD_SIZE", "4"}});
+    CHECK(gradsync::detail::exported_rank_problem(launcher, mpi, fake_env::lookup).empty());
+}

@@ -28,8 +28,10 @@
 #include <cstring>
 #include <fstream>
 #include <optional>
+#include <string>
 #include <thread>
 #include <type_traits>  // for std::type_identity
+#include <utility>      // for std::pair
 #include <vector>
 
 using namespace gradsync::literals;
@@ -133,38 +135,79 @@ TEST_CASE("MpiBackend: rank and size are the communicator's; the place agrees wi
     CHECK(from_env.local_world_size == place.local_world_size);
 }
 
-TEST_CASE("a launcher's LOCAL_RANK/LOCAL_WORLD_SIZE that differ from where MPI finds the processes are refused") {
-    if (world_size() < 2) return;  // one process is alone on its machine either way
-    // Each process told it is alone on its machine, as two launchers on one machine would.
-    struct Variable {
-        const char* name;
-        std::optional<std::string> old;
-    };
-    std::vector<Variable> saved;
-    auto set = [&](const char* name, const std::string& value) {
-        const char* old = std::getenv(name);
-        saved.push_back({name, old ? std::optional<std::string>(old) : std::nullopt});
-        setenv(name, value.c_str(), 1);
-    };
-    set("RANK", std::to_string(world_rank()));
-    set("WORLD_SIZE", std::to_string(world_size()));
-    set("LOCAL_RANK", "0");
-    set("LOCAL_WORLD_SIZE", "1");
-    std::string what;
+namespace {
+
+// Sets environment variables for its lifetime, and puts back what was there.
+class EnvOverride {
+public:
+    EnvOverride() = default;
+    EnvOverride(const EnvOverride&) = delete;
+    EnvOverride& operator=(const EnvOverride&) = delete;
+    ~EnvOverride() {
+        for (auto it = saved_.rbegin(); it != saved_.rend(); ++it) {
+            if (it->second)
+                setenv(it->first.c_str(), it->second->c_str(), 1);
+            else
+                unsetenv(it->first.c_str());
+        }
+    }
+    void set(const std::string& name, const std::string& value) {
+        const char* old = std::getenv(name.c_str());
+        saved_.emplace_back(name, old ? std::optional<std::string>(old) : std::nullopt);
+        setenv(name.c_str(), value.c_str(), 1);
+    }
+
+private:
+    std::vector<std::pair<std::string, std::optional<std::string>>> saved_;
+};
+
+// What mpi_process_place() throws, or "".
+std::string place_refusal() {
     try {
         (void)gradsync::mpi_process_place();
     } catch (const gradsync::Error& e) {
-        what = e.what();
+        return e.what();
     }
-    for (const auto& v : saved) {
-        if (v.old)
-            setenv(v.name, v.old->c_str(), 1);
-        else
-            unsetenv(v.name);
+    return {};
+}
+
+}  // namespace
+
+TEST_CASE("a launcher's LOCAL_RANK/LOCAL_WORLD_SIZE that differ from where MPI finds the processes are refused") {
+    if (world_size() < 2) return;  // one process is alone on its machine either way
+    std::string what;
+    {
+        // Each process told it is alone on its machine, as two launchers on one machine would.
+        EnvOverride env;
+        env.set("RANK", std::to_string(world_rank()));
+        env.set("WORLD_SIZE", std::to_string(world_size()));
+        env.set("LOCAL_RANK", "0");
+        env.set("LOCAL_WORLD_SIZE", "1");
+        what = place_refusal();
     }
     CHECK(what.find("LOCAL_RANK/LOCAL_WORLD_SIZE say local rank 0 of 1 on this machine, but MPI finds " +
                     std::to_string(world_size()) + " processes of the job here") != std::string::npos);
     CHECK(gradsync::mpi_process_place().local_world_size == world_size());  // as the launcher says again
+}
+
+TEST_CASE("RANK and WORLD_SIZE handed to every process mpirun started are named as such (not as a missing join)") {
+    if (world_size() < 2 || std::getenv("OMPI_COMM_WORLD_SIZE") == nullptr) return;  // started by mpirun only
+    std::string what;
+    {
+        EnvOverride env;
+        env.set("RANK", "0");
+        env.set("WORLD_SIZE", std::to_string(world_size()));
+        what = place_refusal();
+    }
+    if (world_rank() == 0) {
+        CHECK(what.empty());  // rank 0 of them all is right here
+    } else {
+        CAPTURE(what);
+        CHECK(what.find("RANK/WORLD_SIZE say rank 0 of " + std::to_string(world_size()) +
+                        ", but an MPI launcher started this process as rank " + std::to_string(world_rank())) !=
+              std::string::npos);
+        CHECK(what.find("were given to every process") != std::string::npos);
+    }
 }
 
 TEST_CASE("MpiBackend: allreduce sum and average, every floating dtype and algorithm, one or many pieces") {

@@ -124,6 +124,8 @@ inline ProcessPlace mpi_process_place(MPI_Comm comm = mpi_world()) {
     MPI_Comm_compare(comm, mpi_world(), &same);
     if (same == MPI_IDENT || same == MPI_CONGRUENT) {
         const auto launcher = process_place();
+        if (auto problem = detail::exported_rank_problem(launcher, place, detail::real_env); !problem.empty())
+            throw Error(problem);
         if (launcher.world_size > 1 && (launcher.rank != place.rank || launcher.world_size != place.world_size))
             throw Error("gradsync: " + launcher.source + " say rank " + std::to_string(launcher.rank) + " of " +
                         std::to_string(launcher.world_size) + " but MPI says rank " + std::to_string(place.rank) +
