@@ -4,12 +4,13 @@ LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT, none of them started by mpirun. M
 peers through a name server, so this starts one (Open MPI's ompi-server) and names it to every
 process in OMPI_MCA_pmix_server_uri, as README.md tells users to.
 
-usage: env_launch.py [--ranks 0,2 | --torchrun] [--jobs K] [--bare] [--timeout SECONDS] N command args...
+usage: env_launch.py [--ranks 0,2 | --torchrun] [--jobs K] [--bare] [--job-id TEXT] [--timeout SECONDS] N command args...
   --ranks     start only these ranks (the others never arrive)
   --torchrun  let torchrun start them (`--redirects 1 --tee 1` works around Debian's torch 1.13,
               whose torchrun fails on Python 3.11 with its default of 0)
   --jobs      start K jobs of N ranks at once, each with its own MASTER_PORT, sharing the server
   --bare      no MASTER_ADDR or MASTER_PORT: nothing names the job
+  --job-id    GRADSYNC_JOB_ID for every process
 Prints every process's output, each line prefixed with its rank. When a process fails, the others
 are killed 5 s later, as torchrun does; exits with the first nonzero status, or 1 when the
 processes are still running at the timeout (they are killed).
@@ -31,7 +32,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch(n, command, ranks=None, timeout=300.0, torchrun=False, jobs=1, bare=False):
+def launch(n, command, ranks=None, timeout=300.0, torchrun=False, jobs=1, bare=False, job_id=None):
     """Runs `command` as ranks of a world of `n` (in `jobs` jobs); returns (status, output)."""
     ranks = list(range(n)) if ranks is None else ranks
     if torchrun:
@@ -51,6 +52,8 @@ def launch(n, command, ranks=None, timeout=300.0, torchrun=False, jobs=1, bare=F
                     if k not in ("MASTER_ADDR", "MASTER_PORT", "GRADSYNC_JOB_ID", "TORCHELASTIC_RUN_ID",
                                  "SLURM_JOB_ID")}
             base.update(WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n), OMPI_MCA_pmix_server_uri="file:" + uri)
+            if job_id is not None:
+                base["GRADSYNC_JOB_ID"] = job_id
             envs = [base if bare else dict(base, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
                     for _ in range(jobs)]
             if jobs > 1:
@@ -110,10 +113,12 @@ if __name__ == "__main__":
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--bare", action="store_true")
+    parser.add_argument("--job-id")
     parser.add_argument("n", type=int)
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else None
-    status, output = launch(args.n, args.command, ranks, args.timeout, args.torchrun, args.jobs, args.bare)
+    status, output = launch(args.n, args.command, ranks, args.timeout, args.torchrun, args.jobs, args.bare,
+                            args.job_id)
     sys.stdout.write(output)
     sys.exit(status)

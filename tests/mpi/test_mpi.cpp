@@ -233,6 +233,20 @@ TEST_CASE("the name a job's ranks meet under: paddle.distributed.launch's endpoi
     fake_env::variables.clear();
 }
 
+TEST_CASE("the name a job's ranks meet under: a long job id is named by its hash, short enough for the name service") {
+    const gradsync::ProcessPlace place{1, 4, 1, 4, "RANK/WORLD_SIZE"};
+    fake_env::variables = {{"GRADSYNC_JOB_ID", std::string(5000, 'a')}};
+    const auto one = gradsync::detail::join_service(place, fake_env::lookup);
+    CHECK(one.size() < 128);
+    CHECK(one.find(":identity-hash=") != std::string::npos);
+    CHECK(gradsync::detail::join_service(place, fake_env::lookup) == one);  // the same on every rank
+    fake_env::variables["GRADSYNC_JOB_ID"] = std::string(4999, 'a') + "b";
+    CHECK(gradsync::detail::join_service(place, fake_env::lookup) != one);  // another job
+    fake_env::variables["GRADSYNC_JOB_ID"] = "short";
+    CHECK(gradsync::detail::join_service(place, fake_env::lookup) == "gradsync:GRADSYNC_JOB_ID=short:world=4");
+    fake_env::variables.clear();
+}
+
 TEST_CASE(
     "over MPI, two DataParallel objects of one layout stepped in another order on one rank are caught at that step") {
     gradsync::MpiBackend backend;

@@ -7,6 +7,7 @@
 #include <gradsync/backend/mpi/mpi_api.hpp>
 #include <gradsync/detail/deadline.hpp>
 #include <gradsync/detail/end_process.hpp>
+#include <gradsync/detail/hash.hpp>
 #include <gradsync/environment.hpp>
 #include <gradsync/error.hpp>
 
@@ -16,7 +17,7 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
-#include <cstdio>   // for std::fprintf
+#include <cstdio>   // for std::fprintf, std::snprintf
 #include <cstdlib>  // for setenv, strtol
 #include <string>
 #include <thread>
@@ -34,12 +35,22 @@ inline MPI_Comm joined_world = MPI_COMM_NULL;
 inline constexpr const char* job_identity_variables[] = {"GRADSYNC_JOB_ID", "TORCHELASTIC_RUN_ID",      "MASTER_ADDR",
                                                          "MASTER_PORT",     "PADDLE_TRAINER_ENDPOINTS", "SLURM_JOB_ID"};
 
+// Open MPI's name service takes names of at most 511 characters: an identity longer than this
+// (a long GRADSYNC_JOB_ID) is named by its hash instead, the same in every process.
+inline constexpr std::size_t max_identity_text = 256;
+
 // The name the job's ranks meet under, or "" when nothing names the job.
 inline std::string join_service(const ProcessPlace& place, EnvLookup lookup = real_env) {
     std::string identity;
     for (const char* variable : job_identity_variables)
         if (auto value = lookup(variable)) identity += std::string(":") + variable + "=" + *value;
     if (identity.empty()) return {};
+    if (identity.size() > max_identity_text) {
+        char hex[17] = {};
+        std::snprintf(hex, sizeof hex, "%016llx",
+                      static_cast<unsigned long long>(content_hash(identity.data(), identity.size())));
+        identity = ":identity-hash=" + std::string(hex) + ":length=" + std::to_string(identity.size());
+    }
     return "gradsync" + identity + ":world=" + std::to_string(place.world_size);
 }
 
