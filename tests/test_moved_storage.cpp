@@ -7,8 +7,10 @@
 #include <doctest/doctest.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 using gradsync::LocalBackend;
@@ -17,13 +19,14 @@ namespace {
 
 // Three tensors whose gradients are freed after each step and allocated anew in backward.
 struct Reallocating {
-    std::vector<std::size_t> sizes{300, 7, 1000};
+    std::vector<std::size_t> sizes;
+    std::vector<std::string> names{"t0", "t1", "t2"};
     std::vector<std::vector<float>> w;
     std::vector<std::unique_ptr<float[]>> g;
     bool move = true;
     std::size_t grow = 0;  // extra elements for tensor 1 (a layout change)
 
-    Reallocating() {
+    explicit Reallocating(std::vector<std::size_t> tensor_sizes = {300, 7, 1000}) : sizes(std::move(tensor_sizes)) {
         for (auto n : sizes) {
             w.emplace_back(n, 1.0f);
             g.emplace_back(new float[n]());
@@ -32,8 +35,7 @@ struct Reallocating {
     std::vector<gradsync::Parameter> parameters() {
         std::vector<gradsync::Parameter> out;
         for (std::size_t k = 0; k < sizes.size(); ++k)
-            out.push_back(gradsync::parameter("t" + std::to_string(k), w[k].data(), g[k].get(),
-                                              k == 1 ? sizes[k] + grow : sizes[k]));
+            out.push_back(gradsync::parameter(names[k], w[k].data(), g[k].get(), k == 1 ? sizes[k] + grow : sizes[k]));
         return out;
     }
     // Backward: new storage for each gradient (the old freed), filled with small integers.
@@ -119,6 +121,70 @@ TEST_CASE("moved storage: a parameter that changes size, or a gradient that is g
     const auto gone = failures([](Reallocating& m) { m.g[2].reset(); });
     CHECK(gone[1].find("gradsync: rank 1, step 2: parameter 't2' has no gradient now") != std::string::npos);
     CHECK_FALSE(gone[0].empty());
+}
+
+TEST_CASE(
+    "moved storage: a list read again with tensors renamed, reordered or replaced on one rank is refused on every "
+    "rank") {
+    for (const int change : {0, 1, 2}) {  // renamed; two tensors in each other's place; values replaced
+        CAPTURE(change);
+        std::vector<std::string> out(2);
+        std::vector<std::uint64_t> steps(2);
+        gradsync::spawn(2, [&](LocalBackend& b) {
+            Reallocating m;
+            gradsync::DataParallel dp(m, b);
+            try {
+                for (int s = 0; s < 2; ++s) {
+                    for (std::size_t k = 0; k < 3; ++k) m.backward(b.rank(), s, k);
+                    if (s == 1 && b.rank() == 1) {
+                        if (change == 0) m.names[1] = "t1.renamed";
+                        if (change == 1) std::swap(m.names[0], m.names[2]);
+                        if (change == 2) m.w[0] = std::vector<float>(m.sizes[0], 2.0f);  // new storage
+                    }
+                    dp.synchronize();
+                }
+            } catch (const gradsync::Error& e) {
+                out[static_cast<std::size_t>(b.rank())] = e.what();
+            }
+            steps[static_cast<std::size_t>(b.rank())] = dp.steps();
+        });
+        const std::string said =
+            change == 0   ? "parameter 1 was 't1' when the DataParallel was made and is listed as 't1.renamed' now"
+            : change == 1 ? "parameter 2 was 't2' when the DataParallel was made and is listed as 't0' now"
+                          : "the values of parameter 't0' lie in other memory now, and may differ from the other "
+                            "ranks'";
+        CHECK_MESSAGE(out[1].find("gradsync: rank 1, step 2: " + said) != std::string::npos, out[1]);
+        CHECK(out[0].find("rank 1") != std::string::npos);  // the peer fails too, not averaging crosswise
+        CHECK(steps[0] <= 1);                               // (rank 0 may learn of it while it ends step 1)
+        CHECK(steps[1] == 1);
+    }
+}
+
+TEST_CASE("moved storage: a parameter empty when wrapped that gets elements later is refused, not left unaveraged") {
+    // A framework that makes some parameters at the first forward: wrapped before it, tensor 1
+    // had no elements and would never be in a bucket.
+    std::vector<std::string> out(2);
+    gradsync::spawn(2, [&](LocalBackend& b) {
+        Reallocating m({300, 0, 1000});
+        gradsync::DataParallel dp(m, b);
+        try {
+            for (int s = 0; s < 3; ++s) {
+                if (s == 1) {  // made now, on every rank
+                    m.grow = 5;
+                    m.w[1].assign(5, 1.0f);
+                }
+                for (std::size_t k = 0; k < 3; ++k) m.backward(b.rank(), s, k);
+                dp.synchronize();
+            }
+        } catch (const gradsync::Error& e) {
+            out[static_cast<std::size_t>(b.rank())] = e.what();
+        }
+        CHECK(dp.steps() == 1);
+    });
+    for (const auto& e : out)
+        CHECK_MESSAGE(e.find("step 2: parameter 't1' had no elements when the DataParallel was made and has 5 now "
+                             "(made at the first forward?)") != std::string::npos,
+                      e);
 }
 
 TEST_CASE("moved storage: one listing per plain step, one per bucket launched in backward, none when told") {

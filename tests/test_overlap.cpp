@@ -345,6 +345,51 @@ TEST_CASE("no_sync after grad_ready in the same step is refused") {
                          gradsync::ReadinessError);
 }
 
+TEST_CASE("no_sync after grad_ready on one rank fails the peer's step too, though its buckets completed") {
+    // Rank 0's hooks launched every bucket before it entered no_sync(): the peer's collectives
+    // complete, and only the group's abort tells it that rank 0 left the step.
+    std::atomic<bool> refused{false};
+    std::atomic<int> peer_steps{0};
+    gradsync::spawn(2, [&](LocalBackend& b) {
+        Toy m({10, 20}, 0.0f);
+        DataParallel dp(m, b);
+        m.fill_grads(b.rank());
+        dp.grad_ready(std::size_t{0});
+        dp.grad_ready(std::size_t{1});
+        if (b.rank() == 0) {
+            CHECK_THROWS_WITH_AS((void)dp.no_sync(), doctest::Contains("rank 0, step 1: no_sync() after grad_ready()"),
+                                 gradsync::ReadinessError);
+            refused = true;
+        } else {
+            while (!refused) std::this_thread::yield();
+            CHECK_THROWS_WITH_AS(
+                dp.synchronize(),
+                doctest::Contains("rank 1: the group was aborted: gradsync: rank 0, step 1: no_sync()"),
+                gradsync::CollectiveError);
+            peer_steps = static_cast<int>(dp.steps());
+        }
+    });
+    CHECK(peer_steps == 0);
+}
+
+TEST_CASE("step() under no_sync on one rank fails the peer at once, not at its deadline") {
+    const auto began = std::chrono::steady_clock::now();
+    gradsync::spawn(2, [&](LocalBackend& b) {
+        Toy m({10, 20}, 0.0f);
+        DataParallel dp(m, b, gradsync::Options{.timeout = std::chrono::seconds(60)});
+        m.fill_grads(b.rank());
+        if (b.rank() == 0) {
+            auto guard = dp.no_sync();
+            CHECK_THROWS_WITH_AS((void)dp.step([] {}), doctest::Contains("step() under no_sync()"),
+                                 gradsync::ReadinessError);
+        } else {
+            CHECK_THROWS_WITH_AS((void)dp.step([] {}), doctest::Contains("the group was aborted: gradsync: rank 0"),
+                                 gradsync::CollectiveError);
+        }
+    });
+    CHECK(std::chrono::steady_clock::now() - began < std::chrono::seconds(30));
+}
+
 TEST_CASE("bucket rebuild: after the first step, buckets follow rank 0's readiness order on every rank") {
     const gradsync::SizeCappedBuckets policy{8_KiB, 2_KiB};
     std::vector<gradsync::BucketPlan> before(2), after(2);

@@ -38,6 +38,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -101,6 +102,7 @@ public:
     // A DataParallel destroyed in the middle of a step (after an exception, say) aborts the group,
     // so that peers fail at once, and waits for its collectives in flight before it goes.
     ~DataParallel() {
+        lifetime_.reset();
         detail::abandon_in_flight(backend_, engine_, options_.timeout, "DataParallel",
                                   static_cast<std::uint64_t>(current_step()));
     }
@@ -131,7 +133,7 @@ public:
     template <class Optimizer>
     StepReport step(Optimizer&& optimizer, std::optional<StepNumber> number = {}) {
         static_assert(detail::check_optimizer<Optimizer, Set::has_lr_rule>());
-        detail::refuse_step(readiness_.accumulating(), /*on_device=*/false, options_.clip_norm, rank());
+        guard([&] { detail::refuse_step(readiness_.accumulating(), /*on_device=*/false, options_.clip_norm, rank()); });
         const std::uint64_t step = steps() + 1;
         synchronize_impl(/*want_stats=*/true, true, number);
         return detail::decide_step(
@@ -148,7 +150,7 @@ public:
     template <class Optimizer>
     void step_on_device(Optimizer&& optimizer, std::optional<StepNumber> number = {}) requires(memory_type::on_device) {
         static_assert(detail::check_step_on_device<loss_scaler_type, compression_type>());
-        detail::refuse_step(readiness_.accumulating(), /*on_device=*/true, options_.clip_norm, rank());
+        guard([&] { detail::refuse_step(readiness_.accumulating(), /*on_device=*/true, options_.clip_norm, rank()); });
         const std::uint64_t step = steps() + 1;
         synchronize_impl(/*want_stats=*/true, /*read_stats=*/false, number);
         if constexpr (Set::has_lr_rule)
@@ -176,12 +178,15 @@ public:
 
     // While the guard lives, backward accumulates gradients locally: grad_ready() only notes the
     // parameter as used and synchronize() communicates nothing. The next synchronized step
-    // reduces the accumulated sums.
+    // reduces the accumulated sums. Entered after grad_ready() calls of the step, it fails the
+    // group: the buckets those calls launched would otherwise let the peers complete the step.
     [[nodiscard]] NoSyncGuard no_sync() {
-        if (readiness_.any_ready())
-            throw ReadinessError(where() +
-                                 ": no_sync() after grad_ready() calls of the same step; enter no_sync() before "
-                                 "the backward whose gradients should only accumulate");
+        guard([&] {
+            if (readiness_.any_ready())
+                throw ReadinessError(where() +
+                                     ": no_sync() after grad_ready() calls of the same step; enter no_sync() before "
+                                     "the backward whose gradients should only accumulate");
+        });
         return NoSyncGuard(readiness_);
     }
 
@@ -212,6 +217,9 @@ public:
     void restore_steps(std::uint64_t steps) { steps_.store(steps, std::memory_order_release); }
     [[nodiscard]] Model& model() const { return model_; }
     [[nodiscard]] BackendT& backend() const { return backend_; }
+    // Expires when this object is destroyed: callbacks that may outlive it (the libtorch
+    // adapter's backward hooks) watch it and then call nothing.
+    [[nodiscard]] std::weak_ptr<const void> lifetime() const { return lifetime_; }
     [[nodiscard]] const Options& options() const { return options_; }
     [[nodiscard]] Bytes gradient_bytes() const { return plan().bytes(); }
     // Buckets whose gradients already lie contiguously in memory, reduced without a copy.
@@ -418,6 +426,7 @@ private:
     std::atomic<std::uint64_t> steps_{0};
     detail::StorageFollower storage_;
     detail::Timeline timeline_;
+    std::shared_ptr<const char> lifetime_ = std::make_shared<const char>('\0');
     detail::StatusRegistration<BackendT> reporter_;  // last: gone before what it reads
 };
 

@@ -47,6 +47,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -157,6 +158,7 @@ public:
     // launched them): the group is aborted, so that peers waiting in them fail at once naming
     // this rank, and they are drained before the memory they write goes.
     ~ShardedDataParallel() {
+        lifetime_.reset();
         detail::HandlesInFlight<Handle> in_flight{launched_};
         detail::abandon_in_flight(backend_, in_flight, options_.timeout, "ShardedDataParallel", current_step());
     }
@@ -184,6 +186,8 @@ public:
     void restore_steps(std::uint64_t steps) { steps_ = steps; }
     [[nodiscard]] BackendT& backend() const { return backend_; }
     [[nodiscard]] Model& model() const { return model_; }
+    // Expires when this object is destroyed (as DataParallel::lifetime()).
+    [[nodiscard]] std::weak_ptr<const void> lifetime() const { return lifetime_; }
     [[nodiscard]] int rank() const { return backend_.rank(); }
     [[nodiscard]] int world_size() const { return backend_.size(); }
     // Memory held beyond the model's: packed bucket buffers (one for gradients and one for
@@ -386,6 +390,7 @@ private:
     // (buckets 0 .. size - 1; written under the readiness lock during backward).
     detail::Readiness readiness_;
     std::vector<Handle> launched_;
+    std::shared_ptr<const char> lifetime_ = std::make_shared<const char>('\0');
     std::size_t kept_ = 0;  // launched buckets whose share is kept (stage 2)
 };
 

@@ -35,7 +35,8 @@
 #include <optional>
 #include <span>
 #include <string>
-#include <utility>  // for std::declval, std::exchange, std::move
+#include <type_traits>  // for std::invoke_result_t
+#include <utility>      // for std::declval, std::exchange, std::move
 #include <vector>
 
 namespace gradsync::inline v0::libtorch {
@@ -214,8 +215,8 @@ private:
     F f_;
 };
 
-// The hooks overlap() registers; they are removed when this goes. Must not outlive the
-// DataParallel.
+// The hooks overlap() registers; they are removed when this goes. Hooks that outlive their
+// wrapper call nothing: a backward after it is gone only accumulates, as plain torch does.
 class Overlap {
 public:
     Overlap() = default;
@@ -236,7 +237,8 @@ public:
     // Gradients the hooks have reported ready, over all steps so far.
     [[nodiscard]] std::uint64_t reported() const { return reported_ ? reported_->load() : 0; }
 
-    // Calls on_accumulated() each time torch has accumulated param's gradient.
+    // Calls on_accumulated() each time torch has accumulated param's gradient; one that returns
+    // a bool reports (and is counted) only when it returns true.
     template <class F>
     void add(const ::at::Tensor& param, F on_accumulated) {
         // Held here: autograd keeps only a weak reference to a leaf's accumulator, and a new one
@@ -247,7 +249,11 @@ public:
                 "gradsync: a parameter that requires a gradient has no gradient accumulator "
                 "(is it a leaf tensor?)");
         auto counted = [f = std::move(on_accumulated), count = reported_.get()]() mutable {
-            f();
+            if constexpr (std::is_same_v<std::invoke_result_t<F&>, bool>) {
+                if (!f()) return;  // nothing reported
+            } else {
+                f();
+            }
             count->fetch_add(1, std::memory_order_relaxed);
         };
         const auto key =
@@ -275,12 +281,18 @@ private:
 // torch has accumulated that parameter's gradient in backward, so each bucket's allreduce starts
 // while backward goes on. One backward per synchronized step (accumulate under dp.no_sync()); a
 // parameter the forward did not use gets no call (Options::find_unused_parameters). Keep the
-// returned object as long as the DataParallel trains.
+// returned object as long as the DataParallel trains; once the DataParallel is gone (its
+// lifetime() expired) the hooks call nothing.
 template <class DP>
 [[nodiscard]] Overlap overlap(DP& dp) {
     Overlap hooks;
     const auto params = trainable(module_of(dp.model()));
-    for (std::size_t i = 0; i < params.size(); ++i) hooks.add(params[i].second, [&dp, i] { dp.grad_ready(i); });
+    for (std::size_t i = 0; i < params.size(); ++i)
+        hooks.add(params[i].second, [&dp, i, alive = dp.lifetime()] {
+            if (alive.expired()) return false;
+            dp.grad_ready(i);
+            return true;
+        });
     return hooks;
 }
 

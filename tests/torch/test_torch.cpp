@@ -22,6 +22,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -334,6 +335,71 @@ TEST_SUITE("in-process") {
             }
             for (std::size_t r = 1; r < hashes.size(); ++r) CHECK(hashes[r] == hashes[0]);
         }
+    }
+
+    TEST_CASE("overlap hooks that outlive their wrapper call nothing; a new wrapper's hooks work beside them") {
+        const Data data(1);
+        gradsync::spawn(1, [&](gradsync::LocalBackend& backend) {
+            auto net = make_net(false, 0);
+            const auto trainable = net->parameters().size();
+            auto backward = [&](int s) {
+                clear_gradients(net, /*reallocate=*/false);
+                auto x = data.x.narrow(0, s * micro_batch, micro_batch),
+                     y = data.y.narrow(0, s * micro_batch, micro_batch);
+                torch::nn::functional::cross_entropy(net->forward(x), y).backward();
+            };
+            std::optional<gradsync::libtorch::Overlap> old_hooks;
+            {
+                gradsync::DataParallel dp(net, backend);
+                old_hooks = gradsync::libtorch::overlap(dp);
+                backward(0);
+                CHECK(old_hooks->reported() == trainable);
+                dp.synchronize();
+            }
+            backward(1);  // the wrapper is gone: plain torch
+            CHECK(old_hooks->reported() == trainable);
+            for (auto& p : net->parameters()) CHECK(p.grad().defined());
+            gradsync::ShardedDataParallel sdp(net, backend);
+            auto hooks = gradsync::libtorch::overlap(sdp);
+            backward(2);
+            CHECK(hooks.reported() == trainable);
+            CHECK(sdp.buckets_launched() == sdp.plan().buckets.size());
+            CHECK(old_hooks->reported() == trainable);
+            sharded::ShardedSgd sgd;
+            sgd.velocity.assign(sdp.state_elements(), 0.0f);
+            CHECK(sdp.step(sgd).applied);
+        });
+    }
+
+    TEST_CASE("a submodule replaced on one rank is refused at its next step on every rank, not trained on") {
+        const Data data(2);
+        std::vector<std::string> errors(2);
+        std::vector<std::uint64_t> steps_done(2);
+        gradsync::spawn(2, [&](gradsync::LocalBackend& backend) {
+            auto net = make_net(false, backend.rank());
+            gradsync::DataParallel dp(net, backend);
+            auto optimizer = make_optimizer(net);
+            try {
+                for (int s = 0; s < 3; ++s) {
+                    if (s == 2 && backend.rank() == 1) {
+                        std::lock_guard lock(torch_state);
+                        net->fc1 = net->replace_module("fc1", torch::nn::Linear(inputs, hidden));  // fresh weights
+                    }
+                    clear_gradients(net, /*reallocate=*/false);
+                    const auto offset = (s * 2 + backend.rank()) * micro_batch;
+                    auto x = data.x.narrow(0, offset, micro_batch), y = data.y.narrow(0, offset, micro_batch);
+                    torch::nn::functional::cross_entropy(net->forward(x), y).backward();
+                    dp.step([&] { optimizer.step(); });
+                }
+            } catch (const gradsync::Error& e) {
+                errors[static_cast<std::size_t>(backend.rank())] = e.what();
+            }
+            steps_done[static_cast<std::size_t>(backend.rank())] = dp.steps();
+        });
+        CHECK_MESSAGE(errors[1].find("rank 1, step 3: the values of parameter 'fc1.") != std::string::npos, errors[1]);
+        CHECK(errors[0].find("rank 1") != std::string::npos);
+        CHECK(steps_done[1] == 2);
+        CHECK(steps_done[0] <= 2);
     }
 
     TEST_CASE("a module, its holder and a shared_ptr to it list the same parameters and buffers") {

@@ -151,6 +151,9 @@ public:
 
     // Fails every pending and future collective of every rank of the group, with `reason`.
     void abort(const std::string& reason) { group_->abort(reason); }
+    // Throws the abort's reason once the group was aborted (HealthPolling): a step whose
+    // collectives all completed before a peer failed it fails too.
+    void throw_if_failed() const { group_->throw_if_aborted(rank_); }
 
     // `reporter` says where this rank stands; a peer that times out waiting for this rank quotes
     // it. It runs on the peer's thread, so it may only read what is safe to read from there.

@@ -58,18 +58,31 @@ struct ModelLayout {
                                " parameters now and listed " + std::to_string(param_of_model_index.size()) +
                                " when the DataParallel was made; its parameters cannot change under a "
                                "DataParallel (make a new one)");
+        for (std::size_t i = 0; i < listed.size(); ++i)  // empty then: never averaged if made now
+            if (param_of_model_index[i] == none && listed[i].count != 0)
+                throw InvalidModel(where() + ": parameter '" + listed[i].name +
+                                   "' had no elements when the DataParallel was made and has " +
+                                   std::to_string(listed[i].count) +
+                                   " now (made at the first forward?), so it would never be averaged; run one "
+                                   "forward before wrapping the model (or make a new DataParallel now, on every "
+                                   "rank)");
         return listed;
     }
 
     // Follows the storage of the parameters `which` to where `listed` says it is now; returns
-    // whether any moved. A parameter that changed size or dtype, or lost its values or gradient,
-    // is an InvalidModel error naming it.
+    // whether any moved. A parameter that changed name, size or dtype, lost its values or
+    // gradient, or whose values moved, is an InvalidModel error naming it.
     template <class Where>
     bool follow(const std::vector<Parameter>& listed, std::span<const std::size_t> which, const Where& where) {
         bool moved = false;
         for (auto p : which) {
             auto& mine = params[p];
             const auto& now = listed[model_index_of_param[p]];
+            if (now.name != mine.name)  // the names every rank agreed on
+                throw InvalidModel(where() + ": parameter " + std::to_string(model_index_of_param[p]) + " was '" +
+                                   mine.name + "' when the DataParallel was made and is listed as '" + now.name +
+                                   "' now; the parameter list every rank agreed on cannot change under a "
+                                   "DataParallel (make a new one)");
             if (now.count != mine.count || now.dtype != mine.dtype)
                 throw InvalidModel(where() + ": parameter '" + mine.name + "' was " + std::to_string(mine.count) +
                                    " x " + std::string(to_string(mine.dtype)) + " and is now " +
@@ -80,8 +93,12 @@ struct ModelLayout {
                                    (now.data == nullptr ? "values" : "gradient") +
                                    " now; a gradient made late (in the first backward) or freed between steps "
                                    "must exist by the time its bucket is reduced, in synchronize() at the latest");
-            if (now.data == mine.data && now.grad == mine.grad) continue;
-            mine.data = now.data;
+            if (now.data != mine.data)  // values another rank cannot know of: a module replaced, say
+                throw InvalidModel(where() + ": the values of parameter '" + mine.name +
+                                   "' lie in other memory now, and may differ from the other ranks' (a module or "
+                                   "tensor replaced on this rank?); parameter values must stay where they are under "
+                                   "a DataParallel (make a new one, on every rank, after replacing them)");
+            if (now.grad == mine.grad) continue;
             mine.grad = now.grad;
             moved = true;
         }

@@ -98,6 +98,11 @@ public:
         bell_.ring();
     }
     [[nodiscard]] bool aborted() const { return aborted_.load(std::memory_order_acquire); }
+    // Throws, once the group was aborted, why: for a rank whose collectives all completed before a
+    // peer failed its step.
+    void throw_if_aborted(int rank) const {
+        if (aborted()) throw CollectiveError(rank_prefix(rank) + ": the group was aborted: " + abort_reason());
+    }
 
     // The rank's handle is gone: peers waiting for it fail instead of waiting for the deadline.
     void depart(int rank) {
@@ -139,12 +144,12 @@ protected:
 
     void throw_if_aborted(int rank, const LocalCall& call) {
         if (!aborted()) return;
-        std::string reason;
-        {
-            std::lock_guard lock(abort_mutex_);
-            reason = abort_reason_;
-        }
-        throw CollectiveError(rank_prefix(rank) + ", " + call.describe() + ": the group was aborted: " + reason);
+        throw CollectiveError(rank_prefix(rank) + ", " + call.describe() +
+                              ": the group was aborted: " + abort_reason());
+    }
+    [[nodiscard]] std::string abort_reason() const {
+        std::lock_guard lock(abort_mutex_);
+        return abort_reason_;
     }
 
     // Arrive at the next round and wait until every rank has. Returns the round's parity.
@@ -222,7 +227,7 @@ protected:
     std::vector<LocalRankState> ranks_;
     Doorbell bell_;
     std::atomic<bool> aborted_{false};
-    std::mutex abort_mutex_;
+    mutable std::mutex abort_mutex_;
     std::string abort_reason_;
     struct Reporter {
         std::uint64_t id;
