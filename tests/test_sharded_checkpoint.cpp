@@ -16,11 +16,16 @@
 #include "support/temp_dir.hpp"
 
 #include <algorithm>  // for std::count
+#include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <mutex>
 #include <set>
+#include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 using namespace gradsync::literals;
@@ -79,8 +84,9 @@ TEST_CASE("sharded checkpoint: resuming is exact, bit for bit: 8 steps == 4, sav
             CHECK(resumed[r].loss_scale == straight[r].loss_scale);
         }
         CHECK(straight[0].loss_scale == 4096.0f);  // the scaler moved: its state mattered
-        // One main file and one shard file per rank, nothing else.
-        CHECK(files_in(dir.path).size() == 1 + static_cast<std::size_t>(world));
+        // One main file, its lock file and one shard file per rank, nothing else.
+        CHECK(files_in(dir.path).size() == 2 + static_cast<std::size_t>(world));
+        CHECK(files_in(dir.path).count("run.safetensors.lock") == 1);
     }
 }
 
@@ -203,9 +209,11 @@ TEST_CASE("sharded checkpoint: a new save removes the shard files of earlier sav
     spawn_run(3, small_buckets, 0, 1, {}, path);
     spawn_run(2, small_buckets, 0, 2, {}, path);
     const std::set<std::string> expected{"keep.safetensors",
+                                         "keep.safetensors.lock",
                                          gradsync::detail::shard_file_name(path, 2, 0, 2),
                                          gradsync::detail::shard_file_name(path, 2, 1, 2),
                                          "keep2.safetensors",
+                                         "keep2.safetensors.lock",
                                          gradsync::detail::shard_file_name(neighbour, 1, 0, 2),
                                          gradsync::detail::shard_file_name(neighbour, 1, 1, 2)};
     CHECK(files_in(dir.path) == expected);
@@ -213,4 +221,73 @@ TEST_CASE("sharded checkpoint: a new save removes the shard files of earlier sav
     CHECK_FALSE(gradsync::detail::is_shard_file_of(path, "keep.safetensors.step-12.shard-0-of-3.safetensors.tmp"));
     CHECK_FALSE(gradsync::detail::is_shard_file_of(path, "keep.safetensors.step-x.shard-0-of-3.safetensors"));
     CHECK_FALSE(gradsync::detail::is_shard_file_of(neighbour, "keep.safetensors.step-1.shard-0-of-3.safetensors"));
+}
+
+TEST_CASE("sharded checkpoint: two trainers saving one path and a reader loading it meanwhile all succeed") {
+    // Without turns, one save's removal of earlier saves' shards removes the other's new ones, and
+    // a load meets shard files a save has just removed.
+    TempDir dir;
+    const auto path = dir.path / "shared.safetensors";
+    spawn_run(2, small_buckets, 0, 1, {}, path);
+    std::atomic<int> failures{0}, loads{0};
+    std::atomic<bool> saving{true};
+    std::string first_failure;
+    std::mutex failure_mutex;
+    auto attempt = [&](auto&& f) {
+        try {
+            f();
+        } catch (const std::exception& e) {
+            std::lock_guard lock(failure_mutex);
+            if (failures++ == 0) first_failure = e.what();
+        }
+    };
+    auto saver = [&](int last) {
+        for (int k = 0; k < 6; ++k) attempt([&] { spawn_run(2, small_buckets, 0, last, {}, path); });
+    };
+    std::thread reader([&] {
+        while (saving) {
+            attempt([&] {
+                spawn_run(2, small_buckets, 0, 0, path, {});
+                ++loads;
+            });
+            std::this_thread::sleep_for(std::chrono::milliseconds(10));  // the saves' turn
+        }
+    });
+    std::thread a(saver, 2), b(saver, 3);
+    a.join();
+    b.join();
+    saving = false;
+    reader.join();
+    CHECK_MESSAGE(failures == 0, first_failure);
+    CHECK(loads > 0);
+    const auto loaded = spawn_run(2, small_buckets, 0, 0, path, {});  // whole: one save's shards, all there
+    CHECK((loaded[0].steps == 2 || loaded[0].steps == 3));
+    std::size_t shard_files = 0;
+    for (const auto& name : files_in(dir.path)) shard_files += gradsync::detail::is_shard_file_of(path, name);
+    CHECK(shard_files == 2);
+}
+
+TEST_CASE(
+    "sharded checkpoint: a save that cannot take its turn within lock_wait fails on every rank, naming the lock") {
+    TempDir dir;
+    const auto path = dir.path / "busy.safetensors";
+    spawn_run(2, small_buckets, 0, 1, {}, path);
+    const gradsync::detail::PathLock held(path, gradsync::detail::PathLock::Mode::shared, std::chrono::seconds(1));
+    std::vector<std::string> errors(2);
+    gradsync::spawn(2, [&](gradsync::LocalBackend& b) {
+        mlp::Mlp model(/*seed=*/5);
+        gradsync::ShardedDataParallel sdp(model, b, small_buckets);
+        std::vector<float> m1(sdp.state_elements(), 0.0f);
+        gradsync::Checkpoint checkpoint(
+            gradsync::Checkpoint::Options{.write = {}, .lock_wait = std::chrono::milliseconds(200)});
+        checkpoint.add_shard("adam.m1", std::span(m1));
+        try {
+            checkpoint.save(path, sdp);
+        } catch (const gradsync::CheckpointError& e) {
+            errors[static_cast<std::size_t>(b.rank())] = e.what();
+        }
+    });
+    for (const auto& e : errors)
+        CHECK_MESSAGE(e.find("held its lock (" + path.string() + ".lock) for 200 ms") != std::string::npos, e);
+    CHECK(spawn_run(2, small_buckets, 0, 0, path, {})[0].steps == 1);  // the earlier save is whole
 }

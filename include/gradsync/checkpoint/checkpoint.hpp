@@ -17,13 +17,15 @@
 #include <gradsync/checkpoint/safetensors.hpp>
 #include <gradsync/checkpoint/local_files.hpp>
 #include <gradsync/checkpoint/metadata.hpp>
+#include <gradsync/checkpoint/path_lock.hpp>
 #include <gradsync/checkpoint/shard_files.hpp>
 #include <gradsync/checkpoint/safetensors_file.hpp>
 #include <gradsync/launch/sampler.hpp>
 #include <gradsync/reduction/powersgd.hpp>
 
 #include <charconv>  // for std::to_chars, std::from_chars
-#include <cmath>     // for std::isfinite
+#include <chrono>
+#include <cmath>  // for std::isfinite
 #include <cstdint>
 #include <cstring>  // for std::memcpy
 #include <filesystem>
@@ -45,6 +47,9 @@ class Checkpoint {
 public:
     struct Options {
         SafetensorsWriteOptions write;  // test hooks
+        // How long a save or load of a checkpoint with files beside it (shard or rank files) waits
+        // for another save or load of the same path to end (path_lock.hpp).
+        std::chrono::milliseconds lock_wait = std::chrono::minutes(10);
     };
 
     Checkpoint() = default;
@@ -95,7 +100,8 @@ public:
     // every rank returns once it is written, or throws the same CheckpointError. First every rank
     // compares what it holds with rank 0's (parameters, buffers kept equal, the additions), since
     // rank 0's copy is what every rank gets back: replicas that differ throw ReplicaMismatch on
-    // every rank, and nothing is written.
+    // every rank, and nothing is written. With files beside the checkpoint, saves and loads of one
+    // path take turns (Options::lock_wait): two trainers saving it leave the last one's whole.
     template <class DP>
     void save(const std::filesystem::path& path, DP& dp) const {
         std::string problem;
@@ -106,6 +112,15 @@ public:
             problem = e.what();
         }
         detail::agree_on_problem(dp.backend(), problem);
+        detail::PathLock lock;
+        if (files_beside<DP>()) {
+            try {
+                lock = lock_beside(path, dp, detail::PathLock::Mode::exclusive);
+            } catch (const std::exception& e) {
+                problem = e.what();
+            }
+            detail::agree_on_problem(dp.backend(), problem);
+        }
         if constexpr (!on_device<DP>()) {
             auto tensors = detail::replica_tensors(dp.parameters(), dp.buffers(), buffer_mode(dp));
             for (const auto& e : extras_)
@@ -143,6 +158,7 @@ public:
         detail::agree_on_problem(dp.backend(), problem);
         if (!shards.names.empty()) detail::remove_stale_shards(path, shards);
         if (!locals.names.empty()) detail::remove_stale_shards(path, locals, "rank");
+        if (files_beside<DP>()) detail::agree_on_problem(dp.backend(), {});  // every rank's removal ends first
     }
 
     // Every rank checks that it loads what rank 0 loads (names, dtypes, sizes); rank 0 reads
@@ -166,8 +182,10 @@ public:
         detail::CheckpointScalars scalars;
         std::optional<SafetensorsFile> file;
         std::string shard_text, local_text;
+        detail::PathLock lock;  // held until every rank has read its files
         if (dp.rank() == 0 && problem.empty()) {
             try {
+                lock = lock_beside(path, dp, detail::PathLock::Mode::shared);
                 file.emplace(path);
                 problem = detail::check_contents(*file, wanted);
                 if (problem.empty()) problem = detail::read_scalars(*file, scalars, sampler_ != nullptr);
@@ -296,6 +314,18 @@ private:
         std::vector<detail::PieceSpan> out;
         for (const auto& p : dp.shard_pieces()) out.push_back({p.parameter, p.offset, p.params.size(), p.state_offset});
         return out;
+    }
+
+    // Whether the checkpoint has files beside it: shard files or rank files.
+    template <class DP>
+    [[nodiscard]] bool files_beside() const {
+        return !locals_.empty() || (sharded<DP> && !shards_.empty());
+    }
+    // Rank 0's turn at `path` where files lie beside it (path_lock.hpp); else no lock.
+    template <class DP>
+    detail::PathLock lock_beside(const std::filesystem::path& path, DP& dp, detail::PathLock::Mode mode) const {
+        if (dp.rank() != 0 || !files_beside<DP>()) return {};
+        return detail::PathLock(path, mode, options_.lock_wait);
     }
 
     // This rank's pieces of every sharded array, from the shard files `text` lists.
