@@ -2120,6 +2120,13 @@ concept PeerStatus = StatusReporting<B> && requires(const B& cb, int rank) {
     { cb.peer_collectives(rank) } -> std::convertible_to<std::uint64_t>;  // how many it has entered
 };
 
+// ...or, where peers live in other processes, can ask them (MpiBackend: a message to each, which
+// its watcher answers): " Where the peers stand: ...", waiting up to a second.
+template <class B>
+concept AsksPeers = Backend<B> && requires(const B& cb) {
+    { cb.where_peers_stand() } -> std::convertible_to<std::string>;
+};
+
 // The sum over the ranks of a factor times each rank's buffer, in one pass (NcclBackend's
 // pre-multiplied sum): folds an unscaling factor into the reduction.
 template <class B>
@@ -3225,6 +3232,11 @@ public:
         bell_.ring();
     }
     [[nodiscard]] bool aborted() const { return aborted_.load(std::memory_order_acquire); }
+    // Throws, once the group was aborted, why: for a rank whose collectives all completed before a
+    // peer failed its step.
+    void throw_if_aborted(int rank) const {
+        if (aborted()) throw CollectiveError(rank_prefix(rank) + ": the group was aborted: " + abort_reason());
+    }
 
     // The rank's handle is gone: peers waiting for it fail instead of waiting for the deadline.
     void depart(int rank) {
@@ -3266,12 +3278,12 @@ protected:
 
     void throw_if_aborted(int rank, const LocalCall& call) {
         if (!aborted()) return;
-        std::string reason;
-        {
-            std::lock_guard lock(abort_mutex_);
-            reason = abort_reason_;
-        }
-        throw CollectiveError(rank_prefix(rank) + ", " + call.describe() + ": the group was aborted: " + reason);
+        throw CollectiveError(rank_prefix(rank) + ", " + call.describe() +
+                              ": the group was aborted: " + abort_reason());
+    }
+    [[nodiscard]] std::string abort_reason() const {
+        std::lock_guard lock(abort_mutex_);
+        return abort_reason_;
     }
 
     // Arrive at the next round and wait until every rank has. Returns the round's parity.
@@ -3349,7 +3361,7 @@ protected:
     std::vector<LocalRankState> ranks_;
     Doorbell bell_;
     std::atomic<bool> aborted_{false};
-    std::mutex abort_mutex_;
+    mutable std::mutex abort_mutex_;
     std::string abort_reason_;
     struct Reporter {
         std::uint64_t id;
@@ -3780,6 +3792,9 @@ public:
 
     // Fails every pending and future collective of every rank of the group, with `reason`.
     void abort(const std::string& reason) { group_->abort(reason); }
+    // Throws the abort's reason once the group was aborted (HealthPolling): a step whose
+    // collectives all completed before a peer failed it fails too.
+    void throw_if_failed() const { group_->throw_if_aborted(rank_); }
 
     // `reporter` says where this rank stands; a peer that times out waiting for this rank quotes
     // it. It runs on the peer's thread, so it may only read what is safe to read from there.
@@ -5934,18 +5949,31 @@ struct ModelLayout {
                                " parameters now and listed " + std::to_string(param_of_model_index.size()) +
                                " when the DataParallel was made; its parameters cannot change under a "
                                "DataParallel (make a new one)");
+        for (std::size_t i = 0; i < listed.size(); ++i)  // empty then: never averaged if made now
+            if (param_of_model_index[i] == none && listed[i].count != 0)
+                throw InvalidModel(where() + ": parameter '" + listed[i].name +
+                                   "' had no elements when the DataParallel was made and has " +
+                                   std::to_string(listed[i].count) +
+                                   " now (made at the first forward?), so it would never be averaged; run one "
+                                   "forward before wrapping the model (or make a new DataParallel now, on every "
+                                   "rank)");
         return listed;
     }
 
     // Follows the storage of the parameters `which` to where `listed` says it is now; returns
-    // whether any moved. A parameter that changed size or dtype, or lost its values or gradient,
-    // is an InvalidModel error naming it.
+    // whether any moved. A parameter that changed name, size or dtype, lost its values or
+    // gradient, or whose values moved, is an InvalidModel error naming it.
     template <class Where>
     bool follow(const std::vector<Parameter>& listed, std::span<const std::size_t> which, const Where& where) {
         bool moved = false;
         for (auto p : which) {
             auto& mine = params[p];
             const auto& now = listed[model_index_of_param[p]];
+            if (now.name != mine.name)  // the names every rank agreed on
+                throw InvalidModel(where() + ": parameter " + std::to_string(model_index_of_param[p]) + " was '" +
+                                   mine.name + "' when the DataParallel was made and is listed as '" + now.name +
+                                   "' now; the parameter list every rank agreed on cannot change under a "
+                                   "DataParallel (make a new one)");
             if (now.count != mine.count || now.dtype != mine.dtype)
                 throw InvalidModel(where() + ": parameter '" + mine.name + "' was " + std::to_string(mine.count) +
                                    " x " + std::string(to_string(mine.dtype)) + " and is now " +
@@ -5956,8 +5984,12 @@ struct ModelLayout {
                                    (now.data == nullptr ? "values" : "gradient") +
                                    " now; a gradient made late (in the first backward) or freed between steps "
                                    "must exist by the time its bucket is reduced, in synchronize() at the latest");
-            if (now.data == mine.data && now.grad == mine.grad) continue;
-            mine.data = now.data;
+            if (now.data != mine.data)  // values another rank cannot know of: a module replaced, say
+                throw InvalidModel(where() + ": the values of parameter '" + mine.name +
+                                   "' lie in other memory now, and may differ from the other ranks' (a module or "
+                                   "tensor replaced on this rank?); parameter values must stay where they are under "
+                                   "a DataParallel (make a new one, on every rank, after replacing them)");
+            if (now.grad == mine.grad) continue;
             mine.grad = now.grad;
             moved = true;
         }
@@ -6264,6 +6296,8 @@ std::string diagnose_timeout(const B& backend, std::int64_t step, const BucketPl
             if (!status.empty())
                 msg += "; rank " + std::to_string(r) + (r == backend.rank() ? " (this rank)" : "") + ": " + status;
         }
+    } else if constexpr (AsksPeers<B>) {
+        msg += "." + backend.where_peers_stand();
     }
     return msg;
 }
@@ -8421,6 +8455,7 @@ inline std::string timeline_path(const std::string& from_options) {
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -8484,6 +8519,7 @@ public:
     // A DataParallel destroyed in the middle of a step (after an exception, say) aborts the group,
     // so that peers fail at once, and waits for its collectives in flight before it goes.
     ~DataParallel() {
+        lifetime_.reset();
         detail::abandon_in_flight(backend_, engine_, options_.timeout, "DataParallel",
                                   static_cast<std::uint64_t>(current_step()));
     }
@@ -8514,7 +8550,7 @@ public:
     template <class Optimizer>
     StepReport step(Optimizer&& optimizer, std::optional<StepNumber> number = {}) {
         static_assert(detail::check_optimizer<Optimizer, Set::has_lr_rule>());
-        detail::refuse_step(readiness_.accumulating(), /*on_device=*/false, options_.clip_norm, rank());
+        guard([&] { detail::refuse_step(readiness_.accumulating(), /*on_device=*/false, options_.clip_norm, rank()); });
         const std::uint64_t step = steps() + 1;
         synchronize_impl(/*want_stats=*/true, true, number);
         return detail::decide_step(
@@ -8531,7 +8567,7 @@ public:
     template <class Optimizer>
     void step_on_device(Optimizer&& optimizer, std::optional<StepNumber> number = {}) requires(memory_type::on_device) {
         static_assert(detail::check_step_on_device<loss_scaler_type, compression_type>());
-        detail::refuse_step(readiness_.accumulating(), /*on_device=*/true, options_.clip_norm, rank());
+        guard([&] { detail::refuse_step(readiness_.accumulating(), /*on_device=*/true, options_.clip_norm, rank()); });
         const std::uint64_t step = steps() + 1;
         synchronize_impl(/*want_stats=*/true, /*read_stats=*/false, number);
         if constexpr (Set::has_lr_rule)
@@ -8559,12 +8595,15 @@ public:
 
     // While the guard lives, backward accumulates gradients locally: grad_ready() only notes the
     // parameter as used and synchronize() communicates nothing. The next synchronized step
-    // reduces the accumulated sums.
+    // reduces the accumulated sums. Entered after grad_ready() calls of the step, it fails the
+    // group: the buckets those calls launched would otherwise let the peers complete the step.
     [[nodiscard]] NoSyncGuard no_sync() {
-        if (readiness_.any_ready())
-            throw ReadinessError(where() +
-                                 ": no_sync() after grad_ready() calls of the same step; enter no_sync() before "
-                                 "the backward whose gradients should only accumulate");
+        guard([&] {
+            if (readiness_.any_ready())
+                throw ReadinessError(where() +
+                                     ": no_sync() after grad_ready() calls of the same step; enter no_sync() before "
+                                     "the backward whose gradients should only accumulate");
+        });
         return NoSyncGuard(readiness_);
     }
 
@@ -8595,6 +8634,9 @@ public:
     void restore_steps(std::uint64_t steps) { steps_.store(steps, std::memory_order_release); }
     [[nodiscard]] Model& model() const { return model_; }
     [[nodiscard]] BackendT& backend() const { return backend_; }
+    // Expires when this object is destroyed: callbacks that may outlive it (the libtorch
+    // adapter's backward hooks) watch it and then call nothing.
+    [[nodiscard]] std::weak_ptr<const void> lifetime() const { return lifetime_; }
     [[nodiscard]] const Options& options() const { return options_; }
     [[nodiscard]] Bytes gradient_bytes() const { return plan().bytes(); }
     // Buckets whose gradients already lie contiguously in memory, reduced without a copy.
@@ -8801,6 +8843,7 @@ private:
     std::atomic<std::uint64_t> steps_{0};
     detail::StorageFollower storage_;
     detail::Timeline timeline_;
+    std::shared_ptr<const char> lifetime_ = std::make_shared<const char>('\0');
     detail::StatusRegistration<BackendT> reporter_;  // last: gone before what it reads
 };
 
@@ -9133,6 +9176,7 @@ inline std::string buffer_sync_name(BufferSync mode) {
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -9243,6 +9287,7 @@ public:
     // launched them): the group is aborted, so that peers waiting in them fail at once naming
     // this rank, and they are drained before the memory they write goes.
     ~ShardedDataParallel() {
+        lifetime_.reset();
         detail::HandlesInFlight<Handle> in_flight{launched_};
         detail::abandon_in_flight(backend_, in_flight, options_.timeout, "ShardedDataParallel", current_step());
     }
@@ -9270,6 +9315,8 @@ public:
     void restore_steps(std::uint64_t steps) { steps_ = steps; }
     [[nodiscard]] BackendT& backend() const { return backend_; }
     [[nodiscard]] Model& model() const { return model_; }
+    // Expires when this object is destroyed (as DataParallel::lifetime()).
+    [[nodiscard]] std::weak_ptr<const void> lifetime() const { return lifetime_; }
     [[nodiscard]] int rank() const { return backend_.rank(); }
     [[nodiscard]] int world_size() const { return backend_.size(); }
     // Memory held beyond the model's: packed bucket buffers (one for gradients and one for
@@ -9472,6 +9519,7 @@ private:
     // (buckets 0 .. size - 1; written under the readiness lock during backward).
     detail::Readiness readiness_;
     std::vector<Handle> launched_;
+    std::shared_ptr<const char> lifetime_ = std::make_shared<const char>('\0');
     std::size_t kept_ = 0;  // launched buckets whose share is kept (stage 2)
 };
 

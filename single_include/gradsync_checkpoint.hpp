@@ -798,6 +798,13 @@ concept PeerStatus = StatusReporting<B> && requires(const B& cb, int rank) {
     { cb.peer_collectives(rank) } -> std::convertible_to<std::uint64_t>;  // how many it has entered
 };
 
+// ...or, where peers live in other processes, can ask them (MpiBackend: a message to each, which
+// its watcher answers): " Where the peers stand: ...", waiting up to a second.
+template <class B>
+concept AsksPeers = Backend<B> && requires(const B& cb) {
+    { cb.where_peers_stand() } -> std::convertible_to<std::string>;
+};
+
 // The sum over the ranks of a factor times each rank's buffer, in one pass (NcclBackend's
 // pre-multiplied sum): folds an unscaling factor into the reduction.
 template <class B>
@@ -2671,18 +2678,31 @@ struct ModelLayout {
                                " parameters now and listed " + std::to_string(param_of_model_index.size()) +
                                " when the DataParallel was made; its parameters cannot change under a "
                                "DataParallel (make a new one)");
+        for (std::size_t i = 0; i < listed.size(); ++i)  // empty then: never averaged if made now
+            if (param_of_model_index[i] == none && listed[i].count != 0)
+                throw InvalidModel(where() + ": parameter '" + listed[i].name +
+                                   "' had no elements when the DataParallel was made and has " +
+                                   std::to_string(listed[i].count) +
+                                   " now (made at the first forward?), so it would never be averaged; run one "
+                                   "forward before wrapping the model (or make a new DataParallel now, on every "
+                                   "rank)");
         return listed;
     }
 
     // Follows the storage of the parameters `which` to where `listed` says it is now; returns
-    // whether any moved. A parameter that changed size or dtype, or lost its values or gradient,
-    // is an InvalidModel error naming it.
+    // whether any moved. A parameter that changed name, size or dtype, lost its values or
+    // gradient, or whose values moved, is an InvalidModel error naming it.
     template <class Where>
     bool follow(const std::vector<Parameter>& listed, std::span<const std::size_t> which, const Where& where) {
         bool moved = false;
         for (auto p : which) {
             auto& mine = params[p];
             const auto& now = listed[model_index_of_param[p]];
+            if (now.name != mine.name)  // the names every rank agreed on
+                throw InvalidModel(where() + ": parameter " + std::to_string(model_index_of_param[p]) + " was '" +
+                                   mine.name + "' when the DataParallel was made and is listed as '" + now.name +
+                                   "' now; the parameter list every rank agreed on cannot change under a "
+                                   "DataParallel (make a new one)");
             if (now.count != mine.count || now.dtype != mine.dtype)
                 throw InvalidModel(where() + ": parameter '" + mine.name + "' was " + std::to_string(mine.count) +
                                    " x " + std::string(to_string(mine.dtype)) + " and is now " +
@@ -2693,8 +2713,12 @@ struct ModelLayout {
                                    (now.data == nullptr ? "values" : "gradient") +
                                    " now; a gradient made late (in the first backward) or freed between steps "
                                    "must exist by the time its bucket is reduced, in synchronize() at the latest");
-            if (now.data == mine.data && now.grad == mine.grad) continue;
-            mine.data = now.data;
+            if (now.data != mine.data)  // values another rank cannot know of: a module replaced, say
+                throw InvalidModel(where() + ": the values of parameter '" + mine.name +
+                                   "' lie in other memory now, and may differ from the other ranks' (a module or "
+                                   "tensor replaced on this rank?); parameter values must stay where they are under "
+                                   "a DataParallel (make a new one, on every rank, after replacing them)");
+            if (now.grad == mine.grad) continue;
             mine.grad = now.grad;
             moved = true;
         }
@@ -3001,6 +3025,8 @@ std::string diagnose_timeout(const B& backend, std::int64_t step, const BucketPl
             if (!status.empty())
                 msg += "; rank " + std::to_string(r) + (r == backend.rank() ? " (this rank)" : "") + ": " + status;
         }
+    } else if constexpr (AsksPeers<B>) {
+        msg += "." + backend.where_peers_stand();
     }
     return msg;
 }
@@ -6748,6 +6774,7 @@ inline std::string timeline_path(const std::string& from_options) {
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -6811,6 +6838,7 @@ public:
     // A DataParallel destroyed in the middle of a step (after an exception, say) aborts the group,
     // so that peers fail at once, and waits for its collectives in flight before it goes.
     ~DataParallel() {
+        lifetime_.reset();
         detail::abandon_in_flight(backend_, engine_, options_.timeout, "DataParallel",
                                   static_cast<std::uint64_t>(current_step()));
     }
@@ -6841,7 +6869,7 @@ public:
     template <class Optimizer>
     StepReport step(Optimizer&& optimizer, std::optional<StepNumber> number = {}) {
         static_assert(detail::check_optimizer<Optimizer, Set::has_lr_rule>());
-        detail::refuse_step(readiness_.accumulating(), /*on_device=*/false, options_.clip_norm, rank());
+        guard([&] { detail::refuse_step(readiness_.accumulating(), /*on_device=*/false, options_.clip_norm, rank()); });
         const std::uint64_t step = steps() + 1;
         synchronize_impl(/*want_stats=*/true, true, number);
         return detail::decide_step(
@@ -6858,7 +6886,7 @@ public:
     template <class Optimizer>
     void step_on_device(Optimizer&& optimizer, std::optional<StepNumber> number = {}) requires(memory_type::on_device) {
         static_assert(detail::check_step_on_device<loss_scaler_type, compression_type>());
-        detail::refuse_step(readiness_.accumulating(), /*on_device=*/true, options_.clip_norm, rank());
+        guard([&] { detail::refuse_step(readiness_.accumulating(), /*on_device=*/true, options_.clip_norm, rank()); });
         const std::uint64_t step = steps() + 1;
         synchronize_impl(/*want_stats=*/true, /*read_stats=*/false, number);
         if constexpr (Set::has_lr_rule)
@@ -6886,12 +6914,15 @@ public:
 
     // While the guard lives, backward accumulates gradients locally: grad_ready() only notes the
     // parameter as used and synchronize() communicates nothing. The next synchronized step
-    // reduces the accumulated sums.
+    // reduces the accumulated sums. Entered after grad_ready() calls of the step, it fails the
+    // group: the buckets those calls launched would otherwise let the peers complete the step.
     [[nodiscard]] NoSyncGuard no_sync() {
-        if (readiness_.any_ready())
-            throw ReadinessError(where() +
-                                 ": no_sync() after grad_ready() calls of the same step; enter no_sync() before "
-                                 "the backward whose gradients should only accumulate");
+        guard([&] {
+            if (readiness_.any_ready())
+                throw ReadinessError(where() +
+                                     ": no_sync() after grad_ready() calls of the same step; enter no_sync() before "
+                                     "the backward whose gradients should only accumulate");
+        });
         return NoSyncGuard(readiness_);
     }
 
@@ -6922,6 +6953,9 @@ public:
     void restore_steps(std::uint64_t steps) { steps_.store(steps, std::memory_order_release); }
     [[nodiscard]] Model& model() const { return model_; }
     [[nodiscard]] BackendT& backend() const { return backend_; }
+    // Expires when this object is destroyed: callbacks that may outlive it (the libtorch
+    // adapter's backward hooks) watch it and then call nothing.
+    [[nodiscard]] std::weak_ptr<const void> lifetime() const { return lifetime_; }
     [[nodiscard]] const Options& options() const { return options_; }
     [[nodiscard]] Bytes gradient_bytes() const { return plan().bytes(); }
     // Buckets whose gradients already lie contiguously in memory, reduced without a copy.
@@ -7128,6 +7162,7 @@ private:
     std::atomic<std::uint64_t> steps_{0};
     detail::StorageFollower storage_;
     detail::Timeline timeline_;
+    std::shared_ptr<const char> lifetime_ = std::make_shared<const char>('\0');
     detail::StatusRegistration<BackendT> reporter_;  // last: gone before what it reads
 };
 
@@ -7523,6 +7558,7 @@ concept ReleasableGradients =
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -7633,6 +7669,7 @@ public:
     // launched them): the group is aborted, so that peers waiting in them fail at once naming
     // this rank, and they are drained before the memory they write goes.
     ~ShardedDataParallel() {
+        lifetime_.reset();
         detail::HandlesInFlight<Handle> in_flight{launched_};
         detail::abandon_in_flight(backend_, in_flight, options_.timeout, "ShardedDataParallel", current_step());
     }
@@ -7660,6 +7697,8 @@ public:
     void restore_steps(std::uint64_t steps) { steps_ = steps; }
     [[nodiscard]] BackendT& backend() const { return backend_; }
     [[nodiscard]] Model& model() const { return model_; }
+    // Expires when this object is destroyed (as DataParallel::lifetime()).
+    [[nodiscard]] std::weak_ptr<const void> lifetime() const { return lifetime_; }
     [[nodiscard]] int rank() const { return backend_.rank(); }
     [[nodiscard]] int world_size() const { return backend_.size(); }
     // Memory held beyond the model's: packed bucket buffers (one for gradients and one for
@@ -7862,6 +7901,7 @@ private:
     // (buckets 0 .. size - 1; written under the readiness lock during backward).
     detail::Readiness readiness_;
     std::vector<Handle> launched_;
+    std::shared_ptr<const char> lifetime_ = std::make_shared<const char>('\0');
     std::size_t kept_ = 0;  // launched buckets whose share is kept (stage 2)
 };
 
@@ -8929,6 +8969,93 @@ inline std::string read_scalars(const SafetensorsFile& file, CheckpointScalars& 
 #endif  // GRADSYNC_SINGLE_CHECKPOINT_METADATA_HPP
 // ---- end gradsync/checkpoint/metadata.hpp ----
 
+// ---- begin gradsync/checkpoint/path_lock.hpp ----
+#ifndef GRADSYNC_SINGLE_CHECKPOINT_PATH_LOCK_HPP
+#define GRADSYNC_SINGLE_CHECKPOINT_PATH_LOCK_HPP
+// Saves and loads of one checkpoint path that lists files beside it (shard files, rank files) take
+// turns through a lock file, `<checkpoint>.lock`: a save holds it alone from its first file to the
+// removal of earlier saves' files, a load shares it while it reads. Without it, two trainers
+// saving one path remove each other's new files, and a load meets files a save has just removed.
+// flock(2): held per open file (so two threads of one process exclude each other too), released
+// when the process dies, never left stale. The lock file stays.
+
+
+#include <fcntl.h>     // for open
+#include <sys/file.h>  // for flock
+#include <unistd.h>    // for close
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>  // for std::strerror
+#include <filesystem>
+#include <string>
+#include <thread>  // for std::this_thread::sleep_for
+
+namespace gradsync::inline v0::detail {
+
+inline std::filesystem::path lock_path_of(const std::filesystem::path& checkpoint) {
+    auto out = checkpoint;
+    out += ".lock";
+    return out;
+}
+
+class PathLock {
+public:
+    enum class Mode { shared, exclusive };
+
+    PathLock() = default;
+    // Takes the lock of `checkpoint` in `mode`, waiting up to `wait` for another holder; throws a
+    // CheckpointError saying who else may hold it after that, or when the lock file cannot be made.
+    PathLock(const std::filesystem::path& checkpoint, Mode mode, std::chrono::milliseconds wait) {
+        const auto path = lock_path_of(checkpoint);
+        fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+        if (fd_ < 0)
+            throw CheckpointError("gradsync: checkpoint " + checkpoint.string() + ": cannot open its lock file " +
+                                  path.string() + ": " + std::strerror(errno));
+        const int op = (mode == Mode::shared ? LOCK_SH : LOCK_EX) | LOCK_NB;
+        const auto deadline = std::chrono::steady_clock::now() + wait;
+        while (::flock(fd_, op) != 0) {
+            const int error = errno;
+            if ((error != EWOULDBLOCK && error != EINTR) || std::chrono::steady_clock::now() >= deadline) {
+                release();
+                throw CheckpointError(
+                    "gradsync: checkpoint " + checkpoint.string() + ": " +
+                    (error == EWOULDBLOCK
+                         ? "another save or load of this path held its lock (" + path.string() + ") for " +
+                               std::to_string(wait.count()) +
+                               " ms; is another trainer saving to the same path? (Checkpoint::Options::lock_wait)"
+                         : "cannot lock " + path.string() + ": " + std::strerror(error)));
+            }
+            std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        }
+    }
+    PathLock(PathLock&& other) noexcept : fd_(other.fd_) { other.fd_ = -1; }
+    PathLock& operator=(PathLock&& other) noexcept {
+        if (this != &other) {
+            release();
+            fd_ = other.fd_;
+            other.fd_ = -1;
+        }
+        return *this;
+    }
+    PathLock(const PathLock&) = delete;
+    PathLock& operator=(const PathLock&) = delete;
+    ~PathLock() { release(); }
+
+    [[nodiscard]] bool held() const { return fd_ >= 0; }
+
+private:
+    void release() noexcept {
+        if (fd_ >= 0) ::close(fd_);  // closing the file releases its lock
+        fd_ = -1;
+    }
+    int fd_ = -1;
+};
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_CHECKPOINT_PATH_LOCK_HPP
+// ---- end gradsync/checkpoint/path_lock.hpp ----
+
 // ---- begin gradsync/reduction/powersgd.hpp ----
 #ifndef GRADSYNC_SINGLE_REDUCTION_POWERSGD_HPP
 #define GRADSYNC_SINGLE_REDUCTION_POWERSGD_HPP
@@ -9222,7 +9349,8 @@ private:
 // ---- end gradsync/reduction/powersgd.hpp ----
 
 #include <charconv>  // for std::to_chars, std::from_chars
-#include <cmath>     // for std::isfinite
+#include <chrono>
+#include <cmath>  // for std::isfinite
 #include <cstdint>
 #include <cstring>  // for std::memcpy
 #include <filesystem>
@@ -9244,6 +9372,9 @@ class Checkpoint {
 public:
     struct Options {
         SafetensorsWriteOptions write;  // test hooks
+        // How long a save or load of a checkpoint with files beside it (shard or rank files) waits
+        // for another save or load of the same path to end (path_lock.hpp).
+        std::chrono::milliseconds lock_wait = std::chrono::minutes(10);
     };
 
     Checkpoint() = default;
@@ -9294,7 +9425,8 @@ public:
     // every rank returns once it is written, or throws the same CheckpointError. First every rank
     // compares what it holds with rank 0's (parameters, buffers kept equal, the additions), since
     // rank 0's copy is what every rank gets back: replicas that differ throw ReplicaMismatch on
-    // every rank, and nothing is written.
+    // every rank, and nothing is written. With files beside the checkpoint, saves and loads of one
+    // path take turns (Options::lock_wait): two trainers saving it leave the last one's whole.
     template <class DP>
     void save(const std::filesystem::path& path, DP& dp) const {
         std::string problem;
@@ -9305,6 +9437,15 @@ public:
             problem = e.what();
         }
         detail::agree_on_problem(dp.backend(), problem);
+        detail::PathLock lock;
+        if (files_beside<DP>()) {
+            try {
+                lock = lock_beside(path, dp, detail::PathLock::Mode::exclusive);
+            } catch (const std::exception& e) {
+                problem = e.what();
+            }
+            detail::agree_on_problem(dp.backend(), problem);
+        }
         if constexpr (!on_device<DP>()) {
             auto tensors = detail::replica_tensors(dp.parameters(), dp.buffers(), buffer_mode(dp));
             for (const auto& e : extras_)
@@ -9342,6 +9483,7 @@ public:
         detail::agree_on_problem(dp.backend(), problem);
         if (!shards.names.empty()) detail::remove_stale_shards(path, shards);
         if (!locals.names.empty()) detail::remove_stale_shards(path, locals, "rank");
+        if (files_beside<DP>()) detail::agree_on_problem(dp.backend(), {});  // every rank's removal ends first
     }
 
     // Every rank checks that it loads what rank 0 loads (names, dtypes, sizes); rank 0 reads
@@ -9365,8 +9507,10 @@ public:
         detail::CheckpointScalars scalars;
         std::optional<SafetensorsFile> file;
         std::string shard_text, local_text;
+        detail::PathLock lock;  // held until every rank has read its files
         if (dp.rank() == 0 && problem.empty()) {
             try {
+                lock = lock_beside(path, dp, detail::PathLock::Mode::shared);
                 file.emplace(path);
                 problem = detail::check_contents(*file, wanted);
                 if (problem.empty()) problem = detail::read_scalars(*file, scalars, sampler_ != nullptr);
@@ -9495,6 +9639,18 @@ private:
         std::vector<detail::PieceSpan> out;
         for (const auto& p : dp.shard_pieces()) out.push_back({p.parameter, p.offset, p.params.size(), p.state_offset});
         return out;
+    }
+
+    // Whether the checkpoint has files beside it: shard files or rank files.
+    template <class DP>
+    [[nodiscard]] bool files_beside() const {
+        return !locals_.empty() || (sharded<DP> && !shards_.empty());
+    }
+    // Rank 0's turn at `path` where files lie beside it (path_lock.hpp); else no lock.
+    template <class DP>
+    detail::PathLock lock_beside(const std::filesystem::path& path, DP& dp, detail::PathLock::Mode mode) const {
+        if (dp.rank() != 0 || !files_beside<DP>()) return {};
+        return detail::PathLock(path, mode, options_.lock_wait);
     }
 
     // This rank's pieces of every sharded array, from the shard files `text` lists.

@@ -866,6 +866,13 @@ concept PeerStatus = StatusReporting<B> && requires(const B& cb, int rank) {
     { cb.peer_collectives(rank) } -> std::convertible_to<std::uint64_t>;  // how many it has entered
 };
 
+// ...or, where peers live in other processes, can ask them (MpiBackend: a message to each, which
+// its watcher answers): " Where the peers stand: ...", waiting up to a second.
+template <class B>
+concept AsksPeers = Backend<B> && requires(const B& cb) {
+    { cb.where_peers_stand() } -> std::convertible_to<std::string>;
+};
+
 // The sum over the ranks of a factor times each rank's buffer, in one pass (NcclBackend's
 // pre-multiplied sum): folds an unscaling factor into the reduction.
 template <class B>

@@ -4,7 +4,10 @@
 //   throw    rank 1 reports a gradient twice: its ReadinessError aborts the job
 //   missing  rank 1 never reports one parameter: the error names it and the step
 //   exit     rank 1 exits without a word: the launcher ends the others
-//   hang     rank 1 stops calling collectives: the others' deadline (2 s here) ends the job
+//   hang     rank 1 stops calling collectives: the others' deadline (2 s here) ends the job,
+//            and their message says where rank 1 stands (between steps)
+//   stuck    rank 1 stops in its backward, one gradient short: the message names the parameter
+//   stop     rank 1 stops itself (SIGSTOP): the message says it did not answer
 //   leave    rank 1 catches an exception of its own and returns from main cleanly, while the
 //            others wait in step 3's collectives: they learn at once (their deadline is 60 s here)
 //   alone    (started torchrun-style as rank 0 of 2, with no rank 1) the join's deadline, 10 s here
@@ -14,6 +17,7 @@
 #include "mlp.hpp"
 
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <stdexcept>
@@ -24,8 +28,8 @@ int main(int argc, char** argv) {
     gradsync::MpiSession mpi(argc, argv, /*join_timeout=*/std::chrono::seconds(10));
     const std::string scenario = argc > 1 ? argv[1] : "";
     if (scenario != "throw" && scenario != "missing" && scenario != "exit" && scenario != "hang" &&
-        scenario != "leave") {
-        std::fprintf(stderr, "usage: mpi_faults throw|missing|exit|hang|leave|alone\n");
+        scenario != "stuck" && scenario != "stop" && scenario != "leave") {
+        std::fprintf(stderr, "usage: mpi_faults throw|missing|exit|hang|stuck|stop|leave|alone\n");
         return 2;
     }
     gradsync::MpiOptions options;
@@ -38,6 +42,8 @@ int main(int argc, char** argv) {
     int step = 0;
     model.on_grad_ready = [&](std::size_t i) {
         if (culprit && step == 3 && scenario == "missing" && i == 1) return;  // parameter "fc1.bias"
+        if (culprit && step == 3 && scenario == "stuck" && i == 1)
+            std::this_thread::sleep_for(std::chrono::seconds(600));
         dp.grad_ready(i);
         if (culprit && step == 3 && scenario == "throw" && i == 3) dp.grad_ready(i);
     };
@@ -46,6 +52,7 @@ int main(int argc, char** argv) {
         for (step = 0; step < 6; ++step) {
             if (culprit && step == 3 && scenario == "exit") std::_Exit(0);
             if (culprit && step == 3 && scenario == "hang") std::this_thread::sleep_for(std::chrono::seconds(600));
+            if (culprit && step == 3 && scenario == "stop") std::raise(SIGSTOP);
             if (culprit && step == 3 && scenario == "leave") throw std::runtime_error("the data loader failed");
             model.forward_backward(mlp::make_batch(1, std::size_t(step * 64 + backend.rank() * 16), 16));
             dp.synchronize();

@@ -60,6 +60,8 @@ std::string diagnose_timeout(const B& backend, std::int64_t step, const BucketPl
             if (!status.empty())
                 msg += "; rank " + std::to_string(r) + (r == backend.rank() ? " (this rank)" : "") + ": " + status;
         }
+    } else if constexpr (AsksPeers<B>) {
+        msg += "." + backend.where_peers_stand();
     }
     return msg;
 }

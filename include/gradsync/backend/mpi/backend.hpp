@@ -19,6 +19,7 @@
 #include <gradsync/backend/mpi/departures.hpp>
 #include <gradsync/backend/mpi/mpi_api.hpp>
 #include <gradsync/backend/mpi/options.hpp>
+#include <gradsync/backend/mpi/peer_standings.hpp>
 #include <gradsync/backend/mpi/reduction.hpp>
 #include <gradsync/backend/mpi/session.hpp>
 #include <gradsync/detail/deadline.hpp>
@@ -82,15 +83,21 @@ public:
         MPI_Comm_size(comm_, &size_);
         reduction_.emplace(comm_, options_);
         departures_.emplace(comm_);
+        peers_.emplace(comm_);
         watch_.emplace(rank_, size_, options_.timeout);
-        // The watcher polls for departed peers only where MPI lets a second thread call it.
-        const bool poll = level_ == MPI_THREAD_MULTIPLE && size_ > 1 && options_.peer_poll.count() > 0;
-        watcher_.emplace(
-            [this, poll] { return watch_->wake_at(poll ? std::optional(options_.peer_poll) : std::nullopt); },
-            [this, poll] {
-                if (poll) end_job_saying(watch_->note_departures(departures_->poll()));
-                end_job_saying(watch_->late());
-            });
+        // The watcher polls for departed peers and answers peers that ask where this rank stands
+        // only where MPI lets a second thread call it.
+        polls_ = level_ == MPI_THREAD_MULTIPLE && size_ > 1 && options_.peer_poll.count() > 0;
+        watcher_.emplace([this] { return watch_->wake_at(polls_ ? std::optional(options_.peer_poll) : std::nullopt); },
+                         [this] {
+                             if (polls_) {
+                                 end_job_saying(watch_->note_departures(departures_->poll()));
+                                 peers_->serve([this] { return watch_->standing().text(); });
+                             }
+                             auto late = watch_->late();
+                             if (late) *late += where_peers_stand();
+                             end_job_saying(late);
+                         });
     }
     MpiBackend(const MpiBackend&) = delete;
     MpiBackend& operator=(const MpiBackend&) = delete;
@@ -106,6 +113,7 @@ public:
                 stderr, "gradsync: rank %d: rank(s) %s had not destroyed their MpiBackend %.3g s after this rank did\n",
                 rank_, ranks.c_str(), std::chrono::duration<double>(options_.timeout).count());
         }
+        peers_.reset();
         departures_.reset();
         reduction_.reset();
         MPI_Comm_free(&comm_);
@@ -208,6 +216,17 @@ public:
                 [&] { check(MPI_Barrier(comm_), "MPI_Barrier"); });
     }
 
+    // Where every peer stands, asked now (AsksPeers; for a diagnosis): the collectives each has
+    // completed and what its status reporters say, or that it did not answer. Waits up to a
+    // second (or half of MpiOptions::timeout); "" where the watcher cannot call MPI (below
+    // MPI_THREAD_MULTIPLE, or MpiOptions::peer_poll zero).
+    [[nodiscard]] std::string where_peers_stand() const {
+        if (!polls_) return {};
+        const auto wait = std::min<std::chrono::milliseconds>(std::chrono::seconds(1), options_.timeout / 2);
+        const auto words = [this] { return watch_->standing().text(); };
+        return detail::where_peers_stand(peers_->ask(wait, words), rank_, watch_->standing(), wait);
+    }
+
     // The peers that have left the group (destroyed their MpiBackend), as far as the watcher has
     // seen: a collective after one has left is refused with a CollectiveError.
     [[nodiscard]] std::vector<int> departed_peers() { return watch_->departed_ranks(); }
@@ -306,9 +325,11 @@ private:
     int level_ = MPI_THREAD_SINGLE;
     std::uint64_t seq_ = 0;  // the number of the last collective launched
     std::optional<detail::MpiReduction> reduction_;
-    std::optional<detail::PeerDepartures> departures_;  // polled by the watcher, then left by the destructor
+    std::optional<detail::PeerDepartures> departures_;    // polled by the watcher, then left by the destructor
+    mutable std::optional<detail::PeerStandings> peers_;  // questions the watcher answers; asked when late
+    bool polls_ = false;  // the watcher calls MPI: polls for departures, answers questions
 
-    std::optional<detail::CollectiveWatch> watch_;  // what the watcher watches
+    mutable std::optional<detail::CollectiveWatch> watch_;  // what the watcher watches
     std::optional<detail::WatcherThread> watcher_;
 
     std::shared_ptr<detail::SpinBudget> waiting_ = std::make_shared<detail::SpinBudget>();  // for handles

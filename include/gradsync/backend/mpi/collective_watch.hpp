@@ -5,6 +5,7 @@
 
 #include <gradsync/backend/collective.hpp>  // for CollectiveCall
 #include <gradsync/backend/mpi/departures.hpp>
+#include <gradsync/backend/mpi/peer_standings.hpp>  // for Standing
 #include <gradsync/detail/deadline.hpp>
 #include <gradsync/error.hpp>
 
@@ -100,6 +101,21 @@ public:
         std::vector<int> ranks;
         for (const auto& d : departed_) ranks.push_back(d.rank);
         return ranks;
+    }
+
+    // Where this rank stands, for a peer that asks (peer_standings.hpp): collectives completed, the
+    // one it waits in, what its status reporters say.
+    [[nodiscard]] Standing standing() {
+        Standing out;
+        {
+            std::lock_guard lock(mutex_);
+            out.completed = last_completed_;
+            out.in_collective = busy_;
+            if (busy_) out.words = "waits in " + current_.describe();
+        }
+        std::lock_guard lock(reporters_mutex_);
+        for (const auto& r : reporters_) out.words += (out.words.empty() ? "" : "; ") + r.second();
+        return out;
     }
 
     std::uint64_t add_reporter(std::function<std::string()> reporter) {
