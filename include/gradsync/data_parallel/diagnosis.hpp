@@ -61,7 +61,7 @@ std::string diagnose_timeout(const B& backend, std::int64_t step, const BucketPl
                 msg += "; rank " + std::to_string(r) + (r == backend.rank() ? " (this rank)" : "") + ": " + status;
         }
     } else if constexpr (AsksPeers<B>) {
-        msg += "." + backend.where_peers_stand();
+        if (const auto peers = backend.where_peers_stand(); !peers.empty()) msg += "." + peers;
     }
     return msg;
 }
