@@ -2569,7 +2569,8 @@ private:
 // The collectives of a LocalBackend group, run by the ranks' threads in shared memory: allreduce
 // (one-shot through staging for small buffers, two-phase in place for large ones),
 // reduce_scatter, all_gather, broadcast and barrier. Every one starts with a round in which the
-// ranks publish and check their calls, and ends with one after which no peer reads its memory.
+// ranks publish and check their calls, and ends with one after which no peer reads its memory;
+// one that leaves early (the group aborted) first waits for the peers still reading it.
 
 
 // ---- begin gradsync/detail/deadline.hpp ----
@@ -3187,6 +3188,8 @@ struct LocalCall : CollectiveCall {
 struct alignas(cache_line) LocalRankState {
     std::atomic<std::uint64_t> epoch{0};  // barrier rounds this rank has arrived at
     alignas(cache_line) std::atomic<bool> departed{false};
+    // Between a collective's first round and its closing one, where it reads its peers' memory.
+    std::atomic<bool> reading{false};
     std::atomic<std::uint64_t> calls_entered{0};
     PieceClaims share;        // of a two-phase allreduce
     LocalCall calls[2];       // the current collective, by round parity
@@ -3384,6 +3387,7 @@ protected:
 #include <cstring>  // for std::memcpy
 #include <optional>
 #include <string>
+#include <thread>  // for std::this_thread::yield
 
 namespace gradsync::inline v0::detail {
 
@@ -3406,6 +3410,19 @@ public:
         throw_if_aborted(rank, call);
         ranks_[idx(rank)].calls_entered.store(call.seq, std::memory_order_relaxed);
         if (size_ == 1) return execute_alone(rank, call);
+        try {
+            run(rank, call, deadline);
+        } catch (...) {
+            // Leaving early (the group was aborted): this rank's memory may go as this returns,
+            // so first every peer still reading it must be done.
+            ranks_[idx(rank)].reading.store(false, std::memory_order_seq_cst);
+            wait_for_readers(rank);
+            throw;
+        }
+    }
+
+private:
+    void run(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
         switch (call.kind) {
             case CollectiveKind::allreduce:
                 if (!reducible(*call.dtype))
@@ -3423,7 +3440,32 @@ public:
         }
     }
 
-private:
+    // After the first round, before reading any peer's memory: a rank leaving on an abort waits
+    // for those reading (wait_for_readers); this reads the abort after saying it reads, and the
+    // leaving rank reads this after the abort, so one of them always sees the other.
+    void start_reading(int rank, const LocalCall& call) {
+        auto& me = ranks_[idx(rank)];
+        me.reading.store(true, std::memory_order_seq_cst);
+        if (aborted_.load(std::memory_order_seq_cst)) {
+            me.reading.store(false, std::memory_order_seq_cst);
+            throw_if_aborted(rank, call);
+        }
+    }
+    // Done reading peers' memory: the closing round, after which nobody reads this rank's.
+    void end(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
+        ranks_[idx(rank)].reading.store(false, std::memory_order_seq_cst);
+        round(rank, call, deadline);
+    }
+    // Until no peer reads (pure memory work, done within moments; bounded all the same).
+    void wait_for_readers(int rank) {
+        const auto limit = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+        for (int s = 0; s < size_; ++s) {
+            if (s == rank) continue;
+            while (ranks_[idx(s)].reading.load(std::memory_order_seq_cst) && std::chrono::steady_clock::now() < limit)
+                std::this_thread::yield();
+        }
+    }
+
     void execute_alone(int rank, const LocalCall& call) {
         const bool reduces = call.kind == CollectiveKind::allreduce || call.kind == CollectiveKind::reduce_scatter;
         if (reduces && !reducible(*call.dtype))
@@ -3495,6 +3537,7 @@ private:
         const auto share_begin = [&](int r) { return pieces * static_cast<std::size_t>(r) / idx(size_); };
         me.share.reset(share_begin(rank), share_begin(rank + 1));
         const unsigned parity = begin(rank, call, deadline);
+        start_reading(rank, call);
         for (int k = 0; k < size_; ++k) {
             auto& share = ranks_[idx((rank + k) % size_)].share;
             const auto end = k == 0 ? PieceClaims::End::front : PieceClaims::End::back;
@@ -3504,7 +3547,7 @@ private:
             }
         }
         // Nobody returns, and reuses its buffer, before every piece is written.
-        round(rank, call, deadline);
+        end(rank, call, deadline);
     }
 
     // Sums elements [lo, hi) of every rank's buffer, in rank order, into all of them, or into rank
@@ -3532,10 +3575,11 @@ private:
     void broadcast(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
         check_root(rank, call);
         const unsigned parity = begin(rank, call, deadline);
+        start_reading(rank, call);
         if (rank != call.root && call.count != 0) {
             std::memcpy(call.single.data, ranks_[idx(call.root)].calls[parity].single.data, call.count);
         }
-        round(rank, call, deadline);
+        end(rank, call, deadline);
     }
 
     void barrier(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
@@ -3548,16 +3592,18 @@ private:
     template <class T>
     void reduce_scatter(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
         const unsigned parity = begin(rank, call, deadline);
+        start_reading(rank, call);
         const Shard mine = shard_of(call.count, size_, rank);
         if (mine.count != 0) reduce_range<T>(rank, call, parity, mine.offset, mine.offset + mine.count, rank);
         // Nobody returns, and reuses its buffer, before every shard is read.
-        round(rank, call, deadline);
+        end(rank, call, deadline);
     }
 
     // Rank r copies every other rank's shard from that rank's buffer into its own. Nobody writes
     // what another rank reads: rank s's shard s is read by its peers and written by none.
     void all_gather(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
         const unsigned parity = begin(rank, call, deadline);
+        start_reading(rank, call);
         const std::size_t elem = size_of(*call.dtype);
         const bool streaming = call.count * elem >= streaming_min_bytes;
         for (int s = 0; s < size_; ++s) {
@@ -3577,7 +3623,7 @@ private:
             }
         }
         if (streaming) streaming_fence();
-        round(rank, call, deadline);
+        end(rank, call, deadline);
     }
 
     // Publishes this rank's call, meets the others and checks that they are in the same one.

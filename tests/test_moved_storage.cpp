@@ -179,7 +179,7 @@ TEST_CASE("moved storage: a parameter empty when wrapped that gets elements late
         } catch (const gradsync::Error& e) {
             out[static_cast<std::size_t>(b.rank())] = e.what();
         }
-        CHECK(dp.steps() == 1);
+        CHECK(dp.steps() <= 1);  // (a rank may learn of its peer's failure while it ends step 1)
     });
     for (const auto& e : out)
         CHECK_MESSAGE(e.find("step 2: parameter 't1' had no elements when the DataParallel was made and has 5 now "

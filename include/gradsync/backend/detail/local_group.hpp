@@ -53,6 +53,8 @@ struct LocalCall : CollectiveCall {
 struct alignas(cache_line) LocalRankState {
     std::atomic<std::uint64_t> epoch{0};  // barrier rounds this rank has arrived at
     alignas(cache_line) std::atomic<bool> departed{false};
+    // Between a collective's first round and its closing one, where it reads its peers' memory.
+    std::atomic<bool> reading{false};
     std::atomic<std::uint64_t> calls_entered{0};
     PieceClaims share;        // of a two-phase allreduce
     LocalCall calls[2];       // the current collective, by round parity
