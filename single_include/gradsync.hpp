@@ -4280,15 +4280,23 @@ struct HostMemory {
             src += s.count * elem;
         }
     }
-    // Packs float32 gradients into `dst` as `wire` values, each multiplied by `factor`.
+    // Packs the gradients into `dst` as `wire` values, each multiplied by `factor`: float32 ones
+    // narrowed (wire compression), float16 and bfloat16 ones widened to float32 (for a hook).
     void compress(const Table& t, std::byte* dst, DType wire, double factor) const {
-        detail::visit_float_dtype(wire, [&]<class W>(detail::type_tag<W>) {
-            auto* out = reinterpret_cast<W*>(dst);
+        const auto copy = [&]<class G, class W>(W* out) {
             for (const auto& s : t.segments) {
-                detail::scale_copy(static_cast<const float*>(s.data), out, s.count, factor);
+                detail::scale_copy(static_cast<const G*>(s.data), out, s.count, factor);
                 out += s.count;
             }
-        });
+        };
+        if (t.dtype == DType::float32)
+            return detail::visit_float_dtype(wire, [&]<class W>(detail::type_tag<W>) {
+                copy.template operator()<float>(reinterpret_cast<W*>(dst));
+            });
+        if (wire != DType::float32)
+            throw Error("gradsync: internal error: " + to_string(t.dtype) + " gradients packed as " + to_string(wire));
+        detail::visit_float_dtype(
+            t.dtype, [&]<class G>(detail::type_tag<G>) { copy.template operator()<G>(reinterpret_cast<float*>(dst)); });
     }
 
     // Room for `slots` results, before any finalize (once per bucket plan).
@@ -4297,7 +4305,8 @@ struct HostMemory {
     // The finalize pass: gradients = `src` (a reduced bucket of `src_type`; null: the gradients
     // themselves) times `factor`, and the sum of the squares of what was written into result slot
     // `slot`. With nothing to scale in place, only measures.
-    // A `src_type` other than the gradients' is a wire dtype, and the gradients are then float32.
+    // A `src_type` other than the gradients' is a wire dtype, and one of the two is float32: a
+    // narrower wire of float32 gradients, or the float32 a hook left for 16-bit gradients.
     // A float16 wire holding an infinity or NaN (a sum that overflowed float16) writes nothing:
     // the gradients stay as they were, and the slot's result is NaN.
     void finalize(const Table& t, const std::byte* src, DType src_type, double factor, std::size_t slot) {
@@ -4330,12 +4339,16 @@ struct HostMemory {
             detail::visit_float_dtype(t.dtype, [&]<class T>(detail::type_tag<T>) {
                 unpack_measuring.template operator()<T, T>(reinterpret_cast<const T*>(src));
             });
-        } else {
-            if (t.dtype != DType::float32)
-                throw Error("gradsync: internal error: a " + to_string(src_type) + " wire for " + to_string(t.dtype) +
-                            " gradients");
+        } else if (t.dtype == DType::float32) {
             detail::visit_float_dtype(src_type, [&]<class W>(detail::type_tag<W>) {
                 unpack_measuring.template operator()<W, float>(reinterpret_cast<const W*>(src));
+            });
+        } else {
+            if (src_type != DType::float32)
+                throw Error("gradsync: internal error: a " + to_string(src_type) + " wire for " + to_string(t.dtype) +
+                            " gradients");
+            detail::visit_float_dtype(t.dtype, [&]<class T>(detail::type_tag<T>) {
+                unpack_measuring.template operator()<float, T>(reinterpret_cast<const float*>(src));
             });
         }
         results_.at(slot) = total;
@@ -4767,15 +4780,18 @@ constexpr bool check_lr_rule() {
 // ---- begin gradsync/reduction/comm_hook.hpp ----
 #ifndef GRADSYNC_SINGLE_REDUCTION_COMM_HOOK_HPP
 #define GRADSYNC_SINGLE_REDUCTION_COMM_HOOK_HPP
-// Communication hooks: a policy that decides how a float32 bucket's gradients are averaged over
-// the ranks, in place of the plain allreduce (low-rank compression, say). The bucket engine hands
-// the hook each bucket's gradients as one contiguous array, the parameters in it, and a HookComm
-// through which it issues its collectives; every collective the hook issues is tagged with the
-// step and bucket like the engine's own. start() runs when the bucket's gradients are final
-// (during backward with grad_ready, else at synchronize) and returns what is in flight;
+// Communication hooks: a policy that decides how a bucket's gradients are averaged over the
+// ranks, in place of the plain allreduce (low-rank compression, say). The bucket engine hands the
+// hook each bucket's gradients as one contiguous float32 array, the parameters in it, and a
+// HookComm through which it issues its collectives; every collective the hook issues is tagged
+// with the step and bucket like the engine's own. start() runs when the bucket's gradients are
+// final (during backward with grad_ready, else at synchronize) and returns what is in flight;
 // finish() runs once that has completed, on the thread that synchronizes, and leaves the average
-// in the bucket. Buckets of another dtype are allreduced as without a hook; a world of one runs
-// no hook (the local gradient is the average).
+// in the bucket. Float16 and bfloat16 buckets reach the hook widened to float32 (exactly), and
+// what it leaves is rounded once into the model's gradients: the hook computes in float32 what the
+// model holds in 16 bits (Megatron reduces bfloat16 gradients in float32 for the same reason).
+// float64 buckets are allreduced as without a hook; a world of one runs no hook (the local
+// gradient is the average).
 
 
 #include <chrono>
@@ -4806,6 +4822,7 @@ struct HookBucket {
     std::span<float> values;  // in: this rank's gradients; after finish(): their average over the ranks
     std::span<const HookParameter> parameters;  // in element order, covering `values`
     float loss_scale = 1.0f;                    // the factor the gradients carry (1 without a loss scaler)
+    DType dtype = DType::float32;               // the model's gradients': float16 and bfloat16 ones are widened
 };
 
 // The collectives a hook may issue for one bucket. Each is tagged with the step and bucket, so
@@ -4876,8 +4893,10 @@ struct NoCommHook {
     void finish(const HookBucket&, HookComm&) {}
 };
 
-// The plain average through a hook: one allreduce per bucket. The reference a hook is measured
-// against, and a model of the concept to start a hook of your own from.
+// The plain average through a hook: one allreduce per bucket, in float32. For float32 gradients,
+// the reference a hook is measured against; for float16 and bfloat16 ones, their average
+// computed in float32 and rounded once, where a 16-bit allreduce rounds at every step of its sum.
+// A model of the concept to start a hook of your own from.
 struct AllreduceHook {
     using policy_category = policy_category::comm_hook;
     static constexpr bool hooked = true;
@@ -5431,10 +5450,12 @@ void sync_buffers(B& backend, std::span<const ModelBuffer> buffers, BufferSync m
 // BucketEngine: each bucket's storage and its collective in the current step. A bucket travels
 // one of five ways: reduced where its gradients lie (a backend that takes scattered segments),
 // as one view when they lie contiguously, through a packed copy, packed into a narrower wire
-// dtype, or through the communication hook (reduction/comm_hook.hpp), as a view or a packed copy. The engine launches a
-// bucket's collective (during backward) or runs it now (at synchronize()), waits for the launched ones by a deadline
-// (or, on the device, makes the trainer's stream wait), and then runs the finalize pass over the bucket through the
-// memory policy: unpack, unscale, measure.
+// dtype, or through the communication hook (reduction/comm_hook.hpp): float32 gradients as a view
+// or a packed copy, float16 and bfloat16 ones widened into a float32 copy and rounded once when the
+// hook is done. The engine launches a bucket's collective (during backward) or runs it now (at
+// synchronize()), waits for the launched ones by a deadline (or, on the device, makes the trainer's
+// stream wait), and then runs the finalize pass over the bucket through the memory policy: unpack,
+// unscale, measure.
 
 
 // ---- begin gradsync/detail/log.hpp ----
@@ -5806,10 +5827,13 @@ private:
         slot.count = bucket.count;
         const bool contiguous = first_gap(slot.segments, bucket.dtype) == 0;
         slot.view.reset();
-        if (contiguous) slot.view = Segment{slot.segments.front().data, bucket.count};
         slot.hooked.clear();
-        if (Hook::hooked && bucket.dtype == DType::float32) {
+        const bool half = bucket.dtype == DType::float16 || bucket.dtype == DType::bfloat16;
+        // A hook sees float32 values: a half bucket is widened into a float32 buffer (never a view).
+        if (contiguous && !(Hook::hooked && half)) slot.view = Segment{slot.segments.front().data, bucket.count};
+        if (Hook::hooked && (bucket.dtype == DType::float32 || half)) {
             slot.route = Route::hook;
+            slot.wire = DType::float32;
             std::size_t offset = 0;
             for (auto i : slot.indices) {
                 slot.hooked.push_back(HookParameter{params[i].name, offset, params[i].count, params[i].shape});
@@ -5824,8 +5848,8 @@ private:
             slot.route = contiguous ? Route::view : Route::packed;
         }
         slot.table = memory_.table(slot.segments, bucket.dtype);
-        const bool needs_buffer = slot.route == Route::packed || slot.route == Route::compressed ||
-                                  (slot.route == Route::hook && !contiguous);
+        const bool needs_buffer =
+            slot.route == Route::packed || slot.route == Route::compressed || (slot.route == Route::hook && !slot.view);
         if (needs_buffer && backend_.size() > 1 && slot.buffer.size() == 0)
             slot.buffer = memory_.allocate(Bytes{bucket.count * size_of(slot.wire)});
     }
@@ -5869,17 +5893,21 @@ private:
             case Route::compressed: return finalize_from(b, data, slot.wire);
             case Route::hook:
                 if (slot.view) return finalize_in_place(b);
-                if (!finalizing_) return memory_.unpack(slot.table, data);
-                return finalize_from(b, data, slot.dtype);
+                if (finalizing_) return finalize_from(b, data, slot.wire);
+                if (slot.wire == slot.dtype) return memory_.unpack(slot.table, data);
+                // A widened bucket rounded once into the gradients: the finalize pass with nothing to
+                // scale, its measurement left unread.
+                return memory_.finalize(slot.table, data, slot.wire, 1.0, b);
         }
     }
 
-    // The bucket as the hook sees it: its gradients where they lie when contiguous, else packed.
+    // The bucket as the hook sees it: its float32 gradients where they lie when contiguous, else
+    // packed (half ones widened).
     HookBucket hook_bucket(std::size_t b, std::int64_t step) {
         auto& slot = slots_[b];
         auto* values = static_cast<float*>(slot.view ? slot.view->data : static_cast<void*>(Memory::data(slot.buffer)));
         const float scale = hook_context_.loss_scale ? hook_context_.loss_scale() : 1.0f;
-        return HookBucket{b, step, std::span<float>(values, slot.count), slot.hooked, scale};
+        return HookBucket{b, step, std::span<float>(values, slot.count), slot.hooked, scale, slot.dtype};
     }
 
     // The collectives of bucket b's hook: the first carries the engine's tag for the bucket, each
@@ -5896,7 +5924,10 @@ private:
 
     void start_hook(std::size_t b, CollectiveTag tag) {
         auto& slot = slots_[b];
-        if (!slot.view) memory_.pack(slot.table, Memory::data(slot.buffer));
+        if (slot.wire != slot.dtype)
+            memory_.compress(slot.table, Memory::data(slot.buffer), slot.wire, 1.0);  // widened, exactly
+        else if (!slot.view)
+            memory_.pack(slot.table, Memory::data(slot.buffer));
         slot.hook_step = tag.step;
         auto comm = hook_comm(b, tag);
         slot.pending.emplace(hook_.start(hook_bucket(b, tag.step), comm));

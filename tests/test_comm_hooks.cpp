@@ -12,8 +12,10 @@
 #include <doctest/doctest.h>
 
 #include "mlp.hpp"
+#include "support/half_gradients.hpp"
 #include "support/temp_dir.hpp"
 
+#include <algorithm>  // for std::sort
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -223,6 +225,58 @@ TEST_CASE("a hook's buckets get the finalize pass once: with a loss scale, step(
     }
 }
 
+// AllreduceHook that notes the dtype and size of every bucket it is handed.
+struct DtypeNotingHook {
+    using policy_category = gradsync::policy_category::comm_hook;
+    static constexpr bool hooked = true;
+    std::vector<std::pair<gradsync::DType, std::size_t>>* seen = nullptr;
+    [[nodiscard]] std::string settings() const { return "dtype-noting allreduce"; }
+    gradsync::HookComm::Pending start(const gradsync::HookBucket& bucket, gradsync::HookComm& comm) {
+        seen->emplace_back(bucket.dtype, bucket.values.size());
+        return comm.allreduce_async(bucket.values, gradsync::ReduceOp::average);
+    }
+    void finish(const gradsync::HookBucket&, gradsync::HookComm&) {}
+};
+
+TEST_CASE("float16 and bfloat16 buckets reach a hook widened to float32, and its average is rounded once into them") {
+    // Three ranks: synchronize() (the rounding without a finalize pass), then step() with a loss
+    // scale, overlapped (the widening during backward, the finalize pass unscaling).
+    constexpr int world = 3;
+    using testing_support::HalfGradients;
+    std::vector<std::vector<std::pair<gradsync::DType, std::size_t>>> seen(world);
+    std::vector<std::size_t> off(world), off_scaled(world);
+    gradsync::spawn(world, [&](gradsync::LocalBackend& backend) {
+        const auto r = static_cast<std::size_t>(backend.rank());
+        HalfGradients model;
+        gradsync::DataParallel dp(model, backend, DtypeNotingHook{&seen[r]});
+        model.fill(backend.rank(), 0);
+        dp.synchronize();
+        off[r] = model.not_rounded_once(world, 0);
+        CHECK(dp.view_buckets() == 1);  // the float32 one; a hook's 16-bit buckets are widened copies
+
+        HalfGradients scaled;
+        gradsync::DataParallel scaled_dp(scaled, backend, gradsync::AllreduceHook{},
+                                         gradsync::StaticLossScale{.value = 1024.0f});
+        scaled.fill(backend.rank(), 1, scaled_dp.loss_scale());
+        for (std::size_t p = 4; p-- > 0;) scaled_dp.grad_ready(p);
+        const auto report = scaled_dp.step([] {});
+        CHECK(report.applied);
+        off_scaled[r] = scaled.not_rounded_once(world, 1);
+    });
+    for (std::size_t r = 0; r < world; ++r) {
+        CAPTURE(r);
+        CHECK(off[r] == 0);
+        CHECK(off_scaled[r] == 0);
+        // One bucket per dtype, each as float32 values: the two bfloat16 tensors together.
+        auto buckets = seen[r];
+        std::sort(buckets.begin(), buckets.end());
+        CHECK(buckets ==
+              std::vector<std::pair<gradsync::DType, std::size_t>>{{gradsync::DType::float32, HalfGradients::n},
+                                                                   {gradsync::DType::float16, HalfGradients::n},
+                                                                   {gradsync::DType::bfloat16, 2 * HalfGradients::n}});
+    }
+}
+
 TEST_CASE("PowerSGD at full rank equals the plain average, step after step with error feedback") {
     // Rank min(n, m) and every matrix compressed: P Q^T / world is the average itself (to
     // rounding), and the errors of the ranks sum to zero, so the next step's average is not
@@ -238,6 +292,30 @@ TEST_CASE("PowerSGD at full rank equals the plain average, step after step with 
                 CHECK(max_difference(full[r][s][k], plain[r][s][k]) < 2e-6);
                 CHECK(full[r][s][k] == full[0][s][k]);  // every rank bitwise alike
             }
+}
+
+TEST_CASE("PowerSGD on bfloat16 matrices: compressed in float32, at full rank their average to a bfloat16 ulp") {
+    constexpr int world = 3;
+    using testing_support::HalfGradients;
+    std::vector<std::size_t> off(world);
+    std::vector<bool> compressed(world);
+    gradsync::spawn(world, [&](gradsync::LocalBackend& backend) {
+        const auto r = static_cast<std::size_t>(backend.rank());
+        HalfGradients model;
+        gradsync::DataParallel dp(model, backend, gradsync::PowerSGD({.rank = 7, .min_compression_rate = 0}));
+        compressed[r] = dp.comm_hook().state().contains("a") && dp.comm_hook().state().contains("b");
+        for (int s = 0; s < 3; ++s) {
+            model.fill(backend.rank(), s);
+            dp.synchronize();
+            off[r] += HalfGradients::off_by_more_than_an_ulp(model.ga, world, s, 0, 8) +
+                      HalfGradients::off_by_more_than_an_ulp(model.gb, world, s, 1, 8);
+        }
+    });
+    for (std::size_t r = 0; r < world; ++r) {
+        CAPTURE(r);
+        CHECK(compressed[r]);
+        CHECK(off[r] == 0);
+    }
 }
 
 TEST_CASE("PowerSGD at low rank moves fewer values, keeps the ranks bitwise equal, and carries its error") {

@@ -10,6 +10,7 @@
 #include "support/fake_env.hpp"
 #include "support/faulty_backend.hpp"
 #include "support/generic_trainer.hpp"
+#include "support/half_gradients.hpp"
 #include "support/resume_run.hpp"
 #include "support/sharded_checks.hpp"
 #include "support/sharded_optimizers.hpp"
@@ -692,6 +693,26 @@ TEST_CASE("over MPI, PowerSGD overlapped with backward keeps every process bitwi
         std::vector<char> error_bytes(error.size() * sizeof(float));
         std::memcpy(error_bytes.data(), error.data(), error_bytes.size());
         CHECK_FALSE(same_on_every_rank(error_bytes));
+    }
+}
+
+TEST_CASE(
+    "over MPI, bfloat16 gradients averaged in float32 through AllreduceHook are rounded once; plain ones are not") {
+    // MPI sums bfloat16 pairwise, rounding every partial sum to 8 bits; through the hook the sum is
+    // float32 (exact here) and rounded once.
+    gradsync::MpiBackend backend;
+    testing_support::HalfGradients hooked, plain;
+    gradsync::DataParallel hooked_dp(hooked, backend, gradsync::AllreduceHook{});
+    gradsync::DataParallel plain_dp(plain, backend);
+    for (int s = 0; s < 2; ++s) {
+        hooked.fill(backend.rank(), s);
+        plain.fill(backend.rank(), s);
+        hooked_dp.synchronize();
+        plain_dp.synchronize();
+        CHECK(hooked.not_rounded_once(world_size(), s) == 0);
+        // Two ranks add once: nothing to round between. From three on, the 16-bit sum's own
+        // rounding shows.
+        if (world_size() >= 3) CHECK(plain.bfloat16_not_rounded_once(world_size(), s) > 0);
     }
 }
 

@@ -1,10 +1,12 @@
 // BucketEngine: each bucket's storage and its collective in the current step. A bucket travels
 // one of five ways: reduced where its gradients lie (a backend that takes scattered segments),
 // as one view when they lie contiguously, through a packed copy, packed into a narrower wire
-// dtype, or through the communication hook (reduction/comm_hook.hpp), as a view or a packed copy. The engine launches a
-// bucket's collective (during backward) or runs it now (at synchronize()), waits for the launched ones by a deadline
-// (or, on the device, makes the trainer's stream wait), and then runs the finalize pass over the bucket through the
-// memory policy: unpack, unscale, measure.
+// dtype, or through the communication hook (reduction/comm_hook.hpp): float32 gradients as a view
+// or a packed copy, float16 and bfloat16 ones widened into a float32 copy and rounded once when the
+// hook is done. The engine launches a bucket's collective (during backward) or runs it now (at
+// synchronize()), waits for the launched ones by a deadline (or, on the device, makes the trainer's
+// stream wait), and then runs the finalize pass over the bucket through the memory policy: unpack,
+// unscale, measure.
 #pragma once
 
 #include <gradsync/backend/concepts.hpp>
@@ -279,10 +281,13 @@ private:
         slot.count = bucket.count;
         const bool contiguous = first_gap(slot.segments, bucket.dtype) == 0;
         slot.view.reset();
-        if (contiguous) slot.view = Segment{slot.segments.front().data, bucket.count};
         slot.hooked.clear();
-        if (Hook::hooked && bucket.dtype == DType::float32) {
+        const bool half = bucket.dtype == DType::float16 || bucket.dtype == DType::bfloat16;
+        // A hook sees float32 values: a half bucket is widened into a float32 buffer (never a view).
+        if (contiguous && !(Hook::hooked && half)) slot.view = Segment{slot.segments.front().data, bucket.count};
+        if (Hook::hooked && (bucket.dtype == DType::float32 || half)) {
             slot.route = Route::hook;
+            slot.wire = DType::float32;
             std::size_t offset = 0;
             for (auto i : slot.indices) {
                 slot.hooked.push_back(HookParameter{params[i].name, offset, params[i].count, params[i].shape});
@@ -297,8 +302,8 @@ private:
             slot.route = contiguous ? Route::view : Route::packed;
         }
         slot.table = memory_.table(slot.segments, bucket.dtype);
-        const bool needs_buffer = slot.route == Route::packed || slot.route == Route::compressed ||
-                                  (slot.route == Route::hook && !contiguous);
+        const bool needs_buffer =
+            slot.route == Route::packed || slot.route == Route::compressed || (slot.route == Route::hook && !slot.view);
         if (needs_buffer && backend_.size() > 1 && slot.buffer.size() == 0)
             slot.buffer = memory_.allocate(Bytes{bucket.count * size_of(slot.wire)});
     }
@@ -342,17 +347,21 @@ private:
             case Route::compressed: return finalize_from(b, data, slot.wire);
             case Route::hook:
                 if (slot.view) return finalize_in_place(b);
-                if (!finalizing_) return memory_.unpack(slot.table, data);
-                return finalize_from(b, data, slot.dtype);
+                if (finalizing_) return finalize_from(b, data, slot.wire);
+                if (slot.wire == slot.dtype) return memory_.unpack(slot.table, data);
+                // A widened bucket rounded once into the gradients: the finalize pass with nothing to
+                // scale, its measurement left unread.
+                return memory_.finalize(slot.table, data, slot.wire, 1.0, b);
         }
     }
 
-    // The bucket as the hook sees it: its gradients where they lie when contiguous, else packed.
+    // The bucket as the hook sees it: its float32 gradients where they lie when contiguous, else
+    // packed (half ones widened).
     HookBucket hook_bucket(std::size_t b, std::int64_t step) {
         auto& slot = slots_[b];
         auto* values = static_cast<float*>(slot.view ? slot.view->data : static_cast<void*>(Memory::data(slot.buffer)));
         const float scale = hook_context_.loss_scale ? hook_context_.loss_scale() : 1.0f;
-        return HookBucket{b, step, std::span<float>(values, slot.count), slot.hooked, scale};
+        return HookBucket{b, step, std::span<float>(values, slot.count), slot.hooked, scale, slot.dtype};
     }
 
     // The collectives of bucket b's hook: the first carries the engine's tag for the bucket, each
@@ -369,7 +378,10 @@ private:
 
     void start_hook(std::size_t b, CollectiveTag tag) {
         auto& slot = slots_[b];
-        if (!slot.view) memory_.pack(slot.table, Memory::data(slot.buffer));
+        if (slot.wire != slot.dtype)
+            memory_.compress(slot.table, Memory::data(slot.buffer), slot.wire, 1.0);  // widened, exactly
+        else if (!slot.view)
+            memory_.pack(slot.table, Memory::data(slot.buffer));
         slot.hook_step = tag.step;
         auto comm = hook_comm(b, tag);
         slot.pending.emplace(hook_.start(hook_bucket(b, tag.step), comm));

@@ -62,15 +62,23 @@ struct HostMemory {
             src += s.count * elem;
         }
     }
-    // Packs float32 gradients into `dst` as `wire` values, each multiplied by `factor`.
+    // Packs the gradients into `dst` as `wire` values, each multiplied by `factor`: float32 ones
+    // narrowed (wire compression), float16 and bfloat16 ones widened to float32 (for a hook).
     void compress(const Table& t, std::byte* dst, DType wire, double factor) const {
-        detail::visit_float_dtype(wire, [&]<class W>(detail::type_tag<W>) {
-            auto* out = reinterpret_cast<W*>(dst);
+        const auto copy = [&]<class G, class W>(W* out) {
             for (const auto& s : t.segments) {
-                detail::scale_copy(static_cast<const float*>(s.data), out, s.count, factor);
+                detail::scale_copy(static_cast<const G*>(s.data), out, s.count, factor);
                 out += s.count;
             }
-        });
+        };
+        if (t.dtype == DType::float32)
+            return detail::visit_float_dtype(wire, [&]<class W>(detail::type_tag<W>) {
+                copy.template operator()<float>(reinterpret_cast<W*>(dst));
+            });
+        if (wire != DType::float32)
+            throw Error("gradsync: internal error: " + to_string(t.dtype) + " gradients packed as " + to_string(wire));
+        detail::visit_float_dtype(
+            t.dtype, [&]<class G>(detail::type_tag<G>) { copy.template operator()<G>(reinterpret_cast<float*>(dst)); });
     }
 
     // Room for `slots` results, before any finalize (once per bucket plan).
@@ -79,7 +87,8 @@ struct HostMemory {
     // The finalize pass: gradients = `src` (a reduced bucket of `src_type`; null: the gradients
     // themselves) times `factor`, and the sum of the squares of what was written into result slot
     // `slot`. With nothing to scale in place, only measures.
-    // A `src_type` other than the gradients' is a wire dtype, and the gradients are then float32.
+    // A `src_type` other than the gradients' is a wire dtype, and one of the two is float32: a
+    // narrower wire of float32 gradients, or the float32 a hook left for 16-bit gradients.
     // A float16 wire holding an infinity or NaN (a sum that overflowed float16) writes nothing:
     // the gradients stay as they were, and the slot's result is NaN.
     void finalize(const Table& t, const std::byte* src, DType src_type, double factor, std::size_t slot) {
@@ -112,12 +121,16 @@ struct HostMemory {
             detail::visit_float_dtype(t.dtype, [&]<class T>(detail::type_tag<T>) {
                 unpack_measuring.template operator()<T, T>(reinterpret_cast<const T*>(src));
             });
-        } else {
-            if (t.dtype != DType::float32)
-                throw Error("gradsync: internal error: a " + to_string(src_type) + " wire for " + to_string(t.dtype) +
-                            " gradients");
+        } else if (t.dtype == DType::float32) {
             detail::visit_float_dtype(src_type, [&]<class W>(detail::type_tag<W>) {
                 unpack_measuring.template operator()<W, float>(reinterpret_cast<const W*>(src));
+            });
+        } else {
+            if (src_type != DType::float32)
+                throw Error("gradsync: internal error: a " + to_string(src_type) + " wire for " + to_string(t.dtype) +
+                            " gradients");
+            detail::visit_float_dtype(t.dtype, [&]<class T>(detail::type_tag<T>) {
+                unpack_measuring.template operator()<float, T>(reinterpret_cast<const float*>(src));
             });
         }
         results_.at(slot) = total;

@@ -1,16 +1,20 @@
-// Communication hooks: a policy that decides how a float32 bucket's gradients are averaged over
-// the ranks, in place of the plain allreduce (low-rank compression, say). The bucket engine hands
-// the hook each bucket's gradients as one contiguous array, the parameters in it, and a HookComm
-// through which it issues its collectives; every collective the hook issues is tagged with the
-// step and bucket like the engine's own. start() runs when the bucket's gradients are final
-// (during backward with grad_ready, else at synchronize) and returns what is in flight;
+// Communication hooks: a policy that decides how a bucket's gradients are averaged over the
+// ranks, in place of the plain allreduce (low-rank compression, say). The bucket engine hands the
+// hook each bucket's gradients as one contiguous float32 array, the parameters in it, and a
+// HookComm through which it issues its collectives; every collective the hook issues is tagged
+// with the step and bucket like the engine's own. start() runs when the bucket's gradients are
+// final (during backward with grad_ready, else at synchronize) and returns what is in flight;
 // finish() runs once that has completed, on the thread that synchronizes, and leaves the average
-// in the bucket. Buckets of another dtype are allreduced as without a hook; a world of one runs
-// no hook (the local gradient is the average).
+// in the bucket. Float16 and bfloat16 buckets reach the hook widened to float32 (exactly), and
+// what it leaves is rounded once into the model's gradients: the hook computes in float32 what the
+// model holds in 16 bits (Megatron reduces bfloat16 gradients in float32 for the same reason).
+// float64 buckets are allreduced as without a hook; a world of one runs no hook (the local
+// gradient is the average).
 #pragma once
 
 #include <gradsync/buffer.hpp>
 #include <gradsync/detail/policy.hpp>
+#include <gradsync/dtype.hpp>
 
 #include <chrono>
 #include <concepts>  // for std::convertible_to, std::same_as
@@ -40,6 +44,7 @@ struct HookBucket {
     std::span<float> values;  // in: this rank's gradients; after finish(): their average over the ranks
     std::span<const HookParameter> parameters;  // in element order, covering `values`
     float loss_scale = 1.0f;                    // the factor the gradients carry (1 without a loss scaler)
+    DType dtype = DType::float32;               // the model's gradients': float16 and bfloat16 ones are widened
 };
 
 // The collectives a hook may issue for one bucket. Each is tagged with the step and bucket, so
@@ -110,8 +115,10 @@ struct NoCommHook {
     void finish(const HookBucket&, HookComm&) {}
 };
 
-// The plain average through a hook: one allreduce per bucket. The reference a hook is measured
-// against, and a model of the concept to start a hook of your own from.
+// The plain average through a hook: one allreduce per bucket, in float32. For float32 gradients,
+// the reference a hook is measured against; for float16 and bfloat16 ones, their average
+// computed in float32 and rounded once, where a 16-bit allreduce rounds at every step of its sum.
+// A model of the concept to start a hook of your own from.
 struct AllreduceHook {
     using policy_category = policy_category::comm_hook;
     static constexpr bool hooked = true;
