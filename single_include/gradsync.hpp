@@ -5455,126 +5455,22 @@ void sync_buffers(B& backend, std::span<const ModelBuffer> buffers, BufferSync m
 // hook is done. The engine launches a bucket's collective (during backward) or runs it now (at
 // synchronize()), waits for the launched ones by a deadline (or, on the device, makes the trainer's
 // stream wait), and then runs the finalize pass over the bucket through the memory policy: unpack,
-// unscale, measure.
+// unscale, measure. Each bucket's state is a BucketSlot (bucket_slot.hpp); a hook runs through
+// the HookRoute (hook_route.hpp).
 
 
-// ---- begin gradsync/detail/log.hpp ----
-#ifndef GRADSYNC_SINGLE_DETAIL_LOG_HPP
-#define GRADSYNC_SINGLE_DETAIL_LOG_HPP
-// Rank-prefixed logging, with the level taken from GRADSYNC_LOG (info or debug). Lines go to
-// stderr, or with GRADSYNC_LOG_FILE=path one file per rank: "%r" in the path becomes the rank
-// (logs/rank%r.log), and without "%r" the rank is appended (path.3).
+// ---- begin gradsync/data_parallel/bucket_slot.hpp ----
+#ifndef GRADSYNC_SINGLE_DATA_PARALLEL_BUCKET_SLOT_HPP
+#define GRADSYNC_SINGLE_DATA_PARALLEL_BUCKET_SLOT_HPP
+// BucketSlot: one bucket's storage in the bucket engine and the state of its collective in the
+// current step, and the routes a bucket travels by.
 
 
-#include <algorithm>  // for std::min
-#include <cstdio>
-#include <cstdlib>  // for std::getenv
-#include <map>
-#include <mutex>
-#include <string>
-#include <type_traits>  // for std::is_invocable_r_v
-#include <string_view>
-
-namespace gradsync::inline v0::detail {
-
-enum class LogLevel : int { off = 0, info = 1, debug = 2 };
-
-struct LogSettings {
-    LogLevel level = LogLevel::off;
-    std::string file;  // empty: stderr
-};
-
-inline LogSettings settings_from_env() {
-    LogSettings s;
-    const char* level = std::getenv("GRADSYNC_LOG");
-    std::string_view v = level != nullptr ? level : "";
-    if (v == "debug") s.level = LogLevel::debug;
-    if (v == "info") s.level = LogLevel::info;
-    if (const char* file = std::getenv("GRADSYNC_LOG_FILE")) s.file = file;
-    return s;
-}
-
-// Read once from the environment; tests may change it (between log calls of other threads).
-inline LogSettings& log_settings() {
-    static LogSettings settings = settings_from_env();
-    return settings;
-}
-
-inline LogLevel log_level() { return log_settings().level; }
-
-inline bool logging(LogLevel level) { return static_cast<int>(log_level()) >= static_cast<int>(level); }
-
-inline std::string log_file_of(const std::string& pattern, int rank) {
-    const auto at = pattern.find("%r");
-    if (at == std::string::npos) return pattern + "." + std::to_string(rank);
-    return pattern.substr(0, at) + std::to_string(rank) + pattern.substr(at + 2);
-}
-
-struct LogFiles {
-    std::mutex mutex;
-    std::map<std::string, std::FILE*> open;
-    ~LogFiles() { close(); }
-    void close() {
-        for (auto& [path, f] : open)
-            if (f != stderr) std::fclose(f);
-        open.clear();
-    }
-};
-
-inline LogFiles& log_files() {
-    static LogFiles files;
-    return files;
-}
-
-// "[gradsync rank 3] message", the prefix on every line; lines of concurrent ranks never interleave.
-// A log file that cannot be opened falls back to stderr, saying so once.
-inline void log(LogLevel level, int rank, const std::string& message) {
-    if (!logging(level)) return;
-    auto& files = log_files();
-    std::lock_guard lock(files.mutex);
-    std::FILE* out = stderr;
-    const auto& pattern = log_settings().file;
-    if (!pattern.empty()) {
-        const auto path = log_file_of(pattern, rank);
-        auto it = files.open.find(path);
-        if (it == files.open.end()) {
-            std::FILE* f = std::fopen(path.c_str(), "a");
-            if (f == nullptr)
-                std::fprintf(stderr, "[gradsync rank %d] cannot open log file %s; logging to stderr\n", rank,
-                             path.c_str());
-            it = files.open.emplace(path, f != nullptr ? f : stderr).first;
-        }
-        out = it->second;
-    }
-    std::size_t begin = 0;  // every line of a multi-line message carries the prefix
-    do {
-        const auto end = std::min(message.find('\n', begin), message.size());
-        std::fprintf(out, "[gradsync rank %d] %.*s\n", rank, static_cast<int>(end - begin), message.data() + begin);
-        begin = end + 1;
-    } while (begin < message.size());
-    std::fflush(out);
-}
-
-// The same, with the message made only when it will be written: make() returns it.
-template <class Make>
-requires std::is_invocable_r_v<std::string, Make&>
-void log(LogLevel level, int rank, Make&& make) {
-    if (logging(level)) log(level, rank, std::string(make()));
-}
-
-}  // namespace gradsync::inline v0::detail
-#endif  // GRADSYNC_SINGLE_DETAIL_LOG_HPP
-// ---- end gradsync/detail/log.hpp ----
-
-#include <algorithm>  // for std::sort
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
-#include <functional>  // for std::function
 #include <optional>
 #include <span>
-#include <string>
-#include <utility>  // for std::declval
 #include <vector>
 
 namespace gradsync::inline v0::detail {
@@ -5591,379 +5487,40 @@ inline std::size_t first_gap(std::span<const Segment> segs, DType t) {
 // How a bucket travels.
 enum class Route : std::uint8_t { in_place, view, packed, compressed, hook };
 
-// What a communication hook's buckets need from the front: the tag of each further collective
-// of bucket b (of `bytes` bytes), and the loss scale the gradients carry.
-struct HookContext {
-    std::function<CollectiveTag(std::size_t b, std::uint64_t bytes)> next_tag;
-    std::function<float()> loss_scale;
-};
-
-template <Backend BackendT, MemoryPolicy Memory, DType Wire, bool InPlace, class Hook = NoCommHook>
-class BucketEngine {
-    static constexpr bool compresses = Wire != DType::float32;
+// Memory: the memory policy (its Table and Storage); Handle: the backend's asynchronous allreduce.
+template <class Memory, class Handle>
+struct BucketSlot {
     using clock = std::chrono::steady_clock;
-
-    static auto async_of(BackendT& b) {
-        if constexpr (InPlace)
-            return allreduce_async_tagged(b, std::span<const Segment>{}, DType::float32, ReduceOp::sum,
-                                          CollectiveTag{});
-        else
-            return allreduce_async_tagged(b, Buffer{}, ReduceOp::sum, CollectiveTag{});
-    }
-
-public:
-    using handle_type = decltype(async_of(std::declval<BackendT&>()));
-
-    // One bucket's storage and the state of its collective in the current step.
-    struct Slot {
-        std::vector<Segment> segments;     // its gradients, by parameter index
-        std::vector<std::size_t> indices;  // their parameters
-        std::optional<Segment> view;       // set when they lie contiguously
-        Route route = Route::in_place;
-        DType dtype = DType::float32;      // the gradients'
-        DType wire = DType::float32;       // what the collective moves
-        std::size_t count = 0;             // elements
-        typename Memory::Table table;      // the segments, as the memory policy's passes take them
-        bool measured = false;             // finalized this step: its result slot is current
-        typename Memory::Storage buffer;   // packed or compressed, world > 1
-        typename Memory::Storage widened;  // a float32 copy, made once when a compressed sum overflowed
-        std::optional<handle_type> handle;
-        std::optional<HookComm::Pending> pending;  // the hook's collectives in flight
-        std::vector<HookParameter> hooked;         // the parameters, as the hook sees them
-        std::int64_t hook_step = 0;                // the step the hook started in
-        clock::time_point launched_at, finished_at;
-    };
-
-    BucketEngine(BackendT& backend, Memory memory, Hook hook = {})
-        : backend_(backend), memory_(std::move(memory)), hook_(std::move(hook)) {}
-
-    void connect_hook(HookContext context) { hook_context_ = std::move(context); }
-
-    // (Re)builds every bucket's state from the plan; between steps.
-    void setup(const BucketPlan& plan, std::span<const Parameter> params) {
-        slots_.clear();
-        slots_.resize(plan.buckets.size());
-        for (std::size_t b = 0; b < slots_.size(); ++b) build(slots_[b], plan.buckets[b], params);
-        memory_.prepare_results(slots_.size());
-        if constexpr (requires { hook_.prepare(std::span<const HookParameter>{}); })
-            for (const auto& slot : slots_)
-                if (slot.route == Route::hook) hook_.prepare(slot.hooked);
-    }
-
-    // Bucket b's gradients moved (a framework that allocates new ones each step): its segments,
-    // view and tables follow them. Before its collective; its packed buffer is kept.
-    void refresh(std::size_t b, const Bucket& bucket, std::span<const Parameter> params) {
-        build(slots_[b], bucket, params);
-    }
-
-    // Whether this step's finalize pass unscales and measures (by `unscale`), or, without a loss
-    // scaler, compression, clipping or step(), only unpacks packed buckets.
-    void begin_step(bool finalizing, double unscale) {
-        finalizing_ = finalizing;
-        unscale_ = unscale;
-    }
-
-    // Bucket b's collective, started asynchronously (during backward, in plan order).
-    void launch(std::size_t b, CollectiveTag tag) {
-        auto& slot = slots_[b];
-        slot.launched_at = clock::now();
-        if (backend_.size() == 1) return;  // the local gradient is already the average
-        if (slot.route == Route::hook) {
-            start_hook(b, tag);
-        } else if (slot.route == Route::in_place) {
-            if constexpr (InPlace)
-                slot.handle.emplace(
-                    allreduce_async_tagged(backend_, segments_of(slot), slot.dtype, ReduceOp::average, tag));
-        } else {
-            slot.handle.emplace(allreduce_async_tagged(backend_, contiguous(b), op_of(slot), tag));
-        }
-    }
-
-    // Bucket b's collective run now, on this thread (no overlap to gain), and finished; on a
-    // device, queued like a launch.
-    void reduce_now(std::size_t b, CollectiveTag tag) {
-        auto& slot = slots_[b];
-        slot.launched_at = clock::now();
-        if constexpr (DeviceBackend<BackendT>) {
-            slot.handle.emplace(allreduce_async_tagged(backend_, contiguous(b), op_of(slot), tag));
-            return;
-        }
-        if (slot.route == Route::hook) {
-            start_hook(b, tag);
-            slot.pending->wait();
-            slot.pending.reset();
-            finish_hook(b);  // with the finalize pass
-            slot.finished_at = clock::now();
-            return;
-        }
-        if (slot.route == Route::in_place) {
-            if constexpr (InPlace) allreduce_tagged(backend_, segments_of(slot), slot.dtype, ReduceOp::average, tag);
-        } else {
-            allreduce_tagged(backend_, contiguous(b), op_of(slot), tag);
-        }
-        finish(b);
-        slot.finished_at = clock::now();
-    }
-
-    // Waits for every launched bucket by `deadline` and finishes each; diagnose(b) says why one
-    // was late. On the device path the trainer's stream waits for each instead, and the finalize
-    // pass is queued behind it: the host goes on, and the backend's watchdog ends a collective
-    // that hangs.
-    template <class Diagnose>
-    void wait_all(clock::time_point deadline, Diagnose&& diagnose) {
-        for (std::size_t b = 0; b < slots_.size(); ++b) {
-            auto& slot = slots_[b];
-            if (slot.pending) {
-                if (!slot.pending->wait_until(deadline)) throw TimeoutError(diagnose(b));
-                slot.pending.reset();
-                finish_hook(b);
-                slot.finished_at = clock::now();
-                continue;
-            }
-            if (!slot.handle) continue;
-            if constexpr (StreamOrdered<BackendT>) {
-                backend_.wait_on_device(*slot.handle);
-                slot.handle.reset();
-                finish(b);
-                continue;
-            }
-            if (!slot.handle->wait_until(deadline)) throw TimeoutError(diagnose(b));
-            finish(b);
-            slot.finished_at = detail::finished_at(*slot.handle);
-            slot.handle.reset();
-        }
-    }
-
-    // Unscales and measures bucket b's gradients where they lie (a world of one has nothing to
-    // reduce, but a step still needs its norm).
-    void finalize_in_place(std::size_t b) {
-        if (!finalizing_) return;
-        memory_.finalize(slots_[b].table, nullptr, slots_[b].dtype, unscale_, b);
-        slots_[b].measured = true;
-    }
-
-    // A compressed bucket whose float16 sum overflowed, reduced again in float32 (averaged) and
-    // finalized, the same on every rank: they all hold the same sum, so they all decide alike.
-    void reduce_again_in_float(std::size_t b, CollectiveTag tag) {
-        auto& slot = slots_[b];
-        if constexpr (InPlace) {
-            allreduce_tagged(backend_, segments_of(slot), slot.dtype, ReduceOp::average, tag);
-        } else {
-            Buffer buf{nullptr, slot.count, slot.dtype};
-            if (slot.view) {
-                buf.data = slot.view->data;
-            } else {
-                if (slot.widened.size() == 0) slot.widened = memory_.allocate(Bytes{slot.count * size_of(slot.dtype)});
-                buf.data = Memory::data(slot.widened);
-                memory_.pack(slot.table, Memory::data(slot.widened));
-            }
-            allreduce_tagged(backend_, buf, ReduceOp::average, tag);
-            if (!slot.view) memory_.unpack(slot.table, Memory::data(slot.widened));
-        }
-        const bool was = finalizing_;
-        finalizing_ = true;  // a compressed bucket is always finalized
-        finalize_in_place(b);
-        finalizing_ = was;
-    }
-
-    // Scales every gradient by `factor` (clipping's second pass).
-    void scale_all(double factor) {
-        for (const auto& slot : slots_) memory_.scale(slot.table, factor);
-    }
-
-    [[nodiscard]] bool in_flight() const {
-        for (const auto& s : slots_)
-            if (s.handle || s.pending) return true;
-        return false;
-    }
-
-    // Waits for collectives in flight until `deadline`, ignoring their errors: after an abort
-    // they end at once.
-    void drain(clock::time_point deadline) {
-        for (auto& slot : slots_) {
-            try {
-                if (slot.handle) (void)slot.handle->wait_until(deadline);
-                if (slot.pending) (void)slot.pending->wait_until(deadline);
-            } catch (...) {
-            }
-            slot.handle.reset();
-            slot.pending.reset();
-        }
-    }
-
-    void end_step() {
-        for (auto& slot : slots_) slot.measured = false;
-    }
-
-    [[nodiscard]] std::span<Slot> slots() { return slots_; }
-    [[nodiscard]] std::span<const Slot> slots() const { return slots_; }
-    [[nodiscard]] Memory& memory() { return memory_; }
-    [[nodiscard]] const Memory& memory() const { return memory_; }
-    [[nodiscard]] Hook& hook() { return hook_; }
-    [[nodiscard]] const Hook& hook() const { return hook_; }
-
-    // Buckets whose gradients already lie contiguously in memory, reduced without a copy.
-    [[nodiscard]] std::size_t view_buckets() const {
-        std::size_t n = 0;
-        for (const auto& s : slots_) n += s.view.has_value() && s.route != Route::compressed;
-        return n;
-    }
-    // Bucket buffers and bookkeeping, beyond the model's own memory.
-    [[nodiscard]] Bytes memory_held() const {
-        Bytes total;
-        for (const auto& s : slots_)
-            total += Bytes{s.buffer.size() + s.widened.size() + s.segments.capacity() * sizeof(Segment) +
-                           s.indices.capacity() * sizeof(std::size_t)};
-        return total;
-    }
-
-private:
-    void build(Slot& slot, const Bucket& bucket, std::span<const Parameter> params) {
-        slot.indices = bucket.parameters;
-        std::sort(slot.indices.begin(), slot.indices.end());  // the element layout every rank shares
-        slot.segments.clear();
-        for (auto i : slot.indices) slot.segments.push_back(Segment{params[i].grad, params[i].count});
-        slot.dtype = slot.wire = bucket.dtype;
-        slot.count = bucket.count;
-        const bool contiguous = first_gap(slot.segments, bucket.dtype) == 0;
-        slot.view.reset();
-        slot.hooked.clear();
-        const bool half = bucket.dtype == DType::float16 || bucket.dtype == DType::bfloat16;
-        // A hook sees float32 values: a half bucket is widened into a float32 buffer (never a view).
-        if (contiguous && !(Hook::hooked && half)) slot.view = Segment{slot.segments.front().data, bucket.count};
-        if (Hook::hooked && (bucket.dtype == DType::float32 || half)) {
-            slot.route = Route::hook;
-            slot.wire = DType::float32;
-            std::size_t offset = 0;
-            for (auto i : slot.indices) {
-                slot.hooked.push_back(HookParameter{params[i].name, offset, params[i].count, params[i].shape});
-                offset += params[i].count;
-            }
-        } else if (compresses && bucket.dtype == DType::float32) {
-            slot.route = Route::compressed;
-            slot.wire = Wire;
-        } else if (InPlace) {
-            slot.route = Route::in_place;
-        } else {
-            slot.route = contiguous ? Route::view : Route::packed;
-        }
-        slot.table = memory_.table(slot.segments, bucket.dtype);
-        const bool needs_buffer =
-            slot.route == Route::packed || slot.route == Route::compressed || (slot.route == Route::hook && !slot.view);
-        if (needs_buffer && backend_.size() > 1 && slot.buffer.size() == 0)
-            slot.buffer = memory_.allocate(Bytes{bucket.count * size_of(slot.wire)});
-    }
-
-    // The bucket's gradients where they lie: one segment when they are a view.
-    static std::span<const Segment> segments_of(const Slot& slot) {
-        return slot.view ? std::span<const Segment>(&*slot.view, 1) : std::span<const Segment>(slot.segments);
-    }
-
-    // A compressed bucket is summed (each rank sent its share); every other one averaged.
-    [[nodiscard]] static ReduceOp op_of(const Slot& slot) {
-        return slot.route == Route::compressed ? ReduceOp::sum : ReduceOp::average;
-    }
-
-    // The bucket's collective as one contiguous buffer, packing (and converting) first when it is
-    // no view. A compressed bucket's ranks send their share of the average: each value divided by
-    // the world size, so that the sum keeps the headroom the loss scale left.
-    Buffer contiguous(std::size_t b) {
-        auto& slot = slots_[b];
-        if (slot.route == Route::view) return Buffer{slot.view->data, slot.count, slot.dtype};
-        std::byte* data = Memory::data(slot.buffer);
-        if (slot.route == Route::packed)
-            memory_.pack(slot.table, data);
-        else
-            memory_.compress(slot.table, data, slot.wire, 1.0 / static_cast<double>(backend_.size()));
-        return Buffer{data, slot.count, slot.wire};
-    }
-
-    // After bucket b's reduction: the finalize pass. Packed buckets are unpacked in it; compressed
-    // ones widened (a float16 sum that overflowed leaves the gradients intact, and its result is
-    // not finite: the step then reduces it again in float32); the others scaled where they lie.
-    void finish(std::size_t b) {
-        auto& slot = slots_[b];
-        const std::byte* data = Memory::data(slot.buffer);
-        switch (slot.route) {
-            case Route::in_place:
-            case Route::view: return finalize_in_place(b);
-            case Route::packed:
-                if (!finalizing_) return memory_.unpack(slot.table, data);
-                return finalize_from(b, data, slot.dtype);
-            case Route::compressed: return finalize_from(b, data, slot.wire);
-            case Route::hook:
-                if (slot.view) return finalize_in_place(b);
-                if (finalizing_) return finalize_from(b, data, slot.wire);
-                if (slot.wire == slot.dtype) return memory_.unpack(slot.table, data);
-                // A widened bucket rounded once into the gradients: the finalize pass with nothing to
-                // scale, its measurement left unread.
-                return memory_.finalize(slot.table, data, slot.wire, 1.0, b);
-        }
-    }
-
-    // The bucket as the hook sees it: its float32 gradients where they lie when contiguous, else
-    // packed (half ones widened).
-    HookBucket hook_bucket(std::size_t b, std::int64_t step) {
-        auto& slot = slots_[b];
-        auto* values = static_cast<float*>(slot.view ? slot.view->data : static_cast<void*>(Memory::data(slot.buffer)));
-        const float scale = hook_context_.loss_scale ? hook_context_.loss_scale() : 1.0f;
-        return HookBucket{b, step, std::span<float>(values, slot.count), slot.hooked, scale, slot.dtype};
-    }
-
-    // The collectives of bucket b's hook: the first carries the engine's tag for the bucket, each
-    // further one the next from the front.
-    HookComm hook_comm(std::size_t b, std::optional<CollectiveTag> first) {
-        return HookComm(
-            backend_.rank(), backend_.size(), [this, b, first](std::span<float> values, ReduceOp op) mutable {
-                CollectiveTag tag = first ? *first : hook_context_.next_tag(b, values.size_bytes());
-                first.reset();
-                return HookComm::Pending(
-                    allreduce_async_tagged(backend_, Buffer{values.data(), values.size(), DType::float32}, op, tag));
-            });
-    }
-
-    void start_hook(std::size_t b, CollectiveTag tag) {
-        auto& slot = slots_[b];
-        if (slot.wire != slot.dtype)
-            memory_.compress(slot.table, Memory::data(slot.buffer), slot.wire, 1.0);  // widened, exactly
-        else if (!slot.view)
-            memory_.pack(slot.table, Memory::data(slot.buffer));
-        slot.hook_step = tag.step;
-        auto comm = hook_comm(b, tag);
-        slot.pending.emplace(hook_.start(hook_bucket(b, tag.step), comm));
-    }
-
-    // After the hook's collectives of bucket b completed: its finish(), then the finalize pass.
-    void finish_hook(std::size_t b) {
-        auto comm = hook_comm(b, std::nullopt);
-        hook_.finish(hook_bucket(b, slots_[b].hook_step), comm);
-        finish(b);
-    }
-
-    void finalize_from(std::size_t b, const std::byte* data, DType type) {
-        memory_.finalize(slots_[b].table, data, type, unscale_, b);
-        slots_[b].measured = true;
-    }
-
-    BackendT& backend_;
-    Memory memory_;
-    Hook hook_;
-    HookContext hook_context_;
-    std::vector<Slot> slots_;
-    bool finalizing_ = false;
-    double unscale_ = 1.0;
+    std::vector<Segment> segments;     // its gradients, by parameter index
+    std::vector<std::size_t> indices;  // their parameters
+    std::optional<Segment> view;       // set when they lie contiguously
+    Route route = Route::in_place;
+    DType dtype = DType::float32;          // the gradients'
+    DType wire = DType::float32;           // what the collective moves
+    std::size_t count = 0;                 // elements
+    typename Memory::Table table;          // the segments, as the memory policy's passes take them
+    bool measured = false;                 // finalized this step: its result slot is current
+    typename Memory::Storage buffer;       // packed or compressed (world > 1), or a hook's float32 copy
+    typename Memory::Storage widened;      // a float32 copy, made once when a compressed sum overflowed
+    typename Memory::Table float32_table;  // a hook's float32 copy of 16-bit gradients (the buffer)
+    std::optional<Handle> handle;
+    std::optional<HookComm::Pending> pending;  // the hook's collectives in flight
+    std::vector<HookParameter> hooked;         // the parameters, as the hook sees them
+    std::int64_t hook_step = 0;                // the step the hook started in
+    clock::time_point launched_at, finished_at;
 };
 
 }  // namespace gradsync::inline v0::detail
-#endif  // GRADSYNC_SINGLE_DATA_PARALLEL_BUCKET_ENGINE_HPP
-// ---- end gradsync/data_parallel/bucket_engine.hpp ----
+#endif  // GRADSYNC_SINGLE_DATA_PARALLEL_BUCKET_SLOT_HPP
+// ---- end gradsync/data_parallel/bucket_slot.hpp ----
 
-// ---- begin gradsync/data_parallel/diagnosis.hpp ----
-#ifndef GRADSYNC_SINGLE_DATA_PARALLEL_DIAGNOSIS_HPP
-#define GRADSYNC_SINGLE_DATA_PARALLEL_DIAGNOSIS_HPP
-// Diagnosis: what to say when a deadline passes. For this rank, which bucket was late, and which
-// ranks are behind (from their collective counts, where the backend can tell); for a peer that
-// asks, where this rank stands: in backward waiting for which gradients, or in synchronize().
+// ---- begin gradsync/data_parallel/hook_route.hpp ----
+#ifndef GRADSYNC_SINGLE_DATA_PARALLEL_HOOK_ROUTE_HPP
+#define GRADSYNC_SINGLE_DATA_PARALLEL_HOOK_ROUTE_HPP
+// HookRoute: how the bucket engine runs a communication hook (reduction/comm_hook.hpp) over a
+// bucket: the bucket as the hook sees it (float32 values where they lie, packed, or 16-bit ones
+// widened into a float32 copy), the collectives the hook issues, each tagged for the bucket, and
+// where each 16-bit parameter's float32 copy lies, for DataParallel::float32_gradient().
 
 
 // ---- begin gradsync/data_parallel/model_layout.hpp ----
@@ -6092,6 +5649,609 @@ struct ModelLayout {
 }  // namespace gradsync::inline v0::detail
 #endif  // GRADSYNC_SINGLE_DATA_PARALLEL_MODEL_LAYOUT_HPP
 // ---- end gradsync/data_parallel/model_layout.hpp ----
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>  // for std::function
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>  // for std::move, std::pair
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+// What a communication hook's buckets need from the front: the tag of each further collective
+// of bucket b (of `bytes` bytes), and the loss scale the gradients carry.
+struct HookContext {
+    std::function<CollectiveTag(std::size_t b, std::uint64_t bytes)> next_tag;
+    std::function<float()> loss_scale;
+};
+
+// One bucket as the hook sees it, apart from its values: its index, its parameters (and their
+// indices in the parameter list) and the dtype the model holds them in.
+struct HookedBucket {
+    std::size_t index = 0;
+    std::span<const HookParameter> parameters;
+    std::span<const std::size_t> indices;
+    DType dtype = DType::float32;
+};
+
+template <Backend BackendT, class Hook>
+class HookRoute {
+public:
+    explicit HookRoute(Hook hook) : hook_(std::move(hook)) {}
+
+    void connect(HookContext context) { context_ = std::move(context); }
+
+    // After every (re)plan: the hook prepares for its buckets' parameters (where it has a
+    // prepare()), and each parameter of a widened bucket gets its place in that bucket's copy.
+    void plan(std::span<const HookedBucket> buckets, std::size_t parameters) {
+        float32_at_.assign(parameters, {none, 0});
+        for (const auto& bucket : buckets) {
+            if constexpr (requires { hook_.prepare(bucket.parameters); }) hook_.prepare(bucket.parameters);
+            if (bucket.dtype == DType::float32) continue;
+            for (std::size_t k = 0; k < bucket.parameters.size(); ++k)
+                float32_at_[bucket.indices[k]] = {bucket.index, bucket.parameters[k].offset};
+        }
+    }
+
+    // Starts the hook's collectives over `values` (the bucket's float32 values) in step `tag.step`;
+    // the first carries `tag`.
+    HookComm::Pending start(BackendT& backend, const HookedBucket& bucket, std::span<float> values, CollectiveTag tag) {
+        auto comm = comm_of(backend, bucket.index, tag);
+        return hook_.start(view(bucket, values, tag.step), comm);
+    }
+    // Once they completed: the hook's finish(), which leaves the average in `values`.
+    void finish(BackendT& backend, const HookedBucket& bucket, std::span<float> values, std::int64_t step) {
+        auto comm = comm_of(backend, bucket.index, std::nullopt);
+        hook_.finish(view(bucket, values, step), comm);
+    }
+
+    // Parameter `name`'s float32 copy in its bucket's values (copy_of(b)), or empty for a
+    // zero-sized one; an error for a name the model lacks or a parameter with no copy.
+    template <class CopyOf>
+    [[nodiscard]] std::span<const float> float32_gradient(const ModelLayout& layout, std::string_view name,
+                                                          CopyOf&& copy_of) const {
+        const auto it = layout.by_name.find(std::string(name));
+        const std::string call = "gradsync: float32_gradient(\"" + std::string(name) + "\"): ";
+        if (it == layout.by_name.end() || it->second == ModelLayout::ambiguous)
+            throw Error(call + (it == layout.by_name.end() ? "no parameter has this name"
+                                                           : "several parameters have this name"));
+        const std::size_t p = it->second;
+        if (p == ModelLayout::none) return {};
+        const auto [b, offset] = float32_at_.at(p);
+        if (b == none)
+            throw Error(call + "the parameter is " + to_string(layout.params[p].dtype) +
+                        "; only float16 and bfloat16 gradients are averaged in a float32 copy");
+        return {copy_of(b) + offset, layout.params[p].count};
+    }
+
+    [[nodiscard]] Hook& hook() { return hook_; }
+    [[nodiscard]] const Hook& hook() const { return hook_; }
+
+private:
+    static constexpr std::size_t none = static_cast<std::size_t>(-1);
+
+    HookBucket view(const HookedBucket& bucket, std::span<float> values, std::int64_t step) const {
+        const float scale = context_.loss_scale ? context_.loss_scale() : 1.0f;
+        return HookBucket{bucket.index, step, values, bucket.parameters, scale, bucket.dtype};
+    }
+
+    // The collectives of bucket b's hook: the first carries the engine's tag for the bucket, each
+    // further one the next from the front.
+    HookComm comm_of(BackendT& backend, std::size_t b, std::optional<CollectiveTag> first) {
+        return HookComm(
+            backend.rank(), backend.size(), [this, &backend, b, first](std::span<float> values, ReduceOp op) mutable {
+                CollectiveTag tag = first ? *first : context_.next_tag(b, values.size_bytes());
+                first.reset();
+                return HookComm::Pending(
+                    allreduce_async_tagged(backend, Buffer{values.data(), values.size(), DType::float32}, op, tag));
+            });
+    }
+
+    Hook hook_;
+    HookContext context_;
+    std::vector<std::pair<std::size_t, std::size_t>> float32_at_;  // by parameter: bucket and offset, or none
+};
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_DATA_PARALLEL_HOOK_ROUTE_HPP
+// ---- end gradsync/data_parallel/hook_route.hpp ----
+
+// ---- begin gradsync/detail/log.hpp ----
+#ifndef GRADSYNC_SINGLE_DETAIL_LOG_HPP
+#define GRADSYNC_SINGLE_DETAIL_LOG_HPP
+// Rank-prefixed logging, with the level taken from GRADSYNC_LOG (info or debug). Lines go to
+// stderr, or with GRADSYNC_LOG_FILE=path one file per rank: "%r" in the path becomes the rank
+// (logs/rank%r.log), and without "%r" the rank is appended (path.3).
+
+
+#include <algorithm>  // for std::min
+#include <cstdio>
+#include <cstdlib>  // for std::getenv
+#include <map>
+#include <mutex>
+#include <string>
+#include <type_traits>  // for std::is_invocable_r_v
+#include <string_view>
+
+namespace gradsync::inline v0::detail {
+
+enum class LogLevel : int { off = 0, info = 1, debug = 2 };
+
+struct LogSettings {
+    LogLevel level = LogLevel::off;
+    std::string file;  // empty: stderr
+};
+
+inline LogSettings settings_from_env() {
+    LogSettings s;
+    const char* level = std::getenv("GRADSYNC_LOG");
+    std::string_view v = level != nullptr ? level : "";
+    if (v == "debug") s.level = LogLevel::debug;
+    if (v == "info") s.level = LogLevel::info;
+    if (const char* file = std::getenv("GRADSYNC_LOG_FILE")) s.file = file;
+    return s;
+}
+
+// Read once from the environment; tests may change it (between log calls of other threads).
+inline LogSettings& log_settings() {
+    static LogSettings settings = settings_from_env();
+    return settings;
+}
+
+inline LogLevel log_level() { return log_settings().level; }
+
+inline bool logging(LogLevel level) { return static_cast<int>(log_level()) >= static_cast<int>(level); }
+
+inline std::string log_file_of(const std::string& pattern, int rank) {
+    const auto at = pattern.find("%r");
+    if (at == std::string::npos) return pattern + "." + std::to_string(rank);
+    return pattern.substr(0, at) + std::to_string(rank) + pattern.substr(at + 2);
+}
+
+struct LogFiles {
+    std::mutex mutex;
+    std::map<std::string, std::FILE*> open;
+    ~LogFiles() { close(); }
+    void close() {
+        for (auto& [path, f] : open)
+            if (f != stderr) std::fclose(f);
+        open.clear();
+    }
+};
+
+inline LogFiles& log_files() {
+    static LogFiles files;
+    return files;
+}
+
+// "[gradsync rank 3] message", the prefix on every line; lines of concurrent ranks never interleave.
+// A log file that cannot be opened falls back to stderr, saying so once.
+inline void log(LogLevel level, int rank, const std::string& message) {
+    if (!logging(level)) return;
+    auto& files = log_files();
+    std::lock_guard lock(files.mutex);
+    std::FILE* out = stderr;
+    const auto& pattern = log_settings().file;
+    if (!pattern.empty()) {
+        const auto path = log_file_of(pattern, rank);
+        auto it = files.open.find(path);
+        if (it == files.open.end()) {
+            std::FILE* f = std::fopen(path.c_str(), "a");
+            if (f == nullptr)
+                std::fprintf(stderr, "[gradsync rank %d] cannot open log file %s; logging to stderr\n", rank,
+                             path.c_str());
+            it = files.open.emplace(path, f != nullptr ? f : stderr).first;
+        }
+        out = it->second;
+    }
+    std::size_t begin = 0;  // every line of a multi-line message carries the prefix
+    do {
+        const auto end = std::min(message.find('\n', begin), message.size());
+        std::fprintf(out, "[gradsync rank %d] %.*s\n", rank, static_cast<int>(end - begin), message.data() + begin);
+        begin = end + 1;
+    } while (begin < message.size());
+    std::fflush(out);
+}
+
+// The same, with the message made only when it will be written: make() returns it.
+template <class Make>
+requires std::is_invocable_r_v<std::string, Make&>
+void log(LogLevel level, int rank, Make&& make) {
+    if (logging(level)) log(level, rank, std::string(make()));
+}
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_DETAIL_LOG_HPP
+// ---- end gradsync/detail/log.hpp ----
+
+#include <algorithm>  // for std::sort
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>  // for std::function
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>  // for std::declval, std::pair
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+template <Backend BackendT, MemoryPolicy Memory, DType Wire, bool InPlace, class Hook = NoCommHook>
+class BucketEngine {
+    static constexpr bool compresses = Wire != DType::float32;
+    using clock = std::chrono::steady_clock;
+
+    static auto async_of(BackendT& b) {
+        if constexpr (InPlace)
+            return allreduce_async_tagged(b, std::span<const Segment>{}, DType::float32, ReduceOp::sum,
+                                          CollectiveTag{});
+        else
+            return allreduce_async_tagged(b, Buffer{}, ReduceOp::sum, CollectiveTag{});
+    }
+
+public:
+    using handle_type = decltype(async_of(std::declval<BackendT&>()));
+
+    using Slot = BucketSlot<Memory, handle_type>;
+
+    BucketEngine(BackendT& backend, Memory memory, Hook hook = {})
+        : backend_(backend), memory_(std::move(memory)), hooks_(std::move(hook)) {}
+
+    void connect_hook(HookContext context) { hooks_.connect(std::move(context)); }
+
+    // (Re)builds every bucket's state from the plan; between steps.
+    void setup(const BucketPlan& plan, std::span<const Parameter> params) {
+        slots_.clear();
+        slots_.resize(plan.buckets.size());
+        for (std::size_t b = 0; b < slots_.size(); ++b) build(slots_[b], plan.buckets[b], params);
+        memory_.prepare_results(slots_.size());
+        if constexpr (Hook::hooked) {
+            std::vector<HookedBucket> hooked;
+            for (std::size_t b = 0; b < slots_.size(); ++b)
+                if (slots_[b].route == Route::hook) hooked.push_back(hooked_bucket(b));
+            hooks_.plan(hooked, params.size());
+        }
+    }
+
+    // Bucket b's gradients moved (a framework that allocates new ones each step): its segments,
+    // view and tables follow them. Before its collective; its packed buffer is kept.
+    void refresh(std::size_t b, const Bucket& bucket, std::span<const Parameter> params) {
+        build(slots_[b], bucket, params);
+    }
+
+    // Whether this step's finalize pass unscales and measures (by `unscale`), or, without a loss
+    // scaler, compression, clipping or step(), only unpacks packed buckets.
+    void begin_step(bool finalizing, double unscale) {
+        finalizing_ = finalizing;
+        unscale_ = unscale;
+    }
+
+    // Bucket b's collective, started asynchronously (during backward, in plan order).
+    void launch(std::size_t b, CollectiveTag tag) {
+        auto& slot = slots_[b];
+        slot.launched_at = clock::now();
+        if (backend_.size() == 1) return;  // the local gradient is already the average
+        if (slot.route == Route::hook) {
+            start_hook(b, tag);
+        } else if (slot.route == Route::in_place) {
+            if constexpr (InPlace)
+                slot.handle.emplace(
+                    allreduce_async_tagged(backend_, segments_of(slot), slot.dtype, ReduceOp::average, tag));
+        } else {
+            slot.handle.emplace(allreduce_async_tagged(backend_, contiguous(b), op_of(slot), tag));
+        }
+    }
+
+    // Bucket b's collective run now, on this thread (no overlap to gain), and finished; on a
+    // device, queued like a launch.
+    void reduce_now(std::size_t b, CollectiveTag tag) {
+        auto& slot = slots_[b];
+        slot.launched_at = clock::now();
+        if constexpr (DeviceBackend<BackendT>) {
+            slot.handle.emplace(allreduce_async_tagged(backend_, contiguous(b), op_of(slot), tag));
+            return;
+        }
+        if (slot.route == Route::hook) {
+            start_hook(b, tag);
+            slot.pending->wait();
+            slot.pending.reset();
+            finish_hook(b);  // with the finalize pass
+            slot.finished_at = clock::now();
+            return;
+        }
+        if (slot.route == Route::in_place) {
+            if constexpr (InPlace) allreduce_tagged(backend_, segments_of(slot), slot.dtype, ReduceOp::average, tag);
+        } else {
+            allreduce_tagged(backend_, contiguous(b), op_of(slot), tag);
+        }
+        finish(b);
+        slot.finished_at = clock::now();
+    }
+
+    // Waits for every launched bucket by `deadline` and finishes each; diagnose(b) says why one
+    // was late. On the device path the trainer's stream waits for each instead, and the finalize
+    // pass is queued behind it: the host goes on, and the backend's watchdog ends a collective
+    // that hangs.
+    template <class Diagnose>
+    void wait_all(clock::time_point deadline, Diagnose&& diagnose) {
+        for (std::size_t b = 0; b < slots_.size(); ++b) {
+            auto& slot = slots_[b];
+            if (slot.pending) {
+                if (!slot.pending->wait_until(deadline)) throw TimeoutError(diagnose(b));
+                slot.pending.reset();
+                finish_hook(b);
+                slot.finished_at = clock::now();
+                continue;
+            }
+            if (!slot.handle) continue;
+            if constexpr (StreamOrdered<BackendT>) {
+                backend_.wait_on_device(*slot.handle);
+                slot.handle.reset();
+                finish(b);
+                continue;
+            }
+            if (!slot.handle->wait_until(deadline)) throw TimeoutError(diagnose(b));
+            finish(b);
+            slot.finished_at = detail::finished_at(*slot.handle);
+            slot.handle.reset();
+        }
+    }
+
+    // Unscales and measures bucket b's gradients where they lie (a world of one has nothing to
+    // reduce, but a step still needs its norm).
+    void finalize_in_place(std::size_t b) {
+        // A world of one: a hook's float32 copy is the local gradient, unscaled alike.
+        if (hook_widens(slots_[b]))
+            memory_.compress(slots_[b].table, Memory::data(slots_[b].buffer), DType::float32,
+                             finalizing_ ? unscale_ : 1.0);
+        if (!finalizing_) return;
+        memory_.finalize(slots_[b].table, nullptr, slots_[b].dtype, unscale_, b);
+        slots_[b].measured = true;
+    }
+
+    // A compressed bucket whose float16 sum overflowed, reduced again in float32 (averaged) and
+    // finalized, the same on every rank: they all hold the same sum, so they all decide alike.
+    void reduce_again_in_float(std::size_t b, CollectiveTag tag) {
+        auto& slot = slots_[b];
+        if constexpr (InPlace) {
+            allreduce_tagged(backend_, segments_of(slot), slot.dtype, ReduceOp::average, tag);
+        } else {
+            Buffer buf{nullptr, slot.count, slot.dtype};
+            if (slot.view) {
+                buf.data = slot.view->data;
+            } else {
+                if (slot.widened.size() == 0) slot.widened = memory_.allocate(Bytes{slot.count * size_of(slot.dtype)});
+                buf.data = Memory::data(slot.widened);
+                memory_.pack(slot.table, Memory::data(slot.widened));
+            }
+            allreduce_tagged(backend_, buf, ReduceOp::average, tag);
+            if (!slot.view) memory_.unpack(slot.table, Memory::data(slot.widened));
+        }
+        const bool was = finalizing_;
+        finalizing_ = true;  // a compressed bucket is always finalized
+        finalize_in_place(b);
+        finalizing_ = was;
+    }
+
+    // Scales every gradient by `factor` (clipping's second pass).
+    void scale_all(double factor) {
+        for (const auto& slot : slots_) {
+            memory_.scale(slot.table, factor);
+            if (hook_widens(slot)) memory_.scale(slot.float32_table, factor);
+        }
+    }
+
+    // Parameter `name`'s averaged gradient in float32, where its bucket went through the hook
+    // widened: the copy the model's 16-bit gradient was rounded from. Empty for a zero-sized one.
+    [[nodiscard]] std::span<const float> float32_gradient(const ModelLayout& layout, std::string_view name) const {
+        return hooks_.float32_gradient(layout, name, [this](std::size_t b) {
+            return reinterpret_cast<const float*>(Memory::data(slots_[b].buffer));
+        });
+    }
+
+    [[nodiscard]] bool in_flight() const {
+        for (const auto& s : slots_)
+            if (s.handle || s.pending) return true;
+        return false;
+    }
+
+    // Waits for collectives in flight until `deadline`, ignoring their errors: after an abort
+    // they end at once.
+    void drain(clock::time_point deadline) {
+        for (auto& slot : slots_) {
+            try {
+                if (slot.handle) (void)slot.handle->wait_until(deadline);
+                if (slot.pending) (void)slot.pending->wait_until(deadline);
+            } catch (...) {
+            }
+            slot.handle.reset();
+            slot.pending.reset();
+        }
+    }
+
+    void end_step() {
+        for (auto& slot : slots_) slot.measured = false;
+    }
+
+    [[nodiscard]] std::span<Slot> slots() { return slots_; }
+    [[nodiscard]] std::span<const Slot> slots() const { return slots_; }
+    [[nodiscard]] Memory& memory() { return memory_; }
+    [[nodiscard]] const Memory& memory() const { return memory_; }
+    [[nodiscard]] Hook& hook() { return hooks_.hook(); }
+    [[nodiscard]] const Hook& hook() const { return hooks_.hook(); }
+
+    // Buckets whose gradients already lie contiguously in memory, reduced without a copy.
+    [[nodiscard]] std::size_t view_buckets() const {
+        std::size_t n = 0;
+        for (const auto& s : slots_) n += s.view.has_value() && s.route != Route::compressed;
+        return n;
+    }
+    // Bucket buffers and bookkeeping, beyond the model's own memory.
+    [[nodiscard]] Bytes memory_held() const {
+        Bytes total;
+        for (const auto& s : slots_)
+            total += Bytes{s.buffer.size() + s.widened.size() + s.segments.capacity() * sizeof(Segment) +
+                           s.indices.capacity() * sizeof(std::size_t)};
+        return total;
+    }
+
+private:
+    void build(Slot& slot, const Bucket& bucket, std::span<const Parameter> params) {
+        slot.indices = bucket.parameters;
+        std::sort(slot.indices.begin(), slot.indices.end());  // the element layout every rank shares
+        slot.segments.clear();
+        for (auto i : slot.indices) slot.segments.push_back(Segment{params[i].grad, params[i].count});
+        slot.dtype = slot.wire = bucket.dtype;
+        slot.count = bucket.count;
+        const bool contiguous = first_gap(slot.segments, bucket.dtype) == 0;
+        slot.view.reset();
+        slot.hooked.clear();
+        const bool half = bucket.dtype == DType::float16 || bucket.dtype == DType::bfloat16;
+        // A hook sees float32 values: a half bucket is widened into a float32 buffer (never a view).
+        if (contiguous && !(Hook::hooked && half)) slot.view = Segment{slot.segments.front().data, bucket.count};
+        if (Hook::hooked && (bucket.dtype == DType::float32 || half)) {
+            slot.route = Route::hook;
+            slot.wire = DType::float32;
+            std::size_t offset = 0;
+            for (auto i : slot.indices) {
+                slot.hooked.push_back(HookParameter{params[i].name, offset, params[i].count, params[i].shape});
+                offset += params[i].count;
+            }
+        } else if (compresses && bucket.dtype == DType::float32) {
+            slot.route = Route::compressed;
+            slot.wire = Wire;
+        } else if (InPlace) {
+            slot.route = Route::in_place;
+        } else {
+            slot.route = contiguous ? Route::view : Route::packed;
+        }
+        slot.table = memory_.table(slot.segments, bucket.dtype);
+        const bool needs_buffer =
+            slot.route == Route::packed || slot.route == Route::compressed || (slot.route == Route::hook && !slot.view);
+        // A hook's float32 copy is kept in a world of one too: float32_gradient() reads it.
+        if (needs_buffer && (backend_.size() > 1 || hook_widens(slot)) && slot.buffer.size() == 0)
+            slot.buffer = memory_.allocate(Bytes{bucket.count * size_of(slot.wire)});
+        if (hook_widens(slot)) {
+            const Segment whole{Memory::data(slot.buffer), slot.count};
+            slot.float32_table = memory_.table(std::span<const Segment>(&whole, 1), DType::float32);
+        }
+    }
+
+    // A hook's 16-bit bucket, widened into a float32 copy.
+    [[nodiscard]] static bool hook_widens(const Slot& slot) {
+        return slot.route == Route::hook && slot.wire != slot.dtype;
+    }
+
+    // The bucket's gradients where they lie: one segment when they are a view.
+    static std::span<const Segment> segments_of(const Slot& slot) {
+        return slot.view ? std::span<const Segment>(&*slot.view, 1) : std::span<const Segment>(slot.segments);
+    }
+
+    // A compressed bucket is summed (each rank sent its share); every other one averaged.
+    [[nodiscard]] static ReduceOp op_of(const Slot& slot) {
+        return slot.route == Route::compressed ? ReduceOp::sum : ReduceOp::average;
+    }
+
+    // The bucket's collective as one contiguous buffer, packing (and converting) first when it is
+    // no view. A compressed bucket's ranks send their share of the average: each value divided by
+    // the world size, so that the sum keeps the headroom the loss scale left.
+    Buffer contiguous(std::size_t b) {
+        auto& slot = slots_[b];
+        if (slot.route == Route::view) return Buffer{slot.view->data, slot.count, slot.dtype};
+        std::byte* data = Memory::data(slot.buffer);
+        if (slot.route == Route::packed)
+            memory_.pack(slot.table, data);
+        else
+            memory_.compress(slot.table, data, slot.wire, 1.0 / static_cast<double>(backend_.size()));
+        return Buffer{data, slot.count, slot.wire};
+    }
+
+    // After bucket b's reduction: the finalize pass. Packed buckets are unpacked in it; compressed
+    // ones widened (a float16 sum that overflowed leaves the gradients intact, and its result is
+    // not finite: the step then reduces it again in float32); the others scaled where they lie.
+    void finish(std::size_t b) {
+        auto& slot = slots_[b];
+        const std::byte* data = Memory::data(slot.buffer);
+        switch (slot.route) {
+            case Route::in_place:
+            case Route::view: return finalize_in_place(b);
+            case Route::packed:
+                if (!finalizing_) return memory_.unpack(slot.table, data);
+                return finalize_from(b, data, slot.dtype);
+            case Route::compressed: return finalize_from(b, data, slot.wire);
+            case Route::hook:
+                if (slot.view) return finalize_in_place(b);
+                if (finalizing_) {
+                    finalize_from(b, data, slot.wire);
+                    // The float32 copy unscaled alike, for float32_gradient().
+                    if (slot.wire != slot.dtype && unscale_ != 1.0) memory_.scale(slot.float32_table, unscale_);
+                    return;
+                }
+                if (slot.wire == slot.dtype) return memory_.unpack(slot.table, data);
+                // A widened bucket rounded once into the gradients: the finalize pass with nothing to
+                // scale, its measurement left unread.
+                return memory_.finalize(slot.table, data, slot.wire, 1.0, b);
+        }
+    }
+
+    HookedBucket hooked_bucket(std::size_t b) const {
+        const auto& slot = slots_[b];
+        return HookedBucket{b, slot.hooked, slot.indices, slot.dtype};
+    }
+    // The bucket's values as the hook sees them: its float32 gradients where they lie when
+    // contiguous, else packed (16-bit ones widened).
+    std::span<float> hook_values(std::size_t b) {
+        auto& slot = slots_[b];
+        auto* values = static_cast<float*>(slot.view ? slot.view->data : static_cast<void*>(Memory::data(slot.buffer)));
+        return {values, slot.count};
+    }
+
+    void start_hook(std::size_t b, CollectiveTag tag) {
+        auto& slot = slots_[b];
+        if (slot.wire != slot.dtype)
+            memory_.compress(slot.table, Memory::data(slot.buffer), slot.wire, 1.0);  // widened, exactly
+        else if (!slot.view)
+            memory_.pack(slot.table, Memory::data(slot.buffer));
+        slot.hook_step = tag.step;
+        slot.pending.emplace(hooks_.start(backend_, hooked_bucket(b), hook_values(b), tag));
+    }
+
+    // After the hook's collectives of bucket b completed: its finish(), then the finalize pass.
+    void finish_hook(std::size_t b) {
+        hooks_.finish(backend_, hooked_bucket(b), hook_values(b), slots_[b].hook_step);
+        finish(b);
+    }
+
+    void finalize_from(std::size_t b, const std::byte* data, DType type) {
+        memory_.finalize(slots_[b].table, data, type, unscale_, b);
+        slots_[b].measured = true;
+    }
+
+    BackendT& backend_;
+    Memory memory_;
+    HookRoute<BackendT, Hook> hooks_;
+    std::vector<Slot> slots_;
+    bool finalizing_ = false;
+    double unscale_ = 1.0;
+};
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_DATA_PARALLEL_BUCKET_ENGINE_HPP
+// ---- end gradsync/data_parallel/bucket_engine.hpp ----
+
+// ---- begin gradsync/data_parallel/diagnosis.hpp ----
+#ifndef GRADSYNC_SINGLE_DATA_PARALLEL_DIAGNOSIS_HPP
+#define GRADSYNC_SINGLE_DATA_PARALLEL_DIAGNOSIS_HPP
+// Diagnosis: what to say when a deadline passes. For this rank, which bucket was late, and which
+// ranks are behind (from their collective counts, where the backend can tell); for a peer that
+// asks, where this rank stands: in backward waiting for which gradients, or in synchronize().
+
 
 // ---- begin gradsync/data_parallel/readiness.hpp ----
 #ifndef GRADSYNC_SINGLE_DATA_PARALLEL_READINESS_HPP
@@ -8657,6 +8817,13 @@ public:
     [[nodiscard]] float loss_scale() const { return scaler_.scale(); }
     // The communication hook, to read or restore its state (PowerSGD's error feedback).
     [[nodiscard]] comm_hook_type& comm_hook() { return engine_.hook(); }
+    // With a hook, a float16 or bfloat16 parameter's averaged gradient in float32, unscaled and
+    // clipped alike, which its 16-bit gradient was rounded from: for an optimizer with float32
+    // master weights (Megatron's main_grad). Between synchronize() (or step()) and the next backward.
+    [[nodiscard]] std::span<const float> float32_gradient(std::string_view name) const
+        requires(comm_hook_type::hooked) {
+        return engine_.float32_gradient(layout_, name);
+    }
     // The loss scaler, to save or restore its state (DynamicLossScale::state).
     [[nodiscard]] loss_scaler_type& loss_scaler() { return scaler_; }
     // The learning rate step() will pass next (an LR policy is required).

@@ -1865,8 +1865,474 @@ void sync_buffers(B& backend, std::span<const ModelBuffer> buffers, BufferSync m
 // hook is done. The engine launches a bucket's collective (during backward) or runs it now (at
 // synchronize()), waits for the launched ones by a deadline (or, on the device, makes the trainer's
 // stream wait), and then runs the finalize pass over the bucket through the memory policy: unpack,
-// unscale, measure.
+// unscale, measure. Each bucket's state is a BucketSlot (bucket_slot.hpp); a hook runs through
+// the HookRoute (hook_route.hpp).
 
+
+// ---- begin gradsync/data_parallel/bucket_slot.hpp ----
+#ifndef GRADSYNC_SINGLE_DATA_PARALLEL_BUCKET_SLOT_HPP
+#define GRADSYNC_SINGLE_DATA_PARALLEL_BUCKET_SLOT_HPP
+// BucketSlot: one bucket's storage in the bucket engine and the state of its collective in the
+// current step, and the routes a bucket travels by.
+
+
+// ---- begin gradsync/reduction/comm_hook.hpp ----
+#ifndef GRADSYNC_SINGLE_REDUCTION_COMM_HOOK_HPP
+#define GRADSYNC_SINGLE_REDUCTION_COMM_HOOK_HPP
+// Communication hooks: a policy that decides how a bucket's gradients are averaged over the
+// ranks, in place of the plain allreduce (low-rank compression, say). The bucket engine hands the
+// hook each bucket's gradients as one contiguous float32 array, the parameters in it, and a
+// HookComm through which it issues its collectives; every collective the hook issues is tagged
+// with the step and bucket like the engine's own. start() runs when the bucket's gradients are
+// final (during backward with grad_ready, else at synchronize) and returns what is in flight;
+// finish() runs once that has completed, on the thread that synchronizes, and leaves the average
+// in the bucket. Float16 and bfloat16 buckets reach the hook widened to float32 (exactly), and
+// what it leaves is rounded once into the model's gradients: the hook computes in float32 what the
+// model holds in 16 bits (Megatron reduces bfloat16 gradients in float32 for the same reason).
+// float64 buckets are allreduced as without a hook; a world of one runs no hook (the local
+// gradient is the average).
+
+
+#include <chrono>
+#include <concepts>  // for std::convertible_to, std::same_as
+#include <cstddef>
+#include <cstdint>
+#include <functional>  // for std::function
+#include <memory>      // for std::shared_ptr
+#include <span>
+#include <string>
+#include <utility>  // for std::move
+#include <vector>
+
+namespace gradsync::inline v0 {
+
+// One parameter of a bucket, as a hook sees it.
+struct HookParameter {
+    std::string name;
+    std::size_t offset = 0;          // where its elements start in HookBucket::values
+    std::size_t count = 0;           // elements
+    std::vector<std::size_t> shape;  // as the model states it (Parameter::shape); empty: a vector
+};
+
+// A bucket, as a hook sees it.
+struct HookBucket {
+    std::size_t index = 0;    // in the bucket plan
+    std::int64_t step = 0;    // 1 for the first
+    std::span<float> values;  // in: this rank's gradients; after finish(): their average over the ranks
+    std::span<const HookParameter> parameters;  // in element order, covering `values`
+    float loss_scale = 1.0f;                    // the factor the gradients carry (1 without a loss scaler)
+    DType dtype = DType::float32;               // the model's gradients': float16 and bfloat16 ones are widened
+};
+
+// The collectives a hook may issue for one bucket. Each is tagged with the step and bucket, so
+// a backend that compares tags, the collective history and every error name them. Collectives
+// run in the order they are issued, which must be the same on every rank.
+class HookComm {
+public:
+    // What is in flight: one or more collectives.
+    class Pending {
+    public:
+        Pending() = default;
+        template <class Handle>
+        requires(!std::same_as<Handle, Pending>) explicit Pending(Handle handle) {
+            waits_.push_back([h = std::make_shared<Handle>(std::move(handle))](
+                                 std::chrono::steady_clock::time_point deadline) { return h->wait_until(deadline); });
+        }
+        // Joins `other`: this then completes when both have.
+        Pending& join(Pending other) {
+            for (auto& w : other.waits_) waits_.push_back(std::move(w));
+            return *this;
+        }
+        // False when the deadline passed first; otherwise rethrows a collective's error, if any.
+        [[nodiscard]] bool wait_until(std::chrono::steady_clock::time_point deadline) const {
+            for (const auto& w : waits_)
+                if (!w(deadline)) return false;
+            return true;
+        }
+        // Every collective ends by its backend's deadline.
+        void wait() const { (void)wait_until(std::chrono::steady_clock::time_point::max()); }
+
+    private:
+        std::vector<std::function<bool(std::chrono::steady_clock::time_point)>> waits_;
+    };
+
+    using Issue = std::function<Pending(std::span<float>, ReduceOp)>;
+    HookComm(int rank, int size, Issue issue) : rank_(rank), size_(size), issue_(std::move(issue)) {}
+
+    // Starts an allreduce of `values` in place (ReduceOp::sum or average); they must stay valid
+    // and untouched until it completes.
+    [[nodiscard]] Pending allreduce_async(std::span<float> values, ReduceOp op) { return issue_(values, op); }
+    void allreduce(std::span<float> values, ReduceOp op) { allreduce_async(values, op).wait(); }
+
+    [[nodiscard]] int rank() const { return rank_; }
+    [[nodiscard]] int size() const { return size_; }
+
+private:
+    int rank_, size_;
+    Issue issue_;
+};
+
+// What DataParallel needs of a communication hook. settings() is agreed across the ranks like
+// every other setting (the same text on every rank, or construction fails on every rank).
+template <class H>
+concept CommHook = std::movable<H> && requires(H h, const H ch, const HookBucket& bucket, HookComm& comm) {
+    { H::hooked } -> std::convertible_to<bool>;
+    { ch.settings() } -> std::convertible_to<std::string>;
+    { h.start(bucket, comm) } -> std::same_as<HookComm::Pending>;
+    h.finish(bucket, comm);
+};
+
+// No hook: every bucket takes the engine's own route (in place, packed or compressed). The
+// default.
+struct NoCommHook {
+    using policy_category = policy_category::comm_hook;
+    static constexpr bool hooked = false;
+    [[nodiscard]] std::string settings() const { return "none"; }
+    HookComm::Pending start(const HookBucket&, HookComm&) { return {}; }
+    void finish(const HookBucket&, HookComm&) {}
+};
+
+// The plain average through a hook: one allreduce per bucket, in float32. For float32 gradients,
+// the reference a hook is measured against; for float16 and bfloat16 ones, their average
+// computed in float32 and rounded once, where a 16-bit allreduce rounds at every step of its sum.
+// A model of the concept to start a hook of your own from.
+struct AllreduceHook {
+    using policy_category = policy_category::comm_hook;
+    static constexpr bool hooked = true;
+    [[nodiscard]] std::string settings() const { return "allreduce"; }
+    HookComm::Pending start(const HookBucket& bucket, HookComm& comm) {
+        return comm.allreduce_async(bucket.values, ReduceOp::average);
+    }
+    void finish(const HookBucket&, HookComm&) {}
+};
+
+namespace detail {
+
+template <class H>
+constexpr bool check_comm_hook() {
+    static_assert(
+        requires {
+            { H::hooked } -> std::convertible_to<bool>;
+        },
+        "gradsync: a communication hook needs `static constexpr bool hooked = true`");
+    static_assert(
+        requires(const H ch) {
+            { ch.settings() } -> std::convertible_to<std::string>;
+        },
+        "gradsync: a communication hook needs `std::string settings() const`, agreed across the ranks");
+    static_assert(
+        requires(H h, const HookBucket& bucket, HookComm& comm) {
+            { h.start(bucket, comm) } -> std::same_as<HookComm::Pending>;
+        },
+        "gradsync: a communication hook needs `gradsync::HookComm::Pending start(const gradsync::HookBucket&, "
+        "gradsync::HookComm&)`, which starts the bucket's collectives");
+    static_assert(
+        requires(H h, const HookBucket& bucket, HookComm& comm) { h.finish(bucket, comm); },
+        "gradsync: a communication hook needs `void finish(const gradsync::HookBucket&, gradsync::HookComm&)`, "
+        "which leaves the bucket's average in bucket.values once start()'s collectives completed");
+    static_assert(std::movable<H>, "gradsync: a communication hook must be movable");
+    return true;
+}
+
+}  // namespace detail
+
+}  // namespace gradsync::inline v0
+#endif  // GRADSYNC_SINGLE_REDUCTION_COMM_HOOK_HPP
+// ---- end gradsync/reduction/comm_hook.hpp ----
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+// The first k whose segment does not start where segment k - 1 ends; 0 when they all follow each
+// other in memory.
+inline std::size_t first_gap(std::span<const Segment> segs, DType t) {
+    const std::size_t elem = size_of(t);
+    for (std::size_t k = 1; k < segs.size(); ++k)
+        if (static_cast<const std::byte*>(segs[k - 1].data) + segs[k - 1].count * elem != segs[k].data) return k;
+    return 0;
+}
+
+// How a bucket travels.
+enum class Route : std::uint8_t { in_place, view, packed, compressed, hook };
+
+// Memory: the memory policy (its Table and Storage); Handle: the backend's asynchronous allreduce.
+template <class Memory, class Handle>
+struct BucketSlot {
+    using clock = std::chrono::steady_clock;
+    std::vector<Segment> segments;     // its gradients, by parameter index
+    std::vector<std::size_t> indices;  // their parameters
+    std::optional<Segment> view;       // set when they lie contiguously
+    Route route = Route::in_place;
+    DType dtype = DType::float32;          // the gradients'
+    DType wire = DType::float32;           // what the collective moves
+    std::size_t count = 0;                 // elements
+    typename Memory::Table table;          // the segments, as the memory policy's passes take them
+    bool measured = false;                 // finalized this step: its result slot is current
+    typename Memory::Storage buffer;       // packed or compressed (world > 1), or a hook's float32 copy
+    typename Memory::Storage widened;      // a float32 copy, made once when a compressed sum overflowed
+    typename Memory::Table float32_table;  // a hook's float32 copy of 16-bit gradients (the buffer)
+    std::optional<Handle> handle;
+    std::optional<HookComm::Pending> pending;  // the hook's collectives in flight
+    std::vector<HookParameter> hooked;         // the parameters, as the hook sees them
+    std::int64_t hook_step = 0;                // the step the hook started in
+    clock::time_point launched_at, finished_at;
+};
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_DATA_PARALLEL_BUCKET_SLOT_HPP
+// ---- end gradsync/data_parallel/bucket_slot.hpp ----
+
+// ---- begin gradsync/data_parallel/hook_route.hpp ----
+#ifndef GRADSYNC_SINGLE_DATA_PARALLEL_HOOK_ROUTE_HPP
+#define GRADSYNC_SINGLE_DATA_PARALLEL_HOOK_ROUTE_HPP
+// HookRoute: how the bucket engine runs a communication hook (reduction/comm_hook.hpp) over a
+// bucket: the bucket as the hook sees it (float32 values where they lie, packed, or 16-bit ones
+// widened into a float32 copy), the collectives the hook issues, each tagged for the bucket, and
+// where each 16-bit parameter's float32 copy lies, for DataParallel::float32_gradient().
+
+
+// ---- begin gradsync/data_parallel/model_layout.hpp ----
+#ifndef GRADSYNC_SINGLE_DATA_PARALLEL_MODEL_LAYOUT_HPP
+#define GRADSYNC_SINGLE_DATA_PARALLEL_MODEL_LAYOUT_HPP
+// The model as DataParallel sees it: its parameters in registration order without the zero-sized
+// ones (the list bucket plans index into), the model's own index of each, its parameters by name,
+// and its buffers; and where their storage is now, when it moves between steps.
+
+
+#include <cstddef>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <utility>  // for std::move
+#include <variant>
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+struct ModelLayout {
+    static constexpr std::size_t none = static_cast<std::size_t>(-1);  // a zero-sized parameter
+    static constexpr std::size_t ambiguous = none - 1;                 // a name several parameters have
+
+    std::vector<Parameter> params;
+    std::vector<ModelBuffer> buffers;
+    std::vector<std::size_t> param_of_model_index;  // none for zero-sized parameters
+    std::vector<std::size_t> model_index_of_param;
+    std::unordered_map<std::string, std::size_t> by_name;
+
+    template <class Model>
+    static ModelLayout of(Model& model, bool with_buffers) {
+        ModelLayout out;
+        const auto listed = gradsync::parameters(model);
+        for (std::size_t i = 0; i < listed.size(); ++i) {
+            if (listed[i].count == 0) {
+                out.param_of_model_index.push_back(none);
+            } else {
+                out.param_of_model_index.push_back(out.params.size());
+                out.model_index_of_param.push_back(i);
+                out.params.push_back(listed[i]);
+            }
+            auto [it, fresh] = out.by_name.emplace(listed[i].name, out.param_of_model_index.back());
+            if (!fresh) it->second = ambiguous;
+        }
+        if (with_buffers)
+            for (auto& b : gradsync::buffers(model))
+                if (b.count != 0) out.buffers.push_back(std::move(b));
+        return out;
+    }
+
+    // `listed`, the model's parameters now (to follow storage that moves between steps: a
+    // framework that frees gradients and allocates new ones in backward), if there are as many as
+    // at construction; another number is an InvalidModel error, where() begins its message.
+    template <class Where>
+    std::vector<Parameter> checked(std::vector<Parameter> listed, const Where& where) const {
+        if (listed.size() != param_of_model_index.size())
+            throw InvalidModel(where() + ": the model lists " + std::to_string(listed.size()) +
+                               " parameters now and listed " + std::to_string(param_of_model_index.size()) +
+                               " when the DataParallel was made; its parameters cannot change under a "
+                               "DataParallel (make a new one)");
+        for (std::size_t i = 0; i < listed.size(); ++i)  // empty then: never averaged if made now
+            if (param_of_model_index[i] == none && listed[i].count != 0)
+                throw InvalidModel(where() + ": parameter '" + listed[i].name +
+                                   "' had no elements when the DataParallel was made and has " +
+                                   std::to_string(listed[i].count) +
+                                   " now (made at the first forward?), so it would never be averaged; run one "
+                                   "forward before wrapping the model (or make a new DataParallel now, on every "
+                                   "rank)");
+        return listed;
+    }
+
+    // Follows the storage of the parameters `which` to where `listed` says it is now; returns
+    // whether any moved. A parameter that changed name, size or dtype, lost its values or
+    // gradient, or whose values moved, is an InvalidModel error naming it.
+    template <class Where>
+    bool follow(const std::vector<Parameter>& listed, std::span<const std::size_t> which, const Where& where) {
+        bool moved = false;
+        for (auto p : which) {
+            auto& mine = params[p];
+            const auto& now = listed[model_index_of_param[p]];
+            if (now.name != mine.name)  // the names every rank agreed on
+                throw InvalidModel(where() + ": parameter " + std::to_string(model_index_of_param[p]) + " was '" +
+                                   mine.name + "' when the DataParallel was made and is listed as '" + now.name +
+                                   "' now; the parameter list every rank agreed on cannot change under a "
+                                   "DataParallel (make a new one)");
+            if (now.count != mine.count || now.dtype != mine.dtype)
+                throw InvalidModel(where() + ": parameter '" + mine.name + "' was " + std::to_string(mine.count) +
+                                   " x " + std::string(to_string(mine.dtype)) + " and is now " +
+                                   std::to_string(now.count) + " x " + std::string(to_string(now.dtype)) +
+                                   "; its storage may move between steps, but not change size or type");
+            if (now.grad == nullptr || now.data == nullptr)
+                throw InvalidModel(where() + ": parameter '" + mine.name + "' has no " +
+                                   (now.data == nullptr ? "values" : "gradient") +
+                                   " now; a gradient made late (in the first backward) or freed between steps "
+                                   "must exist by the time its bucket is reduced, in synchronize() at the latest");
+            if (now.data != mine.data)  // values another rank cannot know of: a module replaced, say
+                throw InvalidModel(where() + ": the values of parameter '" + mine.name +
+                                   "' lie in other memory now, and may differ from the other ranks' (a module or "
+                                   "tensor replaced on this rank?); parameter values must stay where they are under "
+                                   "a DataParallel (make a new one, on every rank, after replacing them)");
+            if (now.grad == mine.grad) continue;
+            mine.grad = now.grad;
+            moved = true;
+        }
+        return moved;
+    }
+
+    // The parameter at the model's `index` (zero-sized: none), or an error message.
+    [[nodiscard]] std::variant<std::size_t, std::string> at_model_index(std::size_t index) const {
+        if (index < param_of_model_index.size()) return param_of_model_index[index];
+        return "grad_ready(" + std::to_string(index) + ") but the model has " +
+               std::to_string(param_of_model_index.size()) + " parameters";
+    }
+    // The parameter named `name` (zero-sized: none), or an error message.
+    [[nodiscard]] std::variant<std::size_t, std::string> named(std::string_view name) const {
+        auto it = by_name.find(std::string(name));
+        if (it != by_name.end() && it->second != ambiguous) return it->second;
+        return "grad_ready(\"" + std::string(name) + "\"): " +
+               (it == by_name.end() ? "no parameter has this name"
+                                    : "several parameters have this name; use grad_ready(index)");
+    }
+};
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_DATA_PARALLEL_MODEL_LAYOUT_HPP
+// ---- end gradsync/data_parallel/model_layout.hpp ----
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>  // for std::function
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>  // for std::move, std::pair
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+// What a communication hook's buckets need from the front: the tag of each further collective
+// of bucket b (of `bytes` bytes), and the loss scale the gradients carry.
+struct HookContext {
+    std::function<CollectiveTag(std::size_t b, std::uint64_t bytes)> next_tag;
+    std::function<float()> loss_scale;
+};
+
+// One bucket as the hook sees it, apart from its values: its index, its parameters (and their
+// indices in the parameter list) and the dtype the model holds them in.
+struct HookedBucket {
+    std::size_t index = 0;
+    std::span<const HookParameter> parameters;
+    std::span<const std::size_t> indices;
+    DType dtype = DType::float32;
+};
+
+template <Backend BackendT, class Hook>
+class HookRoute {
+public:
+    explicit HookRoute(Hook hook) : hook_(std::move(hook)) {}
+
+    void connect(HookContext context) { context_ = std::move(context); }
+
+    // After every (re)plan: the hook prepares for its buckets' parameters (where it has a
+    // prepare()), and each parameter of a widened bucket gets its place in that bucket's copy.
+    void plan(std::span<const HookedBucket> buckets, std::size_t parameters) {
+        float32_at_.assign(parameters, {none, 0});
+        for (const auto& bucket : buckets) {
+            if constexpr (requires { hook_.prepare(bucket.parameters); }) hook_.prepare(bucket.parameters);
+            if (bucket.dtype == DType::float32) continue;
+            for (std::size_t k = 0; k < bucket.parameters.size(); ++k)
+                float32_at_[bucket.indices[k]] = {bucket.index, bucket.parameters[k].offset};
+        }
+    }
+
+    // Starts the hook's collectives over `values` (the bucket's float32 values) in step `tag.step`;
+    // the first carries `tag`.
+    HookComm::Pending start(BackendT& backend, const HookedBucket& bucket, std::span<float> values, CollectiveTag tag) {
+        auto comm = comm_of(backend, bucket.index, tag);
+        return hook_.start(view(bucket, values, tag.step), comm);
+    }
+    // Once they completed: the hook's finish(), which leaves the average in `values`.
+    void finish(BackendT& backend, const HookedBucket& bucket, std::span<float> values, std::int64_t step) {
+        auto comm = comm_of(backend, bucket.index, std::nullopt);
+        hook_.finish(view(bucket, values, step), comm);
+    }
+
+    // Parameter `name`'s float32 copy in its bucket's values (copy_of(b)), or empty for a
+    // zero-sized one; an error for a name the model lacks or a parameter with no copy.
+    template <class CopyOf>
+    [[nodiscard]] std::span<const float> float32_gradient(const ModelLayout& layout, std::string_view name,
+                                                          CopyOf&& copy_of) const {
+        const auto it = layout.by_name.find(std::string(name));
+        const std::string call = "gradsync: float32_gradient(\"" + std::string(name) + "\"): ";
+        if (it == layout.by_name.end() || it->second == ModelLayout::ambiguous)
+            throw Error(call + (it == layout.by_name.end() ? "no parameter has this name"
+                                                           : "several parameters have this name"));
+        const std::size_t p = it->second;
+        if (p == ModelLayout::none) return {};
+        const auto [b, offset] = float32_at_.at(p);
+        if (b == none)
+            throw Error(call + "the parameter is " + to_string(layout.params[p].dtype) +
+                        "; only float16 and bfloat16 gradients are averaged in a float32 copy");
+        return {copy_of(b) + offset, layout.params[p].count};
+    }
+
+    [[nodiscard]] Hook& hook() { return hook_; }
+    [[nodiscard]] const Hook& hook() const { return hook_; }
+
+private:
+    static constexpr std::size_t none = static_cast<std::size_t>(-1);
+
+    HookBucket view(const HookedBucket& bucket, std::span<float> values, std::int64_t step) const {
+        const float scale = context_.loss_scale ? context_.loss_scale() : 1.0f;
+        return HookBucket{bucket.index, step, values, bucket.parameters, scale, bucket.dtype};
+    }
+
+    // The collectives of bucket b's hook: the first carries the engine's tag for the bucket, each
+    // further one the next from the front.
+    HookComm comm_of(BackendT& backend, std::size_t b, std::optional<CollectiveTag> first) {
+        return HookComm(
+            backend.rank(), backend.size(), [this, &backend, b, first](std::span<float> values, ReduceOp op) mutable {
+                CollectiveTag tag = first ? *first : context_.next_tag(b, values.size_bytes());
+                first.reset();
+                return HookComm::Pending(
+                    allreduce_async_tagged(backend, Buffer{values.data(), values.size(), DType::float32}, op, tag));
+            });
+    }
+
+    Hook hook_;
+    HookContext context_;
+    std::vector<std::pair<std::size_t, std::size_t>> float32_at_;  // by parameter: bucket and offset, or none
+};
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_DATA_PARALLEL_HOOK_ROUTE_HPP
+// ---- end gradsync/data_parallel/hook_route.hpp ----
 
 // ---- begin gradsync/detail/log.hpp ----
 #ifndef GRADSYNC_SINGLE_DETAIL_LOG_HPP
@@ -2072,170 +2538,6 @@ constexpr bool check_memory_policy() {
 #endif  // GRADSYNC_SINGLE_MEMORY_POLICY_HPP
 // ---- end gradsync/memory/policy.hpp ----
 
-// ---- begin gradsync/reduction/comm_hook.hpp ----
-#ifndef GRADSYNC_SINGLE_REDUCTION_COMM_HOOK_HPP
-#define GRADSYNC_SINGLE_REDUCTION_COMM_HOOK_HPP
-// Communication hooks: a policy that decides how a bucket's gradients are averaged over the
-// ranks, in place of the plain allreduce (low-rank compression, say). The bucket engine hands the
-// hook each bucket's gradients as one contiguous float32 array, the parameters in it, and a
-// HookComm through which it issues its collectives; every collective the hook issues is tagged
-// with the step and bucket like the engine's own. start() runs when the bucket's gradients are
-// final (during backward with grad_ready, else at synchronize) and returns what is in flight;
-// finish() runs once that has completed, on the thread that synchronizes, and leaves the average
-// in the bucket. Float16 and bfloat16 buckets reach the hook widened to float32 (exactly), and
-// what it leaves is rounded once into the model's gradients: the hook computes in float32 what the
-// model holds in 16 bits (Megatron reduces bfloat16 gradients in float32 for the same reason).
-// float64 buckets are allreduced as without a hook; a world of one runs no hook (the local
-// gradient is the average).
-
-
-#include <chrono>
-#include <concepts>  // for std::convertible_to, std::same_as
-#include <cstddef>
-#include <cstdint>
-#include <functional>  // for std::function
-#include <memory>      // for std::shared_ptr
-#include <span>
-#include <string>
-#include <utility>  // for std::move
-#include <vector>
-
-namespace gradsync::inline v0 {
-
-// One parameter of a bucket, as a hook sees it.
-struct HookParameter {
-    std::string name;
-    std::size_t offset = 0;          // where its elements start in HookBucket::values
-    std::size_t count = 0;           // elements
-    std::vector<std::size_t> shape;  // as the model states it (Parameter::shape); empty: a vector
-};
-
-// A bucket, as a hook sees it.
-struct HookBucket {
-    std::size_t index = 0;    // in the bucket plan
-    std::int64_t step = 0;    // 1 for the first
-    std::span<float> values;  // in: this rank's gradients; after finish(): their average over the ranks
-    std::span<const HookParameter> parameters;  // in element order, covering `values`
-    float loss_scale = 1.0f;                    // the factor the gradients carry (1 without a loss scaler)
-    DType dtype = DType::float32;               // the model's gradients': float16 and bfloat16 ones are widened
-};
-
-// The collectives a hook may issue for one bucket. Each is tagged with the step and bucket, so
-// a backend that compares tags, the collective history and every error name them. Collectives
-// run in the order they are issued, which must be the same on every rank.
-class HookComm {
-public:
-    // What is in flight: one or more collectives.
-    class Pending {
-    public:
-        Pending() = default;
-        template <class Handle>
-        requires(!std::same_as<Handle, Pending>) explicit Pending(Handle handle) {
-            waits_.push_back([h = std::make_shared<Handle>(std::move(handle))](
-                                 std::chrono::steady_clock::time_point deadline) { return h->wait_until(deadline); });
-        }
-        // Joins `other`: this then completes when both have.
-        Pending& join(Pending other) {
-            for (auto& w : other.waits_) waits_.push_back(std::move(w));
-            return *this;
-        }
-        // False when the deadline passed first; otherwise rethrows a collective's error, if any.
-        [[nodiscard]] bool wait_until(std::chrono::steady_clock::time_point deadline) const {
-            for (const auto& w : waits_)
-                if (!w(deadline)) return false;
-            return true;
-        }
-        // Every collective ends by its backend's deadline.
-        void wait() const { (void)wait_until(std::chrono::steady_clock::time_point::max()); }
-
-    private:
-        std::vector<std::function<bool(std::chrono::steady_clock::time_point)>> waits_;
-    };
-
-    using Issue = std::function<Pending(std::span<float>, ReduceOp)>;
-    HookComm(int rank, int size, Issue issue) : rank_(rank), size_(size), issue_(std::move(issue)) {}
-
-    // Starts an allreduce of `values` in place (ReduceOp::sum or average); they must stay valid
-    // and untouched until it completes.
-    [[nodiscard]] Pending allreduce_async(std::span<float> values, ReduceOp op) { return issue_(values, op); }
-    void allreduce(std::span<float> values, ReduceOp op) { allreduce_async(values, op).wait(); }
-
-    [[nodiscard]] int rank() const { return rank_; }
-    [[nodiscard]] int size() const { return size_; }
-
-private:
-    int rank_, size_;
-    Issue issue_;
-};
-
-// What DataParallel needs of a communication hook. settings() is agreed across the ranks like
-// every other setting (the same text on every rank, or construction fails on every rank).
-template <class H>
-concept CommHook = std::movable<H> && requires(H h, const H ch, const HookBucket& bucket, HookComm& comm) {
-    { H::hooked } -> std::convertible_to<bool>;
-    { ch.settings() } -> std::convertible_to<std::string>;
-    { h.start(bucket, comm) } -> std::same_as<HookComm::Pending>;
-    h.finish(bucket, comm);
-};
-
-// No hook: every bucket takes the engine's own route (in place, packed or compressed). The
-// default.
-struct NoCommHook {
-    using policy_category = policy_category::comm_hook;
-    static constexpr bool hooked = false;
-    [[nodiscard]] std::string settings() const { return "none"; }
-    HookComm::Pending start(const HookBucket&, HookComm&) { return {}; }
-    void finish(const HookBucket&, HookComm&) {}
-};
-
-// The plain average through a hook: one allreduce per bucket, in float32. For float32 gradients,
-// the reference a hook is measured against; for float16 and bfloat16 ones, their average
-// computed in float32 and rounded once, where a 16-bit allreduce rounds at every step of its sum.
-// A model of the concept to start a hook of your own from.
-struct AllreduceHook {
-    using policy_category = policy_category::comm_hook;
-    static constexpr bool hooked = true;
-    [[nodiscard]] std::string settings() const { return "allreduce"; }
-    HookComm::Pending start(const HookBucket& bucket, HookComm& comm) {
-        return comm.allreduce_async(bucket.values, ReduceOp::average);
-    }
-    void finish(const HookBucket&, HookComm&) {}
-};
-
-namespace detail {
-
-template <class H>
-constexpr bool check_comm_hook() {
-    static_assert(
-        requires {
-            { H::hooked } -> std::convertible_to<bool>;
-        },
-        "gradsync: a communication hook needs `static constexpr bool hooked = true`");
-    static_assert(
-        requires(const H ch) {
-            { ch.settings() } -> std::convertible_to<std::string>;
-        },
-        "gradsync: a communication hook needs `std::string settings() const`, agreed across the ranks");
-    static_assert(
-        requires(H h, const HookBucket& bucket, HookComm& comm) {
-            { h.start(bucket, comm) } -> std::same_as<HookComm::Pending>;
-        },
-        "gradsync: a communication hook needs `gradsync::HookComm::Pending start(const gradsync::HookBucket&, "
-        "gradsync::HookComm&)`, which starts the bucket's collectives");
-    static_assert(
-        requires(H h, const HookBucket& bucket, HookComm& comm) { h.finish(bucket, comm); },
-        "gradsync: a communication hook needs `void finish(const gradsync::HookBucket&, gradsync::HookComm&)`, "
-        "which leaves the bucket's average in bucket.values once start()'s collectives completed");
-    static_assert(std::movable<H>, "gradsync: a communication hook must be movable");
-    return true;
-}
-
-}  // namespace detail
-
-}  // namespace gradsync::inline v0
-#endif  // GRADSYNC_SINGLE_REDUCTION_COMM_HOOK_HPP
-// ---- end gradsync/reduction/comm_hook.hpp ----
-
 #include <algorithm>  // for std::sort
 #include <chrono>
 #include <cstddef>
@@ -2244,29 +2546,11 @@ constexpr bool check_comm_hook() {
 #include <optional>
 #include <span>
 #include <string>
-#include <utility>  // for std::declval
+#include <string_view>
+#include <utility>  // for std::declval, std::pair
 #include <vector>
 
 namespace gradsync::inline v0::detail {
-
-// The first k whose segment does not start where segment k - 1 ends; 0 when they all follow each
-// other in memory.
-inline std::size_t first_gap(std::span<const Segment> segs, DType t) {
-    const std::size_t elem = size_of(t);
-    for (std::size_t k = 1; k < segs.size(); ++k)
-        if (static_cast<const std::byte*>(segs[k - 1].data) + segs[k - 1].count * elem != segs[k].data) return k;
-    return 0;
-}
-
-// How a bucket travels.
-enum class Route : std::uint8_t { in_place, view, packed, compressed, hook };
-
-// What a communication hook's buckets need from the front: the tag of each further collective
-// of bucket b (of `bytes` bytes), and the loss scale the gradients carry.
-struct HookContext {
-    std::function<CollectiveTag(std::size_t b, std::uint64_t bytes)> next_tag;
-    std::function<float()> loss_scale;
-};
 
 template <Backend BackendT, MemoryPolicy Memory, DType Wire, bool InPlace, class Hook = NoCommHook>
 class BucketEngine {
@@ -2284,30 +2568,12 @@ class BucketEngine {
 public:
     using handle_type = decltype(async_of(std::declval<BackendT&>()));
 
-    // One bucket's storage and the state of its collective in the current step.
-    struct Slot {
-        std::vector<Segment> segments;     // its gradients, by parameter index
-        std::vector<std::size_t> indices;  // their parameters
-        std::optional<Segment> view;       // set when they lie contiguously
-        Route route = Route::in_place;
-        DType dtype = DType::float32;      // the gradients'
-        DType wire = DType::float32;       // what the collective moves
-        std::size_t count = 0;             // elements
-        typename Memory::Table table;      // the segments, as the memory policy's passes take them
-        bool measured = false;             // finalized this step: its result slot is current
-        typename Memory::Storage buffer;   // packed or compressed, world > 1
-        typename Memory::Storage widened;  // a float32 copy, made once when a compressed sum overflowed
-        std::optional<handle_type> handle;
-        std::optional<HookComm::Pending> pending;  // the hook's collectives in flight
-        std::vector<HookParameter> hooked;         // the parameters, as the hook sees them
-        std::int64_t hook_step = 0;                // the step the hook started in
-        clock::time_point launched_at, finished_at;
-    };
+    using Slot = BucketSlot<Memory, handle_type>;
 
     BucketEngine(BackendT& backend, Memory memory, Hook hook = {})
-        : backend_(backend), memory_(std::move(memory)), hook_(std::move(hook)) {}
+        : backend_(backend), memory_(std::move(memory)), hooks_(std::move(hook)) {}
 
-    void connect_hook(HookContext context) { hook_context_ = std::move(context); }
+    void connect_hook(HookContext context) { hooks_.connect(std::move(context)); }
 
     // (Re)builds every bucket's state from the plan; between steps.
     void setup(const BucketPlan& plan, std::span<const Parameter> params) {
@@ -2315,9 +2581,12 @@ public:
         slots_.resize(plan.buckets.size());
         for (std::size_t b = 0; b < slots_.size(); ++b) build(slots_[b], plan.buckets[b], params);
         memory_.prepare_results(slots_.size());
-        if constexpr (requires { hook_.prepare(std::span<const HookParameter>{}); })
-            for (const auto& slot : slots_)
-                if (slot.route == Route::hook) hook_.prepare(slot.hooked);
+        if constexpr (Hook::hooked) {
+            std::vector<HookedBucket> hooked;
+            for (std::size_t b = 0; b < slots_.size(); ++b)
+                if (slots_[b].route == Route::hook) hooked.push_back(hooked_bucket(b));
+            hooks_.plan(hooked, params.size());
+        }
     }
 
     // Bucket b's gradients moved (a framework that allocates new ones each step): its segments,
@@ -2407,6 +2676,10 @@ public:
     // Unscales and measures bucket b's gradients where they lie (a world of one has nothing to
     // reduce, but a step still needs its norm).
     void finalize_in_place(std::size_t b) {
+        // A world of one: a hook's float32 copy is the local gradient, unscaled alike.
+        if (hook_widens(slots_[b]))
+            memory_.compress(slots_[b].table, Memory::data(slots_[b].buffer), DType::float32,
+                             finalizing_ ? unscale_ : 1.0);
         if (!finalizing_) return;
         memory_.finalize(slots_[b].table, nullptr, slots_[b].dtype, unscale_, b);
         slots_[b].measured = true;
@@ -2438,7 +2711,18 @@ public:
 
     // Scales every gradient by `factor` (clipping's second pass).
     void scale_all(double factor) {
-        for (const auto& slot : slots_) memory_.scale(slot.table, factor);
+        for (const auto& slot : slots_) {
+            memory_.scale(slot.table, factor);
+            if (hook_widens(slot)) memory_.scale(slot.float32_table, factor);
+        }
+    }
+
+    // Parameter `name`'s averaged gradient in float32, where its bucket went through the hook
+    // widened: the copy the model's 16-bit gradient was rounded from. Empty for a zero-sized one.
+    [[nodiscard]] std::span<const float> float32_gradient(const ModelLayout& layout, std::string_view name) const {
+        return hooks_.float32_gradient(layout, name, [this](std::size_t b) {
+            return reinterpret_cast<const float*>(Memory::data(slots_[b].buffer));
+        });
     }
 
     [[nodiscard]] bool in_flight() const {
@@ -2469,8 +2753,8 @@ public:
     [[nodiscard]] std::span<const Slot> slots() const { return slots_; }
     [[nodiscard]] Memory& memory() { return memory_; }
     [[nodiscard]] const Memory& memory() const { return memory_; }
-    [[nodiscard]] Hook& hook() { return hook_; }
-    [[nodiscard]] const Hook& hook() const { return hook_; }
+    [[nodiscard]] Hook& hook() { return hooks_.hook(); }
+    [[nodiscard]] const Hook& hook() const { return hooks_.hook(); }
 
     // Buckets whose gradients already lie contiguously in memory, reduced without a copy.
     [[nodiscard]] std::size_t view_buckets() const {
@@ -2520,8 +2804,18 @@ private:
         slot.table = memory_.table(slot.segments, bucket.dtype);
         const bool needs_buffer =
             slot.route == Route::packed || slot.route == Route::compressed || (slot.route == Route::hook && !slot.view);
-        if (needs_buffer && backend_.size() > 1 && slot.buffer.size() == 0)
+        // A hook's float32 copy is kept in a world of one too: float32_gradient() reads it.
+        if (needs_buffer && (backend_.size() > 1 || hook_widens(slot)) && slot.buffer.size() == 0)
             slot.buffer = memory_.allocate(Bytes{bucket.count * size_of(slot.wire)});
+        if (hook_widens(slot)) {
+            const Segment whole{Memory::data(slot.buffer), slot.count};
+            slot.float32_table = memory_.table(std::span<const Segment>(&whole, 1), DType::float32);
+        }
+    }
+
+    // A hook's 16-bit bucket, widened into a float32 copy.
+    [[nodiscard]] static bool hook_widens(const Slot& slot) {
+        return slot.route == Route::hook && slot.wire != slot.dtype;
     }
 
     // The bucket's gradients where they lie: one segment when they are a view.
@@ -2563,7 +2857,12 @@ private:
             case Route::compressed: return finalize_from(b, data, slot.wire);
             case Route::hook:
                 if (slot.view) return finalize_in_place(b);
-                if (finalizing_) return finalize_from(b, data, slot.wire);
+                if (finalizing_) {
+                    finalize_from(b, data, slot.wire);
+                    // The float32 copy unscaled alike, for float32_gradient().
+                    if (slot.wire != slot.dtype && unscale_ != 1.0) memory_.scale(slot.float32_table, unscale_);
+                    return;
+                }
                 if (slot.wire == slot.dtype) return memory_.unpack(slot.table, data);
                 // A widened bucket rounded once into the gradients: the finalize pass with nothing to
                 // scale, its measurement left unread.
@@ -2571,25 +2870,16 @@ private:
         }
     }
 
-    // The bucket as the hook sees it: its float32 gradients where they lie when contiguous, else
-    // packed (half ones widened).
-    HookBucket hook_bucket(std::size_t b, std::int64_t step) {
+    HookedBucket hooked_bucket(std::size_t b) const {
+        const auto& slot = slots_[b];
+        return HookedBucket{b, slot.hooked, slot.indices, slot.dtype};
+    }
+    // The bucket's values as the hook sees them: its float32 gradients where they lie when
+    // contiguous, else packed (16-bit ones widened).
+    std::span<float> hook_values(std::size_t b) {
         auto& slot = slots_[b];
         auto* values = static_cast<float*>(slot.view ? slot.view->data : static_cast<void*>(Memory::data(slot.buffer)));
-        const float scale = hook_context_.loss_scale ? hook_context_.loss_scale() : 1.0f;
-        return HookBucket{b, step, std::span<float>(values, slot.count), slot.hooked, scale, slot.dtype};
-    }
-
-    // The collectives of bucket b's hook: the first carries the engine's tag for the bucket, each
-    // further one the next from the front.
-    HookComm hook_comm(std::size_t b, std::optional<CollectiveTag> first) {
-        return HookComm(
-            backend_.rank(), backend_.size(), [this, b, first](std::span<float> values, ReduceOp op) mutable {
-                CollectiveTag tag = first ? *first : hook_context_.next_tag(b, values.size_bytes());
-                first.reset();
-                return HookComm::Pending(
-                    allreduce_async_tagged(backend_, Buffer{values.data(), values.size(), DType::float32}, op, tag));
-            });
+        return {values, slot.count};
     }
 
     void start_hook(std::size_t b, CollectiveTag tag) {
@@ -2599,14 +2889,12 @@ private:
         else if (!slot.view)
             memory_.pack(slot.table, Memory::data(slot.buffer));
         slot.hook_step = tag.step;
-        auto comm = hook_comm(b, tag);
-        slot.pending.emplace(hook_.start(hook_bucket(b, tag.step), comm));
+        slot.pending.emplace(hooks_.start(backend_, hooked_bucket(b), hook_values(b), tag));
     }
 
     // After the hook's collectives of bucket b completed: its finish(), then the finalize pass.
     void finish_hook(std::size_t b) {
-        auto comm = hook_comm(b, std::nullopt);
-        hook_.finish(hook_bucket(b, slots_[b].hook_step), comm);
+        hooks_.finish(backend_, hooked_bucket(b), hook_values(b), slots_[b].hook_step);
         finish(b);
     }
 
@@ -2617,8 +2905,7 @@ private:
 
     BackendT& backend_;
     Memory memory_;
-    Hook hook_;
-    HookContext hook_context_;
+    HookRoute<BackendT, Hook> hooks_;
     std::vector<Slot> slots_;
     bool finalizing_ = false;
     double unscale_ = 1.0;
@@ -2635,133 +2922,6 @@ private:
 // ranks are behind (from their collective counts, where the backend can tell); for a peer that
 // asks, where this rank stands: in backward waiting for which gradients, or in synchronize().
 
-
-// ---- begin gradsync/data_parallel/model_layout.hpp ----
-#ifndef GRADSYNC_SINGLE_DATA_PARALLEL_MODEL_LAYOUT_HPP
-#define GRADSYNC_SINGLE_DATA_PARALLEL_MODEL_LAYOUT_HPP
-// The model as DataParallel sees it: its parameters in registration order without the zero-sized
-// ones (the list bucket plans index into), the model's own index of each, its parameters by name,
-// and its buffers; and where their storage is now, when it moves between steps.
-
-
-#include <cstddef>
-#include <span>
-#include <string>
-#include <string_view>
-#include <unordered_map>
-#include <utility>  // for std::move
-#include <variant>
-#include <vector>
-
-namespace gradsync::inline v0::detail {
-
-struct ModelLayout {
-    static constexpr std::size_t none = static_cast<std::size_t>(-1);  // a zero-sized parameter
-    static constexpr std::size_t ambiguous = none - 1;                 // a name several parameters have
-
-    std::vector<Parameter> params;
-    std::vector<ModelBuffer> buffers;
-    std::vector<std::size_t> param_of_model_index;  // none for zero-sized parameters
-    std::vector<std::size_t> model_index_of_param;
-    std::unordered_map<std::string, std::size_t> by_name;
-
-    template <class Model>
-    static ModelLayout of(Model& model, bool with_buffers) {
-        ModelLayout out;
-        const auto listed = gradsync::parameters(model);
-        for (std::size_t i = 0; i < listed.size(); ++i) {
-            if (listed[i].count == 0) {
-                out.param_of_model_index.push_back(none);
-            } else {
-                out.param_of_model_index.push_back(out.params.size());
-                out.model_index_of_param.push_back(i);
-                out.params.push_back(listed[i]);
-            }
-            auto [it, fresh] = out.by_name.emplace(listed[i].name, out.param_of_model_index.back());
-            if (!fresh) it->second = ambiguous;
-        }
-        if (with_buffers)
-            for (auto& b : gradsync::buffers(model))
-                if (b.count != 0) out.buffers.push_back(std::move(b));
-        return out;
-    }
-
-    // `listed`, the model's parameters now (to follow storage that moves between steps: a
-    // framework that frees gradients and allocates new ones in backward), if there are as many as
-    // at construction; another number is an InvalidModel error, where() begins its message.
-    template <class Where>
-    std::vector<Parameter> checked(std::vector<Parameter> listed, const Where& where) const {
-        if (listed.size() != param_of_model_index.size())
-            throw InvalidModel(where() + ": the model lists " + std::to_string(listed.size()) +
-                               " parameters now and listed " + std::to_string(param_of_model_index.size()) +
-                               " when the DataParallel was made; its parameters cannot change under a "
-                               "DataParallel (make a new one)");
-        for (std::size_t i = 0; i < listed.size(); ++i)  // empty then: never averaged if made now
-            if (param_of_model_index[i] == none && listed[i].count != 0)
-                throw InvalidModel(where() + ": parameter '" + listed[i].name +
-                                   "' had no elements when the DataParallel was made and has " +
-                                   std::to_string(listed[i].count) +
-                                   " now (made at the first forward?), so it would never be averaged; run one "
-                                   "forward before wrapping the model (or make a new DataParallel now, on every "
-                                   "rank)");
-        return listed;
-    }
-
-    // Follows the storage of the parameters `which` to where `listed` says it is now; returns
-    // whether any moved. A parameter that changed name, size or dtype, lost its values or
-    // gradient, or whose values moved, is an InvalidModel error naming it.
-    template <class Where>
-    bool follow(const std::vector<Parameter>& listed, std::span<const std::size_t> which, const Where& where) {
-        bool moved = false;
-        for (auto p : which) {
-            auto& mine = params[p];
-            const auto& now = listed[model_index_of_param[p]];
-            if (now.name != mine.name)  // the names every rank agreed on
-                throw InvalidModel(where() + ": parameter " + std::to_string(model_index_of_param[p]) + " was '" +
-                                   mine.name + "' when the DataParallel was made and is listed as '" + now.name +
-                                   "' now; the parameter list every rank agreed on cannot change under a "
-                                   "DataParallel (make a new one)");
-            if (now.count != mine.count || now.dtype != mine.dtype)
-                throw InvalidModel(where() + ": parameter '" + mine.name + "' was " + std::to_string(mine.count) +
-                                   " x " + std::string(to_string(mine.dtype)) + " and is now " +
-                                   std::to_string(now.count) + " x " + std::string(to_string(now.dtype)) +
-                                   "; its storage may move between steps, but not change size or type");
-            if (now.grad == nullptr || now.data == nullptr)
-                throw InvalidModel(where() + ": parameter '" + mine.name + "' has no " +
-                                   (now.data == nullptr ? "values" : "gradient") +
-                                   " now; a gradient made late (in the first backward) or freed between steps "
-                                   "must exist by the time its bucket is reduced, in synchronize() at the latest");
-            if (now.data != mine.data)  // values another rank cannot know of: a module replaced, say
-                throw InvalidModel(where() + ": the values of parameter '" + mine.name +
-                                   "' lie in other memory now, and may differ from the other ranks' (a module or "
-                                   "tensor replaced on this rank?); parameter values must stay where they are under "
-                                   "a DataParallel (make a new one, on every rank, after replacing them)");
-            if (now.grad == mine.grad) continue;
-            mine.grad = now.grad;
-            moved = true;
-        }
-        return moved;
-    }
-
-    // The parameter at the model's `index` (zero-sized: none), or an error message.
-    [[nodiscard]] std::variant<std::size_t, std::string> at_model_index(std::size_t index) const {
-        if (index < param_of_model_index.size()) return param_of_model_index[index];
-        return "grad_ready(" + std::to_string(index) + ") but the model has " +
-               std::to_string(param_of_model_index.size()) + " parameters";
-    }
-    // The parameter named `name` (zero-sized: none), or an error message.
-    [[nodiscard]] std::variant<std::size_t, std::string> named(std::string_view name) const {
-        auto it = by_name.find(std::string(name));
-        if (it != by_name.end() && it->second != ambiguous) return it->second;
-        return "grad_ready(\"" + std::string(name) + "\"): " +
-               (it == by_name.end() ? "no parameter has this name"
-                                    : "several parameters have this name; use grad_ready(index)");
-    }
-};
-
-}  // namespace gradsync::inline v0::detail
-#endif  // GRADSYNC_SINGLE_DATA_PARALLEL_MODEL_LAYOUT_HPP
-// ---- end gradsync/data_parallel/model_layout.hpp ----
 
 // ---- begin gradsync/data_parallel/readiness.hpp ----
 #ifndef GRADSYNC_SINGLE_DATA_PARALLEL_READINESS_HPP
@@ -6930,6 +7090,13 @@ public:
     [[nodiscard]] float loss_scale() const { return scaler_.scale(); }
     // The communication hook, to read or restore its state (PowerSGD's error feedback).
     [[nodiscard]] comm_hook_type& comm_hook() { return engine_.hook(); }
+    // With a hook, a float16 or bfloat16 parameter's averaged gradient in float32, unscaled and
+    // clipped alike, which its 16-bit gradient was rounded from: for an optimizer with float32
+    // master weights (Megatron's main_grad). Between synchronize() (or step()) and the next backward.
+    [[nodiscard]] std::span<const float> float32_gradient(std::string_view name) const
+        requires(comm_hook_type::hooked) {
+        return engine_.float32_gradient(layout_, name);
+    }
     // The loss scaler, to save or restore its state (DynamicLossScale::state).
     [[nodiscard]] loss_scaler_type& loss_scaler() { return scaler_; }
     // The learning rate step() will pass next (an LR policy is required).

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <span>
 #include <vector>
 
 namespace {
@@ -47,8 +48,8 @@ struct HalfMlp {
         p[0] = &m.gw1, p[1] = &m.gb1, p[2] = &m.gw2, p[3] = &m.gb2;
         return p;
     }
+    static constexpr const char* names[] = {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"};
     std::vector<gradsync::Parameter> parameters() {
-        const char* names[] = {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"};
         std::vector<gradsync::Parameter> out;
         for (int k = 0; k < 4; ++k) out.push_back(gradsync::parameter(names[k], w[k], g[k]));
         return out;
@@ -72,11 +73,16 @@ struct HalfMlp {
             for (std::size_t i = 0; i < g[k].size(); ++i) g[k][i] = T((*cg[k])[i]);
         return loss;
     }
-    // SGD with momentum on the master weights, then rounded into the 16-bit weights.
+    // SGD with momentum on the master weights, then rounded into the 16-bit weights; from the
+    // 16-bit gradients, or from grad(k) (float32 ones).
     void sgd(float lr) {
+        sgd(lr, [&](int k, std::size_t i) { return static_cast<float>(g[k][i]); });
+    }
+    template <class Grad>
+    void sgd(float lr, Grad&& grad) {
         for (int k = 0; k < 4; ++k) {
             for (std::size_t i = 0; i < w[k].size(); ++i) {
-                velocity[k][i] = 0.9f * velocity[k][i] + static_cast<float>(g[k][i]);
+                velocity[k][i] = 0.9f * velocity[k][i] + grad(k, i);
                 master[k][i] -= lr * velocity[k][i];
                 w[k][i] = T(master[k][i]);
             }
@@ -117,7 +123,8 @@ Run train_float32(const std::vector<int>& skip = {}) {
     return run;
 }
 
-// With a communication hook given, the 16-bit gradients are averaged through it in float32.
+// With a communication hook given, the 16-bit gradients are averaged through it in float32, and
+// the optimizer reads the float32 averages (DataParallel::float32_gradient).
 template <class T, class... Hook>
 Run train_mixed(Hook... hook) {
     Run run;
@@ -128,7 +135,15 @@ Run train_mixed(Hook... hook) {
         for (int s = 0; s < steps; ++s) {
             auto first = static_cast<std::size_t>((s * world + b.rank()) * micro_batch);
             float loss = model.forward_backward(mlp::make_batch(data_seed, first, micro_batch), dp.loss_scale());
-            auto report = dp.step([&] { model.sgd(learning_rate); });
+            auto report = dp.step([&] {
+                if constexpr (sizeof...(Hook) == 0) {
+                    model.sgd(learning_rate);
+                } else {
+                    std::span<const float> grads[4];
+                    for (int k = 0; k < 4; ++k) grads[k] = dp.float32_gradient(HalfMlp<T>::names[k]);
+                    model.sgd(learning_rate, [&](int k, std::size_t i) { return grads[k][i]; });
+                }
+            });
             if (b.rank() == 0) {
                 run.losses.push_back(loss);
                 run.skipped += !report.applied;
@@ -166,8 +181,9 @@ TEST_CASE("mixed precision: float16 and bfloat16 with dynamic loss scaling train
 }
 
 TEST_CASE("mixed precision: 16-bit gradients averaged in float32 (AllreduceHook) train like float32 too") {
-    // The hook widens each 16-bit bucket, averages it in float32 and rounds once; a float16
-    // overflow (an infinity in the widened copy) still skips the step on every rank.
+    // The hook widens each 16-bit bucket and averages it in float32; the optimizer reads the
+    // float32 averages. A float16 overflow (an infinity in the widened copy) still skips the step
+    // on every rank.
     const auto reference = train_float32();
     const auto brain = train_mixed<gradsync::bfloat16>(gradsync::AllreduceHook{});
     const auto half = train_mixed<gradsync::float16>(gradsync::AllreduceHook{});

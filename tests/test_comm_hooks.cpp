@@ -294,6 +294,63 @@ TEST_CASE("PowerSGD at full rank equals the plain average, step after step with 
             }
 }
 
+TEST_CASE("float32_gradient: a 16-bit parameter's average in float32, unscaled and clipped like its gradient") {
+    constexpr int world = 3;
+    using testing_support::HalfGradients;
+    // The float32 copy is the exact average to float32's rounding, and the 16-bit gradient is it
+    // rounded; clipping scales both.
+    for (const double clip : {0.0, 1.0}) {
+        CAPTURE(clip);
+        std::vector<std::size_t> off(world), unrounded(world);
+        std::vector<std::string> errors(world);
+        gradsync::spawn(world, [&](gradsync::LocalBackend& backend) {
+            const auto r = static_cast<std::size_t>(backend.rank());
+            HalfGradients model;
+            gradsync::DataParallel dp(model, backend, gradsync::AllreduceHook{},
+                                      gradsync::StaticLossScale{.value = 1024.0f},
+                                      gradsync::Options{.clip_norm = clip});
+            model.fill(backend.rank(), 0, dp.loss_scale());
+            const auto report = dp.step([] {});
+            CHECK(report.clipped == (clip > 0));
+            const double factor = report.clipped ? clip / (report.grad_norm + 1e-6) : 1.0;
+            const auto a = dp.float32_gradient("a");
+            const auto c = dp.float32_gradient("c");
+            REQUIRE(a.size() == HalfGradients::n);
+            off[r] = HalfGradients::not_the_average(a, world, 0, 0, factor) +
+                     HalfGradients::not_the_average(dp.float32_gradient("b"), world, 0, 1, factor) +
+                     HalfGradients::not_the_average(c, world, 0, 2, factor);
+            if (clip == 0)
+                for (std::size_t i = 0; i < HalfGradients::n; ++i)
+                    unrounded[r] +=
+                        !(gradsync::bfloat16(a[i]) == model.ga[i]) + !(gradsync::float16(c[i]) == model.gc[i]);
+            try {
+                (void)dp.float32_gradient("d");
+            } catch (const gradsync::Error& e) {
+                errors[r] = e.what();
+            }
+            CHECK_THROWS_WITH_AS((void)dp.float32_gradient("e"), doctest::Contains("no parameter has this name"),
+                                 gradsync::Error);
+        });
+        for (std::size_t r = 0; r < world; ++r) {
+            CAPTURE(r);
+            CHECK(off[r] == 0);
+            CHECK(unrounded[r] == 0);
+            CHECK(errors[r] ==
+                  "gradsync: float32_gradient(\"d\"): the parameter is float32; only float16 and bfloat16 gradients "
+                  "are averaged in a float32 copy");
+        }
+    }
+    // A world of one: the copy is the local gradient, unscaled.
+    gradsync::spawn(1, [&](gradsync::LocalBackend& backend) {
+        HalfGradients model;
+        gradsync::DataParallel dp(model, backend, gradsync::AllreduceHook{}, gradsync::StaticLossScale{.value = 4.0f});
+        model.fill(0, 5, dp.loss_scale());
+        CHECK(dp.step([] {}).applied);
+        CHECK(HalfGradients::not_the_average(dp.float32_gradient("a"), 1, 5, 0) == 0);
+        CHECK(HalfGradients::not_the_average(dp.float32_gradient("c"), 1, 5, 2) == 0);
+    });
+}
+
 TEST_CASE("PowerSGD on bfloat16 matrices: compressed in float32, at full rank their average to a bfloat16 ulp") {
     constexpr int world = 3;
     using testing_support::HalfGradients;

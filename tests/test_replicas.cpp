@@ -1,6 +1,7 @@
 // Replicas that drift apart are caught: every rank's parameters (and the buffers kept equal) are
 // hashed and compared every Options::check_replicas_every steps and on demand, and a trainer that
-// passes its step number has a skipped iteration caught at that very step.
+// passes its step number, or reports gradients during backward, has a skipped iteration caught at
+// that very step.
 #include <gradsync/gradsync.hpp>
 
 #include <doctest/doctest.h>
@@ -170,6 +171,36 @@ TEST_CASE("step number: a rank that skipped an iteration is caught at that very 
         CHECK(o.what.find("step 3: the ranks are at different steps of the trainer: rank 0 passed step number 2 "
                           "and rank 1 3") != std::string::npos);
     CHECK(weights[0] == weights[1]);  // the mismatched step updated nothing
+}
+
+TEST_CASE("overlapped, a rank that skipped a step() is caught at its next backward without a step number") {
+    // grad_ready reports each gradient of a step once: rank 1 skips step() at iteration 2, so its
+    // backward of iteration 3 reports its parameters a second time in the same step. That is
+    // refused there and the group is aborted: rank 0 fails in its step 2 or 3 (the buckets rank 1
+    // launched in iteration 2 may have completed rank 0's step 2, with gradients of the same
+    // iteration), or as it ends step 1, naming rank 1. No step averages gradients of different
+    // iterations.
+    std::vector<std::uint64_t> done(2);
+    const auto got = run(2, [&](LocalBackend& b, int& s) {
+        Toy m({32, 16}, 1.0f);
+        DataParallel dp(m, b, Options{.check_replicas_every = 0});
+        for (s = 0; s < 5; ++s) {
+            m.fill_grads(b.rank());
+            for (std::size_t p = 2; p-- > 0;) dp.grad_ready(p);  // backward
+            if (s == 2 && b.rank() == 1) continue;
+            dp.step([&] { sgd(m); });
+            done[static_cast<std::size_t>(b.rank())] = dp.steps();
+        }
+    });
+    INFO("rank 0 at " << got[0].step << ": " << got[0].what);
+    CHECK(got[0].step >= 1);  // the abort may reach it as it ends the step before
+    CHECK(got[0].step <= 3);
+    CHECK(got[1].step == 3);
+    CHECK(got[1].what.find("rank 1, step 3: grad_ready for parameter 't1' was called twice in one step") !=
+          std::string::npos);
+    CHECK(got[0].what.find("rank 1") != std::string::npos);
+    CHECK(done[0] <= 3);
+    CHECK(done[1] == 2);
 }
 
 TEST_CASE("an error raised on every rank alike leaves the group usable: realign the replicas and train on") {

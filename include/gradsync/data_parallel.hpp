@@ -163,6 +163,13 @@ public:
     [[nodiscard]] float loss_scale() const { return scaler_.scale(); }
     // The communication hook, to read or restore its state (PowerSGD's error feedback).
     [[nodiscard]] comm_hook_type& comm_hook() { return engine_.hook(); }
+    // With a hook, a float16 or bfloat16 parameter's averaged gradient in float32, unscaled and
+    // clipped alike, which its 16-bit gradient was rounded from: for an optimizer with float32
+    // master weights (Megatron's main_grad). Between synchronize() (or step()) and the next backward.
+    [[nodiscard]] std::span<const float> float32_gradient(std::string_view name) const
+        requires(comm_hook_type::hooked) {
+        return engine_.float32_gradient(layout_, name);
+    }
     // The loss scaler, to save or restore its state (DynamicLossScale::state).
     [[nodiscard]] loss_scaler_type& loss_scaler() { return scaler_; }
     // The learning rate step() will pass next (an LR policy is required).

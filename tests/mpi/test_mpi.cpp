@@ -710,6 +710,8 @@ TEST_CASE(
         hooked_dp.synchronize();
         plain_dp.synchronize();
         CHECK(hooked.not_rounded_once(world_size(), s) == 0);
+        CHECK(testing_support::HalfGradients::not_the_average(hooked_dp.float32_gradient("a"), world_size(), s, 0) ==
+              0);
         // Two ranks add once: nothing to round between. From three on, the 16-bit sum's own
         // rounding shows.
         if (world_size() >= 3) CHECK(plain.bfloat16_not_rounded_once(world_size(), s) > 0);

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -90,6 +91,19 @@ struct HalfGradients {
             const double g = static_cast<double>(static_cast<float>(got[i]));
             const double ulp = exact == 0 ? 0x1p-30 : std::ldexp(1.0, std::ilogb(exact) - (bits - 1));
             off += std::fabs(g - exact) > ulp;
+        }
+        return off;
+    }
+    // Of a float32 copy of tensor `tensor`, the elements that are not `factor` times the average
+    // over `world` ranks of fill(r, step) (to float32's rounding).
+    static std::size_t not_the_average(std::span<const float> got, int world, int step, int tensor,
+                                       double factor = 1.0) {
+        std::size_t off = 0;
+        for (std::size_t i = 0; i < got.size(); ++i) {
+            double exact = 0;
+            for (int r = 0; r < world; ++r) exact += value(r, step, tensor, i);
+            exact = exact / world * factor;
+            off += std::fabs(static_cast<double>(got[i]) - exact) > std::fabs(exact) * 0x1p-20;
         }
         return off;
     }

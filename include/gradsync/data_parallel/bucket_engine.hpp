@@ -6,13 +6,17 @@
 // hook is done. The engine launches a bucket's collective (during backward) or runs it now (at
 // synchronize()), waits for the launched ones by a deadline (or, on the device, makes the trainer's
 // stream wait), and then runs the finalize pass over the bucket through the memory policy: unpack,
-// unscale, measure.
+// unscale, measure. Each bucket's state is a BucketSlot (bucket_slot.hpp); a hook runs through
+// the HookRoute (hook_route.hpp).
 #pragma once
 
 #include <gradsync/backend/concepts.hpp>
 #include <gradsync/bucket/plan.hpp>
 #include <gradsync/buffer.hpp>
 #include <gradsync/bytes.hpp>
+#include <gradsync/data_parallel/bucket_slot.hpp>
+#include <gradsync/data_parallel/hook_route.hpp>
+#include <gradsync/data_parallel/model_layout.hpp>
 #include <gradsync/detail/log.hpp>
 #include <gradsync/dtype.hpp>
 #include <gradsync/error.hpp>
@@ -28,29 +32,11 @@
 #include <optional>
 #include <span>
 #include <string>
-#include <utility>  // for std::declval
+#include <string_view>
+#include <utility>  // for std::declval, std::pair
 #include <vector>
 
 namespace gradsync::inline v0::detail {
-
-// The first k whose segment does not start where segment k - 1 ends; 0 when they all follow each
-// other in memory.
-inline std::size_t first_gap(std::span<const Segment> segs, DType t) {
-    const std::size_t elem = size_of(t);
-    for (std::size_t k = 1; k < segs.size(); ++k)
-        if (static_cast<const std::byte*>(segs[k - 1].data) + segs[k - 1].count * elem != segs[k].data) return k;
-    return 0;
-}
-
-// How a bucket travels.
-enum class Route : std::uint8_t { in_place, view, packed, compressed, hook };
-
-// What a communication hook's buckets need from the front: the tag of each further collective
-// of bucket b (of `bytes` bytes), and the loss scale the gradients carry.
-struct HookContext {
-    std::function<CollectiveTag(std::size_t b, std::uint64_t bytes)> next_tag;
-    std::function<float()> loss_scale;
-};
 
 template <Backend BackendT, MemoryPolicy Memory, DType Wire, bool InPlace, class Hook = NoCommHook>
 class BucketEngine {
@@ -68,30 +54,12 @@ class BucketEngine {
 public:
     using handle_type = decltype(async_of(std::declval<BackendT&>()));
 
-    // One bucket's storage and the state of its collective in the current step.
-    struct Slot {
-        std::vector<Segment> segments;     // its gradients, by parameter index
-        std::vector<std::size_t> indices;  // their parameters
-        std::optional<Segment> view;       // set when they lie contiguously
-        Route route = Route::in_place;
-        DType dtype = DType::float32;      // the gradients'
-        DType wire = DType::float32;       // what the collective moves
-        std::size_t count = 0;             // elements
-        typename Memory::Table table;      // the segments, as the memory policy's passes take them
-        bool measured = false;             // finalized this step: its result slot is current
-        typename Memory::Storage buffer;   // packed or compressed, world > 1
-        typename Memory::Storage widened;  // a float32 copy, made once when a compressed sum overflowed
-        std::optional<handle_type> handle;
-        std::optional<HookComm::Pending> pending;  // the hook's collectives in flight
-        std::vector<HookParameter> hooked;         // the parameters, as the hook sees them
-        std::int64_t hook_step = 0;                // the step the hook started in
-        clock::time_point launched_at, finished_at;
-    };
+    using Slot = BucketSlot<Memory, handle_type>;
 
     BucketEngine(BackendT& backend, Memory memory, Hook hook = {})
-        : backend_(backend), memory_(std::move(memory)), hook_(std::move(hook)) {}
+        : backend_(backend), memory_(std::move(memory)), hooks_(std::move(hook)) {}
 
-    void connect_hook(HookContext context) { hook_context_ = std::move(context); }
+    void connect_hook(HookContext context) { hooks_.connect(std::move(context)); }
 
     // (Re)builds every bucket's state from the plan; between steps.
     void setup(const BucketPlan& plan, std::span<const Parameter> params) {
@@ -99,9 +67,12 @@ public:
         slots_.resize(plan.buckets.size());
         for (std::size_t b = 0; b < slots_.size(); ++b) build(slots_[b], plan.buckets[b], params);
         memory_.prepare_results(slots_.size());
-        if constexpr (requires { hook_.prepare(std::span<const HookParameter>{}); })
-            for (const auto& slot : slots_)
-                if (slot.route == Route::hook) hook_.prepare(slot.hooked);
+        if constexpr (Hook::hooked) {
+            std::vector<HookedBucket> hooked;
+            for (std::size_t b = 0; b < slots_.size(); ++b)
+                if (slots_[b].route == Route::hook) hooked.push_back(hooked_bucket(b));
+            hooks_.plan(hooked, params.size());
+        }
     }
 
     // Bucket b's gradients moved (a framework that allocates new ones each step): its segments,
@@ -191,6 +162,10 @@ public:
     // Unscales and measures bucket b's gradients where they lie (a world of one has nothing to
     // reduce, but a step still needs its norm).
     void finalize_in_place(std::size_t b) {
+        // A world of one: a hook's float32 copy is the local gradient, unscaled alike.
+        if (hook_widens(slots_[b]))
+            memory_.compress(slots_[b].table, Memory::data(slots_[b].buffer), DType::float32,
+                             finalizing_ ? unscale_ : 1.0);
         if (!finalizing_) return;
         memory_.finalize(slots_[b].table, nullptr, slots_[b].dtype, unscale_, b);
         slots_[b].measured = true;
@@ -222,7 +197,18 @@ public:
 
     // Scales every gradient by `factor` (clipping's second pass).
     void scale_all(double factor) {
-        for (const auto& slot : slots_) memory_.scale(slot.table, factor);
+        for (const auto& slot : slots_) {
+            memory_.scale(slot.table, factor);
+            if (hook_widens(slot)) memory_.scale(slot.float32_table, factor);
+        }
+    }
+
+    // Parameter `name`'s averaged gradient in float32, where its bucket went through the hook
+    // widened: the copy the model's 16-bit gradient was rounded from. Empty for a zero-sized one.
+    [[nodiscard]] std::span<const float> float32_gradient(const ModelLayout& layout, std::string_view name) const {
+        return hooks_.float32_gradient(layout, name, [this](std::size_t b) {
+            return reinterpret_cast<const float*>(Memory::data(slots_[b].buffer));
+        });
     }
 
     [[nodiscard]] bool in_flight() const {
@@ -253,8 +239,8 @@ public:
     [[nodiscard]] std::span<const Slot> slots() const { return slots_; }
     [[nodiscard]] Memory& memory() { return memory_; }
     [[nodiscard]] const Memory& memory() const { return memory_; }
-    [[nodiscard]] Hook& hook() { return hook_; }
-    [[nodiscard]] const Hook& hook() const { return hook_; }
+    [[nodiscard]] Hook& hook() { return hooks_.hook(); }
+    [[nodiscard]] const Hook& hook() const { return hooks_.hook(); }
 
     // Buckets whose gradients already lie contiguously in memory, reduced without a copy.
     [[nodiscard]] std::size_t view_buckets() const {
@@ -304,8 +290,18 @@ private:
         slot.table = memory_.table(slot.segments, bucket.dtype);
         const bool needs_buffer =
             slot.route == Route::packed || slot.route == Route::compressed || (slot.route == Route::hook && !slot.view);
-        if (needs_buffer && backend_.size() > 1 && slot.buffer.size() == 0)
+        // A hook's float32 copy is kept in a world of one too: float32_gradient() reads it.
+        if (needs_buffer && (backend_.size() > 1 || hook_widens(slot)) && slot.buffer.size() == 0)
             slot.buffer = memory_.allocate(Bytes{bucket.count * size_of(slot.wire)});
+        if (hook_widens(slot)) {
+            const Segment whole{Memory::data(slot.buffer), slot.count};
+            slot.float32_table = memory_.table(std::span<const Segment>(&whole, 1), DType::float32);
+        }
+    }
+
+    // A hook's 16-bit bucket, widened into a float32 copy.
+    [[nodiscard]] static bool hook_widens(const Slot& slot) {
+        return slot.route == Route::hook && slot.wire != slot.dtype;
     }
 
     // The bucket's gradients where they lie: one segment when they are a view.
@@ -347,7 +343,12 @@ private:
             case Route::compressed: return finalize_from(b, data, slot.wire);
             case Route::hook:
                 if (slot.view) return finalize_in_place(b);
-                if (finalizing_) return finalize_from(b, data, slot.wire);
+                if (finalizing_) {
+                    finalize_from(b, data, slot.wire);
+                    // The float32 copy unscaled alike, for float32_gradient().
+                    if (slot.wire != slot.dtype && unscale_ != 1.0) memory_.scale(slot.float32_table, unscale_);
+                    return;
+                }
                 if (slot.wire == slot.dtype) return memory_.unpack(slot.table, data);
                 // A widened bucket rounded once into the gradients: the finalize pass with nothing to
                 // scale, its measurement left unread.
@@ -355,25 +356,16 @@ private:
         }
     }
 
-    // The bucket as the hook sees it: its float32 gradients where they lie when contiguous, else
-    // packed (half ones widened).
-    HookBucket hook_bucket(std::size_t b, std::int64_t step) {
+    HookedBucket hooked_bucket(std::size_t b) const {
+        const auto& slot = slots_[b];
+        return HookedBucket{b, slot.hooked, slot.indices, slot.dtype};
+    }
+    // The bucket's values as the hook sees them: its float32 gradients where they lie when
+    // contiguous, else packed (16-bit ones widened).
+    std::span<float> hook_values(std::size_t b) {
         auto& slot = slots_[b];
         auto* values = static_cast<float*>(slot.view ? slot.view->data : static_cast<void*>(Memory::data(slot.buffer)));
-        const float scale = hook_context_.loss_scale ? hook_context_.loss_scale() : 1.0f;
-        return HookBucket{b, step, std::span<float>(values, slot.count), slot.hooked, scale, slot.dtype};
-    }
-
-    // The collectives of bucket b's hook: the first carries the engine's tag for the bucket, each
-    // further one the next from the front.
-    HookComm hook_comm(std::size_t b, std::optional<CollectiveTag> first) {
-        return HookComm(
-            backend_.rank(), backend_.size(), [this, b, first](std::span<float> values, ReduceOp op) mutable {
-                CollectiveTag tag = first ? *first : hook_context_.next_tag(b, values.size_bytes());
-                first.reset();
-                return HookComm::Pending(
-                    allreduce_async_tagged(backend_, Buffer{values.data(), values.size(), DType::float32}, op, tag));
-            });
+        return {values, slot.count};
     }
 
     void start_hook(std::size_t b, CollectiveTag tag) {
@@ -383,14 +375,12 @@ private:
         else if (!slot.view)
             memory_.pack(slot.table, Memory::data(slot.buffer));
         slot.hook_step = tag.step;
-        auto comm = hook_comm(b, tag);
-        slot.pending.emplace(hook_.start(hook_bucket(b, tag.step), comm));
+        slot.pending.emplace(hooks_.start(backend_, hooked_bucket(b), hook_values(b), tag));
     }
 
     // After the hook's collectives of bucket b completed: its finish(), then the finalize pass.
     void finish_hook(std::size_t b) {
-        auto comm = hook_comm(b, std::nullopt);
-        hook_.finish(hook_bucket(b, slots_[b].hook_step), comm);
+        hooks_.finish(backend_, hooked_bucket(b), hook_values(b), slots_[b].hook_step);
         finish(b);
     }
 
@@ -401,8 +391,7 @@ private:
 
     BackendT& backend_;
     Memory memory_;
-    Hook hook_;
-    HookContext hook_context_;
+    HookRoute<BackendT, Hook> hooks_;
     std::vector<Slot> slots_;
     bool finalizing_ = false;
     double unscale_ = 1.0;
