@@ -355,7 +355,7 @@ TEST_CASE("PowerSGD on bfloat16 matrices: compressed in float32, at full rank th
     constexpr int world = 3;
     using testing_support::HalfGradients;
     std::vector<std::size_t> off(world);
-    std::vector<bool> compressed(world);
+    std::vector<char> compressed(world);  // written by every rank's thread: not vector<bool>
     gradsync::spawn(world, [&](gradsync::LocalBackend& backend) {
         const auto r = static_cast<std::size_t>(backend.rank());
         HalfGradients model;

@@ -185,7 +185,10 @@ TEST_CASE("overlapped, a rank that skipped a step() is caught at its next backwa
         Toy m({32, 16}, 1.0f);
         DataParallel dp(m, b, Options{.check_replicas_every = 0});
         for (s = 0; s < 5; ++s) {
-            m.fill_grads(b.rank());
+            // Rank 1's backward of iteration 3 leaves its gradients alone: the collectives launched
+            // in iteration 2 may still read them (a race of the trainer's own making, which
+            // ThreadSanitizer would report).
+            if (!(s == 3 && b.rank() == 1)) m.fill_grads(b.rank());
             for (std::size_t p = 2; p-- > 0;) dp.grad_ready(p);  // backward
             if (s == 2 && b.rank() == 1) continue;
             dp.step([&] { sgd(m); });
