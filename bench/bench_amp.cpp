@@ -1,7 +1,8 @@
 // Mixed precision. The fused finalize pass (unscale, non-finite check, sum of squares) on one
 // rank's gradients, beside memcpy of the same bytes and the unfused sequence of passes every peer
 // runs (average, unscale, check, norm), interleaved in every iteration. And synchronize() on the
-// ResNet-50 layout with float16 and bfloat16 on the wire against float32.
+// ResNet-50 layout with float16 and bfloat16 on the wire against float32, and of the layout in
+// bfloat16 averaged in bfloat16 and in float32.
 #include <gradsync/gradsync.hpp>
 
 #include <benchmark/benchmark.h>
@@ -121,12 +122,59 @@ void compression(benchmark::State& state) {
     state.counters["bf16_ms"] = bench::median(samples[bf16]) * 1e3;
 }
 
+// synchronize() on 2 ranks of the ResNet-50 layout held in bfloat16: averaged in bfloat16 (in
+// place) and averaged in float32 through AllreduceHook (widened into a float32 copy, rounded back),
+// beside the layout in float32 averaged in place, which moves the bytes the float32 average
+// moves. In rotating order within every iteration.
+void float32_reduction(benchmark::State& state) {
+    const auto tensors = layouts::resnet50();
+    enum { bf16, bf16_in_float32, float32, kinds };
+    std::vector<double> samples[kinds];
+    bench::time_on_two_ranks(state, [&](gradsync::LocalBackend& b) {
+        using Brain = bench::BasicLayoutModel<gradsync::bfloat16>;
+        struct Replicas {
+            Replicas(const std::vector<layouts::Tensor>& t, gradsync::LocalBackend& b)
+                : m0(t), m1(t), m2(t), plain(m0, b), hooked(m1, b), wide(m2, b) {}
+            Brain m0, m1;
+            bench::LayoutModel m2;
+            gradsync::DataParallel<Brain, gradsync::LocalBackend> plain;
+            gradsync::DataParallel<Brain, gradsync::LocalBackend, gradsync::AllreduceHook> hooked;
+            gradsync::DataParallel<bench::LayoutModel, gradsync::LocalBackend> wide;
+        };
+        auto r = std::make_shared<Replicas>(tensors, b);
+        const bool timer = b.rank() == 0;
+        return [&, r, timer, iteration = 0]() mutable {
+            for (int k = 0; k < kinds; ++k) {
+                const int kind = (k + iteration) % kinds;
+                auto t0 = clock_type::now();
+                switch (kind) {
+                    case bf16: r->plain.synchronize(); break;
+                    case bf16_in_float32: r->hooked.synchronize(); break;
+                    case float32: r->wide.synchronize(); break;
+                }
+                if (timer && iteration > 0) samples[kind].push_back(seconds(t0, clock_type::now()));
+            }
+            if (timer && iteration > 0) state.SetIterationTime(samples[bf16_in_float32].back());
+            ++iteration;
+        };
+    });
+    state.counters["bf16_ms"] = bench::median(samples[bf16]) * 1e3;
+    state.counters["bf16_in_float32_ms"] = bench::median(samples[bf16_in_float32]) * 1e3;
+    state.counters["float32_ms"] = bench::median(samples[float32]) * 1e3;
+}
+
 }  // namespace
 
 namespace bench {
 
 void register_amp() {
     benchmark::RegisterBenchmark("finalize/64MiB", finalize_pass)
+        ->UseManualTime()
+        ->Repetitions(bench::repetitions_of(repetitions))
+        ->ReportAggregatesOnly(true)
+        ->MinTime(bench::min_seconds_of(min_seconds))
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark("float32_reduction/resnet50", float32_reduction)
         ->UseManualTime()
         ->Repetitions(bench::repetitions_of(repetitions))
         ->ReportAggregatesOnly(true)

@@ -11,12 +11,14 @@
 
 namespace bench {
 
-class LayoutModel {
+// T: the dtype of values and gradients (float, or gradsync::bfloat16 for a mixed-precision model).
+template <class T>
+class BasicLayoutModel {
 public:
-    explicit LayoutModel(const std::vector<layouts::Tensor>& tensors) : tensors_(tensors) {
+    explicit BasicLayoutModel(const std::vector<layouts::Tensor>& tensors) : tensors_(tensors) {
         for (const auto& t : tensors) {
-            values_.emplace_back(t.count, 0.5f);
-            grads_.emplace_back(t.count, 1.0f);
+            values_.emplace_back(t.count, T(0.5f));
+            grads_.emplace_back(t.count, T(1.0f));
         }
     }
     std::vector<gradsync::Parameter> parameters() {
@@ -26,12 +28,13 @@ public:
         return out;
     }
     // The gradient tensors, e.g. for a reference that reduces the very same memory.
-    std::vector<std::vector<float>>& gradients() { return grads_; }
+    std::vector<std::vector<T>>& gradients() { return grads_; }
 
 private:
     std::vector<layouts::Tensor> tensors_;
-    std::vector<std::vector<float>> values_, grads_;
+    std::vector<std::vector<T>> values_, grads_;
 };
+using LayoutModel = BasicLayoutModel<float>;
 
 class BlobModel {
 public:
