@@ -223,11 +223,11 @@ void released_gradients(benchmark::State& state, std::vector<layouts::Tensor> (*
     std::vector<double> kept_s, released_s, ratios;
     double peak_kept = 0, peak_released = 0;
     constexpr float lr = 1e-6f;
-    using Sharded = gradsync::ShardedDataParallel<MakingModel, gradsync::LocalBackend>;
+    using Sharded = gradsync::ShardedDataParallel<MakingModel, gradsync::LocalBackend, gradsync::ShardedOptions>;
     bench::time_on_two_ranks(state, [&](gradsync::LocalBackend& b) {
         struct Replicas {
             Replicas(const std::vector<layouts::Tensor>& t, gradsync::LocalBackend& b)
-                : keeping(t), releasing(t), stage1(keeping, b), stage2(releasing, b, {}, {.release_gradients = true}) {}
+                : keeping(t), releasing(t), stage1(keeping, b), stage2(releasing, b, {.release_gradients = true}) {}
             MakingModel keeping, releasing;
             Sharded stage1, stage2;
         };

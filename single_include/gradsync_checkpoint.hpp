@@ -1375,7 +1375,7 @@ private:
 // ---- begin gradsync/detail/policy.hpp ----
 #ifndef GRADSYNC_SINGLE_DETAIL_POLICY_HPP
 #define GRADSYNC_SINGLE_DETAIL_POLICY_HPP
-// Policy categories and the selection of one policy per category from DataParallel's pack, in
+// Policy categories and the selection of one policy per category from a front's pack, in
 // any order, each defaulted; two of one category, or a type that is no policy, is a clear error.
 
 
@@ -1406,7 +1406,7 @@ struct no_policy {};
 template <class A, class B>
 struct two_policies_of_one_category {
     static_assert(dependent_false<A, B>,
-                  "gradsync: two policies of the same category were given to DataParallel "
+                  "gradsync: two policies of the same category were given to DataParallel or ShardedDataParallel "
                   "(both are named in the instantiation note of two_policies_of_one_category); "
                   "keep one");
     using type = A;
@@ -1459,8 +1459,8 @@ struct find_policy<Category, Found, P, Rest...>
 template <class P>
 constexpr bool check_policy() {
     static_assert(is_policy<P>,
-                  "gradsync: a DataParallel template argument after Model and Backend is not a "
-                  "policy (it has no `policy_category` member type); see detail/policy.hpp");
+                  "gradsync: a DataParallel or ShardedDataParallel template argument after Model and "
+                  "Backend is not a policy (it has no `policy_category` member type); see detail/policy.hpp");
     if constexpr (is_policy<P>)
         static_assert(std::is_same_v<typename P::policy_category, policy_category::options> || has_settings<P>,
                       "gradsync: a policy needs `std::string settings() const`: the text every rank must agree on "
@@ -1717,6 +1717,7 @@ constexpr bool check_model_access() {
 #endif  // GRADSYNC_SINGLE_MODEL_MODEL_HPP
 // ---- end gradsync/model/model.hpp ----
 
+#include <concepts>  // for std::convertible_to
 #include <cstddef>
 #include <ranges>
 #include <span>
@@ -1822,6 +1823,20 @@ struct IgnoreBuffers {
     [[nodiscard]] std::string settings() const { return "ignored"; }
     static constexpr BufferSync mode = BufferSync::ignore;
 };
+
+namespace detail {
+
+template <class P>
+constexpr bool check_buffer_policy() {
+    static_assert(
+        requires {
+            { P::mode } -> std::convertible_to<BufferSync>;
+        },
+        "gradsync: a buffer policy needs `static constexpr gradsync::BufferSync mode`");
+    return true;
+}
+
+}  // namespace detail
 
 }  // namespace gradsync::inline v0
 #endif  // GRADSYNC_SINGLE_MODEL_BUFFERS_HPP
@@ -4145,7 +4160,8 @@ inline std::string describe_settings_difference(int a, const std::vector<Setting
         break;
     }
     return "gradsync: the ranks' settings differ: " + what +
-           ". Every rank must construct its DataParallel with the same policies and the same Options";
+           ". Every rank must construct its DataParallel or ShardedDataParallel with the same policies and the same "
+           "options";
 }
 
 inline void put(std::vector<std::byte>& out, const void* p, std::size_t n) {
@@ -5924,16 +5940,6 @@ struct InPlaceBuckets {
 namespace gradsync::inline v0::detail {
 
 template <class P>
-constexpr bool check_buffer_policy() {
-    static_assert(
-        requires {
-            { P::mode } -> std::convertible_to<BufferSync>;
-        },
-        "gradsync: a buffer policy needs `static constexpr gradsync::BufferSync mode`");
-    return true;
-}
-
-template <class P>
 constexpr bool check_packing_policy() {
     static_assert(
         requires {
@@ -7383,8 +7389,9 @@ private:
 // ends bitwise where DataParallel's would.
 //
 // With grad_ready calls during backward, each bucket's reduce_scatter starts as soon as its
-// gradients are final, in plan order. A loss scaler (third template argument) is unscaled in the
-// norm pass. Model buffers are kept as ShardedOptions::buffers says. With
+// gradients are final, in plan order. Policies come as DataParallel's do, in any order, each
+// optional (data_parallel/sharded_policies.hpp): a bucketer, a loss scaler (unscaled in the norm
+// pass), a buffer policy for the model's buffers, and ShardedOptions. With
 // ShardedOptions::release_gradients (stage 2), each bucket's share of this rank is copied out once
 // reduced and the model releases the bucket's gradients. This version: float32 parameters in host
 // memory (a backend whose collectives take device memory is refused), no wire compression.
@@ -7636,21 +7643,20 @@ inline void clip_shards(std::span<const std::span<float>> grads, double norm, do
 // ---- begin gradsync/data_parallel/sharded_options.hpp ----
 #ifndef GRADSYNC_SINGLE_DATA_PARALLEL_SHARDED_OPTIONS_HPP
 #define GRADSYNC_SINGLE_DATA_PARALLEL_SHARDED_OPTIONS_HPP
-// ShardedOptions: the run-time settings of ShardedDataParallel, and how its buffer setting reads
-// in the settings every rank agrees on.
+// ShardedOptions: the run-time settings of a ShardedDataParallel, passed like a policy (in any
+// position after the backend), e.g.
+// ShardedDataParallel sdp(model, backend, gradsync::ShardedOptions{.release_gradients = true}).
 
 
 #include <chrono>
-#include <string>
 
 namespace gradsync::inline v0 {
 
 struct ShardedOptions {
+    using policy_category = policy_category::options;
+
     // Above 0: gradients whose global L2 norm exceeds it are scaled down to it before the optimizer.
     double clip_norm = 0;
-    // The model's buffers (batch-norm statistics), as DataParallel's buffer policies keep them:
-    // rank 0's copied at construction and at every step (the default), averaged, or left alone.
-    BufferSync buffers = BufferSync::broadcast_every_step;
     // Stage 2: once a bucket is reduce-scattered (during backward with grad_ready), this rank's
     // share of its averaged gradients is copied into memory of the wrapper's (state_elements()
     // floats) and the model is told to release the bucket's gradients
@@ -7672,22 +7678,117 @@ struct ShardedOptions {
     std::chrono::milliseconds timeout = std::chrono::seconds(600);
 };
 
-namespace detail {
-
-inline std::string buffer_sync_name(BufferSync mode) {
-    switch (mode) {
-        case BufferSync::broadcast_every_step: return "broadcast every step";
-        case BufferSync::broadcast_once: return "broadcast once";
-        case BufferSync::average_every_step: return "average every step";
-        case BufferSync::ignore: return "ignore";
-    }
-    return "unknown (" + std::to_string(int(mode)) + ")";
-}
-
-}  // namespace detail
 }  // namespace gradsync::inline v0
 #endif  // GRADSYNC_SINGLE_DATA_PARALLEL_SHARDED_OPTIONS_HPP
 // ---- end gradsync/data_parallel/sharded_options.hpp ----
+
+// ---- begin gradsync/data_parallel/sharded_policies.hpp ----
+#ifndef GRADSYNC_SINGLE_DATA_PARALLEL_SHARDED_POLICIES_HPP
+#define GRADSYNC_SINGLE_DATA_PARALLEL_SHARDED_POLICIES_HPP
+// The policies of one ShardedDataParallel, with DataParallel's grammar: one of each kind it takes
+// (bucketer, loss scaler, buffer policy, ShardedOptions) picked from its template arguments, in
+// any order, each defaulted and checked against its kind's concept; a policy of a kind it does not
+// take is a clear error, not ignored.
+
+
+#include <tuple>
+#include <type_traits>
+
+namespace gradsync::inline v0::detail {
+
+template <class P>
+constexpr bool takes_sharded_category() {
+    using C = typename category_of<P>::type;
+    return std::is_same_v<C, policy_category::bucketer> || std::is_same_v<C, policy_category::loss_scaler> ||
+           std::is_same_v<C, policy_category::buffers> || std::is_same_v<C, policy_category::options>;
+}
+
+template <class P>
+constexpr bool check_sharded_policy() {
+    if constexpr (is_policy<P>) {
+        static_assert(takes_sharded_category<P>(),
+                      "gradsync: ShardedDataParallel takes a bucketer, a loss scaler, a buffer policy and "
+                      "gradsync::ShardedOptions; this policy's kind (packing, memory, compression, LR rule or "
+                      "communication hook) is DataParallel's only");
+        static_assert(!std::is_same_v<P, Options>,
+                      "gradsync: ShardedDataParallel's run-time settings are gradsync::ShardedOptions, not "
+                      "gradsync::Options");
+    }
+    return true;
+}
+
+template <class... Policies>
+struct ShardedPolicySet {
+    static_assert((check_policy<Policies>() && ...));
+    static_assert((check_sharded_policy<Policies>() && ...));
+
+    using bucketer = select_policy<policy_category::bucketer, SizeCappedBuckets, Policies...>;
+    using loss_scaler = select_policy<policy_category::loss_scaler, NoLossScaling, Policies...>;
+    using buffers = select_policy<policy_category::buffers, BroadcastBuffers, Policies...>;
+    using options = select_policy<policy_category::options, ShardedOptions, Policies...>;
+    static_assert(check_bucketer<bucketer>() && check_loss_scaler<loss_scaler>() && check_buffer_policy<buffers>());
+
+    // The value of the policy of type P among those given, or a default one.
+    template <class P>
+    static P value(const std::tuple<Policies...>& given) {
+        return policy_value<P>(given);
+    }
+};
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_DATA_PARALLEL_SHARDED_POLICIES_HPP
+// ---- end gradsync/data_parallel/sharded_policies.hpp ----
+
+// ---- begin gradsync/data_parallel/sharded_setup.hpp ----
+#ifndef GRADSYNC_SINGLE_DATA_PARALLEL_SHARDED_SETUP_HPP
+#define GRADSYNC_SINGLE_DATA_PARALLEL_SHARDED_SETUP_HPP
+// What a ShardedDataParallel checks of its own set-up before the ranks agree, and the settings
+// they agree on: the same problem wording and agreement as DataParallel's (setup_checks.hpp).
+
+
+#include <string>
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+// `in_place`: the backend reduces shards where they lie; `releasable`: the model can release
+// gradients (stage 2 needs both).
+template <class Bucketer, class Scaler>
+SetupProblems sharded_setup_problems(int rank, const ModelLayout& layout, const ShardedOptions& options,
+                                     const Bucketer& bucketer, const Scaler& scaler, bool in_place, bool releasable) {
+    SetupProblems problems(rank);
+    for (const auto& p : layout.params)
+        if (p.dtype != DType::float32)
+            problems.configuration("ShardedDataParallel steps float32 parameters only; '" + p.name + "' is " +
+                                   to_string(p.dtype));
+    problems.model(no_parameters_problem(layout.params, layout.param_of_model_index.size()));
+    if (!(options.clip_norm >= 0))
+        problems.configuration("ShardedOptions::clip_norm must be at least 0, got " + exact_text(options.clip_norm));
+    problems.configuration(invalid_of(bucketer));
+    problems.configuration(invalid_of(scaler));
+    if (options.release_gradients && !(in_place && releasable))
+        problems.configuration(std::string("ShardedOptions::release_gradients needs ") +
+                               (in_place ? "a model that can release gradients: give it a member "
+                                           "release_gradients(std::span<const std::size_t>), or see docs/sharding.md"
+                                         : "a backend that reduces gradients where they lie "
+                                           "(ScatteredShardedCollectives: LocalBackend, MpiBackend)"));
+    return problems;
+}
+
+template <class Bucketer, class Scaler, class Buffers>
+std::vector<Setting> sharded_settings(const ShardedOptions& options, const Bucketer& bucketer, const Scaler& scaler,
+                                      const Buffers& buffers) {
+    return {{"bucketer", settings_of(bucketer)},
+            {"buffer policy", settings_of(buffers)},
+            {"loss scaler", settings_of(scaler)},
+            {"ShardedOptions::release_gradients", options.release_gradients ? "true" : "false"},
+            {"ShardedOptions::clip_norm", exact_text(options.clip_norm)},
+            {"ShardedOptions::check_histories", options.check_histories ? "true" : "false"}};
+}
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_DATA_PARALLEL_SHARDED_SETUP_HPP
+// ---- end gradsync/data_parallel/sharded_setup.hpp ----
 
 // ---- begin gradsync/model/gradient_release.hpp ----
 #ifndef GRADSYNC_SINGLE_MODEL_GRADIENT_RELEASE_HPP
@@ -7761,71 +7862,38 @@ concept ReleasableGradients =
 #include <span>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <type_traits>  // for std::is_invocable_v
 #include <variant>
 #include <vector>
 
 namespace gradsync::inline v0 {
 
-template <class Model, class BackendT, class Scaler = NoLossScaling>
+template <class Model, class BackendT, class... Policies>
 class ShardedDataParallel {
     static_assert(detail::check_backend<BackendT>());
-    static_assert(detail::check_sharded_collectives<BackendT>());
-    static_assert(!DeviceBackend<BackendT>,
-                  "gradsync: ShardedDataParallel keeps parameters, gradients and optimizer shards in host memory, "
-                  "and this backend's collectives take device memory (NcclBackend, CudaLocalBackend): for gradients "
-                  "on the GPU use DataParallel with gradsync::CudaMemory{stream}");
+    using Set = detail::ShardedPolicySet<Policies...>;
 
 public:
-    // Lists the model's parameters, checks them and agrees on the layout and the plan with every
-    // rank (the same exception on every rank otherwise), and copies rank 0's parameter values to
-    // every rank. Model and backend must outlive this.
+    using bucketer_type = typename Set::bucketer;
+    using loss_scaler_type = typename Set::loss_scaler;
+    using buffers_type = typename Set::buffers;
+
+    // Lists the model's parameters, checks them and agrees on the layout, the plan and every
+    // setting with every rank (the same exception on every rank otherwise), and copies rank 0's
+    // parameter values to every rank. Model and backend must outlive this.
     // With a loss scaler (StaticLossScale, DynamicLossScale), multiply the loss by loss_scale()
     // before backward: step() unscales and skips overflowing steps, as DataParallel does.
-    ShardedDataParallel(Model& model, BackendT& backend, SizeCappedBuckets bucketer = {}, ShardedOptions options = {},
-                        Scaler scaler = {})
-        : model_(model), backend_(backend), options_(options), scaler_(scaler) {
-        static_assert(detail::check_model_access<Model>());
-        layout_ = detail::ModelLayout::of(model_, /*with_buffers=*/true);
-        detail::LocalProblem problem;
-        for (const auto& p : layout_.params)
-            if (p.dtype != DType::float32 && problem.kind == detail::LocalProblem::Kind::none)
-                problem = {detail::LocalProblem::Kind::configuration,
-                           detail::rank_prefix(rank()) + ": ShardedDataParallel steps float32 parameters only; '" +
-                               p.name + "' is " + to_string(p.dtype)};
-        if (const auto why = detail::no_parameters_problem(layout_.params, layout_.param_of_model_index.size());
-            !why.empty())
-            problem = {detail::LocalProblem::Kind::model, detail::rank_prefix(rank()) + ": " + why};
-        if (!(options_.clip_norm >= 0))
-            problem = {detail::LocalProblem::Kind::configuration,
-                       detail::rank_prefix(rank()) + ": ShardedOptions::clip_norm must be at least 0, got " +
-                           detail::exact_text(options_.clip_norm)};
-        if (const auto why = detail::invalid_of(scaler_); !why.empty())
-            problem = {detail::LocalProblem::Kind::configuration, detail::rank_prefix(rank()) + ": " + why};
-        if (options_.release_gradients && !(in_place && ReleasableGradients<Model>))
-            problem = {detail::LocalProblem::Kind::configuration,
-                       detail::rank_prefix(rank()) + ": ShardedOptions::release_gradients needs " +
-                           (in_place ? "a model that can release gradients: give it a member "
-                                       "release_gradients(std::span<const std::size_t>), or see "
-                                       "docs/sharding.md"
-                                     : "a backend that reduces gradients where they lie "
-                                       "(ScatteredShardedCollectives: LocalBackend, MpiBackend)")};
-        plan_ = problem.kind == detail::LocalProblem::Kind::none ? bucketer.plan(layout_.params) : BucketPlan{};
-        const std::vector<detail::Setting> settings{{"mode", stage2() ? "sharded (stage 2)" : "sharded (stage 1)"},
-                                                    {"bucketer", bucketer.settings()},
-                                                    {"clip_norm", detail::exact_text(options_.clip_norm)},
-                                                    {"check_histories", options_.check_histories ? "on" : "off"},
-                                                    {"loss_scaler", scaler_.settings()},
-                                                    {"buffers", detail::buffer_sync_name(options_.buffers)}};
-        detail::agree_on_layout(backend_, layout_.params, layout_.buffers, plan_, settings, problem);
-        detail::broadcast_parameters(backend_, parameters());
-        history_.take_identity(backend_);
-        detail::sync_buffers(backend_, buffers(), options_.buffers, /*at_construction=*/true, history_, 0);
-        if (stage2()) grad_store_.assign(detail::ShardLayout<in_place>::shard_elements(plan_, world_size(), rank()), 0);
-        shards_ = detail::ShardLayout<in_place>(layout_.params, plan_, world_size(), rank(),
-                                                stage2() ? grad_store_.data() : nullptr);
-        storage_.reset(plan_.buckets.size());
-        readiness_.plan(plan_, layout_.params.size());
+    ShardedDataParallel(Model& model, BackendT& backend, Policies... policies)
+        : model_(model),
+          backend_(backend),
+          options_(Set::template value<ShardedOptions>(std::tuple(policies...))),
+          scaler_(Set::template value<loss_scaler_type>(std::tuple(policies...))) {
+        init(Set::template value<bucketer_type>(std::tuple(policies...)));
+    }
+    ShardedDataParallel(Model& model, BackendT& backend) requires(sizeof...(Policies) > 0)
+        : model_(model), backend_(backend) {
+        init(bucketer_type{});
     }
 
     // Overlap with backward: call as each parameter's gradient becomes final (from any thread).
@@ -7883,14 +7951,14 @@ public:
     [[nodiscard]] const BucketPlan& plan() const { return plan_; }
     [[nodiscard]] std::span<const Parameter> parameters() const { return layout_.params; }
     [[nodiscard]] std::span<const ModelBuffer> buffers() const { return layout_.buffers; }
-    [[nodiscard]] BufferSync buffer_sync() const { return options_.buffers; }
+    [[nodiscard]] const ShardedOptions& options() const { return options_; }
     // This rank's pieces, as step() hands them to the optimizer (the state is the trainer's).
     [[nodiscard]] std::span<const ShardPiece<float>> shard_pieces() const { return shards_.pieces; }
     [[nodiscard]] std::uint64_t steps() const { return steps_; }
     // The factor to multiply the loss by before backward (1 without a loss scaler).
     [[nodiscard]] float loss_scale() const { return scaler_.scale(); }
     // The loss scaler, to save or restore its state (a Checkpoint does).
-    [[nodiscard]] Scaler& loss_scaler() { return scaler_; }
+    [[nodiscard]] loss_scaler_type& loss_scaler() { return scaler_; }
     // For checkpoint loading: the step count to continue from.
     void restore_steps(std::uint64_t steps) { steps_ = steps; }
     [[nodiscard]] BackendT& backend() const { return backend_; }
@@ -7914,6 +7982,33 @@ private:
 
     // The step in progress (or the next): 1 for the first.
     [[nodiscard]] std::uint64_t current_step() const { return steps_ + 1; }
+
+    // Lists the model, checks this rank's set-up, agrees with every rank, and splits the plan.
+    void init(const bucketer_type& bucketer) {
+        // Here, not in the class: a failed check in the class makes GCC report the constructor
+        // call as ambiguous too.
+        static_assert(detail::check_sharded_collectives<BackendT>());
+        static_assert(!DeviceBackend<BackendT>,
+                      "gradsync: ShardedDataParallel keeps parameters, gradients and optimizer shards in host memory, "
+                      "and this backend's collectives take device memory (NcclBackend, CudaLocalBackend): for "
+                      "gradients on the GPU use DataParallel with gradsync::CudaMemory{stream}");
+        static_assert(detail::check_model_access<Model>());
+        layout_ = detail::ModelLayout::of(model_, /*with_buffers=*/true);
+        const auto problems = detail::sharded_setup_problems(rank(), layout_, options_, bucketer, scaler_, in_place,
+                                                             ReleasableGradients<Model>);
+        plan_ = problems.any() ? BucketPlan{} : bucketer.plan(layout_.params, {});
+        detail::agree_on_layout(backend_, layout_.params, layout_.buffers, plan_,
+                                detail::sharded_settings(options_, bucketer, scaler_, buffers_type{}),
+                                problems.first());
+        detail::broadcast_parameters(backend_, parameters());
+        history_.take_identity(backend_);
+        detail::sync_buffers(backend_, buffers(), buffers_type::mode, /*at_construction=*/true, history_, 0);
+        if (stage2()) grad_store_.assign(detail::ShardLayout<in_place>::shard_elements(plan_, world_size(), rank()), 0);
+        shards_ = detail::ShardLayout<in_place>(layout_.params, plan_, world_size(), rank(),
+                                                stage2() ? grad_store_.data() : nullptr);
+        storage_.reset(plan_.buckets.size());
+        readiness_.plan(plan_, layout_.params.size());
+    }
 
     template <class Optimizer>
     StepReport step_now(Optimizer& optimizer, std::optional<StepNumber> number) {
@@ -7945,7 +8040,7 @@ private:
             }
             new_step();
         }
-        detail::sync_buffers(backend_, buffers(), options_.buffers, /*at_construction=*/false, history_, step);
+        detail::sync_buffers(backend_, buffers(), buffers_type::mode, /*at_construction=*/false, history_, step);
         const bool histories = options_.check_histories && !CheckedCollectives<BackendT>;
         if (histories || number) history_.verify(backend_, step, number ? std::optional(number->value) : std::nullopt);
         // This rank's share of the norm and of the finite check, then everyone's. With a loss
@@ -8085,8 +8180,8 @@ private:
 
     Model& model_;
     BackendT& backend_;
-    ShardedOptions options_;
-    Scaler scaler_;
+    ShardedOptions options_{};
+    loss_scaler_type scaler_{};
     detail::ModelLayout layout_;
     BucketPlan plan_;
     detail::ShardLayout<in_place> shards_;
@@ -9785,11 +9880,8 @@ private:
             return false;
     }
     template <class DP>
-    static BufferSync buffer_mode(const DP& dp) {
-        if constexpr (requires { DP::buffers_type::mode; })
-            return DP::buffers_type::mode;
-        else
-            return dp.buffer_sync();
+    static constexpr BufferSync buffer_mode(const DP&) {
+        return DP::buffers_type::mode;
     }
 
     // Each rank writes its shard file; every rank returns the list of them (hashes gathered from

@@ -1198,7 +1198,7 @@ void visit_float_dtype(DType t, F&& f) {
 // ---- begin gradsync/detail/policy.hpp ----
 #ifndef GRADSYNC_SINGLE_DETAIL_POLICY_HPP
 #define GRADSYNC_SINGLE_DETAIL_POLICY_HPP
-// Policy categories and the selection of one policy per category from DataParallel's pack, in
+// Policy categories and the selection of one policy per category from a front's pack, in
 // any order, each defaulted; two of one category, or a type that is no policy, is a clear error.
 
 
@@ -1245,7 +1245,7 @@ struct no_policy {};
 template <class A, class B>
 struct two_policies_of_one_category {
     static_assert(dependent_false<A, B>,
-                  "gradsync: two policies of the same category were given to DataParallel "
+                  "gradsync: two policies of the same category were given to DataParallel or ShardedDataParallel "
                   "(both are named in the instantiation note of two_policies_of_one_category); "
                   "keep one");
     using type = A;
@@ -1298,8 +1298,8 @@ struct find_policy<Category, Found, P, Rest...>
 template <class P>
 constexpr bool check_policy() {
     static_assert(is_policy<P>,
-                  "gradsync: a DataParallel template argument after Model and Backend is not a "
-                  "policy (it has no `policy_category` member type); see detail/policy.hpp");
+                  "gradsync: a DataParallel or ShardedDataParallel template argument after Model and "
+                  "Backend is not a policy (it has no `policy_category` member type); see detail/policy.hpp");
     if constexpr (is_policy<P>)
         static_assert(std::is_same_v<typename P::policy_category, policy_category::options> || has_settings<P>,
                       "gradsync: a policy needs `std::string settings() const`: the text every rank must agree on "

@@ -78,8 +78,8 @@ TEST_CASE("agreement: a policy or an Option that changes the sums, different on 
                             }
                         }),
               "configuration: gradsync: the ranks' settings differ: loss scaler is 'static 1024' on rank 0 "
-              "but 'none' on rank 1. Every rank must construct its DataParallel with the same policies and the "
-              "same Options");
+              "but 'none' on rank 1. Every rank must construct its DataParallel or ShardedDataParallel with the "
+              "same policies and the same options");
     all_alike(construct(3,
                         [](LocalBackend& b) {
                             Toy m({100, 20}, 0.0f);

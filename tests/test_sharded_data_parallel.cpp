@@ -133,7 +133,7 @@ TEST_CASE("ShardedDataParallel refuses what it cannot step, on every rank alike"
     gradsync::spawn(2, [&](gradsync::LocalBackend& backend) {
         mlp::Mlp model(1);
         CHECK_THROWS_AS(gradsync::ShardedDataParallel(
-                            model, backend, {}, gradsync::ShardedOptions{.clip_norm = backend.rank() == 0 ? 1.0 : 2.0}),
+                            model, backend, gradsync::ShardedOptions{.clip_norm = backend.rank() == 0 ? 1.0 : 2.0}),
                         gradsync::ConfigurationError);
     });
 }
@@ -267,7 +267,7 @@ ScaledRun train_scaled(int world) {
             }
         };
         if constexpr (Sharded) {
-            gradsync::ShardedDataParallel sdp(model, backend, caps, {}, scaler);
+            gradsync::ShardedDataParallel sdp(model, backend, caps, scaler);
             ShardedSgd sgd;
             sgd.velocity.assign(sdp.state_elements(), 0.0f);
             train(sdp, [&] { return sdp.step(sgd); });
@@ -316,49 +316,56 @@ struct MlpWithStats : mlp::Mlp {
 
 }  // namespace
 
-TEST_CASE("sharded model buffers: rank 0's copied at construction and each step, averaged, or left alone") {
-    const gradsync::BufferSync modes[] = {gradsync::BufferSync::broadcast_every_step,
-                                          gradsync::BufferSync::average_every_step, gradsync::BufferSync::ignore};
-    for (const auto mode : modes) {
-        CAPTURE(int(mode));
-        std::vector<std::vector<float>> means(3);
-        std::vector<std::int64_t> counts(3);
-        gradsync::spawn(3, [&](gradsync::LocalBackend& backend) {
-            const auto r = static_cast<std::size_t>(backend.rank());
-            MlpWithStats model(/*seed=*/1);
-            model.running_mean.assign(5, 100.0f * float(r));  // rank 0's reaches everyone at construction...
-            gradsync::ShardedDataParallel sdp(model, backend, {}, gradsync::ShardedOptions{.buffers = mode});
-            if (mode != gradsync::BufferSync::ignore) CHECK(model.running_mean == std::vector<float>(5, 0.0f));
-            ShardedSgd sgd;
-            sgd.velocity.assign(sdp.state_elements(), 0.0f);
-            model.forward_backward(batch_of(3, backend.rank(), 0));
-            model.running_mean.assign(5, float(r + 1));  // ...then each rank's statistics of its own batch
-            model.batches[0] = static_cast<std::int64_t>(r + 1);
-            CHECK(sdp.step(sgd).applied);
-            means[r] = model.running_mean;
-            counts[r] = model.batches[0];
-        });
-        for (std::size_t r = 0; r < 3; ++r) {
-            CAPTURE(r);
-            switch (mode) {
-                case gradsync::BufferSync::broadcast_every_step:
-                    CHECK(means[r] == std::vector<float>(5, 1.0f));
-                    CHECK(counts[r] == 1);
-                    break;
-                case gradsync::BufferSync::average_every_step:
-                    CHECK(means[r] == std::vector<float>(5, 2.0f));  // (1 + 2 + 3) / 3
-                    CHECK(counts[r] == 1);                           // integers are broadcast, not averaged
-                    break;
-                default:
-                    CHECK(means[r] == std::vector<float>(5, float(r + 1)));
-                    CHECK(counts[r] == std::int64_t(r + 1));
-            }
+// One step of 3 ranks under the buffer policy P; every rank's buffers afterwards.
+template <class P>
+void check_buffers_follow() {
+    constexpr auto mode = P::mode;
+    CAPTURE(int(mode));
+    std::vector<std::vector<float>> means(3);
+    std::vector<std::int64_t> counts(3);
+    gradsync::spawn(3, [&](gradsync::LocalBackend& backend) {
+        const auto r = static_cast<std::size_t>(backend.rank());
+        MlpWithStats model(/*seed=*/1);
+        model.running_mean.assign(5, 100.0f * float(r));  // rank 0's reaches everyone at construction...
+        gradsync::ShardedDataParallel sdp(model, backend, P{});
+        static_assert(std::is_same_v<typename decltype(sdp)::buffers_type, P>);
+        if (mode != gradsync::BufferSync::ignore) CHECK(model.running_mean == std::vector<float>(5, 0.0f));
+        ShardedSgd sgd;
+        sgd.velocity.assign(sdp.state_elements(), 0.0f);
+        model.forward_backward(batch_of(3, backend.rank(), 0));
+        model.running_mean.assign(5, float(r + 1));  // ...then each rank's statistics of its own batch
+        model.batches[0] = static_cast<std::int64_t>(r + 1);
+        CHECK(sdp.step(sgd).applied);
+        means[r] = model.running_mean;
+        counts[r] = model.batches[0];
+    });
+    for (std::size_t r = 0; r < 3; ++r) {
+        CAPTURE(r);
+        switch (mode) {
+            case gradsync::BufferSync::broadcast_every_step:
+                CHECK(means[r] == std::vector<float>(5, 1.0f));
+                CHECK(counts[r] == 1);
+                break;
+            case gradsync::BufferSync::average_every_step:
+                CHECK(means[r] == std::vector<float>(5, 2.0f));  // (1 + 2 + 3) / 3
+                CHECK(counts[r] == 1);                           // integers are broadcast, not averaged
+                break;
+            default:  // once (at construction only) or ignored: each rank's own after the step
+                CHECK(means[r] == std::vector<float>(5, float(r + 1)));
+                CHECK(counts[r] == std::int64_t(r + 1));
         }
     }
 }
 
+TEST_CASE("sharded model buffers follow DataParallel's buffer policies: broadcast, averaged, once, or left alone") {
+    check_buffers_follow<gradsync::BroadcastBuffers>();
+    check_buffers_follow<gradsync::AverageBuffers>();
+    check_buffers_follow<gradsync::BroadcastBuffersOnce>();
+    check_buffers_follow<gradsync::IgnoreBuffers>();
+}
+
 TEST_CASE("sharded through a backend without scattered collectives: packed buffers, the same bits") {
-    using Packed = gradsync::ShardedDataParallel<mlp::Mlp, sharded::BufferOnly>;
+    using Packed = gradsync::ShardedDataParallel<mlp::Mlp, sharded::BufferOnly, gradsync::SizeCappedBuckets>;
     static_assert(!Packed::in_place);
     const gradsync::SizeCappedBuckets caps{.cap = 64_KiB, .first_cap = 4_KiB};
     for (int world = 1; world <= 3; ++world) {

@@ -238,7 +238,7 @@ TEST_CASE("released gradients are refused without a model that releases them or 
     gradsync::spawn(2, [&](gradsync::LocalBackend& backend) {
         mlp::Mlp model(1);  // has no release_gradients
         try {
-            gradsync::ShardedDataParallel sdp(model, backend, {}, stage2);
+            gradsync::ShardedDataParallel sdp(model, backend, stage2);
         } catch (const gradsync::ConfigurationError& e) {
             messages[static_cast<std::size_t>(backend.rank())] = e.what();
         }
@@ -250,15 +250,15 @@ TEST_CASE("released gradients are refused without a model that releases them or 
     gradsync::spawn(2, [&](gradsync::LocalBackend& local) {
         sharded::BufferOnly backend{local};
         ReleasingMlp model(1);
-        CHECK_THROWS_WITH_AS(
-            (gradsync::ShardedDataParallel<ReleasingMlp, sharded::BufferOnly>(model, backend, {}, stage2)),
-            doctest::Contains("a backend that reduces gradients where they lie"), gradsync::ConfigurationError);
+        CHECK_THROWS_WITH_AS((gradsync::ShardedDataParallel(model, backend, stage2)),
+                             doctest::Contains("a backend that reduces gradients where they lie"),
+                             gradsync::ConfigurationError);
     });
     // A rank that asks for it while another does not: the settings differ, every rank refuses.
     gradsync::spawn(2, [&](gradsync::LocalBackend& backend) {
         ReleasingMlp model(1);
         CHECK_THROWS_AS(gradsync::ShardedDataParallel(
-                            model, backend, {}, gradsync::ShardedOptions{.release_gradients = backend.rank() == 1}),
+                            model, backend, gradsync::ShardedOptions{.release_gradients = backend.rank() == 1}),
                         gradsync::ConfigurationError);
     });
 }

@@ -10,8 +10,9 @@
 // ends bitwise where DataParallel's would.
 //
 // With grad_ready calls during backward, each bucket's reduce_scatter starts as soon as its
-// gradients are final, in plan order. A loss scaler (third template argument) is unscaled in the
-// norm pass. Model buffers are kept as ShardedOptions::buffers says. With
+// gradients are final, in plan order. Policies come as DataParallel's do, in any order, each
+// optional (data_parallel/sharded_policies.hpp): a bucketer, a loss scaler (unscaled in the norm
+// pass), a buffer policy for the model's buffers, and ShardedOptions. With
 // ShardedOptions::release_gradients (stage 2), each bucket's share of this rank is copied out once
 // reduced and the model releases the bucket's gradients. This version: float32 parameters in host
 // memory (a backend whose collectives take device memory is refused), no wire compression.
@@ -29,15 +30,15 @@
 #include <gradsync/data_parallel/history.hpp>
 #include <gradsync/data_parallel/layout_agreement.hpp>
 #include <gradsync/data_parallel/model_layout.hpp>
-#include <gradsync/data_parallel/settings.hpp>
 #include <gradsync/data_parallel/moved_storage.hpp>
 #include <gradsync/data_parallel/readiness.hpp>
 #include <gradsync/data_parallel/ready_calls.hpp>
 #include <gradsync/data_parallel/shard_layout.hpp>
 #include <gradsync/data_parallel/shard_step.hpp>
 #include <gradsync/data_parallel/sharded_options.hpp>
+#include <gradsync/data_parallel/sharded_policies.hpp>
+#include <gradsync/data_parallel/sharded_setup.hpp>
 #include <gradsync/data_parallel/step_number.hpp>
-#include <gradsync/detail/number_text.hpp>
 #include <gradsync/error.hpp>
 #include <gradsync/model/buffers.hpp>
 #include <gradsync/model/gradient_release.hpp>
@@ -52,71 +53,38 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <type_traits>  // for std::is_invocable_v
 #include <variant>
 #include <vector>
 
 namespace gradsync::inline v0 {
 
-template <class Model, class BackendT, class Scaler = NoLossScaling>
+template <class Model, class BackendT, class... Policies>
 class ShardedDataParallel {
     static_assert(detail::check_backend<BackendT>());
-    static_assert(detail::check_sharded_collectives<BackendT>());
-    static_assert(!DeviceBackend<BackendT>,
-                  "gradsync: ShardedDataParallel keeps parameters, gradients and optimizer shards in host memory, "
-                  "and this backend's collectives take device memory (NcclBackend, CudaLocalBackend): for gradients "
-                  "on the GPU use DataParallel with gradsync::CudaMemory{stream}");
+    using Set = detail::ShardedPolicySet<Policies...>;
 
 public:
-    // Lists the model's parameters, checks them and agrees on the layout and the plan with every
-    // rank (the same exception on every rank otherwise), and copies rank 0's parameter values to
-    // every rank. Model and backend must outlive this.
+    using bucketer_type = typename Set::bucketer;
+    using loss_scaler_type = typename Set::loss_scaler;
+    using buffers_type = typename Set::buffers;
+
+    // Lists the model's parameters, checks them and agrees on the layout, the plan and every
+    // setting with every rank (the same exception on every rank otherwise), and copies rank 0's
+    // parameter values to every rank. Model and backend must outlive this.
     // With a loss scaler (StaticLossScale, DynamicLossScale), multiply the loss by loss_scale()
     // before backward: step() unscales and skips overflowing steps, as DataParallel does.
-    ShardedDataParallel(Model& model, BackendT& backend, SizeCappedBuckets bucketer = {}, ShardedOptions options = {},
-                        Scaler scaler = {})
-        : model_(model), backend_(backend), options_(options), scaler_(scaler) {
-        static_assert(detail::check_model_access<Model>());
-        layout_ = detail::ModelLayout::of(model_, /*with_buffers=*/true);
-        detail::LocalProblem problem;
-        for (const auto& p : layout_.params)
-            if (p.dtype != DType::float32 && problem.kind == detail::LocalProblem::Kind::none)
-                problem = {detail::LocalProblem::Kind::configuration,
-                           detail::rank_prefix(rank()) + ": ShardedDataParallel steps float32 parameters only; '" +
-                               p.name + "' is " + to_string(p.dtype)};
-        if (const auto why = detail::no_parameters_problem(layout_.params, layout_.param_of_model_index.size());
-            !why.empty())
-            problem = {detail::LocalProblem::Kind::model, detail::rank_prefix(rank()) + ": " + why};
-        if (!(options_.clip_norm >= 0))
-            problem = {detail::LocalProblem::Kind::configuration,
-                       detail::rank_prefix(rank()) + ": ShardedOptions::clip_norm must be at least 0, got " +
-                           detail::exact_text(options_.clip_norm)};
-        if (const auto why = detail::invalid_of(scaler_); !why.empty())
-            problem = {detail::LocalProblem::Kind::configuration, detail::rank_prefix(rank()) + ": " + why};
-        if (options_.release_gradients && !(in_place && ReleasableGradients<Model>))
-            problem = {detail::LocalProblem::Kind::configuration,
-                       detail::rank_prefix(rank()) + ": ShardedOptions::release_gradients needs " +
-                           (in_place ? "a model that can release gradients: give it a member "
-                                       "release_gradients(std::span<const std::size_t>), or see "
-                                       "docs/sharding.md"
-                                     : "a backend that reduces gradients where they lie "
-                                       "(ScatteredShardedCollectives: LocalBackend, MpiBackend)")};
-        plan_ = problem.kind == detail::LocalProblem::Kind::none ? bucketer.plan(layout_.params) : BucketPlan{};
-        const std::vector<detail::Setting> settings{{"mode", stage2() ? "sharded (stage 2)" : "sharded (stage 1)"},
-                                                    {"bucketer", bucketer.settings()},
-                                                    {"clip_norm", detail::exact_text(options_.clip_norm)},
-                                                    {"check_histories", options_.check_histories ? "on" : "off"},
-                                                    {"loss_scaler", scaler_.settings()},
-                                                    {"buffers", detail::buffer_sync_name(options_.buffers)}};
-        detail::agree_on_layout(backend_, layout_.params, layout_.buffers, plan_, settings, problem);
-        detail::broadcast_parameters(backend_, parameters());
-        history_.take_identity(backend_);
-        detail::sync_buffers(backend_, buffers(), options_.buffers, /*at_construction=*/true, history_, 0);
-        if (stage2()) grad_store_.assign(detail::ShardLayout<in_place>::shard_elements(plan_, world_size(), rank()), 0);
-        shards_ = detail::ShardLayout<in_place>(layout_.params, plan_, world_size(), rank(),
-                                                stage2() ? grad_store_.data() : nullptr);
-        storage_.reset(plan_.buckets.size());
-        readiness_.plan(plan_, layout_.params.size());
+    ShardedDataParallel(Model& model, BackendT& backend, Policies... policies)
+        : model_(model),
+          backend_(backend),
+          options_(Set::template value<ShardedOptions>(std::tuple(policies...))),
+          scaler_(Set::template value<loss_scaler_type>(std::tuple(policies...))) {
+        init(Set::template value<bucketer_type>(std::tuple(policies...)));
+    }
+    ShardedDataParallel(Model& model, BackendT& backend) requires(sizeof...(Policies) > 0)
+        : model_(model), backend_(backend) {
+        init(bucketer_type{});
     }
 
     // Overlap with backward: call as each parameter's gradient becomes final (from any thread).
@@ -174,14 +142,14 @@ public:
     [[nodiscard]] const BucketPlan& plan() const { return plan_; }
     [[nodiscard]] std::span<const Parameter> parameters() const { return layout_.params; }
     [[nodiscard]] std::span<const ModelBuffer> buffers() const { return layout_.buffers; }
-    [[nodiscard]] BufferSync buffer_sync() const { return options_.buffers; }
+    [[nodiscard]] const ShardedOptions& options() const { return options_; }
     // This rank's pieces, as step() hands them to the optimizer (the state is the trainer's).
     [[nodiscard]] std::span<const ShardPiece<float>> shard_pieces() const { return shards_.pieces; }
     [[nodiscard]] std::uint64_t steps() const { return steps_; }
     // The factor to multiply the loss by before backward (1 without a loss scaler).
     [[nodiscard]] float loss_scale() const { return scaler_.scale(); }
     // The loss scaler, to save or restore its state (a Checkpoint does).
-    [[nodiscard]] Scaler& loss_scaler() { return scaler_; }
+    [[nodiscard]] loss_scaler_type& loss_scaler() { return scaler_; }
     // For checkpoint loading: the step count to continue from.
     void restore_steps(std::uint64_t steps) { steps_ = steps; }
     [[nodiscard]] BackendT& backend() const { return backend_; }
@@ -205,6 +173,33 @@ private:
 
     // The step in progress (or the next): 1 for the first.
     [[nodiscard]] std::uint64_t current_step() const { return steps_ + 1; }
+
+    // Lists the model, checks this rank's set-up, agrees with every rank, and splits the plan.
+    void init(const bucketer_type& bucketer) {
+        // Here, not in the class: a failed check in the class makes GCC report the constructor
+        // call as ambiguous too.
+        static_assert(detail::check_sharded_collectives<BackendT>());
+        static_assert(!DeviceBackend<BackendT>,
+                      "gradsync: ShardedDataParallel keeps parameters, gradients and optimizer shards in host memory, "
+                      "and this backend's collectives take device memory (NcclBackend, CudaLocalBackend): for "
+                      "gradients on the GPU use DataParallel with gradsync::CudaMemory{stream}");
+        static_assert(detail::check_model_access<Model>());
+        layout_ = detail::ModelLayout::of(model_, /*with_buffers=*/true);
+        const auto problems = detail::sharded_setup_problems(rank(), layout_, options_, bucketer, scaler_, in_place,
+                                                             ReleasableGradients<Model>);
+        plan_ = problems.any() ? BucketPlan{} : bucketer.plan(layout_.params, {});
+        detail::agree_on_layout(backend_, layout_.params, layout_.buffers, plan_,
+                                detail::sharded_settings(options_, bucketer, scaler_, buffers_type{}),
+                                problems.first());
+        detail::broadcast_parameters(backend_, parameters());
+        history_.take_identity(backend_);
+        detail::sync_buffers(backend_, buffers(), buffers_type::mode, /*at_construction=*/true, history_, 0);
+        if (stage2()) grad_store_.assign(detail::ShardLayout<in_place>::shard_elements(plan_, world_size(), rank()), 0);
+        shards_ = detail::ShardLayout<in_place>(layout_.params, plan_, world_size(), rank(),
+                                                stage2() ? grad_store_.data() : nullptr);
+        storage_.reset(plan_.buckets.size());
+        readiness_.plan(plan_, layout_.params.size());
+    }
 
     template <class Optimizer>
     StepReport step_now(Optimizer& optimizer, std::optional<StepNumber> number) {
@@ -236,7 +231,7 @@ private:
             }
             new_step();
         }
-        detail::sync_buffers(backend_, buffers(), options_.buffers, /*at_construction=*/false, history_, step);
+        detail::sync_buffers(backend_, buffers(), buffers_type::mode, /*at_construction=*/false, history_, step);
         const bool histories = options_.check_histories && !CheckedCollectives<BackendT>;
         if (histories || number) history_.verify(backend_, step, number ? std::optional(number->value) : std::nullopt);
         // This rank's share of the norm and of the finite check, then everyone's. With a loss
@@ -376,8 +371,8 @@ private:
 
     Model& model_;
     BackendT& backend_;
-    ShardedOptions options_;
-    Scaler scaler_;
+    ShardedOptions options_{};
+    loss_scaler_type scaler_{};
     detail::ModelLayout layout_;
     BucketPlan plan_;
     detail::ShardLayout<in_place> shards_;

@@ -1,5 +1,5 @@
 // A template argument that is no policy is refused by name.
-// expect: a DataParallel template argument after Model and Backend is not a policy
+// expect: a DataParallel or ShardedDataParallel template argument after Model and Backend is not a policy
 #include <gradsync/gradsync.hpp>
 
 #include <vector>

@@ -28,8 +28,10 @@ MPI = [
      r"rank [02] of 3: allreduce #[0-9]+ .* has not completed after 2 s \(MpiOptions::timeout\); this rank is in "
      r"synchronize\(\) of step 4.* Where the peers stand:.*rank 1 has completed [0-9]+ collectives and is in none: "
      r"in step 4, before any grad_ready\(\) or synchronize\(\).*Behind: rank 1", 120),
+    # Either deadline may end the wait first (the backend's or DataParallel's, both 2 s): the
+    # message then starts "rank 0 of 3: allreduce #N ..." or "rank 0, step 4: bucket B ...".
     ("mpi: a rank stuck in its backward (peers name the parameter it waits for)", "stuck",
-     r"rank [02] of 3.* Where the peers stand:.*rank 1 has completed [0-9]+ collectives and is in none: in the "
+     r"rank [02](?: of 3|, step 4).* Where the peers stand:.*rank 1 has completed [0-9]+ collectives and is in none: in the "
      r"backward of step 4, [0-9]+ of 4 buckets launched; bucket [0-9]+ waits for grad_ready of 'fc1.bias'.*"
      r"Behind: rank 1", 120),
     ("mpi: a stopped rank (SIGSTOP; peers say it did not answer)", "stop",
@@ -37,6 +39,8 @@ MPI = [
     ("mpi: a rank leaves cleanly while its peers wait (they learn at once, not at 60 s)", "leave",
      r"rank 1 has left the group \(destroyed its MpiBackend\) after its collective #[0-9]+; allreduce #[0-9]+ .*, "
      r"which this rank is in, needs it and can never complete", 30),
+    ("mpi: a ShardedDataParallel destroyed with reduce_scatters in flight (peers learn at once, not at 60 s)",
+     "sharded-leave", r"rank 1 destroyed its ShardedDataParallel in step 4 with collectives in flight", 30),
 ]
 
 # Processes started torchrun-style (tests/mpi/env_launch.py), joined through a name server:

@@ -48,7 +48,7 @@ template <class Backend>
 Outcome run(Backend& backend, gradsync::SizeCappedBuckets caps, int first, int last, const fs::path& load,
             const fs::path& save) {
     mlp::Mlp model(/*seed=*/5);
-    gradsync::ShardedDataParallel sdp(model, backend, caps, {},
+    gradsync::ShardedDataParallel sdp(model, backend, caps,
                                       gradsync::DynamicLossScale{.init_scale = 256.0f, .growth_interval = 2});
     sharded::ShardedAdam adam;
     adam.m1.assign(sdp.state_elements(), 0.0f);

@@ -262,11 +262,8 @@ private:
             return false;
     }
     template <class DP>
-    static BufferSync buffer_mode(const DP& dp) {
-        if constexpr (requires { DP::buffers_type::mode; })
-            return DP::buffers_type::mode;
-        else
-            return dp.buffer_sync();
+    static constexpr BufferSync buffer_mode(const DP&) {
+        return DP::buffers_type::mode;
     }
 
     // Each rank writes its shard file; every rank returns the list of them (hashes gathered from

@@ -148,7 +148,8 @@ inline std::string describe_settings_difference(int a, const std::vector<Setting
         break;
     }
     return "gradsync: the ranks' settings differ: " + what +
-           ". Every rank must construct its DataParallel with the same policies and the same Options";
+           ". Every rank must construct its DataParallel or ShardedDataParallel with the same policies and the same "
+           "options";
 }
 
 inline void put(std::vector<std::byte>& out, const void* p, std::size_t n) {

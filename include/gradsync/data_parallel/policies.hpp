@@ -24,16 +24,6 @@
 namespace gradsync::inline v0::detail {
 
 template <class P>
-constexpr bool check_buffer_policy() {
-    static_assert(
-        requires {
-            { P::mode } -> std::convertible_to<BufferSync>;
-        },
-        "gradsync: a buffer policy needs `static constexpr gradsync::BufferSync mode`");
-    return true;
-}
-
-template <class P>
 constexpr bool check_packing_policy() {
     static_assert(
         requires {

@@ -5,7 +5,7 @@
 
 #include <gradsync/backend/concepts.hpp>
 #include <gradsync/bucket/plan.hpp>
-#include <gradsync/data_parallel/bucket_engine.hpp>     // for first_gap
+#include <gradsync/data_parallel/bucket_slot.hpp>       // for first_gap
 #include <gradsync/data_parallel/layout_agreement.hpp>  // for LocalProblem
 #include <gradsync/data_parallel/options.hpp>
 #include <gradsync/error.hpp>

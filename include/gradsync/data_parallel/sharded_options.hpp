@@ -1,20 +1,19 @@
-// ShardedOptions: the run-time settings of ShardedDataParallel, and how its buffer setting reads
-// in the settings every rank agrees on.
+// ShardedOptions: the run-time settings of a ShardedDataParallel, passed like a policy (in any
+// position after the backend), e.g.
+// ShardedDataParallel sdp(model, backend, gradsync::ShardedOptions{.release_gradients = true}).
 #pragma once
 
-#include <gradsync/data_parallel/buffer_sync.hpp>
+#include <gradsync/detail/policy.hpp>
 
 #include <chrono>
-#include <string>
 
 namespace gradsync::inline v0 {
 
 struct ShardedOptions {
+    using policy_category = policy_category::options;
+
     // Above 0: gradients whose global L2 norm exceeds it are scaled down to it before the optimizer.
     double clip_norm = 0;
-    // The model's buffers (batch-norm statistics), as DataParallel's buffer policies keep them:
-    // rank 0's copied at construction and at every step (the default), averaged, or left alone.
-    BufferSync buffers = BufferSync::broadcast_every_step;
     // Stage 2: once a bucket is reduce-scattered (during backward with grad_ready), this rank's
     // share of its averaged gradients is copied into memory of the wrapper's (state_elements()
     // floats) and the model is told to release the bucket's gradients
@@ -36,17 +35,4 @@ struct ShardedOptions {
     std::chrono::milliseconds timeout = std::chrono::seconds(600);
 };
 
-namespace detail {
-
-inline std::string buffer_sync_name(BufferSync mode) {
-    switch (mode) {
-        case BufferSync::broadcast_every_step: return "broadcast every step";
-        case BufferSync::broadcast_once: return "broadcast once";
-        case BufferSync::average_every_step: return "average every step";
-        case BufferSync::ignore: return "ignore";
-    }
-    return "unknown (" + std::to_string(int(mode)) + ")";
-}
-
-}  // namespace detail
 }  // namespace gradsync::inline v0

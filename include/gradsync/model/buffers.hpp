@@ -8,6 +8,7 @@
 #include <gradsync/error.hpp>
 #include <gradsync/model/model.hpp>  // for model_traits
 
+#include <concepts>  // for std::convertible_to
 #include <cstddef>
 #include <ranges>
 #include <span>
@@ -113,5 +114,19 @@ struct IgnoreBuffers {
     [[nodiscard]] std::string settings() const { return "ignored"; }
     static constexpr BufferSync mode = BufferSync::ignore;
 };
+
+namespace detail {
+
+template <class P>
+constexpr bool check_buffer_policy() {
+    static_assert(
+        requires {
+            { P::mode } -> std::convertible_to<BufferSync>;
+        },
+        "gradsync: a buffer policy needs `static constexpr gradsync::BufferSync mode`");
+    return true;
+}
+
+}  // namespace detail
 
 }  // namespace gradsync::inline v0

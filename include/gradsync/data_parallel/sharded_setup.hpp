@@ -1,0 +1,52 @@
+// What a ShardedDataParallel checks of its own set-up before the ranks agree, and the settings
+// they agree on: the same problem wording and agreement as DataParallel's (setup_checks.hpp).
+#pragma once
+
+#include <gradsync/data_parallel/model_layout.hpp>
+#include <gradsync/data_parallel/settings.hpp>
+#include <gradsync/data_parallel/setup_checks.hpp>
+#include <gradsync/data_parallel/sharded_options.hpp>
+#include <gradsync/detail/number_text.hpp>
+#include <gradsync/dtype.hpp>
+
+#include <string>
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+// `in_place`: the backend reduces shards where they lie; `releasable`: the model can release
+// gradients (stage 2 needs both).
+template <class Bucketer, class Scaler>
+SetupProblems sharded_setup_problems(int rank, const ModelLayout& layout, const ShardedOptions& options,
+                                     const Bucketer& bucketer, const Scaler& scaler, bool in_place, bool releasable) {
+    SetupProblems problems(rank);
+    for (const auto& p : layout.params)
+        if (p.dtype != DType::float32)
+            problems.configuration("ShardedDataParallel steps float32 parameters only; '" + p.name + "' is " +
+                                   to_string(p.dtype));
+    problems.model(no_parameters_problem(layout.params, layout.param_of_model_index.size()));
+    if (!(options.clip_norm >= 0))
+        problems.configuration("ShardedOptions::clip_norm must be at least 0, got " + exact_text(options.clip_norm));
+    problems.configuration(invalid_of(bucketer));
+    problems.configuration(invalid_of(scaler));
+    if (options.release_gradients && !(in_place && releasable))
+        problems.configuration(std::string("ShardedOptions::release_gradients needs ") +
+                               (in_place ? "a model that can release gradients: give it a member "
+                                           "release_gradients(std::span<const std::size_t>), or see docs/sharding.md"
+                                         : "a backend that reduces gradients where they lie "
+                                           "(ScatteredShardedCollectives: LocalBackend, MpiBackend)"));
+    return problems;
+}
+
+template <class Bucketer, class Scaler, class Buffers>
+std::vector<Setting> sharded_settings(const ShardedOptions& options, const Bucketer& bucketer, const Scaler& scaler,
+                                      const Buffers& buffers) {
+    return {{"bucketer", settings_of(bucketer)},
+            {"buffer policy", settings_of(buffers)},
+            {"loss scaler", settings_of(scaler)},
+            {"ShardedOptions::release_gradients", options.release_gradients ? "true" : "false"},
+            {"ShardedOptions::clip_norm", exact_text(options.clip_norm)},
+            {"ShardedOptions::check_histories", options.check_histories ? "true" : "false"}};
+}
+
+}  // namespace gradsync::inline v0::detail
