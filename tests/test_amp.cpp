@@ -147,7 +147,41 @@ void check_fused_equals_unfused() {
     }
 }
 
+// A float32 wire (or a hook's float32 average) finalized into 16-bit gradients: each written value
+// is T(float(in) * float(factor)), rounded once, and the squares are those of what was written,
+// summed in the lanes' order, bitwise. Lengths cover whole blocks, tails and neither.
+template <class T>
+void check_float_into_16_bit() {
+    for (int trial = 0; trial < 30; ++trial) {
+        const std::size_t n = static_cast<std::size_t>(trial) * 131 + (trial % 2 == 0 ? 64 : 1);
+        const double factor = trial % 3 == 0 ? 1.0 : 1.0 / (3.0 * std::ldexp(1.0, trial % 9));
+        const int plant = trial % 4 == 0 ? 1 + trial % 3 : 0;
+        CAPTURE(trial);
+        auto in = random_gradients<float>(n, static_cast<unsigned>(trial) + 100, plant);
+        // Values halfway between two 16-bit neighbours, where rounding to even decides.
+        for (std::size_t i = 5; i < n; i += 17) in[i] = 1.0f + std::ldexp(1.0f, -8) * (i % 2 == 0 ? 1.0f : 3.0f);
+        std::vector<T> want(n);
+        gradsync::detail::SquareSum want_sums;
+        for (std::size_t i = 0; i < n; ++i) {
+            want[i] = T(in[i] * static_cast<float>(factor));
+            const double v = static_cast<float>(want[i]);
+            want_sums.lanes[i < n - n % gradsync::detail::simd_width ? i % gradsync::detail::simd_width : 0] += v * v;
+        }
+        std::vector<T> out(n);
+        gradsync::detail::SquareSum sums;
+        gradsync::detail::scale_copy_square_sum(in.data(), out.data(), n, factor, sums);
+        CHECK(same_bits(out, want));
+        const double got = sums.total(), expected = want_sums.total();
+        CHECK((got == expected || (std::isnan(got) && std::isnan(expected))));
+    }
+}
+
 }  // namespace
+
+TEST_CASE("float32 finalized into float16 and bfloat16 gradients: rounded once, squares of what was written") {
+    check_float_into_16_bit<gradsync::bfloat16>();
+    check_float_into_16_bit<gradsync::float16>();
+}
 
 TEST_CASE("the fused finalize pass equals the unfused sequence, with inf and NaN planted, every dtype") {
     check_fused_equals_unfused<float>();

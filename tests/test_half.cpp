@@ -177,3 +177,39 @@ TEST_CASE("bulk conversions (F16C where the processor has it) agree with the ele
     }
     CHECK(wrong == 0);
 }
+
+TEST_CASE("bulk bfloat16 conversions (in blocks) agree with the element-wise ones, at every length") {
+    std::vector<bfloat16> all(0x10000);
+    for (std::uint32_t h = 0; h < 0x10000; ++h) all[h] = bfloat16::from_bits(static_cast<std::uint16_t>(h));
+    auto floats = interesting_floats();
+    floats.push_back(std::numeric_limits<float>::quiet_NaN());
+    floats.push_back(-std::numeric_limits<float>::infinity());
+    // Lengths below a block, at one, and with a tail; starting at an odd offset too.
+    for (std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{63}, std::size_t{64}, std::size_t{65},
+                          std::size_t{200}, all.size() - 3}) {
+        CAPTURE(n);
+        std::vector<float> wide(n + 1, -1.0f);
+        gradsync::detail::widen_to_float(all.data() + 3, wide.data() + 1, n);
+        int wrong = 0;
+        for (std::size_t i = 0; i < n; ++i) {
+            const float one = static_cast<float>(all[i + 3]);
+            wrong += std::memcmp(&one, &wide[i + 1], 4) != 0;  // NaNs keep their payload: compare bits
+        }
+        CHECK(wrong == 0);
+        CHECK(wide[0] == -1.0f);  // nothing written before the array
+
+        const std::size_t m = std::min(n, floats.size());
+        std::vector<bfloat16> narrow(m + 1, bfloat16::from_bits(0x1234));
+        std::vector<float> written(m);
+        gradsync::detail::narrow_to_bfloat16(floats.data(), narrow.data(), m, written.data());
+        wrong = 0;
+        for (std::size_t i = 0; i < m; ++i) {
+            const bfloat16 one(floats[i]);
+            wrong += narrow[i].bits != one.bits;
+            const float back = static_cast<float>(one);
+            wrong += std::memcmp(&back, &written[i], 4) != 0;
+        }
+        CHECK(wrong == 0);
+        CHECK(narrow[m].bits == 0x1234);  // nothing written past the end
+    }
+}

@@ -177,7 +177,7 @@ TEST_CASE("sharded: the policies of docs/sharding.md's example apply") {
         gradsync::ShardedDataParallel sdp(model, backend, gradsync::ShardedOptions{.clip_norm = 1.0},
                                           gradsync::DynamicLossScale{}, gradsync::SizeCappedBuckets{.cap = 8_MiB});
         // [/sharded_policies]
-        CHECK(sdp.loss_scale() == 65536.0f);    // DynamicLossScale's initial scale
+        CHECK(sdp.loss_scale() == 65536.0f);  // DynamicLossScale's initial scale
         CHECK(sdp.plan() == gradsync::SizeCappedBuckets{.cap = 8_MiB}.plan(sdp.parameters()));
         CHECK(sdp.options().clip_norm == 1.0);
         model.forward_backward(sharded::batch_of(2, backend.rank(), 0), sdp.loss_scale());
