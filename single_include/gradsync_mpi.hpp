@@ -2302,48 +2302,30 @@ __attribute__((target("f16c,avx"))) inline void widen_f16c(const float16* in, fl
 
 // Conversions between float and bfloat16 over whole arrays, in blocks of a fixed size, which
 // compilers vectorize (GCC's -O2 cost model vectorizes no loop that needs an epilogue; element by
-// element they run at half the speed or less). A block: bfloat16_bits_from_float's rounding, and
-// with Exact the value written, as float bits, back into `f`.
-template <bool Exact>
-inline void bfloat16_block(std::uint32_t* __restrict f, std::uint16_t* __restrict out) {
-    for (std::size_t i = 0; i < 64; ++i) {
-        const std::uint32_t rounded = (f[i] + 0x7fffu + ((f[i] >> 16) & 1u)) >> 16;
-        const std::uint32_t nan = (f[i] >> 16) | 0x0040u;
-        const std::uint32_t b = (f[i] & 0x7fffffffu) > 0x7f800000u ? nan : rounded;
-        out[i] = static_cast<std::uint16_t>(b);
-        if constexpr (Exact) f[i] = b << 16;
-    }
-}
-inline void widen_from_bfloat16(const bfloat16* in, float* out, std::size_t n) {
+// element the conversions run at half the speed or less there).
+inline void widen_from_bfloat16(const bfloat16* __restrict in, float* __restrict out, std::size_t n) {
     std::size_t i = 0;
-    for (; i + 64 <= n; i += 64) {
-        std::uint16_t block[64];
-        std::uint32_t bits[64];
-        std::memcpy(block, static_cast<const void*>(in + i), sizeof block);
-        for (std::size_t j = 0; j < 64; ++j) bits[j] = static_cast<std::uint32_t>(block[j]) << 16;
-        std::memcpy(out + i, bits, sizeof bits);
-    }
-    for (; i < n; ++i) out[i] = static_cast<float>(in[i]);
+    for (; i + 64 <= n; i += 64)
+        for (std::size_t j = 0; j < 64; ++j) out[i + j] = float_from_bfloat16_bits(in[i + j].bits);
+    for (; i < n; ++i) out[i] = float_from_bfloat16_bits(in[i].bits);
 }
-
 // `written` (may be `in`; null: none) receives the values written, as floats.
 inline void narrow_to_bfloat16(const float* in, bfloat16* out, std::size_t n, float* written = nullptr) {
-    const auto blocks = [&]<bool Exact>() {
-        std::size_t i = 0;
-        for (; i + 64 <= n; i += 64) {
-            std::uint32_t bits[64];
-            std::uint16_t block[64];
-            std::memcpy(bits, in + i, sizeof bits);
-            bfloat16_block<Exact>(bits, block);
-            std::memcpy(static_cast<void*>(out + i), block, sizeof block);
-            if constexpr (Exact) std::memcpy(written + i, bits, sizeof bits);
-        }
-        return i;
-    };
-    std::size_t i = written != nullptr ? blocks.template operator()<true>() : blocks.template operator()<false>();
+    std::size_t i = 0;
+    if (written != nullptr) {
+        for (; i + 64 <= n; i += 64)
+            for (std::size_t j = 0; j < 64; ++j) {
+                const std::uint16_t b = bfloat16_bits_from_float(in[i + j]);
+                out[i + j].bits = b;
+                written[i + j] = float_from_bfloat16_bits(b);
+            }
+    } else {
+        for (; i + 64 <= n; i += 64)
+            for (std::size_t j = 0; j < 64; ++j) out[i + j].bits = bfloat16_bits_from_float(in[i + j]);
+    }
     for (; i < n; ++i) {
-        out[i] = bfloat16(in[i]);
-        if (written != nullptr) written[i] = static_cast<float>(out[i]);
+        out[i].bits = bfloat16_bits_from_float(in[i]);
+        if (written != nullptr) written[i] = float_from_bfloat16_bits(out[i].bits);
     }
 }
 
