@@ -5512,16 +5512,76 @@ void sync_buffers(B& backend, std::span<const ModelBuffer> buffers, BufferSync m
 // synchronize()), waits for the launched ones by a deadline (or, on the device, makes the trainer's
 // stream wait), and then runs the finalize pass over the bucket through the memory policy: unpack,
 // unscale, measure. Each bucket's state is a BucketSlot (bucket_slot.hpp); a hook runs through
-// the HookRoute (hook_route.hpp).
+// the HookRoute (hook_route.hpp). Collective says whether a bucket is allreduced or
+// reduce-scattered into shards (bucket_collective.hpp); a sharded bucket is never a view and
+// never finalized here: the sharded front reads its shard.
 
+
+// ---- begin gradsync/data_parallel/bucket_collective.hpp ----
+#ifndef GRADSYNC_SINGLE_DATA_PARALLEL_BUCKET_COLLECTIVE_HPP
+#define GRADSYNC_SINGLE_DATA_PARALLEL_BUCKET_COLLECTIVE_HPP
+// Which collective the bucket engine runs over a bucket once its bytes are ready: an allreduce,
+// after which every rank holds the whole average (DataParallel), or a reduce-scatter, after which
+// each rank holds the average only in its shard of the bucket and the rest is unspecified (a
+// backend may use it as scratch), so the engine neither unpacks nor finalizes it: the sharded
+// front reads only this rank's shard (ShardedDataParallel). Both over the bucket's segments where
+// they lie (in place) or over one contiguous buffer.
+
+
+#include <span>
+
+namespace gradsync::inline v0::detail {
+
+template <bool Whole>
+struct BucketCollective {
+    static constexpr bool whole = Whole;  // every rank receives all of the bucket's average
+
+    template <class B>
+    static auto start(B& b, std::span<const Segment> segs, DType t, ReduceOp op, CollectiveTag tag) {
+        if constexpr (Whole)
+            return allreduce_async_tagged(b, segs, t, op, tag);
+        else
+            return reduce_scatter_async_tagged(b, segs, t, op, tag);
+    }
+    template <class B>
+    static auto start(B& b, Buffer buf, ReduceOp op, CollectiveTag tag) {
+        if constexpr (Whole)
+            return allreduce_async_tagged(b, buf, op, tag);
+        else
+            return reduce_scatter_async_tagged(b, buf, op, tag);
+    }
+    // The same, run now on this thread.
+    template <class B>
+    static void run(B& b, std::span<const Segment> segs, DType t, ReduceOp op, CollectiveTag tag) {
+        if constexpr (Whole)
+            allreduce_tagged(b, segs, t, op, tag);
+        else
+            reduce_scatter_tagged(b, segs, t, op, tag);
+    }
+    template <class B>
+    static void run(B& b, Buffer buf, ReduceOp op, CollectiveTag tag) {
+        if constexpr (Whole)
+            allreduce_tagged(b, buf, op, tag);
+        else
+            reduce_scatter_tagged(b, buf, op, tag);
+    }
+};
+
+using AllreduceBuckets = BucketCollective<true>;
+using ReduceScatterBuckets = BucketCollective<false>;
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_DATA_PARALLEL_BUCKET_COLLECTIVE_HPP
+// ---- end gradsync/data_parallel/bucket_collective.hpp ----
 
 // ---- begin gradsync/data_parallel/bucket_slot.hpp ----
 #ifndef GRADSYNC_SINGLE_DATA_PARALLEL_BUCKET_SLOT_HPP
 #define GRADSYNC_SINGLE_DATA_PARALLEL_BUCKET_SLOT_HPP
 // BucketSlot: one bucket's storage in the bucket engine and the state of its collective in the
-// current step, and the routes a bucket travels by.
+// current step, and the route a bucket travels by, chosen when it is built (build_slot).
 
 
+#include <algorithm>  // for std::sort
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -5564,7 +5624,69 @@ struct BucketSlot {
     std::vector<HookParameter> hooked;         // the parameters, as the hook sees them
     std::int64_t hook_step = 0;                // the step the hook started in
     clock::time_point launched_at, finished_at;
+
+    // A hook's 16-bit bucket, widened into a float32 copy (the buffer).
+    [[nodiscard]] bool widened_for_hook() const { return route == Route::hook && wire != dtype; }
 };
+
+// What decides a bucket's route besides the bucket itself.
+struct RouteRules {
+    bool hooked = false;          // a communication hook takes the float32 and 16-bit buckets
+    DType wire = DType::float32;  // not float32: float32 buckets are compressed to it
+    bool in_place = false;        // the backend reduces segments where they lie
+    bool whole = true;            // allreduced; false: reduce-scattered, the shard read packed
+    bool peers = true;            // a world of more than one: buffers for the collective
+};
+
+// (Re)builds `slot` for `bucket`: its segments, in parameter order (the element layout every
+// rank shares), its route, its memory policy table, and its buffer where the route needs one
+// (kept when it has one: a rebuild after the gradients moved keeps the packed buffer).
+template <class Memory, class Handle>
+void build_slot(BucketSlot<Memory, Handle>& slot, const Bucket& bucket, std::span<const Parameter> params,
+                Memory& memory, const RouteRules& rules) {
+    slot.indices = bucket.parameters;
+    std::sort(slot.indices.begin(), slot.indices.end());
+    slot.segments.clear();
+    for (auto i : slot.indices) slot.segments.push_back(Segment{params[i].grad, params[i].count});
+    slot.dtype = slot.wire = bucket.dtype;
+    slot.count = bucket.count;
+    const bool contiguous = first_gap(slot.segments, bucket.dtype) == 0;
+    slot.view.reset();
+    slot.hooked.clear();
+    const bool half = bucket.dtype == DType::float16 || bucket.dtype == DType::bfloat16;
+    // A hook sees float32 values: a half bucket is widened into a float32 buffer (never a view).
+    // A shard is read where the front was told it lies: the packed buffer.
+    if (contiguous && !(rules.hooked && half) && rules.whole)
+        slot.view = Segment{slot.segments.front().data, slot.count};
+    if (rules.hooked && (bucket.dtype == DType::float32 || half)) {
+        slot.route = Route::hook;
+        slot.wire = DType::float32;
+        std::size_t offset = 0;
+        for (auto i : slot.indices) {
+            slot.hooked.push_back(HookParameter{params[i].name, offset, params[i].count, params[i].shape});
+            offset += params[i].count;
+        }
+    } else if (rules.wire != DType::float32 && bucket.dtype == DType::float32) {
+        slot.route = Route::compressed;
+        slot.wire = rules.wire;
+    } else if (rules.in_place) {
+        slot.route = Route::in_place;
+    } else {
+        slot.route = slot.view ? Route::view : Route::packed;
+    }
+    slot.table = memory.table(slot.segments, bucket.dtype);
+    const bool needs_buffer =
+        slot.route == Route::packed || slot.route == Route::compressed || (slot.route == Route::hook && !slot.view);
+    // A hook's float32 copy is kept in a world of one too (float32_gradient() reads it), and a
+    // shard is read from the buffer.
+    const bool kept = slot.widened_for_hook() || !rules.whole;
+    if (needs_buffer && (rules.peers || kept) && slot.buffer.size() == 0)
+        slot.buffer = memory.allocate(Bytes{slot.count * size_of(slot.wire)});
+    if (slot.widened_for_hook()) {
+        const Segment whole{Memory::data(slot.buffer), slot.count};
+        slot.float32_table = memory.table(std::span<const Segment>(&whole, 1), DType::float32);
+    }
+}
 
 }  // namespace gradsync::inline v0::detail
 #endif  // GRADSYNC_SINGLE_DATA_PARALLEL_BUCKET_SLOT_HPP
@@ -5924,31 +6046,31 @@ void log(LogLevel level, int rank, Make&& make) {
 #endif  // GRADSYNC_SINGLE_DETAIL_LOG_HPP
 // ---- end gradsync/detail/log.hpp ----
 
-#include <algorithm>  // for std::sort
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
-#include <functional>  // for std::function
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
-#include <utility>  // for std::declval, std::pair
+#include <utility>  // for std::declval
 #include <vector>
 
 namespace gradsync::inline v0::detail {
 
-template <Backend BackendT, MemoryPolicy Memory, DType Wire, bool InPlace, class Hook = NoCommHook>
+template <Backend BackendT, MemoryPolicy Memory, DType Wire, bool InPlace, class Hook = NoCommHook,
+          class Collective = AllreduceBuckets>
 class BucketEngine {
     static constexpr bool compresses = Wire != DType::float32;
+    static_assert(Collective::whole || (!compresses && !Hook::hooked),
+                  "a sharded bucket is neither compressed nor hooked");
     using clock = std::chrono::steady_clock;
 
     static auto async_of(BackendT& b) {
         if constexpr (InPlace)
-            return allreduce_async_tagged(b, std::span<const Segment>{}, DType::float32, ReduceOp::sum,
-                                          CollectiveTag{});
+            return Collective::start(b, std::span<const Segment>{}, DType::float32, ReduceOp::sum, CollectiveTag{});
         else
-            return allreduce_async_tagged(b, Buffer{}, ReduceOp::sum, CollectiveTag{});
+            return Collective::start(b, Buffer{}, ReduceOp::sum, CollectiveTag{});
     }
 
 public:
@@ -5992,15 +6114,15 @@ public:
     void launch(std::size_t b, CollectiveTag tag) {
         auto& slot = slots_[b];
         slot.launched_at = clock::now();
-        if (backend_.size() == 1) return;  // the local gradient is already the average
+        // The local gradient is already the average (a shard is still packed where it is read).
+        if (backend_.size() == 1 && Collective::whole) return;
         if (slot.route == Route::hook) {
             start_hook(b, tag);
         } else if (slot.route == Route::in_place) {
             if constexpr (InPlace)
-                slot.handle.emplace(
-                    allreduce_async_tagged(backend_, segments_of(slot), slot.dtype, ReduceOp::average, tag));
+                slot.handle.emplace(Collective::start(backend_, segments_of(slot), slot.dtype, ReduceOp::average, tag));
         } else {
-            slot.handle.emplace(allreduce_async_tagged(backend_, contiguous(b), op_of(slot), tag));
+            slot.handle.emplace(Collective::start(backend_, contiguous(b), op_of(slot), tag));
         }
     }
 
@@ -6010,7 +6132,7 @@ public:
         auto& slot = slots_[b];
         slot.launched_at = clock::now();
         if constexpr (DeviceBackend<BackendT>) {
-            slot.handle.emplace(allreduce_async_tagged(backend_, contiguous(b), op_of(slot), tag));
+            slot.handle.emplace(Collective::start(backend_, contiguous(b), op_of(slot), tag));
             return;
         }
         if (slot.route == Route::hook) {
@@ -6022,9 +6144,9 @@ public:
             return;
         }
         if (slot.route == Route::in_place) {
-            if constexpr (InPlace) allreduce_tagged(backend_, segments_of(slot), slot.dtype, ReduceOp::average, tag);
+            if constexpr (InPlace) Collective::run(backend_, segments_of(slot), slot.dtype, ReduceOp::average, tag);
         } else {
-            allreduce_tagged(backend_, contiguous(b), op_of(slot), tag);
+            Collective::run(backend_, contiguous(b), op_of(slot), tag);
         }
         finish(b);
         slot.finished_at = clock::now();
@@ -6036,28 +6158,34 @@ public:
     // that hangs.
     template <class Diagnose>
     void wait_all(clock::time_point deadline, Diagnose&& diagnose) {
-        for (std::size_t b = 0; b < slots_.size(); ++b) {
-            auto& slot = slots_[b];
-            if (slot.pending) {
-                if (!slot.pending->wait_until(deadline)) throw TimeoutError(diagnose(b));
-                slot.pending.reset();
-                finish_hook(b);
-                slot.finished_at = clock::now();
-                continue;
-            }
-            if (!slot.handle) continue;
-            if constexpr (StreamOrdered<BackendT>) {
-                backend_.wait_on_device(*slot.handle);
-                slot.handle.reset();
-                finish(b);
-                continue;
-            }
-            if (!slot.handle->wait_until(deadline)) throw TimeoutError(diagnose(b));
-            finish(b);
-            slot.finished_at = detail::finished_at(*slot.handle);
-            slot.handle.reset();
-        }
+        for (std::size_t b = 0; b < slots_.size(); ++b) wait(b, deadline, diagnose);
     }
+
+    // The same for bucket b alone (nothing when it was not launched).
+    template <class Diagnose>
+    void wait(std::size_t b, clock::time_point deadline, Diagnose&& diagnose) {
+        auto& slot = slots_[b];
+        if (slot.pending) {
+            if (!slot.pending->wait_until(deadline)) throw TimeoutError(diagnose(b));
+            slot.pending.reset();
+            finish_hook(b);
+            slot.finished_at = clock::now();
+            return;
+        }
+        if (!slot.handle) return;
+        if constexpr (StreamOrdered<BackendT>) {
+            backend_.wait_on_device(*slot.handle);
+            slot.handle.reset();
+            return finish(b);
+        }
+        if (!slot.handle->wait_until(deadline)) throw TimeoutError(diagnose(b));
+        finish(b);
+        slot.finished_at = detail::finished_at(*slot.handle);
+        slot.handle.reset();
+    }
+
+    // Whether bucket b's launched collective has completed (a hook's is waited for).
+    [[nodiscard]] bool completed(std::size_t b) const { return slots_[b].handle && slots_[b].handle->ready(); }
 
     // Unscales and measures bucket b's gradients where they lie (a world of one has nothing to
     // reduce, but a step still needs its norm).
@@ -6159,50 +6287,11 @@ public:
 
 private:
     void build(Slot& slot, const Bucket& bucket, std::span<const Parameter> params) {
-        slot.indices = bucket.parameters;
-        std::sort(slot.indices.begin(), slot.indices.end());  // the element layout every rank shares
-        slot.segments.clear();
-        for (auto i : slot.indices) slot.segments.push_back(Segment{params[i].grad, params[i].count});
-        slot.dtype = slot.wire = bucket.dtype;
-        slot.count = bucket.count;
-        const bool contiguous = first_gap(slot.segments, bucket.dtype) == 0;
-        slot.view.reset();
-        slot.hooked.clear();
-        const bool half = bucket.dtype == DType::float16 || bucket.dtype == DType::bfloat16;
-        // A hook sees float32 values: a half bucket is widened into a float32 buffer (never a view).
-        if (contiguous && !(Hook::hooked && half)) slot.view = Segment{slot.segments.front().data, bucket.count};
-        if (Hook::hooked && (bucket.dtype == DType::float32 || half)) {
-            slot.route = Route::hook;
-            slot.wire = DType::float32;
-            std::size_t offset = 0;
-            for (auto i : slot.indices) {
-                slot.hooked.push_back(HookParameter{params[i].name, offset, params[i].count, params[i].shape});
-                offset += params[i].count;
-            }
-        } else if (compresses && bucket.dtype == DType::float32) {
-            slot.route = Route::compressed;
-            slot.wire = Wire;
-        } else if (InPlace) {
-            slot.route = Route::in_place;
-        } else {
-            slot.route = contiguous ? Route::view : Route::packed;
-        }
-        slot.table = memory_.table(slot.segments, bucket.dtype);
-        const bool needs_buffer =
-            slot.route == Route::packed || slot.route == Route::compressed || (slot.route == Route::hook && !slot.view);
-        // A hook's float32 copy is kept in a world of one too: float32_gradient() reads it.
-        if (needs_buffer && (backend_.size() > 1 || hook_widens(slot)) && slot.buffer.size() == 0)
-            slot.buffer = memory_.allocate(Bytes{bucket.count * size_of(slot.wire)});
-        if (hook_widens(slot)) {
-            const Segment whole{Memory::data(slot.buffer), slot.count};
-            slot.float32_table = memory_.table(std::span<const Segment>(&whole, 1), DType::float32);
-        }
+        build_slot(slot, bucket, params, memory_,
+                   RouteRules{Hook::hooked, Wire, InPlace, Collective::whole, backend_.size() > 1});
     }
 
-    // A hook's 16-bit bucket, widened into a float32 copy.
-    [[nodiscard]] static bool hook_widens(const Slot& slot) {
-        return slot.route == Route::hook && slot.wire != slot.dtype;
-    }
+    [[nodiscard]] static bool hook_widens(const Slot& slot) { return slot.widened_for_hook(); }
 
     // The bucket's gradients where they lie: one segment when they are a view.
     static std::span<const Segment> segments_of(const Slot& slot) {
@@ -6232,6 +6321,7 @@ private:
     // ones widened (a float16 sum that overflowed leaves the gradients intact, and its result is
     // not finite: the step then reduces it again in float32); the others scaled where they lie.
     void finish(std::size_t b) {
+        if constexpr (!Collective::whole) return;  // only this rank's shard is reduced
         auto& slot = slots_[b];
         const std::byte* data = Memory::data(slot.buffer);
         switch (slot.route) {
@@ -6854,7 +6944,6 @@ StepReport decide_step(const StepStats& stats, Scaler& scaler, const Lr& lr, int
 #include <cstdint>
 #include <exception>
 #include <string>
-#include <vector>
 
 namespace gradsync::inline v0::detail {
 
@@ -6896,23 +6985,6 @@ inline std::string failure_of(int rank, std::uint64_t step, const std::exception
     if (what.rfind("gradsync: ", 0) == 0) return what;
     return rank_prefix(rank) + " failed in step " + std::to_string(step) + ": " + what;
 }
-
-// Collectives launched and not yet retired, as abandon_in_flight drains them: for a front that
-// keeps its handles in a list.
-template <class Handle>
-struct HandlesInFlight {
-    std::vector<Handle>& handles;
-    [[nodiscard]] bool in_flight() const { return !handles.empty(); }
-    void drain(std::chrono::steady_clock::time_point deadline) {
-        for (auto& h : handles) {
-            try {
-                (void)h.wait_until(deadline);
-            } catch (...) {  // aborted: ends at once
-            }
-        }
-        handles.clear();
-    }
-};
 
 // For a front's destructor: with collectives still in flight (a step cut short by an exception),
 // aborts the group, saying that this rank destroyed its `front` in `step`, and drains them. Never
@@ -9152,7 +9224,8 @@ private:
 // the finite check with one small allreduce, lets the optimizer update only this rank's shards of
 // the parameters, with only its share of the state, and all-gathers the updated parameters into
 // every rank's model. A backend that reduces scattered memory (LocalBackend) does all of it where
-// the gradients and parameters lie, with no copy; others get packed bucket buffers. With
+// the gradients and parameters lie, with no copy; others get packed bucket buffers. The buckets
+// go through DataParallel's bucket engine, with a reduce-scatter for its collective. With
 // LocalBackend the averaged gradients are bitwise the allreduce's, so an elementwise optimizer
 // ends bitwise where DataParallel's would.
 //
@@ -9165,13 +9238,23 @@ private:
 // memory (a backend whose collectives take device memory is refused), no wire compression.
 
 
+// ---- begin gradsync/data_parallel/released_shards.hpp ----
+#ifndef GRADSYNC_SINGLE_DATA_PARALLEL_RELEASED_SHARDS_HPP
+#define GRADSYNC_SINGLE_DATA_PARALLEL_RELEASED_SHARDS_HPP
+// Stage 2 of ShardedDataParallel (ShardedOptions::release_gradients): once a bucket is
+// reduce-scattered, this rank's share of its averaged gradients is copied into a store of the
+// wrapper's (the optimizer's pieces point there) and the model is told to release the bucket's
+// gradients. Off, it keeps and releases nothing.
+
+
 // ---- begin gradsync/data_parallel/shard_layout.hpp ----
 #ifndef GRADSYNC_SINGLE_DATA_PARALLEL_SHARD_LAYOUT_HPP
 #define GRADSYNC_SINGLE_DATA_PARALLEL_SHARD_LAYOUT_HPP
 // How ShardedDataParallel splits the plan's buckets among the ranks: each bucket into one
 // contiguous shard per rank (shard_of), and this rank's shard of each into pieces, one per
-// parameter it covers, pointing into the model (in place) or into packed bucket buffers; with
-// released gradients (stage 2), the pieces' gradients lie in a store of the wrapper's instead.
+// parameter it covers, pointing into the model (in place) or into packed bucket buffers (the
+// bucket engine's, for the gradients); with released gradients (stage 2), the pieces' gradients
+// lie in a store of the wrapper's instead.
 
 
 #include <algorithm>  // for std::sort, std::max, std::min
@@ -9198,16 +9281,15 @@ struct ShardPiece {
 
 namespace detail {
 
-// One bucket: its gradients and parameters where the model keeps them (by parameter index: the
-// element order of the bucket), this rank's shard, and the packed route's buffers.
+// One bucket: its parameters where the model keeps them (by parameter index: the element order
+// of the bucket), this rank's shard, and the packed route's parameter buffer.
 struct ShardSlot {
     std::vector<std::size_t> indices;  // the bucket's parameters, ascending
-    HostMemory::Table grads, params;   // float32 segments, in that order
-    std::vector<float> grad_buffer, param_buffer;
+    HostMemory::Table params;          // float32 segments, in that order
+    std::vector<float> param_buffer;
     Shard shard;
     std::size_t first_piece = 0, piece_count = 0;  // this rank's pieces of the bucket
 
-    void pack_grads() { HostMemory{}.pack(grads, reinterpret_cast<std::byte*>(grad_buffer.data())); }
     void unpack_params() const { HostMemory{}.unpack(params, reinterpret_cast<const std::byte*>(param_buffer.data())); }
     // Copies the model's parameters of this rank's shard into the parameter buffer.
     void pack_shard() {
@@ -9225,7 +9307,8 @@ struct ShardSlot {
 
 // Every bucket's slot and this rank's pieces, in bucket order; the pieces' state offsets count
 // up from 0 to state_elements. A `grad_store` of shard_elements() floats holds the pieces'
-// gradients at their state offsets (stage 2); without one they lie where the slot's do.
+// gradients at their state offsets (stage 2); without one they lie in the model's gradients (in
+// place) or in `packed_grads[b]`, where bucket b's gradients are reduce-scattered packed.
 template <bool InPlace>
 struct ShardLayout {
     std::vector<ShardSlot> slots;
@@ -9235,22 +9318,17 @@ struct ShardLayout {
 
     ShardLayout() = default;
     ShardLayout(std::span<const Parameter> params, const BucketPlan& plan, int ranks, int rank,
-                float* grad_store = nullptr)
+                std::span<float* const> packed_grads, float* grad_store = nullptr)
         : grad_store_(grad_store) {
-        for (const auto& bucket : plan.buckets) {
+        for (std::size_t b = 0; b < plan.buckets.size(); ++b) {
+            const auto& bucket = plan.buckets[b];
             ShardSlot slot;
             slot.indices = bucket.parameters;
             std::sort(slot.indices.begin(), slot.indices.end());
             const auto& indices = slot.indices;
             slot.first_piece = pieces.size();
-            for (auto i : indices) {
-                slot.grads.segments.push_back({params[i].grad, params[i].count});
-                slot.params.segments.push_back({params[i].data, params[i].count});
-            }
-            if constexpr (!InPlace) {
-                slot.grad_buffer.assign(bucket.count, 0.0f);
-                slot.param_buffer.assign(bucket.count, 0.0f);
-            }
+            for (auto i : indices) slot.params.segments.push_back({params[i].data, params[i].count});
+            if constexpr (!InPlace) slot.param_buffer.assign(bucket.count, 0.0f);
             slot.shard = shard_of(bucket.count, ranks, rank);
             // The shard crosses the bucket's parameters: one piece per parameter it covers.
             const std::size_t lo = slot.shard.offset, hi = lo + slot.shard.count;
@@ -9262,8 +9340,8 @@ struct ShardLayout {
                     float* p = InPlace ? static_cast<float*>(slot.params.segments[k].data) + (begin - at)
                                        : slot.param_buffer.data() + begin;
                     float* g = grad_store_ != nullptr ? grad_store_ + state_elements
-                               : InPlace              ? static_cast<float*>(slot.grads.segments[k].data) + (begin - at)
-                                                      : slot.grad_buffer.data() + begin;
+                               : InPlace              ? static_cast<float*>(params[indices[k]].grad) + (begin - at)
+                                                      : packed_grads[b] + begin;
                     add_piece(p, g, end - begin, indices[k], begin - at);
                 }
                 at += n;
@@ -9286,7 +9364,6 @@ struct ShardLayout {
         auto& slot = slots[b];
         for (std::size_t k = 0; k < slot.indices.size(); ++k) {
             const auto& p = params[slot.indices[k]];
-            slot.grads.segments[k] = {p.grad, p.count};
             slot.params.segments[k] = {p.data, p.count};
         }
         if constexpr (!InPlace) return;  // the pieces lie in the packed buffers
@@ -9327,34 +9404,72 @@ private:
 #endif  // GRADSYNC_SINGLE_DATA_PARALLEL_SHARD_LAYOUT_HPP
 // ---- end gradsync/data_parallel/shard_layout.hpp ----
 
+#include <cstddef>
+#include <span>
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+template <class Model, bool InPlace>
+class ReleasedShards {
+public:
+    // Sizes the store for this rank's shards of `plan` when on.
+    void plan(bool on, const BucketPlan& plan, int ranks, int rank) {
+        on_ = on;
+        store_.assign(on ? ShardLayout<InPlace>::shard_elements(plan, ranks, rank) : 0, 0.0f);
+    }
+    [[nodiscard]] bool on() const { return on_; }
+    // Where the pieces' gradients lie when on (for ShardLayout), else null.
+    [[nodiscard]] float* store() { return on_ ? store_.data() : nullptr; }
+    [[nodiscard]] std::size_t bytes() const { return store_.size() * sizeof(float); }
+
+    // Bucket b is reduced: its share kept, then its gradients released.
+    void keep(Model& model, ShardLayout<InPlace>& shards, const ModelLayout& layout, std::size_t b) {
+        if constexpr (InPlace && ReleasableGradients<Model>) {
+            if (!on_) return;
+            shards.keep_shard(b, layout.params);
+            release(model, shards, layout, b);
+        } else {
+            (void)model, (void)shards, (void)layout, (void)b;
+        }
+    }
+    // Bucket b's gradients released (again: a listing of the model made them anew).
+    void release(Model& model, const ShardLayout<InPlace>& shards, const ModelLayout& layout, std::size_t b) {
+        if constexpr (ReleasableGradients<Model>) {
+            model_indices_.clear();
+            for (auto p : shards.slots[b].indices) model_indices_.push_back(layout.model_index_of_param[p]);
+            gradsync::release_gradients(model, std::span<const std::size_t>(model_indices_));
+        } else {
+            (void)model, (void)shards, (void)layout, (void)b;
+        }
+    }
+
+private:
+    bool on_ = false;
+    std::vector<float> store_;                // this rank's share of the averaged gradients
+    std::vector<std::size_t> model_indices_;  // a bucket's parameters, as the model counts them
+};
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_DATA_PARALLEL_RELEASED_SHARDS_HPP
+// ---- end gradsync/data_parallel/released_shards.hpp ----
+
 // ---- begin gradsync/data_parallel/shard_step.hpp ----
 #ifndef GRADSYNC_SINGLE_DATA_PARALLEL_SHARD_STEP_HPP
 #define GRADSYNC_SINGLE_DATA_PARALLEL_SHARD_STEP_HPP
 // What ShardedDataParallel's step decides over this rank's shards with the other ranks: the global
 // norm and whether every averaged gradient is finite (one small allreduce), which parameters
-// overflowed when one is not, and clipping. Each collective carries its tag.
+// overflowed when one is not, and clipping; and the all-gather of the updated parameters. Each
+// collective carries its tag.
 
 
 #include <cmath>
 #include <cstddef>
 #include <span>
 #include <string>
-#include <utility>  // for std::declval
 #include <vector>
 
 namespace gradsync::inline v0::detail {
-
-// What a bucket's asynchronous reduce_scatter returns: over segments where they lie, or packed.
-template <class B, bool InPlace>
-struct ShardedHandle {
-    using type = decltype(reduce_scatter_async_tagged(std::declval<B&>(), std::declval<Buffer>(), ReduceOp::average,
-                                                      CollectiveTag{}));
-};
-template <class B>
-struct ShardedHandle<B, true> {
-    using type = decltype(reduce_scatter_async_tagged(std::declval<B&>(), std::declval<std::span<const Segment>>(),
-                                                      DType::float32, ReduceOp::average, CollectiveTag{}));
-};
 
 struct ShardVerdict {
     double norm = 0;  // not finite when a gradient is not
@@ -9404,6 +9519,48 @@ inline void clip_shards(std::span<const std::span<float>> grads, double norm, do
     for (const auto g : grads) scale_only(g.data(), g.size(), clip_norm / (norm + 1e-6));
 }
 
+// The step's decision, the same on every rank: this rank's shards unscaled by the loss scale
+// while their norm is measured, the scaler told the outcome, and then either the overflowed
+// parameters named (report.applied false) or the shards clipped to `clip_norm` (above 0).
+// tag_of(purpose) tags each collective.
+template <Backend B, bool InPlace, class Scaler, class TagOf>
+void decide_on_shards(B& backend, const ShardLayout<InPlace>& shards, std::span<const Parameter> params, Scaler& scaler,
+                      double clip_norm, StepReport& report, TagOf&& tag_of) {
+    const auto grads = std::span<const std::span<float>>(shards.grads);
+    report.loss_scale = scaler.scale();
+    const auto verdict = agree_on_shards(backend, grads, 1.0 / static_cast<double>(report.loss_scale),
+                                         tag_of(CollectivePurpose::step_decision));
+    report.grad_norm = verdict.norm;
+    report.applied = verdict.finite;
+    scaler.update(!report.applied);  // every rank alike: the decision is agreed
+    report.next_loss_scale = scaler.scale();
+    if (!report.applied) {
+        report.overflowed = overflowed_parameters(backend, std::span<const ShardPiece<float>>(shards.pieces), params,
+                                                  tag_of(CollectivePurpose::overflow_report));
+    } else if (clip_norm > 0 && report.grad_norm > clip_norm) {
+        clip_shards(grads, report.grad_norm, clip_norm);
+        report.clipped = true;
+    }
+}
+
+// optimizer(pieces) on this rank's shards, then every bucket's parameters all-gathered into
+// every rank's model, where they lie or through the packed buffers; tag_of(b) tags bucket b's.
+template <Backend B, bool InPlace, class Optimizer, class TagOf>
+void update_and_gather(B& backend, ShardLayout<InPlace>& shards, Optimizer& optimizer, TagOf&& tag_of) {
+    if constexpr (!InPlace)
+        for (auto& slot : shards.slots) slot.pack_shard();  // the parameters as the model holds them now
+    optimizer(std::span<const ShardPiece<float>>(shards.pieces));
+    for (std::size_t b = 0; b < shards.slots.size(); ++b) {
+        auto& slot = shards.slots[b];
+        if constexpr (InPlace)
+            all_gather_tagged(backend, slot.params.segments, DType::float32, tag_of(b));
+        else
+            all_gather_tagged(backend, buffer_of(std::span<float>(slot.param_buffer)), tag_of(b));
+    }
+    if constexpr (!InPlace)
+        for (auto& slot : shards.slots) slot.unpack_params();
+}
+
 }  // namespace gradsync::inline v0::detail
 #endif  // GRADSYNC_SINGLE_DATA_PARALLEL_SHARD_STEP_HPP
 // ---- end gradsync/data_parallel/shard_step.hpp ----
@@ -9441,7 +9598,9 @@ struct ShardedOptions {
     // instead of updating from mixed gradients. false turns it off. (A step number passed to
     // step() is checked there whatever this says.)
     bool check_histories = true;
-    // How long a destroyed ShardedDataParallel waits for the collectives it abandons, after
+    // How long step() waits for a bucket's reduce-scatter launched during backward (a TimeoutError
+    // then names the bucket and the ranks behind, where the backend can tell), and how long a
+    // failed step or a destroyed ShardedDataParallel waits for the collectives it abandons, after
     // aborting the group (where the backend can be aborted they end at once).
     std::chrono::milliseconds timeout = std::chrono::seconds(600);
 };
@@ -9593,11 +9752,12 @@ public:
         : model_(model),
           backend_(backend),
           options_(Set::template value<ShardedOptions>(std::tuple(policies...))),
-          scaler_(Set::template value<loss_scaler_type>(std::tuple(policies...))) {
+          scaler_(Set::template value<loss_scaler_type>(std::tuple(policies...))),
+          engine_(backend, HostMemory{}) {
         init(Set::template value<bucketer_type>(std::tuple(policies...)));
     }
     ShardedDataParallel(Model& model, BackendT& backend) requires(sizeof...(Policies) > 0)
-        : model_(model), backend_(backend) {
+        : model_(model), backend_(backend), engine_(backend, HostMemory{}) {
         init(bucketer_type{});
     }
 
@@ -9641,8 +9801,7 @@ public:
     // this rank, and they are drained before the memory they write goes.
     ~ShardedDataParallel() {
         lifetime_.reset();
-        detail::HandlesInFlight<Handle> in_flight{launched_};
-        detail::abandon_in_flight(backend_, in_flight, options_.timeout, "ShardedDataParallel", current_step());
+        detail::abandon_in_flight(backend_, engine_, options_.timeout, "ShardedDataParallel", current_step());
     }
     ShardedDataParallel(const ShardedDataParallel&) = delete;
     ShardedDataParallel& operator=(const ShardedDataParallel&) = delete;
@@ -9674,16 +9833,16 @@ public:
     [[nodiscard]] int world_size() const { return backend_.size(); }
     // Memory held beyond the model's: packed bucket buffers (one for gradients and one for
     // parameters each) where the backend cannot reduce scattered memory; with release_gradients
-    // this rank's share of the averaged gradients; else none.
+    // this rank's share of the averaged gradients; the engine's bookkeeping.
     [[nodiscard]] Bytes extra_memory() const {
-        if (!in_place) return Bytes{2 * plan_.bytes().count()};
-        return Bytes{grad_store_.size() * sizeof(float)};
+        return engine_.memory_held() + Bytes{released_.bytes() + (in_place ? 0 : parameter_elements() * sizeof(float))};
     }
     // Whether shards are reduced and gathered where they lie (ScatteredShardedCollectives).
     static constexpr bool in_place = ScatteredShardedCollectives<BackendT>;
 
 private:
-    using Handle = typename detail::ShardedHandle<BackendT, in_place>::type;
+    using Engine =
+        detail::BucketEngine<BackendT, HostMemory, DType::float32, in_place, NoCommHook, detail::ReduceScatterBuckets>;
 
     // The step in progress (or the next): 1 for the first.
     [[nodiscard]] std::uint64_t current_step() const { return steps_ + 1; }
@@ -9708,9 +9867,11 @@ private:
         detail::broadcast_parameters(backend_, parameters());
         history_.take_identity(backend_);
         detail::sync_buffers(backend_, buffers(), buffers_type::mode, /*at_construction=*/true, history_, 0);
-        if (stage2()) grad_store_.assign(detail::ShardLayout<in_place>::shard_elements(plan_, world_size(), rank()), 0);
-        shards_ = detail::ShardLayout<in_place>(layout_.params, plan_, world_size(), rank(),
-                                                stage2() ? grad_store_.data() : nullptr);
+        released_.plan(options_.release_gradients, plan_, world_size(), rank());
+        engine_.setup(plan_, layout_.params);
+        std::vector<float*> packed;  // where the engine reduce-scatters each bucket (not in place)
+        for (auto& slot : engine_.slots()) packed.push_back(reinterpret_cast<float*>(HostMemory::data(slot.buffer)));
+        shards_ = detail::ShardLayout<in_place>(layout_.params, plan_, world_size(), rank(), packed, released_.store());
         storage_.reset(plan_.buckets.size());
         readiness_.plan(plan_, layout_.params.size());
     }
@@ -9722,26 +9883,13 @@ private:
         const auto step = static_cast<std::int64_t>(report.step);
         {
             // The buckets grad_ready launched, then the rest on this thread, bucket after bucket
-            // (a progress thread would only compete with this one for the cores). The backend's
-            // deadline applies.
-            for (; kept_ < launched_.size(); ++kept_) {
-                launched_[kept_].wait();
-                keep(kept_);
-            }
-            const std::size_t released = stage2() ? launched_.size() : 0;
-            if (follow_storage(launched_.size(), shards_.slots.size(), /*in_backward=*/false) && released > 0)
-                for (std::size_t b = 0; b < released; ++b) release(b);  // what that listing made again
-            for (std::size_t b = launched_.size(); b < shards_.slots.size(); ++b) {
-                auto& slot = shards_.slots[b];
-                if constexpr (in_place) {
-                    detail::reduce_scatter_tagged(backend_, slot.grads.segments, DType::float32, ReduceOp::average,
-                                                  tag_of(detail::CollectivePurpose::bucket, b));
-                } else {
-                    slot.pack_grads();
-                    detail::reduce_scatter_tagged(backend_, buffer_of(std::span<float>(slot.grad_buffer)),
-                                                  ReduceOp::average, tag_of(detail::CollectivePurpose::bucket, b));
-                }
-                keep(b);
+            // (a progress thread would only compete with this one for the cores).
+            retire(launched_, detail::deadline_after(options_.timeout));
+            if (follow_storage(launched_, shards_.slots.size(), /*in_backward=*/false) && released_.on())
+                for (std::size_t b = 0; b < launched_; ++b) released_.release(model_, shards_, layout_, b);
+            for (std::size_t b = launched_; b < shards_.slots.size(); ++b) {
+                engine_.reduce_now(b, tag_of(detail::CollectivePurpose::bucket, b));
+                released_.keep(model_, shards_, layout_, b);
             }
             new_step();
         }
@@ -9750,38 +9898,12 @@ private:
         if (histories || number) history_.verify(backend_, step, number ? std::optional(number->value) : std::nullopt);
         // This rank's share of the norm and of the finite check, then everyone's. With a loss
         // scale, the same pass unscales, as DataParallel's finalize pass does.
-        report.loss_scale = scaler_.scale();
-        const auto verdict = detail::agree_on_shards(backend_, std::span<const std::span<float>>(shards_.grads),
-                                                     1.0 / static_cast<double>(report.loss_scale),
-                                                     tag_of(detail::CollectivePurpose::step_decision, 0));
-        report.grad_norm = verdict.norm;
-        report.applied = verdict.finite;
-        scaler_.update(!report.applied);  // every rank alike: the decision is agreed
-        report.next_loss_scale = scaler_.scale();
-        if (!report.applied) {
-            report.overflowed =
-                detail::overflowed_parameters(backend_, std::span<const ShardPiece<float>>(shards_.pieces),
-                                              parameters(), tag_of(detail::CollectivePurpose::overflow_report, 0));
-            steps_ = report.step;
-            return report;
-        }
-        if (options_.clip_norm > 0 && report.grad_norm > options_.clip_norm) {
-            detail::clip_shards(std::span<const std::span<float>>(shards_.grads), report.grad_norm, options_.clip_norm);
-            report.clipped = true;
-        }
-        if constexpr (!in_place)
-            for (auto& slot : shards_.slots) slot.pack_shard();  // the parameters as the model holds them now
-        optimizer(std::span<const ShardPiece<float>>(shards_.pieces));
-        for (std::size_t b = 0; b < shards_.slots.size(); ++b) {
-            auto& slot = shards_.slots[b];
-            const auto tag = tag_of(detail::CollectivePurpose::shard_gather, b);
-            if constexpr (in_place)
-                detail::all_gather_tagged(backend_, slot.params.segments, DType::float32, tag);
-            else
-                detail::all_gather_tagged(backend_, buffer_of(std::span<float>(slot.param_buffer)), tag);
-        }
-        if constexpr (!in_place)
-            for (auto& slot : shards_.slots) slot.unpack_params();
+        detail::decide_on_shards(backend_, shards_, parameters(), scaler_, options_.clip_norm, report,
+                                 [this](detail::CollectivePurpose purpose) { return tag_of(purpose, 0); });
+        if (report.applied)
+            detail::update_and_gather(backend_, shards_, optimizer, [this](std::size_t b) {
+                return tag_of(detail::CollectivePurpose::shard_gather, b);
+            });
         steps_ = report.step;
         return report;
     }
@@ -9796,16 +9918,15 @@ private:
                              of_bucket ? bucket.bytes().count() : 0, DType::float32);
     }
 
-    Handle reduce_scatter_async(std::size_t b) {
-        auto& slot = shards_.slots[b];
-        const auto tag = tag_of(detail::CollectivePurpose::bucket, b);
-        if constexpr (in_place) {
-            return detail::reduce_scatter_async_tagged(backend_, std::span<const Segment>(slot.grads.segments),
-                                                       DType::float32, ReduceOp::average, tag);
-        } else {
-            slot.pack_grads();
-            return detail::reduce_scatter_async_tagged(backend_, buffer_of(std::span<float>(slot.grad_buffer)),
-                                                       ReduceOp::average, tag);
+    // Waits for the launched buckets before `end` (by `deadline`, a late one named) and keeps
+    // each one's share.
+    void retire(std::size_t end, std::chrono::steady_clock::time_point deadline) {
+        for (; kept_ < end; ++kept_) {
+            engine_.wait(kept_, deadline, [this](std::size_t b) {
+                return detail::diagnose_timeout(backend_, static_cast<std::int64_t>(current_step()), plan_,
+                                                parameters(), b, options_.timeout);
+            });
+            released_.keep(model_, shards_, layout_, kept_);
         }
     }
 
@@ -9813,9 +9934,8 @@ private:
     // peers are told which rank failed in which step.
     template <class F>
     void guard(F&& f) {
-        detail::HandlesInFlight<Handle> in_flight{launched_};
         detail::run_guarded(
-            backend_, in_flight, options_.timeout, f, [this] { new_step(); },
+            backend_, engine_, options_.timeout, f, [this] { new_step(); },
             [this](const std::exception& e) { return detail::failure_of(rank(), current_step(), e); });
     }
 
@@ -9828,18 +9948,17 @@ private:
     // Bucket b goes now (during backward, under the readiness lock).
     void launch(std::size_t b) {
         follow_storage(b, b + 1, /*in_backward=*/true);
-        launched_.push_back(reduce_scatter_async(b));
+        engine_.launch(b, tag_of(detail::CollectivePurpose::bucket, b));
+        launched_ = b + 1;
         // Stage 2: the buckets reduced by now give their gradients back while backward goes on,
         // and at most two stay in flight (backward waits for the oldest), which bounds the
         // gradient memory to about two buckets beside this rank's share.
-        if (stage2())
-            for (; kept_ < launched_.size() && (launched_[kept_].ready() || launched_.size() - kept_ > 2); ++kept_) {
-                launched_[kept_].wait();  // rethrows its error, if any
-                keep(kept_);
-            }
+        if (!released_.on()) return;
+        std::size_t end = kept_;
+        while (end < launched_ && (engine_.completed(end) || launched_ - end > 2)) ++end;
+        retire(end, detail::deadline_after(options_.timeout));
     }
 
-    [[nodiscard]] bool stage2() const { return options_.release_gradients; }
     [[nodiscard]] std::string where() const {
         return detail::rank_prefix(rank()) + ", step " + std::to_string(current_step());
     }
@@ -9848,36 +9967,19 @@ private:
     // Returns whether the model was listed (outside backward that makes every gradient, also
     // those of buckets already released).
     bool follow_storage(std::size_t first, std::size_t last, bool in_backward) {
-        if ((!options_.storage_may_move && !stage2()) || first == last) return false;
+        if ((!options_.storage_may_move && !released_.on()) || first == last) return false;
         return storage_.follow(
             model_, layout_, plan_, first, last, in_backward,
-            [this](std::size_t b) { shards_.refresh(b, layout_.params); }, [this] { return where(); });
-    }
-
-    // Bucket b is reduced: with release_gradients, this rank's share is kept and the model
-    // releases the bucket's gradients.
-    void keep(std::size_t b) {
-        if constexpr (in_place && ReleasableGradients<Model>) {
-            if (!stage2()) return;
-            shards_.keep_shard(b, layout_.params);
-            release(b);
-        } else {
-            (void)b;
-        }
-    }
-    void release(std::size_t b) {
-        if constexpr (ReleasableGradients<Model>) {
-            model_indices_.clear();
-            for (auto p : shards_.slots[b].indices) model_indices_.push_back(layout_.model_index_of_param[p]);
-            gradsync::release_gradients(model_, std::span<const std::size_t>(model_indices_));
-        } else {
-            (void)b;
-        }
+            [this](std::size_t b) {
+                engine_.refresh(b, plan_.buckets[b], layout_.params);
+                shards_.refresh(b, layout_.params);
+            },
+            [this] { return where(); });
     }
 
     // Nothing ready, nothing launched.
     void new_step() {
-        launched_.clear();
+        launched_ = 0;
         kept_ = 0;
         storage_.end_step();
         readiness_.reset();
@@ -9889,18 +9991,18 @@ private:
     loss_scaler_type scaler_{};
     detail::ModelLayout layout_;
     BucketPlan plan_;
+    Engine engine_;  // each bucket's reduce_scatter
     detail::ShardLayout<in_place> shards_;
     std::uint64_t steps_ = 0;
     detail::CollectiveHistory history_;  // tags every collective of a step
     detail::StorageFollower storage_;
-    std::vector<float> grad_store_;           // stage 2: this rank's share of the averaged gradients
-    std::vector<std::size_t> model_indices_;  // a bucket's parameters, to release
+    detail::ReleasedShards<Model, in_place> released_;  // stage 2
     // Overlap: which parameters grad_ready reported this step, and the reduce_scatters launched
-    // (buckets 0 .. size - 1; written under the readiness lock during backward).
+    // (buckets 0 .. launched_ - 1; written under the readiness lock during backward).
     detail::Readiness readiness_;
-    std::vector<Handle> launched_;
+    std::size_t launched_ = 0;
+    std::size_t kept_ = 0;  // launched buckets waited for and kept
     std::shared_ptr<const char> lifetime_ = std::make_shared<const char>('\0');
-    std::size_t kept_ = 0;  // launched buckets whose share is kept (stage 2)
 };
 
 }  // namespace gradsync::inline v0

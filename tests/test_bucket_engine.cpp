@@ -1,6 +1,7 @@
 // BucketEngine, the part of DataParallel that moves buckets: the route each bucket takes, a
 // bucket reduced now or launched and waited for, the diagnosis of a late one, and the finalize
-// pass through the memory policy.
+// pass through the memory policy; and the same engine reduce-scattering buckets into shards, as
+// ShardedDataParallel runs it.
 #include <gradsync/backend/local.hpp>
 #include <gradsync/data_parallel/bucket_engine.hpp>
 #include <gradsync/launch/spawn.hpp>
@@ -9,6 +10,7 @@
 #include <doctest/doctest.h>
 
 #include "support/recording_backend.hpp"
+#include "support/sharded_training.hpp"
 #include "support/toy_model.hpp"
 
 #include <chrono>
@@ -106,6 +108,45 @@ TEST_CASE("bucket engine: reduced now or launched and waited for, every route en
         }
     });
     CHECK(wrong == std::vector<int>{0, 0});
+}
+
+TEST_CASE("bucket engine: reduce-scattered buckets are packed even on one rank, and only this rank's shard averaged") {
+    for (int world : {1, 3}) {
+        CAPTURE(world);
+        std::vector<int> wrong(static_cast<std::size_t>(world));
+        gradsync::spawn(world, [&](gradsync::LocalBackend& local) {
+            sharded::BufferOnly backend{local};
+            Mixed m;
+            BucketEngine<sharded::BufferOnly, gradsync::HostMemory, DType::float32, false, gradsync::NoCommHook,
+                         gradsync::detail::ReduceScatterBuckets>
+                engine(backend, {});
+            engine.setup(two_buckets(), m.parameters());
+            CHECK(engine.slots()[0].route == Route::packed);  // contiguous, yet read from the buffer
+            CHECK(engine.view_buckets() == 0);
+            m.fill(local.rank());
+            const auto gradients = m.g01;
+            engine.begin_step(/*finalizing=*/true, 0.5);  // still: nothing unscaled, nothing unpacked
+            engine.launch(0, {});
+            engine.reduce_now(1, {});
+            engine.wait_all(std::chrono::steady_clock::now() + std::chrono::seconds(30),
+                            [](std::size_t) { return std::string("late"); });
+            CHECK_FALSE(engine.in_flight());
+            CHECK_FALSE(engine.slots()[0].measured);
+            const float mean = float(world + 1) / 2.0f;  // of the ranks' factors rank + 1
+            int bad = m.g01 != gradients;
+            const auto packed = [&](std::size_t b) {
+                return reinterpret_cast<const float*>(gradsync::HostMemory::data(engine.slots()[b].buffer));
+            };
+            const auto first = gradsync::shard_of(30, world, local.rank());
+            for (std::size_t i = first.offset; i < first.offset + first.count; ++i)
+                bad += packed(0)[i] != mean * float(i);
+            const auto second = gradsync::shard_of(12, world, local.rank());  // t2's 5, then t3's 7
+            for (std::size_t i = second.offset; i < second.offset + second.count; ++i)
+                bad += packed(1)[i] != (i < 5 ? 2.0f : 3.0f) * mean;
+            wrong[static_cast<std::size_t>(local.rank())] = bad;
+        });
+        CHECK(wrong == std::vector<int>(static_cast<std::size_t>(world), 0));
+    }
 }
 
 TEST_CASE("bucket engine: a bucket not reduced by the deadline is named by the diagnosis") {

@@ -1,6 +1,7 @@
 // ShardedDataParallel's safety checks, as DataParallel has them: a rank that skipped an iteration
 // is caught at that very step by the trainer's step number, before any update; every collective
-// names its step and bucket, so a peer that waits too long says which one; a misuse of grad_ready
+// names its step and bucket, so a peer that waits too long says which one, and step() names a
+// launched bucket that is late by ShardedOptions::timeout; a misuse of grad_ready
 // on one rank fails its peers at once, naming the rank and the step.
 #include <gradsync/backend/local.hpp>
 #include <gradsync/launch/spawn.hpp>
@@ -93,6 +94,44 @@ TEST_CASE("sharded: a peer that waits past the deadline names the step and the b
     CAPTURE(what);
     CHECK(what.find("all_gather #") != std::string::npos);
     CHECK(what.find("(step 2, bucket 0): timed out after 300 ms waiting for rank 1") != std::string::npos);
+}
+
+TEST_CASE("sharded: a bucket launched in backward that no peer joins is named at step()'s deadline") {
+    // Rank 0 launches both buckets during backward and waits in step() by ShardedOptions::timeout;
+    // rank 1 is late by far more. Rank 0 names the first bucket, its size and parameters; its
+    // failure aborts the group, so rank 1 fails at once when it comes, naming rank 0.
+    gradsync::LocalGroupOptions group;
+    group.timeout = 60s;  // the backend's own deadline is not the one that fires
+    std::vector<std::string> what(2);
+    const auto start = std::chrono::steady_clock::now();
+    gradsync::spawn(
+        2,
+        [&](gradsync::LocalBackend& backend) {
+            const auto r = static_cast<std::size_t>(backend.rank());
+            testing_support::Toy model({300, 200}, 1.0f);
+            gradsync::ShardedDataParallel sharded(model, backend, small_buckets(),
+                                                  gradsync::ShardedOptions{.timeout = 300ms});
+            model.fill_grads(backend.rank());
+            try {
+                if (r == 1) std::this_thread::sleep_for(1500ms);
+                sharded.grad_ready(std::size_t{0});
+                sharded.grad_ready(std::size_t{1});
+                (void)sharded.step(sgd);
+            } catch (const gradsync::TimeoutError& e) {
+                what[r] = std::string("timeout: ") + e.what();
+            } catch (const gradsync::CollectiveError& e) {
+                what[r] = std::string("collective: ") + e.what();
+            }
+        },
+        group);
+    CAPTURE(what[0]);
+    CAPTURE(what[1]);
+    CHECK(what[0].find("timeout: gradsync: rank 0, step 1: bucket 0 of 2 (") == 0);
+    CHECK(what[0].find("parameters: 't") != std::string::npos);
+    CHECK(what[0].find("was not reduced within 300 ms") != std::string::npos);
+    CHECK(what[1].find("collective: ") == 0);
+    CHECK(what[1].find("rank 0") != std::string::npos);
+    CHECK(std::chrono::steady_clock::now() - start < 30s);  // not the group's 60 s deadline
 }
 
 TEST_CASE("sharded: grad_ready twice on one rank fails its peers at once, naming the rank and the step") {

@@ -59,7 +59,9 @@ TEST_CASE("released gradients: the model holds none after a step, the wrapper th
         gradsync::ShardedDataParallel sdp(model, backend, small_caps, stage2);
         model.on_grad_ready = [&](std::size_t i) { sdp.grad_ready(i); };
         const std::size_t all = sdp.parameter_elements() * sizeof(float);
-        CHECK(sdp.extra_memory() == gradsync::Bytes{sdp.state_elements() * sizeof(float)});
+        const gradsync::Bytes share{sdp.state_elements() * sizeof(float)};  // and a little bookkeeping
+        CHECK(sdp.extra_memory() >= share);
+        CHECK(sdp.extra_memory() < share + 1_KiB);
         ShardedAdam adam;
         adam.m1.assign(sdp.state_elements(), 0.0f);
         adam.m2.assign(sdp.state_elements(), 0.0f);

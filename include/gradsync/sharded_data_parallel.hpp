@@ -5,7 +5,8 @@
 // the finite check with one small allreduce, lets the optimizer update only this rank's shards of
 // the parameters, with only its share of the state, and all-gathers the updated parameters into
 // every rank's model. A backend that reduces scattered memory (LocalBackend) does all of it where
-// the gradients and parameters lie, with no copy; others get packed bucket buffers. With
+// the gradients and parameters lie, with no copy; others get packed bucket buffers. The buckets
+// go through DataParallel's bucket engine, with a reduce-scatter for its collective. With
 // LocalBackend the averaged gradients are bitwise the allreduce's, so an elementwise optimizer
 // ends bitwise where DataParallel's would.
 //
@@ -24,7 +25,10 @@
 #include <gradsync/bucket/plan.hpp>
 #include <gradsync/buffer.hpp>
 #include <gradsync/bytes.hpp>
+#include <gradsync/data_parallel/bucket_collective.hpp>
+#include <gradsync/data_parallel/bucket_engine.hpp>
 #include <gradsync/data_parallel/buffer_sync.hpp>
+#include <gradsync/data_parallel/diagnosis.hpp>
 #include <gradsync/data_parallel/finalize_step.hpp>
 #include <gradsync/data_parallel/group_failure.hpp>
 #include <gradsync/data_parallel/history.hpp>
@@ -33,13 +37,16 @@
 #include <gradsync/data_parallel/moved_storage.hpp>
 #include <gradsync/data_parallel/readiness.hpp>
 #include <gradsync/data_parallel/ready_calls.hpp>
+#include <gradsync/data_parallel/released_shards.hpp>
 #include <gradsync/data_parallel/shard_layout.hpp>
 #include <gradsync/data_parallel/shard_step.hpp>
 #include <gradsync/data_parallel/sharded_options.hpp>
 #include <gradsync/data_parallel/sharded_policies.hpp>
 #include <gradsync/data_parallel/sharded_setup.hpp>
 #include <gradsync/data_parallel/step_number.hpp>
+#include <gradsync/detail/deadline.hpp>
 #include <gradsync/error.hpp>
+#include <gradsync/memory/host.hpp>
 #include <gradsync/model/buffers.hpp>
 #include <gradsync/model/gradient_release.hpp>
 #include <gradsync/model/model.hpp>
@@ -79,11 +86,12 @@ public:
         : model_(model),
           backend_(backend),
           options_(Set::template value<ShardedOptions>(std::tuple(policies...))),
-          scaler_(Set::template value<loss_scaler_type>(std::tuple(policies...))) {
+          scaler_(Set::template value<loss_scaler_type>(std::tuple(policies...))),
+          engine_(backend, HostMemory{}) {
         init(Set::template value<bucketer_type>(std::tuple(policies...)));
     }
     ShardedDataParallel(Model& model, BackendT& backend) requires(sizeof...(Policies) > 0)
-        : model_(model), backend_(backend) {
+        : model_(model), backend_(backend), engine_(backend, HostMemory{}) {
         init(bucketer_type{});
     }
 
@@ -127,8 +135,7 @@ public:
     // this rank, and they are drained before the memory they write goes.
     ~ShardedDataParallel() {
         lifetime_.reset();
-        detail::HandlesInFlight<Handle> in_flight{launched_};
-        detail::abandon_in_flight(backend_, in_flight, options_.timeout, "ShardedDataParallel", current_step());
+        detail::abandon_in_flight(backend_, engine_, options_.timeout, "ShardedDataParallel", current_step());
     }
     ShardedDataParallel(const ShardedDataParallel&) = delete;
     ShardedDataParallel& operator=(const ShardedDataParallel&) = delete;
@@ -160,16 +167,16 @@ public:
     [[nodiscard]] int world_size() const { return backend_.size(); }
     // Memory held beyond the model's: packed bucket buffers (one for gradients and one for
     // parameters each) where the backend cannot reduce scattered memory; with release_gradients
-    // this rank's share of the averaged gradients; else none.
+    // this rank's share of the averaged gradients; the engine's bookkeeping.
     [[nodiscard]] Bytes extra_memory() const {
-        if (!in_place) return Bytes{2 * plan_.bytes().count()};
-        return Bytes{grad_store_.size() * sizeof(float)};
+        return engine_.memory_held() + Bytes{released_.bytes() + (in_place ? 0 : parameter_elements() * sizeof(float))};
     }
     // Whether shards are reduced and gathered where they lie (ScatteredShardedCollectives).
     static constexpr bool in_place = ScatteredShardedCollectives<BackendT>;
 
 private:
-    using Handle = typename detail::ShardedHandle<BackendT, in_place>::type;
+    using Engine =
+        detail::BucketEngine<BackendT, HostMemory, DType::float32, in_place, NoCommHook, detail::ReduceScatterBuckets>;
 
     // The step in progress (or the next): 1 for the first.
     [[nodiscard]] std::uint64_t current_step() const { return steps_ + 1; }
@@ -194,9 +201,11 @@ private:
         detail::broadcast_parameters(backend_, parameters());
         history_.take_identity(backend_);
         detail::sync_buffers(backend_, buffers(), buffers_type::mode, /*at_construction=*/true, history_, 0);
-        if (stage2()) grad_store_.assign(detail::ShardLayout<in_place>::shard_elements(plan_, world_size(), rank()), 0);
-        shards_ = detail::ShardLayout<in_place>(layout_.params, plan_, world_size(), rank(),
-                                                stage2() ? grad_store_.data() : nullptr);
+        released_.plan(options_.release_gradients, plan_, world_size(), rank());
+        engine_.setup(plan_, layout_.params);
+        std::vector<float*> packed;  // where the engine reduce-scatters each bucket (not in place)
+        for (auto& slot : engine_.slots()) packed.push_back(reinterpret_cast<float*>(HostMemory::data(slot.buffer)));
+        shards_ = detail::ShardLayout<in_place>(layout_.params, plan_, world_size(), rank(), packed, released_.store());
         storage_.reset(plan_.buckets.size());
         readiness_.plan(plan_, layout_.params.size());
     }
@@ -208,26 +217,13 @@ private:
         const auto step = static_cast<std::int64_t>(report.step);
         {
             // The buckets grad_ready launched, then the rest on this thread, bucket after bucket
-            // (a progress thread would only compete with this one for the cores). The backend's
-            // deadline applies.
-            for (; kept_ < launched_.size(); ++kept_) {
-                launched_[kept_].wait();
-                keep(kept_);
-            }
-            const std::size_t released = stage2() ? launched_.size() : 0;
-            if (follow_storage(launched_.size(), shards_.slots.size(), /*in_backward=*/false) && released > 0)
-                for (std::size_t b = 0; b < released; ++b) release(b);  // what that listing made again
-            for (std::size_t b = launched_.size(); b < shards_.slots.size(); ++b) {
-                auto& slot = shards_.slots[b];
-                if constexpr (in_place) {
-                    detail::reduce_scatter_tagged(backend_, slot.grads.segments, DType::float32, ReduceOp::average,
-                                                  tag_of(detail::CollectivePurpose::bucket, b));
-                } else {
-                    slot.pack_grads();
-                    detail::reduce_scatter_tagged(backend_, buffer_of(std::span<float>(slot.grad_buffer)),
-                                                  ReduceOp::average, tag_of(detail::CollectivePurpose::bucket, b));
-                }
-                keep(b);
+            // (a progress thread would only compete with this one for the cores).
+            retire(launched_, detail::deadline_after(options_.timeout));
+            if (follow_storage(launched_, shards_.slots.size(), /*in_backward=*/false) && released_.on())
+                for (std::size_t b = 0; b < launched_; ++b) released_.release(model_, shards_, layout_, b);
+            for (std::size_t b = launched_; b < shards_.slots.size(); ++b) {
+                engine_.reduce_now(b, tag_of(detail::CollectivePurpose::bucket, b));
+                released_.keep(model_, shards_, layout_, b);
             }
             new_step();
         }
@@ -236,38 +232,12 @@ private:
         if (histories || number) history_.verify(backend_, step, number ? std::optional(number->value) : std::nullopt);
         // This rank's share of the norm and of the finite check, then everyone's. With a loss
         // scale, the same pass unscales, as DataParallel's finalize pass does.
-        report.loss_scale = scaler_.scale();
-        const auto verdict = detail::agree_on_shards(backend_, std::span<const std::span<float>>(shards_.grads),
-                                                     1.0 / static_cast<double>(report.loss_scale),
-                                                     tag_of(detail::CollectivePurpose::step_decision, 0));
-        report.grad_norm = verdict.norm;
-        report.applied = verdict.finite;
-        scaler_.update(!report.applied);  // every rank alike: the decision is agreed
-        report.next_loss_scale = scaler_.scale();
-        if (!report.applied) {
-            report.overflowed =
-                detail::overflowed_parameters(backend_, std::span<const ShardPiece<float>>(shards_.pieces),
-                                              parameters(), tag_of(detail::CollectivePurpose::overflow_report, 0));
-            steps_ = report.step;
-            return report;
-        }
-        if (options_.clip_norm > 0 && report.grad_norm > options_.clip_norm) {
-            detail::clip_shards(std::span<const std::span<float>>(shards_.grads), report.grad_norm, options_.clip_norm);
-            report.clipped = true;
-        }
-        if constexpr (!in_place)
-            for (auto& slot : shards_.slots) slot.pack_shard();  // the parameters as the model holds them now
-        optimizer(std::span<const ShardPiece<float>>(shards_.pieces));
-        for (std::size_t b = 0; b < shards_.slots.size(); ++b) {
-            auto& slot = shards_.slots[b];
-            const auto tag = tag_of(detail::CollectivePurpose::shard_gather, b);
-            if constexpr (in_place)
-                detail::all_gather_tagged(backend_, slot.params.segments, DType::float32, tag);
-            else
-                detail::all_gather_tagged(backend_, buffer_of(std::span<float>(slot.param_buffer)), tag);
-        }
-        if constexpr (!in_place)
-            for (auto& slot : shards_.slots) slot.unpack_params();
+        detail::decide_on_shards(backend_, shards_, parameters(), scaler_, options_.clip_norm, report,
+                                 [this](detail::CollectivePurpose purpose) { return tag_of(purpose, 0); });
+        if (report.applied)
+            detail::update_and_gather(backend_, shards_, optimizer, [this](std::size_t b) {
+                return tag_of(detail::CollectivePurpose::shard_gather, b);
+            });
         steps_ = report.step;
         return report;
     }
@@ -282,16 +252,15 @@ private:
                              of_bucket ? bucket.bytes().count() : 0, DType::float32);
     }
 
-    Handle reduce_scatter_async(std::size_t b) {
-        auto& slot = shards_.slots[b];
-        const auto tag = tag_of(detail::CollectivePurpose::bucket, b);
-        if constexpr (in_place) {
-            return detail::reduce_scatter_async_tagged(backend_, std::span<const Segment>(slot.grads.segments),
-                                                       DType::float32, ReduceOp::average, tag);
-        } else {
-            slot.pack_grads();
-            return detail::reduce_scatter_async_tagged(backend_, buffer_of(std::span<float>(slot.grad_buffer)),
-                                                       ReduceOp::average, tag);
+    // Waits for the launched buckets before `end` (by `deadline`, a late one named) and keeps
+    // each one's share.
+    void retire(std::size_t end, std::chrono::steady_clock::time_point deadline) {
+        for (; kept_ < end; ++kept_) {
+            engine_.wait(kept_, deadline, [this](std::size_t b) {
+                return detail::diagnose_timeout(backend_, static_cast<std::int64_t>(current_step()), plan_,
+                                                parameters(), b, options_.timeout);
+            });
+            released_.keep(model_, shards_, layout_, kept_);
         }
     }
 
@@ -299,9 +268,8 @@ private:
     // peers are told which rank failed in which step.
     template <class F>
     void guard(F&& f) {
-        detail::HandlesInFlight<Handle> in_flight{launched_};
         detail::run_guarded(
-            backend_, in_flight, options_.timeout, f, [this] { new_step(); },
+            backend_, engine_, options_.timeout, f, [this] { new_step(); },
             [this](const std::exception& e) { return detail::failure_of(rank(), current_step(), e); });
     }
 
@@ -314,18 +282,17 @@ private:
     // Bucket b goes now (during backward, under the readiness lock).
     void launch(std::size_t b) {
         follow_storage(b, b + 1, /*in_backward=*/true);
-        launched_.push_back(reduce_scatter_async(b));
+        engine_.launch(b, tag_of(detail::CollectivePurpose::bucket, b));
+        launched_ = b + 1;
         // Stage 2: the buckets reduced by now give their gradients back while backward goes on,
         // and at most two stay in flight (backward waits for the oldest), which bounds the
         // gradient memory to about two buckets beside this rank's share.
-        if (stage2())
-            for (; kept_ < launched_.size() && (launched_[kept_].ready() || launched_.size() - kept_ > 2); ++kept_) {
-                launched_[kept_].wait();  // rethrows its error, if any
-                keep(kept_);
-            }
+        if (!released_.on()) return;
+        std::size_t end = kept_;
+        while (end < launched_ && (engine_.completed(end) || launched_ - end > 2)) ++end;
+        retire(end, detail::deadline_after(options_.timeout));
     }
 
-    [[nodiscard]] bool stage2() const { return options_.release_gradients; }
     [[nodiscard]] std::string where() const {
         return detail::rank_prefix(rank()) + ", step " + std::to_string(current_step());
     }
@@ -334,36 +301,19 @@ private:
     // Returns whether the model was listed (outside backward that makes every gradient, also
     // those of buckets already released).
     bool follow_storage(std::size_t first, std::size_t last, bool in_backward) {
-        if ((!options_.storage_may_move && !stage2()) || first == last) return false;
+        if ((!options_.storage_may_move && !released_.on()) || first == last) return false;
         return storage_.follow(
             model_, layout_, plan_, first, last, in_backward,
-            [this](std::size_t b) { shards_.refresh(b, layout_.params); }, [this] { return where(); });
-    }
-
-    // Bucket b is reduced: with release_gradients, this rank's share is kept and the model
-    // releases the bucket's gradients.
-    void keep(std::size_t b) {
-        if constexpr (in_place && ReleasableGradients<Model>) {
-            if (!stage2()) return;
-            shards_.keep_shard(b, layout_.params);
-            release(b);
-        } else {
-            (void)b;
-        }
-    }
-    void release(std::size_t b) {
-        if constexpr (ReleasableGradients<Model>) {
-            model_indices_.clear();
-            for (auto p : shards_.slots[b].indices) model_indices_.push_back(layout_.model_index_of_param[p]);
-            gradsync::release_gradients(model_, std::span<const std::size_t>(model_indices_));
-        } else {
-            (void)b;
-        }
+            [this](std::size_t b) {
+                engine_.refresh(b, plan_.buckets[b], layout_.params);
+                shards_.refresh(b, layout_.params);
+            },
+            [this] { return where(); });
     }
 
     // Nothing ready, nothing launched.
     void new_step() {
-        launched_.clear();
+        launched_ = 0;
         kept_ = 0;
         storage_.end_step();
         readiness_.reset();
@@ -375,18 +325,18 @@ private:
     loss_scaler_type scaler_{};
     detail::ModelLayout layout_;
     BucketPlan plan_;
+    Engine engine_;  // each bucket's reduce_scatter
     detail::ShardLayout<in_place> shards_;
     std::uint64_t steps_ = 0;
     detail::CollectiveHistory history_;  // tags every collective of a step
     detail::StorageFollower storage_;
-    std::vector<float> grad_store_;           // stage 2: this rank's share of the averaged gradients
-    std::vector<std::size_t> model_indices_;  // a bucket's parameters, to release
+    detail::ReleasedShards<Model, in_place> released_;  // stage 2
     // Overlap: which parameters grad_ready reported this step, and the reduce_scatters launched
-    // (buckets 0 .. size - 1; written under the readiness lock during backward).
+    // (buckets 0 .. launched_ - 1; written under the readiness lock during backward).
     detail::Readiness readiness_;
-    std::vector<Handle> launched_;
+    std::size_t launched_ = 0;
+    std::size_t kept_ = 0;  // launched buckets waited for and kept
     std::shared_ptr<const char> lifetime_ = std::make_shared<const char>('\0');
-    std::size_t kept_ = 0;  // launched buckets whose share is kept (stage 2)
 };
 
 }  // namespace gradsync::inline v0

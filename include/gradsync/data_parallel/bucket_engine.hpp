@@ -7,13 +7,16 @@
 // synchronize()), waits for the launched ones by a deadline (or, on the device, makes the trainer's
 // stream wait), and then runs the finalize pass over the bucket through the memory policy: unpack,
 // unscale, measure. Each bucket's state is a BucketSlot (bucket_slot.hpp); a hook runs through
-// the HookRoute (hook_route.hpp).
+// the HookRoute (hook_route.hpp). Collective says whether a bucket is allreduced or
+// reduce-scattered into shards (bucket_collective.hpp); a sharded bucket is never a view and
+// never finalized here: the sharded front reads its shard.
 #pragma once
 
 #include <gradsync/backend/concepts.hpp>
 #include <gradsync/bucket/plan.hpp>
 #include <gradsync/buffer.hpp>
 #include <gradsync/bytes.hpp>
+#include <gradsync/data_parallel/bucket_collective.hpp>
 #include <gradsync/data_parallel/bucket_slot.hpp>
 #include <gradsync/data_parallel/hook_route.hpp>
 #include <gradsync/data_parallel/model_layout.hpp>
@@ -24,31 +27,31 @@
 #include <gradsync/model/model.hpp>
 #include <gradsync/reduction/comm_hook.hpp>
 
-#include <algorithm>  // for std::sort
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
-#include <functional>  // for std::function
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
-#include <utility>  // for std::declval, std::pair
+#include <utility>  // for std::declval
 #include <vector>
 
 namespace gradsync::inline v0::detail {
 
-template <Backend BackendT, MemoryPolicy Memory, DType Wire, bool InPlace, class Hook = NoCommHook>
+template <Backend BackendT, MemoryPolicy Memory, DType Wire, bool InPlace, class Hook = NoCommHook,
+          class Collective = AllreduceBuckets>
 class BucketEngine {
     static constexpr bool compresses = Wire != DType::float32;
+    static_assert(Collective::whole || (!compresses && !Hook::hooked),
+                  "a sharded bucket is neither compressed nor hooked");
     using clock = std::chrono::steady_clock;
 
     static auto async_of(BackendT& b) {
         if constexpr (InPlace)
-            return allreduce_async_tagged(b, std::span<const Segment>{}, DType::float32, ReduceOp::sum,
-                                          CollectiveTag{});
+            return Collective::start(b, std::span<const Segment>{}, DType::float32, ReduceOp::sum, CollectiveTag{});
         else
-            return allreduce_async_tagged(b, Buffer{}, ReduceOp::sum, CollectiveTag{});
+            return Collective::start(b, Buffer{}, ReduceOp::sum, CollectiveTag{});
     }
 
 public:
@@ -92,15 +95,15 @@ public:
     void launch(std::size_t b, CollectiveTag tag) {
         auto& slot = slots_[b];
         slot.launched_at = clock::now();
-        if (backend_.size() == 1) return;  // the local gradient is already the average
+        // The local gradient is already the average (a shard is still packed where it is read).
+        if (backend_.size() == 1 && Collective::whole) return;
         if (slot.route == Route::hook) {
             start_hook(b, tag);
         } else if (slot.route == Route::in_place) {
             if constexpr (InPlace)
-                slot.handle.emplace(
-                    allreduce_async_tagged(backend_, segments_of(slot), slot.dtype, ReduceOp::average, tag));
+                slot.handle.emplace(Collective::start(backend_, segments_of(slot), slot.dtype, ReduceOp::average, tag));
         } else {
-            slot.handle.emplace(allreduce_async_tagged(backend_, contiguous(b), op_of(slot), tag));
+            slot.handle.emplace(Collective::start(backend_, contiguous(b), op_of(slot), tag));
         }
     }
 
@@ -110,7 +113,7 @@ public:
         auto& slot = slots_[b];
         slot.launched_at = clock::now();
         if constexpr (DeviceBackend<BackendT>) {
-            slot.handle.emplace(allreduce_async_tagged(backend_, contiguous(b), op_of(slot), tag));
+            slot.handle.emplace(Collective::start(backend_, contiguous(b), op_of(slot), tag));
             return;
         }
         if (slot.route == Route::hook) {
@@ -122,9 +125,9 @@ public:
             return;
         }
         if (slot.route == Route::in_place) {
-            if constexpr (InPlace) allreduce_tagged(backend_, segments_of(slot), slot.dtype, ReduceOp::average, tag);
+            if constexpr (InPlace) Collective::run(backend_, segments_of(slot), slot.dtype, ReduceOp::average, tag);
         } else {
-            allreduce_tagged(backend_, contiguous(b), op_of(slot), tag);
+            Collective::run(backend_, contiguous(b), op_of(slot), tag);
         }
         finish(b);
         slot.finished_at = clock::now();
@@ -136,28 +139,34 @@ public:
     // that hangs.
     template <class Diagnose>
     void wait_all(clock::time_point deadline, Diagnose&& diagnose) {
-        for (std::size_t b = 0; b < slots_.size(); ++b) {
-            auto& slot = slots_[b];
-            if (slot.pending) {
-                if (!slot.pending->wait_until(deadline)) throw TimeoutError(diagnose(b));
-                slot.pending.reset();
-                finish_hook(b);
-                slot.finished_at = clock::now();
-                continue;
-            }
-            if (!slot.handle) continue;
-            if constexpr (StreamOrdered<BackendT>) {
-                backend_.wait_on_device(*slot.handle);
-                slot.handle.reset();
-                finish(b);
-                continue;
-            }
-            if (!slot.handle->wait_until(deadline)) throw TimeoutError(diagnose(b));
-            finish(b);
-            slot.finished_at = detail::finished_at(*slot.handle);
-            slot.handle.reset();
-        }
+        for (std::size_t b = 0; b < slots_.size(); ++b) wait(b, deadline, diagnose);
     }
+
+    // The same for bucket b alone (nothing when it was not launched).
+    template <class Diagnose>
+    void wait(std::size_t b, clock::time_point deadline, Diagnose&& diagnose) {
+        auto& slot = slots_[b];
+        if (slot.pending) {
+            if (!slot.pending->wait_until(deadline)) throw TimeoutError(diagnose(b));
+            slot.pending.reset();
+            finish_hook(b);
+            slot.finished_at = clock::now();
+            return;
+        }
+        if (!slot.handle) return;
+        if constexpr (StreamOrdered<BackendT>) {
+            backend_.wait_on_device(*slot.handle);
+            slot.handle.reset();
+            return finish(b);
+        }
+        if (!slot.handle->wait_until(deadline)) throw TimeoutError(diagnose(b));
+        finish(b);
+        slot.finished_at = detail::finished_at(*slot.handle);
+        slot.handle.reset();
+    }
+
+    // Whether bucket b's launched collective has completed (a hook's is waited for).
+    [[nodiscard]] bool completed(std::size_t b) const { return slots_[b].handle && slots_[b].handle->ready(); }
 
     // Unscales and measures bucket b's gradients where they lie (a world of one has nothing to
     // reduce, but a step still needs its norm).
@@ -259,50 +268,11 @@ public:
 
 private:
     void build(Slot& slot, const Bucket& bucket, std::span<const Parameter> params) {
-        slot.indices = bucket.parameters;
-        std::sort(slot.indices.begin(), slot.indices.end());  // the element layout every rank shares
-        slot.segments.clear();
-        for (auto i : slot.indices) slot.segments.push_back(Segment{params[i].grad, params[i].count});
-        slot.dtype = slot.wire = bucket.dtype;
-        slot.count = bucket.count;
-        const bool contiguous = first_gap(slot.segments, bucket.dtype) == 0;
-        slot.view.reset();
-        slot.hooked.clear();
-        const bool half = bucket.dtype == DType::float16 || bucket.dtype == DType::bfloat16;
-        // A hook sees float32 values: a half bucket is widened into a float32 buffer (never a view).
-        if (contiguous && !(Hook::hooked && half)) slot.view = Segment{slot.segments.front().data, bucket.count};
-        if (Hook::hooked && (bucket.dtype == DType::float32 || half)) {
-            slot.route = Route::hook;
-            slot.wire = DType::float32;
-            std::size_t offset = 0;
-            for (auto i : slot.indices) {
-                slot.hooked.push_back(HookParameter{params[i].name, offset, params[i].count, params[i].shape});
-                offset += params[i].count;
-            }
-        } else if (compresses && bucket.dtype == DType::float32) {
-            slot.route = Route::compressed;
-            slot.wire = Wire;
-        } else if (InPlace) {
-            slot.route = Route::in_place;
-        } else {
-            slot.route = contiguous ? Route::view : Route::packed;
-        }
-        slot.table = memory_.table(slot.segments, bucket.dtype);
-        const bool needs_buffer =
-            slot.route == Route::packed || slot.route == Route::compressed || (slot.route == Route::hook && !slot.view);
-        // A hook's float32 copy is kept in a world of one too: float32_gradient() reads it.
-        if (needs_buffer && (backend_.size() > 1 || hook_widens(slot)) && slot.buffer.size() == 0)
-            slot.buffer = memory_.allocate(Bytes{bucket.count * size_of(slot.wire)});
-        if (hook_widens(slot)) {
-            const Segment whole{Memory::data(slot.buffer), slot.count};
-            slot.float32_table = memory_.table(std::span<const Segment>(&whole, 1), DType::float32);
-        }
+        build_slot(slot, bucket, params, memory_,
+                   RouteRules{Hook::hooked, Wire, InPlace, Collective::whole, backend_.size() > 1});
     }
 
-    // A hook's 16-bit bucket, widened into a float32 copy.
-    [[nodiscard]] static bool hook_widens(const Slot& slot) {
-        return slot.route == Route::hook && slot.wire != slot.dtype;
-    }
+    [[nodiscard]] static bool hook_widens(const Slot& slot) { return slot.widened_for_hook(); }
 
     // The bucket's gradients where they lie: one segment when they are a view.
     static std::span<const Segment> segments_of(const Slot& slot) {
@@ -332,6 +302,7 @@ private:
     // ones widened (a float16 sum that overflowed leaves the gradients intact, and its result is
     // not finite: the step then reduces it again in float32); the others scaled where they lie.
     void finish(std::size_t b) {
+        if constexpr (!Collective::whole) return;  // only this rank's shard is reduced
         auto& slot = slots_[b];
         const std::byte* data = Memory::data(slot.buffer);
         switch (slot.route) {

@@ -1,11 +1,15 @@
 // BucketSlot: one bucket's storage in the bucket engine and the state of its collective in the
-// current step, and the routes a bucket travels by.
+// current step, and the route a bucket travels by, chosen when it is built (build_slot).
 #pragma once
 
+#include <gradsync/bucket/plan.hpp>
 #include <gradsync/buffer.hpp>
+#include <gradsync/bytes.hpp>
 #include <gradsync/dtype.hpp>
+#include <gradsync/model/model.hpp>
 #include <gradsync/reduction/comm_hook.hpp>
 
+#include <algorithm>  // for std::sort
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -48,6 +52,68 @@ struct BucketSlot {
     std::vector<HookParameter> hooked;         // the parameters, as the hook sees them
     std::int64_t hook_step = 0;                // the step the hook started in
     clock::time_point launched_at, finished_at;
+
+    // A hook's 16-bit bucket, widened into a float32 copy (the buffer).
+    [[nodiscard]] bool widened_for_hook() const { return route == Route::hook && wire != dtype; }
 };
+
+// What decides a bucket's route besides the bucket itself.
+struct RouteRules {
+    bool hooked = false;          // a communication hook takes the float32 and 16-bit buckets
+    DType wire = DType::float32;  // not float32: float32 buckets are compressed to it
+    bool in_place = false;        // the backend reduces segments where they lie
+    bool whole = true;            // allreduced; false: reduce-scattered, the shard read packed
+    bool peers = true;            // a world of more than one: buffers for the collective
+};
+
+// (Re)builds `slot` for `bucket`: its segments, in parameter order (the element layout every
+// rank shares), its route, its memory policy table, and its buffer where the route needs one
+// (kept when it has one: a rebuild after the gradients moved keeps the packed buffer).
+template <class Memory, class Handle>
+void build_slot(BucketSlot<Memory, Handle>& slot, const Bucket& bucket, std::span<const Parameter> params,
+                Memory& memory, const RouteRules& rules) {
+    slot.indices = bucket.parameters;
+    std::sort(slot.indices.begin(), slot.indices.end());
+    slot.segments.clear();
+    for (auto i : slot.indices) slot.segments.push_back(Segment{params[i].grad, params[i].count});
+    slot.dtype = slot.wire = bucket.dtype;
+    slot.count = bucket.count;
+    const bool contiguous = first_gap(slot.segments, bucket.dtype) == 0;
+    slot.view.reset();
+    slot.hooked.clear();
+    const bool half = bucket.dtype == DType::float16 || bucket.dtype == DType::bfloat16;
+    // A hook sees float32 values: a half bucket is widened into a float32 buffer (never a view).
+    // A shard is read where the front was told it lies: the packed buffer.
+    if (contiguous && !(rules.hooked && half) && rules.whole)
+        slot.view = Segment{slot.segments.front().data, slot.count};
+    if (rules.hooked && (bucket.dtype == DType::float32 || half)) {
+        slot.route = Route::hook;
+        slot.wire = DType::float32;
+        std::size_t offset = 0;
+        for (auto i : slot.indices) {
+            slot.hooked.push_back(HookParameter{params[i].name, offset, params[i].count, params[i].shape});
+            offset += params[i].count;
+        }
+    } else if (rules.wire != DType::float32 && bucket.dtype == DType::float32) {
+        slot.route = Route::compressed;
+        slot.wire = rules.wire;
+    } else if (rules.in_place) {
+        slot.route = Route::in_place;
+    } else {
+        slot.route = slot.view ? Route::view : Route::packed;
+    }
+    slot.table = memory.table(slot.segments, bucket.dtype);
+    const bool needs_buffer =
+        slot.route == Route::packed || slot.route == Route::compressed || (slot.route == Route::hook && !slot.view);
+    // A hook's float32 copy is kept in a world of one too (float32_gradient() reads it), and a
+    // shard is read from the buffer.
+    const bool kept = slot.widened_for_hook() || !rules.whole;
+    if (needs_buffer && (rules.peers || kept) && slot.buffer.size() == 0)
+        slot.buffer = memory.allocate(Bytes{slot.count * size_of(slot.wire)});
+    if (slot.widened_for_hook()) {
+        const Segment whole{Memory::data(slot.buffer), slot.count};
+        slot.float32_table = memory.table(std::span<const Segment>(&whole, 1), DType::float32);
+    }
+}
 
 }  // namespace gradsync::inline v0::detail

@@ -12,7 +12,6 @@
 #include <cstdint>
 #include <exception>
 #include <string>
-#include <vector>
 
 namespace gradsync::inline v0::detail {
 
@@ -54,23 +53,6 @@ inline std::string failure_of(int rank, std::uint64_t step, const std::exception
     if (what.rfind("gradsync: ", 0) == 0) return what;
     return rank_prefix(rank) + " failed in step " + std::to_string(step) + ": " + what;
 }
-
-// Collectives launched and not yet retired, as abandon_in_flight drains them: for a front that
-// keeps its handles in a list.
-template <class Handle>
-struct HandlesInFlight {
-    std::vector<Handle>& handles;
-    [[nodiscard]] bool in_flight() const { return !handles.empty(); }
-    void drain(std::chrono::steady_clock::time_point deadline) {
-        for (auto& h : handles) {
-            try {
-                (void)h.wait_until(deadline);
-            } catch (...) {  // aborted: ends at once
-            }
-        }
-        handles.clear();
-    }
-};
 
 // For a front's destructor: with collectives still in flight (a step cut short by an exception),
 // aborts the group, saying that this rank destroyed its `front` in `step`, and drains them. Never

@@ -1,7 +1,8 @@
 // How ShardedDataParallel splits the plan's buckets among the ranks: each bucket into one
 // contiguous shard per rank (shard_of), and this rank's shard of each into pieces, one per
-// parameter it covers, pointing into the model (in place) or into packed bucket buffers; with
-// released gradients (stage 2), the pieces' gradients lie in a store of the wrapper's instead.
+// parameter it covers, pointing into the model (in place) or into packed bucket buffers (the
+// bucket engine's, for the gradients); with released gradients (stage 2), the pieces' gradients
+// lie in a store of the wrapper's instead.
 #pragma once
 
 #include <gradsync/bucket/plan.hpp>
@@ -33,16 +34,15 @@ struct ShardPiece {
 
 namespace detail {
 
-// One bucket: its gradients and parameters where the model keeps them (by parameter index: the
-// element order of the bucket), this rank's shard, and the packed route's buffers.
+// One bucket: its parameters where the model keeps them (by parameter index: the element order
+// of the bucket), this rank's shard, and the packed route's parameter buffer.
 struct ShardSlot {
     std::vector<std::size_t> indices;  // the bucket's parameters, ascending
-    HostMemory::Table grads, params;   // float32 segments, in that order
-    std::vector<float> grad_buffer, param_buffer;
+    HostMemory::Table params;          // float32 segments, in that order
+    std::vector<float> param_buffer;
     Shard shard;
     std::size_t first_piece = 0, piece_count = 0;  // this rank's pieces of the bucket
 
-    void pack_grads() { HostMemory{}.pack(grads, reinterpret_cast<std::byte*>(grad_buffer.data())); }
     void unpack_params() const { HostMemory{}.unpack(params, reinterpret_cast<const std::byte*>(param_buffer.data())); }
     // Copies the model's parameters of this rank's shard into the parameter buffer.
     void pack_shard() {
@@ -60,7 +60,8 @@ struct ShardSlot {
 
 // Every bucket's slot and this rank's pieces, in bucket order; the pieces' state offsets count
 // up from 0 to state_elements. A `grad_store` of shard_elements() floats holds the pieces'
-// gradients at their state offsets (stage 2); without one they lie where the slot's do.
+// gradients at their state offsets (stage 2); without one they lie in the model's gradients (in
+// place) or in `packed_grads[b]`, where bucket b's gradients are reduce-scattered packed.
 template <bool InPlace>
 struct ShardLayout {
     std::vector<ShardSlot> slots;
@@ -70,22 +71,17 @@ struct ShardLayout {
 
     ShardLayout() = default;
     ShardLayout(std::span<const Parameter> params, const BucketPlan& plan, int ranks, int rank,
-                float* grad_store = nullptr)
+                std::span<float* const> packed_grads, float* grad_store = nullptr)
         : grad_store_(grad_store) {
-        for (const auto& bucket : plan.buckets) {
+        for (std::size_t b = 0; b < plan.buckets.size(); ++b) {
+            const auto& bucket = plan.buckets[b];
             ShardSlot slot;
             slot.indices = bucket.parameters;
             std::sort(slot.indices.begin(), slot.indices.end());
             const auto& indices = slot.indices;
             slot.first_piece = pieces.size();
-            for (auto i : indices) {
-                slot.grads.segments.push_back({params[i].grad, params[i].count});
-                slot.params.segments.push_back({params[i].data, params[i].count});
-            }
-            if constexpr (!InPlace) {
-                slot.grad_buffer.assign(bucket.count, 0.0f);
-                slot.param_buffer.assign(bucket.count, 0.0f);
-            }
+            for (auto i : indices) slot.params.segments.push_back({params[i].data, params[i].count});
+            if constexpr (!InPlace) slot.param_buffer.assign(bucket.count, 0.0f);
             slot.shard = shard_of(bucket.count, ranks, rank);
             // The shard crosses the bucket's parameters: one piece per parameter it covers.
             const std::size_t lo = slot.shard.offset, hi = lo + slot.shard.count;
@@ -97,8 +93,8 @@ struct ShardLayout {
                     float* p = InPlace ? static_cast<float*>(slot.params.segments[k].data) + (begin - at)
                                        : slot.param_buffer.data() + begin;
                     float* g = grad_store_ != nullptr ? grad_store_ + state_elements
-                               : InPlace              ? static_cast<float*>(slot.grads.segments[k].data) + (begin - at)
-                                                      : slot.grad_buffer.data() + begin;
+                               : InPlace              ? static_cast<float*>(params[indices[k]].grad) + (begin - at)
+                                                      : packed_grads[b] + begin;
                     add_piece(p, g, end - begin, indices[k], begin - at);
                 }
                 at += n;
@@ -121,7 +117,6 @@ struct ShardLayout {
         auto& slot = slots[b];
         for (std::size_t k = 0; k < slot.indices.size(); ++k) {
             const auto& p = params[slot.indices[k]];
-            slot.grads.segments[k] = {p.grad, p.count};
             slot.params.segments[k] = {p.data, p.count};
         }
         if constexpr (!InPlace) return;  // the pieces lie in the packed buffers

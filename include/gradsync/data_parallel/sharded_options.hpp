@@ -30,7 +30,9 @@ struct ShardedOptions {
     // instead of updating from mixed gradients. false turns it off. (A step number passed to
     // step() is checked there whatever this says.)
     bool check_histories = true;
-    // How long a destroyed ShardedDataParallel waits for the collectives it abandons, after
+    // How long step() waits for a bucket's reduce-scatter launched during backward (a TimeoutError
+    // then names the bucket and the ranks behind, where the backend can tell), and how long a
+    // failed step or a destroyed ShardedDataParallel waits for the collectives it abandons, after
     // aborting the group (where the backend can be aborted they end at once).
     std::chrono::milliseconds timeout = std::chrono::seconds(600);
 };
