@@ -6062,8 +6062,7 @@ template <Backend BackendT, MemoryPolicy Memory, DType Wire, bool InPlace, class
           class Collective = AllreduceBuckets>
 class BucketEngine {
     static constexpr bool compresses = Wire != DType::float32;
-    static_assert(Collective::whole || (!compresses && !Hook::hooked),
-                  "a sharded bucket is neither compressed nor hooked");
+    static_assert(Collective::whole || !compresses, "a sharded bucket is not compressed");
     using clock = std::chrono::steady_clock;
 
     static auto async_of(BackendT& b) {
@@ -6114,8 +6113,7 @@ public:
     void launch(std::size_t b, CollectiveTag tag) {
         auto& slot = slots_[b];
         slot.launched_at = clock::now();
-        // The local gradient is already the average (a shard is still packed where it is read).
-        if (backend_.size() == 1 && Collective::whole) return;
+        if (alone(b)) return;
         if (slot.route == Route::hook) {
             start_hook(b, tag);
         } else if (slot.route == Route::in_place) {
@@ -6127,22 +6125,19 @@ public:
     }
 
     // Bucket b's collective run now, on this thread (no overlap to gain), and finished; on a
-    // device, queued like a launch.
+    // device, queued like a launch. A hook's bucket is only started: its finish() comes at the
+    // wait, after every bucket's start(), as on a rank that launched its buckets during backward,
+    // so that the collectives a hook issues in finish() pair across ranks that overlap and ranks
+    // that do not.
     void reduce_now(std::size_t b, CollectiveTag tag) {
         auto& slot = slots_[b];
         slot.launched_at = clock::now();
+        if (alone(b)) return;
         if constexpr (DeviceBackend<BackendT>) {
             slot.handle.emplace(Collective::start(backend_, contiguous(b), op_of(slot), tag));
             return;
         }
-        if (slot.route == Route::hook) {
-            start_hook(b, tag);
-            slot.pending->wait();
-            slot.pending.reset();
-            finish_hook(b);  // with the finalize pass
-            slot.finished_at = clock::now();
-            return;
-        }
+        if (slot.route == Route::hook) return start_hook(b, tag);
         if (slot.route == Route::in_place) {
             if constexpr (InPlace) Collective::run(backend_, segments_of(slot), slot.dtype, ReduceOp::average, tag);
         } else {
@@ -6292,6 +6287,16 @@ private:
     }
 
     [[nodiscard]] static bool hook_widens(const Slot& slot) { return slot.widened_for_hook(); }
+
+    // A world of one: the local gradient is the average, so nothing is reduced (and no hook
+    // runs); a shard is still packed where the front reads it.
+    bool alone(std::size_t b) {
+        if (backend_.size() > 1) return false;
+        auto& slot = slots_[b];
+        if constexpr (!Collective::whole)
+            if (slot.route != Route::in_place) memory_.pack(slot.table, Memory::data(slot.buffer));
+        return true;
+    }
 
     // The bucket's gradients where they lie: one segment when they are a view.
     static std::span<const Segment> segments_of(const Slot& slot) {
@@ -9232,7 +9237,9 @@ private:
 // With grad_ready calls during backward, each bucket's reduce_scatter starts as soon as its
 // gradients are final, in plan order. Policies come as DataParallel's do, in any order, each
 // optional (data_parallel/sharded_policies.hpp): a bucketer, a loss scaler (unscaled in the norm
-// pass), a buffer policy for the model's buffers, and ShardedOptions. With
+// pass), a buffer policy for the model's buffers, a communication hook (which then averages each
+// bucket, packed, in place of the reduce-scatter; this rank reads its shard of the average), and
+// ShardedOptions. With
 // ShardedOptions::release_gradients (stage 2), each bucket's share of this rank is copied out once
 // reduced and the model releases the bucket's gradients. This version: float32 parameters in host
 // memory (a backend whose collectives take device memory is refused), no wire compression.
@@ -9253,8 +9260,9 @@ private:
 // How ShardedDataParallel splits the plan's buckets among the ranks: each bucket into one
 // contiguous shard per rank (shard_of), and this rank's shard of each into pieces, one per
 // parameter it covers, pointing into the model (in place) or into packed bucket buffers (the
-// bucket engine's, for the gradients); with released gradients (stage 2), the pieces' gradients
-// lie in a store of the wrapper's instead.
+// bucket engine's, for the gradients, where the bucket was reduced packed or through a
+// communication hook); with released gradients (stage 2), the pieces' gradients lie in a store of
+// the wrapper's instead.
 
 
 #include <algorithm>  // for std::sort, std::max, std::min
@@ -9289,6 +9297,7 @@ struct ShardSlot {
     std::vector<float> param_buffer;
     Shard shard;
     std::size_t first_piece = 0, piece_count = 0;  // this rank's pieces of the bucket
+    float* packed_grads = nullptr;                 // where the bucket was reduced packed, if it was
 
     void unpack_params() const { HostMemory{}.unpack(params, reinterpret_cast<const std::byte*>(param_buffer.data())); }
     // Copies the model's parameters of this rank's shard into the parameter buffer.
@@ -9307,8 +9316,8 @@ struct ShardSlot {
 
 // Every bucket's slot and this rank's pieces, in bucket order; the pieces' state offsets count
 // up from 0 to state_elements. A `grad_store` of shard_elements() floats holds the pieces'
-// gradients at their state offsets (stage 2); without one they lie in the model's gradients (in
-// place) or in `packed_grads[b]`, where bucket b's gradients are reduce-scattered packed.
+// gradients at their state offsets (stage 2); without one they lie in `packed_grads[b]`, where
+// bucket b was reduced packed, or else in the model's gradients.
 template <bool InPlace>
 struct ShardLayout {
     std::vector<ShardSlot> slots;
@@ -9327,6 +9336,7 @@ struct ShardLayout {
             std::sort(slot.indices.begin(), slot.indices.end());
             const auto& indices = slot.indices;
             slot.first_piece = pieces.size();
+            slot.packed_grads = packed_grads[b];
             for (auto i : indices) slot.params.segments.push_back({params[i].data, params[i].count});
             if constexpr (!InPlace) slot.param_buffer.assign(bucket.count, 0.0f);
             slot.shard = shard_of(bucket.count, ranks, rank);
@@ -9340,8 +9350,9 @@ struct ShardLayout {
                     float* p = InPlace ? static_cast<float*>(slot.params.segments[k].data) + (begin - at)
                                        : slot.param_buffer.data() + begin;
                     float* g = grad_store_ != nullptr ? grad_store_ + state_elements
-                               : InPlace              ? static_cast<float*>(params[indices[k]].grad) + (begin - at)
-                                                      : packed_grads[b] + begin;
+                               : slot.packed_grads != nullptr
+                                   ? slot.packed_grads + begin
+                                   : static_cast<float*>(params[indices[k]].grad) + (begin - at);
                     add_piece(p, g, end - begin, indices[k], begin - at);
                 }
                 at += n;
@@ -9366,12 +9377,11 @@ struct ShardLayout {
             const auto& p = params[slot.indices[k]];
             slot.params.segments[k] = {p.data, p.count};
         }
-        if constexpr (!InPlace) return;  // the pieces lie in the packed buffers
         for (std::size_t j = slot.first_piece; j < slot.first_piece + slot.piece_count; ++j) {
             auto& piece = pieces[j];
             const auto& p = params[piece.parameter];
-            piece.params = {static_cast<float*>(p.data) + piece.offset, piece.params.size()};
-            if (grad_store_ != nullptr) continue;
+            if constexpr (InPlace) piece.params = {static_cast<float*>(p.data) + piece.offset, piece.params.size()};
+            if (grad_store_ != nullptr || slot.packed_grads != nullptr) continue;  // they lie in the wrapper's memory
             grads[j] = {static_cast<float*>(p.grad) + piece.offset, piece.grads.size()};
             piece.grads = grads[j];
         }
@@ -9613,7 +9623,7 @@ struct ShardedOptions {
 #ifndef GRADSYNC_SINGLE_DATA_PARALLEL_SHARDED_POLICIES_HPP
 #define GRADSYNC_SINGLE_DATA_PARALLEL_SHARDED_POLICIES_HPP
 // The policies of one ShardedDataParallel, with DataParallel's grammar: one of each kind it takes
-// (bucketer, loss scaler, buffer policy, ShardedOptions) picked from its template arguments, in
+// (bucketer, loss scaler, buffer policy, communication hook, ShardedOptions) picked from its template arguments, in
 // any order, each defaulted and checked against its kind's concept; a policy of a kind it does not
 // take is a clear error, not ignored.
 
@@ -9627,16 +9637,17 @@ template <class P>
 constexpr bool takes_sharded_category() {
     using C = typename category_of<P>::type;
     return std::is_same_v<C, policy_category::bucketer> || std::is_same_v<C, policy_category::loss_scaler> ||
-           std::is_same_v<C, policy_category::buffers> || std::is_same_v<C, policy_category::options>;
+           std::is_same_v<C, policy_category::buffers> || std::is_same_v<C, policy_category::comm_hook> ||
+           std::is_same_v<C, policy_category::options>;
 }
 
 template <class P>
 constexpr bool check_sharded_policy() {
     if constexpr (is_policy<P>) {
         static_assert(takes_sharded_category<P>(),
-                      "gradsync: ShardedDataParallel takes a bucketer, a loss scaler, a buffer policy and "
-                      "gradsync::ShardedOptions; this policy's kind (packing, memory, compression, LR rule or "
-                      "communication hook) is DataParallel's only");
+                      "gradsync: ShardedDataParallel takes a bucketer, a loss scaler, a buffer policy, a "
+                      "communication hook and gradsync::ShardedOptions; this policy's kind (packing, memory, "
+                      "compression or LR rule) is DataParallel's only");
         static_assert(!std::is_same_v<P, Options>,
                       "gradsync: ShardedDataParallel's run-time settings are gradsync::ShardedOptions, not "
                       "gradsync::Options");
@@ -9653,7 +9664,9 @@ struct ShardedPolicySet {
     using loss_scaler = select_policy<policy_category::loss_scaler, NoLossScaling, Policies...>;
     using buffers = select_policy<policy_category::buffers, BroadcastBuffers, Policies...>;
     using options = select_policy<policy_category::options, ShardedOptions, Policies...>;
-    static_assert(check_bucketer<bucketer>() && check_loss_scaler<loss_scaler>() && check_buffer_policy<buffers>());
+    using comm_hook = select_policy<policy_category::comm_hook, NoCommHook, Policies...>;
+    static_assert(check_bucketer<bucketer>() && check_loss_scaler<loss_scaler>() && check_buffer_policy<buffers>() &&
+                  check_comm_hook<comm_hook>());
 
     // The value of the policy of type P among those given, or a default one.
     template <class P>
@@ -9679,10 +9692,11 @@ struct ShardedPolicySet {
 namespace gradsync::inline v0::detail {
 
 // `in_place`: the backend reduces shards where they lie; `releasable`: the model can release
-// gradients (stage 2 needs both).
+// gradients (stage 2 needs both, and no communication hook: `hooked`).
 template <class Bucketer, class Scaler>
 SetupProblems sharded_setup_problems(int rank, const ModelLayout& layout, const ShardedOptions& options,
-                                     const Bucketer& bucketer, const Scaler& scaler, bool in_place, bool releasable) {
+                                     const Bucketer& bucketer, const Scaler& scaler, bool in_place, bool releasable,
+                                     bool hooked) {
     SetupProblems problems(rank);
     for (const auto& p : layout.params)
         if (p.dtype != DType::float32)
@@ -9699,15 +9713,20 @@ SetupProblems sharded_setup_problems(int rank, const ModelLayout& layout, const 
                                            "release_gradients(std::span<const std::size_t>), or see docs/sharding.md"
                                          : "a backend that reduces gradients where they lie "
                                            "(ScatteredShardedCollectives: LocalBackend, MpiBackend)"));
+    else if (options.release_gradients && hooked)
+        problems.configuration(
+            "ShardedOptions::release_gradients keeps each bucket's share where the model's gradients are reduced in "
+            "place, and a communication hook reduces a packed copy: use one or the other");
     return problems;
 }
 
-template <class Bucketer, class Scaler, class Buffers>
+template <class Bucketer, class Scaler, class Buffers, class Hook>
 std::vector<Setting> sharded_settings(const ShardedOptions& options, const Bucketer& bucketer, const Scaler& scaler,
-                                      const Buffers& buffers) {
+                                      const Buffers& buffers, const Hook& hook) {
     return {{"bucketer", settings_of(bucketer)},
             {"buffer policy", settings_of(buffers)},
             {"loss scaler", settings_of(scaler)},
+            {"communication hook", settings_of(hook)},
             {"ShardedOptions::release_gradients", options.release_gradients ? "true" : "false"},
             {"ShardedOptions::clip_norm", exact_text(options.clip_norm)},
             {"ShardedOptions::check_histories", options.check_histories ? "true" : "false"}};
@@ -9742,6 +9761,7 @@ public:
     using bucketer_type = typename Set::bucketer;
     using loss_scaler_type = typename Set::loss_scaler;
     using buffers_type = typename Set::buffers;
+    using comm_hook_type = typename Set::comm_hook;
 
     // Lists the model's parameters, checks them and agrees on the layout, the plan and every
     // setting with every rank (the same exception on every rank otherwise), and copies rank 0's
@@ -9753,7 +9773,7 @@ public:
           backend_(backend),
           options_(Set::template value<ShardedOptions>(std::tuple(policies...))),
           scaler_(Set::template value<loss_scaler_type>(std::tuple(policies...))),
-          engine_(backend, HostMemory{}) {
+          engine_(backend, HostMemory{}, Set::template value<comm_hook_type>(std::tuple(policies...))) {
         init(Set::template value<bucketer_type>(std::tuple(policies...)));
     }
     ShardedDataParallel(Model& model, BackendT& backend) requires(sizeof...(Policies) > 0)
@@ -9823,6 +9843,8 @@ public:
     [[nodiscard]] float loss_scale() const { return scaler_.scale(); }
     // The loss scaler, to save or restore its state (a Checkpoint does).
     [[nodiscard]] loss_scaler_type& loss_scaler() { return scaler_; }
+    // The communication hook, to read or restore its state (PowerSGD's error feedback).
+    [[nodiscard]] comm_hook_type& comm_hook() { return engine_.hook(); }
     // For checkpoint loading: the step count to continue from.
     void restore_steps(std::uint64_t steps) { steps_ = steps; }
     [[nodiscard]] BackendT& backend() const { return backend_; }
@@ -9841,8 +9863,8 @@ public:
     static constexpr bool in_place = ScatteredShardedCollectives<BackendT>;
 
 private:
-    using Engine =
-        detail::BucketEngine<BackendT, HostMemory, DType::float32, in_place, NoCommHook, detail::ReduceScatterBuckets>;
+    using Engine = detail::BucketEngine<BackendT, HostMemory, DType::float32, in_place, comm_hook_type,
+                                        detail::ReduceScatterBuckets>;
 
     // The step in progress (or the next): 1 for the first.
     [[nodiscard]] std::uint64_t current_step() const { return steps_ + 1; }
@@ -9859,18 +9881,28 @@ private:
         static_assert(detail::check_model_access<Model>());
         layout_ = detail::ModelLayout::of(model_, /*with_buffers=*/true);
         const auto problems = detail::sharded_setup_problems(rank(), layout_, options_, bucketer, scaler_, in_place,
-                                                             ReleasableGradients<Model>);
+                                                             ReleasableGradients<Model>, comm_hook_type::hooked);
         plan_ = problems.any() ? BucketPlan{} : bucketer.plan(layout_.params, {});
         detail::agree_on_layout(backend_, layout_.params, layout_.buffers, plan_,
-                                detail::sharded_settings(options_, bucketer, scaler_, buffers_type{}),
+                                detail::sharded_settings(options_, bucketer, scaler_, buffers_type{}, engine_.hook()),
                                 problems.first());
         detail::broadcast_parameters(backend_, parameters());
         history_.take_identity(backend_);
         detail::sync_buffers(backend_, buffers(), buffers_type::mode, /*at_construction=*/true, history_, 0);
         released_.plan(options_.release_gradients, plan_, world_size(), rank());
+        if constexpr (comm_hook_type::hooked)
+            engine_.connect_hook({[this](std::size_t b, std::uint64_t bytes) {
+                                      return history_.next(detail::CollectivePurpose::bucket,
+                                                           static_cast<std::int64_t>(current_step()), b, bytes,
+                                                           DType::float32);
+                                  },
+                                  [this] { return scaler_.scale(); }});
         engine_.setup(plan_, layout_.params);
-        std::vector<float*> packed;  // where the engine reduce-scatters each bucket (not in place)
-        for (auto& slot : engine_.slots()) packed.push_back(reinterpret_cast<float*>(HostMemory::data(slot.buffer)));
+        std::vector<float*> packed;  // where the engine reduces each bucket packed (a hook's too)
+        for (auto& slot : engine_.slots())
+            packed.push_back(slot.route == detail::Route::in_place
+                                 ? nullptr
+                                 : reinterpret_cast<float*>(HostMemory::data(slot.buffer)));
         shards_ = detail::ShardLayout<in_place>(layout_.params, plan_, world_size(), rank(), packed, released_.store());
         storage_.reset(plan_.buckets.size());
         readiness_.plan(plan_, layout_.params.size());
@@ -9882,15 +9914,14 @@ private:
         report.step = current_step();
         const auto step = static_cast<std::int64_t>(report.step);
         {
-            // The buckets grad_ready launched, then the rest on this thread, bucket after bucket
-            // (a progress thread would only compete with this one for the cores).
-            retire(launched_, detail::deadline_after(options_.timeout));
+            // The buckets grad_ready did not launch go now, on this thread, bucket after bucket
+            // (a progress thread would only compete with this one for the cores); then every
+            // bucket is waited for and its share kept.
             if (follow_storage(launched_, shards_.slots.size(), /*in_backward=*/false) && released_.on())
-                for (std::size_t b = 0; b < launched_; ++b) released_.release(model_, shards_, layout_, b);
-            for (std::size_t b = launched_; b < shards_.slots.size(); ++b) {
+                for (std::size_t b = 0; b < kept_; ++b) released_.release(model_, shards_, layout_, b);  // made again
+            for (std::size_t b = launched_; b < shards_.slots.size(); ++b)
                 engine_.reduce_now(b, tag_of(detail::CollectivePurpose::bucket, b));
-                released_.keep(model_, shards_, layout_, b);
-            }
+            retire(shards_.slots.size(), detail::deadline_after(options_.timeout));
             new_step();
         }
         detail::sync_buffers(backend_, buffers(), buffers_type::mode, /*at_construction=*/false, history_, step);
@@ -9918,8 +9949,8 @@ private:
                              of_bucket ? bucket.bytes().count() : 0, DType::float32);
     }
 
-    // Waits for the launched buckets before `end` (by `deadline`, a late one named) and keeps
-    // each one's share.
+    // Waits for the buckets before `end` still in flight (by `deadline`, a late one named) and
+    // keeps each one's share.
     void retire(std::size_t end, std::chrono::steady_clock::time_point deadline) {
         for (; kept_ < end; ++kept_) {
             engine_.wait(kept_, deadline, [this](std::size_t b) {

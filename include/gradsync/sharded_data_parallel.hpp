@@ -13,7 +13,9 @@
 // With grad_ready calls during backward, each bucket's reduce_scatter starts as soon as its
 // gradients are final, in plan order. Policies come as DataParallel's do, in any order, each
 // optional (data_parallel/sharded_policies.hpp): a bucketer, a loss scaler (unscaled in the norm
-// pass), a buffer policy for the model's buffers, and ShardedOptions. With
+// pass), a buffer policy for the model's buffers, a communication hook (which then averages each
+// bucket, packed, in place of the reduce-scatter; this rank reads its shard of the average), and
+// ShardedOptions. With
 // ShardedOptions::release_gradients (stage 2), each bucket's share of this rank is copied out once
 // reduced and the model releases the bucket's gradients. This version: float32 parameters in host
 // memory (a backend whose collectives take device memory is refused), no wire compression.
@@ -76,6 +78,7 @@ public:
     using bucketer_type = typename Set::bucketer;
     using loss_scaler_type = typename Set::loss_scaler;
     using buffers_type = typename Set::buffers;
+    using comm_hook_type = typename Set::comm_hook;
 
     // Lists the model's parameters, checks them and agrees on the layout, the plan and every
     // setting with every rank (the same exception on every rank otherwise), and copies rank 0's
@@ -87,7 +90,7 @@ public:
           backend_(backend),
           options_(Set::template value<ShardedOptions>(std::tuple(policies...))),
           scaler_(Set::template value<loss_scaler_type>(std::tuple(policies...))),
-          engine_(backend, HostMemory{}) {
+          engine_(backend, HostMemory{}, Set::template value<comm_hook_type>(std::tuple(policies...))) {
         init(Set::template value<bucketer_type>(std::tuple(policies...)));
     }
     ShardedDataParallel(Model& model, BackendT& backend) requires(sizeof...(Policies) > 0)
@@ -157,6 +160,8 @@ public:
     [[nodiscard]] float loss_scale() const { return scaler_.scale(); }
     // The loss scaler, to save or restore its state (a Checkpoint does).
     [[nodiscard]] loss_scaler_type& loss_scaler() { return scaler_; }
+    // The communication hook, to read or restore its state (PowerSGD's error feedback).
+    [[nodiscard]] comm_hook_type& comm_hook() { return engine_.hook(); }
     // For checkpoint loading: the step count to continue from.
     void restore_steps(std::uint64_t steps) { steps_ = steps; }
     [[nodiscard]] BackendT& backend() const { return backend_; }
@@ -175,8 +180,8 @@ public:
     static constexpr bool in_place = ScatteredShardedCollectives<BackendT>;
 
 private:
-    using Engine =
-        detail::BucketEngine<BackendT, HostMemory, DType::float32, in_place, NoCommHook, detail::ReduceScatterBuckets>;
+    using Engine = detail::BucketEngine<BackendT, HostMemory, DType::float32, in_place, comm_hook_type,
+                                        detail::ReduceScatterBuckets>;
 
     // The step in progress (or the next): 1 for the first.
     [[nodiscard]] std::uint64_t current_step() const { return steps_ + 1; }
@@ -193,18 +198,28 @@ private:
         static_assert(detail::check_model_access<Model>());
         layout_ = detail::ModelLayout::of(model_, /*with_buffers=*/true);
         const auto problems = detail::sharded_setup_problems(rank(), layout_, options_, bucketer, scaler_, in_place,
-                                                             ReleasableGradients<Model>);
+                                                             ReleasableGradients<Model>, comm_hook_type::hooked);
         plan_ = problems.any() ? BucketPlan{} : bucketer.plan(layout_.params, {});
         detail::agree_on_layout(backend_, layout_.params, layout_.buffers, plan_,
-                                detail::sharded_settings(options_, bucketer, scaler_, buffers_type{}),
+                                detail::sharded_settings(options_, bucketer, scaler_, buffers_type{}, engine_.hook()),
                                 problems.first());
         detail::broadcast_parameters(backend_, parameters());
         history_.take_identity(backend_);
         detail::sync_buffers(backend_, buffers(), buffers_type::mode, /*at_construction=*/true, history_, 0);
         released_.plan(options_.release_gradients, plan_, world_size(), rank());
+        if constexpr (comm_hook_type::hooked)
+            engine_.connect_hook({[this](std::size_t b, std::uint64_t bytes) {
+                                      return history_.next(detail::CollectivePurpose::bucket,
+                                                           static_cast<std::int64_t>(current_step()), b, bytes,
+                                                           DType::float32);
+                                  },
+                                  [this] { return scaler_.scale(); }});
         engine_.setup(plan_, layout_.params);
-        std::vector<float*> packed;  // where the engine reduce-scatters each bucket (not in place)
-        for (auto& slot : engine_.slots()) packed.push_back(reinterpret_cast<float*>(HostMemory::data(slot.buffer)));
+        std::vector<float*> packed;  // where the engine reduces each bucket packed (a hook's too)
+        for (auto& slot : engine_.slots())
+            packed.push_back(slot.route == detail::Route::in_place
+                                 ? nullptr
+                                 : reinterpret_cast<float*>(HostMemory::data(slot.buffer)));
         shards_ = detail::ShardLayout<in_place>(layout_.params, plan_, world_size(), rank(), packed, released_.store());
         storage_.reset(plan_.buckets.size());
         readiness_.plan(plan_, layout_.params.size());
@@ -216,15 +231,14 @@ private:
         report.step = current_step();
         const auto step = static_cast<std::int64_t>(report.step);
         {
-            // The buckets grad_ready launched, then the rest on this thread, bucket after bucket
-            // (a progress thread would only compete with this one for the cores).
-            retire(launched_, detail::deadline_after(options_.timeout));
+            // The buckets grad_ready did not launch go now, on this thread, bucket after bucket
+            // (a progress thread would only compete with this one for the cores); then every
+            // bucket is waited for and its share kept.
             if (follow_storage(launched_, shards_.slots.size(), /*in_backward=*/false) && released_.on())
-                for (std::size_t b = 0; b < launched_; ++b) released_.release(model_, shards_, layout_, b);
-            for (std::size_t b = launched_; b < shards_.slots.size(); ++b) {
+                for (std::size_t b = 0; b < kept_; ++b) released_.release(model_, shards_, layout_, b);  // made again
+            for (std::size_t b = launched_; b < shards_.slots.size(); ++b)
                 engine_.reduce_now(b, tag_of(detail::CollectivePurpose::bucket, b));
-                released_.keep(model_, shards_, layout_, b);
-            }
+            retire(shards_.slots.size(), detail::deadline_after(options_.timeout));
             new_step();
         }
         detail::sync_buffers(backend_, buffers(), buffers_type::mode, /*at_construction=*/false, history_, step);
@@ -252,8 +266,8 @@ private:
                              of_bucket ? bucket.bytes().count() : 0, DType::float32);
     }
 
-    // Waits for the launched buckets before `end` (by `deadline`, a late one named) and keeps
-    // each one's share.
+    // Waits for the buckets before `end` still in flight (by `deadline`, a late one named) and
+    // keeps each one's share.
     void retire(std::size_t end, std::chrono::steady_clock::time_point deadline) {
         for (; kept_ < end; ++kept_) {
             engine_.wait(kept_, deadline, [this](std::size_t b) {

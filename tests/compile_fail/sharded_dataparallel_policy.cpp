@@ -1,6 +1,6 @@
 // A policy of a kind ShardedDataParallel does not take (wire compression, here) is refused with a
 // message that says which kinds it takes, rather than ignored.
-// expect: ShardedDataParallel takes a bucketer, a loss scaler, a buffer policy and gradsync::ShardedOptions
+// expect: ShardedDataParallel takes a bucketer, a loss scaler, a buffer policy, a communication hook
 // most errors: 1
 #include <gradsync/gradsync.hpp>
 

@@ -131,9 +131,10 @@ struct BufferOnly {
 // Rank 0's weights after sharded training; checks every rank ends every step with the same bits.
 // The first `overlapping` ranks report gradients as backward makes them (grad_ready), so that
 // their buckets' reduce_scatters start during backward; the others leave it all to step().
-template <bool Adam, class Model = mlp::Mlp>
+// `more`: further policies (a communication hook).
+template <bool Adam, class Model = mlp::Mlp, class... More>
 Weights train_sharded(int world, gradsync::SizeCappedBuckets caps, gradsync::ShardedOptions options = {},
-                      int overlapping = 0) {
+                      int overlapping = 0, More... more) {
     Weights result;
     std::vector<std::vector<Weights>> per_step(static_cast<std::size_t>(world));
     std::vector<std::size_t> state(static_cast<std::size_t>(world));
@@ -141,7 +142,7 @@ Weights train_sharded(int world, gradsync::SizeCappedBuckets caps, gradsync::Sha
     gradsync::spawn(world, [&](gradsync::LocalBackend& backend) {
         const auto r = static_cast<std::size_t>(backend.rank());
         Model model(/*seed=*/1 + r * 1000);  // replaced by rank 0's at construction
-        gradsync::ShardedDataParallel sdp(model, backend, caps, options);
+        gradsync::ShardedDataParallel sdp(model, backend, caps, options, more...);
         if (backend.rank() < overlapping) model.on_grad_ready = [&](std::size_t i) { sdp.grad_ready(i); };
         state[r] = sdp.state_elements();
         if (r == 0) total = sdp.parameter_elements();
@@ -175,13 +176,14 @@ Weights train_sharded(int world, gradsync::SizeCappedBuckets caps, gradsync::Sha
     return result;
 }
 
-// DataParallel on the same ranks and batches, the example's own optimizers.
-template <bool Adam>
-Weights train_unsharded(int world, gradsync::SizeCappedBuckets caps, double clip = 0) {
+// DataParallel on the same ranks and batches, the example's own optimizers; `more`: further
+// policies (a communication hook).
+template <bool Adam, class... More>
+Weights train_unsharded(int world, gradsync::SizeCappedBuckets caps, double clip = 0, More... more) {
     Weights result;
     gradsync::spawn(world, [&](gradsync::LocalBackend& backend) {
         mlp::Mlp model(/*seed=*/1 + static_cast<std::uint64_t>(backend.rank()) * 1000);
-        gradsync::DataParallel dp(model, backend, caps, gradsync::Options{.clip_norm = clip});
+        gradsync::DataParallel dp(model, backend, caps, gradsync::Options{.clip_norm = clip}, more...);
         mlp::Sgd sgd(0.05f, 0.9f);
         mlp::Adam adam(1e-3f);
         for (int s = 0; s < steps; ++s) {

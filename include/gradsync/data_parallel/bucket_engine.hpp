@@ -43,8 +43,7 @@ template <Backend BackendT, MemoryPolicy Memory, DType Wire, bool InPlace, class
           class Collective = AllreduceBuckets>
 class BucketEngine {
     static constexpr bool compresses = Wire != DType::float32;
-    static_assert(Collective::whole || (!compresses && !Hook::hooked),
-                  "a sharded bucket is neither compressed nor hooked");
+    static_assert(Collective::whole || !compresses, "a sharded bucket is not compressed");
     using clock = std::chrono::steady_clock;
 
     static auto async_of(BackendT& b) {
@@ -95,8 +94,7 @@ public:
     void launch(std::size_t b, CollectiveTag tag) {
         auto& slot = slots_[b];
         slot.launched_at = clock::now();
-        // The local gradient is already the average (a shard is still packed where it is read).
-        if (backend_.size() == 1 && Collective::whole) return;
+        if (alone(b)) return;
         if (slot.route == Route::hook) {
             start_hook(b, tag);
         } else if (slot.route == Route::in_place) {
@@ -108,22 +106,19 @@ public:
     }
 
     // Bucket b's collective run now, on this thread (no overlap to gain), and finished; on a
-    // device, queued like a launch.
+    // device, queued like a launch. A hook's bucket is only started: its finish() comes at the
+    // wait, after every bucket's start(), as on a rank that launched its buckets during backward,
+    // so that the collectives a hook issues in finish() pair across ranks that overlap and ranks
+    // that do not.
     void reduce_now(std::size_t b, CollectiveTag tag) {
         auto& slot = slots_[b];
         slot.launched_at = clock::now();
+        if (alone(b)) return;
         if constexpr (DeviceBackend<BackendT>) {
             slot.handle.emplace(Collective::start(backend_, contiguous(b), op_of(slot), tag));
             return;
         }
-        if (slot.route == Route::hook) {
-            start_hook(b, tag);
-            slot.pending->wait();
-            slot.pending.reset();
-            finish_hook(b);  // with the finalize pass
-            slot.finished_at = clock::now();
-            return;
-        }
+        if (slot.route == Route::hook) return start_hook(b, tag);
         if (slot.route == Route::in_place) {
             if constexpr (InPlace) Collective::run(backend_, segments_of(slot), slot.dtype, ReduceOp::average, tag);
         } else {
@@ -273,6 +268,16 @@ private:
     }
 
     [[nodiscard]] static bool hook_widens(const Slot& slot) { return slot.widened_for_hook(); }
+
+    // A world of one: the local gradient is the average, so nothing is reduced (and no hook
+    // runs); a shard is still packed where the front reads it.
+    bool alone(std::size_t b) {
+        if (backend_.size() > 1) return false;
+        auto& slot = slots_[b];
+        if constexpr (!Collective::whole)
+            if (slot.route != Route::in_place) memory_.pack(slot.table, Memory::data(slot.buffer));
+        return true;
+    }
 
     // The bucket's gradients where they lie: one segment when they are a view.
     static std::span<const Segment> segments_of(const Slot& slot) {

@@ -1,8 +1,9 @@
 // How ShardedDataParallel splits the plan's buckets among the ranks: each bucket into one
 // contiguous shard per rank (shard_of), and this rank's shard of each into pieces, one per
 // parameter it covers, pointing into the model (in place) or into packed bucket buffers (the
-// bucket engine's, for the gradients); with released gradients (stage 2), the pieces' gradients
-// lie in a store of the wrapper's instead.
+// bucket engine's, for the gradients, where the bucket was reduced packed or through a
+// communication hook); with released gradients (stage 2), the pieces' gradients lie in a store of
+// the wrapper's instead.
 #pragma once
 
 #include <gradsync/bucket/plan.hpp>
@@ -42,6 +43,7 @@ struct ShardSlot {
     std::vector<float> param_buffer;
     Shard shard;
     std::size_t first_piece = 0, piece_count = 0;  // this rank's pieces of the bucket
+    float* packed_grads = nullptr;                 // where the bucket was reduced packed, if it was
 
     void unpack_params() const { HostMemory{}.unpack(params, reinterpret_cast<const std::byte*>(param_buffer.data())); }
     // Copies the model's parameters of this rank's shard into the parameter buffer.
@@ -60,8 +62,8 @@ struct ShardSlot {
 
 // Every bucket's slot and this rank's pieces, in bucket order; the pieces' state offsets count
 // up from 0 to state_elements. A `grad_store` of shard_elements() floats holds the pieces'
-// gradients at their state offsets (stage 2); without one they lie in the model's gradients (in
-// place) or in `packed_grads[b]`, where bucket b's gradients are reduce-scattered packed.
+// gradients at their state offsets (stage 2); without one they lie in `packed_grads[b]`, where
+// bucket b was reduced packed, or else in the model's gradients.
 template <bool InPlace>
 struct ShardLayout {
     std::vector<ShardSlot> slots;
@@ -80,6 +82,7 @@ struct ShardLayout {
             std::sort(slot.indices.begin(), slot.indices.end());
             const auto& indices = slot.indices;
             slot.first_piece = pieces.size();
+            slot.packed_grads = packed_grads[b];
             for (auto i : indices) slot.params.segments.push_back({params[i].data, params[i].count});
             if constexpr (!InPlace) slot.param_buffer.assign(bucket.count, 0.0f);
             slot.shard = shard_of(bucket.count, ranks, rank);
@@ -93,8 +96,9 @@ struct ShardLayout {
                     float* p = InPlace ? static_cast<float*>(slot.params.segments[k].data) + (begin - at)
                                        : slot.param_buffer.data() + begin;
                     float* g = grad_store_ != nullptr ? grad_store_ + state_elements
-                               : InPlace              ? static_cast<float*>(params[indices[k]].grad) + (begin - at)
-                                                      : packed_grads[b] + begin;
+                               : slot.packed_grads != nullptr
+                                   ? slot.packed_grads + begin
+                                   : static_cast<float*>(params[indices[k]].grad) + (begin - at);
                     add_piece(p, g, end - begin, indices[k], begin - at);
                 }
                 at += n;
@@ -119,12 +123,11 @@ struct ShardLayout {
             const auto& p = params[slot.indices[k]];
             slot.params.segments[k] = {p.data, p.count};
         }
-        if constexpr (!InPlace) return;  // the pieces lie in the packed buffers
         for (std::size_t j = slot.first_piece; j < slot.first_piece + slot.piece_count; ++j) {
             auto& piece = pieces[j];
             const auto& p = params[piece.parameter];
-            piece.params = {static_cast<float*>(p.data) + piece.offset, piece.params.size()};
-            if (grad_store_ != nullptr) continue;
+            if constexpr (InPlace) piece.params = {static_cast<float*>(p.data) + piece.offset, piece.params.size()};
+            if (grad_store_ != nullptr || slot.packed_grads != nullptr) continue;  // they lie in the wrapper's memory
             grads[j] = {static_cast<float*>(p.grad) + piece.offset, piece.grads.size()};
             piece.grads = grads[j];
         }

@@ -1,5 +1,5 @@
 // The policies of one ShardedDataParallel, with DataParallel's grammar: one of each kind it takes
-// (bucketer, loss scaler, buffer policy, ShardedOptions) picked from its template arguments, in
+// (bucketer, loss scaler, buffer policy, communication hook, ShardedOptions) picked from its template arguments, in
 // any order, each defaulted and checked against its kind's concept; a policy of a kind it does not
 // take is a clear error, not ignored.
 #pragma once
@@ -10,6 +10,7 @@
 #include <gradsync/data_parallel/sharded_options.hpp>
 #include <gradsync/detail/policy.hpp>
 #include <gradsync/model/buffers.hpp>
+#include <gradsync/reduction/comm_hook.hpp>
 
 #include <tuple>
 #include <type_traits>
@@ -20,16 +21,17 @@ template <class P>
 constexpr bool takes_sharded_category() {
     using C = typename category_of<P>::type;
     return std::is_same_v<C, policy_category::bucketer> || std::is_same_v<C, policy_category::loss_scaler> ||
-           std::is_same_v<C, policy_category::buffers> || std::is_same_v<C, policy_category::options>;
+           std::is_same_v<C, policy_category::buffers> || std::is_same_v<C, policy_category::comm_hook> ||
+           std::is_same_v<C, policy_category::options>;
 }
 
 template <class P>
 constexpr bool check_sharded_policy() {
     if constexpr (is_policy<P>) {
         static_assert(takes_sharded_category<P>(),
-                      "gradsync: ShardedDataParallel takes a bucketer, a loss scaler, a buffer policy and "
-                      "gradsync::ShardedOptions; this policy's kind (packing, memory, compression, LR rule or "
-                      "communication hook) is DataParallel's only");
+                      "gradsync: ShardedDataParallel takes a bucketer, a loss scaler, a buffer policy, a "
+                      "communication hook and gradsync::ShardedOptions; this policy's kind (packing, memory, "
+                      "compression or LR rule) is DataParallel's only");
         static_assert(!std::is_same_v<P, Options>,
                       "gradsync: ShardedDataParallel's run-time settings are gradsync::ShardedOptions, not "
                       "gradsync::Options");
@@ -46,7 +48,9 @@ struct ShardedPolicySet {
     using loss_scaler = select_policy<policy_category::loss_scaler, NoLossScaling, Policies...>;
     using buffers = select_policy<policy_category::buffers, BroadcastBuffers, Policies...>;
     using options = select_policy<policy_category::options, ShardedOptions, Policies...>;
-    static_assert(check_bucketer<bucketer>() && check_loss_scaler<loss_scaler>() && check_buffer_policy<buffers>());
+    using comm_hook = select_policy<policy_category::comm_hook, NoCommHook, Policies...>;
+    static_assert(check_bucketer<bucketer>() && check_loss_scaler<loss_scaler>() && check_buffer_policy<buffers>() &&
+                  check_comm_hook<comm_hook>());
 
     // The value of the policy of type P among those given, or a default one.
     template <class P>

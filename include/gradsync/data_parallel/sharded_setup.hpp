@@ -15,10 +15,11 @@
 namespace gradsync::inline v0::detail {
 
 // `in_place`: the backend reduces shards where they lie; `releasable`: the model can release
-// gradients (stage 2 needs both).
+// gradients (stage 2 needs both, and no communication hook: `hooked`).
 template <class Bucketer, class Scaler>
 SetupProblems sharded_setup_problems(int rank, const ModelLayout& layout, const ShardedOptions& options,
-                                     const Bucketer& bucketer, const Scaler& scaler, bool in_place, bool releasable) {
+                                     const Bucketer& bucketer, const Scaler& scaler, bool in_place, bool releasable,
+                                     bool hooked) {
     SetupProblems problems(rank);
     for (const auto& p : layout.params)
         if (p.dtype != DType::float32)
@@ -35,15 +36,20 @@ SetupProblems sharded_setup_problems(int rank, const ModelLayout& layout, const 
                                            "release_gradients(std::span<const std::size_t>), or see docs/sharding.md"
                                          : "a backend that reduces gradients where they lie "
                                            "(ScatteredShardedCollectives: LocalBackend, MpiBackend)"));
+    else if (options.release_gradients && hooked)
+        problems.configuration(
+            "ShardedOptions::release_gradients keeps each bucket's share where the model's gradients are reduced in "
+            "place, and a communication hook reduces a packed copy: use one or the other");
     return problems;
 }
 
-template <class Bucketer, class Scaler, class Buffers>
+template <class Bucketer, class Scaler, class Buffers, class Hook>
 std::vector<Setting> sharded_settings(const ShardedOptions& options, const Bucketer& bucketer, const Scaler& scaler,
-                                      const Buffers& buffers) {
+                                      const Buffers& buffers, const Hook& hook) {
     return {{"bucketer", settings_of(bucketer)},
             {"buffer policy", settings_of(buffers)},
             {"loss scaler", settings_of(scaler)},
+            {"communication hook", settings_of(hook)},
             {"ShardedOptions::release_gradients", options.release_gradients ? "true" : "false"},
             {"ShardedOptions::clip_norm", exact_text(options.clip_norm)},
             {"ShardedOptions::check_histories", options.check_histories ? "true" : "false"}};
