@@ -2,8 +2,10 @@
 // of the reduce-scatter, and each rank reads its shard of the average. The plain average through a
 // hook ends bitwise where no hook does; PowerSGD ends bitwise where DataParallel with PowerSGD does
 // (the same hook over the same buckets, and an elementwise optimizer); a world of one runs no hook.
-// The hook is agreed like every other setting, and release_gradients refuses one.
+// The hook is agreed like every other setting, and release_gradients refuses one. Its state goes
+// into checkpoints beside the optimizer's shards.
 #include <gradsync/backend/local.hpp>
+#include <gradsync/checkpoint/checkpoint.hpp>
 #include <gradsync/launch/spawn.hpp>
 #include <gradsync/reduction/powersgd.hpp>
 #include <gradsync/sharded_data_parallel.hpp>
@@ -11,6 +13,7 @@
 #include <doctest/doctest.h>
 
 #include "support/sharded_training.hpp"
+#include "support/temp_dir.hpp"
 
 #include <string>
 #include <vector>
@@ -36,7 +39,7 @@ TEST_CASE("sharded with a hook: the plain average through it ends bitwise where 
     }
 }
 
-TEST_CASE("sharded with PowerSGD ends bitwise where DataParallel with PowerSGD does; a world of one runs no hook") {
+TEST_CASE("sharded with PowerSGD ends bitwise where DataParallel with PowerSGD does, and alone runs no hook") {
     for (int world = 2; world <= 3; ++world) {
         CAPTURE(world);
         const auto sharded_powersgd = sharded::train_sharded<false>(world, caps, {}, 0, low_rank());
@@ -82,4 +85,35 @@ TEST_CASE("sharded with a hook: hooks that differ are refused on every rank, and
         CHECK(what.find("ShardedOptions::release_gradients keeps each bucket's share where the model's gradients are "
                         "reduced in place, and a communication hook reduces a packed copy") != std::string::npos);
     }
+}
+
+TEST_CASE("sharded with PowerSGD: its state and the optimizer's shards are checkpointed, 6 steps == 3, save, load, 3") {
+    TempDir dir;
+    const auto path = dir.path / "sharded_powersgd.safetensors";
+    const int world = 2;
+    // Steps [from, to) of sharded SGD with momentum under PowerSGD; loads `load` first, saves to
+    // `save` after, where given. Rank 0's weights.
+    const auto train = [&](int from, int to, bool load, bool save) {
+        sharded::Weights weights;
+        gradsync::spawn(world, [&](gradsync::LocalBackend& backend) {
+            mlp::Mlp model(1);
+            gradsync::ShardedDataParallel sdp(model, backend, caps, low_rank());
+            sharded::ShardedSgd sgd;
+            sgd.velocity.assign(sdp.state_elements(), 0.0f);
+            auto checkpoint = [&] {
+                return gradsync::Checkpoint().add_shard("velocity", std::span(sgd.velocity)).add(sdp.comm_hook());
+            };
+            if (load) checkpoint().load(path, sdp);
+            for (int s = from; s < to; ++s) {
+                model.forward_backward(sharded::batch_of(world, backend.rank(), s));
+                CHECK(sdp.step(sgd).applied);
+            }
+            if (save) checkpoint().save(path, sdp);
+            if (backend.rank() == 0) weights = sharded::weights_of(model);
+        });
+        return weights;
+    };
+    const auto straight = train(0, 6, false, false);
+    (void)train(0, 3, false, true);
+    CHECK(sharded::bitwise_equal(train(3, 6, true, false), straight));
 }
