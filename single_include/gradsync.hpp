@@ -5296,9 +5296,9 @@ private:
 // DataParallel<Model, Backend, Policies...>: wraps a model so that every rank holds the average of
 // all ranks' gradients after synchronize(). With grad_ready() calls during backward, each bucket's
 // allreduce starts as soon as its last gradient is ready, overlapping communication with backward.
-// The front of the parts in data_parallel/: readiness (which gradients are final), the bucket
-// engine (launch, wait, finalize pass), the finalize step (norm, clipping, the step's decision),
-// the collective history, buffer sync and diagnosis.
+// The front of the parts in data_parallel/: the core it shares with ShardedDataParallel (the
+// grad_ready calls, failure handling, the set-up), the bucket engine (launch, wait, finalize
+// pass), the finalize step (norm, clipping, the step's decision), replanning and diagnosis.
 
 
 // ---- begin gradsync/data_parallel/buffer_sync.hpp ----
@@ -6074,6 +6074,7 @@ class BucketEngine {
 
 public:
     using handle_type = decltype(async_of(std::declval<BackendT&>()));
+    using hook_type = Hook;
 
     using Slot = BucketSlot<Memory, handle_type>;
 
@@ -6936,6 +6937,17 @@ StepReport decide_step(const StepStats& stats, Scaler& scaler, const Lr& lr, int
 #endif  // GRADSYNC_SINGLE_DATA_PARALLEL_FINALIZE_STEP_HPP
 // ---- end gradsync/data_parallel/finalize_step.hpp ----
 
+// ---- begin gradsync/data_parallel/front_core.hpp ----
+#ifndef GRADSYNC_SINGLE_DATA_PARALLEL_FRONT_CORE_HPP
+#define GRADSYNC_SINGLE_DATA_PARALLEL_FRONT_CORE_HPP
+// FrontCore: what DataParallel and ShardedDataParallel share. The model and backend a front
+// serves, the parameter layout, the bucket engine, the step's readiness and collective history,
+// storage following and the lifetime that callbacks watch; the grad_ready calls; the guard that
+// turns a failure on this rank into the group's (data_parallel/group_failure.hpp); the set-up
+// after the ranks agree. A front derives from it and supplies launch(b) (a bucket is ready) and
+// end_step() (forget the step in progress).
+
+
 // ---- begin gradsync/data_parallel/group_failure.hpp ----
 #ifndef GRADSYNC_SINGLE_DATA_PARALLEL_GROUP_FAILURE_HPP
 #define GRADSYNC_SINGLE_DATA_PARALLEL_GROUP_FAILURE_HPP
@@ -7553,6 +7565,196 @@ private:
 #endif  // GRADSYNC_SINGLE_DATA_PARALLEL_MOVED_STORAGE_HPP
 // ---- end gradsync/data_parallel/moved_storage.hpp ----
 
+// ---- begin gradsync/data_parallel/ready_calls.hpp ----
+#ifndef GRADSYNC_SINGLE_DATA_PARALLEL_READY_CALLS_HPP
+#define GRADSYNC_SINGLE_DATA_PARALLEL_READY_CALLS_HPP
+// What both fronts do with the trainer's grad_ready calls: a parameter found by index or name
+// becomes ready in the step's Readiness (launching the buckets it completes), and at the end of
+// backward every parameter without a call is accounted for or named in the error.
+
+
+#include <cstddef>
+#include <string>
+#include <variant>
+
+namespace gradsync::inline v0::detail {
+
+// `found`: the parameter a grad_ready call named (ModelLayout::at_model_index or named), or what
+// was wrong with the call. Launches through launch(b) every bucket it completes, in plan order; a
+// misuse is a ReadinessError that where() (rank and step) begins.
+template <class Launch, class Where>
+void mark_ready(Readiness& readiness, const ModelLayout& layout, const std::variant<std::size_t, std::string>& found,
+                Launch&& launch, const Where& where) {
+    if (const auto* problem = std::get_if<std::string>(&found)) throw ReadinessError(where() + ": " + *problem);
+    const auto p = std::get<std::size_t>(found);
+    if (p == ModelLayout::none) return;
+    if (readiness.mark(p, launch) == Readiness::Mark::twice)
+        throw ReadinessError(where() + ": grad_ready for parameter '" + layout.params[p].name +
+                             "' was called twice in one step");
+}
+
+// At the end of an overlapped backward: every parameter without a grad_ready call is either ready
+// from an earlier micro-step, unused (unused(p) returns true once it has zeroed its gradient) or
+// an error naming them; then every bucket goes through launch(b).
+template <class Launch, class Unused, class Where>
+void complete_readiness(Readiness& readiness, const ModelLayout& layout, Launch&& launch, Unused&& unused,
+                        const Where& where) {
+    const auto missing = readiness.complete(launch, unused);
+    if (!missing.empty()) throw ReadinessError(where() + ": " + missing_gradients(missing, layout.params, readiness));
+}
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_DATA_PARALLEL_READY_CALLS_HPP
+// ---- end gradsync/data_parallel/ready_calls.hpp ----
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <variant>
+
+namespace gradsync::inline v0::detail {
+
+template <class Front, class Model, class BackendT, class Engine, class OptionsT, class Scaler>
+class FrontCore {
+public:
+    using comm_hook_type = typename Engine::hook_type;
+    using loss_scaler_type = Scaler;
+
+    FrontCore(const FrontCore&) = delete;
+    FrontCore& operator=(const FrontCore&) = delete;
+
+    // Gradient of parameter `index` (its position in the model's parameter list, zero-sized ones
+    // included) is final for this step. When it completes a bucket, that bucket and every bucket
+    // before it that is complete are launched, in plan order, so every rank issues them in the
+    // same order. Safe to call from several threads (backward hooks); all calls of a step must
+    // return before the step's synchronize() or step(). A misuse (a parameter reported twice in a
+    // step, a name the model lacks) fails the group, as any failure in a step does.
+    void grad_ready(std::size_t index) {
+        guard([&] { mark(layout_.at_model_index(index)); });
+    }
+    void grad_ready(std::string_view name) {
+        guard([&] { mark(layout_.named(name)); });
+    }
+
+    // The factor to multiply the loss by before backward (1 without a loss scaler).
+    [[nodiscard]] float loss_scale() const { return scaler_.scale(); }
+    // The loss scaler, to save or restore its state (DynamicLossScale::state; a Checkpoint does).
+    [[nodiscard]] Scaler& loss_scaler() { return scaler_; }
+    // The communication hook, to read or restore its state (PowerSGD's error feedback).
+    [[nodiscard]] comm_hook_type& comm_hook() { return engine_.hook(); }
+    // The parameters gradsync synchronizes: the model's, in registration order, without the
+    // zero-sized ones. Bucket::parameters index into this list.
+    [[nodiscard]] std::span<const Parameter> parameters() const { return layout_.params; }
+    [[nodiscard]] std::span<const ModelBuffer> buffers() const { return layout_.buffers; }
+    [[nodiscard]] int rank() const { return backend_.rank(); }
+    [[nodiscard]] int world_size() const { return backend_.size(); }
+    // Synchronized steps completed (accumulation micro-steps under no_sync() do not count).
+    [[nodiscard]] std::uint64_t steps() const { return steps_.load(std::memory_order_acquire); }
+    // Sets that count, to resume from a checkpoint: step numbers and the LR rule's warm-up go on
+    // from there. Between steps only, with the same value on every rank.
+    void restore_steps(std::uint64_t steps) { steps_.store(steps, std::memory_order_release); }
+    [[nodiscard]] Model& model() const { return model_; }
+    [[nodiscard]] BackendT& backend() const { return backend_; }
+    [[nodiscard]] const OptionsT& options() const { return options_; }
+    // Expires when this object is destroyed: callbacks that may outlive it (the libtorch
+    // adapter's backward hooks) watch it and then call nothing.
+    [[nodiscard]] std::weak_ptr<const void> lifetime() const { return lifetime_; }
+
+protected:
+    template <class... EngineArgs>
+    FrontCore(Model& model, BackendT& backend, OptionsT options, Scaler scaler, EngineArgs&&... engine_args)
+        : model_(model),
+          backend_(backend),
+          options_(std::move(options)),
+          scaler_(std::move(scaler)),
+          engine_(backend, std::forward<EngineArgs>(engine_args)...) {}
+    ~FrontCore() = default;
+
+    // For the front's destructor: callbacks stop, and a step cut short by an exception leaves no
+    // collective in flight (the group is told; group_failure.hpp). Never throws.
+    void leave(const char* front) noexcept {
+        lifetime_.reset();
+        abandon_in_flight(backend_, engine_, options_.timeout, front, static_cast<std::uint64_t>(current_step()));
+    }
+
+    // The step in progress (or the next): 1 for the first.
+    [[nodiscard]] std::int64_t current_step() const { return static_cast<std::int64_t>(steps()) + 1; }
+    [[nodiscard]] std::string where() const { return rank_prefix(rank()) + ", step " + std::to_string(current_step()); }
+
+    // Runs f; a failure on this rank becomes the group's: the peers are told which rank failed
+    // in which step, the collectives in flight are drained, the front ends the step, and the
+    // error goes on.
+    template <class F>
+    void guard(F&& f) {
+        run_guarded(
+            backend_, engine_, options_.timeout, f, [this] { front().end_step(); },
+            [this](const std::exception& e) {
+                return failure_of(rank(), static_cast<std::uint64_t>(current_step()), e);
+            });
+    }
+
+    // After the ranks agreed: the hook learns how to tag its collectives and read the loss scale,
+    // every rank takes rank 0's parameters (and the buffers kept equal), and the history its
+    // identity.
+    void start_from_rank0(BufferSync mode) {
+        if constexpr (comm_hook_type::hooked)
+            engine_.connect_hook({[this](std::size_t b, std::uint64_t bytes) {
+                                      return history_.next(CollectivePurpose::bucket, current_step(), b, bytes,
+                                                           DType::float32);
+                                  },
+                                  [this] { return scaler_.scale(); }});
+        broadcast_parameters(backend_, parameters());
+        history_.take_identity(backend_);
+        sync_buffers(backend_, buffers(), mode, /*at_construction=*/true, history_, current_step());
+    }
+
+    // Moved storage is followed for buckets [first, last); refresh(b) rebuilds what a moved bucket
+    // b invalidates. Returns whether the model was listed again.
+    template <class Refresh>
+    bool follow(const BucketPlan& plan, std::size_t first, std::size_t last, bool in_backward, Refresh&& refresh) {
+        return storage_.follow(model_, layout_, plan, first, last, in_backward, refresh, [this] { return where(); });
+    }
+
+    // What a wait past its deadline throws: bucket b named, with what each rank reported.
+    [[nodiscard]] auto diagnose(const BucketPlan& plan) {
+        return [this, &plan](std::size_t b) {
+            return diagnose_timeout(backend_, current_step(), plan, parameters(), b, options_.timeout);
+        };
+    }
+
+    Model& model_;
+    BackendT& backend_;
+    OptionsT options_{};
+    Scaler scaler_{};
+    Engine engine_;
+    ModelLayout layout_;
+    Readiness readiness_;
+    CollectiveHistory history_;  // tags every collective of a step
+    StorageFollower storage_;
+    std::atomic<std::uint64_t> steps_{0};
+    std::shared_ptr<const char> lifetime_ = std::make_shared<const char>('\0');
+
+private:
+    [[nodiscard]] Front& front() { return static_cast<Front&>(*this); }
+
+    // Parameter p is ready: every bucket that completes goes, in plan order, through the front's
+    // launch(b) (under the readiness lock).
+    void mark(const std::variant<std::size_t, std::string>& found) {
+        mark_ready(
+            readiness_, layout_, found, [this](std::size_t b) { front().launch(b); }, [this] { return where(); });
+    }
+};
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_DATA_PARALLEL_FRONT_CORE_HPP
+// ---- end gradsync/data_parallel/front_core.hpp ----
+
 // ---- begin gradsync/data_parallel/policies.hpp ----
 #ifndef GRADSYNC_SINGLE_DATA_PARALLEL_POLICIES_HPP
 #define GRADSYNC_SINGLE_DATA_PARALLEL_POLICIES_HPP
@@ -7870,48 +8072,6 @@ struct PolicySet {
 }  // namespace gradsync::inline v0::detail
 #endif  // GRADSYNC_SINGLE_DATA_PARALLEL_POLICIES_HPP
 // ---- end gradsync/data_parallel/policies.hpp ----
-
-// ---- begin gradsync/data_parallel/ready_calls.hpp ----
-#ifndef GRADSYNC_SINGLE_DATA_PARALLEL_READY_CALLS_HPP
-#define GRADSYNC_SINGLE_DATA_PARALLEL_READY_CALLS_HPP
-// What both fronts do with the trainer's grad_ready calls: a parameter found by index or name
-// becomes ready in the step's Readiness (launching the buckets it completes), and at the end of
-// backward every parameter without a call is accounted for or named in the error.
-
-
-#include <cstddef>
-#include <string>
-#include <variant>
-
-namespace gradsync::inline v0::detail {
-
-// `found`: the parameter a grad_ready call named (ModelLayout::at_model_index or named), or what
-// was wrong with the call. Launches through launch(b) every bucket it completes, in plan order; a
-// misuse is a ReadinessError that where() (rank and step) begins.
-template <class Launch, class Where>
-void mark_ready(Readiness& readiness, const ModelLayout& layout, const std::variant<std::size_t, std::string>& found,
-                Launch&& launch, const Where& where) {
-    if (const auto* problem = std::get_if<std::string>(&found)) throw ReadinessError(where() + ": " + *problem);
-    const auto p = std::get<std::size_t>(found);
-    if (p == ModelLayout::none) return;
-    if (readiness.mark(p, launch) == Readiness::Mark::twice)
-        throw ReadinessError(where() + ": grad_ready for parameter '" + layout.params[p].name +
-                             "' was called twice in one step");
-}
-
-// At the end of an overlapped backward: every parameter without a grad_ready call is either ready
-// from an earlier micro-step, unused (unused(p) returns true once it has zeroed its gradient) or
-// an error naming them; then every bucket goes through launch(b).
-template <class Launch, class Unused, class Where>
-void complete_readiness(Readiness& readiness, const ModelLayout& layout, Launch&& launch, Unused&& unused,
-                        const Where& where) {
-    const auto missing = readiness.complete(launch, unused);
-    if (!missing.empty()) throw ReadinessError(where() + ": " + missing_gradients(missing, layout.params, readiness));
-}
-
-}  // namespace gradsync::inline v0::detail
-#endif  // GRADSYNC_SINGLE_DATA_PARALLEL_READY_CALLS_HPP
-// ---- end gradsync/data_parallel/ready_calls.hpp ----
 
 // ---- begin gradsync/data_parallel/replanning.hpp ----
 #ifndef GRADSYNC_SINGLE_DATA_PARALLEL_REPLANNING_HPP
@@ -8816,24 +8976,40 @@ inline std::string timeline_path(const std::string& from_options) {
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
-#include <memory>
 #include <optional>
 #include <span>
 #include <string>
-#include <string_view>
 #include <tuple>
 #include <type_traits>  // for std::is_pointer_v
-#include <variant>
 
 namespace gradsync::inline v0 {
+
+namespace detail {
+// DataParallel's core: its engine allreduces each bucket. The backend is checked first, so that
+// a type that is not one reads that before anything else.
+template <class Front, class Model, class BackendT, class... Policies>
+struct DataParallelCoreOf {
+    static_assert(check_backend<BackendT>());
+    using Set = PolicySet<BackendT, Policies...>;
+    using engine =
+        BucketEngine<BackendT, typename Set::memory, Set::compression::wire, Set::in_place, typename Set::comm_hook>;
+    using type = FrontCore<Front, Model, BackendT, engine, Options, typename Set::loss_scaler>;
+};
+}  // namespace detail
 
 // Policies, in any order, each optional (data_parallel/policies.hpp): bucketer, packing, memory,
 // buffers, Options, loss scaler, compression, LR rule, communication hook.
 template <class Model, class BackendT, class... Policies>
-class DataParallel {
-    static_assert(detail::check_backend<BackendT>());
-    using Set = detail::PolicySet<BackendT, Policies...>;
+class DataParallel : public detail::DataParallelCoreOf<DataParallel<Model, BackendT, Policies...>, Model, BackendT,
+                                                       Policies...>::type {
+    using CoreOf = detail::DataParallelCoreOf<DataParallel, Model, BackendT, Policies...>;
+    using Core = typename CoreOf::type;
+    using Set = typename CoreOf::Set;
     using Phase = detail::Readiness::Phase;
+    friend Core;  // calls launch() and end_step()
+    using Core::current_step, Core::where, Core::guard, Core::follow, Core::diagnose;
+    using Core::model_, Core::backend_, Core::options_, Core::scaler_, Core::engine_, Core::layout_, Core::readiness_,
+        Core::history_, Core::storage_, Core::steps_;
 
 public:
     using bucketer_type = typename Set::bucketer;
@@ -8846,55 +9022,38 @@ public:
     using comm_hook_type = typename Set::comm_hook;
     static constexpr bool reduces_in_place = Set::in_place;
     static constexpr bool gradients_untouchable = Set::gradients_untouchable;
-    using engine_type =
-        detail::BucketEngine<BackendT, memory_type, compression_type::wire, reduces_in_place, comm_hook_type>;
+    using engine_type = typename CoreOf::engine;
     using handle_type = typename engine_type::handle_type;
 
     // Lists the model's parameters and buffers, checks them on every rank, agrees on the layout
     // with every rank, and copies rank 0's parameter (and buffer) values to every rank. A problem
     // on any rank throws the same exception on every rank. Model and backend must outlive this.
     DataParallel(Model& model, BackendT& backend, Policies... policies) requires(!std::is_pointer_v<Model>)
-        : model_(model),
-          backend_(backend),
+        : Core(model, backend, Set::template value<Options>(std::tuple(policies...)),
+               Set::template value<loss_scaler_type>(std::tuple(policies...)),
+               Set::template value<memory_type>(std::tuple(policies...)),
+               Set::template value<comm_hook_type>(std::tuple(policies...))),
           replanning_(Set::template value<bucketer_type>(std::tuple(policies...))),
-          options_(Set::template value<Options>(std::tuple(policies...))),
-          scaler_(Set::template value<loss_scaler_type>(std::tuple(policies...))),
-          lr_(Set::template value<lr_type>(std::tuple(policies...))),
-          engine_(backend, Set::template value<memory_type>(std::tuple(policies...)),
-                  Set::template value<comm_hook_type>(std::tuple(policies...))) {
+          lr_(Set::template value<lr_type>(std::tuple(policies...))) {
         init();
     }
     DataParallel(Model& model, BackendT& backend) requires(sizeof...(Policies) > 0 && !std::is_pointer_v<Model>)
-        : model_(model), backend_(backend), engine_(backend, memory_type{}) {
+        : Core(model, backend, Options{}, loss_scaler_type{}, memory_type{}) {
         init();
     }
     // A model passed by pointer (`&model`) is refused with a message saying what to write.
     // (Model&&: not deducible from an lvalue model, so deduction is never ambiguous.)
     DataParallel(Model&& model, BackendT& backend, Policies...) requires(std::is_pointer_v<Model>)
-        : model_(model), backend_(backend), engine_(backend, memory_type{}) {
+        : Core(model, backend, Options{}, loss_scaler_type{}, memory_type{}) {
         static_assert(detail::check_model_access<Model>());
     }
-    DataParallel(const DataParallel&) = delete;
-    DataParallel& operator=(const DataParallel&) = delete;
 
     // A DataParallel destroyed in the middle of a step (after an exception, say) aborts the group,
     // so that peers fail at once, and waits for its collectives in flight before it goes.
-    ~DataParallel() {
-        lifetime_.reset();
-        detail::abandon_in_flight(backend_, engine_, options_.timeout, "DataParallel",
-                                  static_cast<std::uint64_t>(current_step()));
-    }
+    ~DataParallel() { this->leave("DataParallel"); }
 
-    // Gradient of parameter `index` (its position in the model's parameter list, zero-sized ones
-    // included) is final for this step. When it completes a bucket, that bucket and every bucket
-    // before it that is complete are launched, in plan order. Safe to call from several threads
-    // (backward hooks); all calls of a step must return before synchronize() is called.
-    void grad_ready(std::size_t index) {
-        guard([&] { mark(layout_.at_model_index(index)); });
-    }
-    void grad_ready(std::string_view name) {
-        guard([&] { mark(layout_.named(name)); });
-    }
+    // grad_ready(index or name) comes from the core (data_parallel/front_core.hpp): call it as
+    // each parameter's gradient becomes final, and each bucket's allreduce starts during backward.
 
     // Averages every parameter's gradient over all ranks. Call on every rank after backward. With
     // grad_ready() calls, waits for the launched buckets and launches the rest; without, reduces
@@ -8937,10 +9096,6 @@ public:
             optimizer(verdict_);
     }
 
-    // The factor to multiply the loss by before backward.
-    [[nodiscard]] float loss_scale() const { return scaler_.scale(); }
-    // The communication hook, to read or restore its state (PowerSGD's error feedback).
-    [[nodiscard]] comm_hook_type& comm_hook() { return engine_.hook(); }
     // With a hook, a float16 or bfloat16 parameter's averaged gradient in float32, unscaled and
     // clipped alike, which its 16-bit gradient was rounded from: for an optimizer with float32
     // master weights (Megatron's main_grad). Between synchronize() (or step()) and the next backward.
@@ -8948,8 +9103,6 @@ public:
         requires(comm_hook_type::hooked) {
         return engine_.float32_gradient(layout_, name);
     }
-    // The loss scaler, to save or restore its state (DynamicLossScale::state).
-    [[nodiscard]] loss_scaler_type& loss_scaler() { return scaler_; }
     // The learning rate step() will pass next (an LR policy is required).
     [[nodiscard]] double learning_rate() const requires(Set::has_lr_rule) { return lr_.rate(world_size(), steps()); }
     // Of the last synchronize() that measured them (step(), or any synchronize() with a loss
@@ -8976,7 +9129,7 @@ public:
     }
 
     // Copies rank 0's parameter values into every rank's parameters.
-    void broadcast_parameters() { detail::broadcast_parameters(backend_, parameters()); }
+    void broadcast_parameters() { detail::broadcast_parameters(backend_, this->parameters()); }
 
     // Compares every rank's parameters (and the buffers kept equal) with rank 0's, by hash; throws
     // the same ReplicaMismatch on every rank, naming the first that differs and the ranks.
@@ -8989,23 +9142,7 @@ public:
     [[nodiscard]] const BucketPlan& plan() const { return replanning_.plan(); }
     // The bucketer in use: after autotuning, with the caps it chose.
     [[nodiscard]] const bucketer_type& bucketer() const { return replanning_.bucketer(); }
-    // The parameters gradsync synchronizes: the model's, in registration order, without the
-    // zero-sized ones. Bucket::parameters index into this list.
-    [[nodiscard]] std::span<const Parameter> parameters() const { return layout_.params; }
-    [[nodiscard]] std::span<const ModelBuffer> buffers() const { return layout_.buffers; }
-    [[nodiscard]] int rank() const { return backend_.rank(); }
-    [[nodiscard]] int world_size() const { return backend_.size(); }
-    // Synchronized steps completed (accumulation micro-steps under no_sync() do not count).
-    [[nodiscard]] std::uint64_t steps() const { return steps_.load(std::memory_order_acquire); }
-    // Sets that count, to resume from a checkpoint: step numbers and the LR rule's warm-up go on
-    // from there. Between steps only, with the same value on every rank.
-    void restore_steps(std::uint64_t steps) { steps_.store(steps, std::memory_order_release); }
-    [[nodiscard]] Model& model() const { return model_; }
-    [[nodiscard]] BackendT& backend() const { return backend_; }
-    // Expires when this object is destroyed: callbacks that may outlive it (the libtorch
-    // adapter's backward hooks) watch it and then call nothing.
-    [[nodiscard]] std::weak_ptr<const void> lifetime() const { return lifetime_; }
-    [[nodiscard]] const Options& options() const { return options_; }
+    using Core::parameters, Core::buffers, Core::rank, Core::world_size, Core::steps;
     [[nodiscard]] Bytes gradient_bytes() const { return plan().bytes(); }
     // Buckets whose gradients already lie contiguously in memory, reduced without a copy.
     [[nodiscard]] std::size_t view_buckets() const { return engine_.view_buckets(); }
@@ -9016,16 +9153,6 @@ public:
     }
 
 private:
-    [[nodiscard]] std::int64_t current_step() const { return static_cast<std::int64_t>(steps()) + 1; }
-    [[nodiscard]] std::string where() const {
-        return detail::rank_prefix(rank()) + ", step " + std::to_string(current_step());
-    }
-
-    void mark(const std::variant<std::size_t, std::string>& found) {
-        detail::mark_ready(
-            readiness_, layout_, found, [this](std::size_t b) { launch(b); }, [this] { return where(); });
-    }
-
     // Bucket b goes now (during backward, under the readiness lock).
     void launch(std::size_t b) {
         const bool timed = replanning_.timing_launches();
@@ -9071,9 +9198,7 @@ private:
                         engine_.launch(b, tag_of(b, detail::CollectivePurpose::bucket));
                 }
             }
-            engine_.wait_all(detail::deadline_after(options_.timeout), [&](std::size_t b) {
-                return detail::diagnose_timeout(backend_, current_step(), plan(), parameters(), b, options_.timeout);
-            });
+            engine_.wait_all(detail::deadline_after(options_.timeout), diagnose(plan()));
             if (backend_.size() == 1)
                 for (std::size_t b = 0; b < plan().buckets.size(); ++b) engine_.finalize_in_place(b);
             if (read_stats)
@@ -9097,15 +9222,12 @@ private:
     // Storage that moved since the last step is followed before each bucket's collective.
     void follow_storage(std::size_t first, std::size_t last, bool in_backward) {
         if (options_.storage_may_move)
-            storage_.follow(
-                model_, layout_, plan(), first, last, in_backward,
-                [this](std::size_t b) {
-                    engine_.refresh(b, plan().buckets[b], layout_.params);
-                    if (gradients_untouchable && !engine_.slots()[b].view)
-                        throw InvalidModel(where() + ": the gradients of bucket " + std::to_string(b) +
-                                           " moved and no longer lie contiguously, as device gradients must");
-                },
-                [this] { return where(); });
+            follow(plan(), first, last, in_backward, [this](std::size_t b) {
+                engine_.refresh(b, plan().buckets[b], layout_.params);
+                if (gradients_untouchable && !engine_.slots()[b].view)
+                    throw InvalidModel(where() + ": the gradients of bucket " + std::to_string(b) +
+                                       " moved and no longer lie contiguously, as device gradients must");
+            });
     }
 
     // At synchronize(): every parameter without grad_ready is either accumulated earlier (ready),
@@ -9135,12 +9257,6 @@ private:
         if constexpr (HealthPolling<BackendT>) backend_.throw_if_failed();
     }
 
-    // Runs f; a failure on this rank becomes the group's (data_parallel/group_failure.hpp).
-    template <class F>
-    void guard(F&& f) {
-        detail::run_guarded(backend_, engine_, options_.timeout, f, [this] { end_step(); });
-    }
-
     void end_step() {
         storage_.end_step();
         engine_.end_step();
@@ -9156,15 +9272,7 @@ private:
         layout_ = detail::ModelLayout::of(model_, buffers_type::mode != BufferSync::ignore);
         auto agreed = detail::check_and_agree<Set>(backend_, layout_, replanning_.bucketer(), options_, scaler_, lr_,
                                                    engine_.memory(), engine_.hook());
-        if constexpr (comm_hook_type::hooked)
-            engine_.connect_hook({[this](std::size_t b, std::uint64_t bytes) {
-                                      return history_.next(detail::CollectivePurpose::bucket, current_step(), b, bytes,
-                                                           DType::float32);
-                                  },
-                                  [this] { return scaler_.scale(); }});
-        broadcast_parameters();
-        history_.take_identity(backend_);
-        detail::sync_buffers(backend_, buffers(), buffers_type::mode, true, history_, current_step());
+        this->start_from_rank0(buffers_type::mode);
         replanning_.adopt(std::move(agreed), [this](const BucketPlan& p) { setup_buckets(p); });
         replanning_.start(options_, Set::autotunes(options_), world_size(), readiness_);
         timeline_ = detail::Timeline(detail::timeline_path(options_.timeline), rank());
@@ -9196,22 +9304,11 @@ private:
         if (change->tuned) timeline_.note("buckets tuned", current_step(), change->what);
     }
 
-    Model& model_;
-    BackendT& backend_;
     detail::Replanning<bucketer_type, Set::tunable, !gradients_untouchable> replanning_;  // the plan, the bucketer
-    Options options_{};
-    loss_scaler_type scaler_{};
     lr_type lr_{};
-    engine_type engine_;
-    detail::Readiness readiness_;
-    detail::CollectiveHistory history_;
     detail::StepStats stats_;
     const StepVerdict* verdict_ = nullptr;  // in the memory policy's memory, after step_on_device
-    detail::ModelLayout layout_;
-    std::atomic<std::uint64_t> steps_{0};
-    detail::StorageFollower storage_;
     detail::Timeline timeline_;
-    std::shared_ptr<const char> lifetime_ = std::make_shared<const char>('\0');
     detail::StatusRegistration<BackendT> reporter_;  // last: gone before what it reads
 };
 
@@ -9222,27 +9319,12 @@ private:
 // ---- begin gradsync/sharded_data_parallel.hpp ----
 #ifndef GRADSYNC_SINGLE_SHARDED_DATA_PARALLEL_HPP
 #define GRADSYNC_SINGLE_SHARDED_DATA_PARALLEL_HPP
-// ShardedDataParallel<Model, Backend>: data parallel with the optimizer's state split across the
-// ranks (ZeRO stage 1). Every bucket of the plan is split into one shard per rank (shard_of); a
-// rank owns its shard of every bucket. step(optimizer) reduce-scatters the gradients bucket by
-// bucket (each rank receives the average over the ranks of its shards), agrees on the norm and
-// the finite check with one small allreduce, lets the optimizer update only this rank's shards of
-// the parameters, with only its share of the state, and all-gathers the updated parameters into
-// every rank's model. A backend that reduces scattered memory (LocalBackend) does all of it where
-// the gradients and parameters lie, with no copy; others get packed bucket buffers. The buckets
-// go through DataParallel's bucket engine, with a reduce-scatter for its collective. With
-// LocalBackend the averaged gradients are bitwise the allreduce's, so an elementwise optimizer
-// ends bitwise where DataParallel's would.
-//
-// With grad_ready calls during backward, each bucket's reduce_scatter starts as soon as its
-// gradients are final, in plan order. Policies come as DataParallel's do, in any order, each
-// optional (data_parallel/sharded_policies.hpp): a bucketer, a loss scaler (unscaled in the norm
-// pass), a buffer policy for the model's buffers, a communication hook (which then averages each
-// bucket, packed, in place of the reduce-scatter; this rank reads its shard of the average), and
-// ShardedOptions. With
-// ShardedOptions::release_gradients (stage 2), each bucket's share of this rank is copied out once
-// reduced and the model releases the bucket's gradients. This version: float32 parameters in host
-// memory (a backend whose collectives take device memory is refused), no wire compression.
+// ShardedDataParallel<Model, Backend, Policies...>: data parallel with the optimizer's state split
+// across the ranks (ZeRO stage 1; stage 2 with ShardedOptions::release_gradients). Each bucket is
+// split into one shard per rank; step(optimizer) reduce-scatters the buckets through the bucket
+// engine (during backward with grad_ready calls), agrees on the norm and the finite check, lets
+// the optimizer update this rank's shards only, and all-gathers the parameters. Policies in any
+// order (data_parallel/sharded_policies.hpp). docs/sharding.md says what it supports.
 
 
 // ---- begin gradsync/data_parallel/released_shards.hpp ----
@@ -9739,23 +9821,39 @@ std::vector<Setting> sharded_settings(const ShardedOptions& options, const Bucke
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
-#include <exception>
-#include <memory>
 #include <optional>
 #include <span>
 #include <string>
-#include <string_view>
 #include <tuple>
 #include <type_traits>  // for std::is_invocable_v
-#include <variant>
 #include <vector>
 
 namespace gradsync::inline v0 {
 
+namespace detail {
+// ShardedDataParallel's core: its engine reduce-scatters each bucket, where the gradients lie when
+// the backend reduces scattered memory. The backend is checked first.
+template <class Front, class Model, class BackendT, class... Policies>
+struct ShardedCoreOf {
+    static_assert(check_backend<BackendT>());
+    using Set = ShardedPolicySet<Policies...>;
+    static constexpr bool in_place = ScatteredShardedCollectives<BackendT>;
+    using engine =
+        BucketEngine<BackendT, HostMemory, DType::float32, in_place, typename Set::comm_hook, ReduceScatterBuckets>;
+    using type = FrontCore<Front, Model, BackendT, engine, ShardedOptions, typename Set::loss_scaler>;
+};
+}  // namespace detail
+
 template <class Model, class BackendT, class... Policies>
-class ShardedDataParallel {
-    static_assert(detail::check_backend<BackendT>());
-    using Set = detail::ShardedPolicySet<Policies...>;
+class ShardedDataParallel : public detail::ShardedCoreOf<ShardedDataParallel<Model, BackendT, Policies...>, Model,
+                                                         BackendT, Policies...>::type {
+    using CoreOf = detail::ShardedCoreOf<ShardedDataParallel, Model, BackendT, Policies...>;
+    using Core = typename CoreOf::type;
+    using Set = typename CoreOf::Set;
+    friend Core;  // calls launch() and end_step()
+    using Core::current_step, Core::where, Core::guard, Core::follow, Core::diagnose;
+    using Core::model_, Core::backend_, Core::options_, Core::scaler_, Core::engine_, Core::layout_, Core::readiness_,
+        Core::history_, Core::storage_, Core::steps_;
 
 public:
     using bucketer_type = typename Set::bucketer;
@@ -9769,30 +9867,19 @@ public:
     // With a loss scaler (StaticLossScale, DynamicLossScale), multiply the loss by loss_scale()
     // before backward: step() unscales and skips overflowing steps, as DataParallel does.
     ShardedDataParallel(Model& model, BackendT& backend, Policies... policies)
-        : model_(model),
-          backend_(backend),
-          options_(Set::template value<ShardedOptions>(std::tuple(policies...))),
-          scaler_(Set::template value<loss_scaler_type>(std::tuple(policies...))),
-          engine_(backend, HostMemory{}, Set::template value<comm_hook_type>(std::tuple(policies...))) {
+        : Core(model, backend, Set::template value<ShardedOptions>(std::tuple(policies...)),
+               Set::template value<loss_scaler_type>(std::tuple(policies...)), HostMemory{},
+               Set::template value<comm_hook_type>(std::tuple(policies...))) {
         init(Set::template value<bucketer_type>(std::tuple(policies...)));
     }
     ShardedDataParallel(Model& model, BackendT& backend) requires(sizeof...(Policies) > 0)
-        : model_(model), backend_(backend), engine_(backend, HostMemory{}) {
+        : Core(model, backend, ShardedOptions{}, loss_scaler_type{}, HostMemory{}) {
         init(bucketer_type{});
     }
 
-    // Overlap with backward: call as each parameter's gradient becomes final (from any thread).
-    // A bucket's reduce_scatter starts once all its parameters are ready and every bucket before
-    // it in the plan has started, so every rank issues them in the same order; step() waits for
-    // them and reduces the rest. Without these calls step() reduces every bucket itself. All
-    // calls of a step must have returned before step() is called. A misuse (a parameter reported
-    // twice in a step, a name the model lacks) aborts the group, as any failure in a step does.
-    void grad_ready(std::size_t index) {
-        guard([&] { mark(layout_.at_model_index(index)); });
-    }
-    void grad_ready(std::string_view name) {
-        guard([&] { mark(layout_.named(name)); });
-    }
+    // grad_ready(index or name) comes from the core (data_parallel/front_core.hpp): each bucket's
+    // reduce_scatter starts once its gradients are final; step() waits for them and reduces the
+    // rest. Without these calls step() reduces every bucket itself.
 
     // After backward, on every rank: reduce-scatters the gradients, agrees on their norm, calls
     // optimizer(std::span<const ShardPiece<float>>) with this rank's pieces when every gradient
@@ -9819,12 +9906,7 @@ public:
     // Destroyed with reduce_scatters in flight (an exception left the step after grad_ready
     // launched them): the group is aborted, so that peers waiting in them fail at once naming
     // this rank, and they are drained before the memory they write goes.
-    ~ShardedDataParallel() {
-        lifetime_.reset();
-        detail::abandon_in_flight(backend_, engine_, options_.timeout, "ShardedDataParallel", current_step());
-    }
-    ShardedDataParallel(const ShardedDataParallel&) = delete;
-    ShardedDataParallel& operator=(const ShardedDataParallel&) = delete;
+    ~ShardedDataParallel() { this->leave("ShardedDataParallel"); }
 
     // Buckets whose reduce_scatter grad_ready has started in this step (during backward).
     [[nodiscard]] std::size_t buckets_launched() const { return readiness_.launched(); }
@@ -9833,26 +9915,9 @@ public:
     // Elements of every parameter, for comparison: what an unsharded optimizer keeps per array.
     [[nodiscard]] std::size_t parameter_elements() const { return plan_.bytes().count() / sizeof(float); }
     [[nodiscard]] const BucketPlan& plan() const { return plan_; }
-    [[nodiscard]] std::span<const Parameter> parameters() const { return layout_.params; }
-    [[nodiscard]] std::span<const ModelBuffer> buffers() const { return layout_.buffers; }
-    [[nodiscard]] const ShardedOptions& options() const { return options_; }
     // This rank's pieces, as step() hands them to the optimizer (the state is the trainer's).
     [[nodiscard]] std::span<const ShardPiece<float>> shard_pieces() const { return shards_.pieces; }
-    [[nodiscard]] std::uint64_t steps() const { return steps_; }
-    // The factor to multiply the loss by before backward (1 without a loss scaler).
-    [[nodiscard]] float loss_scale() const { return scaler_.scale(); }
-    // The loss scaler, to save or restore its state (a Checkpoint does).
-    [[nodiscard]] loss_scaler_type& loss_scaler() { return scaler_; }
-    // The communication hook, to read or restore its state (PowerSGD's error feedback).
-    [[nodiscard]] comm_hook_type& comm_hook() { return engine_.hook(); }
-    // For checkpoint loading: the step count to continue from.
-    void restore_steps(std::uint64_t steps) { steps_ = steps; }
-    [[nodiscard]] BackendT& backend() const { return backend_; }
-    [[nodiscard]] Model& model() const { return model_; }
-    // Expires when this object is destroyed (as DataParallel::lifetime()).
-    [[nodiscard]] std::weak_ptr<const void> lifetime() const { return lifetime_; }
-    [[nodiscard]] int rank() const { return backend_.rank(); }
-    [[nodiscard]] int world_size() const { return backend_.size(); }
+    using Core::parameters, Core::buffers, Core::rank, Core::world_size;
     // Memory held beyond the model's: packed bucket buffers (one for gradients and one for
     // parameters each) where the backend cannot reduce scattered memory; with release_gradients
     // this rank's share of the averaged gradients; the engine's bookkeeping.
@@ -9860,15 +9925,9 @@ public:
         return engine_.memory_held() + Bytes{released_.bytes() + (in_place ? 0 : parameter_elements() * sizeof(float))};
     }
     // Whether shards are reduced and gathered where they lie (ScatteredShardedCollectives).
-    static constexpr bool in_place = ScatteredShardedCollectives<BackendT>;
+    static constexpr bool in_place = CoreOf::in_place;
 
 private:
-    using Engine = detail::BucketEngine<BackendT, HostMemory, DType::float32, in_place, comm_hook_type,
-                                        detail::ReduceScatterBuckets>;
-
-    // The step in progress (or the next): 1 for the first.
-    [[nodiscard]] std::uint64_t current_step() const { return steps_ + 1; }
-
     // Lists the model, checks this rank's set-up, agrees with every rank, and splits the plan.
     void init(const bucketer_type& bucketer) {
         // Here, not in the class: a failed check in the class makes GCC report the constructor
@@ -9886,17 +9945,8 @@ private:
         detail::agree_on_layout(backend_, layout_.params, layout_.buffers, plan_,
                                 detail::sharded_settings(options_, bucketer, scaler_, buffers_type{}, engine_.hook()),
                                 problems.first());
-        detail::broadcast_parameters(backend_, parameters());
-        history_.take_identity(backend_);
-        detail::sync_buffers(backend_, buffers(), buffers_type::mode, /*at_construction=*/true, history_, 0);
+        this->start_from_rank0(buffers_type::mode);
         released_.plan(options_.release_gradients, plan_, world_size(), rank());
-        if constexpr (comm_hook_type::hooked)
-            engine_.connect_hook({[this](std::size_t b, std::uint64_t bytes) {
-                                      return history_.next(detail::CollectivePurpose::bucket,
-                                                           static_cast<std::int64_t>(current_step()), b, bytes,
-                                                           DType::float32);
-                                  },
-                                  [this] { return scaler_.scale(); }});
         engine_.setup(plan_, layout_.params);
         std::vector<float*> packed;  // where the engine reduces each bucket packed (a hook's too)
         for (auto& slot : engine_.slots())
@@ -9911,8 +9961,8 @@ private:
     template <class Optimizer>
     StepReport step_now(Optimizer& optimizer, std::optional<StepNumber> number) {
         StepReport report;
-        report.step = current_step();
-        const auto step = static_cast<std::int64_t>(report.step);
+        const std::int64_t step = current_step();
+        report.step = static_cast<std::uint64_t>(step);
         {
             // The buckets grad_ready did not launch go now, on this thread, bucket after bucket
             // (a progress thread would only compete with this one for the cores); then every
@@ -9922,7 +9972,7 @@ private:
             for (std::size_t b = launched_; b < shards_.slots.size(); ++b)
                 engine_.reduce_now(b, tag_of(detail::CollectivePurpose::bucket, b));
             retire(shards_.slots.size(), detail::deadline_after(options_.timeout));
-            new_step();
+            end_step();
         }
         detail::sync_buffers(backend_, buffers(), buffers_type::mode, /*at_construction=*/false, history_, step);
         const bool histories = options_.check_histories && !CheckedCollectives<BackendT>;
@@ -9935,7 +9985,7 @@ private:
             detail::update_and_gather(backend_, shards_, optimizer, [this](std::size_t b) {
                 return tag_of(detail::CollectivePurpose::shard_gather, b);
             });
-        steps_ = report.step;
+        steps_.store(report.step, std::memory_order_release);
         return report;
     }
 
@@ -9945,35 +9995,16 @@ private:
         const auto& bucket = plan_.buckets[b];
         const bool of_bucket =
             purpose == detail::CollectivePurpose::bucket || purpose == detail::CollectivePurpose::shard_gather;
-        return history_.next(purpose, static_cast<std::int64_t>(current_step()), b,
-                             of_bucket ? bucket.bytes().count() : 0, DType::float32);
+        return history_.next(purpose, current_step(), b, of_bucket ? bucket.bytes().count() : 0, DType::float32);
     }
 
     // Waits for the buckets before `end` still in flight (by `deadline`, a late one named) and
     // keeps each one's share.
     void retire(std::size_t end, std::chrono::steady_clock::time_point deadline) {
         for (; kept_ < end; ++kept_) {
-            engine_.wait(kept_, deadline, [this](std::size_t b) {
-                return detail::diagnose_timeout(backend_, static_cast<std::int64_t>(current_step()), plan_,
-                                                parameters(), b, options_.timeout);
-            });
+            engine_.wait(kept_, deadline, diagnose(plan_));
             released_.keep(model_, shards_, layout_, kept_);
         }
-    }
-
-    // Runs f; a failure on this rank becomes the group's (data_parallel/group_failure.hpp): the
-    // peers are told which rank failed in which step.
-    template <class F>
-    void guard(F&& f) {
-        detail::run_guarded(
-            backend_, engine_, options_.timeout, f, [this] { new_step(); },
-            [this](const std::exception& e) { return detail::failure_of(rank(), current_step(), e); });
-    }
-
-    // Parameter p is ready: every bucket that completes goes, in plan order (Readiness).
-    void mark(const std::variant<std::size_t, std::string>& found) {
-        detail::mark_ready(
-            readiness_, layout_, found, [this](std::size_t b) { launch(b); }, [this] { return where(); });
     }
 
     // Bucket b goes now (during backward, under the readiness lock).
@@ -9990,50 +10021,32 @@ private:
         retire(end, detail::deadline_after(options_.timeout));
     }
 
-    [[nodiscard]] std::string where() const {
-        return detail::rank_prefix(rank()) + ", step " + std::to_string(current_step());
-    }
-
     // Storage that moved since the last step is followed before each bucket's reduce_scatter.
     // Returns whether the model was listed (outside backward that makes every gradient, also
     // those of buckets already released).
     bool follow_storage(std::size_t first, std::size_t last, bool in_backward) {
         if ((!options_.storage_may_move && !released_.on()) || first == last) return false;
-        return storage_.follow(
-            model_, layout_, plan_, first, last, in_backward,
-            [this](std::size_t b) {
-                engine_.refresh(b, plan_.buckets[b], layout_.params);
-                shards_.refresh(b, layout_.params);
-            },
-            [this] { return where(); });
+        return follow(plan_, first, last, in_backward, [this](std::size_t b) {
+            engine_.refresh(b, plan_.buckets[b], layout_.params);
+            shards_.refresh(b, layout_.params);
+        });
     }
 
     // Nothing ready, nothing launched.
-    void new_step() {
+    void end_step() {
         launched_ = 0;
         kept_ = 0;
         storage_.end_step();
         readiness_.reset();
     }
 
-    Model& model_;
-    BackendT& backend_;
-    ShardedOptions options_{};
-    loss_scaler_type scaler_{};
-    detail::ModelLayout layout_;
     BucketPlan plan_;
-    Engine engine_;  // each bucket's reduce_scatter
     detail::ShardLayout<in_place> shards_;
-    std::uint64_t steps_ = 0;
-    detail::CollectiveHistory history_;  // tags every collective of a step
-    detail::StorageFollower storage_;
     detail::ReleasedShards<Model, in_place> released_;  // stage 2
     // Overlap: which parameters grad_ready reported this step, and the reduce_scatters launched
     // (buckets 0 .. launched_ - 1; written under the readiness lock during backward).
-    detail::Readiness readiness_;
     std::size_t launched_ = 0;
     std::size_t kept_ = 0;  // launched buckets waited for and kept
-    std::shared_ptr<const char> lifetime_ = std::make_shared<const char>('\0');
 };
 
 }  // namespace gradsync::inline v0

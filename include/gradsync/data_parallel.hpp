@@ -1,9 +1,9 @@
 // DataParallel<Model, Backend, Policies...>: wraps a model so that every rank holds the average of
 // all ranks' gradients after synchronize(). With grad_ready() calls during backward, each bucket's
 // allreduce starts as soon as its last gradient is ready, overlapping communication with backward.
-// The front of the parts in data_parallel/: readiness (which gradients are final), the bucket
-// engine (launch, wait, finalize pass), the finalize step (norm, clipping, the step's decision),
-// the collective history, buffer sync and diagnosis.
+// The front of the parts in data_parallel/: the core it shares with ShardedDataParallel (the
+// grad_ready calls, failure handling, the set-up), the bucket engine (launch, wait, finalize
+// pass), the finalize step (norm, clipping, the step's decision), replanning and diagnosis.
 #pragma once
 
 #include <gradsync/backend/concepts.hpp>
@@ -13,15 +13,12 @@
 #include <gradsync/data_parallel/bucket_engine.hpp>
 #include <gradsync/data_parallel/diagnosis.hpp>
 #include <gradsync/data_parallel/finalize_step.hpp>
-#include <gradsync/data_parallel/group_failure.hpp>
-#include <gradsync/data_parallel/history.hpp>
+#include <gradsync/data_parallel/front_core.hpp>
 #include <gradsync/data_parallel/layout_agreement.hpp>
 #include <gradsync/data_parallel/model_layout.hpp>
-#include <gradsync/data_parallel/moved_storage.hpp>
 #include <gradsync/data_parallel/options.hpp>
 #include <gradsync/data_parallel/policies.hpp>
 #include <gradsync/data_parallel/readiness.hpp>
-#include <gradsync/data_parallel/ready_calls.hpp>
 #include <gradsync/data_parallel/replanning.hpp>
 #include <gradsync/data_parallel/setup.hpp>
 #include <gradsync/data_parallel/setup_checks.hpp>
@@ -38,24 +35,40 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
-#include <memory>
 #include <optional>
 #include <span>
 #include <string>
-#include <string_view>
 #include <tuple>
 #include <type_traits>  // for std::is_pointer_v
-#include <variant>
 
 namespace gradsync::inline v0 {
+
+namespace detail {
+// DataParallel's core: its engine allreduces each bucket. The backend is checked first, so that
+// a type that is not one reads that before anything else.
+template <class Front, class Model, class BackendT, class... Policies>
+struct DataParallelCoreOf {
+    static_assert(check_backend<BackendT>());
+    using Set = PolicySet<BackendT, Policies...>;
+    using engine =
+        BucketEngine<BackendT, typename Set::memory, Set::compression::wire, Set::in_place, typename Set::comm_hook>;
+    using type = FrontCore<Front, Model, BackendT, engine, Options, typename Set::loss_scaler>;
+};
+}  // namespace detail
 
 // Policies, in any order, each optional (data_parallel/policies.hpp): bucketer, packing, memory,
 // buffers, Options, loss scaler, compression, LR rule, communication hook.
 template <class Model, class BackendT, class... Policies>
-class DataParallel {
-    static_assert(detail::check_backend<BackendT>());
-    using Set = detail::PolicySet<BackendT, Policies...>;
+class DataParallel : public detail::DataParallelCoreOf<DataParallel<Model, BackendT, Policies...>, Model, BackendT,
+                                                       Policies...>::type {
+    using CoreOf = detail::DataParallelCoreOf<DataParallel, Model, BackendT, Policies...>;
+    using Core = typename CoreOf::type;
+    using Set = typename CoreOf::Set;
     using Phase = detail::Readiness::Phase;
+    friend Core;  // calls launch() and end_step()
+    using Core::current_step, Core::where, Core::guard, Core::follow, Core::diagnose;
+    using Core::model_, Core::backend_, Core::options_, Core::scaler_, Core::engine_, Core::layout_, Core::readiness_,
+        Core::history_, Core::storage_, Core::steps_;
 
 public:
     using bucketer_type = typename Set::bucketer;
@@ -68,55 +81,38 @@ public:
     using comm_hook_type = typename Set::comm_hook;
     static constexpr bool reduces_in_place = Set::in_place;
     static constexpr bool gradients_untouchable = Set::gradients_untouchable;
-    using engine_type =
-        detail::BucketEngine<BackendT, memory_type, compression_type::wire, reduces_in_place, comm_hook_type>;
+    using engine_type = typename CoreOf::engine;
     using handle_type = typename engine_type::handle_type;
 
     // Lists the model's parameters and buffers, checks them on every rank, agrees on the layout
     // with every rank, and copies rank 0's parameter (and buffer) values to every rank. A problem
     // on any rank throws the same exception on every rank. Model and backend must outlive this.
     DataParallel(Model& model, BackendT& backend, Policies... policies) requires(!std::is_pointer_v<Model>)
-        : model_(model),
-          backend_(backend),
+        : Core(model, backend, Set::template value<Options>(std::tuple(policies...)),
+               Set::template value<loss_scaler_type>(std::tuple(policies...)),
+               Set::template value<memory_type>(std::tuple(policies...)),
+               Set::template value<comm_hook_type>(std::tuple(policies...))),
           replanning_(Set::template value<bucketer_type>(std::tuple(policies...))),
-          options_(Set::template value<Options>(std::tuple(policies...))),
-          scaler_(Set::template value<loss_scaler_type>(std::tuple(policies...))),
-          lr_(Set::template value<lr_type>(std::tuple(policies...))),
-          engine_(backend, Set::template value<memory_type>(std::tuple(policies...)),
-                  Set::template value<comm_hook_type>(std::tuple(policies...))) {
+          lr_(Set::template value<lr_type>(std::tuple(policies...))) {
         init();
     }
     DataParallel(Model& model, BackendT& backend) requires(sizeof...(Policies) > 0 && !std::is_pointer_v<Model>)
-        : model_(model), backend_(backend), engine_(backend, memory_type{}) {
+        : Core(model, backend, Options{}, loss_scaler_type{}, memory_type{}) {
         init();
     }
     // A model passed by pointer (`&model`) is refused with a message saying what to write.
     // (Model&&: not deducible from an lvalue model, so deduction is never ambiguous.)
     DataParallel(Model&& model, BackendT& backend, Policies...) requires(std::is_pointer_v<Model>)
-        : model_(model), backend_(backend), engine_(backend, memory_type{}) {
+        : Core(model, backend, Options{}, loss_scaler_type{}, memory_type{}) {
         static_assert(detail::check_model_access<Model>());
     }
-    DataParallel(const DataParallel&) = delete;
-    DataParallel& operator=(const DataParallel&) = delete;
 
     // A DataParallel destroyed in the middle of a step (after an exception, say) aborts the group,
     // so that peers fail at once, and waits for its collectives in flight before it goes.
-    ~DataParallel() {
-        lifetime_.reset();
-        detail::abandon_in_flight(backend_, engine_, options_.timeout, "DataParallel",
-                                  static_cast<std::uint64_t>(current_step()));
-    }
+    ~DataParallel() { this->leave("DataParallel"); }
 
-    // Gradient of parameter `index` (its position in the model's parameter list, zero-sized ones
-    // included) is final for this step. When it completes a bucket, that bucket and every bucket
-    // before it that is complete are launched, in plan order. Safe to call from several threads
-    // (backward hooks); all calls of a step must return before synchronize() is called.
-    void grad_ready(std::size_t index) {
-        guard([&] { mark(layout_.at_model_index(index)); });
-    }
-    void grad_ready(std::string_view name) {
-        guard([&] { mark(layout_.named(name)); });
-    }
+    // grad_ready(index or name) comes from the core (data_parallel/front_core.hpp): call it as
+    // each parameter's gradient becomes final, and each bucket's allreduce starts during backward.
 
     // Averages every parameter's gradient over all ranks. Call on every rank after backward. With
     // grad_ready() calls, waits for the launched buckets and launches the rest; without, reduces
@@ -159,10 +155,6 @@ public:
             optimizer(verdict_);
     }
 
-    // The factor to multiply the loss by before backward.
-    [[nodiscard]] float loss_scale() const { return scaler_.scale(); }
-    // The communication hook, to read or restore its state (PowerSGD's error feedback).
-    [[nodiscard]] comm_hook_type& comm_hook() { return engine_.hook(); }
     // With a hook, a float16 or bfloat16 parameter's averaged gradient in float32, unscaled and
     // clipped alike, which its 16-bit gradient was rounded from: for an optimizer with float32
     // master weights (Megatron's main_grad). Between synchronize() (or step()) and the next backward.
@@ -170,8 +162,6 @@ public:
         requires(comm_hook_type::hooked) {
         return engine_.float32_gradient(layout_, name);
     }
-    // The loss scaler, to save or restore its state (DynamicLossScale::state).
-    [[nodiscard]] loss_scaler_type& loss_scaler() { return scaler_; }
     // The learning rate step() will pass next (an LR policy is required).
     [[nodiscard]] double learning_rate() const requires(Set::has_lr_rule) { return lr_.rate(world_size(), steps()); }
     // Of the last synchronize() that measured them (step(), or any synchronize() with a loss
@@ -198,7 +188,7 @@ public:
     }
 
     // Copies rank 0's parameter values into every rank's parameters.
-    void broadcast_parameters() { detail::broadcast_parameters(backend_, parameters()); }
+    void broadcast_parameters() { detail::broadcast_parameters(backend_, this->parameters()); }
 
     // Compares every rank's parameters (and the buffers kept equal) with rank 0's, by hash; throws
     // the same ReplicaMismatch on every rank, naming the first that differs and the ranks.
@@ -211,23 +201,7 @@ public:
     [[nodiscard]] const BucketPlan& plan() const { return replanning_.plan(); }
     // The bucketer in use: after autotuning, with the caps it chose.
     [[nodiscard]] const bucketer_type& bucketer() const { return replanning_.bucketer(); }
-    // The parameters gradsync synchronizes: the model's, in registration order, without the
-    // zero-sized ones. Bucket::parameters index into this list.
-    [[nodiscard]] std::span<const Parameter> parameters() const { return layout_.params; }
-    [[nodiscard]] std::span<const ModelBuffer> buffers() const { return layout_.buffers; }
-    [[nodiscard]] int rank() const { return backend_.rank(); }
-    [[nodiscard]] int world_size() const { return backend_.size(); }
-    // Synchronized steps completed (accumulation micro-steps under no_sync() do not count).
-    [[nodiscard]] std::uint64_t steps() const { return steps_.load(std::memory_order_acquire); }
-    // Sets that count, to resume from a checkpoint: step numbers and the LR rule's warm-up go on
-    // from there. Between steps only, with the same value on every rank.
-    void restore_steps(std::uint64_t steps) { steps_.store(steps, std::memory_order_release); }
-    [[nodiscard]] Model& model() const { return model_; }
-    [[nodiscard]] BackendT& backend() const { return backend_; }
-    // Expires when this object is destroyed: callbacks that may outlive it (the libtorch
-    // adapter's backward hooks) watch it and then call nothing.
-    [[nodiscard]] std::weak_ptr<const void> lifetime() const { return lifetime_; }
-    [[nodiscard]] const Options& options() const { return options_; }
+    using Core::parameters, Core::buffers, Core::rank, Core::world_size, Core::steps;
     [[nodiscard]] Bytes gradient_bytes() const { return plan().bytes(); }
     // Buckets whose gradients already lie contiguously in memory, reduced without a copy.
     [[nodiscard]] std::size_t view_buckets() const { return engine_.view_buckets(); }
@@ -238,16 +212,6 @@ public:
     }
 
 private:
-    [[nodiscard]] std::int64_t current_step() const { return static_cast<std::int64_t>(steps()) + 1; }
-    [[nodiscard]] std::string where() const {
-        return detail::rank_prefix(rank()) + ", step " + std::to_string(current_step());
-    }
-
-    void mark(const std::variant<std::size_t, std::string>& found) {
-        detail::mark_ready(
-            readiness_, layout_, found, [this](std::size_t b) { launch(b); }, [this] { return where(); });
-    }
-
     // Bucket b goes now (during backward, under the readiness lock).
     void launch(std::size_t b) {
         const bool timed = replanning_.timing_launches();
@@ -293,9 +257,7 @@ private:
                         engine_.launch(b, tag_of(b, detail::CollectivePurpose::bucket));
                 }
             }
-            engine_.wait_all(detail::deadline_after(options_.timeout), [&](std::size_t b) {
-                return detail::diagnose_timeout(backend_, current_step(), plan(), parameters(), b, options_.timeout);
-            });
+            engine_.wait_all(detail::deadline_after(options_.timeout), diagnose(plan()));
             if (backend_.size() == 1)
                 for (std::size_t b = 0; b < plan().buckets.size(); ++b) engine_.finalize_in_place(b);
             if (read_stats)
@@ -319,15 +281,12 @@ private:
     // Storage that moved since the last step is followed before each bucket's collective.
     void follow_storage(std::size_t first, std::size_t last, bool in_backward) {
         if (options_.storage_may_move)
-            storage_.follow(
-                model_, layout_, plan(), first, last, in_backward,
-                [this](std::size_t b) {
-                    engine_.refresh(b, plan().buckets[b], layout_.params);
-                    if (gradients_untouchable && !engine_.slots()[b].view)
-                        throw InvalidModel(where() + ": the gradients of bucket " + std::to_string(b) +
-                                           " moved and no longer lie contiguously, as device gradients must");
-                },
-                [this] { return where(); });
+            follow(plan(), first, last, in_backward, [this](std::size_t b) {
+                engine_.refresh(b, plan().buckets[b], layout_.params);
+                if (gradients_untouchable && !engine_.slots()[b].view)
+                    throw InvalidModel(where() + ": the gradients of bucket " + std::to_string(b) +
+                                       " moved and no longer lie contiguously, as device gradients must");
+            });
     }
 
     // At synchronize(): every parameter without grad_ready is either accumulated earlier (ready),
@@ -357,12 +316,6 @@ private:
         if constexpr (HealthPolling<BackendT>) backend_.throw_if_failed();
     }
 
-    // Runs f; a failure on this rank becomes the group's (data_parallel/group_failure.hpp).
-    template <class F>
-    void guard(F&& f) {
-        detail::run_guarded(backend_, engine_, options_.timeout, f, [this] { end_step(); });
-    }
-
     void end_step() {
         storage_.end_step();
         engine_.end_step();
@@ -378,15 +331,7 @@ private:
         layout_ = detail::ModelLayout::of(model_, buffers_type::mode != BufferSync::ignore);
         auto agreed = detail::check_and_agree<Set>(backend_, layout_, replanning_.bucketer(), options_, scaler_, lr_,
                                                    engine_.memory(), engine_.hook());
-        if constexpr (comm_hook_type::hooked)
-            engine_.connect_hook({[this](std::size_t b, std::uint64_t bytes) {
-                                      return history_.next(detail::CollectivePurpose::bucket, current_step(), b, bytes,
-                                                           DType::float32);
-                                  },
-                                  [this] { return scaler_.scale(); }});
-        broadcast_parameters();
-        history_.take_identity(backend_);
-        detail::sync_buffers(backend_, buffers(), buffers_type::mode, true, history_, current_step());
+        this->start_from_rank0(buffers_type::mode);
         replanning_.adopt(std::move(agreed), [this](const BucketPlan& p) { setup_buckets(p); });
         replanning_.start(options_, Set::autotunes(options_), world_size(), readiness_);
         timeline_ = detail::Timeline(detail::timeline_path(options_.timeline), rank());
@@ -418,22 +363,11 @@ private:
         if (change->tuned) timeline_.note("buckets tuned", current_step(), change->what);
     }
 
-    Model& model_;
-    BackendT& backend_;
     detail::Replanning<bucketer_type, Set::tunable, !gradients_untouchable> replanning_;  // the plan, the bucketer
-    Options options_{};
-    loss_scaler_type scaler_{};
     lr_type lr_{};
-    engine_type engine_;
-    detail::Readiness readiness_;
-    detail::CollectiveHistory history_;
     detail::StepStats stats_;
     const StepVerdict* verdict_ = nullptr;  // in the memory policy's memory, after step_on_device
-    detail::ModelLayout layout_;
-    std::atomic<std::uint64_t> steps_{0};
-    detail::StorageFollower storage_;
     detail::Timeline timeline_;
-    std::shared_ptr<const char> lifetime_ = std::make_shared<const char>('\0');
     detail::StatusRegistration<BackendT> reporter_;  // last: gone before what it reads
 };
 

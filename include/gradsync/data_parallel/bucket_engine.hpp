@@ -55,6 +55,7 @@ class BucketEngine {
 
 public:
     using handle_type = decltype(async_of(std::declval<BackendT&>()));
+    using hook_type = Hook;
 
     using Slot = BucketSlot<Memory, handle_type>;
 

@@ -1,0 +1,169 @@
+// FrontCore: what DataParallel and ShardedDataParallel share. The model and backend a front
+// serves, the parameter layout, the bucket engine, the step's readiness and collective history,
+// storage following and the lifetime that callbacks watch; the grad_ready calls; the guard that
+// turns a failure on this rank into the group's (data_parallel/group_failure.hpp); the set-up
+// after the ranks agree. A front derives from it and supplies launch(b) (a bucket is ready) and
+// end_step() (forget the step in progress).
+#pragma once
+
+#include <gradsync/backend/concepts.hpp>
+#include <gradsync/bucket/plan.hpp>
+#include <gradsync/buffer.hpp>
+#include <gradsync/data_parallel/buffer_sync.hpp>
+#include <gradsync/data_parallel/diagnosis.hpp>
+#include <gradsync/data_parallel/group_failure.hpp>
+#include <gradsync/data_parallel/history.hpp>
+#include <gradsync/data_parallel/layout_agreement.hpp>
+#include <gradsync/data_parallel/model_layout.hpp>
+#include <gradsync/data_parallel/moved_storage.hpp>
+#include <gradsync/data_parallel/readiness.hpp>
+#include <gradsync/data_parallel/ready_calls.hpp>
+#include <gradsync/dtype.hpp>
+#include <gradsync/model/buffers.hpp>
+#include <gradsync/model/model.hpp>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <variant>
+
+namespace gradsync::inline v0::detail {
+
+template <class Front, class Model, class BackendT, class Engine, class OptionsT, class Scaler>
+class FrontCore {
+public:
+    using comm_hook_type = typename Engine::hook_type;
+    using loss_scaler_type = Scaler;
+
+    FrontCore(const FrontCore&) = delete;
+    FrontCore& operator=(const FrontCore&) = delete;
+
+    // Gradient of parameter `index` (its position in the model's parameter list, zero-sized ones
+    // included) is final for this step. When it completes a bucket, that bucket and every bucket
+    // before it that is complete are launched, in plan order, so every rank issues them in the
+    // same order. Safe to call from several threads (backward hooks); all calls of a step must
+    // return before the step's synchronize() or step(). A misuse (a parameter reported twice in a
+    // step, a name the model lacks) fails the group, as any failure in a step does.
+    void grad_ready(std::size_t index) {
+        guard([&] { mark(layout_.at_model_index(index)); });
+    }
+    void grad_ready(std::string_view name) {
+        guard([&] { mark(layout_.named(name)); });
+    }
+
+    // The factor to multiply the loss by before backward (1 without a loss scaler).
+    [[nodiscard]] float loss_scale() const { return scaler_.scale(); }
+    // The loss scaler, to save or restore its state (DynamicLossScale::state; a Checkpoint does).
+    [[nodiscard]] Scaler& loss_scaler() { return scaler_; }
+    // The communication hook, to read or restore its state (PowerSGD's error feedback).
+    [[nodiscard]] comm_hook_type& comm_hook() { return engine_.hook(); }
+    // The parameters gradsync synchronizes: the model's, in registration order, without the
+    // zero-sized ones. Bucket::parameters index into this list.
+    [[nodiscard]] std::span<const Parameter> parameters() const { return layout_.params; }
+    [[nodiscard]] std::span<const ModelBuffer> buffers() const { return layout_.buffers; }
+    [[nodiscard]] int rank() const { return backend_.rank(); }
+    [[nodiscard]] int world_size() const { return backend_.size(); }
+    // Synchronized steps completed (accumulation micro-steps under no_sync() do not count).
+    [[nodiscard]] std::uint64_t steps() const { return steps_.load(std::memory_order_acquire); }
+    // Sets that count, to resume from a checkpoint: step numbers and the LR rule's warm-up go on
+    // from there. Between steps only, with the same value on every rank.
+    void restore_steps(std::uint64_t steps) { steps_.store(steps, std::memory_order_release); }
+    [[nodiscard]] Model& model() const { return model_; }
+    [[nodiscard]] BackendT& backend() const { return backend_; }
+    [[nodiscard]] const OptionsT& options() const { return options_; }
+    // Expires when this object is destroyed: callbacks that may outlive it (the libtorch
+    // adapter's backward hooks) watch it and then call nothing.
+    [[nodiscard]] std::weak_ptr<const void> lifetime() const { return lifetime_; }
+
+protected:
+    template <class... EngineArgs>
+    FrontCore(Model& model, BackendT& backend, OptionsT options, Scaler scaler, EngineArgs&&... engine_args)
+        : model_(model),
+          backend_(backend),
+          options_(std::move(options)),
+          scaler_(std::move(scaler)),
+          engine_(backend, std::forward<EngineArgs>(engine_args)...) {}
+    ~FrontCore() = default;
+
+    // For the front's destructor: callbacks stop, and a step cut short by an exception leaves no
+    // collective in flight (the group is told; group_failure.hpp). Never throws.
+    void leave(const char* front) noexcept {
+        lifetime_.reset();
+        abandon_in_flight(backend_, engine_, options_.timeout, front, static_cast<std::uint64_t>(current_step()));
+    }
+
+    // The step in progress (or the next): 1 for the first.
+    [[nodiscard]] std::int64_t current_step() const { return static_cast<std::int64_t>(steps()) + 1; }
+    [[nodiscard]] std::string where() const { return rank_prefix(rank()) + ", step " + std::to_string(current_step()); }
+
+    // Runs f; a failure on this rank becomes the group's: the peers are told which rank failed
+    // in which step, the collectives in flight are drained, the front ends the step, and the
+    // error goes on.
+    template <class F>
+    void guard(F&& f) {
+        run_guarded(
+            backend_, engine_, options_.timeout, f, [this] { front().end_step(); },
+            [this](const std::exception& e) {
+                return failure_of(rank(), static_cast<std::uint64_t>(current_step()), e);
+            });
+    }
+
+    // After the ranks agreed: the hook learns how to tag its collectives and read the loss scale,
+    // every rank takes rank 0's parameters (and the buffers kept equal), and the history its
+    // identity.
+    void start_from_rank0(BufferSync mode) {
+        if constexpr (comm_hook_type::hooked)
+            engine_.connect_hook({[this](std::size_t b, std::uint64_t bytes) {
+                                      return history_.next(CollectivePurpose::bucket, current_step(), b, bytes,
+                                                           DType::float32);
+                                  },
+                                  [this] { return scaler_.scale(); }});
+        broadcast_parameters(backend_, parameters());
+        history_.take_identity(backend_);
+        sync_buffers(backend_, buffers(), mode, /*at_construction=*/true, history_, current_step());
+    }
+
+    // Moved storage is followed for buckets [first, last); refresh(b) rebuilds what a moved bucket
+    // b invalidates. Returns whether the model was listed again.
+    template <class Refresh>
+    bool follow(const BucketPlan& plan, std::size_t first, std::size_t last, bool in_backward, Refresh&& refresh) {
+        return storage_.follow(model_, layout_, plan, first, last, in_backward, refresh, [this] { return where(); });
+    }
+
+    // What a wait past its deadline throws: bucket b named, with what each rank reported.
+    [[nodiscard]] auto diagnose(const BucketPlan& plan) {
+        return [this, &plan](std::size_t b) {
+            return diagnose_timeout(backend_, current_step(), plan, parameters(), b, options_.timeout);
+        };
+    }
+
+    Model& model_;
+    BackendT& backend_;
+    OptionsT options_{};
+    Scaler scaler_{};
+    Engine engine_;
+    ModelLayout layout_;
+    Readiness readiness_;
+    CollectiveHistory history_;  // tags every collective of a step
+    StorageFollower storage_;
+    std::atomic<std::uint64_t> steps_{0};
+    std::shared_ptr<const char> lifetime_ = std::make_shared<const char>('\0');
+
+private:
+    [[nodiscard]] Front& front() { return static_cast<Front&>(*this); }
+
+    // Parameter p is ready: every bucket that completes goes, in plan order, through the front's
+    // launch(b) (under the readiness lock).
+    void mark(const std::variant<std::size_t, std::string>& found) {
+        mark_ready(
+            readiness_, layout_, found, [this](std::size_t b) { front().launch(b); }, [this] { return where(); });
+    }
+};
+
+}  // namespace gradsync::inline v0::detail
