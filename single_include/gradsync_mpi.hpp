@@ -3311,6 +3311,7 @@ inline ProcessPlace process_place() { return detail::place_from(detail::real_env
 #include <chrono>
 #include <cstdio>   // for std::fprintf, std::snprintf
 #include <cstdlib>  // for setenv, strtol
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -3364,9 +3365,10 @@ inline bool stale_claim(const std::string& owner) {
     return pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
 }
 
-// Each rank claims its RANK in the name service before it joins, and gives the claim back when
-// the join ends: a second process given the same RANK finds it claimed and stops at once, instead
-// of waiting out the join's deadline. The name service may keep one entry per publisher, so a
+// Each rank claims its RANK in the name service before it joins, and holds the claim while the
+// joined world lives: a second process given the same RANK (in this job, or in another job given
+// the same identity while this one runs) finds it claimed and stops at once, instead of waiting
+// out the join's deadline or joining where it does not belong. The name service may keep one entry per publisher, so a
 // claim counts once it is the one a lookup finds; a claim left by a crashed process of this
 // machine is taken over.
 class RankClaim {
@@ -3400,6 +3402,9 @@ public:
     RankClaim(const RankClaim&) = delete;
     RankClaim& operator=(const RankClaim&) = delete;
     ~RankClaim() {
+        int finalized = 0;
+        MPI_Finalized(&finalized);
+        if (finalized) return;  // MPI ended first: the name service is gone with it
         ErrorsReturned self_errors(MPI_COMM_SELF);
         ErrorsReturned world_errors(MPI_COMM_WORLD);
         if (published_) MPI_Unpublish_name(name_.c_str(), MPI_INFO_NULL, owner_.c_str());
@@ -3416,12 +3421,18 @@ inline std::string join_advice(const ProcessPlace& place) {
            "OMPI_MCA_pmix_server_uri=file:FILE for every process.";
 }
 
+// A world joined from singletons, and this process's claim on its RANK, held as long as the world.
+struct JoinedWorld {
+    MPI_Comm comm = MPI_COMM_NULL;
+    std::unique_ptr<RankClaim> claim;
+};
+
 // Processes started by a launcher that is not MPI's (torchrun-style RANK/WORLD_SIZE) are MPI
 // singletons, a world of one each. They meet through MPI's name service: rank 0 opens a port,
 // and the group, growing from rank 0, publishes it for each next rank in turn, accepts it and
 // merges it in. A watchdog ends a join that has not completed by the deadline (a rank that never
 // starts, or a RANK given twice), naming how many ranks arrived.
-inline MPI_Comm join_singletons(const ProcessPlace& place, std::chrono::seconds timeout) {
+inline JoinedWorld join_singletons(const ProcessPlace& place, std::chrono::seconds timeout) {
     const std::string who = rank_prefix(place.rank, place.world_size, place.source);
 #ifdef OPEN_MPI
     // Without a name server each singleton publishes and looks up only in its own world: the
@@ -3438,7 +3449,7 @@ inline MPI_Comm join_singletons(const ProcessPlace& place, std::chrono::seconds 
                               ": nothing names this job, so it could meet another job's ranks in the name server: "
                               "set GRADSYNC_JOB_ID to a name of this run (or MASTER_ADDR and MASTER_PORT, as "
                               "torchrun does), the same for every rank");
-    const RankClaim claim(service, place, who);
+    auto claim = std::make_unique<RankClaim>(service, place, who);
     std::atomic<int> joined{1};
     const auto deadline = detail::deadline_after(timeout);
     WatcherThread watcher([deadline] { return deadline; },
@@ -3526,7 +3537,7 @@ inline MPI_Comm join_singletons(const ProcessPlace& place, std::chrono::seconds 
                               std::to_string(place.world_size - 1) + " must be given once.");
     }
     MPI_Comm_set_errhandler(group, MPI_ERRORS_ARE_FATAL);  // as MPI_COMM_WORLD's
-    return group;
+    return {group, std::move(claim)};
 }
 
 // mpirun tells the processes it oversubscribes to yield the core while they wait for messages;
@@ -3548,6 +3559,7 @@ inline void yield_when_oversubscribed([[maybe_unused]] const ProcessPlace& launc
 
 #include <chrono>
 #include <cstring>  // for std::strncmp
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -3574,6 +3586,7 @@ public:
         MPI_Finalized(&finalized);
         if (finalized) return;
         if (joined_) MPI_Comm_free(&detail::joined_world);
+        claim_.reset();  // while MPI lives
         if (owner_) MPI_Finalize();
     }
 
@@ -3603,13 +3616,16 @@ private:
         int size = 1;
         MPI_Comm_size(MPI_COMM_WORLD, &size);
         if (size == 1 && launcher.world_size > 1 && detail::joined_world == MPI_COMM_NULL) {
-            detail::joined_world = detail::join_singletons(launcher, join_timeout);
+            auto joined = detail::join_singletons(launcher, join_timeout);
+            detail::joined_world = joined.comm;
+            claim_ = std::move(joined.claim);
             joined_ = true;
         }
     }
 
     bool owner_ = false;
     bool joined_ = false;
+    std::unique_ptr<detail::RankClaim> claim_;  // this process's RANK, claimed while the world lives
 };
 
 // The communicator of every rank of the job: MPI_COMM_WORLD, or the one MpiSession joined.

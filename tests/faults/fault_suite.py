@@ -60,6 +60,11 @@ ENV = [
     ("torchrun-style: two jobs given one job id never train together",
      ["--bare", "--jobs", "2", "--job-id", "one-name-for-two-jobs", "2"], "throw",
      r"two processes were given RANK=[01]: process [^ ]+ of this job already holds it", 120),
+    # The first job has joined (and runs until its rank 1 hangs and the others give up) when the
+    # second starts: each rank holds its claim while its job runs, not only while it joins.
+    ("torchrun-style: a job given a running job's id is refused after that job has joined",
+     ["--bare", "--jobs", "2", "--stagger", "3", "--job-id", "one-name-for-two-jobs", "2"], "hang",
+     r"\[rank 1\.[01]\] .*two processes were given RANK=[01]: process [^ ]+ of this job already holds it", 120),
 ]
 
 # In-process (LocalBackend ranks as threads): doctest cases of gradsync_tests that assert the

@@ -4,11 +4,13 @@ LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT, none of them started by mpirun. M
 peers through a name server, so this starts one (Open MPI's ompi-server) and names it to every
 process in OMPI_MCA_pmix_server_uri, as README.md tells users to.
 
-usage: env_launch.py [--ranks 0,2 | --torchrun] [--jobs K] [--bare] [--job-id TEXT] [--timeout SECONDS] N command args...
+usage: env_launch.py [--ranks 0,2 | --torchrun] [--jobs K [--stagger SECONDS]] [--bare] [--job-id TEXT]
+                     [--timeout SECONDS] N command args...
   --ranks     start only these ranks (the others never arrive)
   --torchrun  let torchrun start them (`--redirects 1 --tee 1` works around Debian's torch 1.13,
               whose torchrun fails on Python 3.11 with its default of 0)
   --jobs      start K jobs of N ranks at once, each with its own MASTER_PORT, sharing the server
+  --stagger   start job k that many seconds after job k - 1 instead
   --bare      no MASTER_ADDR or MASTER_PORT: nothing names the job
   --job-id    GRADSYNC_JOB_ID for every process
 Prints every process's output, each line prefixed with its rank. When a process fails, the others
@@ -32,7 +34,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch(n, command, ranks=None, timeout=300.0, torchrun=False, jobs=1, bare=False, job_id=None):
+def launch(n, command, ranks=None, timeout=300.0, torchrun=False, jobs=1, bare=False, job_id=None, stagger=0.0):
     """Runs `command` as ranks of a world of `n` (in `jobs` jobs); returns (status, output)."""
     ranks = list(range(n)) if ranks is None else ranks
     if torchrun:
@@ -58,11 +60,16 @@ def launch(n, command, ranks=None, timeout=300.0, torchrun=False, jobs=1, bare=F
                     for _ in range(jobs)]
             if jobs > 1:
                 ranks = [f"{j}.{r}" for j in range(jobs) for r in ranks]
-            procs = [subprocess.Popen(command, env=envs[0] if torchrun else
-                                      dict(envs[int(str(r).split(".")[0]) if jobs > 1 else 0],
-                                           RANK=str(r).split(".")[-1], LOCAL_RANK=str(r).split(".")[-1]),
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      errors="replace", start_new_session=True) for r in ranks]
+            procs = []
+            for r in ranks:
+                job = int(str(r).split(".")[0]) if jobs > 1 else 0
+                if stagger and job > 0 and str(r).endswith(".0"):
+                    time.sleep(stagger)
+                procs.append(subprocess.Popen(command, env=envs[0] if torchrun else
+                                              dict(envs[job], RANK=str(r).split(".")[-1],
+                                                   LOCAL_RANK=str(r).split(".")[-1]),
+                                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                              errors="replace", start_new_session=True))
             outputs = [[] for _ in procs]
 
             def drain(i):
@@ -112,6 +119,7 @@ if __name__ == "__main__":
     parser.add_argument("--torchrun", action="store_true")
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument("--stagger", type=float, default=0.0)
     parser.add_argument("--bare", action="store_true")
     parser.add_argument("--job-id")
     parser.add_argument("n", type=int)
@@ -119,6 +127,6 @@ if __name__ == "__main__":
     args = parser.parse_args()
     ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else None
     status, output = launch(args.n, args.command, ranks, args.timeout, args.torchrun, args.jobs, args.bare,
-                            args.job_id)
+                            args.job_id, args.stagger)
     sys.stdout.write(output)
     sys.exit(status)

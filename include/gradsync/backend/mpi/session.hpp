@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <cstring>  // for std::strncmp
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -36,6 +37,7 @@ public:
         MPI_Finalized(&finalized);
         if (finalized) return;
         if (joined_) MPI_Comm_free(&detail::joined_world);
+        claim_.reset();  // while MPI lives
         if (owner_) MPI_Finalize();
     }
 
@@ -65,13 +67,16 @@ private:
         int size = 1;
         MPI_Comm_size(MPI_COMM_WORLD, &size);
         if (size == 1 && launcher.world_size > 1 && detail::joined_world == MPI_COMM_NULL) {
-            detail::joined_world = detail::join_singletons(launcher, join_timeout);
+            auto joined = detail::join_singletons(launcher, join_timeout);
+            detail::joined_world = joined.comm;
+            claim_ = std::move(joined.claim);
             joined_ = true;
         }
     }
 
     bool owner_ = false;
     bool joined_ = false;
+    std::unique_ptr<detail::RankClaim> claim_;  // this process's RANK, claimed while the world lives
 };
 
 // The communicator of every rank of the job: MPI_COMM_WORLD, or the one MpiSession joined.
