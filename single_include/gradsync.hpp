@@ -5503,194 +5503,276 @@ void sync_buffers(B& backend, std::span<const ModelBuffer> buffers, BufferSync m
 // ---- begin gradsync/data_parallel/bucket_engine.hpp ----
 #ifndef GRADSYNC_SINGLE_DATA_PARALLEL_BUCKET_ENGINE_HPP
 #define GRADSYNC_SINGLE_DATA_PARALLEL_BUCKET_ENGINE_HPP
-// BucketEngine: each bucket's storage and its collective in the current step. A bucket travels
-// one of five ways: reduced where its gradients lie (a backend that takes scattered segments),
-// as one view when they lie contiguously, through a packed copy, packed into a narrower wire
-// dtype, or through the communication hook (reduction/comm_hook.hpp): float32 gradients as a view
-// or a packed copy, float16 and bfloat16 ones widened into a float32 copy and rounded once when the
-// hook is done. The engine launches a bucket's collective (during backward) or runs it now (at
-// synchronize()), waits for the launched ones by a deadline (or, on the device, makes the trainer's
-// stream wait), and then runs the finalize pass over the bucket through the memory policy: unpack,
-// unscale, measure. Each bucket's state is a BucketSlot (bucket_slot.hpp); a hook runs through
-// the HookRoute (hook_route.hpp). Collective says whether a bucket is allreduced or
-// reduce-scattered into shards (bucket_collective.hpp); a sharded bucket is never a view and
-// never finalized here: the sharded front reads its shard.
+// BucketEngine: each bucket's storage and its collective in the current step. How a bucket is
+// reduced is its reduction (bucket_reductions.hpp), picked when the bucket is built: in place,
+// as a view or a packed copy, compressed to a wire dtype, reduce-scattered into shards, or
+// through the communication hook. The engine launches a bucket's collective (during backward) or
+// runs it now (at synchronize()), waits for the launched ones by a deadline (or, on the device,
+// makes the trainer's stream wait), and then has the reduction run its pass over the bucket
+// through the memory policy: unpack, unscale, measure. Each bucket's state is a BucketSlot
+// (bucket_slot.hpp); a hook runs through the HookRoute (hook_route.hpp). A reduce-scattering
+// engine's buckets are never views and never finalized here: the sharded front reads its shard.
 
 
-// ---- begin gradsync/data_parallel/bucket_collective.hpp ----
-#ifndef GRADSYNC_SINGLE_DATA_PARALLEL_BUCKET_COLLECTIVE_HPP
-#define GRADSYNC_SINGLE_DATA_PARALLEL_BUCKET_COLLECTIVE_HPP
-// Which collective the bucket engine runs over a bucket once its bytes are ready: an allreduce,
-// after which every rank holds the whole average (DataParallel), or a reduce-scatter, after which
-// each rank holds the average only in its shard of the bucket and the rest is unspecified (a
-// backend may use it as scratch), so the engine neither unpacks nor finalizes it: the sharded
-// front reads only this rank's shard (ShardedDataParallel). Both over the bucket's segments where
-// they lie (in place) or over one contiguous buffer.
+// ---- begin gradsync/data_parallel/bucket_reductions.hpp ----
+#ifndef GRADSYNC_SINGLE_DATA_PARALLEL_BUCKET_REDUCTIONS_HPP
+#define GRADSYNC_SINGLE_DATA_PARALLEL_BUCKET_REDUCTIONS_HPP
+// How a bucket is reduced. Each way is a type that holds all of it: whether the bucket needs a
+// buffer beside its gradients, how its collective starts (launched during backward) and runs
+// (now, on this thread), and the pass once it completed. build_slot (bucket_slot.hpp) picks one
+// per bucket; the bucket engine calls it through the bucket's slot and knows none by name. The
+// ways:
+// - InPlaceAllreduce: the gradients allreduced where they lie (a backend that takes scattered
+//   segments);
+// - BufferAllreduce: as one view when they lie contiguously, else through a packed copy;
+// - WireAllreduce: packed into a narrower wire dtype, each rank sending its share of the average;
+// - ReduceScatterShard: reduce-scattered, in place or packed; only this rank's shard is averaged,
+//   and the sharded front reads it where it lies (no pass after it);
+// - HookReduction: through the communication hook (reduction/comm_hook.hpp), float32 gradients
+//   as a view or a packed copy, float16 and bfloat16 ones widened into a float32 copy and rounded
+//   once when the hook is done.
+// A reduction works on a BucketStep: one bucket's slot in the current step, with the backend,
+// the memory policy and the hook it may use.
 
 
+#include <concepts>  // for std::convertible_to
+#include <cstddef>
+#include <cstdint>
 #include <span>
+#include <variant>
 
 namespace gradsync::inline v0::detail {
 
-template <bool Whole>
-struct BucketCollective {
-    static constexpr bool whole = Whole;  // every rank receives all of the bucket's average
+// Which collective a bucket engine runs: an allreduce, after which every rank holds the whole
+// average (DataParallel), or a reduce-scatter, after which each rank holds the average only in
+// its shard of the bucket and the rest is unspecified (ShardedDataParallel).
+enum class BucketCollective : std::uint8_t { allreduce, reduce_scatter };
 
-    template <class B>
-    static auto start(B& b, std::span<const Segment> segs, DType t, ReduceOp op, CollectiveTag tag) {
-        if constexpr (Whole)
-            return allreduce_async_tagged(b, segs, t, op, tag);
-        else
-            return reduce_scatter_async_tagged(b, segs, t, op, tag);
+// Bucket `index` in this step. InPlace: the engine's backend reduces scattered segments, and its
+// handle is the one for them.
+template <class BackendT, class Memory, class Slot, class Hooks, bool InPlace, BucketCollective Collective>
+struct BucketStep {
+    static constexpr bool in_place = InPlace;
+    static constexpr bool whole = Collective == BucketCollective::allreduce;
+
+    BackendT& backend;
+    Memory& memory;
+    Hooks& hooks;
+    Slot& slot;
+    std::size_t index;
+    bool finalizing;  // unscale and measure (else only unpack)
+    double unscale;
+
+    // The bucket's gradients where they lie: one segment when they are a view.
+    [[nodiscard]] std::span<const Segment> segments() const {
+        return slot.view ? std::span<const Segment>(&*slot.view, 1) : std::span<const Segment>(slot.segments);
     }
-    template <class B>
-    static auto start(B& b, Buffer buf, ReduceOp op, CollectiveTag tag) {
-        if constexpr (Whole)
-            return allreduce_async_tagged(b, buf, op, tag);
-        else
-            return reduce_scatter_async_tagged(b, buf, op, tag);
+    [[nodiscard]] std::byte* buffer() const { return Memory::data(slot.buffer); }
+    // The gradients packed into the bucket's buffer, as the collective takes it.
+    [[nodiscard]] Buffer packed() const {
+        memory.pack(slot.table, buffer());
+        return Buffer{buffer(), slot.count, slot.dtype};
     }
-    // The same, run now on this thread.
-    template <class B>
-    static void run(B& b, std::span<const Segment> segs, DType t, ReduceOp op, CollectiveTag tag) {
-        if constexpr (Whole)
-            allreduce_tagged(b, segs, t, op, tag);
-        else
-            reduce_scatter_tagged(b, segs, t, op, tag);
+
+    // Unscales and measures the gradients where they lie (when finalizing).
+    void finalize_in_place() const {
+        if (!finalizing) return;
+        memory.finalize(slot.table, nullptr, slot.dtype, unscale, index);
+        slot.measured = true;
     }
-    template <class B>
-    static void run(B& b, Buffer buf, ReduceOp op, CollectiveTag tag) {
-        if constexpr (Whole)
-            allreduce_tagged(b, buf, op, tag);
-        else
-            reduce_scatter_tagged(b, buf, op, tag);
+    // The same from the reduced values in `data` (of `type`), unpacking them into the gradients.
+    void finalize_from(const std::byte* data, DType type) const {
+        memory.finalize(slot.table, data, type, unscale, index);
+        slot.measured = true;
     }
 };
 
-using AllreduceBuckets = BucketCollective<true>;
-using ReduceScatterBuckets = BucketCollective<false>;
+// What the bucket engine asks of a reduction over a bucket step S. A deferred one is only
+// started, also when the bucket is reduced now: its finish() comes when the engine waits, after
+// every bucket started (a hook's further collectives pair across ranks that overlap and ranks that
+// do not); any other one also runs now, its collective done on return.
+template <class R, class S>
+concept BucketReduction = std::copyable<R> && requires(const R r, S& s, CollectiveTag tag) {
+    { R::deferred } -> std::convertible_to<bool>;
+    { r.needs_buffer(s.slot) } -> std::convertible_to<bool>;
+    r.start(s, tag);
+    r.finish(s);
+} &&(R::deferred || requires(const R r, S& s, CollectiveTag tag) { r.run(s, tag); });
+
+// The gradients allreduced where they lie, and then unscaled and measured there.
+struct InPlaceAllreduce {
+    static constexpr bool deferred = false;
+    template <class Slot>
+    [[nodiscard]] bool needs_buffer(const Slot&) const {
+        return false;
+    }
+    template <class S>
+    void start(S& s, CollectiveTag tag) const {
+        if constexpr (S::in_place && S::whole)
+            s.slot.handle.emplace(
+                allreduce_async_tagged(s.backend, s.segments(), s.slot.dtype, ReduceOp::average, tag));
+    }
+    template <class S>
+    void run(S& s, CollectiveTag tag) const {
+        if constexpr (S::in_place && S::whole)
+            allreduce_tagged(s.backend, s.segments(), s.slot.dtype, ReduceOp::average, tag);
+    }
+    template <class S>
+    void finish(S& s) const {
+        s.finalize_in_place();
+    }
+};
+
+// An allreduce of one contiguous buffer: Of::contents(s) (the bucket's view, or its buffer once
+// filled), by Of::op.
+template <class Of>
+struct OneBufferAllreduce {
+    static constexpr bool deferred = false;
+    template <class S>
+    void start(S& s, CollectiveTag tag) const {
+        if constexpr (S::whole) s.slot.handle.emplace(allreduce_async_tagged(s.backend, Of::contents(s), Of::op, tag));
+    }
+    template <class S>
+    void run(S& s, CollectiveTag tag) const {
+        if constexpr (S::whole) allreduce_tagged(s.backend, Of::contents(s), Of::op, tag);
+    }
+};
+
+// The gradients allreduced as one contiguous buffer: their view, or a packed copy unpacked (and
+// finalized) after it.
+struct BufferAllreduce : OneBufferAllreduce<BufferAllreduce> {
+    static constexpr ReduceOp op = ReduceOp::average;
+    template <class Slot>
+    [[nodiscard]] bool needs_buffer(const Slot& slot) const {
+        return !slot.view;
+    }
+    template <class S>
+    static Buffer contents(S& s) {
+        if (s.slot.view) return Buffer{s.slot.view->data, s.slot.count, s.slot.dtype};
+        return s.packed();
+    }
+    template <class S>
+    void finish(S& s) const {
+        if (s.slot.view) return s.finalize_in_place();
+        if (!s.finalizing) return s.memory.unpack(s.slot.table, s.buffer());
+        s.finalize_from(s.buffer(), s.slot.dtype);
+    }
+};
+
+// Float32 gradients packed into the narrower wire dtype and summed: each rank sends its share of
+// the average (each value divided by the world size), so that the sum keeps the headroom the loss
+// scale left. Widened and finalized after it; a float16 sum that overflowed leaves the gradients
+// intact, and its result is not finite: the step then reduces the bucket again in float32.
+struct WireAllreduce : OneBufferAllreduce<WireAllreduce> {
+    static constexpr ReduceOp op = ReduceOp::sum;
+    template <class Slot>
+    [[nodiscard]] bool needs_buffer(const Slot&) const {
+        return true;
+    }
+    template <class S>
+    static Buffer contents(S& s) {
+        s.memory.compress(s.slot.table, s.buffer(), s.slot.wire, 1.0 / static_cast<double>(s.backend.size()));
+        return Buffer{s.buffer(), s.slot.count, s.slot.wire};
+    }
+    template <class S>
+    void finish(S& s) const {
+        s.finalize_from(s.buffer(), s.slot.wire);
+    }
+};
+
+// The gradients reduce-scattered, in place or packed; the shard stays where the sharded front
+// reads it (the packed buffer, or the gradients), with no pass after it.
+struct ReduceScatterShard {
+    static constexpr bool deferred = false;
+    bool in_place = false;
+    template <class Slot>
+    [[nodiscard]] bool needs_buffer(const Slot&) const {
+        return !in_place;
+    }
+    template <class S>
+    void start(S& s, CollectiveTag tag) const {
+        if constexpr (!S::whole) {
+            if constexpr (S::in_place)
+                if (in_place)
+                    return (void)s.slot.handle.emplace(
+                        reduce_scatter_async_tagged(s.backend, s.segments(), s.slot.dtype, ReduceOp::average, tag));
+            s.slot.handle.emplace(reduce_scatter_async_tagged(s.backend, s.packed(), ReduceOp::average, tag));
+        }
+    }
+    template <class S>
+    void run(S& s, CollectiveTag tag) const {
+        if constexpr (!S::whole) {
+            if constexpr (S::in_place)
+                if (in_place)
+                    return reduce_scatter_tagged(s.backend, s.segments(), s.slot.dtype, ReduceOp::average, tag);
+            reduce_scatter_tagged(s.backend, s.packed(), ReduceOp::average, tag);
+        }
+    }
+    template <class S>
+    void finish(S&) const {}
+};
+
+// The bucket through the communication hook, which sees float32 values: the gradients where they
+// lie when they are float32 and contiguous, else packed (16-bit ones widened, exactly). After the
+// hook's finish(): the finalize pass, rounding a widened bucket once into the gradients (on an
+// allreducing engine; a sharded front reads its shard from the buffer).
+struct HookReduction {
+    static constexpr bool deferred = true;
+    template <class Slot>
+    [[nodiscard]] bool needs_buffer(const Slot& slot) const {
+        return !slot.view;
+    }
+    template <class S>
+    void start(S& s, CollectiveTag tag) const {
+        auto& slot = s.slot;
+        if (slot.wire != slot.dtype)
+            s.memory.compress(slot.table, s.buffer(), slot.wire, 1.0);  // widened, exactly
+        else if (!slot.view)
+            s.memory.pack(slot.table, s.buffer());
+        slot.hook_step = tag.step;
+        slot.pending.emplace(s.hooks.start(s.backend, slot.hooked_bucket(s.index), values(s), tag));
+    }
+    template <class S>
+    void finish(S& s) const {
+        auto& slot = s.slot;
+        s.hooks.finish(s.backend, slot.hooked_bucket(s.index), values(s), slot.hook_step);
+        if constexpr (S::whole) {
+            if (slot.view) return s.finalize_in_place();
+            if (s.finalizing) {
+                s.finalize_from(s.buffer(), slot.wire);
+                // The float32 copy unscaled alike, for float32_gradient().
+                if (slot.wire != slot.dtype && s.unscale != 1.0) s.memory.scale(slot.float32_table, s.unscale);
+                return;
+            }
+            if (slot.wire == slot.dtype) return s.memory.unpack(slot.table, s.buffer());
+            // A widened bucket rounded once into the gradients: the finalize pass with nothing to
+            // scale, its measurement left unread.
+            s.memory.finalize(slot.table, s.buffer(), slot.wire, 1.0, s.index);
+        }
+    }
+
+private:
+    template <class S>
+    static std::span<float> values(S& s) {
+        auto* data = s.slot.view ? s.slot.view->data : static_cast<void*>(s.buffer());
+        return {static_cast<float*>(data), s.slot.count};
+    }
+};
+
+using AnyBucketReduction =
+    std::variant<InPlaceAllreduce, BufferAllreduce, WireAllreduce, ReduceScatterShard, HookReduction>;
 
 }  // namespace gradsync::inline v0::detail
-#endif  // GRADSYNC_SINGLE_DATA_PARALLEL_BUCKET_COLLECTIVE_HPP
-// ---- end gradsync/data_parallel/bucket_collective.hpp ----
+#endif  // GRADSYNC_SINGLE_DATA_PARALLEL_BUCKET_REDUCTIONS_HPP
+// ---- end gradsync/data_parallel/bucket_reductions.hpp ----
 
 // ---- begin gradsync/data_parallel/bucket_slot.hpp ----
 #ifndef GRADSYNC_SINGLE_DATA_PARALLEL_BUCKET_SLOT_HPP
 #define GRADSYNC_SINGLE_DATA_PARALLEL_BUCKET_SLOT_HPP
 // BucketSlot: one bucket's storage in the bucket engine and the state of its collective in the
-// current step, and the route a bucket travels by, chosen when it is built (build_slot).
+// current step, and the way it is reduced (bucket_reductions.hpp), chosen when it is built
+// (build_slot).
 
-
-#include <algorithm>  // for std::sort
-#include <chrono>
-#include <cstddef>
-#include <cstdint>
-#include <optional>
-#include <span>
-#include <vector>
-
-namespace gradsync::inline v0::detail {
-
-// The first k whose segment does not start where segment k - 1 ends; 0 when they all follow each
-// other in memory.
-inline std::size_t first_gap(std::span<const Segment> segs, DType t) {
-    const std::size_t elem = size_of(t);
-    for (std::size_t k = 1; k < segs.size(); ++k)
-        if (static_cast<const std::byte*>(segs[k - 1].data) + segs[k - 1].count * elem != segs[k].data) return k;
-    return 0;
-}
-
-// How a bucket travels.
-enum class Route : std::uint8_t { in_place, view, packed, compressed, hook };
-
-// Memory: the memory policy (its Table and Storage); Handle: the backend's asynchronous allreduce.
-template <class Memory, class Handle>
-struct BucketSlot {
-    using clock = std::chrono::steady_clock;
-    std::vector<Segment> segments;     // its gradients, by parameter index
-    std::vector<std::size_t> indices;  // their parameters
-    std::optional<Segment> view;       // set when they lie contiguously
-    Route route = Route::in_place;
-    DType dtype = DType::float32;          // the gradients'
-    DType wire = DType::float32;           // what the collective moves
-    std::size_t count = 0;                 // elements
-    typename Memory::Table table;          // the segments, as the memory policy's passes take them
-    bool measured = false;                 // finalized this step: its result slot is current
-    typename Memory::Storage buffer;       // packed or compressed (world > 1), or a hook's float32 copy
-    typename Memory::Storage widened;      // a float32 copy, made once when a compressed sum overflowed
-    typename Memory::Table float32_table;  // a hook's float32 copy of 16-bit gradients (the buffer)
-    std::optional<Handle> handle;
-    std::optional<HookComm::Pending> pending;  // the hook's collectives in flight
-    std::vector<HookParameter> hooked;         // the parameters, as the hook sees them
-    std::int64_t hook_step = 0;                // the step the hook started in
-    clock::time_point launched_at, finished_at;
-
-    // A hook's 16-bit bucket, widened into a float32 copy (the buffer).
-    [[nodiscard]] bool widened_for_hook() const { return route == Route::hook && wire != dtype; }
-};
-
-// What decides a bucket's route besides the bucket itself.
-struct RouteRules {
-    bool hooked = false;          // a communication hook takes the float32 and 16-bit buckets
-    DType wire = DType::float32;  // not float32: float32 buckets are compressed to it
-    bool in_place = false;        // the backend reduces segments where they lie
-    bool whole = true;            // allreduced; false: reduce-scattered, the shard read packed
-    bool peers = true;            // a world of more than one: buffers for the collective
-};
-
-// (Re)builds `slot` for `bucket`: its segments, in parameter order (the element layout every
-// rank shares), its route, its memory policy table, and its buffer where the route needs one
-// (kept when it has one: a rebuild after the gradients moved keeps the packed buffer).
-template <class Memory, class Handle>
-void build_slot(BucketSlot<Memory, Handle>& slot, const Bucket& bucket, std::span<const Parameter> params,
-                Memory& memory, const RouteRules& rules) {
-    slot.indices = bucket.parameters;
-    std::sort(slot.indices.begin(), slot.indices.end());
-    slot.segments.clear();
-    for (auto i : slot.indices) slot.segments.push_back(Segment{params[i].grad, params[i].count});
-    slot.dtype = slot.wire = bucket.dtype;
-    slot.count = bucket.count;
-    const bool contiguous = first_gap(slot.segments, bucket.dtype) == 0;
-    slot.view.reset();
-    slot.hooked.clear();
-    const bool half = bucket.dtype == DType::float16 || bucket.dtype == DType::bfloat16;
-    // A hook sees float32 values: a half bucket is widened into a float32 buffer (never a view).
-    // A shard is read where the front was told it lies: the packed buffer.
-    if (contiguous && !(rules.hooked && half) && rules.whole)
-        slot.view = Segment{slot.segments.front().data, slot.count};
-    if (rules.hooked && (bucket.dtype == DType::float32 || half)) {
-        slot.route = Route::hook;
-        slot.wire = DType::float32;
-        std::size_t offset = 0;
-        for (auto i : slot.indices) {
-            slot.hooked.push_back(HookParameter{params[i].name, offset, params[i].count, params[i].shape});
-            offset += params[i].count;
-        }
-    } else if (rules.wire != DType::float32 && bucket.dtype == DType::float32) {
-        slot.route = Route::compressed;
-        slot.wire = rules.wire;
-    } else if (rules.in_place) {
-        slot.route = Route::in_place;
-    } else {
-        slot.route = slot.view ? Route::view : Route::packed;
-    }
-    slot.table = memory.table(slot.segments, bucket.dtype);
-    const bool needs_buffer =
-        slot.route == Route::packed || slot.route == Route::compressed || (slot.route == Route::hook && !slot.view);
-    // A hook's float32 copy is kept in a world of one too (float32_gradient() reads it), and a
-    // shard is read from the buffer.
-    const bool kept = slot.widened_for_hook() || !rules.whole;
-    if (needs_buffer && (rules.peers || kept) && slot.buffer.size() == 0)
-        slot.buffer = memory.allocate(Bytes{slot.count * size_of(slot.wire)});
-    if (slot.widened_for_hook()) {
-        const Segment whole{Memory::data(slot.buffer), slot.count};
-        slot.float32_table = memory.table(std::span<const Segment>(&whole, 1), DType::float32);
-    }
-}
-
-}  // namespace gradsync::inline v0::detail
-#endif  // GRADSYNC_SINGLE_DATA_PARALLEL_BUCKET_SLOT_HPP
-// ---- end gradsync/data_parallel/bucket_slot.hpp ----
 
 // ---- begin gradsync/data_parallel/hook_route.hpp ----
 #ifndef GRADSYNC_SINGLE_DATA_PARALLEL_HOOK_ROUTE_HPP
@@ -5938,145 +6020,165 @@ private:
 #endif  // GRADSYNC_SINGLE_DATA_PARALLEL_HOOK_ROUTE_HPP
 // ---- end gradsync/data_parallel/hook_route.hpp ----
 
-// ---- begin gradsync/detail/log.hpp ----
-#ifndef GRADSYNC_SINGLE_DETAIL_LOG_HPP
-#define GRADSYNC_SINGLE_DETAIL_LOG_HPP
-// Rank-prefixed logging, with the level taken from GRADSYNC_LOG (info or debug). Lines go to
-// stderr, or with GRADSYNC_LOG_FILE=path one file per rank: "%r" in the path becomes the rank
-// (logs/rank%r.log), and without "%r" the rank is appended (path.3).
-
-
-#include <algorithm>  // for std::min
-#include <cstdio>
-#include <cstdlib>  // for std::getenv
-#include <map>
-#include <mutex>
-#include <string>
-#include <type_traits>  // for std::is_invocable_r_v
-#include <string_view>
-
-namespace gradsync::inline v0::detail {
-
-enum class LogLevel : int { off = 0, info = 1, debug = 2 };
-
-struct LogSettings {
-    LogLevel level = LogLevel::off;
-    std::string file;  // empty: stderr
-};
-
-inline LogSettings settings_from_env() {
-    LogSettings s;
-    const char* level = std::getenv("GRADSYNC_LOG");
-    std::string_view v = level != nullptr ? level : "";
-    if (v == "debug") s.level = LogLevel::debug;
-    if (v == "info") s.level = LogLevel::info;
-    if (const char* file = std::getenv("GRADSYNC_LOG_FILE")) s.file = file;
-    return s;
-}
-
-// Read once from the environment; tests may change it (between log calls of other threads).
-inline LogSettings& log_settings() {
-    static LogSettings settings = settings_from_env();
-    return settings;
-}
-
-inline LogLevel log_level() { return log_settings().level; }
-
-inline bool logging(LogLevel level) { return static_cast<int>(log_level()) >= static_cast<int>(level); }
-
-inline std::string log_file_of(const std::string& pattern, int rank) {
-    const auto at = pattern.find("%r");
-    if (at == std::string::npos) return pattern + "." + std::to_string(rank);
-    return pattern.substr(0, at) + std::to_string(rank) + pattern.substr(at + 2);
-}
-
-struct LogFiles {
-    std::mutex mutex;
-    std::map<std::string, std::FILE*> open;
-    ~LogFiles() { close(); }
-    void close() {
-        for (auto& [path, f] : open)
-            if (f != stderr) std::fclose(f);
-        open.clear();
-    }
-};
-
-inline LogFiles& log_files() {
-    static LogFiles files;
-    return files;
-}
-
-// "[gradsync rank 3] message", the prefix on every line; lines of concurrent ranks never interleave.
-// A log file that cannot be opened falls back to stderr, saying so once.
-inline void log(LogLevel level, int rank, const std::string& message) {
-    if (!logging(level)) return;
-    auto& files = log_files();
-    std::lock_guard lock(files.mutex);
-    std::FILE* out = stderr;
-    const auto& pattern = log_settings().file;
-    if (!pattern.empty()) {
-        const auto path = log_file_of(pattern, rank);
-        auto it = files.open.find(path);
-        if (it == files.open.end()) {
-            std::FILE* f = std::fopen(path.c_str(), "a");
-            if (f == nullptr)
-                std::fprintf(stderr, "[gradsync rank %d] cannot open log file %s; logging to stderr\n", rank,
-                             path.c_str());
-            it = files.open.emplace(path, f != nullptr ? f : stderr).first;
-        }
-        out = it->second;
-    }
-    std::size_t begin = 0;  // every line of a multi-line message carries the prefix
-    do {
-        const auto end = std::min(message.find('\n', begin), message.size());
-        std::fprintf(out, "[gradsync rank %d] %.*s\n", rank, static_cast<int>(end - begin), message.data() + begin);
-        begin = end + 1;
-    } while (begin < message.size());
-    std::fflush(out);
-}
-
-// The same, with the message made only when it will be written: make() returns it.
-template <class Make>
-requires std::is_invocable_r_v<std::string, Make&>
-void log(LogLevel level, int rank, Make&& make) {
-    if (logging(level)) log(level, rank, std::string(make()));
-}
-
-}  // namespace gradsync::inline v0::detail
-#endif  // GRADSYNC_SINGLE_DETAIL_LOG_HPP
-// ---- end gradsync/detail/log.hpp ----
-
+#include <algorithm>  // for std::sort
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <span>
-#include <string>
+#include <variant>
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+// The first k whose segment does not start where segment k - 1 ends; 0 when they all follow each
+// other in memory.
+inline std::size_t first_gap(std::span<const Segment> segs, DType t) {
+    const std::size_t elem = size_of(t);
+    for (std::size_t k = 1; k < segs.size(); ++k)
+        if (static_cast<const std::byte*>(segs[k - 1].data) + segs[k - 1].count * elem != segs[k].data) return k;
+    return 0;
+}
+
+// Memory: the memory policy (its Table and Storage); Handle: the backend's asynchronous allreduce.
+template <class Memory, class Handle>
+struct BucketSlot {
+    using clock = std::chrono::steady_clock;
+    std::vector<Segment> segments;     // its gradients, by parameter index
+    std::vector<std::size_t> indices;  // their parameters
+    std::optional<Segment> view;       // set when they lie contiguously
+    AnyBucketReduction reduction;
+    DType dtype = DType::float32;          // the gradients'
+    DType wire = DType::float32;           // what the collective moves
+    std::size_t count = 0;                 // elements
+    typename Memory::Table table;          // the segments, as the memory policy's passes take them
+    bool measured = false;                 // finalized this step: its result slot is current
+    typename Memory::Storage buffer;       // packed or compressed (world > 1), or a hook's float32 copy
+    typename Memory::Storage widened;      // a float32 copy, made once when a compressed sum overflowed
+    typename Memory::Table float32_table;  // a hook's float32 copy of 16-bit gradients (the buffer)
+    std::optional<Handle> handle;
+    std::optional<HookComm::Pending> pending;  // the hook's collectives in flight
+    std::vector<HookParameter> hooked;         // the parameters, as the hook sees them
+    std::int64_t hook_step = 0;                // the step the hook started in
+    clock::time_point launched_at, finished_at;
+
+    // Whether the bucket is reduced by R.
+    template <class R>
+    [[nodiscard]] bool reduced_by() const {
+        return std::holds_alternative<R>(reduction);
+    }
+    // A hook's 16-bit bucket, widened into a float32 copy (the buffer).
+    [[nodiscard]] bool widened_for_hook() const { return reduced_by<HookReduction>() && wire != dtype; }
+    // The bucket (number `index` in the plan) as the hook sees it, apart from its values.
+    [[nodiscard]] HookedBucket hooked_bucket(std::size_t index) const {
+        return HookedBucket{index, hooked, indices, dtype};
+    }
+};
+
+// What decides how a bucket is reduced besides the bucket itself.
+struct RouteRules {
+    bool hooked = false;          // a communication hook takes the float32 and 16-bit buckets
+    DType wire = DType::float32;  // not float32: float32 buckets are compressed to it
+    bool in_place = false;        // the backend reduces segments where they lie
+    bool whole = true;            // allreduced; false: reduce-scattered, the shard read packed
+    bool peers = true;            // a world of more than one: buffers for the collective
+};
+
+// (Re)builds `slot` for `bucket`: its segments, in parameter order (the element layout every
+// rank shares), its reduction, its memory policy table, and its buffer where the route needs one
+// (kept when it has one: a rebuild after the gradients moved keeps the packed buffer).
+template <class Memory, class Handle>
+void build_slot(BucketSlot<Memory, Handle>& slot, const Bucket& bucket, std::span<const Parameter> params,
+                Memory& memory, const RouteRules& rules) {
+    slot.indices = bucket.parameters;
+    std::sort(slot.indices.begin(), slot.indices.end());
+    slot.segments.clear();
+    for (auto i : slot.indices) slot.segments.push_back(Segment{params[i].grad, params[i].count});
+    slot.dtype = slot.wire = bucket.dtype;
+    slot.count = bucket.count;
+    const bool contiguous = first_gap(slot.segments, bucket.dtype) == 0;
+    slot.view.reset();
+    slot.hooked.clear();
+    const bool half = bucket.dtype == DType::float16 || bucket.dtype == DType::bfloat16;
+    // A hook sees float32 values: a half bucket is widened into a float32 buffer (never a view).
+    // A shard is read where the front was told it lies: the packed buffer.
+    if (contiguous && !(rules.hooked && half) && rules.whole)
+        slot.view = Segment{slot.segments.front().data, slot.count};
+    if (rules.hooked && (bucket.dtype == DType::float32 || half)) {
+        slot.reduction = HookReduction{};
+        slot.wire = DType::float32;
+        std::size_t offset = 0;
+        for (auto i : slot.indices) {
+            slot.hooked.push_back(HookParameter{params[i].name, offset, params[i].count, params[i].shape});
+            offset += params[i].count;
+        }
+    } else if (!rules.whole) {
+        slot.reduction = ReduceScatterShard{rules.in_place};
+    } else if (rules.wire != DType::float32 && bucket.dtype == DType::float32) {
+        slot.reduction = WireAllreduce{};
+        slot.wire = rules.wire;
+    } else if (rules.in_place) {
+        slot.reduction = InPlaceAllreduce{};
+    } else {
+        slot.reduction = BufferAllreduce{};
+    }
+    slot.table = memory.table(slot.segments, bucket.dtype);
+    const bool needs_buffer = std::visit([&](const auto& r) { return r.needs_buffer(slot); }, slot.reduction);
+    // A hook's float32 copy is kept in a world of one too (float32_gradient() reads it), and a
+    // shard is read from the buffer.
+    const bool kept = slot.widened_for_hook() || !rules.whole;
+    if (needs_buffer && (rules.peers || kept) && slot.buffer.size() == 0)
+        slot.buffer = memory.allocate(Bytes{slot.count * size_of(slot.wire)});
+    if (slot.widened_for_hook()) {
+        const Segment whole{Memory::data(slot.buffer), slot.count};
+        slot.float32_table = memory.table(std::span<const Segment>(&whole, 1), DType::float32);
+    }
+}
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_DATA_PARALLEL_BUCKET_SLOT_HPP
+// ---- end gradsync/data_parallel/bucket_slot.hpp ----
+
+#include <chrono>
+#include <cstddef>
+#include <optional>
+#include <span>
 #include <string_view>
-#include <utility>  // for std::declval
+#include <type_traits>  // for std::decay_t
+#include <utility>      // for std::declval, std::move
+#include <variant>
 #include <vector>
 
 namespace gradsync::inline v0::detail {
 
 template <Backend BackendT, MemoryPolicy Memory, DType Wire, bool InPlace, class Hook = NoCommHook,
-          class Collective = AllreduceBuckets>
+          BucketCollective Collective = BucketCollective::allreduce>
 class BucketEngine {
-    static constexpr bool compresses = Wire != DType::float32;
-    static_assert(Collective::whole || !compresses, "a sharded bucket is not compressed");
+    static constexpr bool whole = Collective == BucketCollective::allreduce;
+    static_assert(whole || Wire == DType::float32, "a sharded bucket is not compressed");
     using clock = std::chrono::steady_clock;
 
     static auto async_of(BackendT& b) {
-        if constexpr (InPlace)
-            return Collective::start(b, std::span<const Segment>{}, DType::float32, ReduceOp::sum, CollectiveTag{});
+        const std::span<const Segment> segs;
+        if constexpr (whole && InPlace)
+            return allreduce_async_tagged(b, segs, DType::float32, ReduceOp::sum, CollectiveTag{});
+        else if constexpr (whole)
+            return allreduce_async_tagged(b, Buffer{}, ReduceOp::sum, CollectiveTag{});
+        else if constexpr (InPlace)
+            return reduce_scatter_async_tagged(b, segs, DType::float32, ReduceOp::sum, CollectiveTag{});
         else
-            return Collective::start(b, Buffer{}, ReduceOp::sum, CollectiveTag{});
+            return reduce_scatter_async_tagged(b, Buffer{}, ReduceOp::sum, CollectiveTag{});
     }
 
 public:
     using handle_type = decltype(async_of(std::declval<BackendT&>()));
     using hook_type = Hook;
-
     using Slot = BucketSlot<Memory, handle_type>;
+    using Step = BucketStep<BackendT, Memory, Slot, HookRoute<BackendT, Hook>, InPlace, Collective>;
+
+    static_assert(BucketReduction<InPlaceAllreduce, Step> && BucketReduction<BufferAllreduce, Step> &&
+                  BucketReduction<WireAllreduce, Step> && BucketReduction<ReduceScatterShard, Step> &&
+                  BucketReduction<HookReduction, Step>);
 
     BucketEngine(BackendT& backend, Memory memory, Hook hook = {})
         : backend_(backend), memory_(std::move(memory)), hooks_(std::move(hook)) {}
@@ -6092,7 +6194,7 @@ public:
         if constexpr (Hook::hooked) {
             std::vector<HookedBucket> hooked;
             for (std::size_t b = 0; b < slots_.size(); ++b)
-                if (slots_[b].route == Route::hook) hooked.push_back(hooked_bucket(b));
+                if (slots_[b].template reduced_by<HookReduction>()) hooked.push_back(slots_[b].hooked_bucket(b));
             hooks_.plan(hooked, params.size());
         }
     }
@@ -6112,40 +6214,29 @@ public:
 
     // Bucket b's collective, started asynchronously (during backward, in plan order).
     void launch(std::size_t b, CollectiveTag tag) {
-        auto& slot = slots_[b];
-        slot.launched_at = clock::now();
+        slots_[b].launched_at = clock::now();
         if (alone(b)) return;
-        if (slot.route == Route::hook) {
-            start_hook(b, tag);
-        } else if (slot.route == Route::in_place) {
-            if constexpr (InPlace)
-                slot.handle.emplace(Collective::start(backend_, segments_of(slot), slot.dtype, ReduceOp::average, tag));
-        } else {
-            slot.handle.emplace(Collective::start(backend_, contiguous(b), op_of(slot), tag));
-        }
+        with_reduction(b, [&](const auto& r, Step& s) { r.start(s, tag); });
     }
 
     // Bucket b's collective run now, on this thread (no overlap to gain), and finished; on a
-    // device, queued like a launch. A hook's bucket is only started: its finish() comes at the
-    // wait, after every bucket's start(), as on a rank that launched its buckets during backward,
-    // so that the collectives a hook issues in finish() pair across ranks that overlap and ranks
-    // that do not.
+    // device, queued like a launch. A deferred reduction (the hook's) is only started: its
+    // finish() comes at the wait, after every bucket's start(), as on a rank that launched its
+    // buckets during backward, so that the collectives a hook issues in finish() pair across ranks
+    // that overlap and ranks that do not.
     void reduce_now(std::size_t b, CollectiveTag tag) {
         auto& slot = slots_[b];
         slot.launched_at = clock::now();
         if (alone(b)) return;
-        if constexpr (DeviceBackend<BackendT>) {
-            slot.handle.emplace(Collective::start(backend_, contiguous(b), op_of(slot), tag));
-            return;
-        }
-        if (slot.route == Route::hook) return start_hook(b, tag);
-        if (slot.route == Route::in_place) {
-            if constexpr (InPlace) Collective::run(backend_, segments_of(slot), slot.dtype, ReduceOp::average, tag);
-        } else {
-            Collective::run(backend_, contiguous(b), op_of(slot), tag);
-        }
-        finish(b);
-        slot.finished_at = clock::now();
+        with_reduction(b, [&](const auto& r, Step& s) {
+            if constexpr (std::decay_t<decltype(r)>::deferred || DeviceBackend<BackendT>) {
+                r.start(s, tag);
+            } else {
+                r.run(s, tag);
+                r.finish(s);
+                slot.finished_at = clock::now();
+            }
+        });
     }
 
     // Waits for every launched bucket by `deadline` and finishes each; diagnose(b) says why one
@@ -6164,7 +6255,7 @@ public:
         if (slot.pending) {
             if (!slot.pending->wait_until(deadline)) throw TimeoutError(diagnose(b));
             slot.pending.reset();
-            finish_hook(b);
+            finish(b);
             slot.finished_at = clock::now();
             return;
         }
@@ -6183,16 +6274,14 @@ public:
     // Whether bucket b's launched collective has completed (a hook's is waited for).
     [[nodiscard]] bool completed(std::size_t b) const { return slots_[b].handle && slots_[b].handle->ready(); }
 
-    // Unscales and measures bucket b's gradients where they lie (a world of one has nothing to
-    // reduce, but a step still needs its norm).
+    // A world of one: unscales and measures bucket b's gradients where they lie (there is nothing
+    // to reduce, but a step still needs its norm); a hook's float32 copy is the local gradient,
+    // unscaled alike.
     void finalize_in_place(std::size_t b) {
-        // A world of one: a hook's float32 copy is the local gradient, unscaled alike.
-        if (hook_widens(slots_[b]))
-            memory_.compress(slots_[b].table, Memory::data(slots_[b].buffer), DType::float32,
-                             finalizing_ ? unscale_ : 1.0);
-        if (!finalizing_) return;
-        memory_.finalize(slots_[b].table, nullptr, slots_[b].dtype, unscale_, b);
-        slots_[b].measured = true;
+        auto& slot = slots_[b];
+        if (slot.widened_for_hook())
+            memory_.compress(slot.table, Memory::data(slot.buffer), DType::float32, finalizing_ ? unscale_ : 1.0);
+        step_of(b).finalize_in_place();
     }
 
     // A compressed bucket whose float16 sum overflowed, reduced again in float32 (averaged) and
@@ -6200,7 +6289,7 @@ public:
     void reduce_again_in_float(std::size_t b, CollectiveTag tag) {
         auto& slot = slots_[b];
         if constexpr (InPlace) {
-            allreduce_tagged(backend_, segments_of(slot), slot.dtype, ReduceOp::average, tag);
+            allreduce_tagged(backend_, step_of(b).segments(), slot.dtype, ReduceOp::average, tag);
         } else {
             Buffer buf{nullptr, slot.count, slot.dtype};
             if (slot.view) {
@@ -6213,17 +6302,16 @@ public:
             allreduce_tagged(backend_, buf, ReduceOp::average, tag);
             if (!slot.view) memory_.unpack(slot.table, Memory::data(slot.widened));
         }
-        const bool was = finalizing_;
-        finalizing_ = true;  // a compressed bucket is always finalized
-        finalize_in_place(b);
-        finalizing_ = was;
+        auto step = step_of(b);
+        step.finalizing = true;  // a compressed bucket is always finalized
+        step.finalize_in_place();
     }
 
     // Scales every gradient by `factor` (clipping's second pass).
     void scale_all(double factor) {
         for (const auto& slot : slots_) {
             memory_.scale(slot.table, factor);
-            if (hook_widens(slot)) memory_.scale(slot.float32_table, factor);
+            if (slot.widened_for_hook()) memory_.scale(slot.float32_table, factor);
         }
     }
 
@@ -6269,9 +6357,15 @@ public:
     // Buckets whose gradients already lie contiguously in memory, reduced without a copy.
     [[nodiscard]] std::size_t view_buckets() const {
         std::size_t n = 0;
-        for (const auto& s : slots_) n += s.view.has_value() && s.route != Route::compressed;
+        for (const auto& s : slots_)
+            n += s.view.has_value() && !std::visit([&](const auto& r) { return r.needs_buffer(s); }, s.reduction);
         return n;
     }
+    // Bucket b in this step, as its reduction works on it.
+    [[nodiscard]] Step step_of(std::size_t b) {
+        return Step{backend_, memory_, hooks_, slots_[b], b, finalizing_, unscale_};
+    }
+
     // Bucket buffers and bookkeeping, beyond the model's own memory.
     [[nodiscard]] Bytes memory_held() const {
         Bytes total;
@@ -6283,106 +6377,30 @@ public:
 
 private:
     void build(Slot& slot, const Bucket& bucket, std::span<const Parameter> params) {
-        build_slot(slot, bucket, params, memory_,
-                   RouteRules{Hook::hooked, Wire, InPlace, Collective::whole, backend_.size() > 1});
+        build_slot(slot, bucket, params, memory_, RouteRules{Hook::hooked, Wire, InPlace, whole, backend_.size() > 1});
     }
 
-    [[nodiscard]] static bool hook_widens(const Slot& slot) { return slot.widened_for_hook(); }
+    // f(reduction, step) for bucket b's reduction.
+    template <class F>
+    void with_reduction(std::size_t b, F&& f) {
+        auto step = step_of(b);
+        std::visit([&](const auto& r) { f(r, step); }, slots_[b].reduction);
+    }
 
     // A world of one: the local gradient is the average, so nothing is reduced (and no hook
-    // runs); a shard is still packed where the front reads it.
+    // runs); a shard is still packed where the front reads it (a bucket reduced in place has no
+    // buffer).
     bool alone(std::size_t b) {
         if (backend_.size() > 1) return false;
         auto& slot = slots_[b];
-        if constexpr (!Collective::whole)
-            if (slot.route != Route::in_place) memory_.pack(slot.table, Memory::data(slot.buffer));
+        if constexpr (!whole)
+            if (slot.buffer.size() != 0) memory_.pack(slot.table, Memory::data(slot.buffer));
         return true;
     }
 
-    // The bucket's gradients where they lie: one segment when they are a view.
-    static std::span<const Segment> segments_of(const Slot& slot) {
-        return slot.view ? std::span<const Segment>(&*slot.view, 1) : std::span<const Segment>(slot.segments);
-    }
-
-    // A compressed bucket is summed (each rank sent its share); every other one averaged.
-    [[nodiscard]] static ReduceOp op_of(const Slot& slot) {
-        return slot.route == Route::compressed ? ReduceOp::sum : ReduceOp::average;
-    }
-
-    // The bucket's collective as one contiguous buffer, packing (and converting) first when it is
-    // no view. A compressed bucket's ranks send their share of the average: each value divided by
-    // the world size, so that the sum keeps the headroom the loss scale left.
-    Buffer contiguous(std::size_t b) {
-        auto& slot = slots_[b];
-        if (slot.route == Route::view) return Buffer{slot.view->data, slot.count, slot.dtype};
-        std::byte* data = Memory::data(slot.buffer);
-        if (slot.route == Route::packed)
-            memory_.pack(slot.table, data);
-        else
-            memory_.compress(slot.table, data, slot.wire, 1.0 / static_cast<double>(backend_.size()));
-        return Buffer{data, slot.count, slot.wire};
-    }
-
-    // After bucket b's reduction: the finalize pass. Packed buckets are unpacked in it; compressed
-    // ones widened (a float16 sum that overflowed leaves the gradients intact, and its result is
-    // not finite: the step then reduces it again in float32); the others scaled where they lie.
+    // After bucket b's collective completed: its reduction's pass.
     void finish(std::size_t b) {
-        if constexpr (!Collective::whole) return;  // only this rank's shard is reduced
-        auto& slot = slots_[b];
-        const std::byte* data = Memory::data(slot.buffer);
-        switch (slot.route) {
-            case Route::in_place:
-            case Route::view: return finalize_in_place(b);
-            case Route::packed:
-                if (!finalizing_) return memory_.unpack(slot.table, data);
-                return finalize_from(b, data, slot.dtype);
-            case Route::compressed: return finalize_from(b, data, slot.wire);
-            case Route::hook:
-                if (slot.view) return finalize_in_place(b);
-                if (finalizing_) {
-                    finalize_from(b, data, slot.wire);
-                    // The float32 copy unscaled alike, for float32_gradient().
-                    if (slot.wire != slot.dtype && unscale_ != 1.0) memory_.scale(slot.float32_table, unscale_);
-                    return;
-                }
-                if (slot.wire == slot.dtype) return memory_.unpack(slot.table, data);
-                // A widened bucket rounded once into the gradients: the finalize pass with nothing to
-                // scale, its measurement left unread.
-                return memory_.finalize(slot.table, data, slot.wire, 1.0, b);
-        }
-    }
-
-    HookedBucket hooked_bucket(std::size_t b) const {
-        const auto& slot = slots_[b];
-        return HookedBucket{b, slot.hooked, slot.indices, slot.dtype};
-    }
-    // The bucket's values as the hook sees them: its float32 gradients where they lie when
-    // contiguous, else packed (16-bit ones widened).
-    std::span<float> hook_values(std::size_t b) {
-        auto& slot = slots_[b];
-        auto* values = static_cast<float*>(slot.view ? slot.view->data : static_cast<void*>(Memory::data(slot.buffer)));
-        return {values, slot.count};
-    }
-
-    void start_hook(std::size_t b, CollectiveTag tag) {
-        auto& slot = slots_[b];
-        if (slot.wire != slot.dtype)
-            memory_.compress(slot.table, Memory::data(slot.buffer), slot.wire, 1.0);  // widened, exactly
-        else if (!slot.view)
-            memory_.pack(slot.table, Memory::data(slot.buffer));
-        slot.hook_step = tag.step;
-        slot.pending.emplace(hooks_.start(backend_, hooked_bucket(b), hook_values(b), tag));
-    }
-
-    // After the hook's collectives of bucket b completed: its finish(), then the finalize pass.
-    void finish_hook(std::size_t b) {
-        hooks_.finish(backend_, hooked_bucket(b), hook_values(b), slots_[b].hook_step);
-        finish(b);
-    }
-
-    void finalize_from(std::size_t b, const std::byte* data, DType type) {
-        memory_.finalize(slots_[b].table, data, type, unscale_, b);
-        slots_[b].measured = true;
+        with_reduction(b, [](const auto& r, Step& s) { r.finish(s); });
     }
 
     BackendT& backend_;
@@ -6781,6 +6799,114 @@ private:
 // the reduced gradients, which every rank holds alike, so every rank decides alike.
 
 
+// ---- begin gradsync/detail/log.hpp ----
+#ifndef GRADSYNC_SINGLE_DETAIL_LOG_HPP
+#define GRADSYNC_SINGLE_DETAIL_LOG_HPP
+// Rank-prefixed logging, with the level taken from GRADSYNC_LOG (info or debug). Lines go to
+// stderr, or with GRADSYNC_LOG_FILE=path one file per rank: "%r" in the path becomes the rank
+// (logs/rank%r.log), and without "%r" the rank is appended (path.3).
+
+
+#include <algorithm>  // for std::min
+#include <cstdio>
+#include <cstdlib>  // for std::getenv
+#include <map>
+#include <mutex>
+#include <string>
+#include <type_traits>  // for std::is_invocable_r_v
+#include <string_view>
+
+namespace gradsync::inline v0::detail {
+
+enum class LogLevel : int { off = 0, info = 1, debug = 2 };
+
+struct LogSettings {
+    LogLevel level = LogLevel::off;
+    std::string file;  // empty: stderr
+};
+
+inline LogSettings settings_from_env() {
+    LogSettings s;
+    const char* level = std::getenv("GRADSYNC_LOG");
+    std::string_view v = level != nullptr ? level : "";
+    if (v == "debug") s.level = LogLevel::debug;
+    if (v == "info") s.level = LogLevel::info;
+    if (const char* file = std::getenv("GRADSYNC_LOG_FILE")) s.file = file;
+    return s;
+}
+
+// Read once from the environment; tests may change it (between log calls of other threads).
+inline LogSettings& log_settings() {
+    static LogSettings settings = settings_from_env();
+    return settings;
+}
+
+inline LogLevel log_level() { return log_settings().level; }
+
+inline bool logging(LogLevel level) { return static_cast<int>(log_level()) >= static_cast<int>(level); }
+
+inline std::string log_file_of(const std::string& pattern, int rank) {
+    const auto at = pattern.find("%r");
+    if (at == std::string::npos) return pattern + "." + std::to_string(rank);
+    return pattern.substr(0, at) + std::to_string(rank) + pattern.substr(at + 2);
+}
+
+struct LogFiles {
+    std::mutex mutex;
+    std::map<std::string, std::FILE*> open;
+    ~LogFiles() { close(); }
+    void close() {
+        for (auto& [path, f] : open)
+            if (f != stderr) std::fclose(f);
+        open.clear();
+    }
+};
+
+inline LogFiles& log_files() {
+    static LogFiles files;
+    return files;
+}
+
+// "[gradsync rank 3] message", the prefix on every line; lines of concurrent ranks never interleave.
+// A log file that cannot be opened falls back to stderr, saying so once.
+inline void log(LogLevel level, int rank, const std::string& message) {
+    if (!logging(level)) return;
+    auto& files = log_files();
+    std::lock_guard lock(files.mutex);
+    std::FILE* out = stderr;
+    const auto& pattern = log_settings().file;
+    if (!pattern.empty()) {
+        const auto path = log_file_of(pattern, rank);
+        auto it = files.open.find(path);
+        if (it == files.open.end()) {
+            std::FILE* f = std::fopen(path.c_str(), "a");
+            if (f == nullptr)
+                std::fprintf(stderr, "[gradsync rank %d] cannot open log file %s; logging to stderr\n", rank,
+                             path.c_str());
+            it = files.open.emplace(path, f != nullptr ? f : stderr).first;
+        }
+        out = it->second;
+    }
+    std::size_t begin = 0;  // every line of a multi-line message carries the prefix
+    do {
+        const auto end = std::min(message.find('\n', begin), message.size());
+        std::fprintf(out, "[gradsync rank %d] %.*s\n", rank, static_cast<int>(end - begin), message.data() + begin);
+        begin = end + 1;
+    } while (begin < message.size());
+    std::fflush(out);
+}
+
+// The same, with the message made only when it will be written: make() returns it.
+template <class Make>
+requires std::is_invocable_r_v<std::string, Make&>
+void log(LogLevel level, int rank, Make&& make) {
+    if (logging(level)) log(level, rank, std::string(make()));
+}
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_DETAIL_LOG_HPP
+// ---- end gradsync/detail/log.hpp ----
+
 #include <cmath>  // for std::sqrt, std::isfinite
 #include <cstddef>
 #include <cstdint>
@@ -6829,7 +6955,7 @@ StepStats collect_stats(Engine& engine, Redo&& redo) {
     bool again = false;
     for (std::size_t b = 0; b < slots.size(); ++b) {
         const auto& slot = slots[b];
-        if (slot.measured && slot.route == Route::compressed && slot.wire == DType::float16 &&
+        if (slot.measured && slot.template reduced_by<WireAllreduce>() && slot.wire == DType::float16 &&
             !std::isfinite(sums[b])) {
             redo(b);
             again = true;
@@ -9838,8 +9964,8 @@ struct ShardedCoreOf {
     static_assert(check_backend<BackendT>());
     using Set = ShardedPolicySet<Policies...>;
     static constexpr bool in_place = ScatteredShardedCollectives<BackendT>;
-    using engine =
-        BucketEngine<BackendT, HostMemory, DType::float32, in_place, typename Set::comm_hook, ReduceScatterBuckets>;
+    using engine = BucketEngine<BackendT, HostMemory, DType::float32, in_place, typename Set::comm_hook,
+                                BucketCollective::reduce_scatter>;
     using type = FrontCore<Front, Model, BackendT, engine, ShardedOptions, typename Set::loss_scaler>;
 };
 }  // namespace detail
@@ -9950,7 +10076,7 @@ private:
         engine_.setup(plan_, layout_.params);
         std::vector<float*> packed;  // where the engine reduces each bucket packed (a hook's too)
         for (auto& slot : engine_.slots())
-            packed.push_back(slot.route == detail::Route::in_place
+            packed.push_back(slot.buffer.size() == 0  // reduced in place
                                  ? nullptr
                                  : reinterpret_cast<float*>(HostMemory::data(slot.buffer)));
         shards_ = detail::ShardLayout<in_place>(layout_.params, plan_, world_size(), rank(), packed, released_.store());

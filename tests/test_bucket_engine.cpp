@@ -1,4 +1,4 @@
-// BucketEngine, the part of DataParallel that moves buckets: the route each bucket takes, a
+// BucketEngine, the part of DataParallel that moves buckets: the reduction each bucket takes, a
 // bucket reduced now or launched and waited for, the diagnosis of a late one, and the finalize
 // pass through the memory policy; and the same engine reduce-scattering buckets into shards, as
 // ShardedDataParallel runs it.
@@ -20,7 +20,10 @@
 
 using gradsync::DType;
 using gradsync::detail::BucketEngine;
-using gradsync::detail::Route;
+using gradsync::detail::BufferAllreduce;
+using gradsync::detail::InPlaceAllreduce;
+using gradsync::detail::ReduceScatterShard;
+using gradsync::detail::WireAllreduce;
 using testing_support::RecordingBackend;
 
 namespace {
@@ -60,23 +63,25 @@ TEST_CASE(
         RecordingBackend contiguous_only(local);
         BucketEngine<RecordingBackend, gradsync::HostMemory, DType::float32, false> packed(contiguous_only, {});
         packed.setup(two_buckets(), params);
-        CHECK(packed.slots()[0].route == Route::view);
-        CHECK(packed.slots()[1].route == Route::packed);
+        CHECK(packed.slots()[0].reduced_by<BufferAllreduce>());
+        CHECK(packed.slots()[0].view.has_value());
+        CHECK(packed.slots()[1].reduced_by<BufferAllreduce>());
+        CHECK_FALSE(packed.slots()[1].view.has_value());
         CHECK(packed.view_buckets() == 1);
         CHECK(packed.slots()[1].buffer.size() == 12 * sizeof(float));
         CHECK(packed.slots()[1].indices == std::vector<std::size_t>{2, 3});  // laid out by parameter index
 
         BucketEngine<RecordingBackend, gradsync::HostMemory, DType::bfloat16, false> narrow(contiguous_only, {});
         narrow.setup(two_buckets(), params);
-        CHECK(narrow.slots()[0].route == Route::compressed);
+        CHECK(narrow.slots()[0].reduced_by<WireAllreduce>());
         CHECK(narrow.slots()[0].wire == DType::bfloat16);
         CHECK(narrow.slots()[0].buffer.size() == 30 * 2);
         CHECK(narrow.view_buckets() == 0);
 
         BucketEngine<gradsync::LocalBackend, gradsync::HostMemory, DType::float32, true> in_place(local, {});
         in_place.setup(two_buckets(), params);
-        CHECK(in_place.slots()[0].route == Route::in_place);
-        CHECK(in_place.slots()[1].route == Route::in_place);
+        CHECK(in_place.slots()[0].reduced_by<InPlaceAllreduce>());
+        CHECK(in_place.slots()[1].reduced_by<InPlaceAllreduce>());
         CHECK(in_place.slots()[1].buffer.size() == 0);  // no bucket buffer at all
     });
 }
@@ -118,10 +123,12 @@ TEST_CASE("bucket engine: reduce-scattered buckets are packed even on one rank, 
             sharded::BufferOnly backend{local};
             Mixed m;
             BucketEngine<sharded::BufferOnly, gradsync::HostMemory, DType::float32, false, gradsync::NoCommHook,
-                         gradsync::detail::ReduceScatterBuckets>
+                         gradsync::detail::BucketCollective::reduce_scatter>
                 engine(backend, {});
             engine.setup(two_buckets(), m.parameters());
-            CHECK(engine.slots()[0].route == Route::packed);  // contiguous, yet read from the buffer
+            CHECK(engine.slots()[0].reduced_by<ReduceScatterShard>());
+            CHECK_FALSE(engine.slots()[0].view.has_value());  // contiguous, yet read from the buffer
+            CHECK(engine.slots()[0].buffer.size() == 30 * sizeof(float));
             CHECK(engine.view_buckets() == 0);
             m.fill(local.rank());
             const auto gradients = m.g01;
@@ -193,4 +200,87 @@ TEST_CASE("bucket engine: the finalize pass unscales and measures each bucket, a
         CHECK(m.g3[0] == 3.0f);
         CHECK(m.g01[4] == 8.0f);
     });
+}
+
+namespace {
+
+// The least a bucket reduction is: its collective started and its pass after it. This one sums
+// the bucket's first gradient over the ranks, then doubles it.
+struct SumFirstThenDouble {
+    static constexpr bool deferred = false;
+    template <class Slot>
+    bool needs_buffer(const Slot&) const {
+        return false;
+    }
+    template <class S>
+    void start(S& s, gradsync::CollectiveTag tag) const {
+        run(s, tag);
+    }
+    template <class S>
+    void run(S& s, gradsync::CollectiveTag tag) const {
+        const auto& first = s.slot.segments.front();
+        gradsync::detail::allreduce_tagged(s.backend, gradsync::Buffer{first.data, first.count, s.slot.dtype},
+                                           gradsync::ReduceOp::sum, tag);
+    }
+    template <class S>
+    void finish(S& s) const {
+        auto* values = static_cast<float*>(s.slot.segments.front().data);
+        for (std::size_t i = 0; i < s.slot.segments.front().count; ++i) values[i] *= 2.0f;
+    }
+};
+// Started, but with no pass after it.
+struct NoFinish {
+    static constexpr bool deferred = false;
+    template <class Slot>
+    bool needs_buffer(const Slot&) const {
+        return false;
+    }
+    template <class S>
+    void start(S&, gradsync::CollectiveTag) const {}
+    template <class S>
+    void run(S&, gradsync::CollectiveTag) const {}
+};
+// Not deferred, yet it cannot run now.
+struct NoRun {
+    static constexpr bool deferred = false;
+    template <class Slot>
+    bool needs_buffer(const Slot&) const {
+        return false;
+    }
+    template <class S>
+    void start(S&, gradsync::CollectiveTag) const {}
+    template <class S>
+    void finish(S&) const {}
+};
+// Deferred: only started and finished, never run.
+struct DeferredNoRun : NoRun {
+    static constexpr bool deferred = true;
+};
+
+}  // namespace
+
+TEST_CASE("bucket engine: a reduction is what the concept states, and a minimal one runs over a bucket step") {
+    using Engine = BucketEngine<gradsync::LocalBackend, gradsync::HostMemory, DType::float32, false>;
+    using Step = Engine::Step;
+    static_assert(gradsync::detail::BucketReduction<SumFirstThenDouble, Step>);
+    static_assert(gradsync::detail::BucketReduction<DeferredNoRun, Step>);
+    static_assert(!gradsync::detail::BucketReduction<NoFinish, Step>);
+    static_assert(!gradsync::detail::BucketReduction<NoRun, Step>);
+    static_assert(!gradsync::detail::BucketReduction<int, Step>);
+    std::vector<int> wrong(3);
+    gradsync::spawn(3, [&](gradsync::LocalBackend& local) {
+        Mixed m;
+        m.fill(local.rank());
+        Engine engine(local, {});
+        engine.setup(two_buckets(), m.parameters());
+        Step step = engine.step_of(1);  // t2 and t3: the first is t2
+        const SumFirstThenDouble reduction;
+        reduction.start(step, {});
+        reduction.finish(step);
+        int bad = 0;
+        for (float v : m.g2) bad += v != 2.0f * (2.0f + 4.0f + 6.0f);
+        for (float v : m.g3) bad += v != float(local.rank() + 1) * 3.0f;  // untouched
+        wrong[static_cast<std::size_t>(local.rank())] = bad;
+    });
+    CHECK(wrong == std::vector<int>{0, 0, 0});
 }

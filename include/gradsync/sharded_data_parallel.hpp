@@ -12,7 +12,6 @@
 #include <gradsync/bucket/plan.hpp>
 #include <gradsync/buffer.hpp>
 #include <gradsync/bytes.hpp>
-#include <gradsync/data_parallel/bucket_collective.hpp>
 #include <gradsync/data_parallel/bucket_engine.hpp>
 #include <gradsync/data_parallel/buffer_sync.hpp>
 #include <gradsync/data_parallel/finalize_step.hpp>
@@ -51,8 +50,8 @@ struct ShardedCoreOf {
     static_assert(check_backend<BackendT>());
     using Set = ShardedPolicySet<Policies...>;
     static constexpr bool in_place = ScatteredShardedCollectives<BackendT>;
-    using engine =
-        BucketEngine<BackendT, HostMemory, DType::float32, in_place, typename Set::comm_hook, ReduceScatterBuckets>;
+    using engine = BucketEngine<BackendT, HostMemory, DType::float32, in_place, typename Set::comm_hook,
+                                BucketCollective::reduce_scatter>;
     using type = FrontCore<Front, Model, BackendT, engine, ShardedOptions, typename Set::loss_scaler>;
 };
 }  // namespace detail
@@ -163,7 +162,7 @@ private:
         engine_.setup(plan_, layout_.params);
         std::vector<float*> packed;  // where the engine reduces each bucket packed (a hook's too)
         for (auto& slot : engine_.slots())
-            packed.push_back(slot.route == detail::Route::in_place
+            packed.push_back(slot.buffer.size() == 0  // reduced in place
                                  ? nullptr
                                  : reinterpret_cast<float*>(HostMemory::data(slot.buffer)));
         shards_ = detail::ShardLayout<in_place>(layout_.params, plan_, world_size(), rank(), packed, released_.store());

@@ -1,9 +1,12 @@
 // BucketSlot: one bucket's storage in the bucket engine and the state of its collective in the
-// current step, and the route a bucket travels by, chosen when it is built (build_slot).
+// current step, and the way it is reduced (bucket_reductions.hpp), chosen when it is built
+// (build_slot).
 #pragma once
 
 #include <gradsync/bucket/plan.hpp>
 #include <gradsync/buffer.hpp>
+#include <gradsync/data_parallel/bucket_reductions.hpp>
+#include <gradsync/data_parallel/hook_route.hpp>
 #include <gradsync/bytes.hpp>
 #include <gradsync/dtype.hpp>
 #include <gradsync/model/model.hpp>
@@ -15,6 +18,7 @@
 #include <cstdint>
 #include <optional>
 #include <span>
+#include <variant>
 #include <vector>
 
 namespace gradsync::inline v0::detail {
@@ -28,9 +32,6 @@ inline std::size_t first_gap(std::span<const Segment> segs, DType t) {
     return 0;
 }
 
-// How a bucket travels.
-enum class Route : std::uint8_t { in_place, view, packed, compressed, hook };
-
 // Memory: the memory policy (its Table and Storage); Handle: the backend's asynchronous allreduce.
 template <class Memory, class Handle>
 struct BucketSlot {
@@ -38,7 +39,7 @@ struct BucketSlot {
     std::vector<Segment> segments;     // its gradients, by parameter index
     std::vector<std::size_t> indices;  // their parameters
     std::optional<Segment> view;       // set when they lie contiguously
-    Route route = Route::in_place;
+    AnyBucketReduction reduction;
     DType dtype = DType::float32;          // the gradients'
     DType wire = DType::float32;           // what the collective moves
     std::size_t count = 0;                 // elements
@@ -53,11 +54,20 @@ struct BucketSlot {
     std::int64_t hook_step = 0;                // the step the hook started in
     clock::time_point launched_at, finished_at;
 
+    // Whether the bucket is reduced by R.
+    template <class R>
+    [[nodiscard]] bool reduced_by() const {
+        return std::holds_alternative<R>(reduction);
+    }
     // A hook's 16-bit bucket, widened into a float32 copy (the buffer).
-    [[nodiscard]] bool widened_for_hook() const { return route == Route::hook && wire != dtype; }
+    [[nodiscard]] bool widened_for_hook() const { return reduced_by<HookReduction>() && wire != dtype; }
+    // The bucket (number `index` in the plan) as the hook sees it, apart from its values.
+    [[nodiscard]] HookedBucket hooked_bucket(std::size_t index) const {
+        return HookedBucket{index, hooked, indices, dtype};
+    }
 };
 
-// What decides a bucket's route besides the bucket itself.
+// What decides how a bucket is reduced besides the bucket itself.
 struct RouteRules {
     bool hooked = false;          // a communication hook takes the float32 and 16-bit buckets
     DType wire = DType::float32;  // not float32: float32 buckets are compressed to it
@@ -67,7 +77,7 @@ struct RouteRules {
 };
 
 // (Re)builds `slot` for `bucket`: its segments, in parameter order (the element layout every
-// rank shares), its route, its memory policy table, and its buffer where the route needs one
+// rank shares), its reduction, its memory policy table, and its buffer where the route needs one
 // (kept when it has one: a rebuild after the gradients moved keeps the packed buffer).
 template <class Memory, class Handle>
 void build_slot(BucketSlot<Memory, Handle>& slot, const Bucket& bucket, std::span<const Parameter> params,
@@ -87,24 +97,25 @@ void build_slot(BucketSlot<Memory, Handle>& slot, const Bucket& bucket, std::spa
     if (contiguous && !(rules.hooked && half) && rules.whole)
         slot.view = Segment{slot.segments.front().data, slot.count};
     if (rules.hooked && (bucket.dtype == DType::float32 || half)) {
-        slot.route = Route::hook;
+        slot.reduction = HookReduction{};
         slot.wire = DType::float32;
         std::size_t offset = 0;
         for (auto i : slot.indices) {
             slot.hooked.push_back(HookParameter{params[i].name, offset, params[i].count, params[i].shape});
             offset += params[i].count;
         }
+    } else if (!rules.whole) {
+        slot.reduction = ReduceScatterShard{rules.in_place};
     } else if (rules.wire != DType::float32 && bucket.dtype == DType::float32) {
-        slot.route = Route::compressed;
+        slot.reduction = WireAllreduce{};
         slot.wire = rules.wire;
     } else if (rules.in_place) {
-        slot.route = Route::in_place;
+        slot.reduction = InPlaceAllreduce{};
     } else {
-        slot.route = slot.view ? Route::view : Route::packed;
+        slot.reduction = BufferAllreduce{};
     }
     slot.table = memory.table(slot.segments, bucket.dtype);
-    const bool needs_buffer =
-        slot.route == Route::packed || slot.route == Route::compressed || (slot.route == Route::hook && !slot.view);
+    const bool needs_buffer = std::visit([&](const auto& r) { return r.needs_buffer(slot); }, slot.reduction);
     // A hook's float32 copy is kept in a world of one too (float32_gradient() reads it), and a
     // shard is read from the buffer.
     const bool kept = slot.widened_for_hook() || !rules.whole;

@@ -62,7 +62,7 @@ StepStats collect_stats(Engine& engine, Redo&& redo) {
     bool again = false;
     for (std::size_t b = 0; b < slots.size(); ++b) {
         const auto& slot = slots[b];
-        if (slot.measured && slot.route == Route::compressed && slot.wire == DType::float16 &&
+        if (slot.measured && slot.template reduced_by<WireAllreduce>() && slot.wire == DType::float16 &&
             !std::isfinite(sums[b])) {
             redo(b);
             again = true;

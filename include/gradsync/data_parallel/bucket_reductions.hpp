@@ -1,0 +1,250 @@
+// How a bucket is reduced. Each way is a type that holds all of it: whether the bucket needs a
+// buffer beside its gradients, how its collective starts (launched during backward) and runs
+// (now, on this thread), and the pass once it completed. build_slot (bucket_slot.hpp) picks one
+// per bucket; the bucket engine calls it through the bucket's slot and knows none by name. The
+// ways:
+// - InPlaceAllreduce: the gradients allreduced where they lie (a backend that takes scattered
+//   segments);
+// - BufferAllreduce: as one view when they lie contiguously, else through a packed copy;
+// - WireAllreduce: packed into a narrower wire dtype, each rank sending its share of the average;
+// - ReduceScatterShard: reduce-scattered, in place or packed; only this rank's shard is averaged,
+//   and the sharded front reads it where it lies (no pass after it);
+// - HookReduction: through the communication hook (reduction/comm_hook.hpp), float32 gradients
+//   as a view or a packed copy, float16 and bfloat16 ones widened into a float32 copy and rounded
+//   once when the hook is done.
+// A reduction works on a BucketStep: one bucket's slot in the current step, with the backend,
+// the memory policy and the hook it may use.
+#pragma once
+
+#include <gradsync/backend/concepts.hpp>
+#include <gradsync/buffer.hpp>
+#include <gradsync/dtype.hpp>
+
+#include <concepts>  // for std::convertible_to
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <variant>
+
+namespace gradsync::inline v0::detail {
+
+// Which collective a bucket engine runs: an allreduce, after which every rank holds the whole
+// average (DataParallel), or a reduce-scatter, after which each rank holds the average only in
+// its shard of the bucket and the rest is unspecified (ShardedDataParallel).
+enum class BucketCollective : std::uint8_t { allreduce, reduce_scatter };
+
+// Bucket `index` in this step. InPlace: the engine's backend reduces scattered segments, and its
+// handle is the one for them.
+template <class BackendT, class Memory, class Slot, class Hooks, bool InPlace, BucketCollective Collective>
+struct BucketStep {
+    static constexpr bool in_place = InPlace;
+    static constexpr bool whole = Collective == BucketCollective::allreduce;
+
+    BackendT& backend;
+    Memory& memory;
+    Hooks& hooks;
+    Slot& slot;
+    std::size_t index;
+    bool finalizing;  // unscale and measure (else only unpack)
+    double unscale;
+
+    // The bucket's gradients where they lie: one segment when they are a view.
+    [[nodiscard]] std::span<const Segment> segments() const {
+        return slot.view ? std::span<const Segment>(&*slot.view, 1) : std::span<const Segment>(slot.segments);
+    }
+    [[nodiscard]] std::byte* buffer() const { return Memory::data(slot.buffer); }
+    // The gradients packed into the bucket's buffer, as the collective takes it.
+    [[nodiscard]] Buffer packed() const {
+        memory.pack(slot.table, buffer());
+        return Buffer{buffer(), slot.count, slot.dtype};
+    }
+
+    // Unscales and measures the gradients where they lie (when finalizing).
+    void finalize_in_place() const {
+        if (!finalizing) return;
+        memory.finalize(slot.table, nullptr, slot.dtype, unscale, index);
+        slot.measured = true;
+    }
+    // The same from the reduced values in `data` (of `type`), unpacking them into the gradients.
+    void finalize_from(const std::byte* data, DType type) const {
+        memory.finalize(slot.table, data, type, unscale, index);
+        slot.measured = true;
+    }
+};
+
+// What the bucket engine asks of a reduction over a bucket step S. A deferred one is only
+// started, also when the bucket is reduced now: its finish() comes when the engine waits, after
+// every bucket started (a hook's further collectives pair across ranks that overlap and ranks that
+// do not); any other one also runs now, its collective done on return.
+template <class R, class S>
+concept BucketReduction = std::copyable<R> && requires(const R r, S& s, CollectiveTag tag) {
+    { R::deferred } -> std::convertible_to<bool>;
+    { r.needs_buffer(s.slot) } -> std::convertible_to<bool>;
+    r.start(s, tag);
+    r.finish(s);
+} &&(R::deferred || requires(const R r, S& s, CollectiveTag tag) { r.run(s, tag); });
+
+// The gradients allreduced where they lie, and then unscaled and measured there.
+struct InPlaceAllreduce {
+    static constexpr bool deferred = false;
+    template <class Slot>
+    [[nodiscard]] bool needs_buffer(const Slot&) const {
+        return false;
+    }
+    template <class S>
+    void start(S& s, CollectiveTag tag) const {
+        if constexpr (S::in_place && S::whole)
+            s.slot.handle.emplace(
+                allreduce_async_tagged(s.backend, s.segments(), s.slot.dtype, ReduceOp::average, tag));
+    }
+    template <class S>
+    void run(S& s, CollectiveTag tag) const {
+        if constexpr (S::in_place && S::whole)
+            allreduce_tagged(s.backend, s.segments(), s.slot.dtype, ReduceOp::average, tag);
+    }
+    template <class S>
+    void finish(S& s) const {
+        s.finalize_in_place();
+    }
+};
+
+// An allreduce of one contiguous buffer: Of::contents(s) (the bucket's view, or its buffer once
+// filled), by Of::op.
+template <class Of>
+struct OneBufferAllreduce {
+    static constexpr bool deferred = false;
+    template <class S>
+    void start(S& s, CollectiveTag tag) const {
+        if constexpr (S::whole) s.slot.handle.emplace(allreduce_async_tagged(s.backend, Of::contents(s), Of::op, tag));
+    }
+    template <class S>
+    void run(S& s, CollectiveTag tag) const {
+        if constexpr (S::whole) allreduce_tagged(s.backend, Of::contents(s), Of::op, tag);
+    }
+};
+
+// The gradients allreduced as one contiguous buffer: their view, or a packed copy unpacked (and
+// finalized) after it.
+struct BufferAllreduce : OneBufferAllreduce<BufferAllreduce> {
+    static constexpr ReduceOp op = ReduceOp::average;
+    template <class Slot>
+    [[nodiscard]] bool needs_buffer(const Slot& slot) const {
+        return !slot.view;
+    }
+    template <class S>
+    static Buffer contents(S& s) {
+        if (s.slot.view) return Buffer{s.slot.view->data, s.slot.count, s.slot.dtype};
+        return s.packed();
+    }
+    template <class S>
+    void finish(S& s) const {
+        if (s.slot.view) return s.finalize_in_place();
+        if (!s.finalizing) return s.memory.unpack(s.slot.table, s.buffer());
+        s.finalize_from(s.buffer(), s.slot.dtype);
+    }
+};
+
+// Float32 gradients packed into the narrower wire dtype and summed: each rank sends its share of
+// the average (each value divided by the world size), so that the sum keeps the headroom the loss
+// scale left. Widened and finalized after it; a float16 sum that overflowed leaves the gradients
+// intact, and its result is not finite: the step then reduces the bucket again in float32.
+struct WireAllreduce : OneBufferAllreduce<WireAllreduce> {
+    static constexpr ReduceOp op = ReduceOp::sum;
+    template <class Slot>
+    [[nodiscard]] bool needs_buffer(const Slot&) const {
+        return true;
+    }
+    template <class S>
+    static Buffer contents(S& s) {
+        s.memory.compress(s.slot.table, s.buffer(), s.slot.wire, 1.0 / static_cast<double>(s.backend.size()));
+        return Buffer{s.buffer(), s.slot.count, s.slot.wire};
+    }
+    template <class S>
+    void finish(S& s) const {
+        s.finalize_from(s.buffer(), s.slot.wire);
+    }
+};
+
+// The gradients reduce-scattered, in place or packed; the shard stays where the sharded front
+// reads it (the packed buffer, or the gradients), with no pass after it.
+struct ReduceScatterShard {
+    static constexpr bool deferred = false;
+    bool in_place = false;
+    template <class Slot>
+    [[nodiscard]] bool needs_buffer(const Slot&) const {
+        return !in_place;
+    }
+    template <class S>
+    void start(S& s, CollectiveTag tag) const {
+        if constexpr (!S::whole) {
+            if constexpr (S::in_place)
+                if (in_place)
+                    return (void)s.slot.handle.emplace(
+                        reduce_scatter_async_tagged(s.backend, s.segments(), s.slot.dtype, ReduceOp::average, tag));
+            s.slot.handle.emplace(reduce_scatter_async_tagged(s.backend, s.packed(), ReduceOp::average, tag));
+        }
+    }
+    template <class S>
+    void run(S& s, CollectiveTag tag) const {
+        if constexpr (!S::whole) {
+            if constexpr (S::in_place)
+                if (in_place)
+                    return reduce_scatter_tagged(s.backend, s.segments(), s.slot.dtype, ReduceOp::average, tag);
+            reduce_scatter_tagged(s.backend, s.packed(), ReduceOp::average, tag);
+        }
+    }
+    template <class S>
+    void finish(S&) const {}
+};
+
+// The bucket through the communication hook, which sees float32 values: the gradients where they
+// lie when they are float32 and contiguous, else packed (16-bit ones widened, exactly). After the
+// hook's finish(): the finalize pass, rounding a widened bucket once into the gradients (on an
+// allreducing engine; a sharded front reads its shard from the buffer).
+struct HookReduction {
+    static constexpr bool deferred = true;
+    template <class Slot>
+    [[nodiscard]] bool needs_buffer(const Slot& slot) const {
+        return !slot.view;
+    }
+    template <class S>
+    void start(S& s, CollectiveTag tag) const {
+        auto& slot = s.slot;
+        if (slot.wire != slot.dtype)
+            s.memory.compress(slot.table, s.buffer(), slot.wire, 1.0);  // widened, exactly
+        else if (!slot.view)
+            s.memory.pack(slot.table, s.buffer());
+        slot.hook_step = tag.step;
+        slot.pending.emplace(s.hooks.start(s.backend, slot.hooked_bucket(s.index), values(s), tag));
+    }
+    template <class S>
+    void finish(S& s) const {
+        auto& slot = s.slot;
+        s.hooks.finish(s.backend, slot.hooked_bucket(s.index), values(s), slot.hook_step);
+        if constexpr (S::whole) {
+            if (slot.view) return s.finalize_in_place();
+            if (s.finalizing) {
+                s.finalize_from(s.buffer(), slot.wire);
+                // The float32 copy unscaled alike, for float32_gradient().
+                if (slot.wire != slot.dtype && s.unscale != 1.0) s.memory.scale(slot.float32_table, s.unscale);
+                return;
+            }
+            if (slot.wire == slot.dtype) return s.memory.unpack(slot.table, s.buffer());
+            // A widened bucket rounded once into the gradients: the finalize pass with nothing to
+            // scale, its measurement left unread.
+            s.memory.finalize(slot.table, s.buffer(), slot.wire, 1.0, s.index);
+        }
+    }
+
+private:
+    template <class S>
+    static std::span<float> values(S& s) {
+        auto* data = s.slot.view ? s.slot.view->data : static_cast<void*>(s.buffer());
+        return {static_cast<float*>(data), s.slot.count};
+    }
+};
+
+using AnyBucketReduction =
+    std::variant<InPlaceAllreduce, BufferAllreduce, WireAllreduce, ReduceScatterShard, HookReduction>;
+
+}  // namespace gradsync::inline v0::detail
