@@ -5599,6 +5599,46 @@ concept BucketReduction = std::copyable<R> && requires(const R r, S& s, Collecti
     r.finish(s);
 } &&(R::deferred || requires(const R r, S& s, CollectiveTag tag) { r.run(s, tag); });
 
+// What a reduction R over bucket step S lacks, named (each of AnyBucketReduction's is checked
+// where the engine is built).
+template <class R, class S>
+constexpr bool check_bucket_reduction() {
+    static_assert(
+        requires {
+            { R::deferred } -> std::convertible_to<bool>;
+        },
+        "gradsync: a bucket reduction needs `static constexpr bool deferred`: true when its finish() must wait "
+        "until every bucket has started (a hook's), false when it can also run now");
+    static_assert(
+        requires(const R r, S& s) {
+            { r.needs_buffer(s.slot) } -> std::convertible_to<bool>;
+        },
+        "gradsync: a bucket reduction needs `bool needs_buffer(const Slot&) const`: whether the bucket needs a buffer "
+        "beside its gradients");
+    static_assert(
+        requires(const R r, S& s, CollectiveTag tag) { r.start(s, tag); },
+        "gradsync: a bucket reduction needs `void start(Step&, gradsync::CollectiveTag) const`, which starts the "
+        "bucket's collective");
+    static_assert(
+        requires(const R r, S& s) { r.finish(s); },
+        "gradsync: a bucket reduction needs `void finish(Step&) const`, the pass over the bucket once its collective "
+        "completed");
+    if constexpr (requires {
+                      { R::deferred } -> std::convertible_to<bool>;
+                  })
+        static_assert(
+            R::deferred || requires(const R r, S& s, CollectiveTag tag) { r.run(s, tag); },
+            "gradsync: a bucket reduction that is not deferred needs `void run(Step&, gradsync::CollectiveTag) "
+            "const`, which runs the bucket's collective now");
+    static_assert(std::copyable<R>, "gradsync: a bucket reduction must be copyable");
+    return true;
+}
+
+template <class S, class... R>
+constexpr bool check_bucket_reductions(const std::variant<R...>*) {
+    return (check_bucket_reduction<R, S>() && ...);
+}
+
 // The gradients allreduced where they lie, and then unscaled and measured there.
 struct InPlaceAllreduce {
     static constexpr bool deferred = false;
@@ -6176,9 +6216,7 @@ public:
     using Slot = BucketSlot<Memory, handle_type>;
     using Step = BucketStep<BackendT, Memory, Slot, HookRoute<BackendT, Hook>, InPlace, Collective>;
 
-    static_assert(BucketReduction<InPlaceAllreduce, Step> && BucketReduction<BufferAllreduce, Step> &&
-                  BucketReduction<WireAllreduce, Step> && BucketReduction<ReduceScatterShard, Step> &&
-                  BucketReduction<HookReduction, Step>);
+    static_assert(check_bucket_reductions<Step>(static_cast<const AnyBucketReduction*>(nullptr)));
 
     BucketEngine(BackendT& backend, Memory memory, Hook hook = {})
         : backend_(backend), memory_(std::move(memory)), hooks_(std::move(hook)) {}

@@ -60,9 +60,7 @@ public:
     using Slot = BucketSlot<Memory, handle_type>;
     using Step = BucketStep<BackendT, Memory, Slot, HookRoute<BackendT, Hook>, InPlace, Collective>;
 
-    static_assert(BucketReduction<InPlaceAllreduce, Step> && BucketReduction<BufferAllreduce, Step> &&
-                  BucketReduction<WireAllreduce, Step> && BucketReduction<ReduceScatterShard, Step> &&
-                  BucketReduction<HookReduction, Step>);
+    static_assert(check_bucket_reductions<Step>(static_cast<const AnyBucketReduction*>(nullptr)));
 
     BucketEngine(BackendT& backend, Memory memory, Hook hook = {})
         : backend_(backend), memory_(std::move(memory)), hooks_(std::move(hook)) {}
