@@ -1900,14 +1900,17 @@ void sync_buffers(B& backend, std::span<const ModelBuffer> buffers, BufferSync m
 // - HookReduction: through the communication hook (reduction/comm_hook.hpp), float32 gradients
 //   as a view or a packed copy, float16 and bfloat16 ones widened into a float32 copy and rounded
 //   once when the hook is done.
-// A reduction works on a BucketStep: one bucket's slot in the current step, with the backend,
-// the memory policy and the hook it may use.
+// An engine's buckets take only the ways that fit it (BucketReductions): an in-place backend's
+// plain way is InPlaceAllreduce, another's BufferAllreduce, a reduce-scattering engine's
+// ReduceScatterShard. A reduction works on a BucketStep: one bucket's slot in the current step,
+// with the backend, the memory policy and the hook it may use.
 
 
 #include <concepts>  // for std::convertible_to
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <type_traits>  // for std::conditional_t
 #include <variant>
 
 namespace gradsync::inline v0::detail {
@@ -1943,6 +1946,12 @@ struct BucketStep {
         return Buffer{buffer(), slot.count, slot.dtype};
     }
 
+    // A copy of the (float32) gradients beside the buffer, allocated once.
+    [[nodiscard]] std::byte* float32_copy() const {
+        if (slot.widened.size() == 0) slot.widened = memory.allocate(Bytes{slot.count * size_of(slot.dtype)});
+        return Memory::data(slot.widened);
+    }
+
     // Unscales and measures the gradients where they lie (when finalizing).
     void finalize_in_place() const {
         if (!finalizing) return;
@@ -1956,49 +1965,59 @@ struct BucketStep {
     }
 };
 
-// What the bucket engine asks of a reduction over a bucket step S. A deferred one is only
-// started, also when the bucket is reduced now: its finish() comes when the engine waits, after
-// every bucket started (a hook's further collectives pair across ranks that overlap and ranks that
-// do not); any other one also runs now, its collective done on return.
-template <class R, class S>
-concept BucketReduction = std::copyable<R> && requires(const R r, S& s, CollectiveTag tag) {
+// What the bucket engine asks of a reduction R over a bucket step S, one requirement each (the
+// BucketReduction concept below is their conjunction; check_bucket_reduction names a missing one).
+// `deferred`: true when its finish() must wait until every bucket has started (a hook's further
+// collectives pair across ranks that overlap and ranks that do not), false when it can also run now.
+template <class R>
+concept DeclaresDeferral = requires {
     { R::deferred } -> std::convertible_to<bool>;
+};
+// needs_buffer(slot): whether the bucket needs a buffer beside its gradients.
+template <class R, class S>
+concept SizesItsBuffer = requires(const R r, S& s) {
     { r.needs_buffer(s.slot) } -> std::convertible_to<bool>;
+};
+// start(step, tag): starts the bucket's collective (launched during backward, or deferred).
+template <class R, class S>
+concept StartsCollective = requires(const R r, S& s, CollectiveTag tag) {
     r.start(s, tag);
+};
+// finish(step): the pass over the bucket once its collective completed.
+template <class R, class S>
+concept FinishesBucket = requires(const R r, S& s) {
     r.finish(s);
-} &&(R::deferred || requires(const R r, S& s, CollectiveTag tag) { r.run(s, tag); });
+};
+// run(step, tag): the collective now, done on return; not asked of a deferred one.
+template <class R, class S>
+concept RunsNowUnlessDeferred = R::deferred || requires(const R r, S& s, CollectiveTag tag) {
+    r.run(s, tag);
+};
 
-// What a reduction R over bucket step S lacks, named (each of AnyBucketReduction's is checked
-// where the engine is built).
+template <class R, class S>
+concept BucketReduction = std::copyable<R> && DeclaresDeferral<R> && SizesItsBuffer<R, S> && StartsCollective<R, S> &&
+    FinishesBucket<R, S> && RunsNowUnlessDeferred<R, S>;
+
+// Which requirement of BucketReduction R lacks, named (each reduction an engine's buckets may take
+// is checked where the engine is built).
 template <class R, class S>
 constexpr bool check_bucket_reduction() {
-    static_assert(
-        requires {
-            { R::deferred } -> std::convertible_to<bool>;
-        },
-        "gradsync: a bucket reduction needs `static constexpr bool deferred`: true when its finish() must wait "
-        "until every bucket has started (a hook's), false when it can also run now");
-    static_assert(
-        requires(const R r, S& s) {
-            { r.needs_buffer(s.slot) } -> std::convertible_to<bool>;
-        },
-        "gradsync: a bucket reduction needs `bool needs_buffer(const Slot&) const`: whether the bucket needs a buffer "
-        "beside its gradients");
-    static_assert(
-        requires(const R r, S& s, CollectiveTag tag) { r.start(s, tag); },
-        "gradsync: a bucket reduction needs `void start(Step&, gradsync::CollectiveTag) const`, which starts the "
-        "bucket's collective");
-    static_assert(
-        requires(const R r, S& s) { r.finish(s); },
-        "gradsync: a bucket reduction needs `void finish(Step&) const`, the pass over the bucket once its collective "
-        "completed");
-    if constexpr (requires {
-                      { R::deferred } -> std::convertible_to<bool>;
-                  })
-        static_assert(
-            R::deferred || requires(const R r, S& s, CollectiveTag tag) { r.run(s, tag); },
-            "gradsync: a bucket reduction that is not deferred needs `void run(Step&, gradsync::CollectiveTag) "
-            "const`, which runs the bucket's collective now");
+    static_assert(DeclaresDeferral<R>,
+                  "gradsync: a bucket reduction needs `static constexpr bool deferred`: true when its finish() must "
+                  "wait until every bucket has started (a hook's), false when it can also run now");
+    static_assert(SizesItsBuffer<R, S>,
+                  "gradsync: a bucket reduction needs `bool needs_buffer(const Slot&) const`: whether the bucket "
+                  "needs a buffer beside its gradients");
+    static_assert(StartsCollective<R, S>,
+                  "gradsync: a bucket reduction needs `void start(Step&, gradsync::CollectiveTag) const`, which "
+                  "starts the bucket's collective");
+    static_assert(FinishesBucket<R, S>,
+                  "gradsync: a bucket reduction needs `void finish(Step&) const`, the pass over the bucket once its "
+                  "collective completed");
+    if constexpr (DeclaresDeferral<R>)
+        static_assert(RunsNowUnlessDeferred<R, S>,
+                      "gradsync: a bucket reduction that is not deferred needs `void run(Step&, "
+                      "gradsync::CollectiveTag) const`, which runs the bucket's collective now");
     static_assert(std::copyable<R>, "gradsync: a bucket reduction must be copyable");
     return true;
 }
@@ -2017,14 +2036,11 @@ struct InPlaceAllreduce {
     }
     template <class S>
     void start(S& s, CollectiveTag tag) const {
-        if constexpr (S::in_place && S::whole)
-            s.slot.handle.emplace(
-                allreduce_async_tagged(s.backend, s.segments(), s.slot.dtype, ReduceOp::average, tag));
+        s.slot.handle.emplace(allreduce_async_tagged(s.backend, s.segments(), s.slot.dtype, ReduceOp::average, tag));
     }
     template <class S>
     void run(S& s, CollectiveTag tag) const {
-        if constexpr (S::in_place && S::whole)
-            allreduce_tagged(s.backend, s.segments(), s.slot.dtype, ReduceOp::average, tag);
+        allreduce_tagged(s.backend, s.segments(), s.slot.dtype, ReduceOp::average, tag);
     }
     template <class S>
     void finish(S& s) const {
@@ -2039,11 +2055,11 @@ struct OneBufferAllreduce {
     static constexpr bool deferred = false;
     template <class S>
     void start(S& s, CollectiveTag tag) const {
-        if constexpr (S::whole) s.slot.handle.emplace(allreduce_async_tagged(s.backend, Of::contents(s), Of::op, tag));
+        s.slot.handle.emplace(allreduce_async_tagged(s.backend, Of::contents(s), Of::op, tag));
     }
     template <class S>
     void run(S& s, CollectiveTag tag) const {
-        if constexpr (S::whole) allreduce_tagged(s.backend, Of::contents(s), Of::op, tag);
+        allreduce_tagged(s.backend, Of::contents(s), Of::op, tag);
     }
 };
 
@@ -2087,35 +2103,53 @@ struct WireAllreduce : OneBufferAllreduce<WireAllreduce> {
     void finish(S& s) const {
         s.finalize_from(s.buffer(), s.slot.wire);
     }
+
+    // A float16 sum that overflowed: the bucket reduced again in float32 (averaged), where its
+    // gradients lie or through a float32 copy made once, and finalized, the same on every rank
+    // (they all hold the same sum, so they all decide alike).
+    template <class S>
+    void reduce_again_in_float32(S& s, CollectiveTag tag) const {
+        auto& slot = s.slot;
+        if constexpr (S::in_place) {
+            allreduce_tagged(s.backend, s.segments(), slot.dtype, ReduceOp::average, tag);
+        } else if (slot.view) {
+            allreduce_tagged(s.backend, Buffer{slot.view->data, slot.count, slot.dtype}, ReduceOp::average, tag);
+        } else {
+            auto* copy = s.float32_copy();
+            s.memory.pack(slot.table, copy);
+            allreduce_tagged(s.backend, Buffer{copy, slot.count, slot.dtype}, ReduceOp::average, tag);
+            s.memory.unpack(slot.table, copy);
+        }
+        auto again = s;
+        again.finalizing = true;  // a compressed bucket is always finalized
+        again.finalize_in_place();
+    }
 };
 
-// The gradients reduce-scattered, in place or packed; the shard stays where the sharded front
-// reads it (the packed buffer, or the gradients), with no pass after it.
+// The gradients reduce-scattered: where they lie (InPlace, a backend that takes scattered
+// segments) or packed. The shard stays where the sharded front reads it (the gradients, or the
+// packed buffer), with no pass after it.
+template <bool InPlace>
 struct ReduceScatterShard {
     static constexpr bool deferred = false;
-    bool in_place = false;
     template <class Slot>
     [[nodiscard]] bool needs_buffer(const Slot&) const {
-        return !in_place;
+        return !InPlace;
     }
     template <class S>
     void start(S& s, CollectiveTag tag) const {
-        if constexpr (!S::whole) {
-            if constexpr (S::in_place)
-                if (in_place)
-                    return (void)s.slot.handle.emplace(
-                        reduce_scatter_async_tagged(s.backend, s.segments(), s.slot.dtype, ReduceOp::average, tag));
+        if constexpr (InPlace)
+            s.slot.handle.emplace(
+                reduce_scatter_async_tagged(s.backend, s.segments(), s.slot.dtype, ReduceOp::average, tag));
+        else
             s.slot.handle.emplace(reduce_scatter_async_tagged(s.backend, s.packed(), ReduceOp::average, tag));
-        }
     }
     template <class S>
     void run(S& s, CollectiveTag tag) const {
-        if constexpr (!S::whole) {
-            if constexpr (S::in_place)
-                if (in_place)
-                    return reduce_scatter_tagged(s.backend, s.segments(), s.slot.dtype, ReduceOp::average, tag);
+        if constexpr (InPlace)
+            reduce_scatter_tagged(s.backend, s.segments(), s.slot.dtype, ReduceOp::average, tag);
+        else
             reduce_scatter_tagged(s.backend, s.packed(), ReduceOp::average, tag);
-        }
     }
     template <class S>
     void finish(S&) const {}
@@ -2168,8 +2202,14 @@ private:
     }
 };
 
-using AnyBucketReduction =
-    std::variant<InPlaceAllreduce, BufferAllreduce, WireAllreduce, ReduceScatterShard, HookReduction>;
+// The reductions an engine's buckets may take: its plain one first (in place or through a buffer;
+// into a shard when it reduce-scatters), the wire-compressed one (an allreducing engine's), and the
+// hook's.
+template <bool InPlace, BucketCollective Collective>
+using BucketReductions = std::conditional_t<
+    Collective == BucketCollective::allreduce,
+    std::variant<std::conditional_t<InPlace, InPlaceAllreduce, BufferAllreduce>, WireAllreduce, HookReduction>,
+    std::variant<ReduceScatterShard<InPlace>, HookReduction>>;
 
 }  // namespace gradsync::inline v0::detail
 #endif  // GRADSYNC_SINGLE_DATA_PARALLEL_BUCKET_REDUCTIONS_HPP
@@ -2425,7 +2465,7 @@ concept CommHook = std::movable<H> && requires(H h, const H ch, const HookBucket
     h.finish(bucket, comm);
 };
 
-// No hook: every bucket takes the engine's own route (in place, packed or compressed). The
+// No hook: every bucket takes the engine's own reduction (in place, packed or compressed). The
 // default.
 struct NoCommHook {
     using policy_category = policy_category::comm_hook;
@@ -2599,6 +2639,7 @@ private:
 #include <cstdint>
 #include <optional>
 #include <span>
+#include <type_traits>  // for std::is_same_v
 #include <variant>
 #include <vector>
 
@@ -2613,14 +2654,21 @@ inline std::size_t first_gap(std::span<const Segment> segs, DType t) {
     return 0;
 }
 
-// Memory: the memory policy (its Table and Storage); Handle: the backend's asynchronous allreduce.
-template <class Memory, class Handle>
+// Whether variant V has alternative R.
+template <class R, class V>
+inline constexpr bool has_alternative = false;
+template <class R, class... A>
+inline constexpr bool has_alternative<R, std::variant<A...>> = (std::is_same_v<R, A> || ...);
+
+// Memory: the memory policy (its Table and Storage); Handle: the backend's asynchronous collective;
+// Reductions: the ways the engine's buckets may be reduced (BucketReductions), its plain one first.
+template <class Memory, class Handle, class Reductions>
 struct BucketSlot {
     using clock = std::chrono::steady_clock;
     std::vector<Segment> segments;     // its gradients, by parameter index
     std::vector<std::size_t> indices;  // their parameters
     std::optional<Segment> view;       // set when they lie contiguously
-    AnyBucketReduction reduction;
+    Reductions reduction;
     DType dtype = DType::float32;          // the gradients'
     DType wire = DType::float32;           // what the collective moves
     std::size_t count = 0;                 // elements
@@ -2638,7 +2686,14 @@ struct BucketSlot {
     // Whether the bucket is reduced by R.
     template <class R>
     [[nodiscard]] bool reduced_by() const {
-        return std::holds_alternative<R>(reduction);
+        if constexpr (has_alternative<R, Reductions>)
+            return std::holds_alternative<R>(reduction);
+        else
+            return false;
+    }
+    // Whether its reduction needs a buffer beside its gradients (where it then leaves its result).
+    [[nodiscard]] bool needs_buffer() const {
+        return std::visit([this](const auto& r) { return r.needs_buffer(*this); }, reduction);
     }
     // A hook's 16-bit bucket, widened into a float32 copy (the buffer).
     [[nodiscard]] bool widened_for_hook() const { return reduced_by<HookReduction>() && wire != dtype; }
@@ -2648,21 +2703,20 @@ struct BucketSlot {
     }
 };
 
-// What decides how a bucket is reduced besides the bucket itself.
-struct RouteRules {
+// What decides how a bucket is reduced besides the bucket itself and the engine's reductions.
+struct ReductionRules {
     bool hooked = false;          // a communication hook takes the float32 and 16-bit buckets
     DType wire = DType::float32;  // not float32: float32 buckets are compressed to it
-    bool in_place = false;        // the backend reduces segments where they lie
-    bool whole = true;            // allreduced; false: reduce-scattered, the shard read packed
+    bool whole = true;            // allreduced; false: reduce-scattered, the shard read from the buffer
     bool peers = true;            // a world of more than one: buffers for the collective
 };
 
 // (Re)builds `slot` for `bucket`: its segments, in parameter order (the element layout every
-// rank shares), its reduction, its memory policy table, and its buffer where the route needs one
-// (kept when it has one: a rebuild after the gradients moved keeps the packed buffer).
-template <class Memory, class Handle>
-void build_slot(BucketSlot<Memory, Handle>& slot, const Bucket& bucket, std::span<const Parameter> params,
-                Memory& memory, const RouteRules& rules) {
+// rank shares), its reduction, its memory policy table, and its buffer where the reduction needs
+// one (kept when it has one: a rebuild after the gradients moved keeps the packed buffer).
+template <class Memory, class Handle, class Reductions>
+void build_slot(BucketSlot<Memory, Handle, Reductions>& slot, const Bucket& bucket, std::span<const Parameter> params,
+                Memory& memory, const ReductionRules& rules) {
     slot.indices = bucket.parameters;
     std::sort(slot.indices.begin(), slot.indices.end());
     slot.segments.clear();
@@ -2677,6 +2731,7 @@ void build_slot(BucketSlot<Memory, Handle>& slot, const Bucket& bucket, std::spa
     // A shard is read where the front was told it lies: the packed buffer.
     if (contiguous && !(rules.hooked && half) && rules.whole)
         slot.view = Segment{slot.segments.front().data, slot.count};
+    slot.reduction = std::variant_alternative_t<0, Reductions>{};  // the engine's plain way
     if (rules.hooked && (bucket.dtype == DType::float32 || half)) {
         slot.reduction = HookReduction{};
         slot.wire = DType::float32;
@@ -2685,22 +2740,17 @@ void build_slot(BucketSlot<Memory, Handle>& slot, const Bucket& bucket, std::spa
             slot.hooked.push_back(HookParameter{params[i].name, offset, params[i].count, params[i].shape});
             offset += params[i].count;
         }
-    } else if (!rules.whole) {
-        slot.reduction = ReduceScatterShard{rules.in_place};
-    } else if (rules.wire != DType::float32 && bucket.dtype == DType::float32) {
-        slot.reduction = WireAllreduce{};
-        slot.wire = rules.wire;
-    } else if (rules.in_place) {
-        slot.reduction = InPlaceAllreduce{};
-    } else {
-        slot.reduction = BufferAllreduce{};
+    } else if constexpr (has_alternative<WireAllreduce, Reductions>) {
+        if (rules.wire != DType::float32 && bucket.dtype == DType::float32) {
+            slot.reduction = WireAllreduce{};
+            slot.wire = rules.wire;
+        }
     }
     slot.table = memory.table(slot.segments, bucket.dtype);
-    const bool needs_buffer = std::visit([&](const auto& r) { return r.needs_buffer(slot); }, slot.reduction);
     // A hook's float32 copy is kept in a world of one too (float32_gradient() reads it), and a
     // shard is read from the buffer.
     const bool kept = slot.widened_for_hook() || !rules.whole;
-    if (needs_buffer && (rules.peers || kept) && slot.buffer.size() == 0)
+    if (slot.needs_buffer() && (rules.peers || kept) && slot.buffer.size() == 0)
         slot.buffer = memory.allocate(Bytes{slot.count * size_of(slot.wire)});
     if (slot.widened_for_hook()) {
         const Segment whole{Memory::data(slot.buffer), slot.count};
@@ -2842,10 +2892,11 @@ class BucketEngine {
 public:
     using handle_type = decltype(async_of(std::declval<BackendT&>()));
     using hook_type = Hook;
-    using Slot = BucketSlot<Memory, handle_type>;
+    using Reductions = BucketReductions<InPlace, Collective>;
+    using Slot = BucketSlot<Memory, handle_type, Reductions>;
     using Step = BucketStep<BackendT, Memory, Slot, HookRoute<BackendT, Hook>, InPlace, Collective>;
 
-    static_assert(check_bucket_reductions<Step>(static_cast<const AnyBucketReduction*>(nullptr)));
+    static_assert(check_bucket_reductions<Step>(static_cast<const Reductions*>(nullptr)));
 
     BucketEngine(BackendT& backend, Memory memory, Hook hook = {})
         : backend_(backend), memory_(std::move(memory)), hooks_(std::move(hook)) {}
@@ -2951,27 +3002,10 @@ public:
         step_of(b).finalize_in_place();
     }
 
-    // A compressed bucket whose float16 sum overflowed, reduced again in float32 (averaged) and
-    // finalized, the same on every rank: they all hold the same sum, so they all decide alike.
-    void reduce_again_in_float(std::size_t b, CollectiveTag tag) {
-        auto& slot = slots_[b];
-        if constexpr (InPlace) {
-            allreduce_tagged(backend_, step_of(b).segments(), slot.dtype, ReduceOp::average, tag);
-        } else {
-            Buffer buf{nullptr, slot.count, slot.dtype};
-            if (slot.view) {
-                buf.data = slot.view->data;
-            } else {
-                if (slot.widened.size() == 0) slot.widened = memory_.allocate(Bytes{slot.count * size_of(slot.dtype)});
-                buf.data = Memory::data(slot.widened);
-                memory_.pack(slot.table, Memory::data(slot.widened));
-            }
-            allreduce_tagged(backend_, buf, ReduceOp::average, tag);
-            if (!slot.view) memory_.unpack(slot.table, Memory::data(slot.widened));
-        }
+    // A compressed bucket whose float16 sum overflowed, reduced again in float32 and finalized.
+    void reduce_again_in_float(std::size_t b, CollectiveTag tag) requires(whole) {
         auto step = step_of(b);
-        step.finalizing = true;  // a compressed bucket is always finalized
-        step.finalize_in_place();
+        std::get<WireAllreduce>(slots_[b].reduction).reduce_again_in_float32(step, tag);
     }
 
     // Scales every gradient by `factor` (clipping's second pass).
@@ -3024,9 +3058,13 @@ public:
     // Buckets whose gradients already lie contiguously in memory, reduced without a copy.
     [[nodiscard]] std::size_t view_buckets() const {
         std::size_t n = 0;
-        for (const auto& s : slots_)
-            n += s.view.has_value() && !std::visit([&](const auto& r) { return r.needs_buffer(s); }, s.reduction);
+        for (const auto& s : slots_) n += s.view.has_value() && !s.needs_buffer();
         return n;
+    }
+    // Where bucket b's reduced values lie when its reduction goes through its buffer (a sharded
+    // front reads its shard there); null when it is reduced where its gradients lie.
+    [[nodiscard]] std::byte* reduced_buffer(std::size_t b) {
+        return slots_[b].needs_buffer() ? Memory::data(slots_[b].buffer) : nullptr;
     }
     // Bucket b in this step, as its reduction works on it.
     [[nodiscard]] Step step_of(std::size_t b) {
@@ -3044,7 +3082,7 @@ public:
 
 private:
     void build(Slot& slot, const Bucket& bucket, std::span<const Parameter> params) {
-        build_slot(slot, bucket, params, memory_, RouteRules{Hook::hooked, Wire, InPlace, whole, backend_.size() > 1});
+        build_slot(slot, bucket, params, memory_, ReductionRules{Hook::hooked, Wire, whole, backend_.size() > 1});
     }
 
     // f(reduction, step) for bucket b's reduction.
@@ -3055,13 +3093,12 @@ private:
     }
 
     // A world of one: the local gradient is the average, so nothing is reduced (and no hook
-    // runs); a shard is still packed where the front reads it (a bucket reduced in place has no
-    // buffer).
+    // runs); a shard is still packed where the front reads it, unless reduced in place.
     bool alone(std::size_t b) {
         if (backend_.size() > 1) return false;
         auto& slot = slots_[b];
         if constexpr (!whole)
-            if (slot.buffer.size() != 0) memory_.pack(slot.table, Memory::data(slot.buffer));
+            if (slot.needs_buffer()) memory_.pack(slot.table, Memory::data(slot.buffer));
         return true;
     }
 
@@ -4810,6 +4847,17 @@ protected:
     template <class Refresh>
     bool follow(const BucketPlan& plan, std::size_t first, std::size_t last, bool in_backward, Refresh&& refresh) {
         return storage_.follow(model_, layout_, plan, first, last, in_backward, refresh, [this] { return where(); });
+    }
+
+    // The tag of the step's next collective for `purpose`: over bucket b, its size as the
+    // collective moves it (the wire dtype; the gradients' own for a redo in float32), or the
+    // step's own (the sharded front's decision; b unused).
+    CollectiveTag tag_of(CollectivePurpose purpose, std::size_t b = 0) {
+        if (purpose == CollectivePurpose::step_decision || purpose == CollectivePurpose::overflow_report)
+            return history_.next(purpose, current_step(), b, 0, DType::float32);
+        const auto& slot = engine_.slots()[b];
+        const DType dtype = purpose == CollectivePurpose::float_redo ? slot.dtype : slot.wire;
+        return history_.next(purpose, current_step(), b, slot.count * size_of(dtype), dtype);
     }
 
     // What a wait past its deadline throws: bucket b named, with what each rank reported.
@@ -7235,14 +7283,22 @@ void check_replicas(B& backend, const ModelLayout& layout, BufferSync buffers, c
     compare_replicas(backend, std::span<const ReplicaTensor>(tensors), when);
 }
 
-// Histories are compared once per step where the backend cannot compare them at each collective
-// and the Options ask for it (by default, unless the host would wait for a device stream).
+// The ranks' collective histories compared once per step, where `wanted` and the backend cannot
+// compare them at each collective, and the trainer's step numbers where it passed one.
+template <Backend B>
+void check_histories(B& backend, const CollectiveHistory& history, bool wanted, std::int64_t step,
+                     std::optional<StepNumber> number) {
+    if ((wanted && !CheckedCollectives<B>) || number)
+        history.verify(backend, step, number ? std::optional(number->value) : std::nullopt);
+}
+
+// Histories are compared where the Options ask for it (by default, unless the host would wait for
+// a device stream).
 template <Backend B>
 void check_step_end(B& backend, const CollectiveHistory& history, const Options& options, bool device_memory,
                     const ModelLayout& layout, BufferSync buffers, std::int64_t step,
                     std::optional<StepNumber> number) {
-    const bool histories = !CheckedCollectives<B> && options.check_histories.value_or(!DeviceBackend<B>);
-    if (histories || number) history.verify(backend, step, number ? std::optional(number->value) : std::nullopt);
+    check_histories(backend, history, options.check_histories.value_or(!DeviceBackend<B>), step, number);
     const auto every = options.replica_check_interval(device_memory);
     if (every > 0 && static_cast<std::uint64_t>(step) % every == 0)
         check_replicas(backend, layout, buffers, "step " + std::to_string(step));
@@ -7444,7 +7500,7 @@ class DataParallel : public detail::DataParallelCoreOf<DataParallel<Model, Backe
     using Set = typename CoreOf::Set;
     using Phase = detail::Readiness::Phase;
     friend Core;  // calls launch() and end_step()
-    using Core::current_step, Core::where, Core::guard, Core::follow, Core::diagnose;
+    using Core::current_step, Core::tag_of, Core::where, Core::guard, Core::follow, Core::diagnose;
     using Core::model_, Core::backend_, Core::options_, Core::scaler_, Core::engine_, Core::layout_, Core::readiness_,
         Core::history_, Core::storage_, Core::steps_;
 
@@ -7595,17 +7651,11 @@ private:
         const bool timed = replanning_.timing_launches();
         const auto began = timed ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
         follow_storage(b, b + 1, /*in_backward=*/readiness_.phase() == Phase::backward);
-        engine_.launch(b, tag_of(b, detail::CollectivePurpose::bucket));
+        engine_.launch(b, tag_of(detail::CollectivePurpose::bucket, b));
         if (timed) replanning_.launch_took(std::chrono::steady_clock::now() - began);
         detail::log(detail::LogLevel::debug, rank(), [&] {
             return "step " + std::to_string(current_step()) + ": launched bucket " + std::to_string(b);
         });
-    }
-
-    CollectiveTag tag_of(std::size_t b, detail::CollectivePurpose purpose) {
-        const auto& slot = engine_.slots()[b];
-        const DType dtype = purpose == detail::CollectivePurpose::float_redo ? slot.dtype : slot.wire;
-        return history_.next(purpose, current_step(), b, slot.count * size_of(dtype), dtype);
     }
 
     // `read_stats` false: the finalize pass's measurements stay where the memory policy put them
@@ -7630,9 +7680,9 @@ private:
                 const bool here = detail::ends_within(backend_, options_.timeout);
                 for (std::size_t b = 0; b < plan().buckets.size(); ++b) {
                     if (here)
-                        engine_.reduce_now(b, tag_of(b, detail::CollectivePurpose::bucket));
+                        engine_.reduce_now(b, tag_of(detail::CollectivePurpose::bucket, b));
                     else
-                        engine_.launch(b, tag_of(b, detail::CollectivePurpose::bucket));
+                        engine_.launch(b, tag_of(detail::CollectivePurpose::bucket, b));
                 }
             }
             engine_.wait_all(detail::deadline_after(options_.timeout), diagnose(plan()));
@@ -7682,7 +7732,7 @@ private:
     }
 
     void reduce_again_in_float(std::size_t b) {
-        engine_.reduce_again_in_float(b, tag_of(b, detail::CollectivePurpose::float_redo));
+        engine_.reduce_again_in_float(b, tag_of(detail::CollectivePurpose::float_redo, b));
         detail::log(detail::LogLevel::info, rank(),
                     "step " + std::to_string(current_step()) + ": bucket " + std::to_string(b) +
                         " overflowed float16 on the wire and was reduced again in float32");
@@ -7809,7 +7859,7 @@ struct ShardPiece {
 namespace detail {
 
 // One bucket: its parameters where the model keeps them (by parameter index: the element order
-// of the bucket), this rank's shard, and the packed route's parameter buffer.
+// of the bucket), this rank's shard, and the parameter buffer when packed.
 struct ShardSlot {
     std::vector<std::size_t> indices;  // the bucket's parameters, ascending
     HostMemory::Table params;          // float32 segments, in that order
@@ -7835,8 +7885,8 @@ struct ShardSlot {
 
 // Every bucket's slot and this rank's pieces, in bucket order; the pieces' state offsets count
 // up from 0 to state_elements. A `grad_store` of shard_elements() floats holds the pieces'
-// gradients at their state offsets (stage 2); without one they lie in `packed_grads[b]`, where
-// bucket b was reduced packed, or else in the model's gradients.
+// gradients at their state offsets (stage 2); without one they lie in `packed_grads(b)`, where
+// bucket b was reduced packed (null: where it lies), or else in the model's gradients.
 template <bool InPlace>
 struct ShardLayout {
     std::vector<ShardSlot> slots;
@@ -7845,8 +7895,9 @@ struct ShardLayout {
     std::size_t state_elements = 0;
 
     ShardLayout() = default;
+    template <class PackedGrads>
     ShardLayout(std::span<const Parameter> params, const BucketPlan& plan, int ranks, int rank,
-                std::span<float* const> packed_grads, float* grad_store = nullptr)
+                PackedGrads&& packed_grads, float* grad_store = nullptr)
         : grad_store_(grad_store) {
         for (std::size_t b = 0; b < plan.buckets.size(); ++b) {
             const auto& bucket = plan.buckets[b];
@@ -7855,7 +7906,7 @@ struct ShardLayout {
             std::sort(slot.indices.begin(), slot.indices.end());
             const auto& indices = slot.indices;
             slot.first_piece = pieces.size();
-            slot.packed_grads = packed_grads[b];
+            slot.packed_grads = packed_grads(b);
             for (auto i : indices) slot.params.segments.push_back({params[i].data, params[i].count});
             if constexpr (!InPlace) slot.param_buffer.assign(bucket.count, 0.0f);
             slot.shard = shard_of(bucket.count, ranks, rank);
@@ -8015,6 +8066,17 @@ public:
     [[nodiscard]] float* store() { return on_ ? store_.data() : nullptr; }
     [[nodiscard]] std::size_t bytes() const { return store_.size() * sizeof(float); }
 
+    // During backward, with buckets [0, launched) launched and [0, kept) kept: the end of those to
+    // keep now. The buckets reduced by now (completed(b)) give their gradients back while backward
+    // goes on, and at most two stay in flight (backward waits for the oldest), which bounds the
+    // gradient memory to about two buckets beside this rank's share. Off: none.
+    template <class Completed>
+    [[nodiscard]] std::size_t keep_until(std::size_t kept, std::size_t launched, Completed&& completed) const {
+        if (!on_) return kept;
+        while (kept < launched && (completed(kept) || launched - kept > 2)) ++kept;
+        return kept;
+    }
+
     // Bucket b is reduced: its share kept, then its gradients released.
     void keep(Model& model, ShardLayout<InPlace>& shards, const ModelLayout& layout, std::size_t b) {
         if constexpr (InPlace && ReleasableGradients<Model>) {
@@ -8025,7 +8087,12 @@ public:
             (void)model, (void)shards, (void)layout, (void)b;
         }
     }
-    // Bucket b's gradients released (again: a listing of the model made them anew).
+    // The gradients of the buckets before `kept` released again: a listing of the model made them
+    // anew.
+    void release_again(Model& model, const ShardLayout<InPlace>& shards, const ModelLayout& layout, std::size_t kept) {
+        for (std::size_t b = 0; on_ && b < kept; ++b) release(model, shards, layout, b);
+    }
+    // Bucket b's gradients released.
     void release(Model& model, const ShardLayout<InPlace>& shards, const ModelLayout& layout, std::size_t b) {
         if constexpr (ReleasableGradients<Model>) {
             model_indices_.clear();
@@ -8157,6 +8224,14 @@ void update_and_gather(B& backend, ShardLayout<InPlace>& shards, Optimizer& opti
 #endif  // GRADSYNC_SINGLE_DATA_PARALLEL_SHARD_STEP_HPP
 // ---- end gradsync/data_parallel/shard_step.hpp ----
 
+// ---- begin gradsync/data_parallel/sharded_core.hpp ----
+#ifndef GRADSYNC_SINGLE_DATA_PARALLEL_SHARDED_CORE_HPP
+#define GRADSYNC_SINGLE_DATA_PARALLEL_SHARDED_CORE_HPP
+// The core ShardedDataParallel derives from: FrontCore (front_core.hpp) over a bucket engine that
+// reduce-scatters each bucket in float32 host memory, where the gradients lie when the backend
+// takes scattered memory (ScatteredShardedCollectives), else packed.
+
+
 // ---- begin gradsync/data_parallel/sharded_options.hpp ----
 #ifndef GRADSYNC_SINGLE_DATA_PARALLEL_SHARDED_OPTIONS_HPP
 #define GRADSYNC_SINGLE_DATA_PARALLEL_SHARDED_OPTIONS_HPP
@@ -8261,6 +8336,23 @@ struct ShardedPolicySet {
 #endif  // GRADSYNC_SINGLE_DATA_PARALLEL_SHARDED_POLICIES_HPP
 // ---- end gradsync/data_parallel/sharded_policies.hpp ----
 
+namespace gradsync::inline v0::detail {
+
+// The backend is checked first, so that a type that is not one reads that before anything else.
+template <class Front, class Model, class BackendT, class... Policies>
+struct ShardedCoreOf {
+    static_assert(check_backend<BackendT>());
+    using Set = ShardedPolicySet<Policies...>;
+    static constexpr bool in_place = ScatteredShardedCollectives<BackendT>;
+    using engine = BucketEngine<BackendT, HostMemory, DType::float32, in_place, typename Set::comm_hook,
+                                BucketCollective::reduce_scatter>;
+    using type = FrontCore<Front, Model, BackendT, engine, ShardedOptions, typename Set::loss_scaler>;
+};
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_DATA_PARALLEL_SHARDED_CORE_HPP
+// ---- end gradsync/data_parallel/sharded_core.hpp ----
+
 // ---- begin gradsync/data_parallel/sharded_setup.hpp ----
 #ifndef GRADSYNC_SINGLE_DATA_PARALLEL_SHARDED_SETUP_HPP
 #define GRADSYNC_SINGLE_DATA_PARALLEL_SHARDED_SETUP_HPP
@@ -8272,6 +8364,17 @@ struct ShardedPolicySet {
 #include <vector>
 
 namespace gradsync::inline v0::detail {
+
+// The sharding collectives, with their readable errors, and host memory.
+template <class B>
+constexpr bool check_sharded_backend() {
+    static_assert(check_sharded_collectives<B>());
+    static_assert(!DeviceBackend<B>,
+                  "gradsync: ShardedDataParallel keeps parameters, gradients and optimizer shards in host memory, and "
+                  "this backend's collectives take device memory (NcclBackend, CudaLocalBackend): for gradients on "
+                  "the GPU use DataParallel with gradsync::CudaMemory{stream}");
+    return true;
+}
 
 // `in_place`: the backend reduces shards where they lie; `releasable`: the model can release
 // gradients (stage 2 needs both, and no communication hook: `hooked`).
@@ -8323,26 +8426,10 @@ std::vector<Setting> sharded_settings(const ShardedOptions& options, const Bucke
 #include <cstdint>
 #include <optional>
 #include <span>
-#include <string>
 #include <tuple>
 #include <type_traits>  // for std::is_invocable_v
-#include <vector>
 
 namespace gradsync::inline v0 {
-
-namespace detail {
-// ShardedDataParallel's core: its engine reduce-scatters each bucket, where the gradients lie when
-// the backend reduces scattered memory. The backend is checked first.
-template <class Front, class Model, class BackendT, class... Policies>
-struct ShardedCoreOf {
-    static_assert(check_backend<BackendT>());
-    using Set = ShardedPolicySet<Policies...>;
-    static constexpr bool in_place = ScatteredShardedCollectives<BackendT>;
-    using engine = BucketEngine<BackendT, HostMemory, DType::float32, in_place, typename Set::comm_hook,
-                                BucketCollective::reduce_scatter>;
-    using type = FrontCore<Front, Model, BackendT, engine, ShardedOptions, typename Set::loss_scaler>;
-};
-}  // namespace detail
 
 template <class Model, class BackendT, class... Policies>
 class ShardedDataParallel : public detail::ShardedCoreOf<ShardedDataParallel<Model, BackendT, Policies...>, Model,
@@ -8351,7 +8438,7 @@ class ShardedDataParallel : public detail::ShardedCoreOf<ShardedDataParallel<Mod
     using Core = typename CoreOf::type;
     using Set = typename CoreOf::Set;
     friend Core;  // calls launch() and end_step()
-    using Core::current_step, Core::where, Core::guard, Core::follow, Core::diagnose;
+    using Core::current_step, Core::tag_of, Core::where, Core::guard, Core::follow, Core::diagnose;
     using Core::model_, Core::backend_, Core::options_, Core::scaler_, Core::engine_, Core::layout_, Core::readiness_,
         Core::history_, Core::storage_, Core::steps_;
 
@@ -8432,11 +8519,7 @@ private:
     void init(const bucketer_type& bucketer) {
         // Here, not in the class: a failed check in the class makes GCC report the constructor
         // call as ambiguous too.
-        static_assert(detail::check_sharded_collectives<BackendT>());
-        static_assert(!DeviceBackend<BackendT>,
-                      "gradsync: ShardedDataParallel keeps parameters, gradients and optimizer shards in host memory, "
-                      "and this backend's collectives take device memory (NcclBackend, CudaLocalBackend): for "
-                      "gradients on the GPU use DataParallel with gradsync::CudaMemory{stream}");
+        static_assert(detail::check_sharded_backend<BackendT>());
         static_assert(detail::check_model_access<Model>());
         layout_ = detail::ModelLayout::of(model_, /*with_buffers=*/true);
         const auto problems = detail::sharded_setup_problems(rank(), layout_, options_, bucketer, scaler_, in_place,
@@ -8448,12 +8531,10 @@ private:
         this->start_from_rank0(buffers_type::mode);
         released_.plan(options_.release_gradients, plan_, world_size(), rank());
         engine_.setup(plan_, layout_.params);
-        std::vector<float*> packed;  // where the engine reduces each bucket packed (a hook's too)
-        for (auto& slot : engine_.slots())
-            packed.push_back(slot.buffer.size() == 0  // reduced in place
-                                 ? nullptr
-                                 : reinterpret_cast<float*>(HostMemory::data(slot.buffer)));
-        shards_ = detail::ShardLayout<in_place>(layout_.params, plan_, world_size(), rank(), packed, released_.store());
+        // The pieces' gradients: where the engine leaves each bucket's shard (stage 2: the store).
+        shards_ = detail::ShardLayout<in_place>(
+            layout_.params, plan_, world_size(), rank(),
+            [this](std::size_t b) { return reinterpret_cast<float*>(engine_.reduced_buffer(b)); }, released_.store());
         storage_.reset(plan_.buckets.size());
         readiness_.plan(plan_, layout_.params.size());
     }
@@ -8463,39 +8544,27 @@ private:
         StepReport report;
         const std::int64_t step = current_step();
         report.step = static_cast<std::uint64_t>(step);
-        {
-            // The buckets grad_ready did not launch go now, on this thread, bucket after bucket
-            // (a progress thread would only compete with this one for the cores); then every
-            // bucket is waited for and its share kept.
-            if (follow_storage(launched_, shards_.slots.size(), /*in_backward=*/false) && released_.on())
-                for (std::size_t b = 0; b < kept_; ++b) released_.release(model_, shards_, layout_, b);  // made again
-            for (std::size_t b = launched_; b < shards_.slots.size(); ++b)
-                engine_.reduce_now(b, tag_of(detail::CollectivePurpose::bucket, b));
-            retire(shards_.slots.size(), detail::deadline_after(options_.timeout));
-            end_step();
-        }
+        // The buckets grad_ready did not launch go now, on this thread, bucket after bucket (a
+        // progress thread would only compete with this one for the cores); then every bucket is
+        // waited for and its share kept.
+        if (follow_storage(launched_, shards_.slots.size(), /*in_backward=*/false))
+            released_.release_again(model_, shards_, layout_, kept_);
+        for (std::size_t b = launched_; b < shards_.slots.size(); ++b)
+            engine_.reduce_now(b, tag_of(detail::CollectivePurpose::bucket, b));
+        retire(shards_.slots.size(), detail::deadline_after(options_.timeout));
+        end_step();
         detail::sync_buffers(backend_, buffers(), buffers_type::mode, /*at_construction=*/false, history_, step);
-        const bool histories = options_.check_histories && !CheckedCollectives<BackendT>;
-        if (histories || number) history_.verify(backend_, step, number ? std::optional(number->value) : std::nullopt);
+        detail::check_histories(backend_, history_, options_.check_histories, step, number);
         // This rank's share of the norm and of the finite check, then everyone's. With a loss
         // scale, the same pass unscales, as DataParallel's finalize pass does.
         detail::decide_on_shards(backend_, shards_, parameters(), scaler_, options_.clip_norm, report,
-                                 [this](detail::CollectivePurpose purpose) { return tag_of(purpose, 0); });
+                                 [this](detail::CollectivePurpose purpose) { return tag_of(purpose); });
         if (report.applied)
             detail::update_and_gather(backend_, shards_, optimizer, [this](std::size_t b) {
                 return tag_of(detail::CollectivePurpose::shard_gather, b);
             });
         steps_.store(report.step, std::memory_order_release);
         return report;
-    }
-
-    // The tag of the step's next collective: bucket b's reduce_scatter or all_gather, or the
-    // step's decision (b unused).
-    CollectiveTag tag_of(detail::CollectivePurpose purpose, std::size_t b) {
-        const auto& bucket = plan_.buckets[b];
-        const bool of_bucket =
-            purpose == detail::CollectivePurpose::bucket || purpose == detail::CollectivePurpose::shard_gather;
-        return history_.next(purpose, current_step(), b, of_bucket ? bucket.bytes().count() : 0, DType::float32);
     }
 
     // Waits for the buckets before `end` still in flight (by `deadline`, a late one named) and
@@ -8512,13 +8581,9 @@ private:
         follow_storage(b, b + 1, /*in_backward=*/true);
         engine_.launch(b, tag_of(detail::CollectivePurpose::bucket, b));
         launched_ = b + 1;
-        // Stage 2: the buckets reduced by now give their gradients back while backward goes on,
-        // and at most two stay in flight (backward waits for the oldest), which bounds the
-        // gradient memory to about two buckets beside this rank's share.
-        if (!released_.on()) return;
-        std::size_t end = kept_;
-        while (end < launched_ && (engine_.completed(end) || launched_ - end > 2)) ++end;
-        retire(end, detail::deadline_after(options_.timeout));
+        // Stage 2: buckets kept (and their gradients released) while backward goes on.
+        const auto end = released_.keep_until(kept_, launched_, [this](std::size_t k) { return engine_.completed(k); });
+        if (end > kept_) retire(end, detail::deadline_after(options_.timeout));
     }
 
     // Storage that moved since the last step is followed before each bucket's reduce_scatter.

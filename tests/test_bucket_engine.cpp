@@ -70,6 +70,11 @@ TEST_CASE(
         CHECK(packed.view_buckets() == 1);
         CHECK(packed.slots()[1].buffer.size() == 12 * sizeof(float));
         CHECK(packed.slots()[1].indices == std::vector<std::size_t>{2, 3});  // laid out by parameter index
+        CHECK(packed.reduced_buffer(0) == nullptr);  // reduced as a view, where the gradients lie
+        CHECK(packed.reduced_buffer(1) == gradsync::HostMemory::data(packed.slots()[1].buffer));
+        // An allreducing engine never reduce-scatters, and a plain one never compresses.
+        CHECK_FALSE(packed.slots()[0].reduced_by<ReduceScatterShard<false>>());
+        static_assert(!gradsync::detail::has_alternative<InPlaceAllreduce, decltype(packed)::Reductions>);
 
         BucketEngine<RecordingBackend, gradsync::HostMemory, DType::bfloat16, false> narrow(contiguous_only, {});
         narrow.setup(two_buckets(), params);
@@ -83,10 +88,11 @@ TEST_CASE(
         CHECK(in_place.slots()[0].reduced_by<InPlaceAllreduce>());
         CHECK(in_place.slots()[1].reduced_by<InPlaceAllreduce>());
         CHECK(in_place.slots()[1].buffer.size() == 0);  // no bucket buffer at all
+        CHECK(in_place.reduced_buffer(1) == nullptr);
     });
 }
 
-TEST_CASE("bucket engine: reduced now or launched and waited for, every route ends with the average") {
+TEST_CASE("bucket engine: reduced now or launched and waited for, every reduction ends with the average") {
     std::vector<int> wrong(2);
     gradsync::spawn(2, [&](gradsync::LocalBackend& local) {
         RecordingBackend backend(local);
@@ -126,7 +132,8 @@ TEST_CASE("bucket engine: reduce-scattered buckets are packed even on one rank, 
                          gradsync::detail::BucketCollective::reduce_scatter>
                 engine(backend, {});
             engine.setup(two_buckets(), m.parameters());
-            CHECK(engine.slots()[0].reduced_by<ReduceScatterShard>());
+            CHECK(engine.slots()[0].reduced_by<ReduceScatterShard<false>>());
+            CHECK(engine.reduced_buffer(0) == gradsync::HostMemory::data(engine.slots()[0].buffer));
             CHECK_FALSE(engine.slots()[0].view.has_value());  // contiguous, yet read from the buffer
             CHECK(engine.slots()[0].buffer.size() == 30 * sizeof(float));
             CHECK(engine.view_buckets() == 0);

@@ -66,7 +66,7 @@ class DataParallel : public detail::DataParallelCoreOf<DataParallel<Model, Backe
     using Set = typename CoreOf::Set;
     using Phase = detail::Readiness::Phase;
     friend Core;  // calls launch() and end_step()
-    using Core::current_step, Core::where, Core::guard, Core::follow, Core::diagnose;
+    using Core::current_step, Core::tag_of, Core::where, Core::guard, Core::follow, Core::diagnose;
     using Core::model_, Core::backend_, Core::options_, Core::scaler_, Core::engine_, Core::layout_, Core::readiness_,
         Core::history_, Core::storage_, Core::steps_;
 
@@ -217,17 +217,11 @@ private:
         const bool timed = replanning_.timing_launches();
         const auto began = timed ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
         follow_storage(b, b + 1, /*in_backward=*/readiness_.phase() == Phase::backward);
-        engine_.launch(b, tag_of(b, detail::CollectivePurpose::bucket));
+        engine_.launch(b, tag_of(detail::CollectivePurpose::bucket, b));
         if (timed) replanning_.launch_took(std::chrono::steady_clock::now() - began);
         detail::log(detail::LogLevel::debug, rank(), [&] {
             return "step " + std::to_string(current_step()) + ": launched bucket " + std::to_string(b);
         });
-    }
-
-    CollectiveTag tag_of(std::size_t b, detail::CollectivePurpose purpose) {
-        const auto& slot = engine_.slots()[b];
-        const DType dtype = purpose == detail::CollectivePurpose::float_redo ? slot.dtype : slot.wire;
-        return history_.next(purpose, current_step(), b, slot.count * size_of(dtype), dtype);
     }
 
     // `read_stats` false: the finalize pass's measurements stay where the memory policy put them
@@ -252,9 +246,9 @@ private:
                 const bool here = detail::ends_within(backend_, options_.timeout);
                 for (std::size_t b = 0; b < plan().buckets.size(); ++b) {
                     if (here)
-                        engine_.reduce_now(b, tag_of(b, detail::CollectivePurpose::bucket));
+                        engine_.reduce_now(b, tag_of(detail::CollectivePurpose::bucket, b));
                     else
-                        engine_.launch(b, tag_of(b, detail::CollectivePurpose::bucket));
+                        engine_.launch(b, tag_of(detail::CollectivePurpose::bucket, b));
                 }
             }
             engine_.wait_all(detail::deadline_after(options_.timeout), diagnose(plan()));
@@ -304,7 +298,7 @@ private:
     }
 
     void reduce_again_in_float(std::size_t b) {
-        engine_.reduce_again_in_float(b, tag_of(b, detail::CollectivePurpose::float_redo));
+        engine_.reduce_again_in_float(b, tag_of(detail::CollectivePurpose::float_redo, b));
         detail::log(detail::LogLevel::info, rank(),
                     "step " + std::to_string(current_step()) + ": bucket " + std::to_string(b) +
                         " overflowed float16 on the wire and was reduced again in float32");

@@ -7,12 +7,9 @@
 #pragma once
 
 #include <gradsync/amp/loss_scale.hpp>
-#include <gradsync/backend/concepts.hpp>
 #include <gradsync/bucket/bucketers.hpp>
 #include <gradsync/bucket/plan.hpp>
-#include <gradsync/buffer.hpp>
 #include <gradsync/bytes.hpp>
-#include <gradsync/data_parallel/bucket_engine.hpp>
 #include <gradsync/data_parallel/buffer_sync.hpp>
 #include <gradsync/data_parallel/finalize_step.hpp>
 #include <gradsync/data_parallel/front_core.hpp>
@@ -21,9 +18,11 @@
 #include <gradsync/data_parallel/released_shards.hpp>
 #include <gradsync/data_parallel/shard_layout.hpp>
 #include <gradsync/data_parallel/shard_step.hpp>
+#include <gradsync/data_parallel/sharded_core.hpp>
 #include <gradsync/data_parallel/sharded_options.hpp>
 #include <gradsync/data_parallel/sharded_policies.hpp>
 #include <gradsync/data_parallel/sharded_setup.hpp>
+#include <gradsync/data_parallel/step_checks.hpp>
 #include <gradsync/data_parallel/step_number.hpp>
 #include <gradsync/detail/deadline.hpp>
 #include <gradsync/memory/host.hpp>
@@ -35,26 +34,10 @@
 #include <cstdint>
 #include <optional>
 #include <span>
-#include <string>
 #include <tuple>
 #include <type_traits>  // for std::is_invocable_v
-#include <vector>
 
 namespace gradsync::inline v0 {
-
-namespace detail {
-// ShardedDataParallel's core: its engine reduce-scatters each bucket, where the gradients lie when
-// the backend reduces scattered memory. The backend is checked first.
-template <class Front, class Model, class BackendT, class... Policies>
-struct ShardedCoreOf {
-    static_assert(check_backend<BackendT>());
-    using Set = ShardedPolicySet<Policies...>;
-    static constexpr bool in_place = ScatteredShardedCollectives<BackendT>;
-    using engine = BucketEngine<BackendT, HostMemory, DType::float32, in_place, typename Set::comm_hook,
-                                BucketCollective::reduce_scatter>;
-    using type = FrontCore<Front, Model, BackendT, engine, ShardedOptions, typename Set::loss_scaler>;
-};
-}  // namespace detail
 
 template <class Model, class BackendT, class... Policies>
 class ShardedDataParallel : public detail::ShardedCoreOf<ShardedDataParallel<Model, BackendT, Policies...>, Model,
@@ -63,7 +46,7 @@ class ShardedDataParallel : public detail::ShardedCoreOf<ShardedDataParallel<Mod
     using Core = typename CoreOf::type;
     using Set = typename CoreOf::Set;
     friend Core;  // calls launch() and end_step()
-    using Core::current_step, Core::where, Core::guard, Core::follow, Core::diagnose;
+    using Core::current_step, Core::tag_of, Core::where, Core::guard, Core::follow, Core::diagnose;
     using Core::model_, Core::backend_, Core::options_, Core::scaler_, Core::engine_, Core::layout_, Core::readiness_,
         Core::history_, Core::storage_, Core::steps_;
 
@@ -144,11 +127,7 @@ private:
     void init(const bucketer_type& bucketer) {
         // Here, not in the class: a failed check in the class makes GCC report the constructor
         // call as ambiguous too.
-        static_assert(detail::check_sharded_collectives<BackendT>());
-        static_assert(!DeviceBackend<BackendT>,
-                      "gradsync: ShardedDataParallel keeps parameters, gradients and optimizer shards in host memory, "
-                      "and this backend's collectives take device memory (NcclBackend, CudaLocalBackend): for "
-                      "gradients on the GPU use DataParallel with gradsync::CudaMemory{stream}");
+        static_assert(detail::check_sharded_backend<BackendT>());
         static_assert(detail::check_model_access<Model>());
         layout_ = detail::ModelLayout::of(model_, /*with_buffers=*/true);
         const auto problems = detail::sharded_setup_problems(rank(), layout_, options_, bucketer, scaler_, in_place,
@@ -160,12 +139,10 @@ private:
         this->start_from_rank0(buffers_type::mode);
         released_.plan(options_.release_gradients, plan_, world_size(), rank());
         engine_.setup(plan_, layout_.params);
-        std::vector<float*> packed;  // where the engine reduces each bucket packed (a hook's too)
-        for (auto& slot : engine_.slots())
-            packed.push_back(slot.buffer.size() == 0  // reduced in place
-                                 ? nullptr
-                                 : reinterpret_cast<float*>(HostMemory::data(slot.buffer)));
-        shards_ = detail::ShardLayout<in_place>(layout_.params, plan_, world_size(), rank(), packed, released_.store());
+        // The pieces' gradients: where the engine leaves each bucket's shard (stage 2: the store).
+        shards_ = detail::ShardLayout<in_place>(
+            layout_.params, plan_, world_size(), rank(),
+            [this](std::size_t b) { return reinterpret_cast<float*>(engine_.reduced_buffer(b)); }, released_.store());
         storage_.reset(plan_.buckets.size());
         readiness_.plan(plan_, layout_.params.size());
     }
@@ -175,39 +152,27 @@ private:
         StepReport report;
         const std::int64_t step = current_step();
         report.step = static_cast<std::uint64_t>(step);
-        {
-            // The buckets grad_ready did not launch go now, on this thread, bucket after bucket
-            // (a progress thread would only compete with this one for the cores); then every
-            // bucket is waited for and its share kept.
-            if (follow_storage(launched_, shards_.slots.size(), /*in_backward=*/false) && released_.on())
-                for (std::size_t b = 0; b < kept_; ++b) released_.release(model_, shards_, layout_, b);  // made again
-            for (std::size_t b = launched_; b < shards_.slots.size(); ++b)
-                engine_.reduce_now(b, tag_of(detail::CollectivePurpose::bucket, b));
-            retire(shards_.slots.size(), detail::deadline_after(options_.timeout));
-            end_step();
-        }
+        // The buckets grad_ready did not launch go now, on this thread, bucket after bucket (a
+        // progress thread would only compete with this one for the cores); then every bucket is
+        // waited for and its share kept.
+        if (follow_storage(launched_, shards_.slots.size(), /*in_backward=*/false))
+            released_.release_again(model_, shards_, layout_, kept_);
+        for (std::size_t b = launched_; b < shards_.slots.size(); ++b)
+            engine_.reduce_now(b, tag_of(detail::CollectivePurpose::bucket, b));
+        retire(shards_.slots.size(), detail::deadline_after(options_.timeout));
+        end_step();
         detail::sync_buffers(backend_, buffers(), buffers_type::mode, /*at_construction=*/false, history_, step);
-        const bool histories = options_.check_histories && !CheckedCollectives<BackendT>;
-        if (histories || number) history_.verify(backend_, step, number ? std::optional(number->value) : std::nullopt);
+        detail::check_histories(backend_, history_, options_.check_histories, step, number);
         // This rank's share of the norm and of the finite check, then everyone's. With a loss
         // scale, the same pass unscales, as DataParallel's finalize pass does.
         detail::decide_on_shards(backend_, shards_, parameters(), scaler_, options_.clip_norm, report,
-                                 [this](detail::CollectivePurpose purpose) { return tag_of(purpose, 0); });
+                                 [this](detail::CollectivePurpose purpose) { return tag_of(purpose); });
         if (report.applied)
             detail::update_and_gather(backend_, shards_, optimizer, [this](std::size_t b) {
                 return tag_of(detail::CollectivePurpose::shard_gather, b);
             });
         steps_.store(report.step, std::memory_order_release);
         return report;
-    }
-
-    // The tag of the step's next collective: bucket b's reduce_scatter or all_gather, or the
-    // step's decision (b unused).
-    CollectiveTag tag_of(detail::CollectivePurpose purpose, std::size_t b) {
-        const auto& bucket = plan_.buckets[b];
-        const bool of_bucket =
-            purpose == detail::CollectivePurpose::bucket || purpose == detail::CollectivePurpose::shard_gather;
-        return history_.next(purpose, current_step(), b, of_bucket ? bucket.bytes().count() : 0, DType::float32);
     }
 
     // Waits for the buckets before `end` still in flight (by `deadline`, a late one named) and
@@ -224,13 +189,9 @@ private:
         follow_storage(b, b + 1, /*in_backward=*/true);
         engine_.launch(b, tag_of(detail::CollectivePurpose::bucket, b));
         launched_ = b + 1;
-        // Stage 2: the buckets reduced by now give their gradients back while backward goes on,
-        // and at most two stay in flight (backward waits for the oldest), which bounds the
-        // gradient memory to about two buckets beside this rank's share.
-        if (!released_.on()) return;
-        std::size_t end = kept_;
-        while (end < launched_ && (engine_.completed(end) || launched_ - end > 2)) ++end;
-        retire(end, detail::deadline_after(options_.timeout));
+        // Stage 2: buckets kept (and their gradients released) while backward goes on.
+        const auto end = released_.keep_until(kept_, launched_, [this](std::size_t k) { return engine_.completed(k); });
+        if (end > kept_) retire(end, detail::deadline_after(options_.timeout));
     }
 
     // Storage that moved since the last step is followed before each bucket's reduce_scatter.

@@ -108,7 +108,7 @@ private:
 };
 
 // LocalBackend through its buffer calls only, as a backend that cannot reduce scattered memory:
-// ShardedDataParallel takes its packed route (a buffer per bucket for gradients and parameters).
+// ShardedDataParallel reduces packed (a buffer per bucket for gradients and parameters).
 struct BufferOnly {
     gradsync::LocalBackend& b;
     int rank() const { return b.rank(); }

@@ -57,10 +57,11 @@ class BucketEngine {
 public:
     using handle_type = decltype(async_of(std::declval<BackendT&>()));
     using hook_type = Hook;
-    using Slot = BucketSlot<Memory, handle_type>;
+    using Reductions = BucketReductions<InPlace, Collective>;
+    using Slot = BucketSlot<Memory, handle_type, Reductions>;
     using Step = BucketStep<BackendT, Memory, Slot, HookRoute<BackendT, Hook>, InPlace, Collective>;
 
-    static_assert(check_bucket_reductions<Step>(static_cast<const AnyBucketReduction*>(nullptr)));
+    static_assert(check_bucket_reductions<Step>(static_cast<const Reductions*>(nullptr)));
 
     BucketEngine(BackendT& backend, Memory memory, Hook hook = {})
         : backend_(backend), memory_(std::move(memory)), hooks_(std::move(hook)) {}
@@ -166,27 +167,10 @@ public:
         step_of(b).finalize_in_place();
     }
 
-    // A compressed bucket whose float16 sum overflowed, reduced again in float32 (averaged) and
-    // finalized, the same on every rank: they all hold the same sum, so they all decide alike.
-    void reduce_again_in_float(std::size_t b, CollectiveTag tag) {
-        auto& slot = slots_[b];
-        if constexpr (InPlace) {
-            allreduce_tagged(backend_, step_of(b).segments(), slot.dtype, ReduceOp::average, tag);
-        } else {
-            Buffer buf{nullptr, slot.count, slot.dtype};
-            if (slot.view) {
-                buf.data = slot.view->data;
-            } else {
-                if (slot.widened.size() == 0) slot.widened = memory_.allocate(Bytes{slot.count * size_of(slot.dtype)});
-                buf.data = Memory::data(slot.widened);
-                memory_.pack(slot.table, Memory::data(slot.widened));
-            }
-            allreduce_tagged(backend_, buf, ReduceOp::average, tag);
-            if (!slot.view) memory_.unpack(slot.table, Memory::data(slot.widened));
-        }
+    // A compressed bucket whose float16 sum overflowed, reduced again in float32 and finalized.
+    void reduce_again_in_float(std::size_t b, CollectiveTag tag) requires(whole) {
         auto step = step_of(b);
-        step.finalizing = true;  // a compressed bucket is always finalized
-        step.finalize_in_place();
+        std::get<WireAllreduce>(slots_[b].reduction).reduce_again_in_float32(step, tag);
     }
 
     // Scales every gradient by `factor` (clipping's second pass).
@@ -239,9 +223,13 @@ public:
     // Buckets whose gradients already lie contiguously in memory, reduced without a copy.
     [[nodiscard]] std::size_t view_buckets() const {
         std::size_t n = 0;
-        for (const auto& s : slots_)
-            n += s.view.has_value() && !std::visit([&](const auto& r) { return r.needs_buffer(s); }, s.reduction);
+        for (const auto& s : slots_) n += s.view.has_value() && !s.needs_buffer();
         return n;
+    }
+    // Where bucket b's reduced values lie when its reduction goes through its buffer (a sharded
+    // front reads its shard there); null when it is reduced where its gradients lie.
+    [[nodiscard]] std::byte* reduced_buffer(std::size_t b) {
+        return slots_[b].needs_buffer() ? Memory::data(slots_[b].buffer) : nullptr;
     }
     // Bucket b in this step, as its reduction works on it.
     [[nodiscard]] Step step_of(std::size_t b) {
@@ -259,7 +247,7 @@ public:
 
 private:
     void build(Slot& slot, const Bucket& bucket, std::span<const Parameter> params) {
-        build_slot(slot, bucket, params, memory_, RouteRules{Hook::hooked, Wire, InPlace, whole, backend_.size() > 1});
+        build_slot(slot, bucket, params, memory_, ReductionRules{Hook::hooked, Wire, whole, backend_.size() > 1});
     }
 
     // f(reduction, step) for bucket b's reduction.
@@ -270,13 +258,12 @@ private:
     }
 
     // A world of one: the local gradient is the average, so nothing is reduced (and no hook
-    // runs); a shard is still packed where the front reads it (a bucket reduced in place has no
-    // buffer).
+    // runs); a shard is still packed where the front reads it, unless reduced in place.
     bool alone(std::size_t b) {
         if (backend_.size() > 1) return false;
         auto& slot = slots_[b];
         if constexpr (!whole)
-            if (slot.buffer.size() != 0) memory_.pack(slot.table, Memory::data(slot.buffer));
+            if (slot.needs_buffer()) memory_.pack(slot.table, Memory::data(slot.buffer));
         return true;
     }
 

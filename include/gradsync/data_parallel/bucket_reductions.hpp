@@ -12,18 +12,22 @@
 // - HookReduction: through the communication hook (reduction/comm_hook.hpp), float32 gradients
 //   as a view or a packed copy, float16 and bfloat16 ones widened into a float32 copy and rounded
 //   once when the hook is done.
-// A reduction works on a BucketStep: one bucket's slot in the current step, with the backend,
-// the memory policy and the hook it may use.
+// An engine's buckets take only the ways that fit it (BucketReductions): an in-place backend's
+// plain way is InPlaceAllreduce, another's BufferAllreduce, a reduce-scattering engine's
+// ReduceScatterShard. A reduction works on a BucketStep: one bucket's slot in the current step,
+// with the backend, the memory policy and the hook it may use.
 #pragma once
 
 #include <gradsync/backend/concepts.hpp>
 #include <gradsync/buffer.hpp>
+#include <gradsync/bytes.hpp>
 #include <gradsync/dtype.hpp>
 
 #include <concepts>  // for std::convertible_to
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <type_traits>  // for std::conditional_t
 #include <variant>
 
 namespace gradsync::inline v0::detail {
@@ -59,6 +63,12 @@ struct BucketStep {
         return Buffer{buffer(), slot.count, slot.dtype};
     }
 
+    // A copy of the (float32) gradients beside the buffer, allocated once.
+    [[nodiscard]] std::byte* float32_copy() const {
+        if (slot.widened.size() == 0) slot.widened = memory.allocate(Bytes{slot.count * size_of(slot.dtype)});
+        return Memory::data(slot.widened);
+    }
+
     // Unscales and measures the gradients where they lie (when finalizing).
     void finalize_in_place() const {
         if (!finalizing) return;
@@ -72,49 +82,59 @@ struct BucketStep {
     }
 };
 
-// What the bucket engine asks of a reduction over a bucket step S. A deferred one is only
-// started, also when the bucket is reduced now: its finish() comes when the engine waits, after
-// every bucket started (a hook's further collectives pair across ranks that overlap and ranks that
-// do not); any other one also runs now, its collective done on return.
-template <class R, class S>
-concept BucketReduction = std::copyable<R> && requires(const R r, S& s, CollectiveTag tag) {
+// What the bucket engine asks of a reduction R over a bucket step S, one requirement each (the
+// BucketReduction concept below is their conjunction; check_bucket_reduction names a missing one).
+// `deferred`: true when its finish() must wait until every bucket has started (a hook's further
+// collectives pair across ranks that overlap and ranks that do not), false when it can also run now.
+template <class R>
+concept DeclaresDeferral = requires {
     { R::deferred } -> std::convertible_to<bool>;
+};
+// needs_buffer(slot): whether the bucket needs a buffer beside its gradients.
+template <class R, class S>
+concept SizesItsBuffer = requires(const R r, S& s) {
     { r.needs_buffer(s.slot) } -> std::convertible_to<bool>;
+};
+// start(step, tag): starts the bucket's collective (launched during backward, or deferred).
+template <class R, class S>
+concept StartsCollective = requires(const R r, S& s, CollectiveTag tag) {
     r.start(s, tag);
+};
+// finish(step): the pass over the bucket once its collective completed.
+template <class R, class S>
+concept FinishesBucket = requires(const R r, S& s) {
     r.finish(s);
-} &&(R::deferred || requires(const R r, S& s, CollectiveTag tag) { r.run(s, tag); });
+};
+// run(step, tag): the collective now, done on return; not asked of a deferred one.
+template <class R, class S>
+concept RunsNowUnlessDeferred = R::deferred || requires(const R r, S& s, CollectiveTag tag) {
+    r.run(s, tag);
+};
 
-// What a reduction R over bucket step S lacks, named (each of AnyBucketReduction's is checked
-// where the engine is built).
+template <class R, class S>
+concept BucketReduction = std::copyable<R> && DeclaresDeferral<R> && SizesItsBuffer<R, S> && StartsCollective<R, S> &&
+    FinishesBucket<R, S> && RunsNowUnlessDeferred<R, S>;
+
+// Which requirement of BucketReduction R lacks, named (each reduction an engine's buckets may take
+// is checked where the engine is built).
 template <class R, class S>
 constexpr bool check_bucket_reduction() {
-    static_assert(
-        requires {
-            { R::deferred } -> std::convertible_to<bool>;
-        },
-        "gradsync: a bucket reduction needs `static constexpr bool deferred`: true when its finish() must wait "
-        "until every bucket has started (a hook's), false when it can also run now");
-    static_assert(
-        requires(const R r, S& s) {
-            { r.needs_buffer(s.slot) } -> std::convertible_to<bool>;
-        },
-        "gradsync: a bucket reduction needs `bool needs_buffer(const Slot&) const`: whether the bucket needs a buffer "
-        "beside its gradients");
-    static_assert(
-        requires(const R r, S& s, CollectiveTag tag) { r.start(s, tag); },
-        "gradsync: a bucket reduction needs `void start(Step&, gradsync::CollectiveTag) const`, which starts the "
-        "bucket's collective");
-    static_assert(
-        requires(const R r, S& s) { r.finish(s); },
-        "gradsync: a bucket reduction needs `void finish(Step&) const`, the pass over the bucket once its collective "
-        "completed");
-    if constexpr (requires {
-                      { R::deferred } -> std::convertible_to<bool>;
-                  })
-        static_assert(
-            R::deferred || requires(const R r, S& s, CollectiveTag tag) { r.run(s, tag); },
-            "gradsync: a bucket reduction that is not deferred needs `void run(Step&, gradsync::CollectiveTag) "
-            "const`, which runs the bucket's collective now");
+    static_assert(DeclaresDeferral<R>,
+                  "gradsync: a bucket reduction needs `static constexpr bool deferred`: true when its finish() must "
+                  "wait until every bucket has started (a hook's), false when it can also run now");
+    static_assert(SizesItsBuffer<R, S>,
+                  "gradsync: a bucket reduction needs `bool needs_buffer(const Slot&) const`: whether the bucket "
+                  "needs a buffer beside its gradients");
+    static_assert(StartsCollective<R, S>,
+                  "gradsync: a bucket reduction needs `void start(Step&, gradsync::CollectiveTag) const`, which "
+                  "starts the bucket's collective");
+    static_assert(FinishesBucket<R, S>,
+                  "gradsync: a bucket reduction needs `void finish(Step&) const`, the pass over the bucket once its "
+                  "collective completed");
+    if constexpr (DeclaresDeferral<R>)
+        static_assert(RunsNowUnlessDeferred<R, S>,
+                      "gradsync: a bucket reduction that is not deferred needs `void run(Step&, "
+                      "gradsync::CollectiveTag) const`, which runs the bucket's collective now");
     static_assert(std::copyable<R>, "gradsync: a bucket reduction must be copyable");
     return true;
 }
@@ -133,14 +153,11 @@ struct InPlaceAllreduce {
     }
     template <class S>
     void start(S& s, CollectiveTag tag) const {
-        if constexpr (S::in_place && S::whole)
-            s.slot.handle.emplace(
-                allreduce_async_tagged(s.backend, s.segments(), s.slot.dtype, ReduceOp::average, tag));
+        s.slot.handle.emplace(allreduce_async_tagged(s.backend, s.segments(), s.slot.dtype, ReduceOp::average, tag));
     }
     template <class S>
     void run(S& s, CollectiveTag tag) const {
-        if constexpr (S::in_place && S::whole)
-            allreduce_tagged(s.backend, s.segments(), s.slot.dtype, ReduceOp::average, tag);
+        allreduce_tagged(s.backend, s.segments(), s.slot.dtype, ReduceOp::average, tag);
     }
     template <class S>
     void finish(S& s) const {
@@ -155,11 +172,11 @@ struct OneBufferAllreduce {
     static constexpr bool deferred = false;
     template <class S>
     void start(S& s, CollectiveTag tag) const {
-        if constexpr (S::whole) s.slot.handle.emplace(allreduce_async_tagged(s.backend, Of::contents(s), Of::op, tag));
+        s.slot.handle.emplace(allreduce_async_tagged(s.backend, Of::contents(s), Of::op, tag));
     }
     template <class S>
     void run(S& s, CollectiveTag tag) const {
-        if constexpr (S::whole) allreduce_tagged(s.backend, Of::contents(s), Of::op, tag);
+        allreduce_tagged(s.backend, Of::contents(s), Of::op, tag);
     }
 };
 
@@ -203,35 +220,53 @@ struct WireAllreduce : OneBufferAllreduce<WireAllreduce> {
     void finish(S& s) const {
         s.finalize_from(s.buffer(), s.slot.wire);
     }
+
+    // A float16 sum that overflowed: the bucket reduced again in float32 (averaged), where its
+    // gradients lie or through a float32 copy made once, and finalized, the same on every rank
+    // (they all hold the same sum, so they all decide alike).
+    template <class S>
+    void reduce_again_in_float32(S& s, CollectiveTag tag) const {
+        auto& slot = s.slot;
+        if constexpr (S::in_place) {
+            allreduce_tagged(s.backend, s.segments(), slot.dtype, ReduceOp::average, tag);
+        } else if (slot.view) {
+            allreduce_tagged(s.backend, Buffer{slot.view->data, slot.count, slot.dtype}, ReduceOp::average, tag);
+        } else {
+            auto* copy = s.float32_copy();
+            s.memory.pack(slot.table, copy);
+            allreduce_tagged(s.backend, Buffer{copy, slot.count, slot.dtype}, ReduceOp::average, tag);
+            s.memory.unpack(slot.table, copy);
+        }
+        auto again = s;
+        again.finalizing = true;  // a compressed bucket is always finalized
+        again.finalize_in_place();
+    }
 };
 
-// The gradients reduce-scattered, in place or packed; the shard stays where the sharded front
-// reads it (the packed buffer, or the gradients), with no pass after it.
+// The gradients reduce-scattered: where they lie (InPlace, a backend that takes scattered
+// segments) or packed. The shard stays where the sharded front reads it (the gradients, or the
+// packed buffer), with no pass after it.
+template <bool InPlace>
 struct ReduceScatterShard {
     static constexpr bool deferred = false;
-    bool in_place = false;
     template <class Slot>
     [[nodiscard]] bool needs_buffer(const Slot&) const {
-        return !in_place;
+        return !InPlace;
     }
     template <class S>
     void start(S& s, CollectiveTag tag) const {
-        if constexpr (!S::whole) {
-            if constexpr (S::in_place)
-                if (in_place)
-                    return (void)s.slot.handle.emplace(
-                        reduce_scatter_async_tagged(s.backend, s.segments(), s.slot.dtype, ReduceOp::average, tag));
+        if constexpr (InPlace)
+            s.slot.handle.emplace(
+                reduce_scatter_async_tagged(s.backend, s.segments(), s.slot.dtype, ReduceOp::average, tag));
+        else
             s.slot.handle.emplace(reduce_scatter_async_tagged(s.backend, s.packed(), ReduceOp::average, tag));
-        }
     }
     template <class S>
     void run(S& s, CollectiveTag tag) const {
-        if constexpr (!S::whole) {
-            if constexpr (S::in_place)
-                if (in_place)
-                    return reduce_scatter_tagged(s.backend, s.segments(), s.slot.dtype, ReduceOp::average, tag);
+        if constexpr (InPlace)
+            reduce_scatter_tagged(s.backend, s.segments(), s.slot.dtype, ReduceOp::average, tag);
+        else
             reduce_scatter_tagged(s.backend, s.packed(), ReduceOp::average, tag);
-        }
     }
     template <class S>
     void finish(S&) const {}
@@ -284,7 +319,13 @@ private:
     }
 };
 
-using AnyBucketReduction =
-    std::variant<InPlaceAllreduce, BufferAllreduce, WireAllreduce, ReduceScatterShard, HookReduction>;
+// The reductions an engine's buckets may take: its plain one first (in place or through a buffer;
+// into a shard when it reduce-scatters), the wire-compressed one (an allreducing engine's), and the
+// hook's.
+template <bool InPlace, BucketCollective Collective>
+using BucketReductions = std::conditional_t<
+    Collective == BucketCollective::allreduce,
+    std::variant<std::conditional_t<InPlace, InPlaceAllreduce, BufferAllreduce>, WireAllreduce, HookReduction>,
+    std::variant<ReduceScatterShard<InPlace>, HookReduction>>;
 
 }  // namespace gradsync::inline v0::detail

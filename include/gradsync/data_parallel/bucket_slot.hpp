@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <optional>
 #include <span>
+#include <type_traits>  // for std::is_same_v
 #include <variant>
 #include <vector>
 
@@ -32,14 +33,21 @@ inline std::size_t first_gap(std::span<const Segment> segs, DType t) {
     return 0;
 }
 
-// Memory: the memory policy (its Table and Storage); Handle: the backend's asynchronous allreduce.
-template <class Memory, class Handle>
+// Whether variant V has alternative R.
+template <class R, class V>
+inline constexpr bool has_alternative = false;
+template <class R, class... A>
+inline constexpr bool has_alternative<R, std::variant<A...>> = (std::is_same_v<R, A> || ...);
+
+// Memory: the memory policy (its Table and Storage); Handle: the backend's asynchronous collective;
+// Reductions: the ways the engine's buckets may be reduced (BucketReductions), its plain one first.
+template <class Memory, class Handle, class Reductions>
 struct BucketSlot {
     using clock = std::chrono::steady_clock;
     std::vector<Segment> segments;     // its gradients, by parameter index
     std::vector<std::size_t> indices;  // their parameters
     std::optional<Segment> view;       // set when they lie contiguously
-    AnyBucketReduction reduction;
+    Reductions reduction;
     DType dtype = DType::float32;          // the gradients'
     DType wire = DType::float32;           // what the collective moves
     std::size_t count = 0;                 // elements
@@ -57,7 +65,14 @@ struct BucketSlot {
     // Whether the bucket is reduced by R.
     template <class R>
     [[nodiscard]] bool reduced_by() const {
-        return std::holds_alternative<R>(reduction);
+        if constexpr (has_alternative<R, Reductions>)
+            return std::holds_alternative<R>(reduction);
+        else
+            return false;
+    }
+    // Whether its reduction needs a buffer beside its gradients (where it then leaves its result).
+    [[nodiscard]] bool needs_buffer() const {
+        return std::visit([this](const auto& r) { return r.needs_buffer(*this); }, reduction);
     }
     // A hook's 16-bit bucket, widened into a float32 copy (the buffer).
     [[nodiscard]] bool widened_for_hook() const { return reduced_by<HookReduction>() && wire != dtype; }
@@ -67,21 +82,20 @@ struct BucketSlot {
     }
 };
 
-// What decides how a bucket is reduced besides the bucket itself.
-struct RouteRules {
+// What decides how a bucket is reduced besides the bucket itself and the engine's reductions.
+struct ReductionRules {
     bool hooked = false;          // a communication hook takes the float32 and 16-bit buckets
     DType wire = DType::float32;  // not float32: float32 buckets are compressed to it
-    bool in_place = false;        // the backend reduces segments where they lie
-    bool whole = true;            // allreduced; false: reduce-scattered, the shard read packed
+    bool whole = true;            // allreduced; false: reduce-scattered, the shard read from the buffer
     bool peers = true;            // a world of more than one: buffers for the collective
 };
 
 // (Re)builds `slot` for `bucket`: its segments, in parameter order (the element layout every
-// rank shares), its reduction, its memory policy table, and its buffer where the route needs one
-// (kept when it has one: a rebuild after the gradients moved keeps the packed buffer).
-template <class Memory, class Handle>
-void build_slot(BucketSlot<Memory, Handle>& slot, const Bucket& bucket, std::span<const Parameter> params,
-                Memory& memory, const RouteRules& rules) {
+// rank shares), its reduction, its memory policy table, and its buffer where the reduction needs
+// one (kept when it has one: a rebuild after the gradients moved keeps the packed buffer).
+template <class Memory, class Handle, class Reductions>
+void build_slot(BucketSlot<Memory, Handle, Reductions>& slot, const Bucket& bucket, std::span<const Parameter> params,
+                Memory& memory, const ReductionRules& rules) {
     slot.indices = bucket.parameters;
     std::sort(slot.indices.begin(), slot.indices.end());
     slot.segments.clear();
@@ -96,6 +110,7 @@ void build_slot(BucketSlot<Memory, Handle>& slot, const Bucket& bucket, std::spa
     // A shard is read where the front was told it lies: the packed buffer.
     if (contiguous && !(rules.hooked && half) && rules.whole)
         slot.view = Segment{slot.segments.front().data, slot.count};
+    slot.reduction = std::variant_alternative_t<0, Reductions>{};  // the engine's plain way
     if (rules.hooked && (bucket.dtype == DType::float32 || half)) {
         slot.reduction = HookReduction{};
         slot.wire = DType::float32;
@@ -104,22 +119,17 @@ void build_slot(BucketSlot<Memory, Handle>& slot, const Bucket& bucket, std::spa
             slot.hooked.push_back(HookParameter{params[i].name, offset, params[i].count, params[i].shape});
             offset += params[i].count;
         }
-    } else if (!rules.whole) {
-        slot.reduction = ReduceScatterShard{rules.in_place};
-    } else if (rules.wire != DType::float32 && bucket.dtype == DType::float32) {
-        slot.reduction = WireAllreduce{};
-        slot.wire = rules.wire;
-    } else if (rules.in_place) {
-        slot.reduction = InPlaceAllreduce{};
-    } else {
-        slot.reduction = BufferAllreduce{};
+    } else if constexpr (has_alternative<WireAllreduce, Reductions>) {
+        if (rules.wire != DType::float32 && bucket.dtype == DType::float32) {
+            slot.reduction = WireAllreduce{};
+            slot.wire = rules.wire;
+        }
     }
     slot.table = memory.table(slot.segments, bucket.dtype);
-    const bool needs_buffer = std::visit([&](const auto& r) { return r.needs_buffer(slot); }, slot.reduction);
     // A hook's float32 copy is kept in a world of one too (float32_gradient() reads it), and a
     // shard is read from the buffer.
     const bool kept = slot.widened_for_hook() || !rules.whole;
-    if (needs_buffer && (rules.peers || kept) && slot.buffer.size() == 0)
+    if (slot.needs_buffer() && (rules.peers || kept) && slot.buffer.size() == 0)
         slot.buffer = memory.allocate(Bytes{slot.count * size_of(slot.wire)});
     if (slot.widened_for_hook()) {
         const Segment whole{Memory::data(slot.buffer), slot.count};

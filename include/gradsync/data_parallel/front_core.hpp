@@ -136,6 +136,17 @@ protected:
         return storage_.follow(model_, layout_, plan, first, last, in_backward, refresh, [this] { return where(); });
     }
 
+    // The tag of the step's next collective for `purpose`: over bucket b, its size as the
+    // collective moves it (the wire dtype; the gradients' own for a redo in float32), or the
+    // step's own (the sharded front's decision; b unused).
+    CollectiveTag tag_of(CollectivePurpose purpose, std::size_t b = 0) {
+        if (purpose == CollectivePurpose::step_decision || purpose == CollectivePurpose::overflow_report)
+            return history_.next(purpose, current_step(), b, 0, DType::float32);
+        const auto& slot = engine_.slots()[b];
+        const DType dtype = purpose == CollectivePurpose::float_redo ? slot.dtype : slot.wire;
+        return history_.next(purpose, current_step(), b, slot.count * size_of(dtype), dtype);
+    }
+
     // What a wait past its deadline throws: bucket b named, with what each rank reported.
     [[nodiscard]] auto diagnose(const BucketPlan& plan) {
         return [this, &plan](std::size_t b) {

@@ -28,6 +28,17 @@ public:
     [[nodiscard]] float* store() { return on_ ? store_.data() : nullptr; }
     [[nodiscard]] std::size_t bytes() const { return store_.size() * sizeof(float); }
 
+    // During backward, with buckets [0, launched) launched and [0, kept) kept: the end of those to
+    // keep now. The buckets reduced by now (completed(b)) give their gradients back while backward
+    // goes on, and at most two stay in flight (backward waits for the oldest), which bounds the
+    // gradient memory to about two buckets beside this rank's share. Off: none.
+    template <class Completed>
+    [[nodiscard]] std::size_t keep_until(std::size_t kept, std::size_t launched, Completed&& completed) const {
+        if (!on_) return kept;
+        while (kept < launched && (completed(kept) || launched - kept > 2)) ++kept;
+        return kept;
+    }
+
     // Bucket b is reduced: its share kept, then its gradients released.
     void keep(Model& model, ShardLayout<InPlace>& shards, const ModelLayout& layout, std::size_t b) {
         if constexpr (InPlace && ReleasableGradients<Model>) {
@@ -38,7 +49,12 @@ public:
             (void)model, (void)shards, (void)layout, (void)b;
         }
     }
-    // Bucket b's gradients released (again: a listing of the model made them anew).
+    // The gradients of the buckets before `kept` released again: a listing of the model made them
+    // anew.
+    void release_again(Model& model, const ShardLayout<InPlace>& shards, const ModelLayout& layout, std::size_t kept) {
+        for (std::size_t b = 0; on_ && b < kept; ++b) release(model, shards, layout, b);
+    }
+    // Bucket b's gradients released.
     void release(Model& model, const ShardLayout<InPlace>& shards, const ModelLayout& layout, std::size_t b) {
         if constexpr (ReleasableGradients<Model>) {
             model_indices_.clear();

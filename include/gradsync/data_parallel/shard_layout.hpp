@@ -36,7 +36,7 @@ struct ShardPiece {
 namespace detail {
 
 // One bucket: its parameters where the model keeps them (by parameter index: the element order
-// of the bucket), this rank's shard, and the packed route's parameter buffer.
+// of the bucket), this rank's shard, and the parameter buffer when packed.
 struct ShardSlot {
     std::vector<std::size_t> indices;  // the bucket's parameters, ascending
     HostMemory::Table params;          // float32 segments, in that order
@@ -62,8 +62,8 @@ struct ShardSlot {
 
 // Every bucket's slot and this rank's pieces, in bucket order; the pieces' state offsets count
 // up from 0 to state_elements. A `grad_store` of shard_elements() floats holds the pieces'
-// gradients at their state offsets (stage 2); without one they lie in `packed_grads[b]`, where
-// bucket b was reduced packed, or else in the model's gradients.
+// gradients at their state offsets (stage 2); without one they lie in `packed_grads(b)`, where
+// bucket b was reduced packed (null: where it lies), or else in the model's gradients.
 template <bool InPlace>
 struct ShardLayout {
     std::vector<ShardSlot> slots;
@@ -72,8 +72,9 @@ struct ShardLayout {
     std::size_t state_elements = 0;
 
     ShardLayout() = default;
+    template <class PackedGrads>
     ShardLayout(std::span<const Parameter> params, const BucketPlan& plan, int ranks, int rank,
-                std::span<float* const> packed_grads, float* grad_store = nullptr)
+                PackedGrads&& packed_grads, float* grad_store = nullptr)
         : grad_store_(grad_store) {
         for (std::size_t b = 0; b < plan.buckets.size(); ++b) {
             const auto& bucket = plan.buckets[b];
@@ -82,7 +83,7 @@ struct ShardLayout {
             std::sort(slot.indices.begin(), slot.indices.end());
             const auto& indices = slot.indices;
             slot.first_piece = pieces.size();
-            slot.packed_grads = packed_grads[b];
+            slot.packed_grads = packed_grads(b);
             for (auto i : indices) slot.params.segments.push_back({params[i].data, params[i].count});
             if constexpr (!InPlace) slot.param_buffer.assign(bucket.count, 0.0f);
             slot.shard = shard_of(bucket.count, ranks, rank);

@@ -2,6 +2,7 @@
 // they agree on: the same problem wording and agreement as DataParallel's (setup_checks.hpp).
 #pragma once
 
+#include <gradsync/backend/concepts.hpp>
 #include <gradsync/data_parallel/model_layout.hpp>
 #include <gradsync/data_parallel/settings.hpp>
 #include <gradsync/data_parallel/setup_checks.hpp>
@@ -13,6 +14,17 @@
 #include <vector>
 
 namespace gradsync::inline v0::detail {
+
+// The sharding collectives, with their readable errors, and host memory.
+template <class B>
+constexpr bool check_sharded_backend() {
+    static_assert(check_sharded_collectives<B>());
+    static_assert(!DeviceBackend<B>,
+                  "gradsync: ShardedDataParallel keeps parameters, gradients and optimizer shards in host memory, and "
+                  "this backend's collectives take device memory (NcclBackend, CudaLocalBackend): for gradients on "
+                  "the GPU use DataParallel with gradsync::CudaMemory{stream}");
+    return true;
+}
 
 // `in_place`: the backend reduces shards where they lie; `releasable`: the model can release
 // gradients (stage 2 needs both, and no communication hook: `hooked`).

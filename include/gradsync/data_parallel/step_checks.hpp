@@ -25,14 +25,22 @@ void check_replicas(B& backend, const ModelLayout& layout, BufferSync buffers, c
     compare_replicas(backend, std::span<const ReplicaTensor>(tensors), when);
 }
 
-// Histories are compared once per step where the backend cannot compare them at each collective
-// and the Options ask for it (by default, unless the host would wait for a device stream).
+// The ranks' collective histories compared once per step, where `wanted` and the backend cannot
+// compare them at each collective, and the trainer's step numbers where it passed one.
+template <Backend B>
+void check_histories(B& backend, const CollectiveHistory& history, bool wanted, std::int64_t step,
+                     std::optional<StepNumber> number) {
+    if ((wanted && !CheckedCollectives<B>) || number)
+        history.verify(backend, step, number ? std::optional(number->value) : std::nullopt);
+}
+
+// Histories are compared where the Options ask for it (by default, unless the host would wait for
+// a device stream).
 template <Backend B>
 void check_step_end(B& backend, const CollectiveHistory& history, const Options& options, bool device_memory,
                     const ModelLayout& layout, BufferSync buffers, std::int64_t step,
                     std::optional<StepNumber> number) {
-    const bool histories = !CheckedCollectives<B> && options.check_histories.value_or(!DeviceBackend<B>);
-    if (histories || number) history.verify(backend, step, number ? std::optional(number->value) : std::nullopt);
+    check_histories(backend, history, options.check_histories.value_or(!DeviceBackend<B>), step, number);
     const auto every = options.replica_check_interval(device_memory);
     if (every > 0 && static_cast<std::uint64_t>(step) % every == 0)
         check_replicas(backend, layout, buffers, "step " + std::to_string(step));

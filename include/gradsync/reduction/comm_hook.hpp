@@ -105,7 +105,7 @@ concept CommHook = std::movable<H> && requires(H h, const H ch, const HookBucket
     h.finish(bucket, comm);
 };
 
-// No hook: every bucket takes the engine's own route (in place, packed or compressed). The
+// No hook: every bucket takes the engine's own reduction (in place, packed or compressed). The
 // default.
 struct NoCommHook {
     using policy_category = policy_category::comm_hook;

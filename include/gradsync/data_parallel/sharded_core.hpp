@@ -1,0 +1,27 @@
+// The core ShardedDataParallel derives from: FrontCore (front_core.hpp) over a bucket engine that
+// reduce-scatters each bucket in float32 host memory, where the gradients lie when the backend
+// takes scattered memory (ScatteredShardedCollectives), else packed.
+#pragma once
+
+#include <gradsync/backend/concepts.hpp>
+#include <gradsync/data_parallel/bucket_engine.hpp>
+#include <gradsync/data_parallel/front_core.hpp>
+#include <gradsync/data_parallel/sharded_options.hpp>
+#include <gradsync/data_parallel/sharded_policies.hpp>
+#include <gradsync/dtype.hpp>
+#include <gradsync/memory/host.hpp>
+
+namespace gradsync::inline v0::detail {
+
+// The backend is checked first, so that a type that is not one reads that before anything else.
+template <class Front, class Model, class BackendT, class... Policies>
+struct ShardedCoreOf {
+    static_assert(check_backend<BackendT>());
+    using Set = ShardedPolicySet<Policies...>;
+    static constexpr bool in_place = ScatteredShardedCollectives<BackendT>;
+    using engine = BucketEngine<BackendT, HostMemory, DType::float32, in_place, typename Set::comm_hook,
+                                BucketCollective::reduce_scatter>;
+    using type = FrontCore<Front, Model, BackendT, engine, ShardedOptions, typename Set::loss_scaler>;
+};
+
+}  // namespace gradsync::inline v0::detail
