@@ -9782,8 +9782,8 @@ private:
 #define GRADSYNC_SINGLE_DATA_PARALLEL_SHARD_STEP_HPP
 // What ShardedDataParallel's step decides over this rank's shards with the other ranks: the global
 // norm and whether every averaged gradient is finite (one small allreduce), which parameters
-// overflowed when one is not, and clipping; and the all-gather of the updated parameters. Each
-// collective carries its tag.
+// overflowed when one is not, and clipping, each pass over the shards through the memory policy;
+// and the all-gather of the updated parameters. Each collective carries its tag.
 
 
 #include <cmath>
@@ -9799,19 +9799,31 @@ struct ShardVerdict {
     bool finite = true;
 };
 
+// This rank's shards as a memory policy's passes take them (a segment per piece, in piece order):
+// the step's decision measures, unscales and clips them through the policy, where they lie.
+// Rebuilt whenever the pieces move.
+template <MemoryPolicy Memory>
+struct ShardPasses {
+    Memory memory;
+    typename Memory::Table table;
+
+    template <bool InPlace>
+    void build(const ShardLayout<InPlace>& shards) {
+        std::vector<Segment> segments;
+        segments.reserve(shards.grads.size());
+        for (const auto g : shards.grads) segments.push_back(Segment{g.data(), g.size()});
+        table = memory.table(segments, DType::float32);
+        memory.prepare_results(1);
+    }
+};
+
 // Unscales this rank's shards by `unscale` (1: leaves them) while summing their squares, then
 // agrees with every rank on the norm and the finite check (the square sum is non-finite exactly
 // when an element is).
-template <Backend B>
-ShardVerdict agree_on_shards(B& backend, std::span<const std::span<float>> grads, double unscale, CollectiveTag tag) {
-    SquareSum squares;
-    for (const auto g : grads) {
-        if (unscale == 1.0)
-            square_sum(g.data(), g.size(), squares);
-        else
-            scale_square_sum(g.data(), g.size(), unscale, squares);
-    }
-    const double mine = squares.total();
+template <Backend B, class Memory>
+ShardVerdict agree_on_shards(B& backend, ShardPasses<Memory>& passes, double unscale, CollectiveTag tag) {
+    passes.memory.finalize(passes.table, nullptr, DType::float32, unscale, 0);
+    const double mine = passes.memory.results()[0];
     double partial[2] = {std::isfinite(mine) ? mine : 0.0, std::isfinite(mine) ? 0.0 : 1.0};
     if (backend.size() > 1) allreduce_tagged(backend, Buffer{partial, 2, DType::float64}, ReduceOp::sum, tag);
     if (partial[1] > 0) return {std::nan(""), false};
@@ -9820,15 +9832,14 @@ ShardVerdict agree_on_shards(B& backend, std::span<const std::span<float>> grads
 
 // After an overflow, which every rank agreed on: the parameters with a non-finite averaged
 // gradient in any rank's pieces, named alike on every rank (one allreduce of a flag each).
-template <Backend B>
-std::vector<std::string> overflowed_parameters(B& backend, std::span<const ShardPiece<float>> pieces,
+template <Backend B, class Memory>
+std::vector<std::string> overflowed_parameters(B& backend, const ShardPasses<Memory>& passes,
+                                               std::span<const ShardPiece<float>> pieces,
                                                std::span<const Parameter> params, CollectiveTag tag) {
     std::vector<float> flags(params.size(), 0.0f);
-    for (const auto& piece : pieces) {
-        SquareSum squares;
-        square_sum(piece.grads.data(), piece.grads.size(), squares);
-        if (!std::isfinite(squares.total())) flags[piece.parameter] = 1.0f;
-    }
+    const auto sums = passes.memory.segment_sums(passes.table);
+    for (std::size_t k = 0; k < pieces.size(); ++k)
+        if (!std::isfinite(sums[k])) flags[pieces[k].parameter] = 1.0f;
     if (backend.size() > 1)
         allreduce_tagged(backend, Buffer{flags.data(), flags.size(), DType::float32}, ReduceOp::sum, tag);
     std::vector<std::string> names;
@@ -9837,31 +9848,27 @@ std::vector<std::string> overflowed_parameters(B& backend, std::span<const Shard
     return names;
 }
 
-// Scales this rank's shards down so that the global norm `norm` becomes `clip_norm`.
-inline void clip_shards(std::span<const std::span<float>> grads, double norm, double clip_norm) {
-    for (const auto g : grads) scale_only(g.data(), g.size(), clip_norm / (norm + 1e-6));
-}
-
 // The step's decision, the same on every rank: this rank's shards unscaled by the loss scale
 // while their norm is measured, the scaler told the outcome, and then either the overflowed
 // parameters named (report.applied false) or the shards clipped to `clip_norm` (above 0).
 // tag_of(purpose) tags each collective.
-template <Backend B, bool InPlace, class Scaler, class TagOf>
-void decide_on_shards(B& backend, const ShardLayout<InPlace>& shards, std::span<const Parameter> params, Scaler& scaler,
-                      double clip_norm, StepReport& report, TagOf&& tag_of) {
-    const auto grads = std::span<const std::span<float>>(shards.grads);
+template <Backend B, class Memory, bool InPlace, class Scaler, class TagOf>
+void decide_on_shards(B& backend, ShardPasses<Memory>& passes, const ShardLayout<InPlace>& shards,
+                      std::span<const Parameter> params, Scaler& scaler, double clip_norm, StepReport& report,
+                      TagOf&& tag_of) {
     report.loss_scale = scaler.scale();
-    const auto verdict = agree_on_shards(backend, grads, 1.0 / static_cast<double>(report.loss_scale),
+    const auto verdict = agree_on_shards(backend, passes, 1.0 / static_cast<double>(report.loss_scale),
                                          tag_of(CollectivePurpose::step_decision));
     report.grad_norm = verdict.norm;
     report.applied = verdict.finite;
     scaler.update(!report.applied);  // every rank alike: the decision is agreed
     report.next_loss_scale = scaler.scale();
     if (!report.applied) {
-        report.overflowed = overflowed_parameters(backend, std::span<const ShardPiece<float>>(shards.pieces), params,
-                                                  tag_of(CollectivePurpose::overflow_report));
+        report.overflowed = overflowed_parameters(backend, passes, std::span<const ShardPiece<float>>(shards.pieces),
+                                                  params, tag_of(CollectivePurpose::overflow_report));
     } else if (clip_norm > 0 && report.grad_norm > clip_norm) {
-        clip_shards(grads, report.grad_norm, clip_norm);
+        // Scaled down so that the global norm becomes clip_norm.
+        passes.memory.scale(passes.table, clip_norm / (report.grad_norm + 1e-6));
         report.clipped = true;
     }
 }
@@ -10008,7 +10015,8 @@ struct ShardedCoreOf {
     static_assert(check_backend<BackendT>());
     using Set = ShardedPolicySet<Policies...>;
     static constexpr bool in_place = ScatteredShardedCollectives<BackendT>;
-    using engine = BucketEngine<BackendT, HostMemory, DType::float32, in_place, typename Set::comm_hook,
+    using memory = HostMemory;  // the gradients', the shards' and the buckets'
+    using engine = BucketEngine<BackendT, memory, DType::float32, in_place, typename Set::comm_hook,
                                 BucketCollective::reduce_scatter>;
     using type = FrontCore<Front, Model, BackendT, engine, ShardedOptions, typename Set::loss_scaler>;
 };
@@ -10199,6 +10207,7 @@ private:
         shards_ = detail::ShardLayout<in_place>(
             layout_.params, plan_, world_size(), rank(),
             [this](std::size_t b) { return reinterpret_cast<float*>(engine_.reduced_buffer(b)); }, released_.store());
+        passes_.build(shards_);
         storage_.reset(plan_.buckets.size());
         readiness_.plan(plan_, layout_.params.size());
     }
@@ -10221,7 +10230,7 @@ private:
         detail::check_histories(backend_, history_, options_.check_histories, step, number);
         // This rank's share of the norm and of the finite check, then everyone's. With a loss
         // scale, the same pass unscales, as DataParallel's finalize pass does.
-        detail::decide_on_shards(backend_, shards_, parameters(), scaler_, options_.clip_norm, report,
+        detail::decide_on_shards(backend_, passes_, shards_, parameters(), scaler_, options_.clip_norm, report,
                                  [this](detail::CollectivePurpose purpose) { return tag_of(purpose); });
         if (report.applied)
             detail::update_and_gather(backend_, shards_, optimizer, [this](std::size_t b) {
@@ -10258,6 +10267,7 @@ private:
         return follow(plan_, first, last, in_backward, [this](std::size_t b) {
             engine_.refresh(b, plan_.buckets[b], layout_.params);
             shards_.refresh(b, layout_.params);
+            passes_.build(shards_);
         });
     }
 
@@ -10271,7 +10281,8 @@ private:
 
     BucketPlan plan_;
     detail::ShardLayout<in_place> shards_;
-    detail::ReleasedShards<Model, in_place> released_;  // stage 2
+    detail::ReleasedShards<Model, in_place> released_;     // stage 2
+    detail::ShardPasses<typename CoreOf::memory> passes_;  // the decision's passes over the shards
     // Overlap: which parameters grad_ready reported this step, and the reduce_scatters launched
     // (buckets 0 .. launched_ - 1; written under the readiness lock during backward).
     std::size_t launched_ = 0;

@@ -1,9 +1,11 @@
 // BucketEngine, the part of DataParallel that moves buckets: the reduction each bucket takes, a
 // bucket reduced now or launched and waited for, the diagnosis of a late one, and the finalize
 // pass through the memory policy; and the same engine reduce-scattering buckets into shards, as
-// ShardedDataParallel runs it.
+// ShardedDataParallel runs it, and the sharded step's decision over the shards.
+#include <gradsync/amp/loss_scale.hpp>
 #include <gradsync/backend/local.hpp>
 #include <gradsync/data_parallel/bucket_engine.hpp>
+#include <gradsync/data_parallel/shard_step.hpp>
 #include <gradsync/launch/spawn.hpp>
 #include <gradsync/memory/host.hpp>
 
@@ -290,4 +292,71 @@ TEST_CASE("bucket engine: a reduction is what the concept states, and a minimal 
         wrong[static_cast<std::size_t>(local.rank())] = bad;
     });
     CHECK(wrong == std::vector<int>{0, 0, 0});
+}
+
+namespace {
+
+// HostMemory that counts the passes the sharded step's decision makes through it.
+struct CountingMemory : gradsync::HostMemory {
+    mutable int finalized = 0, scaled = 0, measured = 0;
+    void finalize(const Table& t, const std::byte* src, DType type, double factor, std::size_t slot) {
+        ++finalized;
+        HostMemory::finalize(t, src, type, factor, slot);
+    }
+    void scale(const Table& t, double factor) const {
+        ++scaled;
+        HostMemory::scale(t, factor);
+    }
+    std::vector<double> segment_sums(const Table& t) const {
+        ++measured;
+        return HostMemory::segment_sums(t);
+    }
+};
+
+}  // namespace
+
+TEST_CASE("sharded step: the decision unscales, measures, clips and names an overflow through the memory policy") {
+    using gradsync::detail::ShardLayout;
+    using gradsync::detail::ShardPasses;
+    const auto no_tag = [](auto...) { return gradsync::CollectiveTag{}; };
+    const auto packed_nowhere = [](std::size_t) { return static_cast<float*>(nullptr); };
+    gradsync::spawn(2, [&](gradsync::LocalBackend& local) {
+        const auto r = static_cast<std::size_t>(local.rank());
+        Mixed m;
+        m.fill(0);  // alike on both ranks: g01[i] = i, g2 = 2, g3 = 3
+        const auto params = m.parameters();
+        const auto plan = two_buckets();  // shards: t0 and t1 split at 15; t2 and t3[0] | t3[1..6]
+        ShardLayout<true> shards(params, plan, 2, local.rank(), packed_nowhere);
+        ShardPasses<CountingMemory> passes;
+        passes.build(shards);
+        gradsync::StaticLossScale scaler;
+        scaler.value = 2.0f;
+        gradsync::StepReport report;
+        gradsync::detail::decide_on_shards(local, passes, shards, params, scaler, /*clip_norm=*/1.0, report, no_tag);
+        // Both ranks' shards, unscaled: (1/4) * (0^2 + ... + 29^2) + 5 * 1^2 + 7 * 1.5^2.
+        const double norm = std::sqrt(8555.0 / 4 + 5 + 7 * 2.25);
+        CHECK(report.applied);
+        CHECK(report.grad_norm == doctest::Approx(norm));
+        CHECK(report.clipped);
+        CHECK(passes.memory.finalized == 1);
+        CHECK(passes.memory.scaled == 1);
+        CHECK(passes.memory.measured == 0);
+        for (std::size_t i = 0; i < 30; ++i) {
+            const bool mine = i / 15 == r;
+            CHECK(m.g01[i] == doctest::Approx(mine ? i * 0.5 / (norm + 1e-6) : double(i)));
+        }
+        CHECK(m.g2[0] == doctest::Approx(r == 0 ? 1.0 / (norm + 1e-6) : 2.0));
+        CHECK(m.g3[6] == doctest::Approx(r == 1 ? 1.5 / (norm + 1e-6) : 3.0));
+
+        // A non-finite gradient in rank 1's shard: both ranks skip the step and name its parameter.
+        m.fill(0);
+        if (r == 1) m.g3[6] = std::nanf("");
+        gradsync::StepReport skipped;
+        gradsync::detail::decide_on_shards(local, passes, shards, params, scaler, 1.0, skipped, no_tag);
+        CHECK_FALSE(skipped.applied);
+        CHECK(std::isnan(skipped.grad_norm));
+        CHECK(skipped.overflowed == std::vector<std::string>{"t3"});
+        CHECK(passes.memory.measured == 1);
+        CHECK(passes.memory.scaled == 1);  // not clipped
+    });
 }

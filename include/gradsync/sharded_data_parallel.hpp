@@ -143,6 +143,7 @@ private:
         shards_ = detail::ShardLayout<in_place>(
             layout_.params, plan_, world_size(), rank(),
             [this](std::size_t b) { return reinterpret_cast<float*>(engine_.reduced_buffer(b)); }, released_.store());
+        passes_.build(shards_);
         storage_.reset(plan_.buckets.size());
         readiness_.plan(plan_, layout_.params.size());
     }
@@ -165,7 +166,7 @@ private:
         detail::check_histories(backend_, history_, options_.check_histories, step, number);
         // This rank's share of the norm and of the finite check, then everyone's. With a loss
         // scale, the same pass unscales, as DataParallel's finalize pass does.
-        detail::decide_on_shards(backend_, shards_, parameters(), scaler_, options_.clip_norm, report,
+        detail::decide_on_shards(backend_, passes_, shards_, parameters(), scaler_, options_.clip_norm, report,
                                  [this](detail::CollectivePurpose purpose) { return tag_of(purpose); });
         if (report.applied)
             detail::update_and_gather(backend_, shards_, optimizer, [this](std::size_t b) {
@@ -202,6 +203,7 @@ private:
         return follow(plan_, first, last, in_backward, [this](std::size_t b) {
             engine_.refresh(b, plan_.buckets[b], layout_.params);
             shards_.refresh(b, layout_.params);
+            passes_.build(shards_);
         });
     }
 
@@ -215,7 +217,8 @@ private:
 
     BucketPlan plan_;
     detail::ShardLayout<in_place> shards_;
-    detail::ReleasedShards<Model, in_place> released_;  // stage 2
+    detail::ReleasedShards<Model, in_place> released_;     // stage 2
+    detail::ShardPasses<typename CoreOf::memory> passes_;  // the decision's passes over the shards
     // Overlap: which parameters grad_ready reported this step, and the reduce_scatters launched
     // (buckets 0 .. launched_ - 1; written under the readiness lock during backward).
     std::size_t launched_ = 0;

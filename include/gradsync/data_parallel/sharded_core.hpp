@@ -19,7 +19,8 @@ struct ShardedCoreOf {
     static_assert(check_backend<BackendT>());
     using Set = ShardedPolicySet<Policies...>;
     static constexpr bool in_place = ScatteredShardedCollectives<BackendT>;
-    using engine = BucketEngine<BackendT, HostMemory, DType::float32, in_place, typename Set::comm_hook,
+    using memory = HostMemory;  // the gradients', the shards' and the buckets'
+    using engine = BucketEngine<BackendT, memory, DType::float32, in_place, typename Set::comm_hook,
                                 BucketCollective::reduce_scatter>;
     using type = FrontCore<Front, Model, BackendT, engine, ShardedOptions, typename Set::loss_scaler>;
 };
