@@ -9563,7 +9563,6 @@ private:
 
 #include <algorithm>  // for std::sort, std::max, std::min
 #include <cstddef>
-#include <cstring>  // for std::memcpy
 #include <span>
 #include <utility>  // for std::move
 #include <vector>
@@ -9585,72 +9584,100 @@ struct ShardPiece {
 
 namespace detail {
 
+// The elements of this rank's shards of `plan`: the size of a stage-2 gradient store.
+inline std::size_t shard_elements(const BucketPlan& plan, int ranks, int rank) {
+    std::size_t n = 0;
+    for (const auto& bucket : plan.buckets) n += shard_of(bucket.count, ranks, rank).count;
+    return n;
+}
+
+// The parts of `segments` (float32, one after another) that lie within elements [lo, hi).
+inline std::vector<Segment> segments_within(std::span<const Segment> segments, std::size_t lo, std::size_t hi) {
+    std::vector<Segment> out;
+    std::size_t at = 0;
+    for (const auto& s : segments) {
+        const std::size_t begin = std::max(lo, at), end = std::min(hi, at + s.count);
+        if (begin < end) out.push_back({static_cast<float*>(s.data) + (begin - at), end - begin});
+        at += s.count;
+    }
+    return out;
+}
+
 // One bucket: its parameters where the model keeps them (by parameter index: the element order
-// of the bucket), this rank's shard, and the parameter buffer when packed.
+// of the bucket), this rank's shard, and the parameter buffer when packed. Every copy goes
+// through the memory policy, as a pack or unpack over one of its tables.
+template <class Memory>
 struct ShardSlot {
-    std::vector<std::size_t> indices;  // the bucket's parameters, ascending
-    HostMemory::Table params;          // float32 segments, in that order
-    std::vector<float> param_buffer;
+    std::vector<std::size_t> indices;       // the bucket's parameters, ascending
+    std::vector<Segment> param_segments;    // float32, in that order
+    typename Memory::Table param_table;     // param_segments
+    typename Memory::Table shard_params;    // the parts of them in this rank's shard
+    typename Memory::Table shard_grads;     // the model's gradients there (stage 2 keeps them)
+    typename Memory::Storage param_buffer;  // packed: the whole bucket's parameters
+    std::size_t count = 0;
     Shard shard;
     std::size_t first_piece = 0, piece_count = 0;  // this rank's pieces of the bucket
     float* packed_grads = nullptr;                 // where the bucket was reduced packed, if it was
 
-    void unpack_params() const { HostMemory{}.unpack(params, reinterpret_cast<const std::byte*>(param_buffer.data())); }
-    // Copies the model's parameters of this rank's shard into the parameter buffer.
-    void pack_shard() {
-        const std::size_t lo = shard.offset, hi = lo + shard.count;
-        std::size_t at = 0;
-        for (const auto& s : params.segments) {
-            const std::size_t begin = std::max(lo, at), end = std::min(hi, at + s.count);
-            if (begin < end)
-                std::memcpy(param_buffer.data() + begin, static_cast<const float*>(s.data) + (begin - at),
-                            (end - begin) * sizeof(float));
-            at += s.count;
+    [[nodiscard]] float* buffer() const { return reinterpret_cast<float*>(Memory::data(param_buffer)); }
+    // The tables, from where `params` says the bucket's parameters and gradients lie.
+    void build(const Memory& memory, std::span<const Parameter> params) {
+        param_segments.clear();
+        std::vector<Segment> grads;
+        for (auto i : indices) {
+            param_segments.push_back({params[i].data, params[i].count});
+            grads.push_back({params[i].grad, params[i].count});
         }
+        const std::size_t lo = shard.offset, hi = lo + shard.count;
+        param_table = memory.table(param_segments, DType::float32);
+        shard_params = memory.table(segments_within(param_segments, lo, hi), DType::float32);
+        shard_grads = memory.table(segments_within(grads, lo, hi), DType::float32);
     }
 };
 
 // Every bucket's slot and this rank's pieces, in bucket order; the pieces' state offsets count
 // up from 0 to state_elements. A `grad_store` of shard_elements() floats holds the pieces'
 // gradients at their state offsets (stage 2); without one they lie in `packed_grads(b)`, where
-// bucket b was reduced packed (null: where it lies), or else in the model's gradients.
-template <bool InPlace>
+// bucket b was reduced packed (null: where it lies), or else in the model's gradients. Memory:
+// the memory policy where parameters and gradients lie.
+template <bool InPlace, class Memory = HostMemory>
 struct ShardLayout {
-    std::vector<ShardSlot> slots;
+    static constexpr bool in_place = InPlace;
+    std::vector<ShardSlot<Memory>> slots;
     std::vector<ShardPiece<float>> pieces;
     std::vector<std::span<float>> grads;  // the pieces' gradients, writable (unscaling, clipping)
     std::size_t state_elements = 0;
 
     ShardLayout() = default;
     template <class PackedGrads>
-    ShardLayout(std::span<const Parameter> params, const BucketPlan& plan, int ranks, int rank,
+    ShardLayout(Memory memory, std::span<const Parameter> params, const BucketPlan& plan, int ranks, int rank,
                 PackedGrads&& packed_grads, float* grad_store = nullptr)
-        : grad_store_(grad_store) {
+        : memory_(std::move(memory)), grad_store_(grad_store) {
         for (std::size_t b = 0; b < plan.buckets.size(); ++b) {
             const auto& bucket = plan.buckets[b];
-            ShardSlot slot;
+            ShardSlot<Memory> slot;
             slot.indices = bucket.parameters;
             std::sort(slot.indices.begin(), slot.indices.end());
-            const auto& indices = slot.indices;
+            slot.count = bucket.count;
+            slot.shard = shard_of(bucket.count, ranks, rank);
             slot.first_piece = pieces.size();
             slot.packed_grads = packed_grads(b);
-            for (auto i : indices) slot.params.segments.push_back({params[i].data, params[i].count});
-            if constexpr (!InPlace) slot.param_buffer.assign(bucket.count, 0.0f);
-            slot.shard = shard_of(bucket.count, ranks, rank);
+            slot.build(memory_, params);
+            if constexpr (!InPlace) slot.param_buffer = memory_.allocate(Bytes{bucket.count * sizeof(float)});
             // The shard crosses the bucket's parameters: one piece per parameter it covers.
             const std::size_t lo = slot.shard.offset, hi = lo + slot.shard.count;
             std::size_t at = 0;
-            for (std::size_t k = 0; k < slot.params.segments.size(); ++k) {
-                const std::size_t n = slot.params.segments[k].count, begin = std::max(lo, at),
+            for (std::size_t k = 0; k < slot.param_segments.size(); ++k) {
+                const std::size_t n = slot.param_segments[k].count, begin = std::max(lo, at),
                                   end = std::min(hi, at + n);
                 if (begin < end) {
-                    float* p = InPlace ? static_cast<float*>(slot.params.segments[k].data) + (begin - at)
-                                       : slot.param_buffer.data() + begin;
+                    float* p = InPlace ? static_cast<float*>(slot.param_segments[k].data) + (begin - at)
+                                       : slot.buffer() + begin;
                     float* g = grad_store_ != nullptr ? grad_store_ + state_elements
                                : slot.packed_grads != nullptr
                                    ? slot.packed_grads + begin
-                                   : static_cast<float*>(params[indices[k]].grad) + (begin - at);
-                    add_piece(p, g, end - begin, indices[k], begin - at);
+                                   : static_cast<float*>(params[slot.indices[k]].grad) + (begin - at);
+                    add_piece(p, g, end - begin, slot.indices[k], begin - at);
                 }
                 at += n;
             }
@@ -9659,21 +9686,11 @@ struct ShardLayout {
         }
     }
 
-    // The elements of this rank's shards of `plan`: the size of a grad_store.
-    static std::size_t shard_elements(const BucketPlan& plan, int ranks, int rank) {
-        std::size_t n = 0;
-        for (const auto& bucket : plan.buckets) n += shard_of(bucket.count, ranks, rank).count;
-        return n;
-    }
-
-    // Bucket b's storage moved to where `params` says: its segments, and in place its pieces,
+    // Bucket b's storage moved to where `params` says: its tables, and in place its pieces,
     // follow.
     void refresh(std::size_t b, std::span<const Parameter> params) {
         auto& slot = slots[b];
-        for (std::size_t k = 0; k < slot.indices.size(); ++k) {
-            const auto& p = params[slot.indices[k]];
-            slot.params.segments[k] = {p.data, p.count};
-        }
+        slot.build(memory_, params);
         for (std::size_t j = slot.first_piece; j < slot.first_piece + slot.piece_count; ++j) {
             auto& piece = pieces[j];
             const auto& p = params[piece.parameter];
@@ -9684,15 +9701,23 @@ struct ShardLayout {
         }
     }
 
-    // Stage 2, once bucket b is reduced in place: its pieces' averaged gradients, copied from the
-    // model into the grad_store, where they outlive the model's gradients.
-    void keep_shard(std::size_t b, std::span<const Parameter> params) {
+    // Packed: the model's parameters of this rank's shard copied into bucket b's parameter buffer.
+    void pack_shard(std::size_t b) const {
         const auto& slot = slots[b];
-        for (std::size_t j = slot.first_piece; j < slot.first_piece + slot.piece_count; ++j) {
-            const auto& piece = pieces[j];
-            std::memcpy(grads[j].data(), static_cast<const float*>(params[piece.parameter].grad) + piece.offset,
-                        grads[j].size() * sizeof(float));
-        }
+        memory_.pack(slot.shard_params, reinterpret_cast<std::byte*>(slot.buffer() + slot.shard.offset));
+    }
+    // Packed: bucket b's gathered parameters copied into the model.
+    void unpack_params(std::size_t b) const {
+        memory_.unpack(slots[b].param_table, reinterpret_cast<const std::byte*>(slots[b].buffer()));
+    }
+
+    // Stage 2, once bucket b is reduced in place: its pieces' averaged gradients, copied from the
+    // model into the grad_store (where they lie one after another), where they outlive the
+    // model's gradients.
+    void keep_shard(std::size_t b) const {
+        const auto& slot = slots[b];
+        if (slot.piece_count == 0) return;
+        memory_.pack(slot.shard_grads, reinterpret_cast<std::byte*>(grads[slot.first_piece].data()));
     }
 
 private:
@@ -9703,6 +9728,7 @@ private:
         state_elements += n;
     }
 
+    Memory memory_{};
     float* grad_store_ = nullptr;
 };
 
@@ -9723,7 +9749,7 @@ public:
     // Sizes the store for this rank's shards of `plan` when on.
     void plan(bool on, const BucketPlan& plan, int ranks, int rank) {
         on_ = on;
-        store_.assign(on ? ShardLayout<InPlace>::shard_elements(plan, ranks, rank) : 0, 0.0f);
+        store_.assign(on ? shard_elements(plan, ranks, rank) : 0, 0.0f);
     }
     [[nodiscard]] bool on() const { return on_; }
     // Where the pieces' gradients lie when on (for ShardLayout), else null.
@@ -9742,10 +9768,11 @@ public:
     }
 
     // Bucket b is reduced: its share kept, then its gradients released.
-    void keep(Model& model, ShardLayout<InPlace>& shards, const ModelLayout& layout, std::size_t b) {
+    template <class Layout>
+    void keep(Model& model, const Layout& shards, const ModelLayout& layout, std::size_t b) {
         if constexpr (InPlace && ReleasableGradients<Model>) {
             if (!on_) return;
-            shards.keep_shard(b, layout.params);
+            shards.keep_shard(b);
             release(model, shards, layout, b);
         } else {
             (void)model, (void)shards, (void)layout, (void)b;
@@ -9753,11 +9780,13 @@ public:
     }
     // The gradients of the buckets before `kept` released again: a listing of the model made them
     // anew.
-    void release_again(Model& model, const ShardLayout<InPlace>& shards, const ModelLayout& layout, std::size_t kept) {
+    template <class Layout>
+    void release_again(Model& model, const Layout& shards, const ModelLayout& layout, std::size_t kept) {
         for (std::size_t b = 0; on_ && b < kept; ++b) release(model, shards, layout, b);
     }
     // Bucket b's gradients released.
-    void release(Model& model, const ShardLayout<InPlace>& shards, const ModelLayout& layout, std::size_t b) {
+    template <class Layout>
+    void release(Model& model, const Layout& shards, const ModelLayout& layout, std::size_t b) {
         if constexpr (ReleasableGradients<Model>) {
             model_indices_.clear();
             for (auto p : shards.slots[b].indices) model_indices_.push_back(layout.model_index_of_param[p]);
@@ -9807,8 +9836,8 @@ struct ShardPasses {
     Memory memory;
     typename Memory::Table table;
 
-    template <bool InPlace>
-    void build(const ShardLayout<InPlace>& shards) {
+    template <class Layout>
+    void build(const Layout& shards) {
         std::vector<Segment> segments;
         segments.reserve(shards.grads.size());
         for (const auto g : shards.grads) segments.push_back(Segment{g.data(), g.size()});
@@ -9852,10 +9881,9 @@ std::vector<std::string> overflowed_parameters(B& backend, const ShardPasses<Mem
 // while their norm is measured, the scaler told the outcome, and then either the overflowed
 // parameters named (report.applied false) or the shards clipped to `clip_norm` (above 0).
 // tag_of(purpose) tags each collective.
-template <Backend B, class Memory, bool InPlace, class Scaler, class TagOf>
-void decide_on_shards(B& backend, ShardPasses<Memory>& passes, const ShardLayout<InPlace>& shards,
-                      std::span<const Parameter> params, Scaler& scaler, double clip_norm, StepReport& report,
-                      TagOf&& tag_of) {
+template <Backend B, class Memory, class Layout, class Scaler, class TagOf>
+void decide_on_shards(B& backend, ShardPasses<Memory>& passes, const Layout& shards, std::span<const Parameter> params,
+                      Scaler& scaler, double clip_norm, StepReport& report, TagOf&& tag_of) {
     report.loss_scale = scaler.scale();
     const auto verdict = agree_on_shards(backend, passes, 1.0 / static_cast<double>(report.loss_scale),
                                          tag_of(CollectivePurpose::step_decision));
@@ -9875,20 +9903,21 @@ void decide_on_shards(B& backend, ShardPasses<Memory>& passes, const ShardLayout
 
 // optimizer(pieces) on this rank's shards, then every bucket's parameters all-gathered into
 // every rank's model, where they lie or through the packed buffers; tag_of(b) tags bucket b's.
-template <Backend B, bool InPlace, class Optimizer, class TagOf>
-void update_and_gather(B& backend, ShardLayout<InPlace>& shards, Optimizer& optimizer, TagOf&& tag_of) {
-    if constexpr (!InPlace)
-        for (auto& slot : shards.slots) slot.pack_shard();  // the parameters as the model holds them now
+template <Backend B, class Layout, class Optimizer, class TagOf>
+void update_and_gather(B& backend, Layout& shards, Optimizer& optimizer, TagOf&& tag_of) {
+    const std::size_t buckets = shards.slots.size();
+    if constexpr (!Layout::in_place)
+        for (std::size_t b = 0; b < buckets; ++b) shards.pack_shard(b);  // the parameters as the model holds them now
     optimizer(std::span<const ShardPiece<float>>(shards.pieces));
-    for (std::size_t b = 0; b < shards.slots.size(); ++b) {
-        auto& slot = shards.slots[b];
-        if constexpr (InPlace)
-            all_gather_tagged(backend, slot.params.segments, DType::float32, tag_of(b));
+    for (std::size_t b = 0; b < buckets; ++b) {
+        const auto& slot = shards.slots[b];
+        if constexpr (Layout::in_place)
+            all_gather_tagged(backend, std::span<const Segment>(slot.param_segments), DType::float32, tag_of(b));
         else
-            all_gather_tagged(backend, buffer_of(std::span<float>(slot.param_buffer)), tag_of(b));
+            all_gather_tagged(backend, Buffer{slot.buffer(), slot.count, DType::float32}, tag_of(b));
     }
-    if constexpr (!InPlace)
-        for (auto& slot : shards.slots) slot.unpack_params();
+    if constexpr (!Layout::in_place)
+        for (std::size_t b = 0; b < buckets; ++b) shards.unpack_params(b);
 }
 
 }  // namespace gradsync::inline v0::detail
@@ -10204,8 +10233,8 @@ private:
         released_.plan(options_.release_gradients, plan_, world_size(), rank());
         engine_.setup(plan_, layout_.params);
         // The pieces' gradients: where the engine leaves each bucket's shard (stage 2: the store).
-        shards_ = detail::ShardLayout<in_place>(
-            layout_.params, plan_, world_size(), rank(),
+        shards_ = Shards(
+            engine_.memory(), layout_.params, plan_, world_size(), rank(),
             [this](std::size_t b) { return reinterpret_cast<float*>(engine_.reduced_buffer(b)); }, released_.store());
         passes_.build(shards_);
         storage_.reset(plan_.buckets.size());
@@ -10280,7 +10309,8 @@ private:
     }
 
     BucketPlan plan_;
-    detail::ShardLayout<in_place> shards_;
+    using Shards = detail::ShardLayout<in_place, typename CoreOf::memory>;
+    Shards shards_;
     detail::ReleasedShards<Model, in_place> released_;     // stage 2
     detail::ShardPasses<typename CoreOf::memory> passes_;  // the decision's passes over the shards
     // Overlap: which parameters grad_ready reported this step, and the reduce_scatters launched

@@ -17,6 +17,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -326,7 +327,7 @@ TEST_CASE("sharded step: the decision unscales, measures, clips and names an ove
         m.fill(0);  // alike on both ranks: g01[i] = i, g2 = 2, g3 = 3
         const auto params = m.parameters();
         const auto plan = two_buckets();  // shards: t0 and t1 split at 15; t2 and t3[0] | t3[1..6]
-        ShardLayout<true> shards(params, plan, 2, local.rank(), packed_nowhere);
+        ShardLayout<true> shards(gradsync::HostMemory{}, params, plan, 2, local.rank(), packed_nowhere);
         ShardPasses<CountingMemory> passes;
         passes.build(shards);
         gradsync::StaticLossScale scaler;
@@ -359,4 +360,61 @@ TEST_CASE("sharded step: the decision unscales, measures, clips and names an ove
         CHECK(passes.memory.measured == 1);
         CHECK(passes.memory.scaled == 1);  // not clipped
     });
+}
+
+namespace {
+
+// HostMemory whose copies count packs and unpacks; its copies share the counts.
+struct CopyCountingMemory : gradsync::HostMemory {
+    std::shared_ptr<int> packs = std::make_shared<int>(0), unpacks = std::make_shared<int>(0);
+    void pack(const Table& t, std::byte* dst) const {
+        ++*packs;
+        HostMemory::pack(t, dst);
+    }
+    void unpack(const Table& t, const std::byte* src) const {
+        ++*unpacks;
+        HostMemory::unpack(t, src);
+    }
+};
+
+}  // namespace
+
+TEST_CASE(
+    "sharded layout: the shard's parameters, the gathered bucket and a kept shard are copied by the memory policy") {
+    using gradsync::detail::ShardLayout;
+    const auto packed_nowhere = [](std::size_t) { return static_cast<float*>(nullptr); };
+    const auto plan = two_buckets();  // shards of 2 ranks: t0 and t1 split at 15; t2 and t3[0] | t3[1..6]
+    for (int rank : {0, 1}) {
+        CAPTURE(rank);
+        Mixed m;
+        m.fill(0);
+        for (std::size_t i = 0; i < m.w01.size(); ++i) m.w01[i] = 100.0f + float(i);
+        const auto params = m.parameters();
+        const CopyCountingMemory memory;
+        ShardLayout<false, CopyCountingMemory> packed(memory, params, plan, 2, rank, packed_nowhere);
+        packed.pack_shard(0);
+        CHECK(*memory.packs == 1);
+        const float* buffer = packed.slots[0].buffer();
+        const std::size_t lo = rank == 0 ? 0 : 15;
+        for (std::size_t i = 0; i < 30; ++i) CHECK(buffer[i] == (i - lo < 15 ? 100.0f + float(i) : 0.0f));
+        // As an all-gather leaves it: every element written; then the model takes it.
+        for (std::size_t i = 0; i < 30; ++i) packed.slots[0].buffer()[i] = -float(i);
+        packed.unpack_params(0);
+        CHECK(*memory.unpacks == 1);
+        for (std::size_t i = 0; i < 30; ++i) CHECK(m.w01[i] == -float(i));
+
+        // Stage 2: bucket 1's share of the gradients, kept in the store where its pieces lie.
+        std::vector<float> store(gradsync::detail::shard_elements(plan, 2, rank), -1.0f);
+        ShardLayout<true, CopyCountingMemory> kept(memory, params, plan, 2, rank, packed_nowhere, store.data());
+        kept.keep_shard(1);
+        CHECK(*memory.packs == 2);
+        const std::size_t at = 15;  // after bucket 0's shard
+        if (rank == 0) {
+            for (std::size_t i = 0; i < 5; ++i) CHECK(store[at + i] == m.g2[i]);
+            CHECK(store[at + 5] == m.g3[0]);
+        } else {
+            for (std::size_t i = 0; i < 6; ++i) CHECK(store[at + i] == m.g3[1 + i]);
+        }
+        CHECK(store[0] == -1.0f);  // bucket 0 not kept
+    }
 }

@@ -140,8 +140,8 @@ private:
         released_.plan(options_.release_gradients, plan_, world_size(), rank());
         engine_.setup(plan_, layout_.params);
         // The pieces' gradients: where the engine leaves each bucket's shard (stage 2: the store).
-        shards_ = detail::ShardLayout<in_place>(
-            layout_.params, plan_, world_size(), rank(),
+        shards_ = Shards(
+            engine_.memory(), layout_.params, plan_, world_size(), rank(),
             [this](std::size_t b) { return reinterpret_cast<float*>(engine_.reduced_buffer(b)); }, released_.store());
         passes_.build(shards_);
         storage_.reset(plan_.buckets.size());
@@ -216,7 +216,8 @@ private:
     }
 
     BucketPlan plan_;
-    detail::ShardLayout<in_place> shards_;
+    using Shards = detail::ShardLayout<in_place, typename CoreOf::memory>;
+    Shards shards_;
     detail::ReleasedShards<Model, in_place> released_;     // stage 2
     detail::ShardPasses<typename CoreOf::memory> passes_;  // the decision's passes over the shards
     // Overlap: which parameters grad_ready reported this step, and the reduce_scatters launched

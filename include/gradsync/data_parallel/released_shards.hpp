@@ -21,7 +21,7 @@ public:
     // Sizes the store for this rank's shards of `plan` when on.
     void plan(bool on, const BucketPlan& plan, int ranks, int rank) {
         on_ = on;
-        store_.assign(on ? ShardLayout<InPlace>::shard_elements(plan, ranks, rank) : 0, 0.0f);
+        store_.assign(on ? shard_elements(plan, ranks, rank) : 0, 0.0f);
     }
     [[nodiscard]] bool on() const { return on_; }
     // Where the pieces' gradients lie when on (for ShardLayout), else null.
@@ -40,10 +40,11 @@ public:
     }
 
     // Bucket b is reduced: its share kept, then its gradients released.
-    void keep(Model& model, ShardLayout<InPlace>& shards, const ModelLayout& layout, std::size_t b) {
+    template <class Layout>
+    void keep(Model& model, const Layout& shards, const ModelLayout& layout, std::size_t b) {
         if constexpr (InPlace && ReleasableGradients<Model>) {
             if (!on_) return;
-            shards.keep_shard(b, layout.params);
+            shards.keep_shard(b);
             release(model, shards, layout, b);
         } else {
             (void)model, (void)shards, (void)layout, (void)b;
@@ -51,11 +52,13 @@ public:
     }
     // The gradients of the buckets before `kept` released again: a listing of the model made them
     // anew.
-    void release_again(Model& model, const ShardLayout<InPlace>& shards, const ModelLayout& layout, std::size_t kept) {
+    template <class Layout>
+    void release_again(Model& model, const Layout& shards, const ModelLayout& layout, std::size_t kept) {
         for (std::size_t b = 0; on_ && b < kept; ++b) release(model, shards, layout, b);
     }
     // Bucket b's gradients released.
-    void release(Model& model, const ShardLayout<InPlace>& shards, const ModelLayout& layout, std::size_t b) {
+    template <class Layout>
+    void release(Model& model, const Layout& shards, const ModelLayout& layout, std::size_t b) {
         if constexpr (ReleasableGradients<Model>) {
             model_indices_.clear();
             for (auto p : shards.slots[b].indices) model_indices_.push_back(layout.model_index_of_param[p]);

@@ -8,12 +8,13 @@
 
 #include <gradsync/bucket/plan.hpp>
 #include <gradsync/buffer.hpp>
+#include <gradsync/bytes.hpp>
+#include <gradsync/dtype.hpp>
 #include <gradsync/memory/host.hpp>
 #include <gradsync/model/model.hpp>
 
 #include <algorithm>  // for std::sort, std::max, std::min
 #include <cstddef>
-#include <cstring>  // for std::memcpy
 #include <span>
 #include <utility>  // for std::move
 #include <vector>
@@ -35,72 +36,100 @@ struct ShardPiece {
 
 namespace detail {
 
+// The elements of this rank's shards of `plan`: the size of a stage-2 gradient store.
+inline std::size_t shard_elements(const BucketPlan& plan, int ranks, int rank) {
+    std::size_t n = 0;
+    for (const auto& bucket : plan.buckets) n += shard_of(bucket.count, ranks, rank).count;
+    return n;
+}
+
+// The parts of `segments` (float32, one after another) that lie within elements [lo, hi).
+inline std::vector<Segment> segments_within(std::span<const Segment> segments, std::size_t lo, std::size_t hi) {
+    std::vector<Segment> out;
+    std::size_t at = 0;
+    for (const auto& s : segments) {
+        const std::size_t begin = std::max(lo, at), end = std::min(hi, at + s.count);
+        if (begin < end) out.push_back({static_cast<float*>(s.data) + (begin - at), end - begin});
+        at += s.count;
+    }
+    return out;
+}
+
 // One bucket: its parameters where the model keeps them (by parameter index: the element order
-// of the bucket), this rank's shard, and the parameter buffer when packed.
+// of the bucket), this rank's shard, and the parameter buffer when packed. Every copy goes
+// through the memory policy, as a pack or unpack over one of its tables.
+template <class Memory>
 struct ShardSlot {
-    std::vector<std::size_t> indices;  // the bucket's parameters, ascending
-    HostMemory::Table params;          // float32 segments, in that order
-    std::vector<float> param_buffer;
+    std::vector<std::size_t> indices;       // the bucket's parameters, ascending
+    std::vector<Segment> param_segments;    // float32, in that order
+    typename Memory::Table param_table;     // param_segments
+    typename Memory::Table shard_params;    // the parts of them in this rank's shard
+    typename Memory::Table shard_grads;     // the model's gradients there (stage 2 keeps them)
+    typename Memory::Storage param_buffer;  // packed: the whole bucket's parameters
+    std::size_t count = 0;
     Shard shard;
     std::size_t first_piece = 0, piece_count = 0;  // this rank's pieces of the bucket
     float* packed_grads = nullptr;                 // where the bucket was reduced packed, if it was
 
-    void unpack_params() const { HostMemory{}.unpack(params, reinterpret_cast<const std::byte*>(param_buffer.data())); }
-    // Copies the model's parameters of this rank's shard into the parameter buffer.
-    void pack_shard() {
-        const std::size_t lo = shard.offset, hi = lo + shard.count;
-        std::size_t at = 0;
-        for (const auto& s : params.segments) {
-            const std::size_t begin = std::max(lo, at), end = std::min(hi, at + s.count);
-            if (begin < end)
-                std::memcpy(param_buffer.data() + begin, static_cast<const float*>(s.data) + (begin - at),
-                            (end - begin) * sizeof(float));
-            at += s.count;
+    [[nodiscard]] float* buffer() const { return reinterpret_cast<float*>(Memory::data(param_buffer)); }
+    // The tables, from where `params` says the bucket's parameters and gradients lie.
+    void build(const Memory& memory, std::span<const Parameter> params) {
+        param_segments.clear();
+        std::vector<Segment> grads;
+        for (auto i : indices) {
+            param_segments.push_back({params[i].data, params[i].count});
+            grads.push_back({params[i].grad, params[i].count});
         }
+        const std::size_t lo = shard.offset, hi = lo + shard.count;
+        param_table = memory.table(param_segments, DType::float32);
+        shard_params = memory.table(segments_within(param_segments, lo, hi), DType::float32);
+        shard_grads = memory.table(segments_within(grads, lo, hi), DType::float32);
     }
 };
 
 // Every bucket's slot and this rank's pieces, in bucket order; the pieces' state offsets count
 // up from 0 to state_elements. A `grad_store` of shard_elements() floats holds the pieces'
 // gradients at their state offsets (stage 2); without one they lie in `packed_grads(b)`, where
-// bucket b was reduced packed (null: where it lies), or else in the model's gradients.
-template <bool InPlace>
+// bucket b was reduced packed (null: where it lies), or else in the model's gradients. Memory:
+// the memory policy where parameters and gradients lie.
+template <bool InPlace, class Memory = HostMemory>
 struct ShardLayout {
-    std::vector<ShardSlot> slots;
+    static constexpr bool in_place = InPlace;
+    std::vector<ShardSlot<Memory>> slots;
     std::vector<ShardPiece<float>> pieces;
     std::vector<std::span<float>> grads;  // the pieces' gradients, writable (unscaling, clipping)
     std::size_t state_elements = 0;
 
     ShardLayout() = default;
     template <class PackedGrads>
-    ShardLayout(std::span<const Parameter> params, const BucketPlan& plan, int ranks, int rank,
+    ShardLayout(Memory memory, std::span<const Parameter> params, const BucketPlan& plan, int ranks, int rank,
                 PackedGrads&& packed_grads, float* grad_store = nullptr)
-        : grad_store_(grad_store) {
+        : memory_(std::move(memory)), grad_store_(grad_store) {
         for (std::size_t b = 0; b < plan.buckets.size(); ++b) {
             const auto& bucket = plan.buckets[b];
-            ShardSlot slot;
+            ShardSlot<Memory> slot;
             slot.indices = bucket.parameters;
             std::sort(slot.indices.begin(), slot.indices.end());
-            const auto& indices = slot.indices;
+            slot.count = bucket.count;
+            slot.shard = shard_of(bucket.count, ranks, rank);
             slot.first_piece = pieces.size();
             slot.packed_grads = packed_grads(b);
-            for (auto i : indices) slot.params.segments.push_back({params[i].data, params[i].count});
-            if constexpr (!InPlace) slot.param_buffer.assign(bucket.count, 0.0f);
-            slot.shard = shard_of(bucket.count, ranks, rank);
+            slot.build(memory_, params);
+            if constexpr (!InPlace) slot.param_buffer = memory_.allocate(Bytes{bucket.count * sizeof(float)});
             // The shard crosses the bucket's parameters: one piece per parameter it covers.
             const std::size_t lo = slot.shard.offset, hi = lo + slot.shard.count;
             std::size_t at = 0;
-            for (std::size_t k = 0; k < slot.params.segments.size(); ++k) {
-                const std::size_t n = slot.params.segments[k].count, begin = std::max(lo, at),
+            for (std::size_t k = 0; k < slot.param_segments.size(); ++k) {
+                const std::size_t n = slot.param_segments[k].count, begin = std::max(lo, at),
                                   end = std::min(hi, at + n);
                 if (begin < end) {
-                    float* p = InPlace ? static_cast<float*>(slot.params.segments[k].data) + (begin - at)
-                                       : slot.param_buffer.data() + begin;
+                    float* p = InPlace ? static_cast<float*>(slot.param_segments[k].data) + (begin - at)
+                                       : slot.buffer() + begin;
                     float* g = grad_store_ != nullptr ? grad_store_ + state_elements
                                : slot.packed_grads != nullptr
                                    ? slot.packed_grads + begin
-                                   : static_cast<float*>(params[indices[k]].grad) + (begin - at);
-                    add_piece(p, g, end - begin, indices[k], begin - at);
+                                   : static_cast<float*>(params[slot.indices[k]].grad) + (begin - at);
+                    add_piece(p, g, end - begin, slot.indices[k], begin - at);
                 }
                 at += n;
             }
@@ -109,21 +138,11 @@ struct ShardLayout {
         }
     }
 
-    // The elements of this rank's shards of `plan`: the size of a grad_store.
-    static std::size_t shard_elements(const BucketPlan& plan, int ranks, int rank) {
-        std::size_t n = 0;
-        for (const auto& bucket : plan.buckets) n += shard_of(bucket.count, ranks, rank).count;
-        return n;
-    }
-
-    // Bucket b's storage moved to where `params` says: its segments, and in place its pieces,
+    // Bucket b's storage moved to where `params` says: its tables, and in place its pieces,
     // follow.
     void refresh(std::size_t b, std::span<const Parameter> params) {
         auto& slot = slots[b];
-        for (std::size_t k = 0; k < slot.indices.size(); ++k) {
-            const auto& p = params[slot.indices[k]];
-            slot.params.segments[k] = {p.data, p.count};
-        }
+        slot.build(memory_, params);
         for (std::size_t j = slot.first_piece; j < slot.first_piece + slot.piece_count; ++j) {
             auto& piece = pieces[j];
             const auto& p = params[piece.parameter];
@@ -134,15 +153,23 @@ struct ShardLayout {
         }
     }
 
-    // Stage 2, once bucket b is reduced in place: its pieces' averaged gradients, copied from the
-    // model into the grad_store, where they outlive the model's gradients.
-    void keep_shard(std::size_t b, std::span<const Parameter> params) {
+    // Packed: the model's parameters of this rank's shard copied into bucket b's parameter buffer.
+    void pack_shard(std::size_t b) const {
         const auto& slot = slots[b];
-        for (std::size_t j = slot.first_piece; j < slot.first_piece + slot.piece_count; ++j) {
-            const auto& piece = pieces[j];
-            std::memcpy(grads[j].data(), static_cast<const float*>(params[piece.parameter].grad) + piece.offset,
-                        grads[j].size() * sizeof(float));
-        }
+        memory_.pack(slot.shard_params, reinterpret_cast<std::byte*>(slot.buffer() + slot.shard.offset));
+    }
+    // Packed: bucket b's gathered parameters copied into the model.
+    void unpack_params(std::size_t b) const {
+        memory_.unpack(slots[b].param_table, reinterpret_cast<const std::byte*>(slots[b].buffer()));
+    }
+
+    // Stage 2, once bucket b is reduced in place: its pieces' averaged gradients, copied from the
+    // model into the grad_store (where they lie one after another), where they outlive the
+    // model's gradients.
+    void keep_shard(std::size_t b) const {
+        const auto& slot = slots[b];
+        if (slot.piece_count == 0) return;
+        memory_.pack(slot.shard_grads, reinterpret_cast<std::byte*>(grads[slot.first_piece].data()));
     }
 
 private:
@@ -153,6 +180,7 @@ private:
         state_elements += n;
     }
 
+    Memory memory_{};
     float* grad_store_ = nullptr;
 };
 

@@ -34,8 +34,8 @@ struct ShardPasses {
     Memory memory;
     typename Memory::Table table;
 
-    template <bool InPlace>
-    void build(const ShardLayout<InPlace>& shards) {
+    template <class Layout>
+    void build(const Layout& shards) {
         std::vector<Segment> segments;
         segments.reserve(shards.grads.size());
         for (const auto g : shards.grads) segments.push_back(Segment{g.data(), g.size()});
@@ -79,10 +79,9 @@ std::vector<std::string> overflowed_parameters(B& backend, const ShardPasses<Mem
 // while their norm is measured, the scaler told the outcome, and then either the overflowed
 // parameters named (report.applied false) or the shards clipped to `clip_norm` (above 0).
 // tag_of(purpose) tags each collective.
-template <Backend B, class Memory, bool InPlace, class Scaler, class TagOf>
-void decide_on_shards(B& backend, ShardPasses<Memory>& passes, const ShardLayout<InPlace>& shards,
-                      std::span<const Parameter> params, Scaler& scaler, double clip_norm, StepReport& report,
-                      TagOf&& tag_of) {
+template <Backend B, class Memory, class Layout, class Scaler, class TagOf>
+void decide_on_shards(B& backend, ShardPasses<Memory>& passes, const Layout& shards, std::span<const Parameter> params,
+                      Scaler& scaler, double clip_norm, StepReport& report, TagOf&& tag_of) {
     report.loss_scale = scaler.scale();
     const auto verdict = agree_on_shards(backend, passes, 1.0 / static_cast<double>(report.loss_scale),
                                          tag_of(CollectivePurpose::step_decision));
@@ -102,20 +101,21 @@ void decide_on_shards(B& backend, ShardPasses<Memory>& passes, const ShardLayout
 
 // optimizer(pieces) on this rank's shards, then every bucket's parameters all-gathered into
 // every rank's model, where they lie or through the packed buffers; tag_of(b) tags bucket b's.
-template <Backend B, bool InPlace, class Optimizer, class TagOf>
-void update_and_gather(B& backend, ShardLayout<InPlace>& shards, Optimizer& optimizer, TagOf&& tag_of) {
-    if constexpr (!InPlace)
-        for (auto& slot : shards.slots) slot.pack_shard();  // the parameters as the model holds them now
+template <Backend B, class Layout, class Optimizer, class TagOf>
+void update_and_gather(B& backend, Layout& shards, Optimizer& optimizer, TagOf&& tag_of) {
+    const std::size_t buckets = shards.slots.size();
+    if constexpr (!Layout::in_place)
+        for (std::size_t b = 0; b < buckets; ++b) shards.pack_shard(b);  // the parameters as the model holds them now
     optimizer(std::span<const ShardPiece<float>>(shards.pieces));
-    for (std::size_t b = 0; b < shards.slots.size(); ++b) {
-        auto& slot = shards.slots[b];
-        if constexpr (InPlace)
-            all_gather_tagged(backend, slot.params.segments, DType::float32, tag_of(b));
+    for (std::size_t b = 0; b < buckets; ++b) {
+        const auto& slot = shards.slots[b];
+        if constexpr (Layout::in_place)
+            all_gather_tagged(backend, std::span<const Segment>(slot.param_segments), DType::float32, tag_of(b));
         else
-            all_gather_tagged(backend, buffer_of(std::span<float>(slot.param_buffer)), tag_of(b));
+            all_gather_tagged(backend, Buffer{slot.buffer(), slot.count, DType::float32}, tag_of(b));
     }
-    if constexpr (!InPlace)
-        for (auto& slot : shards.slots) slot.unpack_params();
+    if constexpr (!Layout::in_place)
+        for (std::size_t b = 0; b < buckets; ++b) shards.unpack_params(b);
 }
 
 }  // namespace gradsync::inline v0::detail
