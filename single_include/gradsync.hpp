@@ -9547,7 +9547,8 @@ private:
 // Stage 2 of ShardedDataParallel (ShardedOptions::release_gradients): once a bucket is
 // reduce-scattered, this rank's share of its averaged gradients is copied into a store of the
 // wrapper's (the optimizer's pieces point there) and the model is told to release the bucket's
-// gradients. Off, it keeps and releases nothing.
+// gradients. Off, it keeps and releases nothing. The store lies where the memory policy allocates:
+// beside the gradients it keeps.
 
 
 // ---- begin gradsync/data_parallel/shard_layout.hpp ----
@@ -9591,15 +9592,25 @@ inline std::size_t shard_elements(const BucketPlan& plan, int ranks, int rank) {
     return n;
 }
 
+// For each of `segments` (one after another) that crosses elements [lo, hi) of the whole:
+// fn(k, from, begin, n), its part from its own element `from` on, n long, which begins at element
+// `begin` of the whole.
+template <class Fn>
+void for_each_within(std::span<const Segment> segments, std::size_t lo, std::size_t hi, Fn&& fn) {
+    std::size_t at = 0;
+    for (std::size_t k = 0; k < segments.size(); ++k) {
+        const std::size_t n = segments[k].count, begin = std::max(lo, at), end = std::min(hi, at + n);
+        if (begin < end) fn(k, begin - at, begin, end - begin);
+        at += n;
+    }
+}
+
 // The parts of `segments` (float32, one after another) that lie within elements [lo, hi).
 inline std::vector<Segment> segments_within(std::span<const Segment> segments, std::size_t lo, std::size_t hi) {
     std::vector<Segment> out;
-    std::size_t at = 0;
-    for (const auto& s : segments) {
-        const std::size_t begin = std::max(lo, at), end = std::min(hi, at + s.count);
-        if (begin < end) out.push_back({static_cast<float*>(s.data) + (begin - at), end - begin});
-        at += s.count;
-    }
+    for_each_within(segments, lo, hi, [&](std::size_t k, std::size_t from, std::size_t, std::size_t n) {
+        out.push_back({static_cast<float*>(segments[k].data) + from, n});
+    });
     return out;
 }
 
@@ -9620,8 +9631,9 @@ struct ShardSlot {
     float* packed_grads = nullptr;                 // where the bucket was reduced packed, if it was
 
     [[nodiscard]] float* buffer() const { return reinterpret_cast<float*>(Memory::data(param_buffer)); }
-    // The tables, from where `params` says the bucket's parameters and gradients lie.
-    void build(const Memory& memory, std::span<const Parameter> params) {
+    // The tables, from where `params` says the bucket's parameters and gradients lie; the
+    // gradients' only where a store keeps them (stage 2).
+    void build(const Memory& memory, std::span<const Parameter> params, bool keeps_grads) {
         param_segments.clear();
         std::vector<Segment> grads;
         for (auto i : indices) {
@@ -9631,7 +9643,7 @@ struct ShardSlot {
         const std::size_t lo = shard.offset, hi = lo + shard.count;
         param_table = memory.table(param_segments, DType::float32);
         shard_params = memory.table(segments_within(param_segments, lo, hi), DType::float32);
-        shard_grads = memory.table(segments_within(grads, lo, hi), DType::float32);
+        if (keeps_grads) shard_grads = memory.table(segments_within(grads, lo, hi), DType::float32);
     }
 };
 
@@ -9639,7 +9651,8 @@ struct ShardSlot {
 // up from 0 to state_elements. A `grad_store` of shard_elements() floats holds the pieces'
 // gradients at their state offsets (stage 2); without one they lie in `packed_grads(b)`, where
 // bucket b was reduced packed (null: where it lies), or else in the model's gradients. Memory:
-// the memory policy where parameters and gradients lie.
+// the memory policy where parameters and gradients lie: the bucket engine's, which outlives the
+// layout and has prepared a result slot per bucket (the decision uses the first).
 template <bool InPlace, class Memory = HostMemory>
 struct ShardLayout {
     static constexpr bool in_place = InPlace;
@@ -9650,9 +9663,9 @@ struct ShardLayout {
 
     ShardLayout() = default;
     template <class PackedGrads>
-    ShardLayout(Memory memory, std::span<const Parameter> params, const BucketPlan& plan, int ranks, int rank,
+    ShardLayout(Memory& memory, std::span<const Parameter> params, const BucketPlan& plan, int ranks, int rank,
                 PackedGrads&& packed_grads, float* grad_store = nullptr)
-        : memory_(std::move(memory)), grad_store_(grad_store) {
+        : memory_(&memory), grad_store_(grad_store) {
         for (std::size_t b = 0; b < plan.buckets.size(); ++b) {
             const auto& bucket = plan.buckets[b];
             ShardSlot<Memory> slot;
@@ -9662,25 +9675,19 @@ struct ShardLayout {
             slot.shard = shard_of(bucket.count, ranks, rank);
             slot.first_piece = pieces.size();
             slot.packed_grads = packed_grads(b);
-            slot.build(memory_, params);
-            if constexpr (!InPlace) slot.param_buffer = memory_.allocate(Bytes{bucket.count * sizeof(float)});
+            slot.build(*memory_, params, grad_store_ != nullptr);
+            if constexpr (!InPlace) slot.param_buffer = memory_->allocate(Bytes{bucket.count * sizeof(float)});
             // The shard crosses the bucket's parameters: one piece per parameter it covers.
-            const std::size_t lo = slot.shard.offset, hi = lo + slot.shard.count;
-            std::size_t at = 0;
-            for (std::size_t k = 0; k < slot.param_segments.size(); ++k) {
-                const std::size_t n = slot.param_segments[k].count, begin = std::max(lo, at),
-                                  end = std::min(hi, at + n);
-                if (begin < end) {
-                    float* p = InPlace ? static_cast<float*>(slot.param_segments[k].data) + (begin - at)
-                                       : slot.buffer() + begin;
-                    float* g = grad_store_ != nullptr ? grad_store_ + state_elements
-                               : slot.packed_grads != nullptr
-                                   ? slot.packed_grads + begin
-                                   : static_cast<float*>(params[slot.indices[k]].grad) + (begin - at);
-                    add_piece(p, g, end - begin, slot.indices[k], begin - at);
-                }
-                at += n;
-            }
+            for_each_within(
+                slot.param_segments, slot.shard.offset, slot.shard.offset + slot.shard.count,
+                [&](std::size_t k, std::size_t from, std::size_t begin, std::size_t n) {
+                    const std::size_t parameter = slot.indices[k];
+                    float* p = InPlace ? static_cast<float*>(params[parameter].data) + from : slot.buffer() + begin;
+                    float* g = grad_store_ != nullptr         ? grad_store_ + state_elements
+                               : slot.packed_grads != nullptr ? slot.packed_grads + begin
+                                                              : static_cast<float*>(params[parameter].grad) + from;
+                    add_piece(p, g, n, parameter, from);
+                });
             slot.piece_count = pieces.size() - slot.first_piece;
             slots.push_back(std::move(slot));  // the buffers' memory moves with it
         }
@@ -9690,7 +9697,8 @@ struct ShardLayout {
     // follow.
     void refresh(std::size_t b, std::span<const Parameter> params) {
         auto& slot = slots[b];
-        slot.build(memory_, params);
+        slot.build(*memory_, params, grad_store_ != nullptr);
+        grads_moved_ = true;
         for (std::size_t j = slot.first_piece; j < slot.first_piece + slot.piece_count; ++j) {
             auto& piece = pieces[j];
             const auto& p = params[piece.parameter];
@@ -9704,11 +9712,11 @@ struct ShardLayout {
     // Packed: the model's parameters of this rank's shard copied into bucket b's parameter buffer.
     void pack_shard(std::size_t b) const {
         const auto& slot = slots[b];
-        memory_.pack(slot.shard_params, reinterpret_cast<std::byte*>(slot.buffer() + slot.shard.offset));
+        memory_->pack(slot.shard_params, reinterpret_cast<std::byte*>(slot.buffer() + slot.shard.offset));
     }
     // Packed: bucket b's gathered parameters copied into the model.
     void unpack_params(std::size_t b) const {
-        memory_.unpack(slots[b].param_table, reinterpret_cast<const std::byte*>(slots[b].buffer()));
+        memory_->unpack(slots[b].param_table, reinterpret_cast<const std::byte*>(slots[b].buffer()));
     }
 
     // Stage 2, once bucket b is reduced in place: its pieces' averaged gradients, copied from the
@@ -9717,7 +9725,23 @@ struct ShardLayout {
     void keep_shard(std::size_t b) const {
         const auto& slot = slots[b];
         if (slot.piece_count == 0) return;
-        memory_.pack(slot.shard_grads, reinterpret_cast<std::byte*>(grads[slot.first_piece].data()));
+        memory_->pack(slot.shard_grads, reinterpret_cast<std::byte*>(grads[slot.first_piece].data()));
+    }
+
+    // The memory policy where the pieces lie, for the step's passes over them.
+    [[nodiscard]] Memory& memory() { return *memory_; }
+    // The pieces' gradients as one table of the memory policy (a segment per piece, in piece
+    // order): the step's decision measures, unscales and clips them through it. Built at the first
+    // use after they moved, so that storage followed during backward costs no table per bucket.
+    [[nodiscard]] const typename Memory::Table& grad_table() {
+        if (grads_moved_) {
+            std::vector<Segment> segments;
+            segments.reserve(grads.size());
+            for (const auto g : grads) segments.push_back(Segment{g.data(), g.size()});
+            grad_table_ = memory_->table(segments, DType::float32);
+            grads_moved_ = false;
+        }
+        return grad_table_;
     }
 
 private:
@@ -9728,8 +9752,10 @@ private:
         state_elements += n;
     }
 
-    Memory memory_{};
+    Memory* memory_ = nullptr;
     float* grad_store_ = nullptr;
+    typename Memory::Table grad_table_;
+    bool grads_moved_ = true;
 };
 
 }  // namespace detail
@@ -9743,18 +9769,21 @@ private:
 
 namespace gradsync::inline v0::detail {
 
-template <class Model, bool InPlace>
+template <class Model, bool InPlace, class Memory>
 class ReleasedShards {
 public:
-    // Sizes the store for this rank's shards of `plan` when on.
-    void plan(bool on, const BucketPlan& plan, int ranks, int rank) {
+    // When on: the store for this rank's shards of `plan`, allocated and zeroed by `memory`.
+    void plan(bool on, const BucketPlan& plan, int ranks, int rank, const Memory& memory) {
         on_ = on;
-        store_.assign(on ? shard_elements(plan, ranks, rank) : 0, 0.0f);
+        elements_ = on ? shard_elements(plan, ranks, rank) : 0;
+        if (!on) return;
+        store_ = memory.allocate(Bytes{elements_ * sizeof(float)});
+        if (elements_ > 0) memory.zero(Segment{Memory::data(store_), elements_}, DType::float32);
     }
     [[nodiscard]] bool on() const { return on_; }
     // Where the pieces' gradients lie when on (for ShardLayout), else null.
-    [[nodiscard]] float* store() { return on_ ? store_.data() : nullptr; }
-    [[nodiscard]] std::size_t bytes() const { return store_.size() * sizeof(float); }
+    [[nodiscard]] float* store() { return on_ ? reinterpret_cast<float*>(Memory::data(store_)) : nullptr; }
+    [[nodiscard]] std::size_t bytes() const { return elements_ * sizeof(float); }
 
     // During backward, with buckets [0, launched) launched and [0, kept) kept: the end of those to
     // keep now. The buckets reduced by now (completed(b)) give their gradients back while backward
@@ -9798,7 +9827,8 @@ public:
 
 private:
     bool on_ = false;
-    std::vector<float> store_;                // this rank's share of the averaged gradients
+    std::size_t elements_ = 0;
+    typename Memory::Storage store_{};        // this rank's share of the averaged gradients
     std::vector<std::size_t> model_indices_;  // a bucket's parameters, as the model counts them
 };
 
@@ -9828,31 +9858,13 @@ struct ShardVerdict {
     bool finite = true;
 };
 
-// This rank's shards as a memory policy's passes take them (a segment per piece, in piece order):
-// the step's decision measures, unscales and clips them through the policy, where they lie.
-// Rebuilt whenever the pieces move.
-template <MemoryPolicy Memory>
-struct ShardPasses {
-    Memory memory;
-    typename Memory::Table table;
-
-    template <class Layout>
-    void build(const Layout& shards) {
-        std::vector<Segment> segments;
-        segments.reserve(shards.grads.size());
-        for (const auto g : shards.grads) segments.push_back(Segment{g.data(), g.size()});
-        table = memory.table(segments, DType::float32);
-        memory.prepare_results(1);
-    }
-};
-
 // Unscales this rank's shards by `unscale` (1: leaves them) while summing their squares, then
 // agrees with every rank on the norm and the finite check (the square sum is non-finite exactly
 // when an element is).
-template <Backend B, class Memory>
-ShardVerdict agree_on_shards(B& backend, ShardPasses<Memory>& passes, double unscale, CollectiveTag tag) {
-    passes.memory.finalize(passes.table, nullptr, DType::float32, unscale, 0);
-    const double mine = passes.memory.results()[0];
+template <Backend B, class Layout>
+ShardVerdict agree_on_shards(B& backend, Layout& shards, double unscale, CollectiveTag tag) {
+    shards.memory().finalize(shards.grad_table(), nullptr, DType::float32, unscale, 0);
+    const double mine = shards.memory().results()[0];
     double partial[2] = {std::isfinite(mine) ? mine : 0.0, std::isfinite(mine) ? 0.0 : 1.0};
     if (backend.size() > 1) allreduce_tagged(backend, Buffer{partial, 2, DType::float64}, ReduceOp::sum, tag);
     if (partial[1] > 0) return {std::nan(""), false};
@@ -9861,14 +9873,13 @@ ShardVerdict agree_on_shards(B& backend, ShardPasses<Memory>& passes, double uns
 
 // After an overflow, which every rank agreed on: the parameters with a non-finite averaged
 // gradient in any rank's pieces, named alike on every rank (one allreduce of a flag each).
-template <Backend B, class Memory>
-std::vector<std::string> overflowed_parameters(B& backend, const ShardPasses<Memory>& passes,
-                                               std::span<const ShardPiece<float>> pieces,
-                                               std::span<const Parameter> params, CollectiveTag tag) {
+template <Backend B, class Layout>
+std::vector<std::string> overflowed_parameters(B& backend, Layout& shards, std::span<const Parameter> params,
+                                               CollectiveTag tag) {
     std::vector<float> flags(params.size(), 0.0f);
-    const auto sums = passes.memory.segment_sums(passes.table);
-    for (std::size_t k = 0; k < pieces.size(); ++k)
-        if (!std::isfinite(sums[k])) flags[pieces[k].parameter] = 1.0f;
+    const auto sums = shards.memory().segment_sums(shards.grad_table());
+    for (std::size_t k = 0; k < shards.pieces.size(); ++k)
+        if (!std::isfinite(sums[k])) flags[shards.pieces[k].parameter] = 1.0f;
     if (backend.size() > 1)
         allreduce_tagged(backend, Buffer{flags.data(), flags.size(), DType::float32}, ReduceOp::sum, tag);
     std::vector<std::string> names;
@@ -9881,22 +9892,21 @@ std::vector<std::string> overflowed_parameters(B& backend, const ShardPasses<Mem
 // while their norm is measured, the scaler told the outcome, and then either the overflowed
 // parameters named (report.applied false) or the shards clipped to `clip_norm` (above 0).
 // tag_of(purpose) tags each collective.
-template <Backend B, class Memory, class Layout, class Scaler, class TagOf>
-void decide_on_shards(B& backend, ShardPasses<Memory>& passes, const Layout& shards, std::span<const Parameter> params,
-                      Scaler& scaler, double clip_norm, StepReport& report, TagOf&& tag_of) {
+template <Backend B, class Layout, class Scaler, class TagOf>
+void decide_on_shards(B& backend, Layout& shards, std::span<const Parameter> params, Scaler& scaler, double clip_norm,
+                      StepReport& report, TagOf&& tag_of) {
     report.loss_scale = scaler.scale();
-    const auto verdict = agree_on_shards(backend, passes, 1.0 / static_cast<double>(report.loss_scale),
+    const auto verdict = agree_on_shards(backend, shards, 1.0 / static_cast<double>(report.loss_scale),
                                          tag_of(CollectivePurpose::step_decision));
     report.grad_norm = verdict.norm;
     report.applied = verdict.finite;
     scaler.update(!report.applied);  // every rank alike: the decision is agreed
     report.next_loss_scale = scaler.scale();
     if (!report.applied) {
-        report.overflowed = overflowed_parameters(backend, passes, std::span<const ShardPiece<float>>(shards.pieces),
-                                                  params, tag_of(CollectivePurpose::overflow_report));
+        report.overflowed = overflowed_parameters(backend, shards, params, tag_of(CollectivePurpose::overflow_report));
     } else if (clip_norm > 0 && report.grad_norm > clip_norm) {
         // Scaled down so that the global norm becomes clip_norm.
-        passes.memory.scale(passes.table, clip_norm / (report.grad_norm + 1e-6));
+        shards.memory().scale(shards.grad_table(), clip_norm / (report.grad_norm + 1e-6));
         report.clipped = true;
     }
 }
@@ -9928,8 +9938,8 @@ void update_and_gather(B& backend, Layout& shards, Optimizer& optimizer, TagOf&&
 #ifndef GRADSYNC_SINGLE_DATA_PARALLEL_SHARDED_CORE_HPP
 #define GRADSYNC_SINGLE_DATA_PARALLEL_SHARDED_CORE_HPP
 // The core ShardedDataParallel derives from: FrontCore (front_core.hpp) over a bucket engine that
-// reduce-scatters each bucket in float32 host memory, where the gradients lie when the backend
-// takes scattered memory (ScatteredShardedCollectives), else packed.
+// reduce-scatters each bucket in float32 host memory, through the memory policy, where the gradients lie when the
+// backend takes scattered memory (ScatteredShardedCollectives), else packed.
 
 
 // ---- begin gradsync/data_parallel/sharded_options.hpp ----
@@ -9980,7 +9990,8 @@ struct ShardedOptions {
 #ifndef GRADSYNC_SINGLE_DATA_PARALLEL_SHARDED_POLICIES_HPP
 #define GRADSYNC_SINGLE_DATA_PARALLEL_SHARDED_POLICIES_HPP
 // The policies of one ShardedDataParallel, with DataParallel's grammar: one of each kind it takes
-// (bucketer, loss scaler, buffer policy, communication hook, ShardedOptions) picked from its template arguments, in
+// (bucketer, loss scaler, buffer policy, communication hook, host memory policy, ShardedOptions)
+// picked from its template arguments, in
 // any order, each defaulted and checked against its kind's concept; a policy of a kind it does not
 // take is a clear error, not ignored.
 
@@ -9995,7 +10006,7 @@ constexpr bool takes_sharded_category() {
     using C = typename category_of<P>::type;
     return std::is_same_v<C, policy_category::bucketer> || std::is_same_v<C, policy_category::loss_scaler> ||
            std::is_same_v<C, policy_category::buffers> || std::is_same_v<C, policy_category::comm_hook> ||
-           std::is_same_v<C, policy_category::options>;
+           std::is_same_v<C, policy_category::memory> || std::is_same_v<C, policy_category::options>;
 }
 
 template <class P>
@@ -10003,8 +10014,8 @@ constexpr bool check_sharded_policy() {
     if constexpr (is_policy<P>) {
         static_assert(takes_sharded_category<P>(),
                       "gradsync: ShardedDataParallel takes a bucketer, a loss scaler, a buffer policy, a "
-                      "communication hook and gradsync::ShardedOptions; this policy's kind (packing, memory, "
-                      "compression or LR rule) is DataParallel's only");
+                      "communication hook, a host memory policy and gradsync::ShardedOptions; this policy's kind "
+                      "(packing, compression or LR rule) is DataParallel's only");
         static_assert(!std::is_same_v<P, Options>,
                       "gradsync: ShardedDataParallel's run-time settings are gradsync::ShardedOptions, not "
                       "gradsync::Options");
@@ -10022,8 +10033,13 @@ struct ShardedPolicySet {
     using buffers = select_policy<policy_category::buffers, BroadcastBuffers, Policies...>;
     using options = select_policy<policy_category::options, ShardedOptions, Policies...>;
     using comm_hook = select_policy<policy_category::comm_hook, NoCommHook, Policies...>;
+    using memory = select_policy<policy_category::memory, HostMemory, Policies...>;
     static_assert(check_bucketer<bucketer>() && check_loss_scaler<loss_scaler>() && check_buffer_policy<buffers>() &&
-                  check_comm_hook<comm_hook>());
+                  check_comm_hook<comm_hook>() && check_memory_policy<memory>());
+    static_assert(!memory::on_device,
+                  "gradsync: ShardedDataParallel keeps parameters, gradients and optimizer shards in host memory: "
+                  "give it a host memory policy (on_device false); for gradients on the GPU use DataParallel with "
+                  "gradsync::CudaMemory{stream}");
 
     // The value of the policy of type P among those given, or a default one.
     template <class P>
@@ -10044,7 +10060,7 @@ struct ShardedCoreOf {
     static_assert(check_backend<BackendT>());
     using Set = ShardedPolicySet<Policies...>;
     static constexpr bool in_place = ScatteredShardedCollectives<BackendT>;
-    using memory = HostMemory;  // the gradients', the shards' and the buckets'
+    using memory = typename Set::memory;  // the gradients', the shards' and the buckets'
     using engine = BucketEngine<BackendT, memory, DType::float32, in_place, typename Set::comm_hook,
                                 BucketCollective::reduce_scatter>;
     using type = FrontCore<Front, Model, BackendT, engine, ShardedOptions, typename Set::loss_scaler>;
@@ -10106,11 +10122,12 @@ SetupProblems sharded_setup_problems(int rank, const ModelLayout& layout, const 
     return problems;
 }
 
-template <class Bucketer, class Scaler, class Buffers, class Hook>
+template <class Bucketer, class Scaler, class Buffers, class Memory, class Hook>
 std::vector<Setting> sharded_settings(const ShardedOptions& options, const Bucketer& bucketer, const Scaler& scaler,
-                                      const Buffers& buffers, const Hook& hook) {
+                                      const Buffers& buffers, const Memory& memory, const Hook& hook) {
     return {{"bucketer", settings_of(bucketer)},
             {"buffer policy", settings_of(buffers)},
+            {"memory policy", settings_of(memory)},
             {"loss scaler", settings_of(scaler)},
             {"communication hook", settings_of(hook)},
             {"ShardedOptions::release_gradients", options.release_gradients ? "true" : "false"},
@@ -10139,15 +10156,16 @@ class ShardedDataParallel : public detail::ShardedCoreOf<ShardedDataParallel<Mod
     using Core = typename CoreOf::type;
     using Set = typename CoreOf::Set;
     friend Core;  // calls launch() and end_step()
-    using Core::current_step, Core::tag_of, Core::where, Core::guard, Core::follow, Core::diagnose;
-    using Core::model_, Core::backend_, Core::options_, Core::scaler_, Core::engine_, Core::layout_, Core::readiness_,
-        Core::history_, Core::storage_, Core::steps_;
+    // What this front uses of the core often; the rest through this->.
+    using Core::tag_of, Core::model_, Core::backend_, Core::options_, Core::scaler_, Core::engine_, Core::layout_,
+        Core::readiness_, Core::history_;
 
 public:
     using bucketer_type = typename Set::bucketer;
     using loss_scaler_type = typename Set::loss_scaler;
     using buffers_type = typename Set::buffers;
     using comm_hook_type = typename Set::comm_hook;
+    using memory_type = typename Set::memory;
 
     // Lists the model's parameters, checks them and agrees on the layout, the plan and every
     // setting with every rank (the same exception on every rank otherwise), and copies rank 0's
@@ -10156,12 +10174,13 @@ public:
     // before backward: step() unscales and skips overflowing steps, as DataParallel does.
     ShardedDataParallel(Model& model, BackendT& backend, Policies... policies)
         : Core(model, backend, Set::template value<ShardedOptions>(std::tuple(policies...)),
-               Set::template value<loss_scaler_type>(std::tuple(policies...)), HostMemory{},
+               Set::template value<loss_scaler_type>(std::tuple(policies...)),
+               Set::template value<memory_type>(std::tuple(policies...)),
                Set::template value<comm_hook_type>(std::tuple(policies...))) {
         init(Set::template value<bucketer_type>(std::tuple(policies...)));
     }
     ShardedDataParallel(Model& model, BackendT& backend) requires(sizeof...(Policies) > 0)
-        : Core(model, backend, ShardedOptions{}, loss_scaler_type{}, HostMemory{}) {
+        : Core(model, backend, ShardedOptions{}, loss_scaler_type{}, memory_type{}) {
         init(bucketer_type{});
     }
 
@@ -10187,7 +10206,7 @@ public:
                       "gradsync: ShardedDataParallel::step(optimizer) calls "
                       "optimizer(std::span<const gradsync::ShardPiece<float>>)");
         StepReport report;
-        guard([&] { report = step_now(optimizer, number); });
+        this->guard([&] { report = step_now(optimizer, number); });
         return report;
     }
 
@@ -10226,25 +10245,25 @@ private:
         const auto problems = detail::sharded_setup_problems(rank(), layout_, options_, bucketer, scaler_, in_place,
                                                              ReleasableGradients<Model>, comm_hook_type::hooked);
         plan_ = problems.any() ? BucketPlan{} : bucketer.plan(layout_.params, {});
-        detail::agree_on_layout(backend_, layout_.params, layout_.buffers, plan_,
-                                detail::sharded_settings(options_, bucketer, scaler_, buffers_type{}, engine_.hook()),
-                                problems.first());
+        detail::agree_on_layout(
+            backend_, layout_.params, layout_.buffers, plan_,
+            detail::sharded_settings(options_, bucketer, scaler_, buffers_type{}, engine_.memory(), engine_.hook()),
+            problems.first());
         this->start_from_rank0(buffers_type::mode);
-        released_.plan(options_.release_gradients, plan_, world_size(), rank());
+        released_.plan(options_.release_gradients, plan_, world_size(), rank(), engine_.memory());
         engine_.setup(plan_, layout_.params);
         // The pieces' gradients: where the engine leaves each bucket's shard (stage 2: the store).
         shards_ = Shards(
             engine_.memory(), layout_.params, plan_, world_size(), rank(),
             [this](std::size_t b) { return reinterpret_cast<float*>(engine_.reduced_buffer(b)); }, released_.store());
-        passes_.build(shards_);
-        storage_.reset(plan_.buckets.size());
+        this->storage_.reset(plan_.buckets.size());
         readiness_.plan(plan_, layout_.params.size());
     }
 
     template <class Optimizer>
     StepReport step_now(Optimizer& optimizer, std::optional<StepNumber> number) {
         StepReport report;
-        const std::int64_t step = current_step();
+        const std::int64_t step = this->current_step();
         report.step = static_cast<std::uint64_t>(step);
         // The buckets grad_ready did not launch go now, on this thread, bucket after bucket (a
         // progress thread would only compete with this one for the cores); then every bucket is
@@ -10259,13 +10278,13 @@ private:
         detail::check_histories(backend_, history_, options_.check_histories, step, number);
         // This rank's share of the norm and of the finite check, then everyone's. With a loss
         // scale, the same pass unscales, as DataParallel's finalize pass does.
-        detail::decide_on_shards(backend_, passes_, shards_, parameters(), scaler_, options_.clip_norm, report,
+        detail::decide_on_shards(backend_, shards_, parameters(), scaler_, options_.clip_norm, report,
                                  [this](detail::CollectivePurpose purpose) { return tag_of(purpose); });
         if (report.applied)
             detail::update_and_gather(backend_, shards_, optimizer, [this](std::size_t b) {
                 return tag_of(detail::CollectivePurpose::shard_gather, b);
             });
-        steps_.store(report.step, std::memory_order_release);
+        this->steps_.store(report.step, std::memory_order_release);
         return report;
     }
 
@@ -10273,7 +10292,7 @@ private:
     // keeps each one's share.
     void retire(std::size_t end, std::chrono::steady_clock::time_point deadline) {
         for (; kept_ < end; ++kept_) {
-            engine_.wait(kept_, deadline, diagnose(plan_));
+            engine_.wait(kept_, deadline, this->diagnose(plan_));
             released_.keep(model_, shards_, layout_, kept_);
         }
     }
@@ -10293,10 +10312,9 @@ private:
     // those of buckets already released).
     bool follow_storage(std::size_t first, std::size_t last, bool in_backward) {
         if ((!options_.storage_may_move && !released_.on()) || first == last) return false;
-        return follow(plan_, first, last, in_backward, [this](std::size_t b) {
+        return this->follow(plan_, first, last, in_backward, [this](std::size_t b) {
             engine_.refresh(b, plan_.buckets[b], layout_.params);
             shards_.refresh(b, layout_.params);
-            passes_.build(shards_);
         });
     }
 
@@ -10304,15 +10322,14 @@ private:
     void end_step() {
         launched_ = 0;
         kept_ = 0;
-        storage_.end_step();
+        this->storage_.end_step();
         readiness_.reset();
     }
 
     BucketPlan plan_;
     using Shards = detail::ShardLayout<in_place, typename CoreOf::memory>;
     Shards shards_;
-    detail::ReleasedShards<Model, in_place> released_;     // stage 2
-    detail::ShardPasses<typename CoreOf::memory> passes_;  // the decision's passes over the shards
+    detail::ReleasedShards<Model, in_place, typename CoreOf::memory> released_;  // stage 2
     // Overlap: which parameters grad_ready reported this step, and the reduce_scatters launched
     // (buckets 0 .. launched_ - 1; written under the readiness lock during backward).
     std::size_t launched_ = 0;

@@ -1,10 +1,12 @@
 // BucketEngine, the part of DataParallel that moves buckets: the reduction each bucket takes, a
 // bucket reduced now or launched and waited for, the diagnosis of a late one, and the finalize
 // pass through the memory policy; and the same engine reduce-scattering buckets into shards, as
-// ShardedDataParallel runs it, and the sharded step's decision over the shards.
+// ShardedDataParallel runs it, the sharded step's decision over the shards and stage 2's gradient
+// store.
 #include <gradsync/amp/loss_scale.hpp>
 #include <gradsync/backend/local.hpp>
 #include <gradsync/data_parallel/bucket_engine.hpp>
+#include <gradsync/data_parallel/released_shards.hpp>
 #include <gradsync/data_parallel/shard_step.hpp>
 #include <gradsync/launch/spawn.hpp>
 #include <gradsync/memory/host.hpp>
@@ -318,7 +320,6 @@ struct CountingMemory : gradsync::HostMemory {
 
 TEST_CASE("sharded step: the decision unscales, measures, clips and names an overflow through the memory policy") {
     using gradsync::detail::ShardLayout;
-    using gradsync::detail::ShardPasses;
     const auto no_tag = [](auto...) { return gradsync::CollectiveTag{}; };
     const auto packed_nowhere = [](std::size_t) { return static_cast<float*>(nullptr); };
     gradsync::spawn(2, [&](gradsync::LocalBackend& local) {
@@ -327,21 +328,21 @@ TEST_CASE("sharded step: the decision unscales, measures, clips and names an ove
         m.fill(0);  // alike on both ranks: g01[i] = i, g2 = 2, g3 = 3
         const auto params = m.parameters();
         const auto plan = two_buckets();  // shards: t0 and t1 split at 15; t2 and t3[0] | t3[1..6]
-        ShardLayout<true> shards(gradsync::HostMemory{}, params, plan, 2, local.rank(), packed_nowhere);
-        ShardPasses<CountingMemory> passes;
-        passes.build(shards);
+        CountingMemory memory;
+        memory.prepare_results(1);  // as the bucket engine's set-up does
+        ShardLayout<true, CountingMemory> shards(memory, params, plan, 2, local.rank(), packed_nowhere);
         gradsync::StaticLossScale scaler;
         scaler.value = 2.0f;
         gradsync::StepReport report;
-        gradsync::detail::decide_on_shards(local, passes, shards, params, scaler, /*clip_norm=*/1.0, report, no_tag);
+        gradsync::detail::decide_on_shards(local, shards, params, scaler, /*clip_norm=*/1.0, report, no_tag);
         // Both ranks' shards, unscaled: (1/4) * (0^2 + ... + 29^2) + 5 * 1^2 + 7 * 1.5^2.
         const double norm = std::sqrt(8555.0 / 4 + 5 + 7 * 2.25);
         CHECK(report.applied);
         CHECK(report.grad_norm == doctest::Approx(norm));
         CHECK(report.clipped);
-        CHECK(passes.memory.finalized == 1);
-        CHECK(passes.memory.scaled == 1);
-        CHECK(passes.memory.measured == 0);
+        CHECK(memory.finalized == 1);
+        CHECK(memory.scaled == 1);
+        CHECK(memory.measured == 0);
         for (std::size_t i = 0; i < 30; ++i) {
             const bool mine = i / 15 == r;
             CHECK(m.g01[i] == doctest::Approx(mine ? i * 0.5 / (norm + 1e-6) : double(i)));
@@ -353,12 +354,12 @@ TEST_CASE("sharded step: the decision unscales, measures, clips and names an ove
         m.fill(0);
         if (r == 1) m.g3[6] = std::nanf("");
         gradsync::StepReport skipped;
-        gradsync::detail::decide_on_shards(local, passes, shards, params, scaler, 1.0, skipped, no_tag);
+        gradsync::detail::decide_on_shards(local, shards, params, scaler, 1.0, skipped, no_tag);
         CHECK_FALSE(skipped.applied);
         CHECK(std::isnan(skipped.grad_norm));
         CHECK(skipped.overflowed == std::vector<std::string>{"t3"});
-        CHECK(passes.memory.measured == 1);
-        CHECK(passes.memory.scaled == 1);  // not clipped
+        CHECK(memory.measured == 1);
+        CHECK(memory.scaled == 1);  // not clipped
     });
 }
 
@@ -390,7 +391,7 @@ TEST_CASE(
         m.fill(0);
         for (std::size_t i = 0; i < m.w01.size(); ++i) m.w01[i] = 100.0f + float(i);
         const auto params = m.parameters();
-        const CopyCountingMemory memory;
+        CopyCountingMemory memory;
         ShardLayout<false, CopyCountingMemory> packed(memory, params, plan, 2, rank, packed_nowhere);
         packed.pack_shard(0);
         CHECK(*memory.packs == 1);
@@ -416,5 +417,41 @@ TEST_CASE(
             for (std::size_t i = 0; i < 6; ++i) CHECK(store[at + i] == m.g3[1 + i]);
         }
         CHECK(store[0] == -1.0f);  // bucket 0 not kept
+    }
+}
+
+namespace {
+
+// HostMemory that counts allocations and zeroings; its copies share the counts.
+struct AllocationCountingMemory : gradsync::HostMemory {
+    std::shared_ptr<int> allocations = std::make_shared<int>(0), zeroed = std::make_shared<int>(0);
+    Storage allocate(gradsync::Bytes size) const {
+        ++*allocations;
+        return HostMemory::allocate(size);
+    }
+    void zero(gradsync::Segment s, DType t) const {
+        ++*zeroed;
+        HostMemory::zero(s, t);
+    }
+};
+
+}  // namespace
+
+TEST_CASE("released shards: the gradient store is allocated and zeroed by the memory policy, only when on") {
+    const auto plan = two_buckets();
+    const std::size_t elements = gradsync::detail::shard_elements(plan, 2, 1);
+    CHECK(elements == 15 + 6);  // rank 1's shards: t0 and t1 from 15 on; t3[1..6]
+    for (bool on : {false, true}) {
+        CAPTURE(on);
+        const AllocationCountingMemory memory;
+        gradsync::detail::ReleasedShards<Mixed, true, AllocationCountingMemory> released;
+        released.plan(on, plan, 2, 1, memory);
+        CHECK(*memory.allocations == (on ? 1 : 0));
+        CHECK(*memory.zeroed == (on ? 1 : 0));
+        CHECK(released.on() == on);
+        CHECK(released.bytes() == (on ? elements * sizeof(float) : 0));
+        CHECK((released.store() != nullptr) == on);
+        if (on)
+            for (std::size_t i = 0; i < elements; ++i) CHECK(released.store()[i] == 0.0f);
     }
 }

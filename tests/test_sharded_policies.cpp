@@ -12,6 +12,7 @@
 #include "support/sharded_training.hpp"
 
 #include <cstddef>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -187,4 +188,65 @@ TEST_CASE("sharded: the policies of docs/sharding.md's example apply") {
         CHECK(report.loss_scale == 65536.0f);
         CHECK(report.clipped == (report.applied && report.grad_norm > 1.0));
     });
+}
+
+namespace {
+
+// A host memory policy of the user's: HostMemory's passes, counted across its copies.
+struct CountedHostMemory : gradsync::HostMemory {
+    std::shared_ptr<int> finalized = std::make_shared<int>(0), scaled = std::make_shared<int>(0);
+    [[nodiscard]] std::string settings() const { return "host, counted"; }
+    void finalize(const Table& t, const std::byte* src, gradsync::DType type, double factor, std::size_t slot) {
+        ++*finalized;
+        HostMemory::finalize(t, src, type, factor, slot);
+    }
+    void scale(const Table& t, double factor) const {
+        ++*scaled;
+        HostMemory::scale(t, factor);
+    }
+};
+
+}  // namespace
+
+TEST_CASE("sharded: a host memory policy of the user's carries the step's passes, with the same bits") {
+    std::vector<sharded::Weights> plain(world), counted(world);
+    std::vector<int> finalized(world), scaled(world);
+    gradsync::spawn(world, [&](gradsync::LocalBackend& backend) {
+        const auto r = static_cast<std::size_t>(backend.rank());
+        {
+            mlp::Mlp model(1);
+            gradsync::ShardedDataParallel sdp(model, backend, caps, clipped);
+            plain[r] = train(sdp, model, /*expect_clipped=*/true).back();
+        }
+        mlp::Mlp model(1);
+        const CountedHostMemory memory;
+        gradsync::ShardedDataParallel sdp(model, backend, memory, caps, clipped);
+        static_assert(std::is_same_v<decltype(sdp)::memory_type, CountedHostMemory>);
+        counted[r] = train(sdp, model, true).back();
+        finalized[r] = *memory.finalized;
+        scaled[r] = *memory.scaled;
+    });
+    for (std::size_t r = 0; r < world; ++r) {
+        CAPTURE(r);
+        CHECK(sharded::bitwise_equal(counted[r], plain[0]));
+        CHECK(finalized[r] == 6);  // each step's norm with the unscale: one pass over this rank's shards
+        CHECK(scaled[r] == 6);     // and each step's clipping
+    }
+}
+
+TEST_CASE("sharded: ranks given different memory policies refuse alike, naming both") {
+    std::vector<std::string> what(2);
+    gradsync::spawn(2, [&](gradsync::LocalBackend& backend) {
+        mlp::Mlp model(1);
+        try {
+            if (backend.rank() == 0)
+                gradsync::ShardedDataParallel sdp(model, backend, gradsync::HostMemory{});
+            else
+                gradsync::ShardedDataParallel sdp(model, backend, CountedHostMemory{});
+        } catch (const gradsync::ConfigurationError& e) {
+            what[static_cast<std::size_t>(backend.rank())] = e.what();
+        }
+    });
+    CHECK(what[1] == what[0]);
+    CHECK(what[0].find("memory policy is 'host' on rank 0 but 'host, counted' on rank 1") != std::string::npos);
 }

@@ -212,12 +212,14 @@ TEST_CASE("an unused parameter, gradients kept or released: its zeros reduced at
 }
 
 TEST_CASE("stage 1 follows gradients that move between steps (freed by the trainer, made in backward)") {
+    // Clipped every step: the norm and the clipping must reach the gradients where they lie now.
+    const gradsync::ShardedOptions clipped{.clip_norm = 1e-3};
     for (int world : {1, 3}) {
         CAPTURE(world);
         Weights moved;
         gradsync::spawn(world, [&](gradsync::LocalBackend& backend) {
             ReleasingMlp model(1);
-            gradsync::ShardedDataParallel sdp(model, backend, small_caps);
+            gradsync::ShardedDataParallel sdp(model, backend, small_caps, clipped);
             if (backend.rank() == 0) model.on_grad_ready = [&](std::size_t i) { sdp.grad_ready(i); };
             ShardedSgd sgd;
             sgd.velocity.assign(sdp.state_elements(), 0.0f);
@@ -226,12 +228,14 @@ TEST_CASE("stage 1 follows gradients that move between steps (freed by the train
                 // Something kept alive so that the next gradients cannot reuse the freed memory.
                 std::vector<float> hold(2048, float(s));
                 model.forward_backward(batch_of(world, backend.rank(), s));
-                CHECK(sdp.step(sgd).applied);
+                const auto report = sdp.step(sgd);
+                CHECK(report.applied);
+                CHECK(report.clipped);
                 model.release_gradients(all);  // as zero_grad(set_to_none) would
             }
             if (backend.rank() == 0) moved = weights_of(model);
         });
-        CHECK(bitwise_equal(moved, train_sharded<false>(world, small_caps)));
+        CHECK(bitwise_equal(moved, train_sharded<false>(world, small_caps, clipped)));
     }
 }
 

@@ -25,7 +25,6 @@
 #include <gradsync/data_parallel/step_checks.hpp>
 #include <gradsync/data_parallel/step_number.hpp>
 #include <gradsync/detail/deadline.hpp>
-#include <gradsync/memory/host.hpp>
 #include <gradsync/model/gradient_release.hpp>
 #include <gradsync/model/model.hpp>
 
@@ -46,15 +45,16 @@ class ShardedDataParallel : public detail::ShardedCoreOf<ShardedDataParallel<Mod
     using Core = typename CoreOf::type;
     using Set = typename CoreOf::Set;
     friend Core;  // calls launch() and end_step()
-    using Core::current_step, Core::tag_of, Core::where, Core::guard, Core::follow, Core::diagnose;
-    using Core::model_, Core::backend_, Core::options_, Core::scaler_, Core::engine_, Core::layout_, Core::readiness_,
-        Core::history_, Core::storage_, Core::steps_;
+    // What this front uses of the core often; the rest through this->.
+    using Core::tag_of, Core::model_, Core::backend_, Core::options_, Core::scaler_, Core::engine_, Core::layout_,
+        Core::readiness_, Core::history_;
 
 public:
     using bucketer_type = typename Set::bucketer;
     using loss_scaler_type = typename Set::loss_scaler;
     using buffers_type = typename Set::buffers;
     using comm_hook_type = typename Set::comm_hook;
+    using memory_type = typename Set::memory;
 
     // Lists the model's parameters, checks them and agrees on the layout, the plan and every
     // setting with every rank (the same exception on every rank otherwise), and copies rank 0's
@@ -63,12 +63,13 @@ public:
     // before backward: step() unscales and skips overflowing steps, as DataParallel does.
     ShardedDataParallel(Model& model, BackendT& backend, Policies... policies)
         : Core(model, backend, Set::template value<ShardedOptions>(std::tuple(policies...)),
-               Set::template value<loss_scaler_type>(std::tuple(policies...)), HostMemory{},
+               Set::template value<loss_scaler_type>(std::tuple(policies...)),
+               Set::template value<memory_type>(std::tuple(policies...)),
                Set::template value<comm_hook_type>(std::tuple(policies...))) {
         init(Set::template value<bucketer_type>(std::tuple(policies...)));
     }
     ShardedDataParallel(Model& model, BackendT& backend) requires(sizeof...(Policies) > 0)
-        : Core(model, backend, ShardedOptions{}, loss_scaler_type{}, HostMemory{}) {
+        : Core(model, backend, ShardedOptions{}, loss_scaler_type{}, memory_type{}) {
         init(bucketer_type{});
     }
 
@@ -94,7 +95,7 @@ public:
                       "gradsync: ShardedDataParallel::step(optimizer) calls "
                       "optimizer(std::span<const gradsync::ShardPiece<float>>)");
         StepReport report;
-        guard([&] { report = step_now(optimizer, number); });
+        this->guard([&] { report = step_now(optimizer, number); });
         return report;
     }
 
@@ -133,25 +134,25 @@ private:
         const auto problems = detail::sharded_setup_problems(rank(), layout_, options_, bucketer, scaler_, in_place,
                                                              ReleasableGradients<Model>, comm_hook_type::hooked);
         plan_ = problems.any() ? BucketPlan{} : bucketer.plan(layout_.params, {});
-        detail::agree_on_layout(backend_, layout_.params, layout_.buffers, plan_,
-                                detail::sharded_settings(options_, bucketer, scaler_, buffers_type{}, engine_.hook()),
-                                problems.first());
+        detail::agree_on_layout(
+            backend_, layout_.params, layout_.buffers, plan_,
+            detail::sharded_settings(options_, bucketer, scaler_, buffers_type{}, engine_.memory(), engine_.hook()),
+            problems.first());
         this->start_from_rank0(buffers_type::mode);
-        released_.plan(options_.release_gradients, plan_, world_size(), rank());
+        released_.plan(options_.release_gradients, plan_, world_size(), rank(), engine_.memory());
         engine_.setup(plan_, layout_.params);
         // The pieces' gradients: where the engine leaves each bucket's shard (stage 2: the store).
         shards_ = Shards(
             engine_.memory(), layout_.params, plan_, world_size(), rank(),
             [this](std::size_t b) { return reinterpret_cast<float*>(engine_.reduced_buffer(b)); }, released_.store());
-        passes_.build(shards_);
-        storage_.reset(plan_.buckets.size());
+        this->storage_.reset(plan_.buckets.size());
         readiness_.plan(plan_, layout_.params.size());
     }
 
     template <class Optimizer>
     StepReport step_now(Optimizer& optimizer, std::optional<StepNumber> number) {
         StepReport report;
-        const std::int64_t step = current_step();
+        const std::int64_t step = this->current_step();
         report.step = static_cast<std::uint64_t>(step);
         // The buckets grad_ready did not launch go now, on this thread, bucket after bucket (a
         // progress thread would only compete with this one for the cores); then every bucket is
@@ -166,13 +167,13 @@ private:
         detail::check_histories(backend_, history_, options_.check_histories, step, number);
         // This rank's share of the norm and of the finite check, then everyone's. With a loss
         // scale, the same pass unscales, as DataParallel's finalize pass does.
-        detail::decide_on_shards(backend_, passes_, shards_, parameters(), scaler_, options_.clip_norm, report,
+        detail::decide_on_shards(backend_, shards_, parameters(), scaler_, options_.clip_norm, report,
                                  [this](detail::CollectivePurpose purpose) { return tag_of(purpose); });
         if (report.applied)
             detail::update_and_gather(backend_, shards_, optimizer, [this](std::size_t b) {
                 return tag_of(detail::CollectivePurpose::shard_gather, b);
             });
-        steps_.store(report.step, std::memory_order_release);
+        this->steps_.store(report.step, std::memory_order_release);
         return report;
     }
 
@@ -180,7 +181,7 @@ private:
     // keeps each one's share.
     void retire(std::size_t end, std::chrono::steady_clock::time_point deadline) {
         for (; kept_ < end; ++kept_) {
-            engine_.wait(kept_, deadline, diagnose(plan_));
+            engine_.wait(kept_, deadline, this->diagnose(plan_));
             released_.keep(model_, shards_, layout_, kept_);
         }
     }
@@ -200,10 +201,9 @@ private:
     // those of buckets already released).
     bool follow_storage(std::size_t first, std::size_t last, bool in_backward) {
         if ((!options_.storage_may_move && !released_.on()) || first == last) return false;
-        return follow(plan_, first, last, in_backward, [this](std::size_t b) {
+        return this->follow(plan_, first, last, in_backward, [this](std::size_t b) {
             engine_.refresh(b, plan_.buckets[b], layout_.params);
             shards_.refresh(b, layout_.params);
-            passes_.build(shards_);
         });
     }
 
@@ -211,15 +211,14 @@ private:
     void end_step() {
         launched_ = 0;
         kept_ = 0;
-        storage_.end_step();
+        this->storage_.end_step();
         readiness_.reset();
     }
 
     BucketPlan plan_;
     using Shards = detail::ShardLayout<in_place, typename CoreOf::memory>;
     Shards shards_;
-    detail::ReleasedShards<Model, in_place> released_;     // stage 2
-    detail::ShardPasses<typename CoreOf::memory> passes_;  // the decision's passes over the shards
+    detail::ReleasedShards<Model, in_place, typename CoreOf::memory> released_;  // stage 2
     // Overlap: which parameters grad_ready reported this step, and the reduce_scatters launched
     // (buckets 0 .. launched_ - 1; written under the readiness lock during backward).
     std::size_t launched_ = 0;

@@ -1,10 +1,14 @@
 // Stage 2 of ShardedDataParallel (ShardedOptions::release_gradients): once a bucket is
 // reduce-scattered, this rank's share of its averaged gradients is copied into a store of the
 // wrapper's (the optimizer's pieces point there) and the model is told to release the bucket's
-// gradients. Off, it keeps and releases nothing.
+// gradients. Off, it keeps and releases nothing. The store lies where the memory policy allocates:
+// beside the gradients it keeps.
 #pragma once
 
 #include <gradsync/bucket/plan.hpp>
+#include <gradsync/buffer.hpp>
+#include <gradsync/bytes.hpp>
+#include <gradsync/dtype.hpp>
 #include <gradsync/data_parallel/model_layout.hpp>
 #include <gradsync/data_parallel/shard_layout.hpp>
 #include <gradsync/model/gradient_release.hpp>
@@ -15,18 +19,21 @@
 
 namespace gradsync::inline v0::detail {
 
-template <class Model, bool InPlace>
+template <class Model, bool InPlace, class Memory>
 class ReleasedShards {
 public:
-    // Sizes the store for this rank's shards of `plan` when on.
-    void plan(bool on, const BucketPlan& plan, int ranks, int rank) {
+    // When on: the store for this rank's shards of `plan`, allocated and zeroed by `memory`.
+    void plan(bool on, const BucketPlan& plan, int ranks, int rank, const Memory& memory) {
         on_ = on;
-        store_.assign(on ? shard_elements(plan, ranks, rank) : 0, 0.0f);
+        elements_ = on ? shard_elements(plan, ranks, rank) : 0;
+        if (!on) return;
+        store_ = memory.allocate(Bytes{elements_ * sizeof(float)});
+        if (elements_ > 0) memory.zero(Segment{Memory::data(store_), elements_}, DType::float32);
     }
     [[nodiscard]] bool on() const { return on_; }
     // Where the pieces' gradients lie when on (for ShardLayout), else null.
-    [[nodiscard]] float* store() { return on_ ? store_.data() : nullptr; }
-    [[nodiscard]] std::size_t bytes() const { return store_.size() * sizeof(float); }
+    [[nodiscard]] float* store() { return on_ ? reinterpret_cast<float*>(Memory::data(store_)) : nullptr; }
+    [[nodiscard]] std::size_t bytes() const { return elements_ * sizeof(float); }
 
     // During backward, with buckets [0, launched) launched and [0, kept) kept: the end of those to
     // keep now. The buckets reduced by now (completed(b)) give their gradients back while backward
@@ -70,7 +77,8 @@ public:
 
 private:
     bool on_ = false;
-    std::vector<float> store_;                // this rank's share of the averaged gradients
+    std::size_t elements_ = 0;
+    typename Memory::Storage store_{};        // this rank's share of the averaged gradients
     std::vector<std::size_t> model_indices_;  // a bucket's parameters, as the model counts them
 };
 

@@ -43,15 +43,25 @@ inline std::size_t shard_elements(const BucketPlan& plan, int ranks, int rank) {
     return n;
 }
 
+// For each of `segments` (one after another) that crosses elements [lo, hi) of the whole:
+// fn(k, from, begin, n), its part from its own element `from` on, n long, which begins at element
+// `begin` of the whole.
+template <class Fn>
+void for_each_within(std::span<const Segment> segments, std::size_t lo, std::size_t hi, Fn&& fn) {
+    std::size_t at = 0;
+    for (std::size_t k = 0; k < segments.size(); ++k) {
+        const std::size_t n = segments[k].count, begin = std::max(lo, at), end = std::min(hi, at + n);
+        if (begin < end) fn(k, begin - at, begin, end - begin);
+        at += n;
+    }
+}
+
 // The parts of `segments` (float32, one after another) that lie within elements [lo, hi).
 inline std::vector<Segment> segments_within(std::span<const Segment> segments, std::size_t lo, std::size_t hi) {
     std::vector<Segment> out;
-    std::size_t at = 0;
-    for (const auto& s : segments) {
-        const std::size_t begin = std::max(lo, at), end = std::min(hi, at + s.count);
-        if (begin < end) out.push_back({static_cast<float*>(s.data) + (begin - at), end - begin});
-        at += s.count;
-    }
+    for_each_within(segments, lo, hi, [&](std::size_t k, std::size_t from, std::size_t, std::size_t n) {
+        out.push_back({static_cast<float*>(segments[k].data) + from, n});
+    });
     return out;
 }
 
@@ -72,8 +82,9 @@ struct ShardSlot {
     float* packed_grads = nullptr;                 // where the bucket was reduced packed, if it was
 
     [[nodiscard]] float* buffer() const { return reinterpret_cast<float*>(Memory::data(param_buffer)); }
-    // The tables, from where `params` says the bucket's parameters and gradients lie.
-    void build(const Memory& memory, std::span<const Parameter> params) {
+    // The tables, from where `params` says the bucket's parameters and gradients lie; the
+    // gradients' only where a store keeps them (stage 2).
+    void build(const Memory& memory, std::span<const Parameter> params, bool keeps_grads) {
         param_segments.clear();
         std::vector<Segment> grads;
         for (auto i : indices) {
@@ -83,7 +94,7 @@ struct ShardSlot {
         const std::size_t lo = shard.offset, hi = lo + shard.count;
         param_table = memory.table(param_segments, DType::float32);
         shard_params = memory.table(segments_within(param_segments, lo, hi), DType::float32);
-        shard_grads = memory.table(segments_within(grads, lo, hi), DType::float32);
+        if (keeps_grads) shard_grads = memory.table(segments_within(grads, lo, hi), DType::float32);
     }
 };
 
@@ -91,7 +102,8 @@ struct ShardSlot {
 // up from 0 to state_elements. A `grad_store` of shard_elements() floats holds the pieces'
 // gradients at their state offsets (stage 2); without one they lie in `packed_grads(b)`, where
 // bucket b was reduced packed (null: where it lies), or else in the model's gradients. Memory:
-// the memory policy where parameters and gradients lie.
+// the memory policy where parameters and gradients lie: the bucket engine's, which outlives the
+// layout and has prepared a result slot per bucket (the decision uses the first).
 template <bool InPlace, class Memory = HostMemory>
 struct ShardLayout {
     static constexpr bool in_place = InPlace;
@@ -102,9 +114,9 @@ struct ShardLayout {
 
     ShardLayout() = default;
     template <class PackedGrads>
-    ShardLayout(Memory memory, std::span<const Parameter> params, const BucketPlan& plan, int ranks, int rank,
+    ShardLayout(Memory& memory, std::span<const Parameter> params, const BucketPlan& plan, int ranks, int rank,
                 PackedGrads&& packed_grads, float* grad_store = nullptr)
-        : memory_(std::move(memory)), grad_store_(grad_store) {
+        : memory_(&memory), grad_store_(grad_store) {
         for (std::size_t b = 0; b < plan.buckets.size(); ++b) {
             const auto& bucket = plan.buckets[b];
             ShardSlot<Memory> slot;
@@ -114,25 +126,19 @@ struct ShardLayout {
             slot.shard = shard_of(bucket.count, ranks, rank);
             slot.first_piece = pieces.size();
             slot.packed_grads = packed_grads(b);
-            slot.build(memory_, params);
-            if constexpr (!InPlace) slot.param_buffer = memory_.allocate(Bytes{bucket.count * sizeof(float)});
+            slot.build(*memory_, params, grad_store_ != nullptr);
+            if constexpr (!InPlace) slot.param_buffer = memory_->allocate(Bytes{bucket.count * sizeof(float)});
             // The shard crosses the bucket's parameters: one piece per parameter it covers.
-            const std::size_t lo = slot.shard.offset, hi = lo + slot.shard.count;
-            std::size_t at = 0;
-            for (std::size_t k = 0; k < slot.param_segments.size(); ++k) {
-                const std::size_t n = slot.param_segments[k].count, begin = std::max(lo, at),
-                                  end = std::min(hi, at + n);
-                if (begin < end) {
-                    float* p = InPlace ? static_cast<float*>(slot.param_segments[k].data) + (begin - at)
-                                       : slot.buffer() + begin;
-                    float* g = grad_store_ != nullptr ? grad_store_ + state_elements
-                               : slot.packed_grads != nullptr
-                                   ? slot.packed_grads + begin
-                                   : static_cast<float*>(params[slot.indices[k]].grad) + (begin - at);
-                    add_piece(p, g, end - begin, slot.indices[k], begin - at);
-                }
-                at += n;
-            }
+            for_each_within(
+                slot.param_segments, slot.shard.offset, slot.shard.offset + slot.shard.count,
+                [&](std::size_t k, std::size_t from, std::size_t begin, std::size_t n) {
+                    const std::size_t parameter = slot.indices[k];
+                    float* p = InPlace ? static_cast<float*>(params[parameter].data) + from : slot.buffer() + begin;
+                    float* g = grad_store_ != nullptr         ? grad_store_ + state_elements
+                               : slot.packed_grads != nullptr ? slot.packed_grads + begin
+                                                              : static_cast<float*>(params[parameter].grad) + from;
+                    add_piece(p, g, n, parameter, from);
+                });
             slot.piece_count = pieces.size() - slot.first_piece;
             slots.push_back(std::move(slot));  // the buffers' memory moves with it
         }
@@ -142,7 +148,8 @@ struct ShardLayout {
     // follow.
     void refresh(std::size_t b, std::span<const Parameter> params) {
         auto& slot = slots[b];
-        slot.build(memory_, params);
+        slot.build(*memory_, params, grad_store_ != nullptr);
+        grads_moved_ = true;
         for (std::size_t j = slot.first_piece; j < slot.first_piece + slot.piece_count; ++j) {
             auto& piece = pieces[j];
             const auto& p = params[piece.parameter];
@@ -156,11 +163,11 @@ struct ShardLayout {
     // Packed: the model's parameters of this rank's shard copied into bucket b's parameter buffer.
     void pack_shard(std::size_t b) const {
         const auto& slot = slots[b];
-        memory_.pack(slot.shard_params, reinterpret_cast<std::byte*>(slot.buffer() + slot.shard.offset));
+        memory_->pack(slot.shard_params, reinterpret_cast<std::byte*>(slot.buffer() + slot.shard.offset));
     }
     // Packed: bucket b's gathered parameters copied into the model.
     void unpack_params(std::size_t b) const {
-        memory_.unpack(slots[b].param_table, reinterpret_cast<const std::byte*>(slots[b].buffer()));
+        memory_->unpack(slots[b].param_table, reinterpret_cast<const std::byte*>(slots[b].buffer()));
     }
 
     // Stage 2, once bucket b is reduced in place: its pieces' averaged gradients, copied from the
@@ -169,7 +176,23 @@ struct ShardLayout {
     void keep_shard(std::size_t b) const {
         const auto& slot = slots[b];
         if (slot.piece_count == 0) return;
-        memory_.pack(slot.shard_grads, reinterpret_cast<std::byte*>(grads[slot.first_piece].data()));
+        memory_->pack(slot.shard_grads, reinterpret_cast<std::byte*>(grads[slot.first_piece].data()));
+    }
+
+    // The memory policy where the pieces lie, for the step's passes over them.
+    [[nodiscard]] Memory& memory() { return *memory_; }
+    // The pieces' gradients as one table of the memory policy (a segment per piece, in piece
+    // order): the step's decision measures, unscales and clips them through it. Built at the first
+    // use after they moved, so that storage followed during backward costs no table per bucket.
+    [[nodiscard]] const typename Memory::Table& grad_table() {
+        if (grads_moved_) {
+            std::vector<Segment> segments;
+            segments.reserve(grads.size());
+            for (const auto g : grads) segments.push_back(Segment{g.data(), g.size()});
+            grad_table_ = memory_->table(segments, DType::float32);
+            grads_moved_ = false;
+        }
+        return grad_table_;
     }
 
 private:
@@ -180,8 +203,10 @@ private:
         state_elements += n;
     }
 
-    Memory memory_{};
+    Memory* memory_ = nullptr;
     float* grad_store_ = nullptr;
+    typename Memory::Table grad_table_;
+    bool grads_moved_ = true;
 };
 
 }  // namespace detail

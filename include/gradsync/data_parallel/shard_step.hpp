@@ -10,7 +10,6 @@
 #include <gradsync/data_parallel/history.hpp>
 #include <gradsync/data_parallel/shard_layout.hpp>
 #include <gradsync/dtype.hpp>
-#include <gradsync/memory/policy.hpp>
 #include <gradsync/model/model.hpp>
 
 #include <cmath>
@@ -26,31 +25,13 @@ struct ShardVerdict {
     bool finite = true;
 };
 
-// This rank's shards as a memory policy's passes take them (a segment per piece, in piece order):
-// the step's decision measures, unscales and clips them through the policy, where they lie.
-// Rebuilt whenever the pieces move.
-template <MemoryPolicy Memory>
-struct ShardPasses {
-    Memory memory;
-    typename Memory::Table table;
-
-    template <class Layout>
-    void build(const Layout& shards) {
-        std::vector<Segment> segments;
-        segments.reserve(shards.grads.size());
-        for (const auto g : shards.grads) segments.push_back(Segment{g.data(), g.size()});
-        table = memory.table(segments, DType::float32);
-        memory.prepare_results(1);
-    }
-};
-
 // Unscales this rank's shards by `unscale` (1: leaves them) while summing their squares, then
 // agrees with every rank on the norm and the finite check (the square sum is non-finite exactly
 // when an element is).
-template <Backend B, class Memory>
-ShardVerdict agree_on_shards(B& backend, ShardPasses<Memory>& passes, double unscale, CollectiveTag tag) {
-    passes.memory.finalize(passes.table, nullptr, DType::float32, unscale, 0);
-    const double mine = passes.memory.results()[0];
+template <Backend B, class Layout>
+ShardVerdict agree_on_shards(B& backend, Layout& shards, double unscale, CollectiveTag tag) {
+    shards.memory().finalize(shards.grad_table(), nullptr, DType::float32, unscale, 0);
+    const double mine = shards.memory().results()[0];
     double partial[2] = {std::isfinite(mine) ? mine : 0.0, std::isfinite(mine) ? 0.0 : 1.0};
     if (backend.size() > 1) allreduce_tagged(backend, Buffer{partial, 2, DType::float64}, ReduceOp::sum, tag);
     if (partial[1] > 0) return {std::nan(""), false};
@@ -59,14 +40,13 @@ ShardVerdict agree_on_shards(B& backend, ShardPasses<Memory>& passes, double uns
 
 // After an overflow, which every rank agreed on: the parameters with a non-finite averaged
 // gradient in any rank's pieces, named alike on every rank (one allreduce of a flag each).
-template <Backend B, class Memory>
-std::vector<std::string> overflowed_parameters(B& backend, const ShardPasses<Memory>& passes,
-                                               std::span<const ShardPiece<float>> pieces,
-                                               std::span<const Parameter> params, CollectiveTag tag) {
+template <Backend B, class Layout>
+std::vector<std::string> overflowed_parameters(B& backend, Layout& shards, std::span<const Parameter> params,
+                                               CollectiveTag tag) {
     std::vector<float> flags(params.size(), 0.0f);
-    const auto sums = passes.memory.segment_sums(passes.table);
-    for (std::size_t k = 0; k < pieces.size(); ++k)
-        if (!std::isfinite(sums[k])) flags[pieces[k].parameter] = 1.0f;
+    const auto sums = shards.memory().segment_sums(shards.grad_table());
+    for (std::size_t k = 0; k < shards.pieces.size(); ++k)
+        if (!std::isfinite(sums[k])) flags[shards.pieces[k].parameter] = 1.0f;
     if (backend.size() > 1)
         allreduce_tagged(backend, Buffer{flags.data(), flags.size(), DType::float32}, ReduceOp::sum, tag);
     std::vector<std::string> names;
@@ -79,22 +59,21 @@ std::vector<std::string> overflowed_parameters(B& backend, const ShardPasses<Mem
 // while their norm is measured, the scaler told the outcome, and then either the overflowed
 // parameters named (report.applied false) or the shards clipped to `clip_norm` (above 0).
 // tag_of(purpose) tags each collective.
-template <Backend B, class Memory, class Layout, class Scaler, class TagOf>
-void decide_on_shards(B& backend, ShardPasses<Memory>& passes, const Layout& shards, std::span<const Parameter> params,
-                      Scaler& scaler, double clip_norm, StepReport& report, TagOf&& tag_of) {
+template <Backend B, class Layout, class Scaler, class TagOf>
+void decide_on_shards(B& backend, Layout& shards, std::span<const Parameter> params, Scaler& scaler, double clip_norm,
+                      StepReport& report, TagOf&& tag_of) {
     report.loss_scale = scaler.scale();
-    const auto verdict = agree_on_shards(backend, passes, 1.0 / static_cast<double>(report.loss_scale),
+    const auto verdict = agree_on_shards(backend, shards, 1.0 / static_cast<double>(report.loss_scale),
                                          tag_of(CollectivePurpose::step_decision));
     report.grad_norm = verdict.norm;
     report.applied = verdict.finite;
     scaler.update(!report.applied);  // every rank alike: the decision is agreed
     report.next_loss_scale = scaler.scale();
     if (!report.applied) {
-        report.overflowed = overflowed_parameters(backend, passes, std::span<const ShardPiece<float>>(shards.pieces),
-                                                  params, tag_of(CollectivePurpose::overflow_report));
+        report.overflowed = overflowed_parameters(backend, shards, params, tag_of(CollectivePurpose::overflow_report));
     } else if (clip_norm > 0 && report.grad_norm > clip_norm) {
         // Scaled down so that the global norm becomes clip_norm.
-        passes.memory.scale(passes.table, clip_norm / (report.grad_norm + 1e-6));
+        shards.memory().scale(shards.grad_table(), clip_norm / (report.grad_norm + 1e-6));
         report.clipped = true;
     }
 }

@@ -1,6 +1,6 @@
 // The core ShardedDataParallel derives from: FrontCore (front_core.hpp) over a bucket engine that
-// reduce-scatters each bucket in float32 host memory, where the gradients lie when the backend
-// takes scattered memory (ScatteredShardedCollectives), else packed.
+// reduce-scatters each bucket in float32 host memory, through the memory policy, where the gradients lie when the
+// backend takes scattered memory (ScatteredShardedCollectives), else packed.
 #pragma once
 
 #include <gradsync/backend/concepts.hpp>
@@ -9,7 +9,6 @@
 #include <gradsync/data_parallel/sharded_options.hpp>
 #include <gradsync/data_parallel/sharded_policies.hpp>
 #include <gradsync/dtype.hpp>
-#include <gradsync/memory/host.hpp>
 
 namespace gradsync::inline v0::detail {
 
@@ -19,7 +18,7 @@ struct ShardedCoreOf {
     static_assert(check_backend<BackendT>());
     using Set = ShardedPolicySet<Policies...>;
     static constexpr bool in_place = ScatteredShardedCollectives<BackendT>;
-    using memory = HostMemory;  // the gradients', the shards' and the buckets'
+    using memory = typename Set::memory;  // the gradients', the shards' and the buckets'
     using engine = BucketEngine<BackendT, memory, DType::float32, in_place, typename Set::comm_hook,
                                 BucketCollective::reduce_scatter>;
     using type = FrontCore<Front, Model, BackendT, engine, ShardedOptions, typename Set::loss_scaler>;

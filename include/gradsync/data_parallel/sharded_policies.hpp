@@ -1,5 +1,6 @@
 // The policies of one ShardedDataParallel, with DataParallel's grammar: one of each kind it takes
-// (bucketer, loss scaler, buffer policy, communication hook, ShardedOptions) picked from its template arguments, in
+// (bucketer, loss scaler, buffer policy, communication hook, host memory policy, ShardedOptions)
+// picked from its template arguments, in
 // any order, each defaulted and checked against its kind's concept; a policy of a kind it does not
 // take is a clear error, not ignored.
 #pragma once
@@ -9,6 +10,8 @@
 #include <gradsync/data_parallel/options.hpp>
 #include <gradsync/data_parallel/sharded_options.hpp>
 #include <gradsync/detail/policy.hpp>
+#include <gradsync/memory/host.hpp>
+#include <gradsync/memory/policy.hpp>
 #include <gradsync/model/buffers.hpp>
 #include <gradsync/reduction/comm_hook.hpp>
 
@@ -22,7 +25,7 @@ constexpr bool takes_sharded_category() {
     using C = typename category_of<P>::type;
     return std::is_same_v<C, policy_category::bucketer> || std::is_same_v<C, policy_category::loss_scaler> ||
            std::is_same_v<C, policy_category::buffers> || std::is_same_v<C, policy_category::comm_hook> ||
-           std::is_same_v<C, policy_category::options>;
+           std::is_same_v<C, policy_category::memory> || std::is_same_v<C, policy_category::options>;
 }
 
 template <class P>
@@ -30,8 +33,8 @@ constexpr bool check_sharded_policy() {
     if constexpr (is_policy<P>) {
         static_assert(takes_sharded_category<P>(),
                       "gradsync: ShardedDataParallel takes a bucketer, a loss scaler, a buffer policy, a "
-                      "communication hook and gradsync::ShardedOptions; this policy's kind (packing, memory, "
-                      "compression or LR rule) is DataParallel's only");
+                      "communication hook, a host memory policy and gradsync::ShardedOptions; this policy's kind "
+                      "(packing, compression or LR rule) is DataParallel's only");
         static_assert(!std::is_same_v<P, Options>,
                       "gradsync: ShardedDataParallel's run-time settings are gradsync::ShardedOptions, not "
                       "gradsync::Options");
@@ -49,8 +52,13 @@ struct ShardedPolicySet {
     using buffers = select_policy<policy_category::buffers, BroadcastBuffers, Policies...>;
     using options = select_policy<policy_category::options, ShardedOptions, Policies...>;
     using comm_hook = select_policy<policy_category::comm_hook, NoCommHook, Policies...>;
+    using memory = select_policy<policy_category::memory, HostMemory, Policies...>;
     static_assert(check_bucketer<bucketer>() && check_loss_scaler<loss_scaler>() && check_buffer_policy<buffers>() &&
-                  check_comm_hook<comm_hook>());
+                  check_comm_hook<comm_hook>() && check_memory_policy<memory>());
+    static_assert(!memory::on_device,
+                  "gradsync: ShardedDataParallel keeps parameters, gradients and optimizer shards in host memory: "
+                  "give it a host memory policy (on_device false); for gradients on the GPU use DataParallel with "
+                  "gradsync::CudaMemory{stream}");
 
     // The value of the policy of type P among those given, or a default one.
     template <class P>

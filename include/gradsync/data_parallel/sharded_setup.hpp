@@ -55,11 +55,12 @@ SetupProblems sharded_setup_problems(int rank, const ModelLayout& layout, const 
     return problems;
 }
 
-template <class Bucketer, class Scaler, class Buffers, class Hook>
+template <class Bucketer, class Scaler, class Buffers, class Memory, class Hook>
 std::vector<Setting> sharded_settings(const ShardedOptions& options, const Bucketer& bucketer, const Scaler& scaler,
-                                      const Buffers& buffers, const Hook& hook) {
+                                      const Buffers& buffers, const Memory& memory, const Hook& hook) {
     return {{"bucketer", settings_of(bucketer)},
             {"buffer policy", settings_of(buffers)},
+            {"memory policy", settings_of(memory)},
             {"loss scaler", settings_of(scaler)},
             {"communication hook", settings_of(hook)},
             {"ShardedOptions::release_gradients", options.release_gradients ? "true" : "false"},

@@ -1,0 +1,26 @@
+// A device memory policy given to ShardedDataParallel, which keeps its shards in host memory, is
+// refused with a message that says so and points to DataParallel; a host memory policy compiles.
+// expect: ShardedDataParallel keeps parameters, gradients and optimizer shards in host memory
+// most errors: 1
+#include <gradsync/gradsync.hpp>
+
+#include <vector>
+
+struct Model {
+    std::vector<float> w = std::vector<float>(2), g = std::vector<float>(2);
+    std::vector<gradsync::Parameter> parameters() { return {gradsync::parameter("w", w, g)}; }
+};
+
+#ifdef GRADSYNC_EXPECT_FAILURE
+struct Memory : gradsync::HostMemory {
+    static constexpr bool on_device = true;
+};
+#else
+struct Memory : gradsync::HostMemory {};
+#endif
+
+int main() {
+    auto ranks = gradsync::LocalBackend::create_group(1);
+    Model m;
+    gradsync::ShardedDataParallel sharded(m, ranks[0], Memory{});
+}
