@@ -8,9 +8,9 @@
 #include <gradsync/bucket/plan.hpp>
 #include <gradsync/buffer.hpp>
 #include <gradsync/bytes.hpp>
-#include <gradsync/dtype.hpp>
 #include <gradsync/data_parallel/model_layout.hpp>
 #include <gradsync/data_parallel/shard_layout.hpp>
+#include <gradsync/dtype.hpp>
 #include <gradsync/model/gradient_release.hpp>
 
 #include <cstddef>
