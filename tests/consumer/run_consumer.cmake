@@ -1,5 +1,7 @@
 # Configures, builds and runs tests/consumer in WORK_DIR. Run with cmake -P and
-# -DMODE= -DSOURCE_DIR= -DBUILD_DIR= -DWORK_DIR= -DGENERATOR= -DCXX=.
+# -DMODE= -DSOURCE_DIR= -DBUILD_DIR= -DWORK_DIR= -DGENERATOR= -DCXX=; MODE deb also takes
+# -DCOMPONENTS=mpi,nccl,torch (those to try), -DMPIRUN="mpirun --oversubscribe" and -DTORCH_DIR=.
+cmake_minimum_required(VERSION 3.24)
 file(REMOVE_RECURSE ${WORK_DIR})
 function(run)
   execute_process(COMMAND ${ARGV} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
@@ -25,6 +27,73 @@ if(MODE STREQUAL "pkg_config")  # no CMake on the consumer's side: the compiler 
   file(MAKE_DIRECTORY ${WORK_DIR}/build)
   run(${CXX} ${flags} ${SOURCE_DIR}/tests/consumer/main.cpp -o ${WORK_DIR}/build/consumer)
   run(${WORK_DIR}/build/consumer)
+  return()
+endif()
+if(MODE STREQUAL "deb")  # the Debian package, unpacked as dpkg installs it; each component
+  run(${CMAKE_CPACK_COMMAND} -G DEB --config ${BUILD_DIR}/CPackConfig.cmake -B ${WORK_DIR}/package)
+  file(GLOB deb ${WORK_DIR}/package/*.deb)
+  run(dpkg-deb -x ${deb} ${WORK_DIR}/root)
+  set(prefix ${WORK_DIR}/root/usr)
+  string(REPLACE "," ";" components "${COMPONENTS}")
+  separate_arguments(mpirun UNIX_COMMAND "${MPIRUN}")
+  # Through CMake: find_package(gradsync REQUIRED COMPONENTS ...), a program per component.
+  set(torch_dir "")
+  if(TORCH_DIR)
+    set(torch_dir -DTorch_DIR=${TORCH_DIR})
+  endif()
+  run(${CMAKE_COMMAND} -S ${SOURCE_DIR}/tests/consumer -B ${WORK_DIR}/build -G ${GENERATOR} -DMODE=components
+      -DCOMPONENTS=${COMPONENTS} -DCMAKE_PREFIX_PATH=${prefix} ${torch_dir} -DCMAKE_CXX_COMPILER=${CXX})
+  run(${CMAKE_COMMAND} --build ${WORK_DIR}/build)
+  run(${WORK_DIR}/build/consumer)
+  # A component gradsync lacks is refused, naming those it has; one whose dependency is missing
+  # (libtorch hidden from find_package here) says what to install.
+  function(refused components extra expected)
+    execute_process(COMMAND ${CMAKE_COMMAND} -S ${SOURCE_DIR}/tests/consumer -B ${WORK_DIR}/refused -G ${GENERATOR}
+      -DMODE=components -DCOMPONENTS=${components} ${extra} -DCMAKE_PREFIX_PATH=${prefix}
+      -DCMAKE_CXX_COMPILER=${CXX} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+    file(REMOVE_RECURSE ${WORK_DIR}/refused)
+    string(REGEX REPLACE "[ \t\n]+" " " err "${err}")  # CMake wraps the message
+    if(rc EQUAL 0 OR NOT err MATCHES "${expected}")
+      message(FATAL_ERROR "COMPONENTS ${components} ${extra} was not refused as it should be (${rc}):\n${out}${err}")
+    endif()
+  endfunction()
+  refused(mpi,bogus "" "gradsync has no component 'bogus' \\(it has mpi, nccl and torch\\)")
+  refused(torch -DCMAKE_DISABLE_FIND_PACKAGE_Torch=TRUE "gradsync::torch needs libtorch \\(Debian: apt-get install")
+  message("unknown and unfound components refused")
+  if("mpi" IN_LIST components)
+    run(${mpirun} -np 2 ${WORK_DIR}/build/consumer_mpi)
+  endif()
+  foreach(component nccl torch)
+    if(component IN_LIST components)
+      run(${WORK_DIR}/build/consumer_${component})
+    endif()
+  endforeach()
+  # Through pkg-config, with no CMake on the consumer's side.
+  set(ENV{PKG_CONFIG_PATH} ${prefix}/lib/pkgconfig)
+  foreach(component mpi nccl)
+    if(NOT component IN_LIST components)
+      continue()
+    endif()
+    execute_process(COMMAND pkg-config --cflags --libs gradsync-${component} OUTPUT_VARIABLE flags
+      RESULT_VARIABLE rc OUTPUT_STRIP_TRAILING_WHITESPACE)
+    if(NOT rc EQUAL 0)
+      message(FATAL_ERROR "pkg-config does not know gradsync-${component} (PKG_CONFIG_PATH=${prefix}/lib/pkgconfig)")
+    endif()
+    message("pkg-config --cflags --libs gradsync-${component}: ${flags}")
+    separate_arguments(flags UNIX_COMMAND "${flags}")
+    set(program ${WORK_DIR}/build/pkg_config_${component})
+    run(${CXX} ${SOURCE_DIR}/tests/consumer/main_${component}.cpp ${flags} -o ${program})
+    if(component STREQUAL "mpi")
+      run(${mpirun} -np 2 ${program})
+    else()  # the libraries where the .pc file says, as a user's LD_LIBRARY_PATH would
+      execute_process(COMMAND pkg-config --variable=cuda_libdir gradsync-nccl OUTPUT_VARIABLE cuda_libdir
+        OUTPUT_STRIP_TRAILING_WHITESPACE)
+      execute_process(COMMAND pkg-config --variable=nccl_libdir gradsync-nccl OUTPUT_VARIABLE nccl_libdir
+        OUTPUT_STRIP_TRAILING_WHITESPACE)
+      set(ENV{LD_LIBRARY_PATH} "${cuda_libdir}:${nccl_libdir}")
+      run(${program})
+    endif()
+  endforeach()
   return()
 endif()
 if(MODE STREQUAL "installed")
