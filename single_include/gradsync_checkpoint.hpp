@@ -1018,20 +1018,29 @@ constexpr bool check_scattered_allreduce() {
     return true;
 }
 
-// What a backend for device gradients lacks, named (a device memory policy needs one).
+// What a backend for device gradients lacks, named, the first only (a device memory policy needs
+// one).
 template <class B>
 constexpr bool check_stream_ordered() {
-    static_assert(DeviceBackend<B>,
-                  "gradsync: a device memory policy (CudaMemory) needs a backend whose collectives take device "
-                  "memory (NcclBackend, CudaLocalBackend): `static constexpr bool device_memory = true`");
-    static_assert(
-        requires(const B& b) { b.compute_stream(); },
-        "gradsync: a device memory policy (CudaMemory) needs a backend that orders its collectives after the "
-        "trainer's stream: `cudaStream_t compute_stream() const`");
-    static_assert(
-        requires(B & b, Buffer buf, ReduceOp op) { b.wait_on_device(b.allreduce_async(buf, op)); },
-        "gradsync: a device memory policy (CudaMemory) needs a backend whose collectives the trainer's stream "
-        "can wait for: `void wait_on_device(const Handle&)`");
+    if constexpr (!DeviceBackend<B>)
+        static_assert(DeviceBackend<B>,
+                      "gradsync: a device memory policy (CudaMemory) needs a backend whose collectives take device "
+                      "memory (NcclBackend, CudaLocalBackend): `static constexpr bool device_memory = true`");
+    else if constexpr (!requires(const B& b) { b.compute_stream(); })
+        static_assert(dependent_false<B>,
+                      "gradsync: a device memory policy (CudaMemory) needs a backend that orders its collectives "
+                      "after the trainer's stream: `cudaStream_t compute_stream() const`");
+    else
+        static_assert(
+            requires(B & b, Buffer buf, ReduceOp op) { b.wait_on_device(b.allreduce_async(buf, op)); },
+            "gradsync: a device memory policy (CudaMemory) needs a backend whose collectives the trainer's stream "
+            "can wait for: `void wait_on_device(const Handle&)`");
+    return true;
+}
+// ...only where the memory policy keeps gradients on the device (`Needed`).
+template <class B, bool Needed>
+constexpr bool check_stream_ordered_if() {
+    if constexpr (Needed) return check_stream_ordered<B>();
     return true;
 }
 
@@ -6487,11 +6496,6 @@ constexpr bool check_scattered_allreduce_if() {
     if constexpr (Needed) return check_scattered_allreduce<B>();
     return true;
 }
-template <class B, bool Needed>
-constexpr bool check_stream_ordered_if() {
-    if constexpr (Needed) return check_stream_ordered<B>();
-    return true;
-}
 
 template <class BackendT, class... Policies>
 struct PolicySet {
@@ -7010,7 +7014,7 @@ std::string stream_problem(const B& backend, const M& memory) {
             return std::string(text) +
                    ": the collectives would not wait for the gradients packed and scaled on the other. Give both the "
                    "stream backward runs on: CudaMemory{stream} and NcclOptions::compute_stream (or the backend's "
-                   "set_compute_stream(stream)) before constructing the DataParallel";
+                   "set_compute_stream(stream)) before wrapping the model";
         }
     }
     return {};
@@ -7811,7 +7815,8 @@ private:
 // split into one shard per rank; step(optimizer) reduce-scatters the buckets through the bucket
 // engine (during backward with grad_ready calls), agrees on the norm and the finite check, lets
 // the optimizer update this rank's shards only, and all-gathers the parameters. Policies in any
-// order (data_parallel/sharded_policies.hpp). docs/sharding.md says what it supports.
+// order (data_parallel/sharded_policies.hpp). Over NcclBackend or CudaLocalBackend, give it
+// CudaMemory{stream} and the shards lie in device memory. docs/sharding.md says what it supports.
 
 
 // ---- begin gradsync/data_parallel/released_shards.hpp ----
@@ -8249,6 +8254,8 @@ void decide_on_shards(B& backend, Layout& shards, std::span<const Parameter> par
 
 // optimizer(pieces) on this rank's shards, then every bucket's parameters all-gathered into
 // every rank's model, where they lie or through the packed buffers; tag_of(b) tags bucket b's.
+// On a device stream (StreamOrdered) the all-gathers follow the optimizer's kernels there, the
+// stream waits for them and the unpacking is queued behind: the host waits for none of it.
 template <Backend B, class Layout, class Optimizer, class TagOf>
 void update_and_gather(B& backend, Layout& shards, Optimizer& optimizer, TagOf&& tag_of) {
     const std::size_t buckets = shards.slots.size();
@@ -8259,6 +8266,9 @@ void update_and_gather(B& backend, Layout& shards, Optimizer& optimizer, TagOf&&
         const auto& slot = shards.slots[b];
         if constexpr (Layout::in_place)
             all_gather_tagged(backend, std::span<const Segment>(slot.param_segments), DType::float32, tag_of(b));
+        else if constexpr (StreamOrdered<B>)
+            backend.wait_on_device(
+                all_gather_async_tagged(backend, Buffer{slot.buffer(), slot.count, DType::float32}, tag_of(b)));
         else
             all_gather_tagged(backend, Buffer{slot.buffer(), slot.count, DType::float32}, tag_of(b));
     }
@@ -8326,10 +8336,9 @@ struct ShardedOptions {
 #ifndef GRADSYNC_SINGLE_DATA_PARALLEL_SHARDED_POLICIES_HPP
 #define GRADSYNC_SINGLE_DATA_PARALLEL_SHARDED_POLICIES_HPP
 // The policies of one ShardedDataParallel, with DataParallel's grammar: one of each kind it takes
-// (bucketer, loss scaler, buffer policy, communication hook, host memory policy, ShardedOptions)
-// picked from its template arguments, in
-// any order, each defaulted and checked against its kind's concept; a policy of a kind it does not
-// take is a clear error, not ignored.
+// (bucketer, loss scaler, buffer policy, communication hook, memory policy, ShardedOptions)
+// picked from its template arguments, in any order, each defaulted and checked against its kind's concept; a policy of
+// a kind it does not take is a clear error, not ignored.
 
 
 #include <tuple>
@@ -8350,7 +8359,7 @@ constexpr bool check_sharded_policy() {
     if constexpr (is_policy<P>) {
         static_assert(takes_sharded_category<P>(),
                       "gradsync: ShardedDataParallel takes a bucketer, a loss scaler, a buffer policy, a "
-                      "communication hook, a host memory policy and gradsync::ShardedOptions; this policy's kind "
+                      "communication hook, a memory policy and gradsync::ShardedOptions; this policy's kind "
                       "(packing, compression or LR rule) is DataParallel's only");
         static_assert(!std::is_same_v<P, Options>,
                       "gradsync: ShardedDataParallel's run-time settings are gradsync::ShardedOptions, not "
@@ -8372,10 +8381,6 @@ struct ShardedPolicySet {
     using memory = select_policy<policy_category::memory, HostMemory, Policies...>;
     static_assert(check_bucketer<bucketer>() && check_loss_scaler<loss_scaler>() && check_buffer_policy<buffers>() &&
                   check_comm_hook<comm_hook>() && check_memory_policy<memory>());
-    static_assert(!memory::on_device,
-                  "gradsync: ShardedDataParallel keeps parameters, gradients and optimizer shards in host memory: "
-                  "give it a host memory policy (on_device false); for gradients on the GPU use DataParallel with "
-                  "gradsync::CudaMemory{stream}");
 
     // The value of the policy of type P among those given, or a default one.
     template <class P>
@@ -8418,14 +8423,20 @@ struct ShardedCoreOf {
 
 namespace gradsync::inline v0::detail {
 
-// The sharding collectives, with their readable errors, and host memory.
-template <class B>
+// The sharding collectives, with their readable errors; shards where the backend's collectives
+// take them (a device backend: device memory, its collectives ordered after the memory policy's
+// stream); communication hooks on host memory only.
+template <class B, class Memory, class Hook>
 constexpr bool check_sharded_backend() {
     static_assert(check_sharded_collectives<B>());
-    static_assert(!DeviceBackend<B>,
-                  "gradsync: ShardedDataParallel keeps parameters, gradients and optimizer shards in host memory, and "
-                  "this backend's collectives take device memory (NcclBackend, CudaLocalBackend): for gradients on "
-                  "the GPU use DataParallel with gradsync::CudaMemory{stream}");
+    static_assert(!DeviceBackend<B> || Memory::on_device,
+                  "gradsync: ShardedDataParallel over a backend whose collectives take device memory (NcclBackend, "
+                  "CudaLocalBackend) keeps its shards on the device: give it gradsync::CudaMemory{stream} "
+                  "(memory/cuda.cuh) with the stream backward runs on");
+    static_assert(check_stream_ordered_if<B, Memory::on_device>());
+    static_assert(!Hook::hooked || !Memory::on_device,
+                  "gradsync: communication hooks run on gradients in host memory; this memory policy keeps them on "
+                  "the device");
     return true;
 }
 
@@ -8530,6 +8541,9 @@ public:
     // model. Afterwards the model's gradients hold the average in this rank's shard where the
     // backend reduces in place (LocalBackend) and are otherwise unspecified; with
     // release_gradients the model has released them all.
+    // With a device memory policy (CudaMemory{stream}) the pieces lie in device memory: queue the
+    // optimizer's kernels on that stream. step() returns with the all-gather and the copies into
+    // the model queued there behind them; it waits on the host once, for the norm.
     // Before the optimizer, the ranks check that their collective histories agree
     // (ShardedOptions::check_histories) and, given the trainer's step number, that every rank
     // passed the same one: a rank that skipped or repeated an iteration throws the same
@@ -8575,11 +8589,12 @@ private:
     void init(const bucketer_type& bucketer) {
         // Here, not in the class: a failed check in the class makes GCC report the constructor
         // call as ambiguous too.
-        static_assert(detail::check_sharded_backend<BackendT>());
+        static_assert(detail::check_sharded_backend<BackendT, memory_type, comm_hook_type>());
         static_assert(detail::check_model_access<Model>());
         layout_ = detail::ModelLayout::of(model_, /*with_buffers=*/true);
-        const auto problems = detail::sharded_setup_problems(rank(), layout_, options_, bucketer, scaler_, in_place,
-                                                             ReleasableGradients<Model>, comm_hook_type::hooked);
+        auto problems = detail::sharded_setup_problems(rank(), layout_, options_, bucketer, scaler_, in_place,
+                                                       ReleasableGradients<Model>, comm_hook_type::hooked);
+        problems.configuration(detail::stream_problem(backend_, engine_.memory()));
         plan_ = problems.any() ? BucketPlan{} : bucketer.plan(layout_.params, {});
         detail::agree_on_layout(
             backend_, layout_.params, layout_.buffers, plan_,

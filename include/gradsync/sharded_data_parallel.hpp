@@ -3,7 +3,8 @@
 // split into one shard per rank; step(optimizer) reduce-scatters the buckets through the bucket
 // engine (during backward with grad_ready calls), agrees on the norm and the finite check, lets
 // the optimizer update this rank's shards only, and all-gathers the parameters. Policies in any
-// order (data_parallel/sharded_policies.hpp). docs/sharding.md says what it supports.
+// order (data_parallel/sharded_policies.hpp). Over NcclBackend or CudaLocalBackend, give it
+// CudaMemory{stream} and the shards lie in device memory. docs/sharding.md says what it supports.
 #pragma once
 
 #include <gradsync/amp/loss_scale.hpp>
@@ -83,6 +84,9 @@ public:
     // model. Afterwards the model's gradients hold the average in this rank's shard where the
     // backend reduces in place (LocalBackend) and are otherwise unspecified; with
     // release_gradients the model has released them all.
+    // With a device memory policy (CudaMemory{stream}) the pieces lie in device memory: queue the
+    // optimizer's kernels on that stream. step() returns with the all-gather and the copies into
+    // the model queued there behind them; it waits on the host once, for the norm.
     // Before the optimizer, the ranks check that their collective histories agree
     // (ShardedOptions::check_histories) and, given the trainer's step number, that every rank
     // passed the same one: a rank that skipped or repeated an iteration throws the same
@@ -128,11 +132,12 @@ private:
     void init(const bucketer_type& bucketer) {
         // Here, not in the class: a failed check in the class makes GCC report the constructor
         // call as ambiguous too.
-        static_assert(detail::check_sharded_backend<BackendT>());
+        static_assert(detail::check_sharded_backend<BackendT, memory_type, comm_hook_type>());
         static_assert(detail::check_model_access<Model>());
         layout_ = detail::ModelLayout::of(model_, /*with_buffers=*/true);
-        const auto problems = detail::sharded_setup_problems(rank(), layout_, options_, bucketer, scaler_, in_place,
-                                                             ReleasableGradients<Model>, comm_hook_type::hooked);
+        auto problems = detail::sharded_setup_problems(rank(), layout_, options_, bucketer, scaler_, in_place,
+                                                       ReleasableGradients<Model>, comm_hook_type::hooked);
+        problems.configuration(detail::stream_problem(backend_, engine_.memory()));
         plan_ = problems.any() ? BucketPlan{} : bucketer.plan(layout_.params, {});
         detail::agree_on_layout(
             backend_, layout_.params, layout_.buffers, plan_,

@@ -1,6 +1,7 @@
-// ShardedDataParallel over a backend whose collectives take device memory is refused, saying what
-// to use instead (it keeps everything in host memory, which NCCL refuses at the first step).
-// expect: ShardedDataParallel keeps parameters, gradients and optimizer shards in host memory
+// ShardedDataParallel over a backend whose collectives take device memory, with the default host
+// memory policy, is refused, saying which memory policy to give it (NCCL would refuse host
+// buffers at the first step).
+// expect: keeps its shards on the device: give it gradsync::CudaMemory\{stream\}
 // most errors: 1
 #include <gradsync/gradsync.hpp>
 

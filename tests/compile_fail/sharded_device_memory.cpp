@@ -1,6 +1,6 @@
-// A device memory policy given to ShardedDataParallel, which keeps its shards in host memory, is
-// refused with a message that says so and points to DataParallel; a host memory policy compiles.
-// expect: ShardedDataParallel keeps parameters, gradients and optimizer shards in host memory
+// A device memory policy given to ShardedDataParallel over a backend whose collectives take host
+// memory is refused with a message that names the backend it needs; a host memory policy compiles.
+// expect: a device memory policy \(CudaMemory\) needs a backend whose collectives take device memory
 // most errors: 1
 #include <gradsync/gradsync.hpp>
 

@@ -30,6 +30,9 @@
 #include <vector>
 
 #include "../support/generic_trainer.hpp"
+#include "device_support.cuh"
+
+using namespace device_test;
 
 // The host waits the stand-in CUDA runtime has counted on this thread (tests/standin), where the
 // test is linked against it; null on a GPU, where nothing counts them.
@@ -45,54 +48,6 @@ template void generic::collective_step<gradsync::CudaLocalBackend>(gradsync::Cud
                                                                    std::span<std::int64_t>);
 
 namespace {
-
-// Device memory for a test, freed at the end of scope.
-template <class T>
-struct DeviceArray {
-    T* data = nullptr;
-    std::size_t size = 0;
-    explicit DeviceArray(std::size_t n) : size(n) {
-        if (n != 0) GRADSYNC_CUDA_CHECK(cudaMalloc(&data, n * sizeof(T)));
-    }
-    DeviceArray(const DeviceArray&) = delete;
-    DeviceArray& operator=(const DeviceArray&) = delete;
-    ~DeviceArray() { cudaFree(data); }
-    void upload(const std::vector<T>& host) {
-        if (size != 0) GRADSYNC_CUDA_CHECK(cudaMemcpy(data, host.data(), size * sizeof(T), cudaMemcpyHostToDevice));
-    }
-    std::vector<T> download() const {
-        std::vector<T> host(size);
-        if (size != 0) GRADSYNC_CUDA_CHECK(cudaMemcpy(host.data(), data, size * sizeof(T), cudaMemcpyDeviceToHost));
-        return host;
-    }
-};
-
-// A fresh NCCL unique id: each test's communicators of their own.
-ncclUniqueId nccl_id() {
-    ncclUniqueId id{};
-    if (const ncclResult_t r = ncclGetUniqueId(&id); r != ncclSuccess)
-        throw std::runtime_error(std::string("ncclGetUniqueId failed: ") + ncclGetErrorString(r));
-    return id;
-}
-
-// A non-blocking stream, destroyed at the end of its scope once its work is done.
-struct Stream {
-    cudaStream_t s = nullptr;
-    Stream() { GRADSYNC_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
-    Stream(const Stream&) = delete;
-    Stream& operator=(const Stream&) = delete;
-    ~Stream() {
-        cudaStreamSynchronize(s);
-        cudaStreamDestroy(s);
-    }
-    operator cudaStream_t() const { return s; }
-};
-
-// Bitwise equality (NaN payloads, -0.0 and 16-bit values included).
-template <class T>
-bool same_bytes(const std::vector<T>& a, const std::vector<T>& b) {
-    return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
-}
 
 // Packs tensors of the given sizes (one element of slack before each, so that most start
 // unaligned) into a bucket on the device and back, against the host's copy.
@@ -219,50 +174,6 @@ void check_world_of_one(gradsync::NcclBackend<>& backend, gradsync::DType dtype)
     for (auto& v : quarter) v = T(float(v) * 0.25f);
     CHECK(same_bytes(data.download(), quarter));
 }
-
-// Three parameters, each with its own device allocation: their gradients are no view, so
-// DataParallel packs them (world > 1) or finalizes them through the device table.
-struct ScatteredDeviceModel {
-    std::vector<std::size_t> sizes = {1000, 3, 70000};
-    std::vector<float*> weights, grads;
-    ScatteredDeviceModel() {
-        for (auto n : sizes) {
-            weights.push_back(nullptr);
-            grads.push_back(nullptr);
-            GRADSYNC_CUDA_CHECK(cudaMalloc(&weights.back(), n * sizeof(float)));
-            GRADSYNC_CUDA_CHECK(cudaMalloc(&grads.back(), (n + 64) * sizeof(float)));  // a gap after each
-            GRADSYNC_CUDA_CHECK(cudaMemset(weights.back(), 0, n * sizeof(float)));
-        }
-    }
-    ~ScatteredDeviceModel() {
-        for (auto* p : weights) cudaFree(p);
-        for (auto* p : grads) cudaFree(p);
-    }
-    std::vector<gradsync::Parameter> parameters() {
-        std::vector<gradsync::Parameter> out;
-        for (std::size_t i = 0; i < sizes.size(); ++i)
-            out.push_back({"p" + std::to_string(i), weights[i], grads[i], sizes[i], gradsync::DType::float32});
-        return out;
-    }
-    // Gradient i, element k: (k % 17 - 8) * scale.
-    std::vector<std::vector<float>> fill(float scale) {
-        std::vector<std::vector<float>> host;
-        for (std::size_t i = 0; i < sizes.size(); ++i) {
-            host.emplace_back(sizes[i]);
-            for (std::size_t k = 0; k < sizes[i]; ++k) host[i][k] = (float(k % 17) - 8.0f) * scale;
-            GRADSYNC_CUDA_CHECK(cudaMemcpy(grads[i], host[i].data(), sizes[i] * sizeof(float), cudaMemcpyHostToDevice));
-        }
-        // A copy from pageable memory may land after cudaMemcpy returns, on the default stream,
-        // which the trainer's non-blocking stream does not wait for.
-        GRADSYNC_CUDA_CHECK(cudaDeviceSynchronize());
-        return host;
-    }
-    std::vector<float> grad(std::size_t i) const {
-        std::vector<float> out(sizes[i]);
-        GRADSYNC_CUDA_CHECK(cudaMemcpy(out.data(), grads[i], sizes[i] * sizeof(float), cudaMemcpyDeviceToHost));
-        return out;
-    }
-};
 
 // n ranks on one GPU each allreduce `count` values of T (rank-dependent), against the host's
 // rank-order reduction of the same inputs: bitwise, on every rank.

@@ -1,5 +1,5 @@
-// Host references for the kernels of test_cuda.cu itself, for its run on the stand-in CUDA runtime
-// (tests/standin): what each writes, on the stream's thread.
+// Host references for the CUDA tests' own kernels (test_cuda.cu, test_sharded_on_device.cu), for
+// their run on the stand-in CUDA runtime (tests/standin): what each writes, on the stream's thread.
 #include "../standin/kernels.hpp"
 
 #include <gradsync/memory/policy.hpp>
@@ -12,6 +12,7 @@ namespace test_kernels {
 __global__ void late_fill(float* data, std::size_t n, float value, long long cycles);
 __global__ void count_if_finite(const gradsync::StepVerdict* verdict, int* applied);
 __global__ void add_one(float* data, std::size_t n);
+__global__ void sgd(float* p, const float* g, std::size_t n, float lr);
 }  // namespace test_kernels
 
 namespace {
@@ -29,6 +30,9 @@ namespace {
                        });
     standin::on_kernel(&test_kernels::add_one, "add_one", [](dim3, dim3, float* data, std::size_t n) {
         for (std::size_t i = 0; i < n; ++i) data[i] += 1.0f;
+    });
+    standin::on_kernel(&test_kernels::sgd, "sgd", [](dim3, dim3, float* p, const float* g, std::size_t n, float lr) {
+        for (std::size_t i = 0; i < n; ++i) p[i] -= lr * g[i];
     });
     return true;
 }();

@@ -376,20 +376,29 @@ constexpr bool check_scattered_allreduce() {
     return true;
 }
 
-// What a backend for device gradients lacks, named (a device memory policy needs one).
+// What a backend for device gradients lacks, named, the first only (a device memory policy needs
+// one).
 template <class B>
 constexpr bool check_stream_ordered() {
-    static_assert(DeviceBackend<B>,
-                  "gradsync: a device memory policy (CudaMemory) needs a backend whose collectives take device "
-                  "memory (NcclBackend, CudaLocalBackend): `static constexpr bool device_memory = true`");
-    static_assert(
-        requires(const B& b) { b.compute_stream(); },
-        "gradsync: a device memory policy (CudaMemory) needs a backend that orders its collectives after the "
-        "trainer's stream: `cudaStream_t compute_stream() const`");
-    static_assert(
-        requires(B & b, Buffer buf, ReduceOp op) { b.wait_on_device(b.allreduce_async(buf, op)); },
-        "gradsync: a device memory policy (CudaMemory) needs a backend whose collectives the trainer's stream "
-        "can wait for: `void wait_on_device(const Handle&)`");
+    if constexpr (!DeviceBackend<B>)
+        static_assert(DeviceBackend<B>,
+                      "gradsync: a device memory policy (CudaMemory) needs a backend whose collectives take device "
+                      "memory (NcclBackend, CudaLocalBackend): `static constexpr bool device_memory = true`");
+    else if constexpr (!requires(const B& b) { b.compute_stream(); })
+        static_assert(dependent_false<B>,
+                      "gradsync: a device memory policy (CudaMemory) needs a backend that orders its collectives "
+                      "after the trainer's stream: `cudaStream_t compute_stream() const`");
+    else
+        static_assert(
+            requires(B & b, Buffer buf, ReduceOp op) { b.wait_on_device(b.allreduce_async(buf, op)); },
+            "gradsync: a device memory policy (CudaMemory) needs a backend whose collectives the trainer's stream "
+            "can wait for: `void wait_on_device(const Handle&)`");
+    return true;
+}
+// ...only where the memory policy keeps gradients on the device (`Needed`).
+template <class B, bool Needed>
+constexpr bool check_stream_ordered_if() {
+    if constexpr (Needed) return check_stream_ordered<B>();
     return true;
 }
 

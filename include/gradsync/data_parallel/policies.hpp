@@ -39,11 +39,6 @@ constexpr bool check_scattered_allreduce_if() {
     if constexpr (Needed) return check_scattered_allreduce<B>();
     return true;
 }
-template <class B, bool Needed>
-constexpr bool check_stream_ordered_if() {
-    if constexpr (Needed) return check_stream_ordered<B>();
-    return true;
-}
 
 template <class BackendT, class... Policies>
 struct PolicySet {

@@ -58,7 +58,7 @@ std::string stream_problem(const B& backend, const M& memory) {
             return std::string(text) +
                    ": the collectives would not wait for the gradients packed and scaled on the other. Give both the "
                    "stream backward runs on: CudaMemory{stream} and NcclOptions::compute_stream (or the backend's "
-                   "set_compute_stream(stream)) before constructing the DataParallel";
+                   "set_compute_stream(stream)) before wrapping the model";
         }
     }
     return {};

@@ -80,6 +80,8 @@ void decide_on_shards(B& backend, Layout& shards, std::span<const Parameter> par
 
 // optimizer(pieces) on this rank's shards, then every bucket's parameters all-gathered into
 // every rank's model, where they lie or through the packed buffers; tag_of(b) tags bucket b's.
+// On a device stream (StreamOrdered) the all-gathers follow the optimizer's kernels there, the
+// stream waits for them and the unpacking is queued behind: the host waits for none of it.
 template <Backend B, class Layout, class Optimizer, class TagOf>
 void update_and_gather(B& backend, Layout& shards, Optimizer& optimizer, TagOf&& tag_of) {
     const std::size_t buckets = shards.slots.size();
@@ -90,6 +92,9 @@ void update_and_gather(B& backend, Layout& shards, Optimizer& optimizer, TagOf&&
         const auto& slot = shards.slots[b];
         if constexpr (Layout::in_place)
             all_gather_tagged(backend, std::span<const Segment>(slot.param_segments), DType::float32, tag_of(b));
+        else if constexpr (StreamOrdered<B>)
+            backend.wait_on_device(
+                all_gather_async_tagged(backend, Buffer{slot.buffer(), slot.count, DType::float32}, tag_of(b)));
         else
             all_gather_tagged(backend, Buffer{slot.buffer(), slot.count, DType::float32}, tag_of(b));
     }

@@ -1,8 +1,7 @@
 // The policies of one ShardedDataParallel, with DataParallel's grammar: one of each kind it takes
-// (bucketer, loss scaler, buffer policy, communication hook, host memory policy, ShardedOptions)
-// picked from its template arguments, in
-// any order, each defaulted and checked against its kind's concept; a policy of a kind it does not
-// take is a clear error, not ignored.
+// (bucketer, loss scaler, buffer policy, communication hook, memory policy, ShardedOptions)
+// picked from its template arguments, in any order, each defaulted and checked against its kind's concept; a policy of
+// a kind it does not take is a clear error, not ignored.
 #pragma once
 
 #include <gradsync/amp/loss_scale.hpp>
@@ -33,7 +32,7 @@ constexpr bool check_sharded_policy() {
     if constexpr (is_policy<P>) {
         static_assert(takes_sharded_category<P>(),
                       "gradsync: ShardedDataParallel takes a bucketer, a loss scaler, a buffer policy, a "
-                      "communication hook, a host memory policy and gradsync::ShardedOptions; this policy's kind "
+                      "communication hook, a memory policy and gradsync::ShardedOptions; this policy's kind "
                       "(packing, compression or LR rule) is DataParallel's only");
         static_assert(!std::is_same_v<P, Options>,
                       "gradsync: ShardedDataParallel's run-time settings are gradsync::ShardedOptions, not "
@@ -55,10 +54,6 @@ struct ShardedPolicySet {
     using memory = select_policy<policy_category::memory, HostMemory, Policies...>;
     static_assert(check_bucketer<bucketer>() && check_loss_scaler<loss_scaler>() && check_buffer_policy<buffers>() &&
                   check_comm_hook<comm_hook>() && check_memory_policy<memory>());
-    static_assert(!memory::on_device,
-                  "gradsync: ShardedDataParallel keeps parameters, gradients and optimizer shards in host memory: "
-                  "give it a host memory policy (on_device false); for gradients on the GPU use DataParallel with "
-                  "gradsync::CudaMemory{stream}");
 
     // The value of the policy of type P among those given, or a default one.
     template <class P>

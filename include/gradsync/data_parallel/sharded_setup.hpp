@@ -15,14 +15,20 @@
 
 namespace gradsync::inline v0::detail {
 
-// The sharding collectives, with their readable errors, and host memory.
-template <class B>
+// The sharding collectives, with their readable errors; shards where the backend's collectives
+// take them (a device backend: device memory, its collectives ordered after the memory policy's
+// stream); communication hooks on host memory only.
+template <class B, class Memory, class Hook>
 constexpr bool check_sharded_backend() {
     static_assert(check_sharded_collectives<B>());
-    static_assert(!DeviceBackend<B>,
-                  "gradsync: ShardedDataParallel keeps parameters, gradients and optimizer shards in host memory, and "
-                  "this backend's collectives take device memory (NcclBackend, CudaLocalBackend): for gradients on "
-                  "the GPU use DataParallel with gradsync::CudaMemory{stream}");
+    static_assert(!DeviceBackend<B> || Memory::on_device,
+                  "gradsync: ShardedDataParallel over a backend whose collectives take device memory (NcclBackend, "
+                  "CudaLocalBackend) keeps its shards on the device: give it gradsync::CudaMemory{stream} "
+                  "(memory/cuda.cuh) with the stream backward runs on");
+    static_assert(check_stream_ordered_if<B, Memory::on_device>());
+    static_assert(!Hook::hooked || !Memory::on_device,
+                  "gradsync: communication hooks run on gradients in host memory; this memory policy keeps them on "
+                  "the device");
     return true;
 }
 
