@@ -6288,7 +6288,7 @@ public:
         slots_.clear();
         slots_.resize(plan.buckets.size());
         for (std::size_t b = 0; b < slots_.size(); ++b) build(slots_[b], plan.buckets[b], params);
-        memory_.prepare_results(slots_.size());
+        memory_.prepare_results(slots_.size() + (whole ? 0 : 1));  // reduce-scattering: one for the front
         if constexpr (Hook::hooked) {
             std::vector<HookedBucket> hooked;
             for (std::size_t b = 0; b < slots_.size(); ++b)
@@ -6435,6 +6435,9 @@ public:
     [[nodiscard]] Hook& hook() { return hooks_.hook(); }
     [[nodiscard]] const Hook& hook() const { return hooks_.hook(); }
 
+    // A reduce-scattering engine's result slot that no bucket's pass writes: the sharded front's
+    // decision measures its shards there.
+    [[nodiscard]] std::size_t spare_result_slot() const requires(!whole) { return slots_.size(); }
     // Buckets whose gradients already lie contiguously in memory, reduced without a copy.
     [[nodiscard]] std::size_t view_buckets() const {
         std::size_t n = 0;
@@ -9657,7 +9660,8 @@ struct ShardSlot {
 // gradients at their state offsets (stage 2); without one they lie in `packed_grads(b)`, where
 // bucket b was reduced packed (null: where it lies), or else in the model's gradients. Memory:
 // the memory policy where parameters and gradients lie: the bucket engine's, which outlives the
-// layout and has prepared a result slot per bucket (the decision uses the first).
+// layout; the step's decision measures the pieces into its `result_slot`, which no other pass
+// writes.
 template <bool InPlace, class Memory = HostMemory>
 struct ShardLayout {
     static constexpr bool in_place = InPlace;
@@ -9668,9 +9672,9 @@ struct ShardLayout {
 
     ShardLayout() = default;
     template <class PackedGrads>
-    ShardLayout(Memory& memory, std::span<const Parameter> params, const BucketPlan& plan, int ranks, int rank,
-                PackedGrads&& packed_grads, float* grad_store = nullptr)
-        : memory_(&memory), grad_store_(grad_store) {
+    ShardLayout(Memory& memory, std::size_t result_slot, std::span<const Parameter> params, const BucketPlan& plan,
+                int ranks, int rank, PackedGrads&& packed_grads, float* grad_store = nullptr)
+        : memory_(&memory), result_slot_(result_slot), grad_store_(grad_store) {
         for (std::size_t b = 0; b < plan.buckets.size(); ++b) {
             const auto& bucket = plan.buckets[b];
             ShardSlot<Memory> slot;
@@ -9733,8 +9737,10 @@ struct ShardLayout {
         memory_->pack(slot.shard_grads, reinterpret_cast<std::byte*>(grads[slot.first_piece].data()));
     }
 
-    // The memory policy where the pieces lie, for the step's passes over them.
+    // The memory policy where the pieces lie, for the step's passes over them, and its result slot
+    // for the decision.
     [[nodiscard]] Memory& memory() { return *memory_; }
+    [[nodiscard]] std::size_t result_slot() const { return result_slot_; }
     // The pieces' gradients as one table of the memory policy (a segment per piece, in piece
     // order): the step's decision measures, unscales and clips them through it. Built at the first
     // use after they moved, so that storage followed during backward costs no table per bucket.
@@ -9758,6 +9764,7 @@ private:
     }
 
     Memory* memory_ = nullptr;
+    std::size_t result_slot_ = 0;
     float* grad_store_ = nullptr;
     typename Memory::Table grad_table_;
     bool grads_moved_ = true;
@@ -9868,8 +9875,8 @@ struct ShardVerdict {
 // when an element is).
 template <Backend B, class Layout>
 ShardVerdict agree_on_shards(B& backend, Layout& shards, double unscale, CollectiveTag tag) {
-    shards.memory().finalize(shards.grad_table(), nullptr, DType::float32, unscale, 0);
-    const double mine = shards.memory().results()[0];
+    shards.memory().finalize(shards.grad_table(), nullptr, DType::float32, unscale, shards.result_slot());
+    const double mine = shards.memory().results()[shards.result_slot()];
     double partial[2] = {std::isfinite(mine) ? mine : 0.0, std::isfinite(mine) ? 0.0 : 1.0};
     if (backend.size() > 1) allreduce_tagged(backend, Buffer{partial, 2, DType::float64}, ReduceOp::sum, tag);
     if (partial[1] > 0) return {std::nan(""), false};
@@ -10269,7 +10276,7 @@ private:
         engine_.setup(plan_, layout_.params);
         // The pieces' gradients: where the engine leaves each bucket's shard (stage 2: the store).
         shards_ = Shards(
-            engine_.memory(), layout_.params, plan_, world_size(), rank(),
+            engine_.memory(), engine_.spare_result_slot(), layout_.params, plan_, world_size(), rank(),
             [this](std::size_t b) { return reinterpret_cast<float*>(engine_.reduced_buffer(b)); }, released_.store());
         this->storage_.reset(plan_.buckets.size());
         readiness_.plan(plan_, layout_.params.size());

@@ -142,6 +142,9 @@ TEST_CASE("bucket engine: reduce-scattered buckets are packed even on one rank, 
             CHECK_FALSE(engine.slots()[0].view.has_value());  // contiguous, yet read from the buffer
             CHECK(engine.slots()[0].buffer.size() == 30 * sizeof(float));
             CHECK(engine.view_buckets() == 0);
+            // A result slot beside the buckets' for the front's decision.
+            CHECK(engine.spare_result_slot() == 2);
+            CHECK(engine.memory().results().size() == 3);
             m.fill(local.rank());
             const auto gradients = m.g01;
             engine.begin_step(/*finalizing=*/true, 0.5);  // still: nothing unscaled, nothing unpacked
@@ -329,8 +332,8 @@ TEST_CASE("sharded step: the decision unscales, measures, clips and names an ove
         const auto params = m.parameters();
         const auto plan = two_buckets();  // shards: t0 and t1 split at 15; t2 and t3[0] | t3[1..6]
         CountingMemory memory;
-        memory.prepare_results(1);  // as the bucket engine's set-up does
-        ShardLayout<true, CountingMemory> shards(memory, params, plan, 2, local.rank(), packed_nowhere);
+        memory.prepare_results(1);  // slot 0 for the decision, as the bucket engine's set-up prepares one
+        ShardLayout<true, CountingMemory> shards(memory, 0, params, plan, 2, local.rank(), packed_nowhere);
         gradsync::StaticLossScale scaler;
         scaler.value = 2.0f;
         gradsync::StepReport report;
@@ -392,7 +395,7 @@ TEST_CASE(
         for (std::size_t i = 0; i < m.w01.size(); ++i) m.w01[i] = 100.0f + float(i);
         const auto params = m.parameters();
         CopyCountingMemory memory;
-        ShardLayout<false, CopyCountingMemory> packed(memory, params, plan, 2, rank, packed_nowhere);
+        ShardLayout<false, CopyCountingMemory> packed(memory, 0, params, plan, 2, rank, packed_nowhere);
         packed.pack_shard(0);
         CHECK(*memory.packs == 1);
         const float* buffer = packed.slots[0].buffer();
@@ -406,7 +409,7 @@ TEST_CASE(
 
         // Stage 2: bucket 1's share of the gradients, kept in the store where its pieces lie.
         std::vector<float> store(gradsync::detail::shard_elements(plan, 2, rank), -1.0f);
-        ShardLayout<true, CopyCountingMemory> kept(memory, params, plan, 2, rank, packed_nowhere, store.data());
+        ShardLayout<true, CopyCountingMemory> kept(memory, 0, params, plan, 2, rank, packed_nowhere, store.data());
         kept.keep_shard(1);
         CHECK(*memory.packs == 2);
         const std::size_t at = 15;  // after bucket 0's shard

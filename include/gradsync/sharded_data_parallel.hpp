@@ -148,7 +148,7 @@ private:
         engine_.setup(plan_, layout_.params);
         // The pieces' gradients: where the engine leaves each bucket's shard (stage 2: the store).
         shards_ = Shards(
-            engine_.memory(), layout_.params, plan_, world_size(), rank(),
+            engine_.memory(), engine_.spare_result_slot(), layout_.params, plan_, world_size(), rank(),
             [this](std::size_t b) { return reinterpret_cast<float*>(engine_.reduced_buffer(b)); }, released_.store());
         this->storage_.reset(plan_.buckets.size());
         readiness_.plan(plan_, layout_.params.size());

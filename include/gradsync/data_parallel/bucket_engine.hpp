@@ -73,7 +73,7 @@ public:
         slots_.clear();
         slots_.resize(plan.buckets.size());
         for (std::size_t b = 0; b < slots_.size(); ++b) build(slots_[b], plan.buckets[b], params);
-        memory_.prepare_results(slots_.size());
+        memory_.prepare_results(slots_.size() + (whole ? 0 : 1));  // reduce-scattering: one for the front
         if constexpr (Hook::hooked) {
             std::vector<HookedBucket> hooked;
             for (std::size_t b = 0; b < slots_.size(); ++b)
@@ -220,6 +220,9 @@ public:
     [[nodiscard]] Hook& hook() { return hooks_.hook(); }
     [[nodiscard]] const Hook& hook() const { return hooks_.hook(); }
 
+    // A reduce-scattering engine's result slot that no bucket's pass writes: the sharded front's
+    // decision measures its shards there.
+    [[nodiscard]] std::size_t spare_result_slot() const requires(!whole) { return slots_.size(); }
     // Buckets whose gradients already lie contiguously in memory, reduced without a copy.
     [[nodiscard]] std::size_t view_buckets() const {
         std::size_t n = 0;

@@ -103,7 +103,8 @@ struct ShardSlot {
 // gradients at their state offsets (stage 2); without one they lie in `packed_grads(b)`, where
 // bucket b was reduced packed (null: where it lies), or else in the model's gradients. Memory:
 // the memory policy where parameters and gradients lie: the bucket engine's, which outlives the
-// layout and has prepared a result slot per bucket (the decision uses the first).
+// layout; the step's decision measures the pieces into its `result_slot`, which no other pass
+// writes.
 template <bool InPlace, class Memory = HostMemory>
 struct ShardLayout {
     static constexpr bool in_place = InPlace;
@@ -114,9 +115,9 @@ struct ShardLayout {
 
     ShardLayout() = default;
     template <class PackedGrads>
-    ShardLayout(Memory& memory, std::span<const Parameter> params, const BucketPlan& plan, int ranks, int rank,
-                PackedGrads&& packed_grads, float* grad_store = nullptr)
-        : memory_(&memory), grad_store_(grad_store) {
+    ShardLayout(Memory& memory, std::size_t result_slot, std::span<const Parameter> params, const BucketPlan& plan,
+                int ranks, int rank, PackedGrads&& packed_grads, float* grad_store = nullptr)
+        : memory_(&memory), result_slot_(result_slot), grad_store_(grad_store) {
         for (std::size_t b = 0; b < plan.buckets.size(); ++b) {
             const auto& bucket = plan.buckets[b];
             ShardSlot<Memory> slot;
@@ -179,8 +180,10 @@ struct ShardLayout {
         memory_->pack(slot.shard_grads, reinterpret_cast<std::byte*>(grads[slot.first_piece].data()));
     }
 
-    // The memory policy where the pieces lie, for the step's passes over them.
+    // The memory policy where the pieces lie, for the step's passes over them, and its result slot
+    // for the decision.
     [[nodiscard]] Memory& memory() { return *memory_; }
+    [[nodiscard]] std::size_t result_slot() const { return result_slot_; }
     // The pieces' gradients as one table of the memory policy (a segment per piece, in piece
     // order): the step's decision measures, unscales and clips them through it. Built at the first
     // use after they moved, so that storage followed during backward costs no table per bucket.
@@ -204,6 +207,7 @@ private:
     }
 
     Memory* memory_ = nullptr;
+    std::size_t result_slot_ = 0;
     float* grad_store_ = nullptr;
     typename Memory::Table grad_table_;
     bool grads_moved_ = true;

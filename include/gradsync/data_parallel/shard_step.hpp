@@ -30,8 +30,8 @@ struct ShardVerdict {
 // when an element is).
 template <Backend B, class Layout>
 ShardVerdict agree_on_shards(B& backend, Layout& shards, double unscale, CollectiveTag tag) {
-    shards.memory().finalize(shards.grad_table(), nullptr, DType::float32, unscale, 0);
-    const double mine = shards.memory().results()[0];
+    shards.memory().finalize(shards.grad_table(), nullptr, DType::float32, unscale, shards.result_slot());
+    const double mine = shards.memory().results()[shards.result_slot()];
     double partial[2] = {std::isfinite(mine) ? mine : 0.0, std::isfinite(mine) ? 0.0 : 1.0};
     if (backend.size() > 1) allreduce_tagged(backend, Buffer{partial, 2, DType::float64}, ReduceOp::sum, tag);
     if (partial[1] > 0) return {std::nan(""), false};
