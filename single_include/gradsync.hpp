@@ -9643,15 +9643,14 @@ struct ShardSlot {
     // gradients' only where a store keeps them (stage 2).
     void build(const Memory& memory, std::span<const Parameter> params, bool keeps_grads) {
         param_segments.clear();
-        std::vector<Segment> grads;
-        for (auto i : indices) {
-            param_segments.push_back({params[i].data, params[i].count});
-            grads.push_back({params[i].grad, params[i].count});
-        }
+        for (auto i : indices) param_segments.push_back({params[i].data, params[i].count});
         const std::size_t lo = shard.offset, hi = lo + shard.count;
         param_table = memory.table(param_segments, DType::float32);
         shard_params = memory.table(segments_within(param_segments, lo, hi), DType::float32);
-        if (keeps_grads) shard_grads = memory.table(segments_within(grads, lo, hi), DType::float32);
+        if (!keeps_grads) return;
+        std::vector<Segment> grads;
+        for (auto i : indices) grads.push_back({params[i].grad, params[i].count});
+        shard_grads = memory.table(segments_within(grads, lo, hi), DType::float32);
     }
 };
 
@@ -10202,25 +10201,21 @@ public:
         init(bucketer_type{});
     }
 
-    // grad_ready(index or name) comes from the core (data_parallel/front_core.hpp): each bucket's
-    // reduce_scatter starts once its gradients are final; step() waits for them and reduces the
-    // rest. Without these calls step() reduces every bucket itself.
+    // grad_ready(index or name) (data_parallel/front_core.hpp) starts each bucket's reduce_scatter
+    // once its gradients are final; step() reduces the buckets not started.
 
     // After backward, on every rank: reduce-scatters the gradients, agrees on their norm, calls
     // optimizer(std::span<const ShardPiece<float>>) with this rank's pieces when every gradient
     // is finite (every rank decides alike), and all-gathers the parameters into every rank's
-    // model. Afterwards the model's gradients hold the average in this rank's shard where the
-    // backend reduces in place (LocalBackend) and are otherwise unspecified; with
-    // release_gradients the model has released them all.
-    // With a device memory policy (CudaMemory{stream}) the pieces lie in device memory: queue the
-    // optimizer's kernels on that stream. step() returns with the all-gather and the copies into
-    // the model queued there behind them; it waits on the host once, for the norm.
-    // Before the optimizer, the ranks check that their collective histories agree
-    // (ShardedOptions::check_histories) and, given the trainer's step number, that every rank
-    // passed the same one: a rank that skipped or repeated an iteration throws the same
-    // StepMismatch on every rank, with nothing updated. A failure on this rank (the optimizer
-    // threw, say) aborts the group, so that peers waiting in the step's collectives fail at once
-    // rather than at their deadline, naming this rank and step; then it is rethrown.
+    // model. The model's gradients then hold the average in this rank's shard where the backend
+    // reduces in place (LocalBackend), else are unspecified (with release_gradients: released).
+    // With CudaMemory{stream} the pieces lie in device memory: queue the optimizer's kernels on
+    // that stream; step() waits on the host once (the norm) and returns with the all-gathers and
+    // the copies into the model queued there. Before the optimizer, the ranks compare their
+    // collective histories (ShardedOptions::check_histories) and step numbers, if given: a rank
+    // that skipped or repeated an iteration throws the same StepMismatch on every rank, nothing
+    // updated. A failure on this rank (the optimizer threw, say) aborts the group, so that peers
+    // fail at once naming this rank and step, not at their deadline; then it is rethrown.
     template <class Optimizer>
     StepReport step(Optimizer&& optimizer, std::optional<StepNumber> number = {}) {
         static_assert(std::is_invocable_v<Optimizer&, std::span<const ShardPiece<float>>>,

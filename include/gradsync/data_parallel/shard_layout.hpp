@@ -86,15 +86,14 @@ struct ShardSlot {
     // gradients' only where a store keeps them (stage 2).
     void build(const Memory& memory, std::span<const Parameter> params, bool keeps_grads) {
         param_segments.clear();
-        std::vector<Segment> grads;
-        for (auto i : indices) {
-            param_segments.push_back({params[i].data, params[i].count});
-            grads.push_back({params[i].grad, params[i].count});
-        }
+        for (auto i : indices) param_segments.push_back({params[i].data, params[i].count});
         const std::size_t lo = shard.offset, hi = lo + shard.count;
         param_table = memory.table(param_segments, DType::float32);
         shard_params = memory.table(segments_within(param_segments, lo, hi), DType::float32);
-        if (keeps_grads) shard_grads = memory.table(segments_within(grads, lo, hi), DType::float32);
+        if (!keeps_grads) return;
+        std::vector<Segment> grads;
+        for (auto i : indices) grads.push_back({params[i].grad, params[i].count});
+        shard_grads = memory.table(segments_within(grads, lo, hi), DType::float32);
     }
 };
 
