@@ -27,6 +27,14 @@
 // pass), the finalize step (norm, clipping, the step's decision), replanning and diagnosis.
 
 
+// ---- begin gradsync/backend/concept_checks.hpp ----
+#ifndef GRADSYNC_SINGLE_BACKEND_CONCEPT_CHECKS_HPP
+#define GRADSYNC_SINGLE_BACKEND_CONCEPT_CHECKS_HPP
+// What a backend lacks for what it is asked to do, named: the readable compile errors behind the
+// concepts of backend/concepts.hpp (a backend at all, sharded collectives, scattered segments,
+// device streams), each reporting the first missing member only.
+
+
 // ---- begin gradsync/backend/concepts.hpp ----
 #ifndef GRADSYNC_SINGLE_BACKEND_CONCEPTS_HPP
 #define GRADSYNC_SINGLE_BACKEND_CONCEPTS_HPP
@@ -636,22 +644,6 @@ constexpr Bytes operator""_GiB(unsigned long long n) { return Bytes{n << 30}; }
 #endif  // GRADSYNC_SINGLE_BYTES_HPP
 // ---- end gradsync/bytes.hpp ----
 
-// ---- begin gradsync/detail/meta.hpp ----
-#ifndef GRADSYNC_SINGLE_DETAIL_META_HPP
-#define GRADSYNC_SINGLE_DETAIL_META_HPP
-// Small metaprogramming helpers shared by the public headers. Users never include detail/.
-
-
-namespace gradsync::inline v0::detail {
-
-// static_assert(false) inside a template, which g++ 12 rejects before instantiation otherwise.
-template <class...>
-inline constexpr bool dependent_false = false;
-
-}  // namespace gradsync::inline v0::detail
-#endif  // GRADSYNC_SINGLE_DETAIL_META_HPP
-// ---- end gradsync/detail/meta.hpp ----
-
 #include <chrono>
 #include <concepts>  // for std::convertible_to
 #include <cstdint>
@@ -846,47 +838,6 @@ bool ends_within(const B& b, std::chrono::milliseconds timeout) {
         return false;
 }
 
-template <class B>
-constexpr bool check_backend() {
-    if constexpr (!Backend<B>) {
-        static_assert(
-            requires(const B& b) {
-                { b.rank() } -> std::convertible_to<int>;
-            },
-            "gradsync: a Backend needs `int rank() const`");
-        static_assert(
-            requires(const B& b) {
-                { b.size() } -> std::convertible_to<int>;
-            },
-            "gradsync: a Backend needs `int size() const`");
-        static_assert(
-            requires(const B& b, DType t) {
-                { b.supports(t) } -> std::convertible_to<bool>;
-            },
-            "gradsync: a Backend needs `bool supports(gradsync::DType) const`");
-        static_assert(
-            requires(B & b, Buffer buf, ReduceOp op) { b.allreduce(buf, op); },
-            "gradsync: a Backend needs `void allreduce(gradsync::Buffer, gradsync::ReduceOp)`");
-        static_assert(
-            requires(B & b, Buffer buf, ReduceOp op) {
-                { b.allreduce_async(buf, op) } -> Waitable;
-            },
-            "gradsync: a Backend needs `Handle allreduce_async(gradsync::Buffer, gradsync::ReduceOp)` "
-            "returning a handle with `void wait() const`, `bool ready() const` and "
-            "`bool wait_until(std::chrono::steady_clock::time_point) const`");
-        static_assert(
-            requires(B & b, std::span<std::byte> bytes, int root) { b.broadcast(bytes, root); },
-            "gradsync: a Backend needs `void broadcast(std::span<std::byte>, int root)`");
-        static_assert(
-            requires(B & b) { b.barrier(); }, "gradsync: a Backend needs `void barrier()`");
-    }
-    return Backend<B>;
-}
-
-}  // namespace detail
-
-namespace detail {
-
 // A backend's collectives with the tag where it takes one, without it where it does not: the
 // one place that decides.
 template <Backend B>
@@ -975,6 +926,71 @@ void all_gather_tagged(B& b, std::span<const Segment> segs, DType t, CollectiveT
         b.all_gather(segs, t);
 }
 
+}  // namespace detail
+
+}  // namespace gradsync::inline v0
+#endif  // GRADSYNC_SINGLE_BACKEND_CONCEPTS_HPP
+// ---- end gradsync/backend/concepts.hpp ----
+
+// ---- begin gradsync/detail/meta.hpp ----
+#ifndef GRADSYNC_SINGLE_DETAIL_META_HPP
+#define GRADSYNC_SINGLE_DETAIL_META_HPP
+// Small metaprogramming helpers shared by the public headers. Users never include detail/.
+
+
+namespace gradsync::inline v0::detail {
+
+// static_assert(false) inside a template, which g++ 12 rejects before instantiation otherwise.
+template <class...>
+inline constexpr bool dependent_false = false;
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_DETAIL_META_HPP
+// ---- end gradsync/detail/meta.hpp ----
+
+#include <concepts>  // for std::convertible_to
+#include <cstddef>
+#include <span>
+
+namespace gradsync::inline v0::detail {
+
+template <class B>
+constexpr bool check_backend() {
+    if constexpr (!Backend<B>) {
+        static_assert(
+            requires(const B& b) {
+                { b.rank() } -> std::convertible_to<int>;
+            },
+            "gradsync: a Backend needs `int rank() const`");
+        static_assert(
+            requires(const B& b) {
+                { b.size() } -> std::convertible_to<int>;
+            },
+            "gradsync: a Backend needs `int size() const`");
+        static_assert(
+            requires(const B& b, DType t) {
+                { b.supports(t) } -> std::convertible_to<bool>;
+            },
+            "gradsync: a Backend needs `bool supports(gradsync::DType) const`");
+        static_assert(
+            requires(B & b, Buffer buf, ReduceOp op) { b.allreduce(buf, op); },
+            "gradsync: a Backend needs `void allreduce(gradsync::Buffer, gradsync::ReduceOp)`");
+        static_assert(
+            requires(B & b, Buffer buf, ReduceOp op) {
+                { b.allreduce_async(buf, op) } -> Waitable;
+            },
+            "gradsync: a Backend needs `Handle allreduce_async(gradsync::Buffer, gradsync::ReduceOp)` "
+            "returning a handle with `void wait() const`, `bool ready() const` and "
+            "`bool wait_until(std::chrono::steady_clock::time_point) const`");
+        static_assert(
+            requires(B & b, std::span<std::byte> bytes, int root) { b.broadcast(bytes, root); },
+            "gradsync: a Backend needs `void broadcast(std::span<std::byte>, int root)`");
+        static_assert(
+            requires(B & b) { b.barrier(); }, "gradsync: a Backend needs `void barrier()`");
+    }
+    return Backend<B>;
+}
+
 // What a backend for sharded data parallel lacks, named.
 template <class B>
 constexpr bool check_sharded_collectives() {
@@ -1043,12 +1059,16 @@ constexpr bool check_stream_ordered_if() {
     if constexpr (Needed) return check_stream_ordered<B>();
     return true;
 }
+// ...only where the policies need the ability (InPlaceBuckets).
+template <class B, bool Needed>
+constexpr bool check_scattered_allreduce_if() {
+    if constexpr (Needed) return check_scattered_allreduce<B>();
+    return true;
+}
 
-}  // namespace detail
-
-}  // namespace gradsync::inline v0
-#endif  // GRADSYNC_SINGLE_BACKEND_CONCEPTS_HPP
-// ---- end gradsync/backend/concepts.hpp ----
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_BACKEND_CONCEPT_CHECKS_HPP
+// ---- end gradsync/backend/concept_checks.hpp ----
 
 // ---- begin gradsync/bucket/plan.hpp ----
 #ifndef GRADSYNC_SINGLE_BUCKET_PLAN_HPP
@@ -6490,13 +6510,6 @@ constexpr bool check_packing_policy() {
             { P::mode } -> std::convertible_to<PackingMode>;
         },
         "gradsync: a packing policy needs `static constexpr gradsync::PackingMode mode`");
-    return true;
-}
-
-// The check, only where the policies need the ability.
-template <class B, bool Needed>
-constexpr bool check_scattered_allreduce_if() {
-    if constexpr (Needed) return check_scattered_allreduce<B>();
     return true;
 }
 

@@ -1,6 +1,7 @@
 // reduce_scatter and all_gather: the shard rule, and LocalBackend's collectives for every world
 // size from 1 to 5, bitwise the rank-ordered reduction, with the failures that must become
 // exceptions rather than hangs.
+#include <gradsync/backend/concept_checks.hpp>
 #include <gradsync/backend/local.hpp>
 #include <gradsync/launch/spawn.hpp>
 

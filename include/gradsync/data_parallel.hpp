@@ -6,6 +6,7 @@
 // pass), the finalize step (norm, clipping, the step's decision), replanning and diagnosis.
 #pragma once
 
+#include <gradsync/backend/concept_checks.hpp>
 #include <gradsync/backend/concepts.hpp>
 #include <gradsync/bucket/plan.hpp>
 #include <gradsync/bytes.hpp>

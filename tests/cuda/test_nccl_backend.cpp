@@ -1,6 +1,7 @@
 // NcclBackend and nccl_spawn on the host side: what runs without a GPU (algorithm selection,
 // dtypes, argument and device errors), and that DataParallel over NcclBackend compiles in full.
 // The collectives themselves are tested in the "gpu" suite of tests/cuda/test_cuda.cu.
+#include <gradsync/backend/concept_checks.hpp>
 #include <gradsync/backend/local.hpp>
 #include <gradsync/backend/nccl.hpp>
 #include <gradsync/launch/nccl_spawn.hpp>

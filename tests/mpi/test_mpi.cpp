@@ -3,6 +3,7 @@
 // fails on one rank fails the whole run. Results are compared across ranks through plain MPI.
 #include "mpi/doctest_main.hpp"
 
+#include <gradsync/backend/concept_checks.hpp>
 #include <gradsync/backend/mpi.hpp>
 #include <gradsync/gradsync.hpp>
 

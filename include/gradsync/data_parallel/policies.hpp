@@ -6,6 +6,7 @@
 
 #include <gradsync/amp/compression.hpp>
 #include <gradsync/amp/loss_scale.hpp>
+#include <gradsync/backend/concept_checks.hpp>
 #include <gradsync/backend/concepts.hpp>
 #include <gradsync/bucket/bucketers.hpp>
 #include <gradsync/bucket/tuning.hpp>
@@ -30,13 +31,6 @@ constexpr bool check_packing_policy() {
             { P::mode } -> std::convertible_to<PackingMode>;
         },
         "gradsync: a packing policy needs `static constexpr gradsync::PackingMode mode`");
-    return true;
-}
-
-// The check, only where the policies need the ability.
-template <class B, bool Needed>
-constexpr bool check_scattered_allreduce_if() {
-    if constexpr (Needed) return check_scattered_allreduce<B>();
     return true;
 }
 

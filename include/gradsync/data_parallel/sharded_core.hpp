@@ -3,6 +3,7 @@
 // backend takes scattered memory (ScatteredShardedCollectives), else packed.
 #pragma once
 
+#include <gradsync/backend/concept_checks.hpp>
 #include <gradsync/backend/concepts.hpp>
 #include <gradsync/data_parallel/bucket_engine.hpp>
 #include <gradsync/data_parallel/front_core.hpp>

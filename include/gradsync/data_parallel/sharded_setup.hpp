@@ -2,6 +2,7 @@
 // they agree on: the same problem wording and agreement as DataParallel's (setup_checks.hpp).
 #pragma once
 
+#include <gradsync/backend/concept_checks.hpp>
 #include <gradsync/backend/concepts.hpp>
 #include <gradsync/data_parallel/model_layout.hpp>
 #include <gradsync/data_parallel/settings.hpp>
