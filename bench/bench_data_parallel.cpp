@@ -22,6 +22,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <type_traits>  // for std::conditional_t
 #include <vector>
 
 namespace {
@@ -215,19 +216,55 @@ private:
     std::size_t held_ = 0, peak_ = 0;
 };
 
+// LocalBackend with only its collectives over one buffer: the buckets are reduced as packed
+// copies, as the device backends reduce them.
+struct PackedOnly {
+    gradsync::LocalBackend& b;
+    int rank() const { return b.rank(); }
+    int size() const { return b.size(); }
+    bool supports(gradsync::DType t) const { return b.supports(t); }
+    void allreduce(gradsync::Buffer buf, gradsync::ReduceOp op) { b.allreduce(buf, op); }
+    template <class T>
+    void allreduce(std::span<T> s, gradsync::ReduceOp op) {
+        b.allreduce(gradsync::buffer_of(s), op);
+    }
+    auto allreduce_async(gradsync::Buffer buf, gradsync::ReduceOp op) { return b.allreduce_async(buf, op); }
+    void broadcast(std::span<std::byte> bytes, int root) { b.broadcast(bytes, root); }
+    void barrier() { b.barrier(); }
+    void reduce_scatter(gradsync::Buffer buf, gradsync::ReduceOp op) { b.reduce_scatter(buf, op); }
+    auto reduce_scatter_async(gradsync::Buffer buf, gradsync::ReduceOp op) { return b.reduce_scatter_async(buf, op); }
+    void all_gather(gradsync::Buffer buf) { b.all_gather(buf); }
+    auto all_gather_async(gradsync::Buffer buf) { return b.all_gather_async(buf); }
+};
+
 // Backward and a sharded step (plain SGD) on 2 ranks, overlapped through grad_ready: stage 1
 // (the model keeps every gradient) against stage 2 (release_gradients), interleaved; the peak of
-// gradient memory per rank in a step, the model's and the wrapper's together, and the step times.
+// gradient memory per rank in a step, the model's and the wrapper's together (its bucket buffers
+// included), and the step times. `Packed`: over PackedOnly, where stage 2 lends its buckets three
+// gradient buffers in turn.
+template <bool Packed>
 void released_gradients(benchmark::State& state, std::vector<layouts::Tensor> (*layout)()) {
     const auto tensors = layout();
     std::vector<double> kept_s, released_s, ratios;
     double peak_kept = 0, peak_released = 0;
     constexpr float lr = 1e-6f;
-    using Sharded = gradsync::ShardedDataParallel<MakingModel, gradsync::LocalBackend, gradsync::ShardedOptions>;
+    using B = std::conditional_t<Packed, PackedOnly, gradsync::LocalBackend>;
+    using Sharded = gradsync::ShardedDataParallel<MakingModel, B, gradsync::ShardedOptions>;
     bench::time_on_two_ranks(state, [&](gradsync::LocalBackend& b) {
         struct Replicas {
             Replicas(const std::vector<layouts::Tensor>& t, gradsync::LocalBackend& b)
-                : keeping(t), releasing(t), stage1(keeping, b), stage2(releasing, b, {.release_gradients = true}) {}
+                : packed{b},
+                  keeping(t),
+                  releasing(t),
+                  stage1(keeping, backend(b)),
+                  stage2(releasing, backend(b), {.release_gradients = true}) {}
+            B& backend(gradsync::LocalBackend& b) {
+                if constexpr (Packed)
+                    return packed;
+                else
+                    return b;
+            }
+            PackedOnly packed;
             MakingModel keeping, releasing;
             Sharded stage1, stage2;
         };
@@ -295,7 +332,10 @@ void register_data_parallel() {
             ->Apply(configure);
         benchmark::RegisterBenchmark(("sharded_step/" + name).c_str(), sharded_vs_unsharded_step, layout.tensors)
             ->Apply(configure);
-        benchmark::RegisterBenchmark(("released_gradients/" + name).c_str(), released_gradients, layout.tensors)
+        benchmark::RegisterBenchmark(("released_gradients/" + name).c_str(), released_gradients<false>, layout.tensors)
+            ->Apply(configure);
+        benchmark::RegisterBenchmark(("released_gradients/" + name + "/packed").c_str(), released_gradients<true>,
+                                     layout.tensors)
             ->Apply(configure);
     }
 }

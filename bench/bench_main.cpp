@@ -270,16 +270,18 @@ void print_summary() {
                    shown_bytes(gradsync::Bytes{static_cast<std::uint64_t>(*su)}, "unsharded"), *st / *su, "<= 0.51",
                    *st / *su <= 0.51);
     }
-    // Stage 2 against stage 1: the gradient memory a rank holds at its peak, and the step.
-    for (const char* layout : {"resnet50", "bert_base"}) {
-        const std::string key = std::string("released_gradients/") + layout;
+    // Stage 2 against stage 1: the gradient memory a rank holds at its peak, and the step; over a
+    // backend that reduces in place and over one that reduces packed copies.
+    for (const std::string layout : {"resnet50", "bert_base", "resnet50/packed", "bert_base/packed"}) {
+        const std::string key = "released_gradients/" + layout;
         auto re = counter(key, "released_ms"), ke = counter(key, "kept_ms"), r = counter(key, "ratio");
         auto pr = counter(key, "peak_grad_bytes_released"), pk = counter(key, "peak_grad_bytes_kept");
         if (!re || !ke || !r || !pr || !pk) {
             missing(key);
             continue;
         }
-        const std::string name = std::string(layout) == "resnet50" ? "ResNet-50" : "BERT-base";
+        const std::string name = std::string(layout.starts_with("resnet50") ? "ResNet-50" : "BERT-base") +
+                                 (layout.ends_with("/packed") ? ", packed copies" : "");
         target_row("peak gradient memory per rank, released / kept, " + name,
                    shown_bytes(gradsync::Bytes{static_cast<std::uint64_t>(*pr)}),
                    shown_bytes(gradsync::Bytes{static_cast<std::uint64_t>(*pk)}, "kept"), *pr / *pk, "-", true);

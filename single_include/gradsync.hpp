@@ -1331,6 +1331,8 @@ private:
 // indices are positions in the model's parameters(). A model that releases a gradient makes it
 // again in its next backward (zeros, then the sum) and lists where it is then: parameters() must
 // give every gradient, made where absent; model_traits<M>::parameters_now may leave it null.
+// With device memory (CudaMemory) the reads of the gradients are queued on the stream when the
+// model is told: it frees them in that stream's order (cudaFreeAsync on it, say).
 
 
 #include <concepts>  // for std::invocable
@@ -4864,6 +4866,16 @@ struct AllreduceHook {
 
 namespace detail {
 
+// A hook works on gradients in host memory: refused, for either front, with a backend or a
+// memory policy that keeps them on the device.
+template <class H, class B, class Memory>
+constexpr bool check_comm_hook_on_host() {
+    static_assert(!H::hooked || (!DeviceBackend<B> && !Memory::on_device),
+                  "gradsync: communication hooks run on gradients in host memory; this backend or memory policy "
+                  "keeps them on the device");
+    return true;
+}
+
 template <class H>
 constexpr bool check_comm_hook() {
     static_assert(
@@ -5599,7 +5611,7 @@ struct BucketStep {
     [[nodiscard]] std::span<const Segment> segments() const {
         return slot.view ? std::span<const Segment>(&*slot.view, 1) : std::span<const Segment>(slot.segments);
     }
-    [[nodiscard]] std::byte* buffer() const { return Memory::data(slot.buffer); }
+    [[nodiscard]] std::byte* buffer() const { return slot.buffer_data(); }
     // The gradients packed into the bucket's buffer, as the collective takes it.
     [[nodiscard]] Buffer packed() const {
         memory.pack(slot.table, buffer());
@@ -6171,6 +6183,7 @@ struct BucketSlot {
     typename Memory::Table table;          // the segments, as the memory policy's passes take them
     bool measured = false;                 // finalized this step: its result slot is current
     typename Memory::Storage buffer;       // packed or compressed (world > 1), or a hook's float32 copy
+    std::byte* lent = nullptr;             // instead, one of the engine's shared buffers (BucketEngine::share_buffers)
     typename Memory::Storage widened;      // a float32 copy, made once when a compressed sum overflowed
     typename Memory::Table float32_table;  // a hook's float32 copy of 16-bit gradients (the buffer)
     std::optional<Handle> handle;
@@ -6191,6 +6204,8 @@ struct BucketSlot {
     [[nodiscard]] bool needs_buffer() const {
         return std::visit([this](const auto& r) { return r.needs_buffer(*this); }, reduction);
     }
+    // Where its buffer lies: its own, or the one the engine lends it.
+    [[nodiscard]] std::byte* buffer_data() const { return lent != nullptr ? lent : Memory::data(buffer); }
     // A hook's 16-bit bucket, widened into a float32 copy (the buffer).
     [[nodiscard]] bool widened_for_hook() const { return reduced_by<HookReduction>() && wire != dtype; }
     // The bucket (number `index` in the plan) as the hook sees it, apart from its values.
@@ -6205,6 +6220,7 @@ struct ReductionRules {
     DType wire = DType::float32;  // not float32: float32 buckets are compressed to it
     bool whole = true;            // allreduced; false: reduce-scattered, the shard read from the buffer
     bool peers = true;            // a world of more than one: buffers for the collective
+    bool lent = false;            // the engine lends buffers: none of the bucket's own
 };
 
 // (Re)builds `slot` for `bucket`: its segments, in parameter order (the element layout every
@@ -6246,10 +6262,10 @@ void build_slot(BucketSlot<Memory, Handle, Reductions>& slot, const Bucket& buck
     // A hook's float32 copy is kept in a world of one too (float32_gradient() reads it), and a
     // shard is read from the buffer.
     const bool kept = slot.widened_for_hook() || !rules.whole;
-    if (slot.needs_buffer() && (rules.peers || kept) && slot.buffer.size() == 0)
+    if (slot.needs_buffer() && (rules.peers || kept) && !rules.lent && slot.buffer.size() == 0)
         slot.buffer = memory.allocate(Bytes{slot.count * size_of(slot.wire)});
     if (slot.widened_for_hook()) {
-        const Segment whole{Memory::data(slot.buffer), slot.count};
+        const Segment whole{slot.buffer_data(), slot.count};
         slot.float32_table = memory.table(std::span<const Segment>(&whole, 1), DType::float32);
     }
 }
@@ -6258,6 +6274,7 @@ void build_slot(BucketSlot<Memory, Handle, Reductions>& slot, const Bucket& buck
 #endif  // GRADSYNC_SINGLE_DATA_PARALLEL_BUCKET_SLOT_HPP
 // ---- end gradsync/data_parallel/bucket_slot.hpp ----
 
+#include <algorithm>  // for std::max
 #include <chrono>
 #include <cstddef>
 #include <optional>
@@ -6303,11 +6320,17 @@ public:
 
     void connect_hook(HookContext context) { hooks_.connect(std::move(context)); }
 
+    // A reduce-scattering engine whose front keeps each bucket's shard before it launches the
+    // bucket `n` places later (stage 2): `n` buffers lent in turn (bucket b borrows buffer b % n,
+    // as large as the largest bucket it serves) instead of a buffer per bucket. Before setup().
+    void share_buffers(std::size_t n) requires(!whole) { shared_ = n; }
+
     // (Re)builds every bucket's state from the plan; between steps.
     void setup(const BucketPlan& plan, std::span<const Parameter> params) {
         slots_.clear();
         slots_.resize(plan.buckets.size());
         for (std::size_t b = 0; b < slots_.size(); ++b) build(slots_[b], plan.buckets[b], params);
+        lend_buffers();
         memory_.prepare_results(slots_.size() + (whole ? 0 : 1));  // reduce-scattering: one for the front
         if constexpr (Hook::hooked) {
             std::vector<HookedBucket> hooked;
@@ -6398,7 +6421,7 @@ public:
     void finalize_in_place(std::size_t b) {
         auto& slot = slots_[b];
         if (slot.widened_for_hook())
-            memory_.compress(slot.table, Memory::data(slot.buffer), DType::float32, finalizing_ ? unscale_ : 1.0);
+            memory_.compress(slot.table, slot.buffer_data(), DType::float32, finalizing_ ? unscale_ : 1.0);
         step_of(b).finalize_in_place();
     }
 
@@ -6419,9 +6442,8 @@ public:
     // Parameter `name`'s averaged gradient in float32, where its bucket went through the hook
     // widened: the copy the model's 16-bit gradient was rounded from. Empty for a zero-sized one.
     [[nodiscard]] std::span<const float> float32_gradient(const ModelLayout& layout, std::string_view name) const {
-        return hooks_.float32_gradient(layout, name, [this](std::size_t b) {
-            return reinterpret_cast<const float*>(Memory::data(slots_[b].buffer));
-        });
+        return hooks_.float32_gradient(
+            layout, name, [this](std::size_t b) { return reinterpret_cast<const float*>(slots_[b].buffer_data()); });
     }
 
     [[nodiscard]] bool in_flight() const {
@@ -6467,7 +6489,7 @@ public:
     // Where bucket b's reduced values lie when its reduction goes through its buffer (a sharded
     // front reads its shard there); null when it is reduced where its gradients lie.
     [[nodiscard]] std::byte* reduced_buffer(std::size_t b) {
-        return slots_[b].needs_buffer() ? Memory::data(slots_[b].buffer) : nullptr;
+        return slots_[b].needs_buffer() ? slots_[b].buffer_data() : nullptr;
     }
     // Bucket b in this step, as its reduction works on it.
     [[nodiscard]] Step step_of(std::size_t b) {
@@ -6477,6 +6499,7 @@ public:
     // Bucket buffers and bookkeeping, beyond the model's own memory.
     [[nodiscard]] Bytes memory_held() const {
         Bytes total;
+        for (const auto& buffer : lent_) total += Bytes{buffer.size()};
         for (const auto& s : slots_)
             total += Bytes{s.buffer.size() + s.widened.size() + s.segments.capacity() * sizeof(Segment) +
                            s.indices.capacity() * sizeof(std::size_t)};
@@ -6485,7 +6508,20 @@ public:
 
 private:
     void build(Slot& slot, const Bucket& bucket, std::span<const Parameter> params) {
-        build_slot(slot, bucket, params, memory_, ReductionRules{Hook::hooked, Wire, whole, backend_.size() > 1});
+        build_slot(slot, bucket, params, memory_,
+                   ReductionRules{Hook::hooked, Wire, whole, backend_.size() > 1, /*lent=*/shared_ > 0});
+    }
+
+    // With shared buffers: bucket b borrows buffer b % n, where bucket b - n was kept.
+    void lend_buffers() {
+        lent_.clear();
+        if (shared_ == 0) return;
+        std::vector<std::size_t> largest(shared_, 0);
+        for (std::size_t b = 0; b < slots_.size(); ++b)
+            if (slots_[b].needs_buffer()) largest[b % shared_] = std::max(largest[b % shared_], slots_[b].count);
+        for (const auto n : largest) lent_.push_back(memory_.allocate(Bytes{n * sizeof(float)}));
+        for (std::size_t b = 0; b < slots_.size(); ++b)
+            if (slots_[b].needs_buffer()) slots_[b].lent = Memory::data(lent_[b % shared_]);
     }
 
     // f(reduction, step) for bucket b's reduction.
@@ -6501,7 +6537,7 @@ private:
         if (backend_.size() > 1) return false;
         auto& slot = slots_[b];
         if constexpr (!whole)
-            if (slot.needs_buffer()) memory_.pack(slot.table, Memory::data(slot.buffer));
+            if (slot.needs_buffer()) memory_.pack(slot.table, slot.buffer_data());
         return true;
     }
 
@@ -6514,6 +6550,8 @@ private:
     Memory memory_;
     HookRoute<BackendT, Hook> hooks_;
     std::vector<Slot> slots_;
+    std::size_t shared_ = 0;                      // buffers lent in turn (share_buffers), 0: one per bucket
+    std::vector<typename Memory::Storage> lent_;  // those buffers
     bool finalizing_ = false;
     double unscale_ = 1.0;
 };
@@ -8259,9 +8297,7 @@ struct PolicySet {
     static_assert(!comm_hook::hooked || !compression::compresses,
                   "gradsync: a communication hook decides what travels on the wire itself; drop the compression "
                   "policy");
-    static_assert(!comm_hook::hooked || (!DeviceBackend<BackendT> && !memory::on_device),
-                  "gradsync: communication hooks run on gradients in host memory; this backend or memory policy "
-                  "keeps them on the device");
+    static_assert(check_comm_hook_on_host<comm_hook, BackendT, memory>());
 
     // Gradients reduced where they lie, with no bucket buffer and no copies.
     static constexpr bool in_place = packing::mode == PackingMode::in_place ||
@@ -9569,7 +9605,8 @@ private:
 // reduce-scattered, this rank's share of its averaged gradients is copied into a store of the
 // wrapper's (the optimizer's pieces point there) and the model is told to release the bucket's
 // gradients. Off, it keeps and releases nothing. The store lies where the memory policy allocates:
-// beside the gradients it keeps.
+// beside the gradients it keeps. On a stream (CudaMemory) the copy is queued there before the
+// model is told: the model frees in stream order (cudaFreeAsync on that stream, say).
 
 
 // ---- begin gradsync/data_parallel/shard_layout.hpp ----
@@ -9644,7 +9681,7 @@ struct ShardSlot {
     std::vector<Segment> param_segments;    // float32, in that order
     typename Memory::Table param_table;     // param_segments
     typename Memory::Table shard_params;    // the parts of them in this rank's shard
-    typename Memory::Table shard_grads;     // the model's gradients there (stage 2 keeps them)
+    typename Memory::Table shard_grads;     // its averaged gradients, where stage 2 keeps them from
     typename Memory::Storage param_buffer;  // packed: the whole bucket's parameters
     std::size_t count = 0;
     Shard shard;
@@ -9653,7 +9690,8 @@ struct ShardSlot {
 
     [[nodiscard]] float* buffer() const { return reinterpret_cast<float*>(Memory::data(param_buffer)); }
     // The tables, from where `params` says the bucket's parameters and gradients lie; the
-    // gradients' only where a store keeps them (stage 2).
+    // gradients' only where a store keeps them (stage 2): the shard of the packed buffer where the
+    // bucket was reduced packed, else of the model's gradients.
     void build(const Memory& memory, std::span<const Parameter> params, bool keeps_grads) {
         param_segments.clear();
         for (auto i : indices) param_segments.push_back({params[i].data, params[i].count});
@@ -9662,8 +9700,13 @@ struct ShardSlot {
         shard_params = memory.table(segments_within(param_segments, lo, hi), DType::float32);
         if (!keeps_grads) return;
         std::vector<Segment> grads;
-        for (auto i : indices) grads.push_back({params[i].grad, params[i].count});
-        shard_grads = memory.table(segments_within(grads, lo, hi), DType::float32);
+        if (packed_grads != nullptr) {
+            if (hi > lo) grads.push_back({packed_grads + lo, hi - lo});
+        } else {
+            for (auto i : indices) grads.push_back({params[i].grad, params[i].count});
+            grads = segments_within(grads, lo, hi);
+        }
+        shard_grads = memory.table(grads, DType::float32);
     }
 };
 
@@ -9740,9 +9783,9 @@ struct ShardLayout {
         memory_->unpack(slots[b].param_table, reinterpret_cast<const std::byte*>(slots[b].buffer()));
     }
 
-    // Stage 2, once bucket b is reduced in place: its pieces' averaged gradients, copied from the
-    // model into the grad_store (where they lie one after another), where they outlive the
-    // model's gradients.
+    // Stage 2, once bucket b is reduced: its pieces' averaged gradients, copied from where the
+    // reduce-scatter left them (the model's gradients, or a packed buffer lent to the bucket) into
+    // the grad_store (where they lie one after another), where they outlive both.
     void keep_shard(std::size_t b) const {
         const auto& slot = slots[b];
         if (slot.piece_count == 0) return;
@@ -9793,8 +9836,10 @@ private:
 
 namespace gradsync::inline v0::detail {
 
-template <class Model, bool InPlace, class Memory>
+template <class Model, class Memory>
 class ReleasedShards {
+    static constexpr std::size_t in_flight = 2;  // buckets reduced but not kept, at most
+
 public:
     // When on: the store for this rank's shards of `plan`, allocated and zeroed by `memory`.
     void plan(bool on, const BucketPlan& plan, int ranks, int rank, const Memory& memory) {
@@ -9808,22 +9853,26 @@ public:
     // Where the pieces' gradients lie when on (for ShardLayout), else null.
     [[nodiscard]] float* store() { return on_ ? reinterpret_cast<float*>(Memory::data(store_)) : nullptr; }
     [[nodiscard]] std::size_t bytes() const { return elements_ * sizeof(float); }
+    // The packed buffers a reduce-scattering engine needs when it lends them in turn (keep_until
+    // keeps each bucket before the one three places later goes); 0 when off: one per bucket.
+    [[nodiscard]] std::size_t buffers() const { return on_ ? in_flight + 1 : 0; }
 
     // During backward, with buckets [0, launched) launched and [0, kept) kept: the end of those to
     // keep now. The buckets reduced by now (completed(b)) give their gradients back while backward
     // goes on, and at most two stay in flight (backward waits for the oldest), which bounds the
-    // gradient memory to about two buckets beside this rank's share. Off: none.
+    // gradient memory to about two buckets beside this rank's share, and lets a packed path lend
+    // its buckets three buffers in turn (`buffers`). Off: none.
     template <class Completed>
     [[nodiscard]] std::size_t keep_until(std::size_t kept, std::size_t launched, Completed&& completed) const {
         if (!on_) return kept;
-        while (kept < launched && (completed(kept) || launched - kept > 2)) ++kept;
+        while (kept < launched && (completed(kept) || launched - kept > in_flight)) ++kept;
         return kept;
     }
 
     // Bucket b is reduced: its share kept, then its gradients released.
     template <class Layout>
     void keep(Model& model, const Layout& shards, const ModelLayout& layout, std::size_t b) {
-        if constexpr (InPlace && ReleasableGradients<Model>) {
+        if constexpr (ReleasableGradients<Model>) {
             if (!on_) return;
             shards.keep_shard(b);
             release(model, shards, layout, b);
@@ -9967,8 +10016,9 @@ void update_and_gather(B& backend, Layout& shards, Optimizer& optimizer, TagOf&&
 #ifndef GRADSYNC_SINGLE_DATA_PARALLEL_SHARDED_CORE_HPP
 #define GRADSYNC_SINGLE_DATA_PARALLEL_SHARDED_CORE_HPP
 // The core ShardedDataParallel derives from: FrontCore (front_core.hpp) over a bucket engine that
-// reduce-scatters each bucket in float32 host memory, through the memory policy, where the gradients lie when the
-// backend takes scattered memory (ScatteredShardedCollectives), else packed.
+// reduce-scatters each bucket in float32 through the memory policy (host or device memory), where
+// the gradients lie when the backend takes scattered memory (ScatteredShardedCollectives), else
+// packed.
 
 
 // ---- begin gradsync/data_parallel/sharded_options.hpp ----
@@ -10117,18 +10167,15 @@ constexpr bool check_sharded_backend() {
                   "CudaLocalBackend) keeps its shards on the device: give it gradsync::CudaMemory{stream} "
                   "(memory/cuda.cuh) with the stream backward runs on");
     static_assert(check_stream_ordered_if<B, Memory::on_device>());
-    static_assert(!Hook::hooked || !Memory::on_device,
-                  "gradsync: communication hooks run on gradients in host memory; this memory policy keeps them on "
-                  "the device");
+    static_assert(check_comm_hook_on_host<Hook, B, Memory>());
     return true;
 }
 
-// `in_place`: the backend reduces shards where they lie; `releasable`: the model can release
-// gradients (stage 2 needs both, and no communication hook: `hooked`).
+// `releasable`: the model can release gradients (stage 2 needs it, and no communication hook:
+// `hooked`).
 template <class Bucketer, class Scaler>
 SetupProblems sharded_setup_problems(int rank, const ModelLayout& layout, const ShardedOptions& options,
-                                     const Bucketer& bucketer, const Scaler& scaler, bool in_place, bool releasable,
-                                     bool hooked) {
+                                     const Bucketer& bucketer, const Scaler& scaler, bool releasable, bool hooked) {
     SetupProblems problems(rank);
     for (const auto& p : layout.params)
         if (p.dtype != DType::float32)
@@ -10139,16 +10186,14 @@ SetupProblems sharded_setup_problems(int rank, const ModelLayout& layout, const 
         problems.configuration("ShardedOptions::clip_norm must be at least 0, got " + exact_text(options.clip_norm));
     problems.configuration(invalid_of(bucketer));
     problems.configuration(invalid_of(scaler));
-    if (options.release_gradients && !(in_place && releasable))
-        problems.configuration(std::string("ShardedOptions::release_gradients needs ") +
-                               (in_place ? "a model that can release gradients: give it a member "
-                                           "release_gradients(std::span<const std::size_t>), or see docs/sharding.md"
-                                         : "a backend that reduces gradients where they lie "
-                                           "(ScatteredShardedCollectives: LocalBackend, MpiBackend)"));
+    if (options.release_gradients && !releasable)
+        problems.configuration(
+            "ShardedOptions::release_gradients needs a model that can release gradients: give it a member "
+            "release_gradients(std::span<const std::size_t>), or see docs/sharding.md");
     else if (options.release_gradients && hooked)
         problems.configuration(
-            "ShardedOptions::release_gradients keeps each bucket's share where the model's gradients are reduced in "
-            "place, and a communication hook reduces a packed copy: use one or the other");
+            "ShardedOptions::release_gradients keeps each bucket's share as soon as it is reduced, and a "
+            "communication hook finishes its buckets only at step(): use one or the other");
     return problems;
 }
 
@@ -10254,8 +10299,9 @@ public:
     // This rank's pieces, as step() hands them to the optimizer (the state is the trainer's).
     [[nodiscard]] std::span<const ShardPiece<float>> shard_pieces() const { return shards_.pieces; }
     using Core::parameters, Core::buffers, Core::rank, Core::world_size;
-    // Memory held beyond the model's: packed bucket buffers (one for gradients and one for
-    // parameters each) where the backend cannot reduce scattered memory; with release_gradients
+    // Memory held beyond the model's: where the backend cannot reduce scattered memory, packed
+    // buffers for the parameters (one per bucket) and the gradients (one per bucket, or with
+    // release_gradients three of the largest bucket's size, lent in turn); with release_gradients
     // this rank's share of the averaged gradients; the engine's bookkeeping.
     [[nodiscard]] Bytes extra_memory() const {
         return engine_.memory_held() + Bytes{released_.bytes() + (in_place ? 0 : parameter_elements() * sizeof(float))};
@@ -10271,7 +10317,7 @@ private:
         static_assert(detail::check_sharded_backend<BackendT, memory_type, comm_hook_type>());
         static_assert(detail::check_model_access<Model>());
         layout_ = detail::ModelLayout::of(model_, /*with_buffers=*/true);
-        auto problems = detail::sharded_setup_problems(rank(), layout_, options_, bucketer, scaler_, in_place,
+        auto problems = detail::sharded_setup_problems(rank(), layout_, options_, bucketer, scaler_,
                                                        ReleasableGradients<Model>, comm_hook_type::hooked);
         problems.configuration(detail::stream_problem(backend_, engine_.memory()));
         plan_ = problems.any() ? BucketPlan{} : bucketer.plan(layout_.params, {});
@@ -10281,6 +10327,7 @@ private:
             problems.first());
         this->start_from_rank0(buffers_type::mode);
         released_.plan(options_.release_gradients, plan_, world_size(), rank(), engine_.memory());
+        if constexpr (!in_place) engine_.share_buffers(released_.buffers());
         engine_.setup(plan_, layout_.params);
         // The pieces' gradients: where the engine leaves each bucket's shard (stage 2: the store).
         shards_ = Shards(
@@ -10300,8 +10347,10 @@ private:
         // waited for and its share kept.
         if (follow_storage(launched_, shards_.slots.size(), /*in_backward=*/false))
             released_.release_again(model_, shards_, layout_, kept_);
-        for (std::size_t b = launched_; b < shards_.slots.size(); ++b)
+        for (std::size_t b = launched_; b < shards_.slots.size(); ++b) {
             engine_.reduce_now(b, tag_of(detail::CollectivePurpose::bucket, b));
+            keep_reduced(b + 1);
+        }
         retire(shards_.slots.size(), detail::deadline_after(options_.timeout));
         end_step();
         detail::sync_buffers(backend_, buffers(), buffers_type::mode, /*at_construction=*/false, history_, step);
@@ -10331,8 +10380,13 @@ private:
     void launch(std::size_t b) {
         follow_storage(b, b + 1, /*in_backward=*/true);
         engine_.launch(b, tag_of(detail::CollectivePurpose::bucket, b));
-        launched_ = b + 1;
-        // Stage 2: buckets kept (and their gradients released) while backward goes on.
+        keep_reduced(b + 1);
+    }
+
+    // Buckets before `launched` are launched. Stage 2: those reduced by now kept (and their
+    // gradients released) while backward goes on, at most two left in flight.
+    void keep_reduced(std::size_t launched) {
+        launched_ = launched;
         const auto end = released_.keep_until(kept_, launched_, [this](std::size_t k) { return engine_.completed(k); });
         if (end > kept_) retire(end, detail::deadline_after(options_.timeout));
     }
@@ -10359,7 +10413,7 @@ private:
     BucketPlan plan_;
     using Shards = detail::ShardLayout<in_place, typename CoreOf::memory>;
     Shards shards_;
-    detail::ReleasedShards<Model, in_place, typename CoreOf::memory> released_;  // stage 2
+    detail::ReleasedShards<Model, typename CoreOf::memory> released_;  // stage 2
     // Overlap: which parameters grad_ready reported this step, and the reduce_scatters launched
     // (buckets 0 .. launched_ - 1; written under the readiness lock during backward).
     std::size_t launched_ = 0;

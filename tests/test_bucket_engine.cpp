@@ -447,7 +447,7 @@ TEST_CASE("released shards: the gradient store is allocated and zeroed by the me
     for (bool on : {false, true}) {
         CAPTURE(on);
         const AllocationCountingMemory memory;
-        gradsync::detail::ReleasedShards<Mixed, true, AllocationCountingMemory> released;
+        gradsync::detail::ReleasedShards<Mixed, AllocationCountingMemory> released;
         released.plan(on, plan, 2, 1, memory);
         CHECK(*memory.allocations == (on ? 1 : 0));
         CHECK(*memory.zeroed == (on ? 1 : 0));

@@ -82,8 +82,8 @@ TEST_CASE("sharded with a hook: hooks that differ are refused on every rank, and
     }
     for (const auto& what : released) {
         CAPTURE(what);
-        CHECK(what.find("ShardedOptions::release_gradients keeps each bucket's share where the model's gradients are "
-                        "reduced in place, and a communication hook reduces a packed copy") != std::string::npos);
+        CHECK(what.find("ShardedOptions::release_gradients keeps each bucket's share as soon as it is reduced, and a "
+                        "communication hook finishes its buckets only at step()") != std::string::npos);
     }
 }
 

@@ -13,6 +13,7 @@
 #include "support/sharded_optimizers.hpp"
 #include "support/sharded_training.hpp"
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
@@ -35,6 +36,16 @@ namespace {
 
 const gradsync::ShardedOptions stage2{.release_gradients = true};
 const gradsync::SizeCappedBuckets small_caps{.cap = 64_KiB, .first_cap = 4_KiB};
+const gradsync::SizeCappedBuckets tiny_caps{.cap = 1_KiB, .first_cap = 1_KiB};  // a bucket per parameter
+
+// The elements of the packed gradient buffers lent in turn to the buckets of `plan`: bucket b
+// borrows buffer b % 3, as large as the largest bucket it serves.
+std::size_t lent_elements(const gradsync::BucketPlan& plan) {
+    std::size_t largest[3] = {0, 0, 0};
+    for (std::size_t b = 0; b < plan.buckets.size(); ++b)
+        largest[b % 3] = std::max(largest[b % 3], plan.buckets[b].count);
+    return largest[0] + largest[1] + largest[2];
+}
 
 }  // namespace
 
@@ -51,6 +62,52 @@ TEST_CASE("released gradients == stage 1 bitwise, N = 1..4, two plans, overlappe
                                 train_sharded<true>(world, caps)));
         }
     }
+}
+
+TEST_CASE("released gradients over a backend that reduces packed copies == stage 1 bitwise, N = 1..3, overlapped") {
+    for (int world = 1; world <= 3; ++world) {
+        CAPTURE(world);
+        for (const auto& caps : {small_caps, tiny_caps}) {  // 3 and 4 buckets: a buffer serves two
+            CAPTURE(caps.settings());
+            const auto stage1 = train_sharded<false>(world, caps);
+            for (int overlapping : {0, world}) {
+                CAPTURE(overlapping);
+                CHECK(bitwise_equal(
+                    sharded::train_sharded_over<false, ReleasingMlp, true>(world, caps, stage2, overlapping), stage1));
+            }
+        }
+    }
+}
+
+TEST_CASE("released gradients over packed copies: three gradient buffers lent in turn instead of one per bucket") {
+    gradsync::spawn(3, [&](gradsync::LocalBackend& local) {
+        sharded::BufferOnly backend{local};
+        ReleasingMlp model(1);
+        gradsync::ShardedDataParallel sdp(model, backend, tiny_caps, stage2);
+        model.on_grad_ready = [&](std::size_t i) { sdp.grad_ready(i); };
+        REQUIRE(sdp.plan().buckets.size() > 3);  // more buckets than buffers
+        const std::size_t lent = lent_elements(sdp.plan());
+        CHECK(lent < sdp.parameter_elements());
+        // The parameters' packed copies (one per bucket), this rank's share, the three lent
+        // gradient buffers, and a little bookkeeping.
+        const gradsync::Bytes held{(sdp.parameter_elements() + sdp.state_elements() + lent) * sizeof(float)};
+        CHECK(sdp.extra_memory() >= held);
+        CHECK(sdp.extra_memory() < held + 1_KiB);
+        ShardedSgd sgd;
+        sgd.velocity.assign(sdp.state_elements(), 0.0f);
+        for (int s = 0; s < 3; ++s) {
+            model.forward_backward(batch_of(3, backend.rank(), s));
+            CHECK(sdp.step(sgd).applied);
+            CHECK(model.gradient_bytes() == 0);
+        }
+    });
+    // Stage 1 keeps a gradient buffer per bucket.
+    gradsync::spawn(2, [&](gradsync::LocalBackend& local) {
+        sharded::BufferOnly backend{local};
+        mlp::Mlp model(1);
+        gradsync::ShardedDataParallel sdp(model, backend, tiny_caps);
+        CHECK(sdp.extra_memory() >= gradsync::Bytes{2 * sdp.parameter_elements() * sizeof(float)});
+    });
 }
 
 TEST_CASE("released gradients: the model holds none after a step, the wrapper this rank's share") {
@@ -239,7 +296,7 @@ TEST_CASE("stage 1 follows gradients that move between steps (freed by the train
     }
 }
 
-TEST_CASE("released gradients are refused without a model that releases them or an in-place backend") {
+TEST_CASE("released gradients are refused without a model that releases them, or with a rank that does not ask") {
     std::vector<std::string> messages(2);
     gradsync::spawn(2, [&](gradsync::LocalBackend& backend) {
         mlp::Mlp model(1);  // has no release_gradients
@@ -253,13 +310,6 @@ TEST_CASE("released gradients are refused without a model that releases them or 
         CAPTURE(m);
         CHECK(m.find("release_gradients needs a model that can release gradients") != std::string::npos);
     }
-    gradsync::spawn(2, [&](gradsync::LocalBackend& local) {
-        sharded::BufferOnly backend{local};
-        ReleasingMlp model(1);
-        CHECK_THROWS_WITH_AS((gradsync::ShardedDataParallel(model, backend, stage2)),
-                             doctest::Contains("a backend that reduces gradients where they lie"),
-                             gradsync::ConfigurationError);
-    });
     // A rank that asks for it while another does not: the settings differ, every rank refuses.
     gradsync::spawn(2, [&](gradsync::LocalBackend& backend) {
         ReleasingMlp model(1);

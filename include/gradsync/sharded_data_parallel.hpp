@@ -114,8 +114,9 @@ public:
     // This rank's pieces, as step() hands them to the optimizer (the state is the trainer's).
     [[nodiscard]] std::span<const ShardPiece<float>> shard_pieces() const { return shards_.pieces; }
     using Core::parameters, Core::buffers, Core::rank, Core::world_size;
-    // Memory held beyond the model's: packed bucket buffers (one for gradients and one for
-    // parameters each) where the backend cannot reduce scattered memory; with release_gradients
+    // Memory held beyond the model's: where the backend cannot reduce scattered memory, packed
+    // buffers for the parameters (one per bucket) and the gradients (one per bucket, or with
+    // release_gradients three of the largest bucket's size, lent in turn); with release_gradients
     // this rank's share of the averaged gradients; the engine's bookkeeping.
     [[nodiscard]] Bytes extra_memory() const {
         return engine_.memory_held() + Bytes{released_.bytes() + (in_place ? 0 : parameter_elements() * sizeof(float))};
@@ -131,7 +132,7 @@ private:
         static_assert(detail::check_sharded_backend<BackendT, memory_type, comm_hook_type>());
         static_assert(detail::check_model_access<Model>());
         layout_ = detail::ModelLayout::of(model_, /*with_buffers=*/true);
-        auto problems = detail::sharded_setup_problems(rank(), layout_, options_, bucketer, scaler_, in_place,
+        auto problems = detail::sharded_setup_problems(rank(), layout_, options_, bucketer, scaler_,
                                                        ReleasableGradients<Model>, comm_hook_type::hooked);
         problems.configuration(detail::stream_problem(backend_, engine_.memory()));
         plan_ = problems.any() ? BucketPlan{} : bucketer.plan(layout_.params, {});
@@ -141,6 +142,7 @@ private:
             problems.first());
         this->start_from_rank0(buffers_type::mode);
         released_.plan(options_.release_gradients, plan_, world_size(), rank(), engine_.memory());
+        if constexpr (!in_place) engine_.share_buffers(released_.buffers());
         engine_.setup(plan_, layout_.params);
         // The pieces' gradients: where the engine leaves each bucket's shard (stage 2: the store).
         shards_ = Shards(
@@ -160,8 +162,10 @@ private:
         // waited for and its share kept.
         if (follow_storage(launched_, shards_.slots.size(), /*in_backward=*/false))
             released_.release_again(model_, shards_, layout_, kept_);
-        for (std::size_t b = launched_; b < shards_.slots.size(); ++b)
+        for (std::size_t b = launched_; b < shards_.slots.size(); ++b) {
             engine_.reduce_now(b, tag_of(detail::CollectivePurpose::bucket, b));
+            keep_reduced(b + 1);
+        }
         retire(shards_.slots.size(), detail::deadline_after(options_.timeout));
         end_step();
         detail::sync_buffers(backend_, buffers(), buffers_type::mode, /*at_construction=*/false, history_, step);
@@ -191,8 +195,13 @@ private:
     void launch(std::size_t b) {
         follow_storage(b, b + 1, /*in_backward=*/true);
         engine_.launch(b, tag_of(detail::CollectivePurpose::bucket, b));
-        launched_ = b + 1;
-        // Stage 2: buckets kept (and their gradients released) while backward goes on.
+        keep_reduced(b + 1);
+    }
+
+    // Buckets before `launched` are launched. Stage 2: those reduced by now kept (and their
+    // gradients released) while backward goes on, at most two left in flight.
+    void keep_reduced(std::size_t launched) {
+        launched_ = launched;
         const auto end = released_.keep_until(kept_, launched_, [this](std::size_t k) { return engine_.completed(k); });
         if (end > kept_) retire(end, detail::deadline_after(options_.timeout));
     }
@@ -219,7 +228,7 @@ private:
     BucketPlan plan_;
     using Shards = detail::ShardLayout<in_place, typename CoreOf::memory>;
     Shards shards_;
-    detail::ReleasedShards<Model, in_place, typename CoreOf::memory> released_;  // stage 2
+    detail::ReleasedShards<Model, typename CoreOf::memory> released_;  // stage 2
     // Overlap: which parameters grad_ready reported this step, and the reduce_scatters launched
     // (buckets 0 .. launched_ - 1; written under the readiness lock during backward).
     std::size_t launched_ = 0;

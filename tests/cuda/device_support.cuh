@@ -13,6 +13,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace device_test {
@@ -65,12 +66,13 @@ bool same_bytes(const std::vector<T>& a, const std::vector<T>& b) {
     return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
 }
 
-// Three parameters, each with its own device allocation: their gradients are no view, so
+// Parameters (three unless told), each with its own device allocation: their gradients are no view, so
 // DataParallel packs them (world > 1) or finalizes them through the device table.
 struct ScatteredDeviceModel {
-    std::vector<std::size_t> sizes = {1000, 3, 70000};
+    std::vector<std::size_t> sizes;
     std::vector<float*> weights, grads;
-    ScatteredDeviceModel() {
+    ScatteredDeviceModel() : ScatteredDeviceModel({1000, 3, 70000}) {}
+    explicit ScatteredDeviceModel(std::vector<std::size_t> parameter_sizes) : sizes(std::move(parameter_sizes)) {
         for (auto n : sizes) {
             weights.push_back(nullptr);
             grads.push_back(nullptr);
@@ -79,6 +81,8 @@ struct ScatteredDeviceModel {
             GRADSYNC_CUDA_CHECK(cudaMemset(weights.back(), 0, n * sizeof(float)));
         }
     }
+    ScatteredDeviceModel(const ScatteredDeviceModel&) = delete;
+    ScatteredDeviceModel& operator=(const ScatteredDeviceModel&) = delete;
     ~ScatteredDeviceModel() {
         for (auto* p : weights) cudaFree(p);
         for (auto* p : grads) cudaFree(p);

@@ -1,7 +1,7 @@
 // ShardedDataParallel with its shards in device memory (CudaMemory) over the device backends
-// (CudaLocalBackend, NcclBackend): the same weights, bit for bit, as DataParallel over the same
-// backend with the same optimizer kernel; an overflow skips the step on every rank; what cannot
-// work on the device is refused alike on every rank. Suite "gpu": run on a GPU, and here on the
+// (CudaLocalBackend, NcclBackend), stage 1 and 2: the same weights, bit for bit, as DataParallel
+// over the same backend with the same optimizer kernel; an overflow skips the step on every rank;
+// a memory policy on another stream is refused alike on every rank. Suite "gpu": run on a GPU, and here on the
 // stand-in CUDA runtime and NCCL (tests/standin).
 #include <doctest/doctest.h>
 
@@ -19,6 +19,7 @@
 #include <exception>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "device_support.cuh"
@@ -95,22 +96,60 @@ std::vector<std::vector<float>> weights_of(const ScatteredDeviceModel& model, cu
 const auto buckets =
     gradsync::SizeCappedBuckets{.cap = gradsync::Bytes{64 << 10}, .first_cap = gradsync::Bytes{4 << 10}};
 
+// Stage 2's model: more buckets than the three buffers lent to them in turn, and gradients
+// released by filling them with NaN in stream order (where cudaFreeAsync would free them): a read
+// of a released gradient would make the step overflow.
+struct ReleasingDeviceModel : ScatteredDeviceModel {
+    cudaStream_t stream;
+    std::size_t releases = 0;
+    ReleasingDeviceModel(cudaStream_t s, std::vector<std::size_t> sizes)
+        : ScatteredDeviceModel(std::move(sizes)), stream(s) {}
+    void release_gradients(std::span<const std::size_t> indices) {
+        for (auto i : indices) GRADSYNC_CUDA_CHECK(cudaMemsetAsync(grads[i], 0xFF, sizes[i] * sizeof(float), stream));
+        releases += indices.size();
+    }
+};
+
+// How a test trains: the model's parameter sizes, the buckets, the sharded front's options.
+struct Setup {
+    std::vector<std::size_t> sizes = {1000, 3, 70000};
+    gradsync::SizeCappedBuckets caps = buckets;
+    gradsync::ShardedOptions options;
+};
+
 // What one rank ends with after `steps` steps of one front.
 struct Run {
     std::vector<std::vector<float>> weights;
     std::vector<double> norms;
+    std::size_t releases = 0;
+    bool memory_as_documented = true;  // extra_memory() as the stage's buffers add up
 };
+
+// Stage 2 over a packed backend holds the parameters' packed copies, this rank's share of the
+// gradients and three gradient buffers lent in turn to the buckets (more than three; bucket b
+// borrows buffer b % 3, as large as the largest bucket it serves), and a little bookkeeping.
+template <class Sdp>
+bool stage2_memory_as_documented(const Sdp& sdp) {
+    const auto& buckets = sdp.plan().buckets;
+    std::size_t largest[3] = {0, 0, 0};
+    for (std::size_t b = 0; b < buckets.size(); ++b) largest[b % 3] = std::max(largest[b % 3], buckets[b].count);
+    const std::size_t lent = largest[0] + largest[1] + largest[2];
+    const gradsync::Bytes held{(sdp.parameter_elements() + sdp.state_elements() + lent) * sizeof(float)};
+    return buckets.size() > 3 && lent < sdp.parameter_elements() && sdp.extra_memory() >= held &&
+           sdp.extra_memory() < held + gradsync::Bytes{1 << 10};
+}
 
 // Sharded: the optimizer kernel on this rank's pieces, in device memory, on the trainer's stream;
 // the second step's buckets launched during backward (grad_ready, last parameter first).
 template <class B>
-Run train_sharded(B& backend, cudaStream_t stream) {
+Run train_sharded(B& backend, cudaStream_t stream, const Setup& setup) {
     const auto r = std::size_t(backend.rank());
-    ScatteredDeviceModel model;
+    ReleasingDeviceModel model(stream, setup.sizes);
     set_weights(model, r);
     gradsync::ShardedDataParallel sdp(model, backend, gradsync::CudaMemory{stream},
-                                      gradsync::StaticLossScale{.value = loss_scale}, buckets);
+                                      gradsync::StaticLossScale{.value = loss_scale}, setup.caps, setup.options);
     Run run;
+    if (setup.options.release_gradients) run.memory_as_documented = stage2_memory_as_documented(sdp);
     for (int s = 0; s < steps; ++s) {
         set_grads(model, stream, r, s);
         if (s == 1)
@@ -123,17 +162,18 @@ Run train_sharded(B& backend, cudaStream_t stream) {
         run.norms.push_back(report.grad_norm);
     }
     run.weights = weights_of(model, stream);
+    run.releases = model.releases;
     return run;
 }
 
 // Unsharded: the same kernel on every whole parameter, on every rank.
 template <class B>
-Run train_unsharded(B& backend, cudaStream_t stream) {
+Run train_unsharded(B& backend, cudaStream_t stream, const Setup& setup) {
     const auto r = std::size_t(backend.rank());
-    ScatteredDeviceModel model;
+    ScatteredDeviceModel model(setup.sizes);
     set_weights(model, r);
     gradsync::DataParallel dp(model, backend, gradsync::CudaMemory{stream},
-                              gradsync::StaticLossScale{.value = loss_scale}, buckets);
+                              gradsync::StaticLossScale{.value = loss_scale}, setup.caps);
     Run run;
     for (int s = 0; s < steps; ++s) {
         set_grads(model, stream, r, s);
@@ -151,16 +191,16 @@ Run train_unsharded(B& backend, cudaStream_t stream) {
 // n ranks (started by spawn(n, fn), each with its backend) train both fronts: every rank's sharded
 // weights are bitwise its unsharded ones where the backend sums alike in both collectives
 // (`bitwise`), else equal to float precision; every rank alike; the norms equal up to summation
-// order.
+// order. Stage 2 (`setup.options`): every gradient released once a step, the memory as documented.
 template <class Spawn>
-void check_sharded_equals_unsharded(int n, bool bitwise, Spawn spawn) {
+void check_sharded_equals_unsharded(int n, bool bitwise, Spawn spawn, const Setup& setup = {}) {
     std::vector<Run> sharded(static_cast<std::size_t>(n)), plain(static_cast<std::size_t>(n));
     spawn(n, [&](auto& backend) {
         const auto r = std::size_t(backend.rank());
         const Stream stream;
         backend.set_compute_stream(stream);
-        plain[r] = train_unsharded(backend, stream);
-        sharded[r] = train_sharded(backend, stream);
+        plain[r] = train_unsharded(backend, stream, setup);
+        sharded[r] = train_sharded(backend, stream, setup);
     });
     for (std::size_t r = 0; r < std::size_t(n); ++r) {
         CAPTURE(r);
@@ -181,8 +221,15 @@ void check_sharded_equals_unsharded(int n, bool bitwise, Spawn spawn) {
         }
         for (int s = 0; s < steps; ++s)
             CHECK(sharded[r].norms[std::size_t(s)] == doctest::Approx(plain[r].norms[std::size_t(s)]).epsilon(1e-12));
+        CHECK(sharded[r].releases == (setup.options.release_gradients ? setup.sizes.size() * steps : 0));
+        CHECK(sharded[r].memory_as_documented);
     }
 }
+
+// Stage 2 on the device: more buckets than lent buffers.
+const Setup stage2{.sizes = {1000, 3, 70000, 5000, 17, 20000, 9000, 64},
+                   .caps = {.cap = gradsync::Bytes{16 << 10}, .first_cap = gradsync::Bytes{4 << 10}},
+                   .options = {.release_gradients = true}};
 
 template <class Body>
 void on_cuda_local(int n, Body&& body) {
@@ -215,6 +262,7 @@ std::vector<std::string> refusals(int n, Spawn spawn, Wrap wrap) {
 // Every member of ShardedDataParallel over the device backends with CudaMemory compiles.
 template class gradsync::ShardedDataParallel<ScatteredDeviceModel, gradsync::NcclBackend<>, gradsync::CudaMemory>;
 template class gradsync::ShardedDataParallel<ScatteredDeviceModel, gradsync::CudaLocalBackend, gradsync::CudaMemory>;
+template class gradsync::ShardedDataParallel<ReleasingDeviceModel, gradsync::NcclBackend<>, gradsync::CudaMemory>;
 
 TEST_SUITE("gpu") {
     TEST_CASE(
@@ -227,12 +275,25 @@ TEST_SUITE("gpu") {
     }
 
     TEST_CASE(
+        "ShardedDataParallel<CudaLocalBackend, CudaMemory> with released gradients (stage 2): 1 to 4 ranks end with "
+        "DataParallel's weights bit for bit, each gradient released once a step in stream order, three buffers lent "
+        "to the buckets in turn") {
+        for (int n : {1, 2, 3, 4}) {
+            CAPTURE(n);
+            check_sharded_equals_unsharded(
+                n, true, [](int ranks, auto fn) { on_cuda_local(ranks, fn); }, stage2);
+        }
+    }
+
+    TEST_CASE(
         "ShardedDataParallel<NcclBackend, CudaMemory>, one rank per GPU (nccl_spawn): DataParallel's weights, "
         "bit for bit where NCCL's reduce-scatter sums as its allreduce does") {
         const int n = gradsync::cuda_devices().count;
         // The stand-in sums in rank order in both; NCCL on 1 or 2 GPUs has one order to sum in.
         const bool bitwise = gradsync_standin_host_waits != nullptr || n <= 2;
         check_sharded_equals_unsharded(n, bitwise, [](int ranks, auto fn) { on_nccl(ranks, fn); });
+        check_sharded_equals_unsharded(
+            n, bitwise, [](int ranks, auto fn) { on_nccl(ranks, fn); }, stage2);
     }
 
     TEST_CASE(
@@ -273,26 +334,18 @@ TEST_SUITE("gpu") {
     }
 
     TEST_CASE(
-        "ShardedDataParallel on the device refuses alike on every rank: a memory policy on another stream than "
-        "the backend's, and release_gradients (the device backends reduce a packed copy)") {
+        "ShardedDataParallel on the device refuses alike on every rank a memory policy on another stream than "
+        "the backend's") {
         const Stream other;
         const auto streams = refusals(
             2, [](int ranks, auto fn) { on_cuda_local(ranks, fn); },
             [&](ScatteredDeviceModel& model, auto& backend, cudaStream_t) {
                 gradsync::ShardedDataParallel sdp(model, backend, gradsync::CudaMemory{other});
             });
-        const auto released = refusals(
-            2, [](int ranks, auto fn) { on_cuda_local(ranks, fn); },
-            [&](ScatteredDeviceModel& model, auto& backend, cudaStream_t stream) {
-                gradsync::ShardedDataParallel sdp(model, backend, gradsync::CudaMemory{stream},
-                                                  gradsync::ShardedOptions{.release_gradients = true});
-            });
         for (std::size_t r = 0; r < 2; ++r) {
             CAPTURE(r);
             CHECK(streams[r].find("is not the backend's compute stream") != std::string::npos);
             CHECK(streams[r] == streams[0]);
-            CHECK(released[r].find("ShardedOptions::release_gradients needs") != std::string::npos);
-            CHECK(released[r] == released[0]);
         }
     }
 }

@@ -131,15 +131,24 @@ struct BufferOnly {
 // Rank 0's weights after sharded training; checks every rank ends every step with the same bits.
 // The first `overlapping` ranks report gradients as backward makes them (grad_ready), so that
 // their buckets' reduce_scatters start during backward; the others leave it all to step().
-// `more`: further policies (a communication hook).
-template <bool Adam, class Model = mlp::Mlp, class... More>
-Weights train_sharded(int world, gradsync::SizeCappedBuckets caps, gradsync::ShardedOptions options = {},
-                      int overlapping = 0, More... more) {
+// `Packed`: over BufferOnly (the buckets reduced as packed copies). `more`: further policies (a
+// communication hook).
+template <bool Adam, class Model, bool Packed, class... More>
+Weights train_sharded_over(int world, gradsync::SizeCappedBuckets caps, gradsync::ShardedOptions options,
+                           int overlapping, More... more) {
     Weights result;
     std::vector<std::vector<Weights>> per_step(static_cast<std::size_t>(world));
     std::vector<std::size_t> state(static_cast<std::size_t>(world));
     std::size_t total = 0;
-    gradsync::spawn(world, [&](gradsync::LocalBackend& backend) {
+    gradsync::spawn(world, [&](gradsync::LocalBackend& local) {
+        BufferOnly packed{local};
+        auto& backend = [&]() -> auto& {
+            if constexpr (Packed)
+                return packed;
+            else
+                return local;
+        }
+        ();
         const auto r = static_cast<std::size_t>(backend.rank());
         Model model(/*seed=*/1 + r * 1000);  // replaced by rank 0's at construction
         gradsync::ShardedDataParallel sdp(model, backend, caps, options, more...);
@@ -174,6 +183,12 @@ Weights train_sharded(int world, gradsync::SizeCappedBuckets caps, gradsync::Sha
     }
     CHECK(sum == total);
     return result;
+}
+
+template <bool Adam, class Model = mlp::Mlp, class... More>
+Weights train_sharded(int world, gradsync::SizeCappedBuckets caps, gradsync::ShardedOptions options = {},
+                      int overlapping = 0, More... more) {
+    return train_sharded_over<Adam, Model, false>(world, caps, options, overlapping, more...);
 }
 
 // DataParallel on the same ranks and batches, the example's own optimizers; `more`: further

@@ -23,6 +23,7 @@
 #include <gradsync/model/model.hpp>
 #include <gradsync/reduction/comm_hook.hpp>
 
+#include <algorithm>  // for std::max
 #include <chrono>
 #include <cstddef>
 #include <optional>
@@ -68,11 +69,17 @@ public:
 
     void connect_hook(HookContext context) { hooks_.connect(std::move(context)); }
 
+    // A reduce-scattering engine whose front keeps each bucket's shard before it launches the
+    // bucket `n` places later (stage 2): `n` buffers lent in turn (bucket b borrows buffer b % n,
+    // as large as the largest bucket it serves) instead of a buffer per bucket. Before setup().
+    void share_buffers(std::size_t n) requires(!whole) { shared_ = n; }
+
     // (Re)builds every bucket's state from the plan; between steps.
     void setup(const BucketPlan& plan, std::span<const Parameter> params) {
         slots_.clear();
         slots_.resize(plan.buckets.size());
         for (std::size_t b = 0; b < slots_.size(); ++b) build(slots_[b], plan.buckets[b], params);
+        lend_buffers();
         memory_.prepare_results(slots_.size() + (whole ? 0 : 1));  // reduce-scattering: one for the front
         if constexpr (Hook::hooked) {
             std::vector<HookedBucket> hooked;
@@ -163,7 +170,7 @@ public:
     void finalize_in_place(std::size_t b) {
         auto& slot = slots_[b];
         if (slot.widened_for_hook())
-            memory_.compress(slot.table, Memory::data(slot.buffer), DType::float32, finalizing_ ? unscale_ : 1.0);
+            memory_.compress(slot.table, slot.buffer_data(), DType::float32, finalizing_ ? unscale_ : 1.0);
         step_of(b).finalize_in_place();
     }
 
@@ -184,9 +191,8 @@ public:
     // Parameter `name`'s averaged gradient in float32, where its bucket went through the hook
     // widened: the copy the model's 16-bit gradient was rounded from. Empty for a zero-sized one.
     [[nodiscard]] std::span<const float> float32_gradient(const ModelLayout& layout, std::string_view name) const {
-        return hooks_.float32_gradient(layout, name, [this](std::size_t b) {
-            return reinterpret_cast<const float*>(Memory::data(slots_[b].buffer));
-        });
+        return hooks_.float32_gradient(
+            layout, name, [this](std::size_t b) { return reinterpret_cast<const float*>(slots_[b].buffer_data()); });
     }
 
     [[nodiscard]] bool in_flight() const {
@@ -232,7 +238,7 @@ public:
     // Where bucket b's reduced values lie when its reduction goes through its buffer (a sharded
     // front reads its shard there); null when it is reduced where its gradients lie.
     [[nodiscard]] std::byte* reduced_buffer(std::size_t b) {
-        return slots_[b].needs_buffer() ? Memory::data(slots_[b].buffer) : nullptr;
+        return slots_[b].needs_buffer() ? slots_[b].buffer_data() : nullptr;
     }
     // Bucket b in this step, as its reduction works on it.
     [[nodiscard]] Step step_of(std::size_t b) {
@@ -242,6 +248,7 @@ public:
     // Bucket buffers and bookkeeping, beyond the model's own memory.
     [[nodiscard]] Bytes memory_held() const {
         Bytes total;
+        for (const auto& buffer : lent_) total += Bytes{buffer.size()};
         for (const auto& s : slots_)
             total += Bytes{s.buffer.size() + s.widened.size() + s.segments.capacity() * sizeof(Segment) +
                            s.indices.capacity() * sizeof(std::size_t)};
@@ -250,7 +257,20 @@ public:
 
 private:
     void build(Slot& slot, const Bucket& bucket, std::span<const Parameter> params) {
-        build_slot(slot, bucket, params, memory_, ReductionRules{Hook::hooked, Wire, whole, backend_.size() > 1});
+        build_slot(slot, bucket, params, memory_,
+                   ReductionRules{Hook::hooked, Wire, whole, backend_.size() > 1, /*lent=*/shared_ > 0});
+    }
+
+    // With shared buffers: bucket b borrows buffer b % n, where bucket b - n was kept.
+    void lend_buffers() {
+        lent_.clear();
+        if (shared_ == 0) return;
+        std::vector<std::size_t> largest(shared_, 0);
+        for (std::size_t b = 0; b < slots_.size(); ++b)
+            if (slots_[b].needs_buffer()) largest[b % shared_] = std::max(largest[b % shared_], slots_[b].count);
+        for (const auto n : largest) lent_.push_back(memory_.allocate(Bytes{n * sizeof(float)}));
+        for (std::size_t b = 0; b < slots_.size(); ++b)
+            if (slots_[b].needs_buffer()) slots_[b].lent = Memory::data(lent_[b % shared_]);
     }
 
     // f(reduction, step) for bucket b's reduction.
@@ -266,7 +286,7 @@ private:
         if (backend_.size() > 1) return false;
         auto& slot = slots_[b];
         if constexpr (!whole)
-            if (slot.needs_buffer()) memory_.pack(slot.table, Memory::data(slot.buffer));
+            if (slot.needs_buffer()) memory_.pack(slot.table, slot.buffer_data());
         return true;
     }
 
@@ -279,6 +299,8 @@ private:
     Memory memory_;
     HookRoute<BackendT, Hook> hooks_;
     std::vector<Slot> slots_;
+    std::size_t shared_ = 0;                      // buffers lent in turn (share_buffers), 0: one per bucket
+    std::vector<typename Memory::Storage> lent_;  // those buffers
     bool finalizing_ = false;
     double unscale_ = 1.0;
 };

@@ -56,7 +56,7 @@ struct BucketStep {
     [[nodiscard]] std::span<const Segment> segments() const {
         return slot.view ? std::span<const Segment>(&*slot.view, 1) : std::span<const Segment>(slot.segments);
     }
-    [[nodiscard]] std::byte* buffer() const { return Memory::data(slot.buffer); }
+    [[nodiscard]] std::byte* buffer() const { return slot.buffer_data(); }
     // The gradients packed into the bucket's buffer, as the collective takes it.
     [[nodiscard]] Buffer packed() const {
         memory.pack(slot.table, buffer());

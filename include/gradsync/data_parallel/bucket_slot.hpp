@@ -54,6 +54,7 @@ struct BucketSlot {
     typename Memory::Table table;          // the segments, as the memory policy's passes take them
     bool measured = false;                 // finalized this step: its result slot is current
     typename Memory::Storage buffer;       // packed or compressed (world > 1), or a hook's float32 copy
+    std::byte* lent = nullptr;             // instead, one of the engine's shared buffers (BucketEngine::share_buffers)
     typename Memory::Storage widened;      // a float32 copy, made once when a compressed sum overflowed
     typename Memory::Table float32_table;  // a hook's float32 copy of 16-bit gradients (the buffer)
     std::optional<Handle> handle;
@@ -74,6 +75,8 @@ struct BucketSlot {
     [[nodiscard]] bool needs_buffer() const {
         return std::visit([this](const auto& r) { return r.needs_buffer(*this); }, reduction);
     }
+    // Where its buffer lies: its own, or the one the engine lends it.
+    [[nodiscard]] std::byte* buffer_data() const { return lent != nullptr ? lent : Memory::data(buffer); }
     // A hook's 16-bit bucket, widened into a float32 copy (the buffer).
     [[nodiscard]] bool widened_for_hook() const { return reduced_by<HookReduction>() && wire != dtype; }
     // The bucket (number `index` in the plan) as the hook sees it, apart from its values.
@@ -88,6 +91,7 @@ struct ReductionRules {
     DType wire = DType::float32;  // not float32: float32 buckets are compressed to it
     bool whole = true;            // allreduced; false: reduce-scattered, the shard read from the buffer
     bool peers = true;            // a world of more than one: buffers for the collective
+    bool lent = false;            // the engine lends buffers: none of the bucket's own
 };
 
 // (Re)builds `slot` for `bucket`: its segments, in parameter order (the element layout every
@@ -129,10 +133,10 @@ void build_slot(BucketSlot<Memory, Handle, Reductions>& slot, const Bucket& buck
     // A hook's float32 copy is kept in a world of one too (float32_gradient() reads it), and a
     // shard is read from the buffer.
     const bool kept = slot.widened_for_hook() || !rules.whole;
-    if (slot.needs_buffer() && (rules.peers || kept) && slot.buffer.size() == 0)
+    if (slot.needs_buffer() && (rules.peers || kept) && !rules.lent && slot.buffer.size() == 0)
         slot.buffer = memory.allocate(Bytes{slot.count * size_of(slot.wire)});
     if (slot.widened_for_hook()) {
-        const Segment whole{Memory::data(slot.buffer), slot.count};
+        const Segment whole{slot.buffer_data(), slot.count};
         slot.float32_table = memory.table(std::span<const Segment>(&whole, 1), DType::float32);
     }
 }

@@ -2,7 +2,8 @@
 // reduce-scattered, this rank's share of its averaged gradients is copied into a store of the
 // wrapper's (the optimizer's pieces point there) and the model is told to release the bucket's
 // gradients. Off, it keeps and releases nothing. The store lies where the memory policy allocates:
-// beside the gradients it keeps.
+// beside the gradients it keeps. On a stream (CudaMemory) the copy is queued there before the
+// model is told: the model frees in stream order (cudaFreeAsync on that stream, say).
 #pragma once
 
 #include <gradsync/bucket/plan.hpp>
@@ -19,8 +20,10 @@
 
 namespace gradsync::inline v0::detail {
 
-template <class Model, bool InPlace, class Memory>
+template <class Model, class Memory>
 class ReleasedShards {
+    static constexpr std::size_t in_flight = 2;  // buckets reduced but not kept, at most
+
 public:
     // When on: the store for this rank's shards of `plan`, allocated and zeroed by `memory`.
     void plan(bool on, const BucketPlan& plan, int ranks, int rank, const Memory& memory) {
@@ -34,22 +37,26 @@ public:
     // Where the pieces' gradients lie when on (for ShardLayout), else null.
     [[nodiscard]] float* store() { return on_ ? reinterpret_cast<float*>(Memory::data(store_)) : nullptr; }
     [[nodiscard]] std::size_t bytes() const { return elements_ * sizeof(float); }
+    // The packed buffers a reduce-scattering engine needs when it lends them in turn (keep_until
+    // keeps each bucket before the one three places later goes); 0 when off: one per bucket.
+    [[nodiscard]] std::size_t buffers() const { return on_ ? in_flight + 1 : 0; }
 
     // During backward, with buckets [0, launched) launched and [0, kept) kept: the end of those to
     // keep now. The buckets reduced by now (completed(b)) give their gradients back while backward
     // goes on, and at most two stay in flight (backward waits for the oldest), which bounds the
-    // gradient memory to about two buckets beside this rank's share. Off: none.
+    // gradient memory to about two buckets beside this rank's share, and lets a packed path lend
+    // its buckets three buffers in turn (`buffers`). Off: none.
     template <class Completed>
     [[nodiscard]] std::size_t keep_until(std::size_t kept, std::size_t launched, Completed&& completed) const {
         if (!on_) return kept;
-        while (kept < launched && (completed(kept) || launched - kept > 2)) ++kept;
+        while (kept < launched && (completed(kept) || launched - kept > in_flight)) ++kept;
         return kept;
     }
 
     // Bucket b is reduced: its share kept, then its gradients released.
     template <class Layout>
     void keep(Model& model, const Layout& shards, const ModelLayout& layout, std::size_t b) {
-        if constexpr (InPlace && ReleasableGradients<Model>) {
+        if constexpr (ReleasableGradients<Model>) {
             if (!on_) return;
             shards.keep_shard(b);
             release(model, shards, layout, b);

@@ -74,7 +74,7 @@ struct ShardSlot {
     std::vector<Segment> param_segments;    // float32, in that order
     typename Memory::Table param_table;     // param_segments
     typename Memory::Table shard_params;    // the parts of them in this rank's shard
-    typename Memory::Table shard_grads;     // the model's gradients there (stage 2 keeps them)
+    typename Memory::Table shard_grads;     // its averaged gradients, where stage 2 keeps them from
     typename Memory::Storage param_buffer;  // packed: the whole bucket's parameters
     std::size_t count = 0;
     Shard shard;
@@ -83,7 +83,8 @@ struct ShardSlot {
 
     [[nodiscard]] float* buffer() const { return reinterpret_cast<float*>(Memory::data(param_buffer)); }
     // The tables, from where `params` says the bucket's parameters and gradients lie; the
-    // gradients' only where a store keeps them (stage 2).
+    // gradients' only where a store keeps them (stage 2): the shard of the packed buffer where the
+    // bucket was reduced packed, else of the model's gradients.
     void build(const Memory& memory, std::span<const Parameter> params, bool keeps_grads) {
         param_segments.clear();
         for (auto i : indices) param_segments.push_back({params[i].data, params[i].count});
@@ -92,8 +93,13 @@ struct ShardSlot {
         shard_params = memory.table(segments_within(param_segments, lo, hi), DType::float32);
         if (!keeps_grads) return;
         std::vector<Segment> grads;
-        for (auto i : indices) grads.push_back({params[i].grad, params[i].count});
-        shard_grads = memory.table(segments_within(grads, lo, hi), DType::float32);
+        if (packed_grads != nullptr) {
+            if (hi > lo) grads.push_back({packed_grads + lo, hi - lo});
+        } else {
+            for (auto i : indices) grads.push_back({params[i].grad, params[i].count});
+            grads = segments_within(grads, lo, hi);
+        }
+        shard_grads = memory.table(grads, DType::float32);
     }
 };
 
@@ -170,9 +176,9 @@ struct ShardLayout {
         memory_->unpack(slots[b].param_table, reinterpret_cast<const std::byte*>(slots[b].buffer()));
     }
 
-    // Stage 2, once bucket b is reduced in place: its pieces' averaged gradients, copied from the
-    // model into the grad_store (where they lie one after another), where they outlive the
-    // model's gradients.
+    // Stage 2, once bucket b is reduced: its pieces' averaged gradients, copied from where the
+    // reduce-scatter left them (the model's gradients, or a packed buffer lent to the bucket) into
+    // the grad_store (where they lie one after another), where they outlive both.
     void keep_shard(std::size_t b) const {
         const auto& slot = slots[b];
         if (slot.piece_count == 0) return;

@@ -1,6 +1,7 @@
 // The core ShardedDataParallel derives from: FrontCore (front_core.hpp) over a bucket engine that
-// reduce-scatters each bucket in float32 host memory, through the memory policy, where the gradients lie when the
-// backend takes scattered memory (ScatteredShardedCollectives), else packed.
+// reduce-scatters each bucket in float32 through the memory policy (host or device memory), where
+// the gradients lie when the backend takes scattered memory (ScatteredShardedCollectives), else
+// packed.
 #pragma once
 
 #include <gradsync/backend/concept_checks.hpp>

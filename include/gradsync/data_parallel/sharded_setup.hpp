@@ -10,6 +10,7 @@
 #include <gradsync/data_parallel/sharded_options.hpp>
 #include <gradsync/detail/number_text.hpp>
 #include <gradsync/dtype.hpp>
+#include <gradsync/reduction/comm_hook.hpp>
 
 #include <string>
 #include <vector>
@@ -27,18 +28,15 @@ constexpr bool check_sharded_backend() {
                   "CudaLocalBackend) keeps its shards on the device: give it gradsync::CudaMemory{stream} "
                   "(memory/cuda.cuh) with the stream backward runs on");
     static_assert(check_stream_ordered_if<B, Memory::on_device>());
-    static_assert(!Hook::hooked || !Memory::on_device,
-                  "gradsync: communication hooks run on gradients in host memory; this memory policy keeps them on "
-                  "the device");
+    static_assert(check_comm_hook_on_host<Hook, B, Memory>());
     return true;
 }
 
-// `in_place`: the backend reduces shards where they lie; `releasable`: the model can release
-// gradients (stage 2 needs both, and no communication hook: `hooked`).
+// `releasable`: the model can release gradients (stage 2 needs it, and no communication hook:
+// `hooked`).
 template <class Bucketer, class Scaler>
 SetupProblems sharded_setup_problems(int rank, const ModelLayout& layout, const ShardedOptions& options,
-                                     const Bucketer& bucketer, const Scaler& scaler, bool in_place, bool releasable,
-                                     bool hooked) {
+                                     const Bucketer& bucketer, const Scaler& scaler, bool releasable, bool hooked) {
     SetupProblems problems(rank);
     for (const auto& p : layout.params)
         if (p.dtype != DType::float32)
@@ -49,16 +47,14 @@ SetupProblems sharded_setup_problems(int rank, const ModelLayout& layout, const 
         problems.configuration("ShardedOptions::clip_norm must be at least 0, got " + exact_text(options.clip_norm));
     problems.configuration(invalid_of(bucketer));
     problems.configuration(invalid_of(scaler));
-    if (options.release_gradients && !(in_place && releasable))
-        problems.configuration(std::string("ShardedOptions::release_gradients needs ") +
-                               (in_place ? "a model that can release gradients: give it a member "
-                                           "release_gradients(std::span<const std::size_t>), or see docs/sharding.md"
-                                         : "a backend that reduces gradients where they lie "
-                                           "(ScatteredShardedCollectives: LocalBackend, MpiBackend)"));
+    if (options.release_gradients && !releasable)
+        problems.configuration(
+            "ShardedOptions::release_gradients needs a model that can release gradients: give it a member "
+            "release_gradients(std::span<const std::size_t>), or see docs/sharding.md");
     else if (options.release_gradients && hooked)
         problems.configuration(
-            "ShardedOptions::release_gradients keeps each bucket's share where the model's gradients are reduced in "
-            "place, and a communication hook reduces a packed copy: use one or the other");
+            "ShardedOptions::release_gradients keeps each bucket's share as soon as it is reduced, and a "
+            "communication hook finishes its buckets only at step(): use one or the other");
     return problems;
 }
 

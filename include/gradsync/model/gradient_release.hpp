@@ -5,6 +5,8 @@
 // indices are positions in the model's parameters(). A model that releases a gradient makes it
 // again in its next backward (zeros, then the sum) and lists where it is then: parameters() must
 // give every gradient, made where absent; model_traits<M>::parameters_now may leave it null.
+// With device memory (CudaMemory) the reads of the gradients are queued on the stream when the
+// model is told: it frees them in that stream's order (cudaFreeAsync on it, say).
 #pragma once
 
 #include <gradsync/model/model.hpp>

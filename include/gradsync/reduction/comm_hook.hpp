@@ -12,6 +12,7 @@
 // gradient is the average).
 #pragma once
 
+#include <gradsync/backend/concepts.hpp>
 #include <gradsync/buffer.hpp>
 #include <gradsync/detail/policy.hpp>
 #include <gradsync/dtype.hpp>
@@ -130,6 +131,16 @@ struct AllreduceHook {
 };
 
 namespace detail {
+
+// A hook works on gradients in host memory: refused, for either front, with a backend or a
+// memory policy that keeps them on the device.
+template <class H, class B, class Memory>
+constexpr bool check_comm_hook_on_host() {
+    static_assert(!H::hooked || (!DeviceBackend<B> && !Memory::on_device),
+                  "gradsync: communication hooks run on gradients in host memory; this backend or memory policy "
+                  "keeps them on the device");
+    return true;
+}
 
 template <class H>
 constexpr bool check_comm_hook() {
