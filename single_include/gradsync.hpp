@@ -4133,6 +4133,8 @@ concept MemoryPolicy = detail::has_settings<M> &&
     { cm.segment_sums(std::declval<const typename M::Table&>()) } -> std::convertible_to<std::vector<double>>;
     cm.scale(std::declval<const typename M::Table&>(), factor);
     cm.zero(Segment{}, t);
+    cm.to_host(std::span<std::byte>{}, static_cast<const std::byte*>(bytes));
+    cm.from_host(bytes, std::span<const std::byte>{});
 };
 
 // A memory policy whose passes run on a stream (CudaMemory): the backend's collectives must be
@@ -4174,7 +4176,7 @@ constexpr bool check_memory_policy() {
             "`const gradsync::StepVerdict* verdict()`");
         static_assert(dependent_false<M>,
                       "gradsync: a memory policy needs pack, unpack, compress, prepare_results, segment_sums, "
-                      "scale and zero as HostMemory has them (memory/host.hpp)");
+                      "scale, zero, to_host and from_host as HostMemory has them (memory/host.hpp)");
     }
     return true;
 }
@@ -4219,6 +4221,15 @@ struct HostMemory {
     static std::byte* data(const Storage& s) { return s.data(); }
     Table table(std::span<const Segment> segments, DType t) const {
         return Table{{segments.begin(), segments.end()}, t};
+    }
+
+    // Copies between the memory this policy describes and the host, for checkpoints: done when
+    // they return.
+    void to_host(std::span<std::byte> host, const std::byte* from) const {
+        if (!host.empty()) std::memcpy(host.data(), from, host.size());
+    }
+    void from_host(std::byte* to, std::span<const std::byte> host) const {
+        if (!host.empty()) std::memcpy(to, host.data(), host.size());
     }
 
     // Copies the segments one after another into `dst`.
@@ -7919,6 +7930,8 @@ public:
     [[nodiscard]] Scaler& loss_scaler() { return scaler_; }
     // The communication hook, to read or restore its state (PowerSGD's error feedback).
     [[nodiscard]] comm_hook_type& comm_hook() { return engine_.hook(); }
+    // The memory policy: where the gradients lie, and how a checkpoint copies tensors to the host.
+    [[nodiscard]] const auto& memory() const { return engine_.memory(); }
     // The parameters gradsync synchronizes: the model's, in registration order, without the
     // zero-sized ones. Bucket::parameters index into this list.
     [[nodiscard]] std::span<const Parameter> parameters() const { return layout_.params; }
@@ -9853,21 +9866,32 @@ public:
     // Where the pieces' gradients lie when on (for ShardLayout), else null.
     [[nodiscard]] float* store() { return on_ ? reinterpret_cast<float*>(Memory::data(store_)) : nullptr; }
     [[nodiscard]] std::size_t bytes() const { return elements_ * sizeof(float); }
-    // The packed buffers a reduce-scattering engine needs when it lends them in turn (keep_until
+    // The packed buffers a reduce-scattering engine needs when it lends them in turn (launched_until
     // keeps each bucket before the one three places later goes); 0 when off: one per bucket.
     [[nodiscard]] std::size_t buffers() const { return on_ ? in_flight + 1 : 0; }
 
-    // During backward, with buckets [0, launched) launched and [0, kept) kept: the end of those to
-    // keep now. The buckets reduced by now (completed(b)) give their gradients back while backward
-    // goes on, and at most two stay in flight (backward waits for the oldest), which bounds the
-    // gradient memory to about two buckets beside this rank's share, and lets a packed path lend
-    // its buckets three buffers in turn (`buffers`). Off: none.
-    template <class Completed>
-    [[nodiscard]] std::size_t keep_until(std::size_t kept, std::size_t launched, Completed&& completed) const {
-        if (!on_) return kept;
-        while (kept < launched && (completed(kept) || launched - kept > in_flight)) ++kept;
-        return kept;
+    // This step's buckets [0, launched()) are launched and [0, kept()) waited for and kept.
+    [[nodiscard]] std::size_t launched() const { return launched_; }
+    [[nodiscard]] std::size_t kept() const { return kept_; }
+    // Buckets before `launched` are launched (during backward, under the readiness lock). When on,
+    // those reduced by now (completed(b)) are retired (retire(b) waits for b and keeps it) while
+    // backward goes on, and at most two stay in flight (backward waits for the oldest): the
+    // gradient memory stays about two buckets beside this rank's share, and a packed path may lend
+    // its buckets three buffers in turn (`buffers`).
+    template <class Completed, class Retire>
+    void launched_until(std::size_t launched, Completed&& completed, Retire&& retire) {
+        launched_ = launched;
+        std::size_t end = kept_;
+        while (on_ && end < launched_ && (completed(end) || launched_ - end > in_flight)) ++end;
+        retire_until(end, retire);
     }
+    // The buckets before `end` not kept yet, retired in order.
+    template <class Retire>
+    void retire_until(std::size_t end, Retire&& retire) {
+        for (; kept_ < end; ++kept_) retire(kept_);
+    }
+    // Nothing launched, nothing kept.
+    void end_step() { launched_ = kept_ = 0; }
 
     // Bucket b is reduced: its share kept, then its gradients released.
     template <class Layout>
@@ -9903,6 +9927,8 @@ private:
     std::size_t elements_ = 0;
     typename Memory::Storage store_{};        // this rank's share of the averaged gradients
     std::vector<std::size_t> model_indices_;  // a bucket's parameters, as the model counts them
+    std::size_t launched_ = 0;
+    std::size_t kept_ = 0;
 };
 
 }  // namespace gradsync::inline v0::detail
@@ -10345,13 +10371,13 @@ private:
         // The buckets grad_ready did not launch go now, on this thread, bucket after bucket (a
         // progress thread would only compete with this one for the cores); then every bucket is
         // waited for and its share kept.
-        if (follow_storage(launched_, shards_.slots.size(), /*in_backward=*/false))
-            released_.release_again(model_, shards_, layout_, kept_);
-        for (std::size_t b = launched_; b < shards_.slots.size(); ++b) {
+        if (follow_storage(released_.launched(), shards_.slots.size(), /*in_backward=*/false))
+            released_.release_again(model_, shards_, layout_, released_.kept());
+        for (std::size_t b = released_.launched(); b < shards_.slots.size(); ++b) {
             engine_.reduce_now(b, tag_of(detail::CollectivePurpose::bucket, b));
             keep_reduced(b + 1);
         }
-        retire(shards_.slots.size(), detail::deadline_after(options_.timeout));
+        released_.retire_until(shards_.slots.size(), retire());
         end_step();
         detail::sync_buffers(backend_, buffers(), buffers_type::mode, /*at_construction=*/false, history_, step);
         detail::check_histories(backend_, history_, options_.check_histories, step, number);
@@ -10367,28 +10393,23 @@ private:
         return report;
     }
 
-    // Waits for the buckets before `end` still in flight (by `deadline`, a late one named) and
-    // keeps each one's share.
-    void retire(std::size_t end, std::chrono::steady_clock::time_point deadline) {
-        for (; kept_ < end; ++kept_) {
-            engine_.wait(kept_, deadline, this->diagnose(plan_));
-            released_.keep(model_, shards_, layout_, kept_);
-        }
-    }
-
     // Bucket b goes now (during backward, under the readiness lock).
     void launch(std::size_t b) {
         follow_storage(b, b + 1, /*in_backward=*/true);
         engine_.launch(b, tag_of(detail::CollectivePurpose::bucket, b));
         keep_reduced(b + 1);
     }
-
-    // Buckets before `launched` are launched. Stage 2: those reduced by now kept (and their
-    // gradients released) while backward goes on, at most two left in flight.
+    // Buckets before `launched` are launched; stage 2 keeps those reduced by now.
     void keep_reduced(std::size_t launched) {
-        launched_ = launched;
-        const auto end = released_.keep_until(kept_, launched_, [this](std::size_t k) { return engine_.completed(k); });
-        if (end > kept_) retire(end, detail::deadline_after(options_.timeout));
+        released_.launched_until(
+            launched, [this](std::size_t k) { return engine_.completed(k); }, retire());
+    }
+    // Waits for a bucket (by one deadline, a late one named) and keeps its share.
+    auto retire() {
+        return [this, deadline = detail::deadline_after(options_.timeout)](std::size_t b) {
+            engine_.wait(b, deadline, this->diagnose(plan_));
+            released_.keep(model_, shards_, layout_, b);
+        };
     }
 
     // Storage that moved since the last step is followed before each bucket's reduce_scatter.
@@ -10404,8 +10425,7 @@ private:
 
     // Nothing ready, nothing launched.
     void end_step() {
-        launched_ = 0;
-        kept_ = 0;
+        released_.end_step();
         this->storage_.end_step();
         readiness_.reset();
     }
@@ -10413,11 +10433,9 @@ private:
     BucketPlan plan_;
     using Shards = detail::ShardLayout<in_place, typename CoreOf::memory>;
     Shards shards_;
-    detail::ReleasedShards<Model, typename CoreOf::memory> released_;  // stage 2
-    // Overlap: which parameters grad_ready reported this step, and the reduce_scatters launched
-    // (buckets 0 .. launched_ - 1; written under the readiness lock during backward).
-    std::size_t launched_ = 0;
-    std::size_t kept_ = 0;  // launched buckets waited for and kept
+    // Stage 2, and the buckets launched and kept this step (written under the readiness lock
+    // during backward).
+    detail::ReleasedShards<Model, typename CoreOf::memory> released_;
 };
 
 }  // namespace gradsync::inline v0

@@ -13,26 +13,9 @@
 // rank 0 and broadcasts it to every rank, so resuming is bitwise exact. With ShardedDataParallel,
 // optimizer state split across the ranks goes to one shard file per rank beside it (shard_files.hpp);
 // state that differs by rank (PowerSGD's error feedback) to one file per rank (local_files.hpp).
+// With a memory policy on the device (CudaMemory) every tensor it saves or loads (parameters,
+// buffers, the additions) lies in device memory and is copied through the policy.
 // Not included by <gradsync/gradsync.hpp>: it needs nlohmann/json (Debian: nlohmann-json3-dev).
-
-
-// ---- begin gradsync/data_parallel.hpp ----
-#ifndef GRADSYNC_SINGLE_DATA_PARALLEL_HPP
-#define GRADSYNC_SINGLE_DATA_PARALLEL_HPP
-// DataParallel<Model, Backend, Policies...>: wraps a model so that every rank holds the average of
-// all ranks' gradients after synchronize(). With grad_ready() calls during backward, each bucket's
-// allreduce starts as soon as its last gradient is ready, overlapping communication with backward.
-// The front of the parts in data_parallel/: the core it shares with ShardedDataParallel (the
-// grad_ready calls, failure handling, the set-up), the bucket engine (launch, wait, finalize
-// pass), the finalize step (norm, clipping, the step's decision), replanning and diagnosis.
-
-
-// ---- begin gradsync/backend/concept_checks.hpp ----
-#ifndef GRADSYNC_SINGLE_BACKEND_CONCEPT_CHECKS_HPP
-#define GRADSYNC_SINGLE_BACKEND_CONCEPT_CHECKS_HPP
-// What a backend lacks for what it is asked to do, named: the readable compile errors behind the
-// concepts of backend/concepts.hpp (a backend at all, sharded collectives, scattered segments,
-// device streams), each reporting the first missing member only.
 
 
 // ---- begin gradsync/backend/concepts.hpp ----
@@ -931,6 +914,25 @@ void all_gather_tagged(B& b, std::span<const Segment> segs, DType t, CollectiveT
 }  // namespace gradsync::inline v0
 #endif  // GRADSYNC_SINGLE_BACKEND_CONCEPTS_HPP
 // ---- end gradsync/backend/concepts.hpp ----
+
+// ---- begin gradsync/data_parallel.hpp ----
+#ifndef GRADSYNC_SINGLE_DATA_PARALLEL_HPP
+#define GRADSYNC_SINGLE_DATA_PARALLEL_HPP
+// DataParallel<Model, Backend, Policies...>: wraps a model so that every rank holds the average of
+// all ranks' gradients after synchronize(). With grad_ready() calls during backward, each bucket's
+// allreduce starts as soon as its last gradient is ready, overlapping communication with backward.
+// The front of the parts in data_parallel/: the core it shares with ShardedDataParallel (the
+// grad_ready calls, failure handling, the set-up), the bucket engine (launch, wait, finalize
+// pass), the finalize step (norm, clipping, the step's decision), replanning and diagnosis.
+
+
+// ---- begin gradsync/backend/concept_checks.hpp ----
+#ifndef GRADSYNC_SINGLE_BACKEND_CONCEPT_CHECKS_HPP
+#define GRADSYNC_SINGLE_BACKEND_CONCEPT_CHECKS_HPP
+// What a backend lacks for what it is asked to do, named: the readable compile errors behind the
+// concepts of backend/concepts.hpp (a backend at all, sharded collectives, scattered segments,
+// device streams), each reporting the first missing member only.
+
 
 // ---- begin gradsync/detail/meta.hpp ----
 #ifndef GRADSYNC_SINGLE_DETAIL_META_HPP
@@ -2849,6 +2851,8 @@ concept MemoryPolicy = detail::has_settings<M> &&
     { cm.segment_sums(std::declval<const typename M::Table&>()) } -> std::convertible_to<std::vector<double>>;
     cm.scale(std::declval<const typename M::Table&>(), factor);
     cm.zero(Segment{}, t);
+    cm.to_host(std::span<std::byte>{}, static_cast<const std::byte*>(bytes));
+    cm.from_host(bytes, std::span<const std::byte>{});
 };
 
 // A memory policy whose passes run on a stream (CudaMemory): the backend's collectives must be
@@ -2890,7 +2894,7 @@ constexpr bool check_memory_policy() {
             "`const gradsync::StepVerdict* verdict()`");
         static_assert(dependent_false<M>,
                       "gradsync: a memory policy needs pack, unpack, compress, prepare_results, segment_sums, "
-                      "scale and zero as HostMemory has them (memory/host.hpp)");
+                      "scale, zero, to_host and from_host as HostMemory has them (memory/host.hpp)");
     }
     return true;
 }
@@ -4844,6 +4848,8 @@ public:
     [[nodiscard]] Scaler& loss_scaler() { return scaler_; }
     // The communication hook, to read or restore its state (PowerSGD's error feedback).
     [[nodiscard]] comm_hook_type& comm_hook() { return engine_.hook(); }
+    // The memory policy: where the gradients lie, and how a checkpoint copies tensors to the host.
+    [[nodiscard]] const auto& memory() const { return engine_.memory(); }
     // The parameters gradsync synchronizes: the model's, in registration order, without the
     // zero-sized ones. Bucket::parameters index into this list.
     [[nodiscard]] std::span<const Parameter> parameters() const { return layout_.params; }
@@ -6363,6 +6369,15 @@ struct HostMemory {
     static std::byte* data(const Storage& s) { return s.data(); }
     Table table(std::span<const Segment> segments, DType t) const {
         return Table{{segments.begin(), segments.end()}, t};
+    }
+
+    // Copies between the memory this policy describes and the host, for checkpoints: done when
+    // they return.
+    void to_host(std::span<std::byte> host, const std::byte* from) const {
+        if (!host.empty()) std::memcpy(host.data(), from, host.size());
+    }
+    void from_host(std::byte* to, std::span<const std::byte> host) const {
+        if (!host.empty()) std::memcpy(to, host.data(), host.size());
     }
 
     // Copies the segments one after another into `dst`.
@@ -8189,21 +8204,32 @@ public:
     // Where the pieces' gradients lie when on (for ShardLayout), else null.
     [[nodiscard]] float* store() { return on_ ? reinterpret_cast<float*>(Memory::data(store_)) : nullptr; }
     [[nodiscard]] std::size_t bytes() const { return elements_ * sizeof(float); }
-    // The packed buffers a reduce-scattering engine needs when it lends them in turn (keep_until
+    // The packed buffers a reduce-scattering engine needs when it lends them in turn (launched_until
     // keeps each bucket before the one three places later goes); 0 when off: one per bucket.
     [[nodiscard]] std::size_t buffers() const { return on_ ? in_flight + 1 : 0; }
 
-    // During backward, with buckets [0, launched) launched and [0, kept) kept: the end of those to
-    // keep now. The buckets reduced by now (completed(b)) give their gradients back while backward
-    // goes on, and at most two stay in flight (backward waits for the oldest), which bounds the
-    // gradient memory to about two buckets beside this rank's share, and lets a packed path lend
-    // its buckets three buffers in turn (`buffers`). Off: none.
-    template <class Completed>
-    [[nodiscard]] std::size_t keep_until(std::size_t kept, std::size_t launched, Completed&& completed) const {
-        if (!on_) return kept;
-        while (kept < launched && (completed(kept) || launched - kept > in_flight)) ++kept;
-        return kept;
+    // This step's buckets [0, launched()) are launched and [0, kept()) waited for and kept.
+    [[nodiscard]] std::size_t launched() const { return launched_; }
+    [[nodiscard]] std::size_t kept() const { return kept_; }
+    // Buckets before `launched` are launched (during backward, under the readiness lock). When on,
+    // those reduced by now (completed(b)) are retired (retire(b) waits for b and keeps it) while
+    // backward goes on, and at most two stay in flight (backward waits for the oldest): the
+    // gradient memory stays about two buckets beside this rank's share, and a packed path may lend
+    // its buckets three buffers in turn (`buffers`).
+    template <class Completed, class Retire>
+    void launched_until(std::size_t launched, Completed&& completed, Retire&& retire) {
+        launched_ = launched;
+        std::size_t end = kept_;
+        while (on_ && end < launched_ && (completed(end) || launched_ - end > in_flight)) ++end;
+        retire_until(end, retire);
     }
+    // The buckets before `end` not kept yet, retired in order.
+    template <class Retire>
+    void retire_until(std::size_t end, Retire&& retire) {
+        for (; kept_ < end; ++kept_) retire(kept_);
+    }
+    // Nothing launched, nothing kept.
+    void end_step() { launched_ = kept_ = 0; }
 
     // Bucket b is reduced: its share kept, then its gradients released.
     template <class Layout>
@@ -8239,6 +8265,8 @@ private:
     std::size_t elements_ = 0;
     typename Memory::Storage store_{};        // this rank's share of the averaged gradients
     std::vector<std::size_t> model_indices_;  // a bucket's parameters, as the model counts them
+    std::size_t launched_ = 0;
+    std::size_t kept_ = 0;
 };
 
 }  // namespace gradsync::inline v0::detail
@@ -8681,13 +8709,13 @@ private:
         // The buckets grad_ready did not launch go now, on this thread, bucket after bucket (a
         // progress thread would only compete with this one for the cores); then every bucket is
         // waited for and its share kept.
-        if (follow_storage(launched_, shards_.slots.size(), /*in_backward=*/false))
-            released_.release_again(model_, shards_, layout_, kept_);
-        for (std::size_t b = launched_; b < shards_.slots.size(); ++b) {
+        if (follow_storage(released_.launched(), shards_.slots.size(), /*in_backward=*/false))
+            released_.release_again(model_, shards_, layout_, released_.kept());
+        for (std::size_t b = released_.launched(); b < shards_.slots.size(); ++b) {
             engine_.reduce_now(b, tag_of(detail::CollectivePurpose::bucket, b));
             keep_reduced(b + 1);
         }
-        retire(shards_.slots.size(), detail::deadline_after(options_.timeout));
+        released_.retire_until(shards_.slots.size(), retire());
         end_step();
         detail::sync_buffers(backend_, buffers(), buffers_type::mode, /*at_construction=*/false, history_, step);
         detail::check_histories(backend_, history_, options_.check_histories, step, number);
@@ -8703,28 +8731,23 @@ private:
         return report;
     }
 
-    // Waits for the buckets before `end` still in flight (by `deadline`, a late one named) and
-    // keeps each one's share.
-    void retire(std::size_t end, std::chrono::steady_clock::time_point deadline) {
-        for (; kept_ < end; ++kept_) {
-            engine_.wait(kept_, deadline, this->diagnose(plan_));
-            released_.keep(model_, shards_, layout_, kept_);
-        }
-    }
-
     // Bucket b goes now (during backward, under the readiness lock).
     void launch(std::size_t b) {
         follow_storage(b, b + 1, /*in_backward=*/true);
         engine_.launch(b, tag_of(detail::CollectivePurpose::bucket, b));
         keep_reduced(b + 1);
     }
-
-    // Buckets before `launched` are launched. Stage 2: those reduced by now kept (and their
-    // gradients released) while backward goes on, at most two left in flight.
+    // Buckets before `launched` are launched; stage 2 keeps those reduced by now.
     void keep_reduced(std::size_t launched) {
-        launched_ = launched;
-        const auto end = released_.keep_until(kept_, launched_, [this](std::size_t k) { return engine_.completed(k); });
-        if (end > kept_) retire(end, detail::deadline_after(options_.timeout));
+        released_.launched_until(
+            launched, [this](std::size_t k) { return engine_.completed(k); }, retire());
+    }
+    // Waits for a bucket (by one deadline, a late one named) and keeps its share.
+    auto retire() {
+        return [this, deadline = detail::deadline_after(options_.timeout)](std::size_t b) {
+            engine_.wait(b, deadline, this->diagnose(plan_));
+            released_.keep(model_, shards_, layout_, b);
+        };
     }
 
     // Storage that moved since the last step is followed before each bucket's reduce_scatter.
@@ -8740,8 +8763,7 @@ private:
 
     // Nothing ready, nothing launched.
     void end_step() {
-        launched_ = 0;
-        kept_ = 0;
+        released_.end_step();
         this->storage_.end_step();
         readiness_.reset();
     }
@@ -8749,11 +8771,9 @@ private:
     BucketPlan plan_;
     using Shards = detail::ShardLayout<in_place, typename CoreOf::memory>;
     Shards shards_;
-    detail::ReleasedShards<Model, typename CoreOf::memory> released_;  // stage 2
-    // Overlap: which parameters grad_ready reported this step, and the reduce_scatters launched
-    // (buckets 0 .. launched_ - 1; written under the readiness lock during backward).
-    std::size_t launched_ = 0;
-    std::size_t kept_ = 0;  // launched buckets waited for and kept
+    // Stage 2, and the buckets launched and kept this step (written under the readiness lock
+    // during backward).
+    detail::ReleasedShards<Model, typename CoreOf::memory> released_;
 };
 
 }  // namespace gradsync::inline v0
@@ -8765,7 +8785,8 @@ private:
 #define GRADSYNC_SINGLE_CHECKPOINT_AGREEMENT_HPP
 // How the ranks of a checkpoint save or load agree: every rank learns the first rank's problem
 // and throws it alike, text one rank read reaches every rank, and a rank that would load other
-// tensors than rank 0 is found before anything is read.
+// tensors than rank 0 is found before anything is read; the files one per rank beside a
+// checkpoint are listed on every rank.
 
 
 // ---- begin gradsync/checkpoint/safetensors.hpp ----
@@ -9440,7 +9461,9 @@ inline void remove_stale_shards(const std::filesystem::path& checkpoint, const S
 #endif  // GRADSYNC_SINGLE_CHECKPOINT_SHARD_FILES_HPP
 // ---- end gradsync/checkpoint/shard_files.hpp ----
 
+#include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <filesystem>
 #include <span>
 #include <string>
@@ -9510,9 +9533,82 @@ std::string differs_from_rank0(B& backend, const std::filesystem::path& path, st
            "of the same sizes, to its Checkpoint";
 }
 
+// One file per rank beside the checkpoint at `path`, named by name_of: write(this rank's path)
+// writes this rank's and returns its hash; every rank returns the list with every hash. A
+// failure on any rank throws on every rank.
+template <class DP, class NameOf, class Write>
+ShardList write_rank_files(DP& dp, NameOf name_of, const std::filesystem::path& path, Write&& write) {
+    const int ranks = dp.world_size();
+    ShardList list{dp.steps(), {}, std::vector<std::uint64_t>(static_cast<std::size_t>(ranks), 0)};
+    for (int r = 0; r < ranks; ++r) list.names.push_back(name_of(path, dp.steps(), r, ranks));
+    const auto mine = static_cast<std::size_t>(dp.rank());
+    std::string problem;
+    try {
+        list.hashes[mine] = write(path.parent_path() / list.names[mine]);
+    } catch (const std::exception& e) {
+        problem = e.what();
+    }
+    agree_on_problem(dp.backend(), problem);
+    for (int r = 0; r < ranks && ranks > 1; ++r)
+        dp.backend().broadcast(std::as_writable_bytes(std::span(&list.hashes[static_cast<std::size_t>(r)], 1)), r);
+    return list;
+}
+
 }  // namespace gradsync::inline v0::detail
 #endif  // GRADSYNC_SINGLE_CHECKPOINT_AGREEMENT_HPP
 // ---- end gradsync/checkpoint/agreement.hpp ----
+
+// ---- begin gradsync/checkpoint/host_staging.hpp ----
+#ifndef GRADSYNC_SINGLE_CHECKPOINT_HOST_STAGING_HPP
+#define GRADSYNC_SINGLE_CHECKPOINT_HOST_STAGING_HPP
+// What a checkpoint reads and writes of a front whose memory policy keeps its tensors on the
+// device (CudaMemory): host copies made through the policy (to_host, from_host). With a policy on
+// the host the tensors are read and written where they lie.
+
+
+#include <cstddef>
+#include <cstring>  // for std::memcpy
+#include <span>
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+template <class Memory>
+class HostStaging {
+public:
+    explicit HostStaging(const Memory& memory) : memory_(memory) {}
+
+    // `tensors` (each with data, count and dtype) as the host may read them: on the device, each
+    // points at a host copy this object keeps.
+    template <class Tensor>
+    [[nodiscard]] std::vector<Tensor> on_host(std::span<const Tensor> tensors) {
+        std::vector<Tensor> out(tensors.begin(), tensors.end());
+        if constexpr (Memory::on_device)
+            for (auto& t : out) {
+                // A moved vector keeps its allocation: earlier copies' addresses stay valid.
+                auto& copy = copies_.emplace_back(t.count * size_of(t.dtype));
+                memory_.to_host(std::span(copy), static_cast<const std::byte*>(t.data));
+                t.data = copy.data();
+            }
+        return out;
+    }
+
+    // Host bytes into a tensor the checkpoint restores.
+    void copy_in(void* to, std::span<const std::byte> from) const {
+        if constexpr (Memory::on_device)
+            memory_.from_host(static_cast<std::byte*>(to), from);
+        else if (!from.empty())
+            std::memcpy(to, from.data(), from.size());
+    }
+
+private:
+    const Memory& memory_;
+    std::vector<std::vector<std::byte>> copies_;
+};
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_CHECKPOINT_HOST_STAGING_HPP
+// ---- end gradsync/checkpoint/host_staging.hpp ----
 
 // ---- begin gradsync/checkpoint/local_files.hpp ----
 #ifndef GRADSYNC_SINGLE_CHECKPOINT_LOCAL_FILES_HPP
@@ -10203,7 +10299,6 @@ private:
 #include <chrono>
 #include <cmath>  // for std::isfinite
 #include <cstdint>
-#include <cstring>  // for std::memcpy
 #include <filesystem>
 #include <limits>
 #include <map>
@@ -10212,6 +10307,7 @@ private:
 #include <span>
 #include <string>
 #include <system_error>  // for std::errc
+#include <type_traits>   // for std::remove_cvref_t
 #include <utility>       // for std::pair
 #include <vector>
 
@@ -10280,6 +10376,8 @@ public:
     // path take turns (Options::lock_wait): two trainers saving it leave the last one's whole.
     template <class DP>
     void save(const std::filesystem::path& path, DP& dp) const {
+        static_assert(tensors_readable<DP>());
+        detail::HostStaging staging(dp.memory());
         std::string problem;
         std::vector<Extra> all;
         try {
@@ -10309,18 +10407,18 @@ public:
         detail::ShardList shards;
         if constexpr (sharded<DP>)
             if (!shards_.empty()) {
-                shards = write_shards(path, dp);
+                shards = write_shards(path, dp, staging.on_host(std::span<const detail::ShardedArray>(shards_)));
                 meta["gradsync.shards"] = detail::to_text(shards);
             }
         detail::ShardList locals;
         if (!locals_.empty()) {
-            locals = write_locals(path, dp);
+            locals = write_locals(path, dp, staging.on_host(std::span<const detail::ShardedArray>(locals_)));
             meta["gradsync.local"] = detail::to_text(locals);
         }
         if (dp.rank() == 0) {
             try {
                 std::vector<TensorBytes> tensors;
-                for (const auto& t : all)
+                for (const auto& t : staging.on_host(std::span<const Extra>(all)))
                     tensors.push_back(TensorBytes{
                         t.name,
                         t.dtype,
@@ -10345,6 +10443,8 @@ public:
     // problem every rank throws the same CheckpointError and nothing has been changed on any rank.
     template <class DP>
     void load(const std::filesystem::path& path, DP& dp) {
+        static_assert(tensors_readable<DP>());
+        const detail::HostStaging staging(dp.memory());
         std::vector<Extra> wanted;
         std::string problem;
         try {
@@ -10396,15 +10496,15 @@ public:
         if (dp.rank() == 0)
             for (const auto& t : wanted) {
                 const auto& saved = *file->find(t.name);
-                std::memcpy(t.data, saved.bytes.data(), saved.bytes.size());
+                staging.copy_in(t.data, saved.bytes);
             }
         if (dp.world_size() > 1) {
             for (const auto& t : wanted)
                 dp.backend().broadcast(std::span(static_cast<std::byte*>(t.data), t.count * size_of(t.dtype)), 0);
             dp.backend().broadcast(std::as_writable_bytes(std::span(&scalars, 1)), 0);
         }
-        for (std::size_t a = 0; a < state.size(); ++a) std::memcpy(shards_[a].data, state[a].data(), state[a].size());
-        for (std::size_t a = 0; a < local.size(); ++a) std::memcpy(locals_[a].data, local[a].data(), local[a].size());
+        for (std::size_t a = 0; a < state.size(); ++a) staging.copy_in(shards_[a].data, state[a]);
+        for (std::size_t a = 0; a < local.size(); ++a) staging.copy_in(locals_[a].data, local[a]);
         dp.restore_steps(scalars.step);
         if constexpr (requires { dp.loss_scaler().state; }) {
             dp.loss_scaler().state.scale = scalars.scale;
@@ -10437,6 +10537,17 @@ private:
         else
             return false;
     }
+    // Over a backend whose collectives take device memory the tensors lie there, and only a memory
+    // policy on the device copies them to the host.
+    template <class DP>
+    static constexpr bool tensors_readable() {
+        using B = std::remove_cvref_t<decltype(std::declval<DP&>().backend())>;
+        static_assert(!DeviceBackend<B> || on_device<DP>(),
+                      "gradsync: a Checkpoint of a front over a backend whose collectives take device memory "
+                      "(NcclBackend, CudaLocalBackend) copies its tensors to the host through the memory policy: "
+                      "give the front gradsync::CudaMemory{stream} (memory/cuda.cuh)");
+        return true;
+    }
     template <class DP>
     static constexpr BufferSync buffer_mode(const DP&) {
         return DP::buffers_type::mode;
@@ -10445,41 +10556,21 @@ private:
     // Each rank writes its shard file; every rank returns the list of them (hashes gathered from
     // every rank), or throws the same CheckpointError. Collective.
     template <class DP>
-    detail::ShardList write_shards(const std::filesystem::path& path, DP& dp) const {
-        return write_rank_files(dp, &detail::shard_file_name, path, [&](const std::filesystem::path& mine) {
-            return detail::write_shard(mine, shards_, pieces_of(dp), dp.parameters(), dp.steps(), dp.rank(),
+    detail::ShardList write_shards(const std::filesystem::path& path, DP& dp,
+                                   const std::vector<detail::ShardedArray>& shards) const {
+        return detail::write_rank_files(dp, &detail::shard_file_name, path, [&](const std::filesystem::path& mine) {
+            return detail::write_shard(mine, shards, pieces_of(dp), dp.parameters(), dp.steps(), dp.rank(),
                                        dp.world_size(), options_.write);
         });
     }
 
     // Each rank writes its file of state that differs by rank; every rank returns the list of them.
     template <class DP>
-    detail::ShardList write_locals(const std::filesystem::path& path, DP& dp) const {
-        return write_rank_files(dp, &detail::local_file_name, path, [&](const std::filesystem::path& mine) {
-            return detail::write_local(mine, locals_, dp.steps(), dp.rank(), dp.world_size(), options_.write);
+    detail::ShardList write_locals(const std::filesystem::path& path, DP& dp,
+                                   const std::vector<detail::ShardedArray>& locals) const {
+        return detail::write_rank_files(dp, &detail::local_file_name, path, [&](const std::filesystem::path& mine) {
+            return detail::write_local(mine, locals, dp.steps(), dp.rank(), dp.world_size(), options_.write);
         });
-    }
-
-    // One file per rank beside the checkpoint at `path`, named by name_of: write(this rank's path)
-    // writes this rank's and returns its hash; every rank returns the list with every hash. A
-    // failure on any rank throws on every rank.
-    template <class DP, class NameOf, class Write>
-    static detail::ShardList write_rank_files(DP& dp, NameOf name_of, const std::filesystem::path& path,
-                                              Write&& write) {
-        const int ranks = dp.world_size();
-        detail::ShardList list{dp.steps(), {}, std::vector<std::uint64_t>(static_cast<std::size_t>(ranks), 0)};
-        for (int r = 0; r < ranks; ++r) list.names.push_back(name_of(path, dp.steps(), r, ranks));
-        const auto mine = static_cast<std::size_t>(dp.rank());
-        std::string problem;
-        try {
-            list.hashes[mine] = write(path.parent_path() / list.names[mine]);
-        } catch (const std::exception& e) {
-            problem = e.what();
-        }
-        detail::agree_on_problem(dp.backend(), problem);
-        for (int r = 0; r < ranks && ranks > 1; ++r)
-            dp.backend().broadcast(std::as_writable_bytes(std::span(&list.hashes[static_cast<std::size_t>(r)], 1)), r);
-        return list;
     }
 
     template <class DP>

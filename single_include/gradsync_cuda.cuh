@@ -1409,6 +1409,8 @@ concept MemoryPolicy = detail::has_settings<M> &&
     { cm.segment_sums(std::declval<const typename M::Table&>()) } -> std::convertible_to<std::vector<double>>;
     cm.scale(std::declval<const typename M::Table&>(), factor);
     cm.zero(Segment{}, t);
+    cm.to_host(std::span<std::byte>{}, static_cast<const std::byte*>(bytes));
+    cm.from_host(bytes, std::span<const std::byte>{});
 };
 
 // A memory policy whose passes run on a stream (CudaMemory): the backend's collectives must be
@@ -1450,7 +1452,7 @@ constexpr bool check_memory_policy() {
             "`const gradsync::StepVerdict* verdict()`");
         static_assert(dependent_false<M>,
                       "gradsync: a memory policy needs pack, unpack, compress, prepare_results, segment_sums, "
-                      "scale and zero as HostMemory has them (memory/host.hpp)");
+                      "scale, zero, to_host and from_host as HostMemory has them (memory/host.hpp)");
     }
     return true;
 }
@@ -1718,6 +1720,21 @@ public:
     void zero(Segment s, DType t) const {
         gradsync::detail::DeviceScope scope(device_);
         GRADSYNC_CUDA_CHECK(cudaMemsetAsync(s.data, 0, s.count * size_of(t), stream_));
+    }
+
+    // Copies between device memory and the host, for checkpoints: after the work queued on the
+    // stream, and done when they return (the host waits for the stream).
+    void to_host(std::span<std::byte> host, const std::byte* from) const {
+        if (host.empty()) return;
+        gradsync::detail::DeviceScope scope(device_);
+        GRADSYNC_CUDA_CHECK(cudaMemcpyAsync(host.data(), from, host.size(), cudaMemcpyDeviceToHost, stream_));
+        GRADSYNC_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    }
+    void from_host(std::byte* to, std::span<const std::byte> host) const {
+        if (host.empty()) return;
+        gradsync::detail::DeviceScope scope(device_);
+        GRADSYNC_CUDA_CHECK(cudaMemcpyAsync(to, host.data(), host.size(), cudaMemcpyHostToDevice, stream_));
+        GRADSYNC_CUDA_CHECK(cudaStreamSynchronize(stream_));
     }
 
 private:

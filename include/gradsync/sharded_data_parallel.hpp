@@ -160,13 +160,13 @@ private:
         // The buckets grad_ready did not launch go now, on this thread, bucket after bucket (a
         // progress thread would only compete with this one for the cores); then every bucket is
         // waited for and its share kept.
-        if (follow_storage(launched_, shards_.slots.size(), /*in_backward=*/false))
-            released_.release_again(model_, shards_, layout_, kept_);
-        for (std::size_t b = launched_; b < shards_.slots.size(); ++b) {
+        if (follow_storage(released_.launched(), shards_.slots.size(), /*in_backward=*/false))
+            released_.release_again(model_, shards_, layout_, released_.kept());
+        for (std::size_t b = released_.launched(); b < shards_.slots.size(); ++b) {
             engine_.reduce_now(b, tag_of(detail::CollectivePurpose::bucket, b));
             keep_reduced(b + 1);
         }
-        retire(shards_.slots.size(), detail::deadline_after(options_.timeout));
+        released_.retire_until(shards_.slots.size(), retire());
         end_step();
         detail::sync_buffers(backend_, buffers(), buffers_type::mode, /*at_construction=*/false, history_, step);
         detail::check_histories(backend_, history_, options_.check_histories, step, number);
@@ -182,28 +182,23 @@ private:
         return report;
     }
 
-    // Waits for the buckets before `end` still in flight (by `deadline`, a late one named) and
-    // keeps each one's share.
-    void retire(std::size_t end, std::chrono::steady_clock::time_point deadline) {
-        for (; kept_ < end; ++kept_) {
-            engine_.wait(kept_, deadline, this->diagnose(plan_));
-            released_.keep(model_, shards_, layout_, kept_);
-        }
-    }
-
     // Bucket b goes now (during backward, under the readiness lock).
     void launch(std::size_t b) {
         follow_storage(b, b + 1, /*in_backward=*/true);
         engine_.launch(b, tag_of(detail::CollectivePurpose::bucket, b));
         keep_reduced(b + 1);
     }
-
-    // Buckets before `launched` are launched. Stage 2: those reduced by now kept (and their
-    // gradients released) while backward goes on, at most two left in flight.
+    // Buckets before `launched` are launched; stage 2 keeps those reduced by now.
     void keep_reduced(std::size_t launched) {
-        launched_ = launched;
-        const auto end = released_.keep_until(kept_, launched_, [this](std::size_t k) { return engine_.completed(k); });
-        if (end > kept_) retire(end, detail::deadline_after(options_.timeout));
+        released_.launched_until(
+            launched, [this](std::size_t k) { return engine_.completed(k); }, retire());
+    }
+    // Waits for a bucket (by one deadline, a late one named) and keeps its share.
+    auto retire() {
+        return [this, deadline = detail::deadline_after(options_.timeout)](std::size_t b) {
+            engine_.wait(b, deadline, this->diagnose(plan_));
+            released_.keep(model_, shards_, layout_, b);
+        };
     }
 
     // Storage that moved since the last step is followed before each bucket's reduce_scatter.
@@ -219,8 +214,7 @@ private:
 
     // Nothing ready, nothing launched.
     void end_step() {
-        launched_ = 0;
-        kept_ = 0;
+        released_.end_step();
         this->storage_.end_step();
         readiness_.reset();
     }
@@ -228,11 +222,9 @@ private:
     BucketPlan plan_;
     using Shards = detail::ShardLayout<in_place, typename CoreOf::memory>;
     Shards shards_;
-    detail::ReleasedShards<Model, typename CoreOf::memory> released_;  // stage 2
-    // Overlap: which parameters grad_ready reported this step, and the reduce_scatters launched
-    // (buckets 0 .. launched_ - 1; written under the readiness lock during backward).
-    std::size_t launched_ = 0;
-    std::size_t kept_ = 0;  // launched buckets waited for and kept
+    // Stage 2, and the buckets launched and kept this step (written under the readiness lock
+    // during backward).
+    detail::ReleasedShards<Model, typename CoreOf::memory> released_;
 };
 
 }  // namespace gradsync::inline v0

@@ -720,6 +720,23 @@ TEST_SUITE("gpu") {
         CHECK(same_bytes(bucket.download(), expected));
     }
 
+    TEST_CASE("CudaMemory: to_host and from_host (a checkpoint's copies) follow the work queued on the stream") {
+        const Stream stream;
+        constexpr std::size_t n = 1000;
+        DeviceArray<float> tensor(n);
+        gradsync::CudaMemory memory{stream};
+        memory.prepare_results(0);  // scale() writes its sum to the slot after the last
+        std::vector<float> values(n);
+        for (std::size_t i = 0; i < n; ++i) values[i] = 0.5f * static_cast<float>(i) - 7.0f;
+        memory.from_host(reinterpret_cast<std::byte*>(tensor.data), std::as_bytes(std::span(values)));
+        const gradsync::Segment whole{tensor.data, n};
+        memory.scale(memory.table(std::span(&whole, 1), gradsync::DType::float32), 2.0);  // queued, not waited for
+        std::vector<float> back(n);
+        memory.to_host(std::as_writable_bytes(std::span(back)), reinterpret_cast<const std::byte*>(tensor.data));
+        for (auto& v : values) v *= 2.0f;
+        CHECK(same_bytes(back, values));
+    }
+
     TEST_CASE("DataParallel<NcclBackend, CudaMemory> on GPU 1 steps from a thread whose current device is GPU 0") {
         if (gradsync::cuda_devices().count < 2) {
             MESSAGE("skipped: needs two GPUs");

@@ -1,6 +1,7 @@
 // How the ranks of a checkpoint save or load agree: every rank learns the first rank's problem
 // and throws it alike, text one rank read reaches every rank, and a rank that would load other
-// tensors than rank 0 is found before anything is read.
+// tensors than rank 0 is found before anything is read; the files one per rank beside a
+// checkpoint are listed on every rank.
 #pragma once
 
 #include <gradsync/buffer.hpp>
@@ -9,7 +10,9 @@
 #include <gradsync/data_parallel/replica_check.hpp>
 #include <gradsync/detail/hash.hpp>
 
+#include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <filesystem>
 #include <span>
 #include <string>
@@ -77,6 +80,27 @@ std::string differs_from_rank0(B& backend, const std::filesystem::path& path, st
     return what +
            " (parameters, buffers, then the additions, in order); every rank must add the same tensors, "
            "of the same sizes, to its Checkpoint";
+}
+
+// One file per rank beside the checkpoint at `path`, named by name_of: write(this rank's path)
+// writes this rank's and returns its hash; every rank returns the list with every hash. A
+// failure on any rank throws on every rank.
+template <class DP, class NameOf, class Write>
+ShardList write_rank_files(DP& dp, NameOf name_of, const std::filesystem::path& path, Write&& write) {
+    const int ranks = dp.world_size();
+    ShardList list{dp.steps(), {}, std::vector<std::uint64_t>(static_cast<std::size_t>(ranks), 0)};
+    for (int r = 0; r < ranks; ++r) list.names.push_back(name_of(path, dp.steps(), r, ranks));
+    const auto mine = static_cast<std::size_t>(dp.rank());
+    std::string problem;
+    try {
+        list.hashes[mine] = write(path.parent_path() / list.names[mine]);
+    } catch (const std::exception& e) {
+        problem = e.what();
+    }
+    agree_on_problem(dp.backend(), problem);
+    for (int r = 0; r < ranks && ranks > 1; ++r)
+        dp.backend().broadcast(std::as_writable_bytes(std::span(&list.hashes[static_cast<std::size_t>(r)], 1)), r);
+    return list;
 }
 
 }  // namespace gradsync::inline v0::detail

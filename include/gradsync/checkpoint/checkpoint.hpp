@@ -5,15 +5,19 @@
 // rank 0 and broadcasts it to every rank, so resuming is bitwise exact. With ShardedDataParallel,
 // optimizer state split across the ranks goes to one shard file per rank beside it (shard_files.hpp);
 // state that differs by rank (PowerSGD's error feedback) to one file per rank (local_files.hpp).
+// With a memory policy on the device (CudaMemory) every tensor it saves or loads (parameters,
+// buffers, the additions) lies in device memory and is copied through the policy.
 // Not included by <gradsync/gradsync.hpp>: it needs nlohmann/json (Debian: nlohmann-json3-dev).
 #pragma once
 
+#include <gradsync/backend/concepts.hpp>
 #include <gradsync/data_parallel.hpp>
 #include <gradsync/sharded_data_parallel.hpp>
 #include <gradsync/data_parallel/replica_check.hpp>
 #include <gradsync/detail/hash.hpp>
 #include <gradsync/dtype.hpp>
 #include <gradsync/checkpoint/agreement.hpp>
+#include <gradsync/checkpoint/host_staging.hpp>
 #include <gradsync/checkpoint/safetensors.hpp>
 #include <gradsync/checkpoint/local_files.hpp>
 #include <gradsync/checkpoint/metadata.hpp>
@@ -27,7 +31,6 @@
 #include <chrono>
 #include <cmath>  // for std::isfinite
 #include <cstdint>
-#include <cstring>  // for std::memcpy
 #include <filesystem>
 #include <limits>
 #include <map>
@@ -36,6 +39,7 @@
 #include <span>
 #include <string>
 #include <system_error>  // for std::errc
+#include <type_traits>   // for std::remove_cvref_t
 #include <utility>       // for std::pair
 #include <vector>
 
@@ -104,6 +108,8 @@ public:
     // path take turns (Options::lock_wait): two trainers saving it leave the last one's whole.
     template <class DP>
     void save(const std::filesystem::path& path, DP& dp) const {
+        static_assert(tensors_readable<DP>());
+        detail::HostStaging staging(dp.memory());
         std::string problem;
         std::vector<Extra> all;
         try {
@@ -133,18 +139,18 @@ public:
         detail::ShardList shards;
         if constexpr (sharded<DP>)
             if (!shards_.empty()) {
-                shards = write_shards(path, dp);
+                shards = write_shards(path, dp, staging.on_host(std::span<const detail::ShardedArray>(shards_)));
                 meta["gradsync.shards"] = detail::to_text(shards);
             }
         detail::ShardList locals;
         if (!locals_.empty()) {
-            locals = write_locals(path, dp);
+            locals = write_locals(path, dp, staging.on_host(std::span<const detail::ShardedArray>(locals_)));
             meta["gradsync.local"] = detail::to_text(locals);
         }
         if (dp.rank() == 0) {
             try {
                 std::vector<TensorBytes> tensors;
-                for (const auto& t : all)
+                for (const auto& t : staging.on_host(std::span<const Extra>(all)))
                     tensors.push_back(TensorBytes{
                         t.name,
                         t.dtype,
@@ -169,6 +175,8 @@ public:
     // problem every rank throws the same CheckpointError and nothing has been changed on any rank.
     template <class DP>
     void load(const std::filesystem::path& path, DP& dp) {
+        static_assert(tensors_readable<DP>());
+        const detail::HostStaging staging(dp.memory());
         std::vector<Extra> wanted;
         std::string problem;
         try {
@@ -220,15 +228,15 @@ public:
         if (dp.rank() == 0)
             for (const auto& t : wanted) {
                 const auto& saved = *file->find(t.name);
-                std::memcpy(t.data, saved.bytes.data(), saved.bytes.size());
+                staging.copy_in(t.data, saved.bytes);
             }
         if (dp.world_size() > 1) {
             for (const auto& t : wanted)
                 dp.backend().broadcast(std::span(static_cast<std::byte*>(t.data), t.count * size_of(t.dtype)), 0);
             dp.backend().broadcast(std::as_writable_bytes(std::span(&scalars, 1)), 0);
         }
-        for (std::size_t a = 0; a < state.size(); ++a) std::memcpy(shards_[a].data, state[a].data(), state[a].size());
-        for (std::size_t a = 0; a < local.size(); ++a) std::memcpy(locals_[a].data, local[a].data(), local[a].size());
+        for (std::size_t a = 0; a < state.size(); ++a) staging.copy_in(shards_[a].data, state[a]);
+        for (std::size_t a = 0; a < local.size(); ++a) staging.copy_in(locals_[a].data, local[a]);
         dp.restore_steps(scalars.step);
         if constexpr (requires { dp.loss_scaler().state; }) {
             dp.loss_scaler().state.scale = scalars.scale;
@@ -261,6 +269,17 @@ private:
         else
             return false;
     }
+    // Over a backend whose collectives take device memory the tensors lie there, and only a memory
+    // policy on the device copies them to the host.
+    template <class DP>
+    static constexpr bool tensors_readable() {
+        using B = std::remove_cvref_t<decltype(std::declval<DP&>().backend())>;
+        static_assert(!DeviceBackend<B> || on_device<DP>(),
+                      "gradsync: a Checkpoint of a front over a backend whose collectives take device memory "
+                      "(NcclBackend, CudaLocalBackend) copies its tensors to the host through the memory policy: "
+                      "give the front gradsync::CudaMemory{stream} (memory/cuda.cuh)");
+        return true;
+    }
     template <class DP>
     static constexpr BufferSync buffer_mode(const DP&) {
         return DP::buffers_type::mode;
@@ -269,41 +288,21 @@ private:
     // Each rank writes its shard file; every rank returns the list of them (hashes gathered from
     // every rank), or throws the same CheckpointError. Collective.
     template <class DP>
-    detail::ShardList write_shards(const std::filesystem::path& path, DP& dp) const {
-        return write_rank_files(dp, &detail::shard_file_name, path, [&](const std::filesystem::path& mine) {
-            return detail::write_shard(mine, shards_, pieces_of(dp), dp.parameters(), dp.steps(), dp.rank(),
+    detail::ShardList write_shards(const std::filesystem::path& path, DP& dp,
+                                   const std::vector<detail::ShardedArray>& shards) const {
+        return detail::write_rank_files(dp, &detail::shard_file_name, path, [&](const std::filesystem::path& mine) {
+            return detail::write_shard(mine, shards, pieces_of(dp), dp.parameters(), dp.steps(), dp.rank(),
                                        dp.world_size(), options_.write);
         });
     }
 
     // Each rank writes its file of state that differs by rank; every rank returns the list of them.
     template <class DP>
-    detail::ShardList write_locals(const std::filesystem::path& path, DP& dp) const {
-        return write_rank_files(dp, &detail::local_file_name, path, [&](const std::filesystem::path& mine) {
-            return detail::write_local(mine, locals_, dp.steps(), dp.rank(), dp.world_size(), options_.write);
+    detail::ShardList write_locals(const std::filesystem::path& path, DP& dp,
+                                   const std::vector<detail::ShardedArray>& locals) const {
+        return detail::write_rank_files(dp, &detail::local_file_name, path, [&](const std::filesystem::path& mine) {
+            return detail::write_local(mine, locals, dp.steps(), dp.rank(), dp.world_size(), options_.write);
         });
-    }
-
-    // One file per rank beside the checkpoint at `path`, named by name_of: write(this rank's path)
-    // writes this rank's and returns its hash; every rank returns the list with every hash. A
-    // failure on any rank throws on every rank.
-    template <class DP, class NameOf, class Write>
-    static detail::ShardList write_rank_files(DP& dp, NameOf name_of, const std::filesystem::path& path,
-                                              Write&& write) {
-        const int ranks = dp.world_size();
-        detail::ShardList list{dp.steps(), {}, std::vector<std::uint64_t>(static_cast<std::size_t>(ranks), 0)};
-        for (int r = 0; r < ranks; ++r) list.names.push_back(name_of(path, dp.steps(), r, ranks));
-        const auto mine = static_cast<std::size_t>(dp.rank());
-        std::string problem;
-        try {
-            list.hashes[mine] = write(path.parent_path() / list.names[mine]);
-        } catch (const std::exception& e) {
-            problem = e.what();
-        }
-        detail::agree_on_problem(dp.backend(), problem);
-        for (int r = 0; r < ranks && ranks > 1; ++r)
-            dp.backend().broadcast(std::as_writable_bytes(std::span(&list.hashes[static_cast<std::size_t>(r)], 1)), r);
-        return list;
     }
 
     template <class DP>

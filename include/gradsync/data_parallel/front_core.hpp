@@ -63,6 +63,8 @@ public:
     [[nodiscard]] Scaler& loss_scaler() { return scaler_; }
     // The communication hook, to read or restore its state (PowerSGD's error feedback).
     [[nodiscard]] comm_hook_type& comm_hook() { return engine_.hook(); }
+    // The memory policy: where the gradients lie, and how a checkpoint copies tensors to the host.
+    [[nodiscard]] const auto& memory() const { return engine_.memory(); }
     // The parameters gradsync synchronizes: the model's, in registration order, without the
     // zero-sized ones. Bucket::parameters index into this list.
     [[nodiscard]] std::span<const Parameter> parameters() const { return layout_.params; }

@@ -37,21 +37,32 @@ public:
     // Where the pieces' gradients lie when on (for ShardLayout), else null.
     [[nodiscard]] float* store() { return on_ ? reinterpret_cast<float*>(Memory::data(store_)) : nullptr; }
     [[nodiscard]] std::size_t bytes() const { return elements_ * sizeof(float); }
-    // The packed buffers a reduce-scattering engine needs when it lends them in turn (keep_until
+    // The packed buffers a reduce-scattering engine needs when it lends them in turn (launched_until
     // keeps each bucket before the one three places later goes); 0 when off: one per bucket.
     [[nodiscard]] std::size_t buffers() const { return on_ ? in_flight + 1 : 0; }
 
-    // During backward, with buckets [0, launched) launched and [0, kept) kept: the end of those to
-    // keep now. The buckets reduced by now (completed(b)) give their gradients back while backward
-    // goes on, and at most two stay in flight (backward waits for the oldest), which bounds the
-    // gradient memory to about two buckets beside this rank's share, and lets a packed path lend
-    // its buckets three buffers in turn (`buffers`). Off: none.
-    template <class Completed>
-    [[nodiscard]] std::size_t keep_until(std::size_t kept, std::size_t launched, Completed&& completed) const {
-        if (!on_) return kept;
-        while (kept < launched && (completed(kept) || launched - kept > in_flight)) ++kept;
-        return kept;
+    // This step's buckets [0, launched()) are launched and [0, kept()) waited for and kept.
+    [[nodiscard]] std::size_t launched() const { return launched_; }
+    [[nodiscard]] std::size_t kept() const { return kept_; }
+    // Buckets before `launched` are launched (during backward, under the readiness lock). When on,
+    // those reduced by now (completed(b)) are retired (retire(b) waits for b and keeps it) while
+    // backward goes on, and at most two stay in flight (backward waits for the oldest): the
+    // gradient memory stays about two buckets beside this rank's share, and a packed path may lend
+    // its buckets three buffers in turn (`buffers`).
+    template <class Completed, class Retire>
+    void launched_until(std::size_t launched, Completed&& completed, Retire&& retire) {
+        launched_ = launched;
+        std::size_t end = kept_;
+        while (on_ && end < launched_ && (completed(end) || launched_ - end > in_flight)) ++end;
+        retire_until(end, retire);
     }
+    // The buckets before `end` not kept yet, retired in order.
+    template <class Retire>
+    void retire_until(std::size_t end, Retire&& retire) {
+        for (; kept_ < end; ++kept_) retire(kept_);
+    }
+    // Nothing launched, nothing kept.
+    void end_step() { launched_ = kept_ = 0; }
 
     // Bucket b is reduced: its share kept, then its gradients released.
     template <class Layout>
@@ -87,6 +98,8 @@ private:
     std::size_t elements_ = 0;
     typename Memory::Storage store_{};        // this rank's share of the averaged gradients
     std::vector<std::size_t> model_indices_;  // a bucket's parameters, as the model counts them
+    std::size_t launched_ = 0;
+    std::size_t kept_ = 0;
 };
 
 }  // namespace gradsync::inline v0::detail

@@ -287,6 +287,21 @@ public:
         GRADSYNC_CUDA_CHECK(cudaMemsetAsync(s.data, 0, s.count * size_of(t), stream_));
     }
 
+    // Copies between device memory and the host, for checkpoints: after the work queued on the
+    // stream, and done when they return (the host waits for the stream).
+    void to_host(std::span<std::byte> host, const std::byte* from) const {
+        if (host.empty()) return;
+        gradsync::detail::DeviceScope scope(device_);
+        GRADSYNC_CUDA_CHECK(cudaMemcpyAsync(host.data(), from, host.size(), cudaMemcpyDeviceToHost, stream_));
+        GRADSYNC_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    }
+    void from_host(std::byte* to, std::span<const std::byte> host) const {
+        if (host.empty()) return;
+        gradsync::detail::DeviceScope scope(device_);
+        GRADSYNC_CUDA_CHECK(cudaMemcpyAsync(to, host.data(), host.size(), cudaMemcpyHostToDevice, stream_));
+        GRADSYNC_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    }
+
 private:
     struct State {
         cuda::FinalizeScratch scratch;

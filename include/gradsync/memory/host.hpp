@@ -46,6 +46,15 @@ struct HostMemory {
         return Table{{segments.begin(), segments.end()}, t};
     }
 
+    // Copies between the memory this policy describes and the host, for checkpoints: done when
+    // they return.
+    void to_host(std::span<std::byte> host, const std::byte* from) const {
+        if (!host.empty()) std::memcpy(host.data(), from, host.size());
+    }
+    void from_host(std::byte* to, std::span<const std::byte> host) const {
+        if (!host.empty()) std::memcpy(to, host.data(), host.size());
+    }
+
     // Copies the segments one after another into `dst`.
     void pack(const Table& t, std::byte* dst) const {
         const std::size_t elem = size_of(t.dtype);

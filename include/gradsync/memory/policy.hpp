@@ -45,6 +45,8 @@ concept MemoryPolicy = detail::has_settings<M> &&
     { cm.segment_sums(std::declval<const typename M::Table&>()) } -> std::convertible_to<std::vector<double>>;
     cm.scale(std::declval<const typename M::Table&>(), factor);
     cm.zero(Segment{}, t);
+    cm.to_host(std::span<std::byte>{}, static_cast<const std::byte*>(bytes));
+    cm.from_host(bytes, std::span<const std::byte>{});
 };
 
 // A memory policy whose passes run on a stream (CudaMemory): the backend's collectives must be
@@ -86,7 +88,7 @@ constexpr bool check_memory_policy() {
             "`const gradsync::StepVerdict* verdict()`");
         static_assert(dependent_false<M>,
                       "gradsync: a memory policy needs pack, unpack, compress, prepare_results, segment_sums, "
-                      "scale and zero as HostMemory has them (memory/host.hpp)");
+                      "scale, zero, to_host and from_host as HostMemory has them (memory/host.hpp)");
     }
     return true;
 }
