@@ -7897,6 +7897,8 @@ void complete_readiness(Readiness& readiness, const ModelLayout& layout, Launch&
 #include <span>
 #include <string>
 #include <string_view>
+#include <tuple>
+#include <type_traits>  // for std::type_identity, std::remove_cvref_t
 #include <utility>
 #include <variant>
 
@@ -7907,6 +7909,7 @@ class FrontCore {
 public:
     using comm_hook_type = typename Engine::hook_type;
     using loss_scaler_type = Scaler;
+    using memory_type = std::remove_cvref_t<decltype(std::declval<const Engine&>().memory())>;
 
     FrontCore(const FrontCore&) = delete;
     FrontCore& operator=(const FrontCore&) = delete;
@@ -7958,6 +7961,11 @@ protected:
           options_(std::move(options)),
           scaler_(std::move(scaler)),
           engine_(backend, std::forward<EngineArgs>(engine_args)...) {}
+    // From the policies a front was given, in any order, as its policy set `Set` finds them.
+    template <class Set, class... Policies>
+    FrontCore(Model& model, BackendT& backend, std::type_identity<Set>, const std::tuple<Policies...>& policies)
+        : FrontCore(model, backend, Set::template value<OptionsT>(policies), Set::template value<Scaler>(policies),
+                    Set::template value<memory_type>(policies), Set::template value<comm_hook_type>(policies)) {}
     ~FrontCore() = default;
 
     // For the front's destructor: callbacks stop, and a step cut short by an exception leaves no
@@ -9303,12 +9311,10 @@ class DataParallel : public detail::DataParallelCoreOf<DataParallel<Model, Backe
 public:
     using bucketer_type = typename Set::bucketer;
     using packing_type = typename Set::packing;
-    using memory_type = typename Set::memory;
     using buffers_type = typename Set::buffers;
-    using loss_scaler_type = typename Set::loss_scaler;
     using compression_type = typename Set::compression;
     using lr_type = typename Set::lr_rule;
-    using comm_hook_type = typename Set::comm_hook;
+    using typename Core::loss_scaler_type, typename Core::memory_type, typename Core::comm_hook_type;
     static constexpr bool reduces_in_place = Set::in_place;
     static constexpr bool gradients_untouchable = Set::gradients_untouchable;
     using engine_type = typename CoreOf::engine;
@@ -9318,10 +9324,7 @@ public:
     // with every rank, and copies rank 0's parameter (and buffer) values to every rank. A problem
     // on any rank throws the same exception on every rank. Model and backend must outlive this.
     DataParallel(Model& model, BackendT& backend, Policies... policies) requires(!std::is_pointer_v<Model>)
-        : Core(model, backend, Set::template value<Options>(std::tuple(policies...)),
-               Set::template value<loss_scaler_type>(std::tuple(policies...)),
-               Set::template value<memory_type>(std::tuple(policies...)),
-               Set::template value<comm_hook_type>(std::tuple(policies...))),
+        : Core(model, backend, std::type_identity<Set>{}, std::tuple(policies...)),
           replanning_(Set::template value<bucketer_type>(std::tuple(policies...))),
           lr_(Set::template value<lr_type>(std::tuple(policies...))) {
         init();
@@ -10263,10 +10266,8 @@ class ShardedDataParallel : public detail::ShardedCoreOf<ShardedDataParallel<Mod
 
 public:
     using bucketer_type = typename Set::bucketer;
-    using loss_scaler_type = typename Set::loss_scaler;
     using buffers_type = typename Set::buffers;
-    using comm_hook_type = typename Set::comm_hook;
-    using memory_type = typename Set::memory;
+    using typename Core::loss_scaler_type, typename Core::memory_type, typename Core::comm_hook_type;
 
     // Lists the model's parameters, checks them and agrees on the layout, the plan and every
     // setting with every rank (the same exception on every rank otherwise), and copies rank 0's
@@ -10274,10 +10275,7 @@ public:
     // With a loss scaler (StaticLossScale, DynamicLossScale), multiply the loss by loss_scale()
     // before backward: step() unscales and skips overflowing steps, as DataParallel does.
     ShardedDataParallel(Model& model, BackendT& backend, Policies... policies)
-        : Core(model, backend, Set::template value<ShardedOptions>(std::tuple(policies...)),
-               Set::template value<loss_scaler_type>(std::tuple(policies...)),
-               Set::template value<memory_type>(std::tuple(policies...)),
-               Set::template value<comm_hook_type>(std::tuple(policies...))) {
+        : Core(model, backend, std::type_identity<Set>{}, std::tuple(policies...)) {
         init(Set::template value<bucketer_type>(std::tuple(policies...)));
     }
     ShardedDataParallel(Model& model, BackendT& backend) requires(sizeof...(Policies) > 0)

@@ -74,12 +74,10 @@ class DataParallel : public detail::DataParallelCoreOf<DataParallel<Model, Backe
 public:
     using bucketer_type = typename Set::bucketer;
     using packing_type = typename Set::packing;
-    using memory_type = typename Set::memory;
     using buffers_type = typename Set::buffers;
-    using loss_scaler_type = typename Set::loss_scaler;
     using compression_type = typename Set::compression;
     using lr_type = typename Set::lr_rule;
-    using comm_hook_type = typename Set::comm_hook;
+    using typename Core::loss_scaler_type, typename Core::memory_type, typename Core::comm_hook_type;
     static constexpr bool reduces_in_place = Set::in_place;
     static constexpr bool gradients_untouchable = Set::gradients_untouchable;
     using engine_type = typename CoreOf::engine;
@@ -89,10 +87,7 @@ public:
     // with every rank, and copies rank 0's parameter (and buffer) values to every rank. A problem
     // on any rank throws the same exception on every rank. Model and backend must outlive this.
     DataParallel(Model& model, BackendT& backend, Policies... policies) requires(!std::is_pointer_v<Model>)
-        : Core(model, backend, Set::template value<Options>(std::tuple(policies...)),
-               Set::template value<loss_scaler_type>(std::tuple(policies...)),
-               Set::template value<memory_type>(std::tuple(policies...)),
-               Set::template value<comm_hook_type>(std::tuple(policies...))),
+        : Core(model, backend, std::type_identity<Set>{}, std::tuple(policies...)),
           replanning_(Set::template value<bucketer_type>(std::tuple(policies...))),
           lr_(Set::template value<lr_type>(std::tuple(policies...))) {
         init();

@@ -52,10 +52,8 @@ class ShardedDataParallel : public detail::ShardedCoreOf<ShardedDataParallel<Mod
 
 public:
     using bucketer_type = typename Set::bucketer;
-    using loss_scaler_type = typename Set::loss_scaler;
     using buffers_type = typename Set::buffers;
-    using comm_hook_type = typename Set::comm_hook;
-    using memory_type = typename Set::memory;
+    using typename Core::loss_scaler_type, typename Core::memory_type, typename Core::comm_hook_type;
 
     // Lists the model's parameters, checks them and agrees on the layout, the plan and every
     // setting with every rank (the same exception on every rank otherwise), and copies rank 0's
@@ -63,10 +61,7 @@ public:
     // With a loss scaler (StaticLossScale, DynamicLossScale), multiply the loss by loss_scale()
     // before backward: step() unscales and skips overflowing steps, as DataParallel does.
     ShardedDataParallel(Model& model, BackendT& backend, Policies... policies)
-        : Core(model, backend, Set::template value<ShardedOptions>(std::tuple(policies...)),
-               Set::template value<loss_scaler_type>(std::tuple(policies...)),
-               Set::template value<memory_type>(std::tuple(policies...)),
-               Set::template value<comm_hook_type>(std::tuple(policies...))) {
+        : Core(model, backend, std::type_identity<Set>{}, std::tuple(policies...)) {
         init(Set::template value<bucketer_type>(std::tuple(policies...)));
     }
     ShardedDataParallel(Model& model, BackendT& backend) requires(sizeof...(Policies) > 0)

@@ -30,6 +30,8 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <tuple>
+#include <type_traits>  // for std::type_identity, std::remove_cvref_t
 #include <utility>
 #include <variant>
 
@@ -40,6 +42,7 @@ class FrontCore {
 public:
     using comm_hook_type = typename Engine::hook_type;
     using loss_scaler_type = Scaler;
+    using memory_type = std::remove_cvref_t<decltype(std::declval<const Engine&>().memory())>;
 
     FrontCore(const FrontCore&) = delete;
     FrontCore& operator=(const FrontCore&) = delete;
@@ -91,6 +94,11 @@ protected:
           options_(std::move(options)),
           scaler_(std::move(scaler)),
           engine_(backend, std::forward<EngineArgs>(engine_args)...) {}
+    // From the policies a front was given, in any order, as its policy set `Set` finds them.
+    template <class Set, class... Policies>
+    FrontCore(Model& model, BackendT& backend, std::type_identity<Set>, const std::tuple<Policies...>& policies)
+        : FrontCore(model, backend, Set::template value<OptionsT>(policies), Set::template value<Scaler>(policies),
+                    Set::template value<memory_type>(policies), Set::template value<comm_hook_type>(policies)) {}
     ~FrontCore() = default;
 
     // For the front's destructor: callbacks stop, and a step cut short by an exception leaves no
