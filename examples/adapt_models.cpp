@@ -3,8 +3,11 @@
 #include <gradsync/gradsync.hpp>
 
 #include <array>
+#include <concepts>  // for std::derived_from
 #include <cstdio>
+#include <string>
 #include <string_view>
+#include <utility>  // for std::pair
 #include <vector>
 
 // [struct-of-vectors]
@@ -53,6 +56,62 @@ struct gradsync::model_traits<Frozen> {
 };
 // [/model-traits]
 
+// [framework-family]
+// A framework's tensors own their memory and hand out raw pointers; its module types share one
+// base. One partial specialization of model_traits, constrained on the base, covers them all, and
+// each tensor goes through the raw-pointer form parameter(name, data, grad, count, shape).
+namespace tiny {
+struct Tensor {
+    std::vector<std::size_t> sizes;
+    std::vector<float> storage;  // empty until allocated
+    float* data_ptr() { return storage.empty() ? nullptr : storage.data(); }
+    std::size_t numel() const { return storage.size(); }
+};
+struct Param {
+    Tensor value, grad;
+    void allocate(std::vector<std::size_t> sizes) {
+        std::size_t n = 1;
+        for (auto d : sizes) n *= d;
+        value = {sizes, std::vector<float>(n)};
+        grad = {std::move(sizes), std::vector<float>(n)};
+    }
+};
+struct Module {
+    virtual ~Module() = default;
+    virtual std::vector<std::pair<std::string, Param*>> named_parameters() = 0;
+};
+struct Linear : Module {
+    Param weight, bias;
+    Linear(std::size_t in, std::size_t out) {
+        weight.allocate({out, in});
+        bias.allocate({out});
+    }
+    std::vector<std::pair<std::string, Param*>> named_parameters() override {
+        return {{"weight", &weight}, {"bias", &bias}};
+    }
+};
+// Learns its input width at the first forward, as PyTorch's LazyLinear does: no parameter before.
+struct LazyLinear : Linear {
+    explicit LazyLinear(std::size_t out) : Linear(0, out) {}
+    void forward(std::size_t in) {
+        if (weight.value.numel() == 0) weight.allocate({bias.value.numel(), in});
+    }
+};
+}  // namespace tiny
+
+template <class M>
+requires std::derived_from<M, tiny::Module>
+struct gradsync::model_traits<M> {
+    static std::vector<gradsync::Parameter> parameters(M& module) {
+        std::vector<gradsync::Parameter> out;
+        for (auto& [name, p] : module.named_parameters())
+            out.push_back(
+                gradsync::parameter(name, p->value.data_ptr(), p->grad.data_ptr(), p->value.numel(), p->value.sizes));
+        return out;
+    }
+};
+// [/framework-family]
+
 int main() {
     Net net{std::vector<float>(784 * 512), std::vector<float>(512),       std::vector<float>(512 * 10),
             std::vector<float>(10),        std::vector<float>(784 * 512), std::vector<float>(512),
@@ -76,7 +135,19 @@ int main() {
     gradsync::DataParallel net_dp(net, ranks[0]);
     gradsync::DataParallel gpt2_dp(gpt2, ranks[0]);
     gradsync::DataParallel frozen_dp(frozen, ranks[0]);
+    tiny::Linear linear(784, 512);
+    gradsync::DataParallel linear_dp(linear, ranks[0]);
+
+    // [lazy-modules]
+    tiny::LazyLinear lazy(10);
+    lazy.forward(/*in=*/512);  // the first forward makes the weight: wrap the model after it
+    gradsync::DataParallel lazy_dp(lazy, ranks[0]);
+    // [/lazy-modules]
     std::printf("Net: %s\n\nGPT-2 small (%zu parameters): %s\n\nFrozen: %s\n",
                 gradsync::to_string(net_dp.plan()).c_str(), total, gradsync::to_string(gpt2_dp.plan()).c_str(),
                 gradsync::to_string(frozen_dp.plan()).c_str());
+    std::printf(
+        "\ntiny::Linear (%zu parameters): %s\n\ntiny::LazyLinear after its first forward (%zu parameters): %s\n",
+        linear_dp.parameters().size(), gradsync::to_string(linear_dp.plan()).c_str(), lazy_dp.parameters().size(),
+        gradsync::to_string(lazy_dp.plan()).c_str());
 }
