@@ -7895,7 +7895,8 @@ private:
 // wrapper's (the optimizer's pieces point there) and the model is told to release the bucket's
 // gradients. Off, it keeps and releases nothing. The store lies where the memory policy allocates:
 // beside the gradients it keeps. On a stream (CudaMemory) the copy is queued there before the
-// model is told: the model frees in stream order (cudaFreeAsync on that stream, say).
+// model is told: the model frees in stream order (cudaFreeAsync on that stream, say). It also
+// counts, on or off, the step's buckets launched and those waited for and kept.
 
 
 // ---- begin gradsync/data_parallel/shard_layout.hpp ----
