@@ -92,9 +92,12 @@ struct Linear : Module {
 };
 // Learns its input width at the first forward, as PyTorch's LazyLinear does: no parameter before.
 struct LazyLinear : Linear {
-    explicit LazyLinear(std::size_t out) : Linear(0, out) {}
+    std::size_t features;
+    explicit LazyLinear(std::size_t out) : Linear(0, 0), features(out) {}
     void forward(std::size_t in) {
-        if (weight.value.numel() == 0) weight.allocate({bias.value.numel(), in});
+        if (weight.value.numel() != 0) return;
+        weight.allocate({features, in});
+        bias.allocate({features});
     }
 };
 }  // namespace tiny
