@@ -9,6 +9,8 @@
 
 #include "overlap_summary.hpp"
 #include "results.hpp"
+#include "sharded_summary.hpp"
+#include "summary_table.hpp"
 #include "summary_rows.hpp"
 
 #include <algorithm>
@@ -24,18 +26,7 @@
 
 namespace {
 
-std::map<std::string, double> median_seconds;                          // by "name/args"
-std::map<std::string, std::map<std::string, double>> median_counters;  // by "name/args", counter
-std::map<std::string, std::pair<double, double>> spread_seconds;       // fastest and slowest repetition
-std::map<std::string, std::pair<gradsync::Bytes, gradsync::Bytes>> memory;
-std::mutex memory_mutex;
-bool quick_mode = false;
-bool filtered = false;            // --benchmark_filter: the summary has only the figures asked for
-std::vector<std::string> broken;  // figures of the summary not produced, or not finite and positive
-
-void missing(const std::string& figure) {
-    if (!filtered) broken.push_back(figure + ": not produced");
-}
+using namespace bench;  // the summary table (summary_table.hpp)
 
 // The console output as usual, and each median kept for the summary.
 class Recorder : public benchmark::ConsoleReporter {
@@ -61,62 +52,6 @@ public:
         ConsoleReporter::ReportRuns(runs);
     }
 };
-
-std::optional<double> counter(const std::string& key, const std::string& name) {
-    auto it = median_counters.find(key);
-    if (it == median_counters.end() || !it->second.count(name)) return std::nullopt;
-    return it->second.at(name);
-}
-
-std::optional<double> seconds(const std::string& key) {
-    auto it = median_seconds.find(key);
-    if (it == median_seconds.end()) return std::nullopt;
-    return it->second;
-}
-
-std::string size_name(long long bytes) {
-    if (bytes >= (1 << 20)) return std::to_string(bytes >> 20) + " MiB";
-    if (bytes >= (1 << 10)) return std::to_string(bytes >> 10) + " KiB";
-    return std::to_string(bytes) + " B";
-}
-
-double gbps(double bytes, double s) { return bytes / s / 1e9; }
-
-std::string fmt(const char* format, double v) {
-    char buf[64];
-    std::snprintf(buf, sizeof buf, format, v);
-    return buf;
-}
-
-// A number as the summary prints it ("memcpy 5.58 GB/s") and as the results file keeps it.
-struct Shown {
-    std::string text;
-    double value = std::nan("");
-    std::string unit;
-    std::string label;
-};
-Shown shown(const char* format, double value, const char* unit, const std::string& label = {}) {
-    return {(label.empty() ? "" : label + " ") + fmt(format, value) + " " + unit, value, unit, label};
-}
-Shown shown_bytes(gradsync::Bytes b, const std::string& label = {}) {
-    return {(label.empty() ? "" : label + " ") + gradsync::to_string(b), double(b.count()), "B", label};
-}
-Shown label_only(const std::string& label) { return {label, std::nan(""), "", label}; }
-
-std::vector<bench::SummaryRow> rows;  // for the results file
-
-void target_row(const std::string& figure, const Shown& measured, const Shown& reference, double ratio,
-                const char* target, bool met) {
-    const bool informative = target[0] == '-';  // a figure shown beside its reference, with no target
-    if (!bench::sane(ratio)) broken.push_back(figure + ": ratio " + fmt("%g", ratio));
-    std::printf("  %-46s %-12s %-26s %6.3f   %-9s %s\n", figure.c_str(), measured.text.c_str(), reference.text.c_str(),
-                ratio, target,
-                informative || quick_mode ? ""  // a quick run's figures are not measurements
-                : met                     ? "met"
-                                          : "MISSED");
-    rows.push_back(
-        {figure, measured.value, measured.unit, reference.label, reference.value, reference.unit, ratio, target, met});
-}
 
 void print_summary() {
     std::printf(
@@ -240,54 +175,7 @@ void print_summary() {
         target_row("allreduce 4..256 B, worst median latency", shown("%.2f", worst_small * 1e6, "us"), label_only("-"),
                    worst_small * 1e6 / 5.0, "<= 5 us", worst_small <= 5e-6);
     }
-    // Sharded data parallel's two halves against the allreduce: the same bytes cross.
-    for (long long bytes : {1ll << 20, 16ll << 20, 64ll << 20}) {
-        const std::string key = "sharded_vs_allreduce_2_ranks/bytes:" + std::to_string(bytes);
-        auto s = counter(key, "sharded_us"), a = counter(key, "allreduce_us"),
-             r = counter(key, "sharded_over_allreduce");
-        if (!s || !a || !r) {
-            if (!quick_mode || bytes == (1ll << 20)) missing(key);
-            continue;
-        }
-        const bool largest = bytes == (64ll << 20);
-        target_row("reduce_scatter + all_gather / allreduce, " + size_name(bytes), shown("%.1f", *s, "us"),
-                   shown("%.1f", *a, "us", "allreduce"), *r, largest ? "<= 1.10" : "-", *r <= 1.10);
-    }
-    // ShardedDataParallel's step against DataParallel's, and the optimizer state each keeps.
-    for (const char* layout : {"resnet50", "bert_base"}) {
-        const std::string key = std::string("sharded_step/") + layout;
-        auto sh = counter(key, "sharded_ms"), un = counter(key, "unsharded_ms"), r = counter(key, "ratio");
-        auto st = counter(key, "state_bytes_sharded"), su = counter(key, "state_bytes_unsharded");
-        if (!sh || !un || !r || !st || !su) {
-            missing(key);
-            continue;
-        }
-        const std::string name = std::string(layout) == "resnet50" ? "ResNet-50" : "BERT-base";
-        target_row("sharded step / DataParallel step, " + name, shown("%.2f", *sh, "ms"),
-                   shown("%.2f", *un, "ms", "unsharded"), *r, "<= 1.10", *r <= 1.10);
-        target_row("optimizer state per rank, sharded / unsharded, " + name,
-                   shown_bytes(gradsync::Bytes{static_cast<std::uint64_t>(*st)}),
-                   shown_bytes(gradsync::Bytes{static_cast<std::uint64_t>(*su)}, "unsharded"), *st / *su, "<= 0.51",
-                   *st / *su <= 0.51);
-    }
-    // Stage 2 against stage 1: the gradient memory a rank holds at its peak, and the step; over a
-    // backend that reduces in place and over one that reduces packed copies.
-    for (const std::string layout : {"resnet50", "bert_base", "resnet50/packed", "bert_base/packed"}) {
-        const std::string key = "released_gradients/" + layout;
-        auto re = counter(key, "released_ms"), ke = counter(key, "kept_ms"), r = counter(key, "ratio");
-        auto pr = counter(key, "peak_grad_bytes_released"), pk = counter(key, "peak_grad_bytes_kept");
-        if (!re || !ke || !r || !pr || !pk) {
-            missing(key);
-            continue;
-        }
-        const std::string name = std::string(layout.starts_with("resnet50") ? "ResNet-50" : "BERT-base") +
-                                 (layout.ends_with("/packed") ? ", packed copies" : "");
-        target_row("peak gradient memory per rank, released / kept, " + name,
-                   shown_bytes(gradsync::Bytes{static_cast<std::uint64_t>(*pr)}),
-                   shown_bytes(gradsync::Bytes{static_cast<std::uint64_t>(*pk)}, "kept"), *pr / *pk, "-", true);
-        target_row("backward + step, released / kept gradients, " + name, shown("%.2f", *re, "ms"),
-                   shown("%.2f", *ke, "ms", "kept"), *r, "-", true);
-    }
+    bench::sharded_rows();
     const std::string resnet = "synchronize_vs_flat/resnet50/in_place";
     auto sync = counter(resnet, "sync_ms"), flat = counter(resnet, "flat_ms"), ratio = counter(resnet, "ratio");
     if (!sync || !flat || !ratio) missing("synchronize() ResNet-50 / flat allreduce");
@@ -413,6 +301,7 @@ int main(int argc, char** argv) {
     bench::register_data_parallel();
     bench::register_overlap();
     bench::register_amp();
+    bench::register_gather_behind();
     benchmark::Initialize(&argc, argv);
     if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
     Recorder recorder;

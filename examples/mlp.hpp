@@ -76,6 +76,8 @@ public:
     // `grad_scale` (added to them when `accumulate`), layer by layer from the last, calling
     // on_grad_ready(i) as parameter i's gradient becomes final. Returns the mean loss.
     float forward_backward(const Batch& batch, float grad_scale = 1.0f, bool accumulate = false) {
+        if (before_read)
+            for (std::size_t index = 0; index < 4; ++index) before_read(index);
         const auto n = static_cast<std::size_t>(batch.size);
         h_.assign(n * hidden, 0.0f);
         std::vector<float> dlogits(n * out), dh(hidden);
@@ -136,6 +138,8 @@ public:
 
     // Called with a parameter's index (its position in parameters()) when its gradient is final.
     std::function<void(std::size_t)> on_grad_ready;
+    // Called with each parameter's index, in forward order, before the forward reads it.
+    std::function<void(std::size_t)> before_read;
 
     // What gradsync needs to know: each tensor's name, values and gradient (and a weight's shape).
     std::vector<gradsync::Parameter> parameters() {

@@ -708,6 +708,7 @@ concept TaggedScatteredShardedCollectives = ScatteredShardedCollectives<B> &&
     b.reduce_scatter(segs, t, op, tag);
     { b.reduce_scatter_async(segs, t, op, tag) } -> Waitable;
     b.all_gather(segs, t, tag);
+    { b.all_gather_async(segs, t, tag) } -> Waitable;
 };
 
 // Collectives that carry a CollectiveTag (to name them in errors, and to check them): the
@@ -907,6 +908,13 @@ void all_gather_tagged(B& b, std::span<const Segment> segs, DType t, CollectiveT
         b.all_gather(segs, t, tag);
     else
         b.all_gather(segs, t);
+}
+template <ScatteredShardedCollectives B>
+auto all_gather_async_tagged(B& b, std::span<const Segment> segs, DType t, CollectiveTag tag) {
+    if constexpr (TaggedScatteredShardedCollectives<B>)
+        return b.all_gather_async(segs, t, tag);
+    else
+        return b.all_gather_async(segs, t);
 }
 
 }  // namespace detail
@@ -2371,18 +2379,20 @@ struct ModelLayout {
     }
 
     // The parameter at the model's `index` (zero-sized: none), or an error message.
-    [[nodiscard]] std::variant<std::size_t, std::string> at_model_index(std::size_t index) const {
+    [[nodiscard]] std::variant<std::size_t, std::string> at_model_index(std::size_t index,
+                                                                        std::string_view call = "grad_ready") const {
         if (index < param_of_model_index.size()) return param_of_model_index[index];
-        return "grad_ready(" + std::to_string(index) + ") but the model has " +
+        return std::string(call) + "(" + std::to_string(index) + ") but the model has " +
                std::to_string(param_of_model_index.size()) + " parameters";
     }
     // The parameter named `name` (zero-sized: none), or an error message.
-    [[nodiscard]] std::variant<std::size_t, std::string> named(std::string_view name) const {
+    [[nodiscard]] std::variant<std::size_t, std::string> named(std::string_view name,
+                                                               std::string_view call = "grad_ready") const {
         auto it = by_name.find(std::string(name));
         if (it != by_name.end() && it->second != ambiguous) return it->second;
-        return "grad_ready(\"" + std::string(name) + "\"): " +
+        return std::string(call) + "(\"" + std::string(name) + "\"): " +
                (it == by_name.end() ? "no parameter has this name"
-                                    : "several parameters have this name; use grad_ready(index)");
+                                    : "several parameters have this name; use " + std::string(call) + "(index)");
     }
 };
 
@@ -4808,6 +4818,7 @@ void complete_readiness(Readiness& readiness, const ModelLayout& layout, Launch&
 // ---- end gradsync/data_parallel/ready_calls.hpp ----
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <exception>
@@ -4843,6 +4854,13 @@ public:
     }
     void grad_ready(std::string_view name) {
         guard([&] { mark(layout_.named(name)); });
+    }
+
+    // Returns once every parameter holds the last step's values: a front that leaves collectives
+    // writing them in flight after step() (ShardedOptions::gather_behind_forward) waits for them;
+    // otherwise at once. A checkpoint calls it before it reads or writes the parameters.
+    void wait_for_parameters() {
+        if constexpr (requires(Front & f) { f.gather_all(); }) guard([&] { front().gather_all(); });
     }
 
     // The factor to multiply the loss by before backward (1 without a loss scaler).
@@ -4890,7 +4908,8 @@ protected:
     // collective in flight (the group is told; group_failure.hpp). Never throws.
     void leave(const char* front) noexcept {
         lifetime_.reset();
-        abandon_in_flight(backend_, engine_, options_.timeout, front, static_cast<std::uint64_t>(current_step()));
+        InFlight in_flight{*this};
+        abandon_in_flight(backend_, in_flight, options_.timeout, front, static_cast<std::uint64_t>(current_step()));
     }
 
     // The step in progress (or the next): 1 for the first.
@@ -4902,8 +4921,9 @@ protected:
     // error goes on.
     template <class F>
     void guard(F&& f) {
+        InFlight in_flight{*this};
         run_guarded(
-            backend_, engine_, options_.timeout, f, [this] { front().end_step(); },
+            backend_, in_flight, options_.timeout, f, [this] { front().end_step(); },
             [this](const std::exception& e) {
                 return failure_of(rank(), static_cast<std::uint64_t>(current_step()), e);
             });
@@ -4964,9 +4984,27 @@ protected:
 private:
     [[nodiscard]] Front& front() { return static_cast<Front&>(*this); }
 
+    // What a failure or the destructor drains: the engine's collectives and those a front keeps
+    // in flight between steps (the sharded front's all-gathers behind the next forward).
+    struct InFlight {
+        FrontCore& core;
+        [[nodiscard]] bool in_flight() const {
+            if constexpr (requires(Front & f) { f.gathers_in_flight(); })
+                if (core.front().gathers_in_flight()) return true;
+            return core.engine_.in_flight();
+        }
+        void drain(std::chrono::steady_clock::time_point deadline) {
+            core.engine_.drain(deadline);
+            if constexpr (requires(Front & f) { f.drain_gathers(deadline); }) core.front().drain_gathers(deadline);
+        }
+    };
+
     // Parameter p is ready: every bucket that completes goes, in plan order, through the front's
-    // launch(b) (under the readiness lock).
+    // launch(b) (under the readiness lock). A front whose forward waits for its parameters first
+    // checks that p's were waited for (a parameter with a gradient was read).
     void mark(const std::variant<std::size_t, std::string>& found) {
+        if constexpr (requires(Front & f) { f.check_read(std::size_t{}); })
+            if (const auto* p = std::get_if<std::size_t>(&found); p && *p != ModelLayout::none) front().check_read(*p);
         mark_ready(
             readiness_, layout_, found, [this](std::size_t b) { front().launch(b); }, [this] { return where(); });
     }
@@ -7887,6 +7925,138 @@ private:
 // CudaMemory{stream} and the shards lie in device memory. docs/sharding.md says what it supports.
 
 
+// ---- begin gradsync/data_parallel/parameter_gathers.hpp ----
+#ifndef GRADSYNC_SINGLE_DATA_PARALLEL_PARAMETER_GATHERS_HPP
+#define GRADSYNC_SINGLE_DATA_PARALLEL_PARAMETER_GATHERS_HPP
+// The sharded front's all-gathers behind the next forward (ShardedOptions::gather_behind_forward):
+// step() launches every bucket's all-gather in the order the forward reads the buckets (by their
+// first parameter) and returns; each bucket is then waited for on its own, when the forward is
+// about to read one of its parameters (param_ready), so that the forward computes while the later
+// buckets are still gathered. Which buckets are still to be waited for is kept here, so that a
+// forward that read a parameter without waiting is found, not trained on.
+
+
+#include <algorithm>  // for std::sort, std::min_element
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <utility>  // for std::move
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+template <class Handle>
+class ParameterGathers {
+    using clock = std::chrono::steady_clock;
+
+public:
+    // The buckets of `plan` over `params` parameters. Between steps.
+    void plan(const BucketPlan& plan, std::size_t params) {
+        const std::size_t buckets = plan.buckets.size();
+        bucket_of_.assign(params, 0);
+        std::vector<std::size_t> first(buckets, params);
+        for (std::size_t b = 0; b < buckets; ++b)
+            for (auto p : plan.buckets[b].parameters) {
+                bucket_of_[p] = b;
+                first[b] = std::min(first[b], p);
+            }
+        first_ = first;
+        order_.resize(buckets);
+        for (std::size_t b = 0; b < buckets; ++b) order_[b] = b;
+        std::sort(order_.begin(), order_.end(), [&](std::size_t x, std::size_t y) { return first[x] < first[y]; });
+        handles_.clear();
+        handles_.resize(buckets);
+        pending_.assign(buckets, 0);
+    }
+
+    // The buckets in the order the forward reads them: the order their all-gathers go in.
+    [[nodiscard]] std::span<const std::size_t> order() const { return order_; }
+    [[nodiscard]] std::size_t bucket_of(std::size_t parameter) const { return bucket_of_[parameter]; }
+    // The parameter of bucket b the forward reads first.
+    [[nodiscard]] std::size_t first_of(std::size_t b) const { return first_[b]; }
+
+    // Bucket b's all-gather is in flight (`handle`) and is to be waited for before the forward
+    // reads its parameters.
+    void launched(std::size_t b, Handle handle) {
+        handles_[b].emplace(std::move(handle));
+        pending_[b] = 1;
+    }
+    [[nodiscard]] bool pending(std::size_t b) const { return pending_[b] != 0; }
+    // The first bucket, in forward order, still to be waited for.
+    [[nodiscard]] std::optional<std::size_t> first_pending() const {
+        for (auto b : order_)
+            if (pending(b)) return b;
+        return std::nullopt;
+    }
+
+    // Waits for bucket b's all-gather by `deadline` (late(b): the TimeoutError's message), then
+    // finish(b) (on the packed path, the copy into the model). Nothing when b is not pending.
+    template <class Finish, class Late>
+    void wait(std::size_t b, clock::time_point deadline, Finish&& finish, Late&& late) {
+        if (!pending(b)) return;
+        if (handles_[b]) {
+            if (!handles_[b]->wait_until(deadline)) throw TimeoutError(late(b));
+            handles_[b].reset();
+        }
+        finish(b);
+        pending_[b] = 0;
+    }
+    // ...every pending bucket, in forward order.
+    template <class Finish, class Late>
+    void wait_all(clock::time_point deadline, Finish&& finish, Late&& late) {
+        for (auto b : order_) wait(b, deadline, finish, late);
+    }
+
+    [[nodiscard]] bool in_flight() const {
+        for (const auto& h : handles_)
+            if (h) return true;
+        return false;
+    }
+    // After a failure: waits for the all-gathers in flight until `deadline`, ignoring their
+    // errors (after an abort they end at once); the parameters are then unspecified.
+    void drain(clock::time_point deadline) {
+        for (auto& h : handles_) {
+            try {
+                if (h) (void)h->wait_until(deadline);
+            } catch (...) {
+            }
+            h.reset();
+        }
+        std::fill(pending_.begin(), pending_.end(), 0);
+    }
+
+private:
+    std::vector<std::size_t> bucket_of_;
+    std::vector<std::size_t> first_;
+    std::vector<std::size_t> order_;
+    std::vector<std::optional<Handle>> handles_;
+    std::vector<char> pending_;  // not vector<bool>: read by backward threads
+};
+
+// What a rank whose forward read parameter `name` without waiting for it is told, where it was
+// found (`found_at`: at step(), or as its gradient came).
+inline std::string unwaited_parameter(const std::string& where, const std::string& name, const char* found_at) {
+    return where + ": parameter '" + name + "' was not waited for before " + found_at +
+           ": its all-gather from the last step (ShardedOptions::gather_behind_forward) may not have written it "
+           "when the forward read it. Call param_ready(\"" +
+           name + "\") before the forward reads a parameter, or wait_for_parameters() before the forward";
+}
+
+// A bucket's all-gather that did not complete by its deadline; `first`: its first parameter.
+inline std::string late_gather(const std::string& where, std::size_t b, const std::string& first, std::uint64_t step,
+                               std::chrono::milliseconds timeout) {
+    return where + ": the all-gather of bucket " + std::to_string(b) + " (parameter '" + first +
+           "', ...) launched by step " + std::to_string(step) + " did not complete within " +
+           std::to_string(timeout.count()) + " ms; a rank may have stopped before it";
+}
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_DATA_PARALLEL_PARAMETER_GATHERS_HPP
+// ---- end gradsync/data_parallel/parameter_gathers.hpp ----
+
 // ---- begin gradsync/data_parallel/released_shards.hpp ----
 #ifndef GRADSYNC_SINGLE_DATA_PARALLEL_RELEASED_SHARDS_HPP
 #define GRADSYNC_SINGLE_DATA_PARALLEL_RELEASED_SHARDS_HPP
@@ -8283,7 +8453,8 @@ private:
 // What ShardedDataParallel's step decides over this rank's shards with the other ranks: the global
 // norm and whether every averaged gradient is finite (one small allreduce), which parameters
 // overflowed when one is not, and clipping, each pass over the shards through the memory policy;
-// and the all-gather of the updated parameters. Each collective carries its tag.
+// and the all-gather of the updated parameters, waited for at once or left in flight behind the
+// next forward. Each collective carries its tag.
 
 
 #include <cmath>
@@ -8352,28 +8523,53 @@ void decide_on_shards(B& backend, Layout& shards, std::span<const Parameter> par
     }
 }
 
-// optimizer(pieces) on this rank's shards, then every bucket's parameters all-gathered into
-// every rank's model, where they lie or through the packed buffers; tag_of(b) tags bucket b's.
-// On a device stream (StreamOrdered) the all-gathers follow the optimizer's kernels there, the
-// stream waits for them and the unpacking is queued behind: the host waits for none of it.
+// Bucket b's all-gather of the updated parameters, asynchronously: where they lie, or into its
+// packed buffer.
+template <Backend B, class Layout>
+auto gather_async(B& backend, const Layout& shards, std::size_t b, CollectiveTag tag) {
+    const auto& slot = shards.slots[b];
+    if constexpr (Layout::in_place)
+        return all_gather_async_tagged(backend, std::span<const Segment>(slot.param_segments), DType::float32, tag);
+    else
+        return all_gather_async_tagged(backend, Buffer{slot.buffer(), slot.count, DType::float32}, tag);
+}
+
+// optimizer(pieces) on this rank's shards; where the backend gathers packed buffers, the
+// parameters are packed first, as the model holds them now.
+template <class Layout, class Optimizer>
+void update_shards(Layout& shards, Optimizer& optimizer) {
+    if constexpr (!Layout::in_place)
+        for (std::size_t b = 0; b < shards.slots.size(); ++b) shards.pack_shard(b);
+    optimizer(std::span<const ShardPiece<float>>(shards.pieces));
+}
+
+// The shards updated, then every bucket's parameters all-gathered into every rank's model, where
+// they lie or through the packed buffers; tag_of(b) tags bucket b's. On a device stream
+// (StreamOrdered) the all-gathers follow the optimizer's kernels there, the stream waits for them
+// and the unpacking is queued behind: the host waits for none of it.
 template <Backend B, class Layout, class Optimizer, class TagOf>
 void update_and_gather(B& backend, Layout& shards, Optimizer& optimizer, TagOf&& tag_of) {
+    update_shards(shards, optimizer);
     const std::size_t buckets = shards.slots.size();
-    if constexpr (!Layout::in_place)
-        for (std::size_t b = 0; b < buckets; ++b) shards.pack_shard(b);  // the parameters as the model holds them now
-    optimizer(std::span<const ShardPiece<float>>(shards.pieces));
     for (std::size_t b = 0; b < buckets; ++b) {
         const auto& slot = shards.slots[b];
         if constexpr (Layout::in_place)
             all_gather_tagged(backend, std::span<const Segment>(slot.param_segments), DType::float32, tag_of(b));
         else if constexpr (StreamOrdered<B>)
-            backend.wait_on_device(
-                all_gather_async_tagged(backend, Buffer{slot.buffer(), slot.count, DType::float32}, tag_of(b)));
+            backend.wait_on_device(gather_async(backend, shards, b, tag_of(b)));
         else
             all_gather_tagged(backend, Buffer{slot.buffer(), slot.count, DType::float32}, tag_of(b));
     }
     if constexpr (!Layout::in_place)
         for (std::size_t b = 0; b < buckets; ++b) shards.unpack_params(b);
+}
+
+// The shards updated, then every bucket's all-gather launched in the order the forward reads
+// them and left in flight with `gathers` (parameter_gathers.hpp), to be waited for per bucket.
+template <Backend B, class Layout, class Optimizer, class Gathers, class TagOf>
+void update_and_launch_gathers(B& backend, Layout& shards, Optimizer& optimizer, Gathers& gathers, TagOf&& tag_of) {
+    update_shards(shards, optimizer);
+    for (auto b : gathers.order()) gathers.launched(b, gather_async(backend, shards, b, tag_of(b)));
 }
 
 }  // namespace gradsync::inline v0::detail
@@ -8422,6 +8618,13 @@ struct ShardedOptions {
     // instead of updating from mixed gradients. false turns it off. (A step number passed to
     // step() is checked there whatever this says.)
     bool check_histories = true;
+    // step() returns with the updated parameters' all-gathers in flight, launched in the order the
+    // forward reads the buckets, and the next forward waits for each parameter's bucket only when
+    // it reaches it: call param_ready(index or name) before the forward reads a parameter (or
+    // wait_for_parameters() for all), so that the gathers of later buckets overlap the forward's
+    // earlier layers. A parameter read without waiting is found at its gradient or the next step()
+    // and fails the group. Host backends (LocalBackend, MpiBackend).
+    bool gather_behind_forward = false;
     // How long step() waits for a bucket's reduce-scatter launched during backward (a TimeoutError
     // then names the bucket and the ranks behind, where the backend can tell), and how long a
     // failed step or a destroyed ShardedDataParallel waits for the collectives it abandons, after
@@ -8575,7 +8778,8 @@ std::vector<Setting> sharded_settings(const ShardedOptions& options, const Bucke
             {"communication hook", settings_of(hook)},
             {"ShardedOptions::release_gradients", options.release_gradients ? "true" : "false"},
             {"ShardedOptions::clip_norm", exact_text(options.clip_norm)},
-            {"ShardedOptions::check_histories", options.check_histories ? "true" : "false"}};
+            {"ShardedOptions::check_histories", options.check_histories ? "true" : "false"},
+            {"ShardedOptions::gather_behind_forward", options.gather_behind_forward ? "true" : "false"}};
 }
 
 }  // namespace gradsync::inline v0::detail
@@ -8587,8 +8791,12 @@ std::vector<Setting> sharded_settings(const ShardedOptions& options, const Bucke
 #include <cstdint>
 #include <optional>
 #include <span>
+#include <string>
+#include <string_view>
 #include <tuple>
 #include <type_traits>  // for std::is_invocable_v
+#include <utility>      // for std::declval
+#include <variant>
 
 namespace gradsync::inline v0 {
 
@@ -8647,10 +8855,30 @@ public:
         return report;
     }
 
+    // With ShardedOptions::gather_behind_forward: waits for the all-gather of the bucket that
+    // holds parameter `index` (its position in the model's list) or `name`, launched by the last
+    // step(), and then the parameter holds its updated value; call it before the forward reads
+    // the parameter. Returns at once without the option or once waited for. On the thread that
+    // runs the forward; a TimeoutError past ShardedOptions::timeout names the bucket.
+    void param_ready(std::size_t index) {
+        this->guard([&] { gather(layout_.at_model_index(index, "param_ready")); });
+    }
+    void param_ready(std::string_view name) {
+        this->guard([&] { gather(layout_.named(name, "param_ready")); });
+    }
+    using Core::wait_for_parameters;  // every bucket's all-gather (data_parallel/front_core.hpp)
+
     // Destroyed with reduce_scatters in flight (an exception left the step after grad_ready
     // launched them): the group is aborted, so that peers waiting in them fail at once naming
-    // this rank, and they are drained before the memory they write goes.
-    ~ShardedDataParallel() { this->leave("ShardedDataParallel"); }
+    // this rank, and they are drained before the memory they write goes. All-gathers left behind
+    // the forward are waited for (every rank launched them: no abort).
+    ~ShardedDataParallel() {
+        try {
+            gather_all();
+        } catch (...) {  // a destructor must not throw; leave() aborts what is still in flight
+        }
+        this->leave("ShardedDataParallel");
+    }
 
     // Buckets whose reduce_scatter grad_ready has started in this step (during backward).
     [[nodiscard]] std::size_t buckets_launched() const { return readiness_.launched(); }
@@ -8683,6 +8911,10 @@ private:
         auto problems = detail::sharded_setup_problems(rank(), layout_, options_, bucketer, scaler_,
                                                        ReleasableGradients<Model>, comm_hook_type::hooked);
         problems.configuration(detail::stream_problem(backend_, engine_.memory()));
+        if (StreamOrdered<BackendT> && options_.gather_behind_forward)
+            problems.configuration(
+                "ShardedOptions::gather_behind_forward needs a host backend (LocalBackend, MpiBackend): on a device "
+                "stream the all-gathers are already queued behind the optimizer and ahead of the next forward");
         plan_ = problems.any() ? BucketPlan{} : bucketer.plan(layout_.params, {});
         detail::agree_on_layout(
             backend_, layout_.params, layout_.buffers, plan_,
@@ -8698,6 +8930,7 @@ private:
             [this](std::size_t b) { return reinterpret_cast<float*>(engine_.reduced_buffer(b)); }, released_.store());
         this->storage_.reset(plan_.buckets.size());
         readiness_.plan(plan_, layout_.params.size());
+        gathers_.plan(plan_, layout_.params.size());
     }
 
     template <class Optimizer>
@@ -8705,6 +8938,9 @@ private:
         StepReport report;
         const std::int64_t step = this->current_step();
         report.step = static_cast<std::uint64_t>(step);
+        if (const auto b = gathers_.first_pending())
+            throw ReadinessError(
+                detail::unwaited_parameter(this->where(), parameters()[gathers_.first_of(*b)].name, "step()"));
         // The buckets grad_ready did not launch go now, on this thread, bucket after bucket (a
         // progress thread would only compete with this one for the cores); then every bucket is
         // waited for and its share kept.
@@ -8722,10 +8958,11 @@ private:
         // scale, the same pass unscales, as DataParallel's finalize pass does.
         detail::decide_on_shards(backend_, shards_, parameters(), scaler_, options_.clip_norm, report,
                                  [this](detail::CollectivePurpose purpose) { return tag_of(purpose); });
-        if (report.applied)
-            detail::update_and_gather(backend_, shards_, optimizer, [this](std::size_t b) {
-                return tag_of(detail::CollectivePurpose::shard_gather, b);
-            });
+        const auto gather_tag = [this](std::size_t b) { return tag_of(detail::CollectivePurpose::shard_gather, b); };
+        if (report.applied && options_.gather_behind_forward)
+            detail::update_and_launch_gathers(backend_, shards_, optimizer, gathers_, gather_tag);
+        else if (report.applied)
+            detail::update_and_gather(backend_, shards_, optimizer, gather_tag);
         this->steps_.store(report.step, std::memory_order_release);
         return report;
     }
@@ -8760,6 +8997,36 @@ private:
         });
     }
 
+    // All-gathers behind the forward (FrontCore's wait_for_parameters, check_read and InFlight
+    // call these).
+    void gather(const std::variant<std::size_t, std::string>& found) {
+        if (const auto* problem = std::get_if<std::string>(&found))
+            throw ReadinessError(this->where() + ": " + *problem);
+        const auto p = std::get<std::size_t>(found);
+        if (p != detail::ModelLayout::none) gathers_.wait(gathers_.bucket_of(p), gather_deadline(), unpack(), late());
+    }
+    void gather_all() { gathers_.wait_all(gather_deadline(), unpack(), late()); }
+    [[nodiscard]] bool gathers_in_flight() const { return gathers_.in_flight(); }
+    void drain_gathers(std::chrono::steady_clock::time_point deadline) { gathers_.drain(deadline); }
+    // Parameter p has a gradient, so the forward read it: its bucket must have been waited for.
+    void check_read(std::size_t p) {
+        if (gathers_.pending(gathers_.bucket_of(p)))
+            throw ReadinessError(detail::unwaited_parameter(this->where(), parameters()[p].name, "its gradient came"));
+    }
+    [[nodiscard]] auto gather_deadline() const { return detail::deadline_after(options_.timeout); }
+    // The packed path copies a gathered bucket into the model; in place there is nothing to do.
+    [[nodiscard]] auto unpack() const {
+        return [this](std::size_t b) {
+            if constexpr (!in_place) shards_.unpack_params(b);
+        };
+    }
+    [[nodiscard]] auto late() const {
+        return [this](std::size_t b) {
+            return detail::late_gather(this->where(), b, parameters()[gathers_.first_of(b)].name, this->steps(),
+                                       options_.timeout);
+        };
+    }
+
     // Nothing ready, nothing launched.
     void end_step() {
         released_.end_step();
@@ -8773,6 +9040,10 @@ private:
     // Stage 2, and the buckets launched and kept this step (written under the readiness lock
     // during backward).
     detail::ReleasedShards<Model, typename CoreOf::memory> released_;
+    // The all-gathers step() left in flight behind the next forward.
+    using GatherHandle = decltype(detail::gather_async(std::declval<BackendT&>(), std::declval<const Shards&>(),
+                                                       std::size_t{}, CollectiveTag{}));
+    detail::ParameterGathers<GatherHandle> gathers_;
 };
 
 }  // namespace gradsync::inline v0
@@ -10376,6 +10647,7 @@ public:
     template <class DP>
     void save(const std::filesystem::path& path, DP& dp) const {
         static_assert(tensors_readable<DP>());
+        dp.wait_for_parameters();  // none left being written (all-gathers behind the forward)
         detail::HostStaging staging(dp.memory());
         std::string problem;
         std::vector<Extra> all;
@@ -10443,6 +10715,7 @@ public:
     template <class DP>
     void load(const std::filesystem::path& path, DP& dp) {
         static_assert(tensors_readable<DP>());
+        dp.wait_for_parameters();  // none left to overwrite what is loaded
         const detail::HostStaging staging(dp.memory());
         std::vector<Extra> wanted;
         std::string problem;

@@ -2221,6 +2221,7 @@ concept TaggedScatteredShardedCollectives = ScatteredShardedCollectives<B> &&
     b.reduce_scatter(segs, t, op, tag);
     { b.reduce_scatter_async(segs, t, op, tag) } -> Waitable;
     b.all_gather(segs, t, tag);
+    { b.all_gather_async(segs, t, tag) } -> Waitable;
 };
 
 // Collectives that carry a CollectiveTag (to name them in errors, and to check them): the
@@ -2420,6 +2421,13 @@ void all_gather_tagged(B& b, std::span<const Segment> segs, DType t, CollectiveT
         b.all_gather(segs, t, tag);
     else
         b.all_gather(segs, t);
+}
+template <ScatteredShardedCollectives B>
+auto all_gather_async_tagged(B& b, std::span<const Segment> segs, DType t, CollectiveTag tag) {
+    if constexpr (TaggedScatteredShardedCollectives<B>)
+        return b.all_gather_async(segs, t, tag);
+    else
+        return b.all_gather_async(segs, t);
 }
 
 }  // namespace detail

@@ -16,6 +16,7 @@
 #include <gradsync/data_parallel/front_core.hpp>
 #include <gradsync/data_parallel/layout_agreement.hpp>
 #include <gradsync/data_parallel/model_layout.hpp>
+#include <gradsync/data_parallel/parameter_gathers.hpp>
 #include <gradsync/data_parallel/released_shards.hpp>
 #include <gradsync/data_parallel/shard_layout.hpp>
 #include <gradsync/data_parallel/shard_step.hpp>
@@ -34,8 +35,12 @@
 #include <cstdint>
 #include <optional>
 #include <span>
+#include <string>
+#include <string_view>
 #include <tuple>
 #include <type_traits>  // for std::is_invocable_v
+#include <utility>      // for std::declval
+#include <variant>
 
 namespace gradsync::inline v0 {
 
@@ -94,10 +99,30 @@ public:
         return report;
     }
 
+    // With ShardedOptions::gather_behind_forward: waits for the all-gather of the bucket that
+    // holds parameter `index` (its position in the model's list) or `name`, launched by the last
+    // step(), and then the parameter holds its updated value; call it before the forward reads
+    // the parameter. Returns at once without the option or once waited for. On the thread that
+    // runs the forward; a TimeoutError past ShardedOptions::timeout names the bucket.
+    void param_ready(std::size_t index) {
+        this->guard([&] { gather(layout_.at_model_index(index, "param_ready")); });
+    }
+    void param_ready(std::string_view name) {
+        this->guard([&] { gather(layout_.named(name, "param_ready")); });
+    }
+    using Core::wait_for_parameters;  // every bucket's all-gather (data_parallel/front_core.hpp)
+
     // Destroyed with reduce_scatters in flight (an exception left the step after grad_ready
     // launched them): the group is aborted, so that peers waiting in them fail at once naming
-    // this rank, and they are drained before the memory they write goes.
-    ~ShardedDataParallel() { this->leave("ShardedDataParallel"); }
+    // this rank, and they are drained before the memory they write goes. All-gathers left behind
+    // the forward are waited for (every rank launched them: no abort).
+    ~ShardedDataParallel() {
+        try {
+            gather_all();
+        } catch (...) {  // a destructor must not throw; leave() aborts what is still in flight
+        }
+        this->leave("ShardedDataParallel");
+    }
 
     // Buckets whose reduce_scatter grad_ready has started in this step (during backward).
     [[nodiscard]] std::size_t buckets_launched() const { return readiness_.launched(); }
@@ -130,6 +155,10 @@ private:
         auto problems = detail::sharded_setup_problems(rank(), layout_, options_, bucketer, scaler_,
                                                        ReleasableGradients<Model>, comm_hook_type::hooked);
         problems.configuration(detail::stream_problem(backend_, engine_.memory()));
+        if (StreamOrdered<BackendT> && options_.gather_behind_forward)
+            problems.configuration(
+                "ShardedOptions::gather_behind_forward needs a host backend (LocalBackend, MpiBackend): on a device "
+                "stream the all-gathers are already queued behind the optimizer and ahead of the next forward");
         plan_ = problems.any() ? BucketPlan{} : bucketer.plan(layout_.params, {});
         detail::agree_on_layout(
             backend_, layout_.params, layout_.buffers, plan_,
@@ -145,6 +174,7 @@ private:
             [this](std::size_t b) { return reinterpret_cast<float*>(engine_.reduced_buffer(b)); }, released_.store());
         this->storage_.reset(plan_.buckets.size());
         readiness_.plan(plan_, layout_.params.size());
+        gathers_.plan(plan_, layout_.params.size());
     }
 
     template <class Optimizer>
@@ -152,6 +182,9 @@ private:
         StepReport report;
         const std::int64_t step = this->current_step();
         report.step = static_cast<std::uint64_t>(step);
+        if (const auto b = gathers_.first_pending())
+            throw ReadinessError(
+                detail::unwaited_parameter(this->where(), parameters()[gathers_.first_of(*b)].name, "step()"));
         // The buckets grad_ready did not launch go now, on this thread, bucket after bucket (a
         // progress thread would only compete with this one for the cores); then every bucket is
         // waited for and its share kept.
@@ -169,10 +202,11 @@ private:
         // scale, the same pass unscales, as DataParallel's finalize pass does.
         detail::decide_on_shards(backend_, shards_, parameters(), scaler_, options_.clip_norm, report,
                                  [this](detail::CollectivePurpose purpose) { return tag_of(purpose); });
-        if (report.applied)
-            detail::update_and_gather(backend_, shards_, optimizer, [this](std::size_t b) {
-                return tag_of(detail::CollectivePurpose::shard_gather, b);
-            });
+        const auto gather_tag = [this](std::size_t b) { return tag_of(detail::CollectivePurpose::shard_gather, b); };
+        if (report.applied && options_.gather_behind_forward)
+            detail::update_and_launch_gathers(backend_, shards_, optimizer, gathers_, gather_tag);
+        else if (report.applied)
+            detail::update_and_gather(backend_, shards_, optimizer, gather_tag);
         this->steps_.store(report.step, std::memory_order_release);
         return report;
     }
@@ -207,6 +241,36 @@ private:
         });
     }
 
+    // All-gathers behind the forward (FrontCore's wait_for_parameters, check_read and InFlight
+    // call these).
+    void gather(const std::variant<std::size_t, std::string>& found) {
+        if (const auto* problem = std::get_if<std::string>(&found))
+            throw ReadinessError(this->where() + ": " + *problem);
+        const auto p = std::get<std::size_t>(found);
+        if (p != detail::ModelLayout::none) gathers_.wait(gathers_.bucket_of(p), gather_deadline(), unpack(), late());
+    }
+    void gather_all() { gathers_.wait_all(gather_deadline(), unpack(), late()); }
+    [[nodiscard]] bool gathers_in_flight() const { return gathers_.in_flight(); }
+    void drain_gathers(std::chrono::steady_clock::time_point deadline) { gathers_.drain(deadline); }
+    // Parameter p has a gradient, so the forward read it: its bucket must have been waited for.
+    void check_read(std::size_t p) {
+        if (gathers_.pending(gathers_.bucket_of(p)))
+            throw ReadinessError(detail::unwaited_parameter(this->where(), parameters()[p].name, "its gradient came"));
+    }
+    [[nodiscard]] auto gather_deadline() const { return detail::deadline_after(options_.timeout); }
+    // The packed path copies a gathered bucket into the model; in place there is nothing to do.
+    [[nodiscard]] auto unpack() const {
+        return [this](std::size_t b) {
+            if constexpr (!in_place) shards_.unpack_params(b);
+        };
+    }
+    [[nodiscard]] auto late() const {
+        return [this](std::size_t b) {
+            return detail::late_gather(this->where(), b, parameters()[gathers_.first_of(b)].name, this->steps(),
+                                       options_.timeout);
+        };
+    }
+
     // Nothing ready, nothing launched.
     void end_step() {
         released_.end_step();
@@ -220,6 +284,10 @@ private:
     // Stage 2, and the buckets launched and kept this step (written under the readiness lock
     // during backward).
     detail::ReleasedShards<Model, typename CoreOf::memory> released_;
+    // The all-gathers step() left in flight behind the next forward.
+    using GatherHandle = decltype(detail::gather_async(std::declval<BackendT&>(), std::declval<const Shards&>(),
+                                                       std::size_t{}, CollectiveTag{}));
+    detail::ParameterGathers<GatherHandle> gathers_;
 };
 
 }  // namespace gradsync::inline v0

@@ -554,12 +554,17 @@ TEST_CASE("equivalence over MPI: N processes with micro-batch b == one process w
 TEST_CASE("sharded over MPI: optimizer state split across processes == one process with the whole batch") {
     // Stage 1 on the example MLP; stage 2 (gradients released once reduced) on the MLP that frees
     // them: the same bits.
-    auto train = [&](auto model_type, const gradsync::SizeCappedBuckets& caps, bool overlap, bool release) {
+    // `behind`: the all-gathers left in flight by step(), waited for by the next forward.
+    auto train = [&](auto model_type, const gradsync::SizeCappedBuckets& caps, bool overlap, bool release,
+                     bool behind = false) {
         using Model = typename decltype(model_type)::type;
         gradsync::MpiBackend backend;
         Model model(1 + std::uint64_t(backend.rank()) * 1000);  // replaced by rank 0's at construction
-        gradsync::ShardedDataParallel sdp(model, backend, caps, gradsync::ShardedOptions{.release_gradients = release});
+        gradsync::ShardedDataParallel sdp(
+            model, backend, caps,
+            gradsync::ShardedOptions{.release_gradients = release, .gather_behind_forward = behind});
         if (overlap) model.on_grad_ready = [&](std::size_t i) { sdp.grad_ready(i); };
+        if (behind) model.before_read = [&](std::size_t i) { sdp.param_ready(i); };
         sharded::ShardedSgd sgd;
         sgd.velocity.assign(sdp.state_elements(), 0.0f);
         const int world = backend.size();
@@ -574,6 +579,7 @@ TEST_CASE("sharded over MPI: optimizer state split across processes == one proce
         MPI_Allreduce(&mine, &all, 1, MPI_UINT64_T, MPI_SUM, gradsync::mpi_world());
         CHECK(all == sdp.parameter_elements());
         CHECK(mine * std::uint64_t(world) <= sdp.parameter_elements() + std::uint64_t(world) * 8);
+        sdp.wait_for_parameters();
         return resume::flat(model);
     };
     for (const auto& caps : {gradsync::SizeCappedBuckets{}, gradsync::SizeCappedBuckets{64_KiB, 4_KiB}})
@@ -585,6 +591,7 @@ TEST_CASE("sharded over MPI: optimizer state split across processes == one proce
             CHECK(same_on_every_rank(kept));
             const auto released = train(std::type_identity<sharded::ReleasingMlp>{}, caps, overlap, true);
             CHECK(released == kept);  // float ==: bitwise here (no NaN)
+            CHECK(train(std::type_identity<mlp::Mlp>{}, caps, overlap, false, /*behind=*/true) == kept);
         }
 }
 

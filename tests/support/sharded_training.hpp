@@ -153,6 +153,7 @@ Weights train_sharded_over(int world, gradsync::SizeCappedBuckets caps, gradsync
         Model model(/*seed=*/1 + r * 1000);  // replaced by rank 0's at construction
         gradsync::ShardedDataParallel sdp(model, backend, caps, options, more...);
         if (backend.rank() < overlapping) model.on_grad_ready = [&](std::size_t i) { sdp.grad_ready(i); };
+        if (options.gather_behind_forward) model.before_read = [&](std::size_t i) { sdp.param_ready(i); };
         state[r] = sdp.state_elements();
         if (r == 0) total = sdp.parameter_elements();
         ShardedSgd sgd;
@@ -170,6 +171,7 @@ Weights train_sharded_over(int world, gradsync::SizeCappedBuckets caps, gradsync
             else
                 report = sdp.step(sgd);
             CHECK(report.applied);
+            if (options.gather_behind_forward) sdp.wait_for_parameters();
             per_step[r].push_back(weights_of(model));
         }
         if (r == 0) result = weights_of(model);

@@ -109,6 +109,7 @@ public:
     template <class DP>
     void save(const std::filesystem::path& path, DP& dp) const {
         static_assert(tensors_readable<DP>());
+        dp.wait_for_parameters();  // none left being written (all-gathers behind the forward)
         detail::HostStaging staging(dp.memory());
         std::string problem;
         std::vector<Extra> all;
@@ -176,6 +177,7 @@ public:
     template <class DP>
     void load(const std::filesystem::path& path, DP& dp) {
         static_assert(tensors_readable<DP>());
+        dp.wait_for_parameters();  // none left to overwrite what is loaded
         const detail::HostStaging staging(dp.memory());
         std::vector<Extra> wanted;
         std::string problem;

@@ -23,6 +23,7 @@
 #include <gradsync/model/model.hpp>
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <exception>
@@ -58,6 +59,13 @@ public:
     }
     void grad_ready(std::string_view name) {
         guard([&] { mark(layout_.named(name)); });
+    }
+
+    // Returns once every parameter holds the last step's values: a front that leaves collectives
+    // writing them in flight after step() (ShardedOptions::gather_behind_forward) waits for them;
+    // otherwise at once. A checkpoint calls it before it reads or writes the parameters.
+    void wait_for_parameters() {
+        if constexpr (requires(Front & f) { f.gather_all(); }) guard([&] { front().gather_all(); });
     }
 
     // The factor to multiply the loss by before backward (1 without a loss scaler).
@@ -105,7 +113,8 @@ protected:
     // collective in flight (the group is told; group_failure.hpp). Never throws.
     void leave(const char* front) noexcept {
         lifetime_.reset();
-        abandon_in_flight(backend_, engine_, options_.timeout, front, static_cast<std::uint64_t>(current_step()));
+        InFlight in_flight{*this};
+        abandon_in_flight(backend_, in_flight, options_.timeout, front, static_cast<std::uint64_t>(current_step()));
     }
 
     // The step in progress (or the next): 1 for the first.
@@ -117,8 +126,9 @@ protected:
     // error goes on.
     template <class F>
     void guard(F&& f) {
+        InFlight in_flight{*this};
         run_guarded(
-            backend_, engine_, options_.timeout, f, [this] { front().end_step(); },
+            backend_, in_flight, options_.timeout, f, [this] { front().end_step(); },
             [this](const std::exception& e) {
                 return failure_of(rank(), static_cast<std::uint64_t>(current_step()), e);
             });
@@ -179,9 +189,27 @@ protected:
 private:
     [[nodiscard]] Front& front() { return static_cast<Front&>(*this); }
 
+    // What a failure or the destructor drains: the engine's collectives and those a front keeps
+    // in flight between steps (the sharded front's all-gathers behind the next forward).
+    struct InFlight {
+        FrontCore& core;
+        [[nodiscard]] bool in_flight() const {
+            if constexpr (requires(Front & f) { f.gathers_in_flight(); })
+                if (core.front().gathers_in_flight()) return true;
+            return core.engine_.in_flight();
+        }
+        void drain(std::chrono::steady_clock::time_point deadline) {
+            core.engine_.drain(deadline);
+            if constexpr (requires(Front & f) { f.drain_gathers(deadline); }) core.front().drain_gathers(deadline);
+        }
+    };
+
     // Parameter p is ready: every bucket that completes goes, in plan order, through the front's
-    // launch(b) (under the readiness lock).
+    // launch(b) (under the readiness lock). A front whose forward waits for its parameters first
+    // checks that p's were waited for (a parameter with a gradient was read).
     void mark(const std::variant<std::size_t, std::string>& found) {
+        if constexpr (requires(Front & f) { f.check_read(std::size_t{}); })
+            if (const auto* p = std::get_if<std::size_t>(&found); p && *p != ModelLayout::none) front().check_read(*p);
         mark_ready(
             readiness_, layout_, found, [this](std::size_t b) { front().launch(b); }, [this] { return where(); });
     }

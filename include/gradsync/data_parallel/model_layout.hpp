@@ -106,18 +106,20 @@ struct ModelLayout {
     }
 
     // The parameter at the model's `index` (zero-sized: none), or an error message.
-    [[nodiscard]] std::variant<std::size_t, std::string> at_model_index(std::size_t index) const {
+    [[nodiscard]] std::variant<std::size_t, std::string> at_model_index(std::size_t index,
+                                                                        std::string_view call = "grad_ready") const {
         if (index < param_of_model_index.size()) return param_of_model_index[index];
-        return "grad_ready(" + std::to_string(index) + ") but the model has " +
+        return std::string(call) + "(" + std::to_string(index) + ") but the model has " +
                std::to_string(param_of_model_index.size()) + " parameters";
     }
     // The parameter named `name` (zero-sized: none), or an error message.
-    [[nodiscard]] std::variant<std::size_t, std::string> named(std::string_view name) const {
+    [[nodiscard]] std::variant<std::size_t, std::string> named(std::string_view name,
+                                                               std::string_view call = "grad_ready") const {
         auto it = by_name.find(std::string(name));
         if (it != by_name.end() && it->second != ambiguous) return it->second;
-        return "grad_ready(\"" + std::string(name) + "\"): " +
+        return std::string(call) + "(\"" + std::string(name) + "\"): " +
                (it == by_name.end() ? "no parameter has this name"
-                                    : "several parameters have this name; use grad_ready(index)");
+                                    : "several parameters have this name; use " + std::string(call) + "(index)");
     }
 };
 

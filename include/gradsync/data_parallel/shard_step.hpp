@@ -1,7 +1,8 @@
 // What ShardedDataParallel's step decides over this rank's shards with the other ranks: the global
 // norm and whether every averaged gradient is finite (one small allreduce), which parameters
 // overflowed when one is not, and clipping, each pass over the shards through the memory policy;
-// and the all-gather of the updated parameters. Each collective carries its tag.
+// and the all-gather of the updated parameters, waited for at once or left in flight behind the
+// next forward. Each collective carries its tag.
 #pragma once
 
 #include <gradsync/backend/concepts.hpp>
@@ -78,28 +79,53 @@ void decide_on_shards(B& backend, Layout& shards, std::span<const Parameter> par
     }
 }
 
-// optimizer(pieces) on this rank's shards, then every bucket's parameters all-gathered into
-// every rank's model, where they lie or through the packed buffers; tag_of(b) tags bucket b's.
-// On a device stream (StreamOrdered) the all-gathers follow the optimizer's kernels there, the
-// stream waits for them and the unpacking is queued behind: the host waits for none of it.
+// Bucket b's all-gather of the updated parameters, asynchronously: where they lie, or into its
+// packed buffer.
+template <Backend B, class Layout>
+auto gather_async(B& backend, const Layout& shards, std::size_t b, CollectiveTag tag) {
+    const auto& slot = shards.slots[b];
+    if constexpr (Layout::in_place)
+        return all_gather_async_tagged(backend, std::span<const Segment>(slot.param_segments), DType::float32, tag);
+    else
+        return all_gather_async_tagged(backend, Buffer{slot.buffer(), slot.count, DType::float32}, tag);
+}
+
+// optimizer(pieces) on this rank's shards; where the backend gathers packed buffers, the
+// parameters are packed first, as the model holds them now.
+template <class Layout, class Optimizer>
+void update_shards(Layout& shards, Optimizer& optimizer) {
+    if constexpr (!Layout::in_place)
+        for (std::size_t b = 0; b < shards.slots.size(); ++b) shards.pack_shard(b);
+    optimizer(std::span<const ShardPiece<float>>(shards.pieces));
+}
+
+// The shards updated, then every bucket's parameters all-gathered into every rank's model, where
+// they lie or through the packed buffers; tag_of(b) tags bucket b's. On a device stream
+// (StreamOrdered) the all-gathers follow the optimizer's kernels there, the stream waits for them
+// and the unpacking is queued behind: the host waits for none of it.
 template <Backend B, class Layout, class Optimizer, class TagOf>
 void update_and_gather(B& backend, Layout& shards, Optimizer& optimizer, TagOf&& tag_of) {
+    update_shards(shards, optimizer);
     const std::size_t buckets = shards.slots.size();
-    if constexpr (!Layout::in_place)
-        for (std::size_t b = 0; b < buckets; ++b) shards.pack_shard(b);  // the parameters as the model holds them now
-    optimizer(std::span<const ShardPiece<float>>(shards.pieces));
     for (std::size_t b = 0; b < buckets; ++b) {
         const auto& slot = shards.slots[b];
         if constexpr (Layout::in_place)
             all_gather_tagged(backend, std::span<const Segment>(slot.param_segments), DType::float32, tag_of(b));
         else if constexpr (StreamOrdered<B>)
-            backend.wait_on_device(
-                all_gather_async_tagged(backend, Buffer{slot.buffer(), slot.count, DType::float32}, tag_of(b)));
+            backend.wait_on_device(gather_async(backend, shards, b, tag_of(b)));
         else
             all_gather_tagged(backend, Buffer{slot.buffer(), slot.count, DType::float32}, tag_of(b));
     }
     if constexpr (!Layout::in_place)
         for (std::size_t b = 0; b < buckets; ++b) shards.unpack_params(b);
+}
+
+// The shards updated, then every bucket's all-gather launched in the order the forward reads
+// them and left in flight with `gathers` (parameter_gathers.hpp), to be waited for per bucket.
+template <Backend B, class Layout, class Optimizer, class Gathers, class TagOf>
+void update_and_launch_gathers(B& backend, Layout& shards, Optimizer& optimizer, Gathers& gathers, TagOf&& tag_of) {
+    update_shards(shards, optimizer);
+    for (auto b : gathers.order()) gathers.launched(b, gather_async(backend, shards, b, tag_of(b)));
 }
 
 }  // namespace gradsync::inline v0::detail

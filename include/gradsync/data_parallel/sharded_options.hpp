@@ -30,6 +30,13 @@ struct ShardedOptions {
     // instead of updating from mixed gradients. false turns it off. (A step number passed to
     // step() is checked there whatever this says.)
     bool check_histories = true;
+    // step() returns with the updated parameters' all-gathers in flight, launched in the order the
+    // forward reads the buckets, and the next forward waits for each parameter's bucket only when
+    // it reaches it: call param_ready(index or name) before the forward reads a parameter (or
+    // wait_for_parameters() for all), so that the gathers of later buckets overlap the forward's
+    // earlier layers. A parameter read without waiting is found at its gradient or the next step()
+    // and fails the group. Host backends (LocalBackend, MpiBackend).
+    bool gather_behind_forward = false;
     // How long step() waits for a bucket's reduce-scatter launched during backward (a TimeoutError
     // then names the bucket and the ranks behind, where the backend can tell), and how long a
     // failed step or a destroyed ShardedDataParallel waits for the collectives it abandons, after

@@ -68,7 +68,8 @@ std::vector<Setting> sharded_settings(const ShardedOptions& options, const Bucke
             {"communication hook", settings_of(hook)},
             {"ShardedOptions::release_gradients", options.release_gradients ? "true" : "false"},
             {"ShardedOptions::clip_norm", exact_text(options.clip_norm)},
-            {"ShardedOptions::check_histories", options.check_histories ? "true" : "false"}};
+            {"ShardedOptions::check_histories", options.check_histories ? "true" : "false"},
+            {"ShardedOptions::gather_behind_forward", options.gather_behind_forward ? "true" : "false"}};
 }
 
 }  // namespace gradsync::inline v0::detail

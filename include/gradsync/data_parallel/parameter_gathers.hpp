@@ -1,0 +1,129 @@
+// The sharded front's all-gathers behind the next forward (ShardedOptions::gather_behind_forward):
+// step() launches every bucket's all-gather in the order the forward reads the buckets (by their
+// first parameter) and returns; each bucket is then waited for on its own, when the forward is
+// about to read one of its parameters (param_ready), so that the forward computes while the later
+// buckets are still gathered. Which buckets are still to be waited for is kept here, so that a
+// forward that read a parameter without waiting is found, not trained on.
+#pragma once
+
+#include <gradsync/bucket/plan.hpp>
+#include <gradsync/error.hpp>
+
+#include <algorithm>  // for std::sort, std::min_element
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <utility>  // for std::move
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+template <class Handle>
+class ParameterGathers {
+    using clock = std::chrono::steady_clock;
+
+public:
+    // The buckets of `plan` over `params` parameters. Between steps.
+    void plan(const BucketPlan& plan, std::size_t params) {
+        const std::size_t buckets = plan.buckets.size();
+        bucket_of_.assign(params, 0);
+        std::vector<std::size_t> first(buckets, params);
+        for (std::size_t b = 0; b < buckets; ++b)
+            for (auto p : plan.buckets[b].parameters) {
+                bucket_of_[p] = b;
+                first[b] = std::min(first[b], p);
+            }
+        first_ = first;
+        order_.resize(buckets);
+        for (std::size_t b = 0; b < buckets; ++b) order_[b] = b;
+        std::sort(order_.begin(), order_.end(), [&](std::size_t x, std::size_t y) { return first[x] < first[y]; });
+        handles_.clear();
+        handles_.resize(buckets);
+        pending_.assign(buckets, 0);
+    }
+
+    // The buckets in the order the forward reads them: the order their all-gathers go in.
+    [[nodiscard]] std::span<const std::size_t> order() const { return order_; }
+    [[nodiscard]] std::size_t bucket_of(std::size_t parameter) const { return bucket_of_[parameter]; }
+    // The parameter of bucket b the forward reads first.
+    [[nodiscard]] std::size_t first_of(std::size_t b) const { return first_[b]; }
+
+    // Bucket b's all-gather is in flight (`handle`) and is to be waited for before the forward
+    // reads its parameters.
+    void launched(std::size_t b, Handle handle) {
+        handles_[b].emplace(std::move(handle));
+        pending_[b] = 1;
+    }
+    [[nodiscard]] bool pending(std::size_t b) const { return pending_[b] != 0; }
+    // The first bucket, in forward order, still to be waited for.
+    [[nodiscard]] std::optional<std::size_t> first_pending() const {
+        for (auto b : order_)
+            if (pending(b)) return b;
+        return std::nullopt;
+    }
+
+    // Waits for bucket b's all-gather by `deadline` (late(b): the TimeoutError's message), then
+    // finish(b) (on the packed path, the copy into the model). Nothing when b is not pending.
+    template <class Finish, class Late>
+    void wait(std::size_t b, clock::time_point deadline, Finish&& finish, Late&& late) {
+        if (!pending(b)) return;
+        if (handles_[b]) {
+            if (!handles_[b]->wait_until(deadline)) throw TimeoutError(late(b));
+            handles_[b].reset();
+        }
+        finish(b);
+        pending_[b] = 0;
+    }
+    // ...every pending bucket, in forward order.
+    template <class Finish, class Late>
+    void wait_all(clock::time_point deadline, Finish&& finish, Late&& late) {
+        for (auto b : order_) wait(b, deadline, finish, late);
+    }
+
+    [[nodiscard]] bool in_flight() const {
+        for (const auto& h : handles_)
+            if (h) return true;
+        return false;
+    }
+    // After a failure: waits for the all-gathers in flight until `deadline`, ignoring their
+    // errors (after an abort they end at once); the parameters are then unspecified.
+    void drain(clock::time_point deadline) {
+        for (auto& h : handles_) {
+            try {
+                if (h) (void)h->wait_until(deadline);
+            } catch (...) {
+            }
+            h.reset();
+        }
+        std::fill(pending_.begin(), pending_.end(), 0);
+    }
+
+private:
+    std::vector<std::size_t> bucket_of_;
+    std::vector<std::size_t> first_;
+    std::vector<std::size_t> order_;
+    std::vector<std::optional<Handle>> handles_;
+    std::vector<char> pending_;  // not vector<bool>: read by backward threads
+};
+
+// What a rank whose forward read parameter `name` without waiting for it is told, where it was
+// found (`found_at`: at step(), or as its gradient came).
+inline std::string unwaited_parameter(const std::string& where, const std::string& name, const char* found_at) {
+    return where + ": parameter '" + name + "' was not waited for before " + found_at +
+           ": its all-gather from the last step (ShardedOptions::gather_behind_forward) may not have written it "
+           "when the forward read it. Call param_ready(\"" +
+           name + "\") before the forward reads a parameter, or wait_for_parameters() before the forward";
+}
+
+// A bucket's all-gather that did not complete by its deadline; `first`: its first parameter.
+inline std::string late_gather(const std::string& where, std::size_t b, const std::string& first, std::uint64_t step,
+                               std::chrono::milliseconds timeout) {
+    return where + ": the all-gather of bucket " + std::to_string(b) + " (parameter '" + first +
+           "', ...) launched by step " + std::to_string(step) + " did not complete within " +
+           std::to_string(timeout.count()) + " ms; a rank may have stopped before it";
+}
+
+}  // namespace gradsync::inline v0::detail
