@@ -303,13 +303,7 @@ void released_gradients(benchmark::State& state, std::vector<layouts::Tensor> (*
     state.counters["peak_grad_bytes_kept"] = peak_kept;
 }
 
-void configure(benchmark::internal::Benchmark* b) {
-    b->UseManualTime()
-        ->Repetitions(bench::repetitions_of(repetitions))
-        ->ReportAggregatesOnly(true)
-        ->MinTime(bench::min_seconds_of(min_seconds));
-    b->Unit(benchmark::kMillisecond);
-}
+void configure(benchmark::internal::Benchmark* b) { bench::timed_by_hand(b, repetitions, min_seconds); }
 
 }  // namespace
 

@@ -102,13 +102,7 @@ void gather_behind_forward(benchmark::State& state, std::vector<layouts::Tensor>
     state.counters["ratio"] = bench::median(ratios);
 }
 
-void configure(benchmark::internal::Benchmark* b) {
-    b->UseManualTime()
-        ->Repetitions(bench::repetitions_of(repetitions))
-        ->ReportAggregatesOnly(true)
-        ->MinTime(bench::min_seconds_of(min_seconds));
-    b->Unit(benchmark::kMillisecond);
-}
+void configure(benchmark::internal::Benchmark* b) { bench::timed_by_hand(b, repetitions, min_seconds); }
 
 }  // namespace
 

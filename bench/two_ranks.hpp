@@ -6,11 +6,22 @@
 
 #include <benchmark/benchmark.h>
 
+#include "results.hpp"
+
 #include <chrono>
 #include <thread>
 #include <utility>  // for std::pair
 
 namespace bench {
+
+// Benchmarks timed by hand (SetIterationTime), repeated and reported by their median, in ms.
+inline void timed_by_hand(benchmark::internal::Benchmark* b, int repetitions, double min_seconds) {
+    b->UseManualTime()
+        ->Repetitions(repetitions_of(repetitions))
+        ->ReportAggregatesOnly(true)
+        ->MinTime(min_seconds_of(min_seconds));
+    b->Unit(benchmark::kMillisecond);
+}
 
 // `make(backend)` runs on each rank's thread and returns that rank's operation (a callable).
 // Both are called once to warm up before timing starts.
