@@ -4,6 +4,8 @@
 # The current PyTorch on PyPI when pinned: its libtorch for the adapter's tests, its DDP for the
 # benchmarks' race.
 PYPI_TORCH=2.15.0
+# PyPI's safetensors, beside Debian's python3-torch, for the checkpoint round trip with Python.
+PYPI_SAFETENSORS=0.8.0
 
 # ensure_packages PKG...: apt-get installs the packages that dpkg does not know as installed.
 ensure_packages() {
@@ -35,6 +37,20 @@ torch_venv() {
         python3 -m venv "$venv"
         "$venv/bin/python" -m pip install --quiet "torch==$PYPI_TORCH" numpy >&2
         touch "$venv/complete-$PYPI_TORCH"
+    fi
+    echo "$venv/bin/python"
+}
+
+# safetensors_venv: makes build/venv-safetensors, Debian's Python with its python3-torch and PyPI's
+# safetensors $PYPI_SAFETENSORS, once; prints the venv's python.
+safetensors_venv() {
+    local venv="$PWD/build/venv-safetensors"
+    if [ ! -f "$venv/complete-$PYPI_SAFETENSORS" ]; then
+        echo "installing safetensors $PYPI_SAFETENSORS from PyPI into $venv" >&2
+        rm -rf "$venv"
+        /usr/bin/python3 -m venv --system-site-packages "$venv" >&2
+        "$venv/bin/python" -m pip install --quiet "safetensors==$PYPI_SAFETENSORS" >&2
+        touch "$venv/complete-$PYPI_SAFETENSORS"
     fi
     echo "$venv/bin/python"
 }

@@ -1147,15 +1147,16 @@ struct ModelBuffer {
     void* data = nullptr;
     std::size_t count = 0;
     DType dtype = DType::float32;
+    std::vector<std::size_t> shape{};  // optional, as a Parameter's: a checkpoint saves it
 
     [[nodiscard]] Bytes bytes() const { return Bytes{count * size_of(dtype)}; }
 };
 
 template <class T>
 requires std::ranges::contiguous_range<T> && std::ranges::sized_range<T> && HasDType<std::ranges::range_value_t<T>>
-    ModelBuffer model_buffer(std::string name, T& data) {
+    ModelBuffer model_buffer(std::string name, T& data, std::vector<std::size_t> shape = {}) {
     return ModelBuffer{std::move(name), std::ranges::data(data), std::ranges::size(data),
-                       dtype_of<std::ranges::range_value_t<T>>};
+                       dtype_of<std::ranges::range_value_t<T>>, std::move(shape)};
 }
 
 template <class R>
@@ -7489,6 +7490,13 @@ std::string invalid_configuration(const Options& options, const Policies&... pol
 
 namespace gradsync::inline v0::detail {
 
+// A stated shape that does not hold `count` elements, as `who` ("parameter 'w'") is told; else empty.
+inline std::string shape_problem(const std::string& who, const std::vector<std::size_t>& shape, std::size_t count) {
+    if (shape.empty() || shape_elements(shape) == count) return {};
+    return who + " has " + std::to_string(count) + " elements but its shape " + shape_text(shape) + " holds " +
+           std::to_string(shape_elements(shape)) + "; state the shape of its elements, or none";
+}
+
 // The first problem with this rank's parameters and buffers, or "" when there is none. With
 // `gradients_later`, a gradient may not exist yet (a framework that allocates it in the first
 // backward); it is bound at the latest in the first synchronize().
@@ -7500,6 +7508,7 @@ std::string find_model_problem(std::span<const Parameter> params, std::span<cons
         if (!is_known(b.dtype))
             return who + " has an unknown dtype (code " + std::to_string(static_cast<unsigned>(b.dtype)) + ")";
         if (b.data == nullptr && b.count != 0) return who + " has a null data pointer";
+        if (auto problem = shape_problem(who, b.shape, b.count); !problem.empty()) return problem;
     }
     for (const auto& p : params) {
         const std::string who = "parameter '" + p.name + "'";
@@ -7507,9 +7516,7 @@ std::string find_model_problem(std::span<const Parameter> params, std::span<cons
             return who + " has an unknown dtype (code " + std::to_string(static_cast<unsigned>(p.dtype)) + ")";
         if (!backend.supports(p.dtype)) return who + " is " + to_string(p.dtype) + ", which this backend cannot reduce";
         if (p.data == nullptr) return who + " has a null data pointer";
-        if (!p.shape.empty() && shape_elements(p.shape) != p.count)
-            return who + " has " + std::to_string(p.count) + " elements but its shape " + shape_text(p.shape) +
-                   " holds " + std::to_string(shape_elements(p.shape)) + "; state the shape of its elements, or none";
+        if (auto problem = shape_problem(who, p.shape, p.count); !problem.empty()) return problem;
         if (p.grad == nullptr && !gradients_later)
             return who + " has a null gradient pointer (with device memory, or Options::storage_may_move off, " +
                    "every gradient must exist when the DataParallel is made)";
@@ -7552,7 +7559,7 @@ struct LayoutEntry {
     std::string name;
     std::uint64_t count = 0;
     DType dtype = DType::float32;
-    std::vector<std::size_t> shape;  // a parameter's, where the model states it
+    std::vector<std::size_t> shape;  // where the model states it
 };
 
 inline std::vector<LayoutEntry> layout_of(std::span<const Parameter> params, std::span<const ModelBuffer> buffers) {
@@ -7560,7 +7567,7 @@ inline std::vector<LayoutEntry> layout_of(std::span<const Parameter> params, std
     for (std::size_t i = 0; i < params.size(); ++i)
         out.push_back({false, i, params[i].name, params[i].count, params[i].dtype, params[i].shape});
     for (std::size_t i = 0; i < buffers.size(); ++i)
-        out.push_back({true, i, buffers[i].name, buffers[i].count, buffers[i].dtype, {}});
+        out.push_back({true, i, buffers[i].name, buffers[i].count, buffers[i].dtype, buffers[i].shape});
     return out;
 }
 

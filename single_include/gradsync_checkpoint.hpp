@@ -1773,15 +1773,16 @@ struct ModelBuffer {
     void* data = nullptr;
     std::size_t count = 0;
     DType dtype = DType::float32;
+    std::vector<std::size_t> shape{};  // optional, as a Parameter's: a checkpoint saves it
 
     [[nodiscard]] Bytes bytes() const { return Bytes{count * size_of(dtype)}; }
 };
 
 template <class T>
 requires std::ranges::contiguous_range<T> && std::ranges::sized_range<T> && HasDType<std::ranges::range_value_t<T>>
-    ModelBuffer model_buffer(std::string name, T& data) {
+    ModelBuffer model_buffer(std::string name, T& data, std::vector<std::size_t> shape = {}) {
     return ModelBuffer{std::move(name), std::ranges::data(data), std::ranges::size(data),
-                       dtype_of<std::ranges::range_value_t<T>>};
+                       dtype_of<std::ranges::range_value_t<T>>, std::move(shape)};
 }
 
 template <class R>
@@ -4407,6 +4408,13 @@ std::string invalid_configuration(const Options& options, const Policies&... pol
 
 namespace gradsync::inline v0::detail {
 
+// A stated shape that does not hold `count` elements, as `who` ("parameter 'w'") is told; else empty.
+inline std::string shape_problem(const std::string& who, const std::vector<std::size_t>& shape, std::size_t count) {
+    if (shape.empty() || shape_elements(shape) == count) return {};
+    return who + " has " + std::to_string(count) + " elements but its shape " + shape_text(shape) + " holds " +
+           std::to_string(shape_elements(shape)) + "; state the shape of its elements, or none";
+}
+
 // The first problem with this rank's parameters and buffers, or "" when there is none. With
 // `gradients_later`, a gradient may not exist yet (a framework that allocates it in the first
 // backward); it is bound at the latest in the first synchronize().
@@ -4418,6 +4426,7 @@ std::string find_model_problem(std::span<const Parameter> params, std::span<cons
         if (!is_known(b.dtype))
             return who + " has an unknown dtype (code " + std::to_string(static_cast<unsigned>(b.dtype)) + ")";
         if (b.data == nullptr && b.count != 0) return who + " has a null data pointer";
+        if (auto problem = shape_problem(who, b.shape, b.count); !problem.empty()) return problem;
     }
     for (const auto& p : params) {
         const std::string who = "parameter '" + p.name + "'";
@@ -4425,9 +4434,7 @@ std::string find_model_problem(std::span<const Parameter> params, std::span<cons
             return who + " has an unknown dtype (code " + std::to_string(static_cast<unsigned>(p.dtype)) + ")";
         if (!backend.supports(p.dtype)) return who + " is " + to_string(p.dtype) + ", which this backend cannot reduce";
         if (p.data == nullptr) return who + " has a null data pointer";
-        if (!p.shape.empty() && shape_elements(p.shape) != p.count)
-            return who + " has " + std::to_string(p.count) + " elements but its shape " + shape_text(p.shape) +
-                   " holds " + std::to_string(shape_elements(p.shape)) + "; state the shape of its elements, or none";
+        if (auto problem = shape_problem(who, p.shape, p.count); !problem.empty()) return problem;
         if (p.grad == nullptr && !gradients_later)
             return who + " has a null gradient pointer (with device memory, or Options::storage_may_move off, " +
                    "every gradient must exist when the DataParallel is made)";
@@ -4470,7 +4477,7 @@ struct LayoutEntry {
     std::string name;
     std::uint64_t count = 0;
     DType dtype = DType::float32;
-    std::vector<std::size_t> shape;  // a parameter's, where the model states it
+    std::vector<std::size_t> shape;  // where the model states it
 };
 
 inline std::vector<LayoutEntry> layout_of(std::span<const Parameter> params, std::span<const ModelBuffer> buffers) {
@@ -4478,7 +4485,7 @@ inline std::vector<LayoutEntry> layout_of(std::span<const Parameter> params, std
     for (std::size_t i = 0; i < params.size(); ++i)
         out.push_back({false, i, params[i].name, params[i].count, params[i].dtype, params[i].shape});
     for (std::size_t i = 0; i < buffers.size(); ++i)
-        out.push_back({true, i, buffers[i].name, buffers[i].count, buffers[i].dtype, {}});
+        out.push_back({true, i, buffers[i].name, buffers[i].count, buffers[i].dtype, buffers[i].shape});
     return out;
 }
 
@@ -9828,6 +9835,48 @@ ShardList write_rank_files(DP& dp, NameOf name_of, const std::filesystem::path& 
 #endif  // GRADSYNC_SINGLE_CHECKPOINT_AGREEMENT_HPP
 // ---- end gradsync/checkpoint/agreement.hpp ----
 
+// ---- begin gradsync/checkpoint/front_traits.hpp ----
+#ifndef GRADSYNC_SINGLE_CHECKPOINT_FRONT_TRAITS_HPP
+#define GRADSYNC_SINGLE_CHECKPOINT_FRONT_TRAITS_HPP
+// What a checkpoint asks of the front it saves or loads: whether it has state split across the
+// ranks (ShardedDataParallel), whether its memory policy keeps the tensors on the device, and
+// whether the host can read them at all.
+
+
+#include <type_traits>  // for std::remove_cvref_t
+#include <utility>      // for std::declval
+
+namespace gradsync::inline v0::detail {
+
+template <class DP>
+constexpr bool sharded_front = requires(DP& d) {
+    d.shard_pieces();
+};
+
+template <class DP>
+constexpr bool on_device() {
+    if constexpr (requires { DP::memory_type::on_device; })
+        return DP::memory_type::on_device;
+    else
+        return false;
+}
+
+// Over a backend whose collectives take device memory the tensors lie there, and only a memory
+// policy on the device copies them to the host.
+template <class DP>
+constexpr bool tensors_readable() {
+    using B = std::remove_cvref_t<decltype(std::declval<DP&>().backend())>;
+    static_assert(!DeviceBackend<B> || on_device<DP>(),
+                  "gradsync: a Checkpoint of a front over a backend whose collectives take device memory "
+                  "(NcclBackend, CudaLocalBackend) copies its tensors to the host through the memory policy: "
+                  "give the front gradsync::CudaMemory{stream} (memory/cuda.cuh)");
+    return true;
+}
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_CHECKPOINT_FRONT_TRAITS_HPP
+// ---- end gradsync/checkpoint/front_traits.hpp ----
+
 // ---- begin gradsync/checkpoint/host_staging.hpp ----
 #ifndef GRADSYNC_SINGLE_CHECKPOINT_HOST_STAGING_HPP
 #define GRADSYNC_SINGLE_CHECKPOINT_HOST_STAGING_HPP
@@ -10075,7 +10124,8 @@ private:
 // ---- end gradsync/launch/sampler.hpp ----
 
 #include <charconv>  // for std::from_chars
-#include <cmath>     // for std::isfinite
+#include <cstddef>
+#include <cmath>  // for std::isfinite
 #include <cstdint>
 #include <limits>
 #include <map>
@@ -10120,8 +10170,15 @@ std::map<std::string, std::string> checkpoint_metadata(DP& dp, const ShardedSamp
     return m;
 }
 
-// Empty when `file` holds exactly the tensors wanted (each with name, count and dtype), with
-// their dtypes and sizes.
+// The shape a tensor is saved with: the one its model states (a single element that states none
+// is 0-d, as a framework's scalar is), else 1-D.
+inline std::vector<std::uint64_t> saved_shape(const std::vector<std::size_t>& shape, std::size_t count) {
+    if (shape_elements(shape) == count && (!shape.empty() || count == 1)) return {shape.begin(), shape.end()};
+    return {count};
+}
+
+// Empty when `file` holds exactly the tensors wanted (each with name, count, dtype and shape), with
+// their dtypes and sizes, and the shapes the model states (or 1-D: files of earlier versions).
 template <class Tensor>
 std::string check_contents(const SafetensorsFile& file, const std::vector<Tensor>& wanted) {
     const std::string where = "gradsync: checkpoint " + file.path().string() + " does not fit: ";
@@ -10136,6 +10193,10 @@ std::string check_contents(const SafetensorsFile& file, const std::vector<Tensor
         if (saved->bytes.size() != t.count * size_of(t.dtype))
             return where + "tensor '" + t.name + "' has " + std::to_string(saved->bytes.size() / size_of(t.dtype)) +
                    " elements there and " + std::to_string(t.count) + " here";
+        const std::vector<std::size_t> there(saved->shape.begin(), saved->shape.end());
+        if (!t.shape.empty() && there != t.shape && there != std::vector<std::size_t>{t.count})
+            return where + "tensor '" + t.name + "' has shape " + shape_text(there) + " there and " +
+                   shape_text(t.shape) + " here";
     }
     for (const auto& saved : file.tensors())
         if (!names.contains(saved.name))
@@ -10152,7 +10213,10 @@ inline std::string read_scalars(const SafetensorsFile& file, CheckpointScalars& 
         auto it = m.find(key);
         if (it == m.end()) {
             if (problem.empty())
-                problem = "gradsync: checkpoint " + file.path().string() + " lacks metadata '" + key + "'";
+                problem = "gradsync: checkpoint " + file.path().string() + " lacks metadata '" + key + "'" +
+                          (key == "gradsync.step" ? " (a file of weights alone, such as a state dict Python saved, "
+                                                    "loads with Checkpoint::load_weights)"
+                                                  : "");
             return;
         }
         const auto& text = it->second;
@@ -10646,7 +10710,7 @@ public:
     // path take turns (Options::lock_wait): two trainers saving it leave the last one's whole.
     template <class DP>
     void save(const std::filesystem::path& path, DP& dp) const {
-        static_assert(tensors_readable<DP>());
+        static_assert(detail::tensors_readable<DP>());
         dp.wait_for_parameters();  // none left being written (all-gathers behind the forward)
         detail::HostStaging staging(dp.memory());
         std::string problem;
@@ -10666,8 +10730,8 @@ public:
             }
             detail::agree_on_problem(dp.backend(), problem);
         }
-        if constexpr (!on_device<DP>()) {
-            auto tensors = detail::replica_tensors(dp.parameters(), dp.buffers(), buffer_mode(dp));
+        if constexpr (!detail::on_device<DP>()) {
+            auto tensors = detail::replica_tensors(dp.parameters(), dp.buffers(), DP::buffers_type::mode);
             for (const auto& e : extras_)
                 tensors.push_back(
                     detail::ReplicaTensor{&e.name, "checkpointed tensor", e.data, e.count * size_of(e.dtype)});
@@ -10676,7 +10740,7 @@ public:
         }
         auto meta = detail::checkpoint_metadata(dp, sampler_);
         detail::ShardList shards;
-        if constexpr (sharded<DP>)
+        if constexpr (detail::sharded_front<DP>)
             if (!shards_.empty()) {
                 shards = write_shards(path, dp, staging.on_host(std::span<const detail::ShardedArray>(shards_)));
                 meta["gradsync.shards"] = detail::to_text(shards);
@@ -10691,9 +10755,7 @@ public:
                 std::vector<TensorBytes> tensors;
                 for (const auto& t : staging.on_host(std::span<const Extra>(all)))
                     tensors.push_back(TensorBytes{
-                        t.name,
-                        t.dtype,
-                        {t.count},
+                        t.name, t.dtype, detail::saved_shape(t.shape, t.count),
                         std::span<const std::byte>(static_cast<const std::byte*>(t.data), t.count * size_of(t.dtype))});
                 write_safetensors(path, tensors, meta, options_.write);
             } catch (const std::exception& e) {
@@ -10714,32 +10776,52 @@ public:
     // problem every rank throws the same CheckpointError and nothing has been changed on any rank.
     template <class DP>
     void load(const std::filesystem::path& path, DP& dp) {
-        static_assert(tensors_readable<DP>());
+        load_parts(path, dp, /*weights_only=*/false);
+    }
+
+    // The model's parameters and buffers alone, from any safetensors file that names them as the
+    // model does: a state dict Python saved (safetensors.torch.save_file(model.state_dict(), path))
+    // or a gradsync checkpoint without additions. Checked as load() checks (every tensor there,
+    // none left over, dtypes, sizes, and the shapes the model states) and received alike by every
+    // rank; the step count, the loss scaler, the sampler and this Checkpoint's additions are left
+    // as they are.
+    template <class DP>
+    void load_weights(const std::filesystem::path& path, DP& dp) {
+        load_parts(path, dp, /*weights_only=*/true);
+    }
+
+private:
+    template <class DP>
+    void load_parts(const std::filesystem::path& path, DP& dp, bool weights_only) {
+        static_assert(detail::tensors_readable<DP>());
         dp.wait_for_parameters();  // none left to overwrite what is loaded
         const detail::HostStaging staging(dp.memory());
         std::vector<Extra> wanted;
         std::string problem;
         try {
-            wanted = targets(dp);
+            wanted = weights_only ? weights(dp) : targets(dp);
         } catch (const std::exception& e) {
             problem = e.what();
         }
         detail::agree_on_problem(dp.backend(), problem);
+        const auto& shards = weights_only ? no_arrays : shards_;
+        const auto& locals = weights_only ? no_arrays : locals_;
         problem = detail::differs_from_rank0(dp.backend(), path, std::span<const Extra>(wanted),
-                                             std::span<const detail::ShardedArray>(shards_));
+                                             std::span<const detail::ShardedArray>(shards));
         detail::CheckpointScalars scalars;
         std::optional<SafetensorsFile> file;
         std::string shard_text, local_text;
         detail::PathLock lock;  // held until every rank has read its files
         if (dp.rank() == 0 && problem.empty()) {
             try {
-                lock = lock_beside(path, dp, detail::PathLock::Mode::shared);
+                if (!weights_only) lock = lock_beside(path, dp, detail::PathLock::Mode::shared);
                 file.emplace(path);
                 problem = detail::check_contents(*file, wanted);
-                if (problem.empty()) problem = detail::read_scalars(*file, scalars, sampler_ != nullptr);
-                if (problem.empty())
+                if (problem.empty() && !weights_only)
+                    problem = detail::read_scalars(*file, scalars, sampler_ != nullptr);
+                if (problem.empty() && !weights_only)
                     problem = detail::read_file_list(*file, detail::shard_files, scalars.step, shards_, shard_text);
-                if (problem.empty())
+                if (problem.empty() && !weights_only)
                     problem = detail::read_file_list(*file, detail::rank_files, scalars.step, locals_, local_text);
             } catch (const std::exception& e) {
                 problem = e.what();
@@ -10747,14 +10829,14 @@ public:
         }
         detail::agree_on_problem(dp.backend(), problem);
         std::vector<std::vector<std::byte>> state;  // this rank's pieces of each sharded array
-        if constexpr (sharded<DP>)
-            if (!shards_.empty()) {
+        if constexpr (detail::sharded_front<DP>)
+            if (!shards.empty()) {
                 detail::broadcast_text(dp.backend(), shard_text, 0);
                 problem = read_shards(path, shard_text, dp, state);
                 detail::agree_on_problem(dp.backend(), problem);
             }
         std::vector<std::vector<std::byte>> local;  // this rank's own arrays
-        if (!locals_.empty()) {
+        if (!locals.empty()) {
             detail::broadcast_text(dp.backend(), local_text, 0);
             try {
                 problem = detail::read_local(path, detail::shard_list_from_text(local_text), locals_, dp.rank(),
@@ -10770,11 +10852,11 @@ public:
                 const auto& saved = *file->find(t.name);
                 staging.copy_in(t.data, saved.bytes);
             }
-        if (dp.world_size() > 1) {
+        if (dp.world_size() > 1)
             for (const auto& t : wanted)
                 dp.backend().broadcast(std::span(static_cast<std::byte*>(t.data), t.count * size_of(t.dtype)), 0);
-            dp.backend().broadcast(std::as_writable_bytes(std::span(&scalars, 1)), 0);
-        }
+        if (weights_only) return;
+        if (dp.world_size() > 1) dp.backend().broadcast(std::as_writable_bytes(std::span(&scalars, 1)), 0);
         for (std::size_t a = 0; a < state.size(); ++a) staging.copy_in(shards_[a].data, state[a]);
         for (std::size_t a = 0; a < local.size(); ++a) staging.copy_in(locals_[a].data, local[a]);
         dp.restore_steps(scalars.step);
@@ -10789,41 +10871,13 @@ public:
         }
     }
 
-private:
     struct Extra {
         std::string name;
         void* data;
         std::size_t count;
         DType dtype;
+        std::vector<std::size_t> shape{};  // as the model states it; none for the additions
     };
-
-    // What differs between the fronts: ShardedDataParallel has sharded state and no memory policy.
-    template <class DP>
-    static constexpr bool sharded = requires(DP& d) {
-        d.shard_pieces();
-    };
-    template <class DP>
-    static constexpr bool on_device() {
-        if constexpr (requires { DP::memory_type::on_device; })
-            return DP::memory_type::on_device;
-        else
-            return false;
-    }
-    // Over a backend whose collectives take device memory the tensors lie there, and only a memory
-    // policy on the device copies them to the host.
-    template <class DP>
-    static constexpr bool tensors_readable() {
-        using B = std::remove_cvref_t<decltype(std::declval<DP&>().backend())>;
-        static_assert(!DeviceBackend<B> || on_device<DP>(),
-                      "gradsync: a Checkpoint of a front over a backend whose collectives take device memory "
-                      "(NcclBackend, CudaLocalBackend) copies its tensors to the host through the memory policy: "
-                      "give the front gradsync::CudaMemory{stream} (memory/cuda.cuh)");
-        return true;
-    }
-    template <class DP>
-    static constexpr BufferSync buffer_mode(const DP&) {
-        return DP::buffers_type::mode;
-    }
 
     // Each rank writes its shard file; every rank returns the list of them (hashes gathered from
     // every rank), or throws the same CheckpointError. Collective.
@@ -10855,7 +10909,7 @@ private:
     // Whether the checkpoint has files beside it: shard files or rank files.
     template <class DP>
     [[nodiscard]] bool files_beside() const {
-        return !locals_.empty() || (sharded<DP> && !shards_.empty());
+        return !locals_.empty() || (detail::sharded_front<DP> && !shards_.empty());
     }
     // Rank 0's turn at `path` where files lie beside it (path_lock.hpp); else no lock.
     template <class DP>
@@ -10876,13 +10930,20 @@ private:
         }
     }
 
+    // The model's parameters and buffers, with their shapes.
+    template <class DP>
+    static std::vector<Extra> weights(DP& dp) {
+        std::vector<Extra> all;
+        for (const auto& p : dp.parameters()) all.push_back(Extra{p.name, p.data, p.count, p.dtype, p.shape});
+        for (const auto& b : dp.buffers()) all.push_back(Extra{b.name, b.data, b.count, b.dtype, b.shape});
+        return all;
+    }
+
     template <class DP>
     std::vector<Extra> targets(DP& dp) const {
-        std::vector<Extra> all;
-        for (const auto& p : dp.parameters()) all.push_back(Extra{p.name, p.data, p.count, p.dtype});
-        for (const auto& b : dp.buffers()) all.push_back(Extra{b.name, b.data, b.count, b.dtype});
+        auto all = weights(dp);
         all.insert(all.end(), extras_.begin(), extras_.end());
-        if constexpr (sharded<DP>) {
+        if constexpr (detail::sharded_front<DP>) {
             for (const auto& a : shards_)
                 if (a.count != dp.state_elements())
                     throw CheckpointError(detail::rank_prefix(dp.rank()) + ": sharded state '" + a.name + "' has " +
@@ -10915,6 +10976,7 @@ private:
     std::vector<Extra> extras_;
     std::vector<detail::ShardedArray> shards_;
     std::vector<detail::ShardedArray> locals_;  // state that differs by rank
+    inline static const std::vector<detail::ShardedArray> no_arrays{};
     ShardedSampler* sampler_ = nullptr;
 };
 

@@ -118,6 +118,12 @@ TEST_CASE("Eigen parameters: dtypes, and what cannot be read as one block") {
     CHECK(gradsync::parameter("a", a, ga).dtype == gradsync::DType::float64);
     Eigen::RowVectorXf r(7), gr(7);
     CHECK(gradsync::parameter("r", r, gr).count == 7);
+    // The shape of the memory read row-major: a checkpoint saves it.
+    using Shape = std::vector<std::size_t>;
+    CHECK(p.shape == Shape{4, 3});  // column-major: its memory is the transpose's
+    Eigen::Matrix<float, 3, 4, Eigen::RowMajor> rm, grm;
+    CHECK(gradsync::parameter("rm", rm, grm).shape == Shape{3, 4});
+    CHECK(gradsync::parameter("r", r, gr).shape == Shape{7});
 
     Eigen::MatrixXd big(6, 6), gbig(6, 6), small(2, 3);
     CHECK_THROWS_WITH_AS(gradsync::parameter("blk", big.block(1, 1, 2, 2), gbig.block(1, 1, 2, 2)),

@@ -8,7 +8,8 @@
 //
 // gradsync reads the values and gradient as one block each, so both must lie contiguously: a
 // block or a strided map is refused, naming the parameter. A matrix must not be resized while a
-// DataParallel uses it.
+// DataParallel uses it. Each parameter states the shape of its memory read row-major (a
+// column-major matrix's is [cols, rows]): checkpoints save it, PowerSGD compresses it as a matrix.
 #pragma once
 
 #include <gradsync/version.hpp>
@@ -24,6 +25,7 @@
 #include <string>
 #include <type_traits>  // for std::remove_cvref_t, std::is_const_v
 #include <utility>      // for std::move
+#include <vector>
 
 namespace gradsync::inline v0 {
 
@@ -44,6 +46,17 @@ bool contiguous(const T& t) {
     return t.outerSize() == 1 || t.outerStride() == t.innerSize();
 }
 
+// The shape of t's memory read row-major, as a checkpoint saves it: a vector's length; a
+// row-major matrix's rows and columns; a column-major matrix's columns and rows (its memory is
+// its transpose, row-major).
+template <class T>
+std::vector<std::size_t> memory_shape(const T& t) {
+    const auto rows = static_cast<std::size_t>(t.rows()), cols = static_cast<std::size_t>(t.cols());
+    if (rows == 1 || cols == 1) return {rows * cols};
+    if (std::remove_cvref_t<T>::IsRowMajor) return {rows, cols};
+    return {cols, rows};
+}
+
 }  // namespace eigen_detail
 
 // A parameter over an Eigen matrix, array or map of values and one of gradients, of the same
@@ -62,7 +75,8 @@ typename std::remove_cvref_t<G>::Scalar >
                            (eigen_detail::contiguous(value) ? "gradient" : "values") +
                            " do not lie contiguously in memory (a block or a strided map); gradsync reads each as "
                            "one block: pass the whole matrix, or a map over contiguous memory");
-    return parameter(std::move(name), value.data(), grad.data(), static_cast<std::size_t>(value.size()));
+    return parameter(std::move(name), value.data(), grad.data(), static_cast<std::size_t>(value.size()),
+                     eigen_detail::memory_shape(value));
 }
 
 }  // namespace gradsync::inline v0

@@ -193,7 +193,9 @@ inline std::vector<ModelBuffer> buffers_of(::torch::nn::Module& module) {
                                "; gradsync keeps float, int32 and int64 buffers in step. Leave the buffers "
                                "alone with the policy gradsync::IgnoreBuffers, or make it one of those");
         detail::check_dense(buffer, device, [&] { return "buffer '" + item.key() + "'"; });
-        out.push_back(ModelBuffer{item.key(), buffer.data_ptr(), static_cast<std::size_t>(buffer.numel()), *dtype});
+        const auto sizes = buffer.sizes();
+        out.push_back(ModelBuffer{item.key(), buffer.data_ptr(), static_cast<std::size_t>(buffer.numel()), *dtype,
+                                  std::vector<std::size_t>(sizes.begin(), sizes.end())});
     }
     return out;
 }

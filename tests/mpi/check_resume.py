@@ -57,7 +57,7 @@ with tempfile.TemporaryDirectory() as tmp:
     assert meta["gradsync.world_size"] == np, meta
     assert meta["gradsync.sampler.seed"] == "7", meta
     w1 = header["fc1.weight"]
-    assert w1["dtype"] == "F32" and w1["shape"] == [784 * 512], w1
+    assert w1["dtype"] == "F32" and w1["shape"] == [784, 512], w1  # the shape the model states
     begin, end = w1["data_offsets"]
     assert end - begin == 4 * 784 * 512
     values = struct.unpack_from("<4f", data, begin)

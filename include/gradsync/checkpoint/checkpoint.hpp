@@ -17,6 +17,7 @@
 #include <gradsync/detail/hash.hpp>
 #include <gradsync/dtype.hpp>
 #include <gradsync/checkpoint/agreement.hpp>
+#include <gradsync/checkpoint/front_traits.hpp>
 #include <gradsync/checkpoint/host_staging.hpp>
 #include <gradsync/checkpoint/safetensors.hpp>
 #include <gradsync/checkpoint/local_files.hpp>
@@ -108,7 +109,7 @@ public:
     // path take turns (Options::lock_wait): two trainers saving it leave the last one's whole.
     template <class DP>
     void save(const std::filesystem::path& path, DP& dp) const {
-        static_assert(tensors_readable<DP>());
+        static_assert(detail::tensors_readable<DP>());
         dp.wait_for_parameters();  // none left being written (all-gathers behind the forward)
         detail::HostStaging staging(dp.memory());
         std::string problem;
@@ -128,8 +129,8 @@ public:
             }
             detail::agree_on_problem(dp.backend(), problem);
         }
-        if constexpr (!on_device<DP>()) {
-            auto tensors = detail::replica_tensors(dp.parameters(), dp.buffers(), buffer_mode(dp));
+        if constexpr (!detail::on_device<DP>()) {
+            auto tensors = detail::replica_tensors(dp.parameters(), dp.buffers(), DP::buffers_type::mode);
             for (const auto& e : extras_)
                 tensors.push_back(
                     detail::ReplicaTensor{&e.name, "checkpointed tensor", e.data, e.count * size_of(e.dtype)});
@@ -138,7 +139,7 @@ public:
         }
         auto meta = detail::checkpoint_metadata(dp, sampler_);
         detail::ShardList shards;
-        if constexpr (sharded<DP>)
+        if constexpr (detail::sharded_front<DP>)
             if (!shards_.empty()) {
                 shards = write_shards(path, dp, staging.on_host(std::span<const detail::ShardedArray>(shards_)));
                 meta["gradsync.shards"] = detail::to_text(shards);
@@ -153,9 +154,7 @@ public:
                 std::vector<TensorBytes> tensors;
                 for (const auto& t : staging.on_host(std::span<const Extra>(all)))
                     tensors.push_back(TensorBytes{
-                        t.name,
-                        t.dtype,
-                        {t.count},
+                        t.name, t.dtype, detail::saved_shape(t.shape, t.count),
                         std::span<const std::byte>(static_cast<const std::byte*>(t.data), t.count * size_of(t.dtype))});
                 write_safetensors(path, tensors, meta, options_.write);
             } catch (const std::exception& e) {
@@ -176,32 +175,52 @@ public:
     // problem every rank throws the same CheckpointError and nothing has been changed on any rank.
     template <class DP>
     void load(const std::filesystem::path& path, DP& dp) {
-        static_assert(tensors_readable<DP>());
+        load_parts(path, dp, /*weights_only=*/false);
+    }
+
+    // The model's parameters and buffers alone, from any safetensors file that names them as the
+    // model does: a state dict Python saved (safetensors.torch.save_file(model.state_dict(), path))
+    // or a gradsync checkpoint without additions. Checked as load() checks (every tensor there,
+    // none left over, dtypes, sizes, and the shapes the model states) and received alike by every
+    // rank; the step count, the loss scaler, the sampler and this Checkpoint's additions are left
+    // as they are.
+    template <class DP>
+    void load_weights(const std::filesystem::path& path, DP& dp) {
+        load_parts(path, dp, /*weights_only=*/true);
+    }
+
+private:
+    template <class DP>
+    void load_parts(const std::filesystem::path& path, DP& dp, bool weights_only) {
+        static_assert(detail::tensors_readable<DP>());
         dp.wait_for_parameters();  // none left to overwrite what is loaded
         const detail::HostStaging staging(dp.memory());
         std::vector<Extra> wanted;
         std::string problem;
         try {
-            wanted = targets(dp);
+            wanted = weights_only ? weights(dp) : targets(dp);
         } catch (const std::exception& e) {
             problem = e.what();
         }
         detail::agree_on_problem(dp.backend(), problem);
+        const auto& shards = weights_only ? no_arrays : shards_;
+        const auto& locals = weights_only ? no_arrays : locals_;
         problem = detail::differs_from_rank0(dp.backend(), path, std::span<const Extra>(wanted),
-                                             std::span<const detail::ShardedArray>(shards_));
+                                             std::span<const detail::ShardedArray>(shards));
         detail::CheckpointScalars scalars;
         std::optional<SafetensorsFile> file;
         std::string shard_text, local_text;
         detail::PathLock lock;  // held until every rank has read its files
         if (dp.rank() == 0 && problem.empty()) {
             try {
-                lock = lock_beside(path, dp, detail::PathLock::Mode::shared);
+                if (!weights_only) lock = lock_beside(path, dp, detail::PathLock::Mode::shared);
                 file.emplace(path);
                 problem = detail::check_contents(*file, wanted);
-                if (problem.empty()) problem = detail::read_scalars(*file, scalars, sampler_ != nullptr);
-                if (problem.empty())
+                if (problem.empty() && !weights_only)
+                    problem = detail::read_scalars(*file, scalars, sampler_ != nullptr);
+                if (problem.empty() && !weights_only)
                     problem = detail::read_file_list(*file, detail::shard_files, scalars.step, shards_, shard_text);
-                if (problem.empty())
+                if (problem.empty() && !weights_only)
                     problem = detail::read_file_list(*file, detail::rank_files, scalars.step, locals_, local_text);
             } catch (const std::exception& e) {
                 problem = e.what();
@@ -209,14 +228,14 @@ public:
         }
         detail::agree_on_problem(dp.backend(), problem);
         std::vector<std::vector<std::byte>> state;  // this rank's pieces of each sharded array
-        if constexpr (sharded<DP>)
-            if (!shards_.empty()) {
+        if constexpr (detail::sharded_front<DP>)
+            if (!shards.empty()) {
                 detail::broadcast_text(dp.backend(), shard_text, 0);
                 problem = read_shards(path, shard_text, dp, state);
                 detail::agree_on_problem(dp.backend(), problem);
             }
         std::vector<std::vector<std::byte>> local;  // this rank's own arrays
-        if (!locals_.empty()) {
+        if (!locals.empty()) {
             detail::broadcast_text(dp.backend(), local_text, 0);
             try {
                 problem = detail::read_local(path, detail::shard_list_from_text(local_text), locals_, dp.rank(),
@@ -232,11 +251,11 @@ public:
                 const auto& saved = *file->find(t.name);
                 staging.copy_in(t.data, saved.bytes);
             }
-        if (dp.world_size() > 1) {
+        if (dp.world_size() > 1)
             for (const auto& t : wanted)
                 dp.backend().broadcast(std::span(static_cast<std::byte*>(t.data), t.count * size_of(t.dtype)), 0);
-            dp.backend().broadcast(std::as_writable_bytes(std::span(&scalars, 1)), 0);
-        }
+        if (weights_only) return;
+        if (dp.world_size() > 1) dp.backend().broadcast(std::as_writable_bytes(std::span(&scalars, 1)), 0);
         for (std::size_t a = 0; a < state.size(); ++a) staging.copy_in(shards_[a].data, state[a]);
         for (std::size_t a = 0; a < local.size(); ++a) staging.copy_in(locals_[a].data, local[a]);
         dp.restore_steps(scalars.step);
@@ -251,41 +270,13 @@ public:
         }
     }
 
-private:
     struct Extra {
         std::string name;
         void* data;
         std::size_t count;
         DType dtype;
+        std::vector<std::size_t> shape{};  // as the model states it; none for the additions
     };
-
-    // What differs between the fronts: ShardedDataParallel has sharded state and no memory policy.
-    template <class DP>
-    static constexpr bool sharded = requires(DP& d) {
-        d.shard_pieces();
-    };
-    template <class DP>
-    static constexpr bool on_device() {
-        if constexpr (requires { DP::memory_type::on_device; })
-            return DP::memory_type::on_device;
-        else
-            return false;
-    }
-    // Over a backend whose collectives take device memory the tensors lie there, and only a memory
-    // policy on the device copies them to the host.
-    template <class DP>
-    static constexpr bool tensors_readable() {
-        using B = std::remove_cvref_t<decltype(std::declval<DP&>().backend())>;
-        static_assert(!DeviceBackend<B> || on_device<DP>(),
-                      "gradsync: a Checkpoint of a front over a backend whose collectives take device memory "
-                      "(NcclBackend, CudaLocalBackend) copies its tensors to the host through the memory policy: "
-                      "give the front gradsync::CudaMemory{stream} (memory/cuda.cuh)");
-        return true;
-    }
-    template <class DP>
-    static constexpr BufferSync buffer_mode(const DP&) {
-        return DP::buffers_type::mode;
-    }
 
     // Each rank writes its shard file; every rank returns the list of them (hashes gathered from
     // every rank), or throws the same CheckpointError. Collective.
@@ -317,7 +308,7 @@ private:
     // Whether the checkpoint has files beside it: shard files or rank files.
     template <class DP>
     [[nodiscard]] bool files_beside() const {
-        return !locals_.empty() || (sharded<DP> && !shards_.empty());
+        return !locals_.empty() || (detail::sharded_front<DP> && !shards_.empty());
     }
     // Rank 0's turn at `path` where files lie beside it (path_lock.hpp); else no lock.
     template <class DP>
@@ -338,13 +329,20 @@ private:
         }
     }
 
+    // The model's parameters and buffers, with their shapes.
+    template <class DP>
+    static std::vector<Extra> weights(DP& dp) {
+        std::vector<Extra> all;
+        for (const auto& p : dp.parameters()) all.push_back(Extra{p.name, p.data, p.count, p.dtype, p.shape});
+        for (const auto& b : dp.buffers()) all.push_back(Extra{b.name, b.data, b.count, b.dtype, b.shape});
+        return all;
+    }
+
     template <class DP>
     std::vector<Extra> targets(DP& dp) const {
-        std::vector<Extra> all;
-        for (const auto& p : dp.parameters()) all.push_back(Extra{p.name, p.data, p.count, p.dtype});
-        for (const auto& b : dp.buffers()) all.push_back(Extra{b.name, b.data, b.count, b.dtype});
+        auto all = weights(dp);
         all.insert(all.end(), extras_.begin(), extras_.end());
-        if constexpr (sharded<DP>) {
+        if constexpr (detail::sharded_front<DP>) {
             for (const auto& a : shards_)
                 if (a.count != dp.state_elements())
                     throw CheckpointError(detail::rank_prefix(dp.rank()) + ": sharded state '" + a.name + "' has " +
@@ -377,6 +375,7 @@ private:
     std::vector<Extra> extras_;
     std::vector<detail::ShardedArray> shards_;
     std::vector<detail::ShardedArray> locals_;  // state that differs by rank
+    inline static const std::vector<detail::ShardedArray> no_arrays{};
     ShardedSampler* sampler_ = nullptr;
 };
 

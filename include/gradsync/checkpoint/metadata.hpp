@@ -7,9 +7,11 @@
 #include <gradsync/detail/number_text.hpp>
 #include <gradsync/dtype.hpp>
 #include <gradsync/launch/sampler.hpp>
+#include <gradsync/model/model.hpp>
 
 #include <charconv>  // for std::from_chars
-#include <cmath>     // for std::isfinite
+#include <cstddef>
+#include <cmath>  // for std::isfinite
 #include <cstdint>
 #include <limits>
 #include <map>
@@ -54,8 +56,15 @@ std::map<std::string, std::string> checkpoint_metadata(DP& dp, const ShardedSamp
     return m;
 }
 
-// Empty when `file` holds exactly the tensors wanted (each with name, count and dtype), with
-// their dtypes and sizes.
+// The shape a tensor is saved with: the one its model states (a single element that states none
+// is 0-d, as a framework's scalar is), else 1-D.
+inline std::vector<std::uint64_t> saved_shape(const std::vector<std::size_t>& shape, std::size_t count) {
+    if (shape_elements(shape) == count && (!shape.empty() || count == 1)) return {shape.begin(), shape.end()};
+    return {count};
+}
+
+// Empty when `file` holds exactly the tensors wanted (each with name, count, dtype and shape), with
+// their dtypes and sizes, and the shapes the model states (or 1-D: files of earlier versions).
 template <class Tensor>
 std::string check_contents(const SafetensorsFile& file, const std::vector<Tensor>& wanted) {
     const std::string where = "gradsync: checkpoint " + file.path().string() + " does not fit: ";
@@ -70,6 +79,10 @@ std::string check_contents(const SafetensorsFile& file, const std::vector<Tensor
         if (saved->bytes.size() != t.count * size_of(t.dtype))
             return where + "tensor '" + t.name + "' has " + std::to_string(saved->bytes.size() / size_of(t.dtype)) +
                    " elements there and " + std::to_string(t.count) + " here";
+        const std::vector<std::size_t> there(saved->shape.begin(), saved->shape.end());
+        if (!t.shape.empty() && there != t.shape && there != std::vector<std::size_t>{t.count})
+            return where + "tensor '" + t.name + "' has shape " + shape_text(there) + " there and " +
+                   shape_text(t.shape) + " here";
     }
     for (const auto& saved : file.tensors())
         if (!names.contains(saved.name))
@@ -86,7 +99,10 @@ inline std::string read_scalars(const SafetensorsFile& file, CheckpointScalars& 
         auto it = m.find(key);
         if (it == m.end()) {
             if (problem.empty())
-                problem = "gradsync: checkpoint " + file.path().string() + " lacks metadata '" + key + "'";
+                problem = "gradsync: checkpoint " + file.path().string() + " lacks metadata '" + key + "'" +
+                          (key == "gradsync.step" ? " (a file of weights alone, such as a state dict Python saved, "
+                                                    "loads with Checkpoint::load_weights)"
+                                                  : "");
             return;
         }
         const auto& text = it->second;

@@ -25,15 +25,16 @@ struct ModelBuffer {
     void* data = nullptr;
     std::size_t count = 0;
     DType dtype = DType::float32;
+    std::vector<std::size_t> shape{};  // optional, as a Parameter's: a checkpoint saves it
 
     [[nodiscard]] Bytes bytes() const { return Bytes{count * size_of(dtype)}; }
 };
 
 template <class T>
 requires std::ranges::contiguous_range<T> && std::ranges::sized_range<T> && HasDType<std::ranges::range_value_t<T>>
-    ModelBuffer model_buffer(std::string name, T& data) {
+    ModelBuffer model_buffer(std::string name, T& data, std::vector<std::size_t> shape = {}) {
     return ModelBuffer{std::move(name), std::ranges::data(data), std::ranges::size(data),
-                       dtype_of<std::ranges::range_value_t<T>>};
+                       dtype_of<std::ranges::range_value_t<T>>, std::move(shape)};
 }
 
 template <class R>
