@@ -9,7 +9,8 @@
 // gradsync reads the values and gradient as one block each, so both must lie contiguously: a
 // block or a strided map is refused, naming the parameter. A matrix must not be resized while a
 // DataParallel uses it. Each parameter states the shape of its memory read row-major (a
-// column-major matrix's is [cols, rows]): checkpoints save it, PowerSGD compresses it as a matrix.
+// column-major matrix's is [cols, rows]): checkpoints save it (tests/test_checkpoint_shapes.cpp
+// covers stated shapes; no test runs PowerSGD over Eigen parameters).
 #pragma once
 
 #include <gradsync/version.hpp>
