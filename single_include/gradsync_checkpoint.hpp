@@ -4796,14 +4796,22 @@ private:
 
 namespace gradsync::inline v0::detail {
 
+// The parameter a call (grad_ready, param_ready) named, as ModelLayout::at_model_index or named
+// found it (ModelLayout::none: a zero-sized one), or what was wrong with the call thrown as a
+// ReadinessError that where() (rank and step) begins.
+template <class Where>
+std::size_t named_parameter(const std::variant<std::size_t, std::string>& found, const Where& where) {
+    if (const auto* problem = std::get_if<std::string>(&found)) throw ReadinessError(where() + ": " + *problem);
+    return std::get<std::size_t>(found);
+}
+
 // `found`: the parameter a grad_ready call named (ModelLayout::at_model_index or named), or what
 // was wrong with the call. Launches through launch(b) every bucket it completes, in plan order; a
 // misuse is a ReadinessError that where() (rank and step) begins.
 template <class Launch, class Where>
 void mark_ready(Readiness& readiness, const ModelLayout& layout, const std::variant<std::size_t, std::string>& found,
                 Launch&& launch, const Where& where) {
-    if (const auto* problem = std::get_if<std::string>(&found)) throw ReadinessError(where() + ": " + *problem);
-    const auto p = std::get<std::size_t>(found);
+    const auto p = named_parameter(found, where);
     if (p == ModelLayout::none) return;
     if (readiness.mark(p, launch) == Readiness::Mark::twice)
         throw ReadinessError(where() + ": grad_ready for parameter '" + layout.params[p].name +
@@ -7943,7 +7951,7 @@ private:
 // forward that read a parameter without waiting is found, not trained on.
 
 
-#include <algorithm>  // for std::sort, std::min_element
+#include <algorithm>  // for std::sort, std::min
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -7976,7 +7984,6 @@ public:
         std::sort(order_.begin(), order_.end(), [&](std::size_t x, std::size_t y) { return first[x] < first[y]; });
         handles_.clear();
         handles_.resize(buckets);
-        pending_.assign(buckets, 0);
     }
 
     // The buckets in the order the forward reads them: the order their all-gathers go in.
@@ -7987,11 +7994,8 @@ public:
 
     // Bucket b's all-gather is in flight (`handle`) and is to be waited for before the forward
     // reads its parameters.
-    void launched(std::size_t b, Handle handle) {
-        handles_[b].emplace(std::move(handle));
-        pending_[b] = 1;
-    }
-    [[nodiscard]] bool pending(std::size_t b) const { return pending_[b] != 0; }
+    void launched(std::size_t b, Handle handle) { handles_[b].emplace(std::move(handle)); }
+    [[nodiscard]] bool pending(std::size_t b) const { return handles_[b].has_value(); }
     // The first bucket, in forward order, still to be waited for.
     [[nodiscard]] std::optional<std::size_t> first_pending() const {
         for (auto b : order_)
@@ -8004,12 +8008,9 @@ public:
     template <class Finish, class Late>
     void wait(std::size_t b, clock::time_point deadline, Finish&& finish, Late&& late) {
         if (!pending(b)) return;
-        if (handles_[b]) {
-            if (!handles_[b]->wait_until(deadline)) throw TimeoutError(late(b));
-            handles_[b].reset();
-        }
+        if (!handles_[b]->wait_until(deadline)) throw TimeoutError(late(b));
         finish(b);
-        pending_[b] = 0;
+        handles_[b].reset();
     }
     // ...every pending bucket, in forward order.
     template <class Finish, class Late>
@@ -8017,11 +8018,7 @@ public:
         for (auto b : order_) wait(b, deadline, finish, late);
     }
 
-    [[nodiscard]] bool in_flight() const {
-        for (const auto& h : handles_)
-            if (h) return true;
-        return false;
-    }
+    [[nodiscard]] bool in_flight() const { return first_pending().has_value(); }
     // After a failure: waits for the all-gathers in flight until `deadline`, ignoring their
     // errors (after an abort they end at once); the parameters are then unspecified.
     void drain(clock::time_point deadline) {
@@ -8032,15 +8029,13 @@ public:
             }
             h.reset();
         }
-        std::fill(pending_.begin(), pending_.end(), 0);
     }
 
 private:
     std::vector<std::size_t> bucket_of_;
     std::vector<std::size_t> first_;
     std::vector<std::size_t> order_;
-    std::vector<std::optional<Handle>> handles_;
-    std::vector<char> pending_;  // not vector<bool>: read by backward threads
+    std::vector<std::optional<Handle>> handles_;  // a bucket's, until it is waited for
 };
 
 // What a rank whose forward read parameter `name` without waiting for it is told, where it was
@@ -9007,9 +9002,7 @@ private:
     // All-gathers behind the forward (FrontCore's wait_for_parameters, check_read and InFlight
     // call these).
     void gather(const std::variant<std::size_t, std::string>& found) {
-        if (const auto* problem = std::get_if<std::string>(&found))
-            throw ReadinessError(this->where() + ": " + *problem);
-        const auto p = std::get<std::size_t>(found);
+        const auto p = detail::named_parameter(found, [this] { return this->where(); });
         if (p != detail::ModelLayout::none) gathers_.wait(gathers_.bucket_of(p), gather_deadline(), unpack(), late());
     }
     void gather_all() { gathers_.wait_all(gather_deadline(), unpack(), late()); }

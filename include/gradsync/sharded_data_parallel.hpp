@@ -17,6 +17,7 @@
 #include <gradsync/data_parallel/layout_agreement.hpp>
 #include <gradsync/data_parallel/model_layout.hpp>
 #include <gradsync/data_parallel/parameter_gathers.hpp>
+#include <gradsync/data_parallel/ready_calls.hpp>
 #include <gradsync/data_parallel/released_shards.hpp>
 #include <gradsync/data_parallel/shard_layout.hpp>
 #include <gradsync/data_parallel/shard_step.hpp>
@@ -244,9 +245,7 @@ private:
     // All-gathers behind the forward (FrontCore's wait_for_parameters, check_read and InFlight
     // call these).
     void gather(const std::variant<std::size_t, std::string>& found) {
-        if (const auto* problem = std::get_if<std::string>(&found))
-            throw ReadinessError(this->where() + ": " + *problem);
-        const auto p = std::get<std::size_t>(found);
+        const auto p = detail::named_parameter(found, [this] { return this->where(); });
         if (p != detail::ModelLayout::none) gathers_.wait(gathers_.bucket_of(p), gather_deadline(), unpack(), late());
     }
     void gather_all() { gathers_.wait_all(gather_deadline(), unpack(), late()); }

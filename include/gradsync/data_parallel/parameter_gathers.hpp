@@ -9,7 +9,7 @@
 #include <gradsync/bucket/plan.hpp>
 #include <gradsync/error.hpp>
 
-#include <algorithm>  // for std::sort, std::min_element
+#include <algorithm>  // for std::sort, std::min
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -42,7 +42,6 @@ public:
         std::sort(order_.begin(), order_.end(), [&](std::size_t x, std::size_t y) { return first[x] < first[y]; });
         handles_.clear();
         handles_.resize(buckets);
-        pending_.assign(buckets, 0);
     }
 
     // The buckets in the order the forward reads them: the order their all-gathers go in.
@@ -53,11 +52,8 @@ public:
 
     // Bucket b's all-gather is in flight (`handle`) and is to be waited for before the forward
     // reads its parameters.
-    void launched(std::size_t b, Handle handle) {
-        handles_[b].emplace(std::move(handle));
-        pending_[b] = 1;
-    }
-    [[nodiscard]] bool pending(std::size_t b) const { return pending_[b] != 0; }
+    void launched(std::size_t b, Handle handle) { handles_[b].emplace(std::move(handle)); }
+    [[nodiscard]] bool pending(std::size_t b) const { return handles_[b].has_value(); }
     // The first bucket, in forward order, still to be waited for.
     [[nodiscard]] std::optional<std::size_t> first_pending() const {
         for (auto b : order_)
@@ -70,12 +66,9 @@ public:
     template <class Finish, class Late>
     void wait(std::size_t b, clock::time_point deadline, Finish&& finish, Late&& late) {
         if (!pending(b)) return;
-        if (handles_[b]) {
-            if (!handles_[b]->wait_until(deadline)) throw TimeoutError(late(b));
-            handles_[b].reset();
-        }
+        if (!handles_[b]->wait_until(deadline)) throw TimeoutError(late(b));
         finish(b);
-        pending_[b] = 0;
+        handles_[b].reset();
     }
     // ...every pending bucket, in forward order.
     template <class Finish, class Late>
@@ -83,11 +76,7 @@ public:
         for (auto b : order_) wait(b, deadline, finish, late);
     }
 
-    [[nodiscard]] bool in_flight() const {
-        for (const auto& h : handles_)
-            if (h) return true;
-        return false;
-    }
+    [[nodiscard]] bool in_flight() const { return first_pending().has_value(); }
     // After a failure: waits for the all-gathers in flight until `deadline`, ignoring their
     // errors (after an abort they end at once); the parameters are then unspecified.
     void drain(clock::time_point deadline) {
@@ -98,15 +87,13 @@ public:
             }
             h.reset();
         }
-        std::fill(pending_.begin(), pending_.end(), 0);
     }
 
 private:
     std::vector<std::size_t> bucket_of_;
     std::vector<std::size_t> first_;
     std::vector<std::size_t> order_;
-    std::vector<std::optional<Handle>> handles_;
-    std::vector<char> pending_;  // not vector<bool>: read by backward threads
+    std::vector<std::optional<Handle>> handles_;  // a bucket's, until it is waited for
 };
 
 // What a rank whose forward read parameter `name` without waiting for it is told, where it was

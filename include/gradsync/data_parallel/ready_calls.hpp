@@ -14,14 +14,22 @@
 
 namespace gradsync::inline v0::detail {
 
+// The parameter a call (grad_ready, param_ready) named, as ModelLayout::at_model_index or named
+// found it (ModelLayout::none: a zero-sized one), or what was wrong with the call thrown as a
+// ReadinessError that where() (rank and step) begins.
+template <class Where>
+std::size_t named_parameter(const std::variant<std::size_t, std::string>& found, const Where& where) {
+    if (const auto* problem = std::get_if<std::string>(&found)) throw ReadinessError(where() + ": " + *problem);
+    return std::get<std::size_t>(found);
+}
+
 // `found`: the parameter a grad_ready call named (ModelLayout::at_model_index or named), or what
 // was wrong with the call. Launches through launch(b) every bucket it completes, in plan order; a
 // misuse is a ReadinessError that where() (rank and step) begins.
 template <class Launch, class Where>
 void mark_ready(Readiness& readiness, const ModelLayout& layout, const std::variant<std::size_t, std::string>& found,
                 Launch&& launch, const Where& where) {
-    if (const auto* problem = std::get_if<std::string>(&found)) throw ReadinessError(where() + ": " + *problem);
-    const auto p = std::get<std::size_t>(found);
+    const auto p = named_parameter(found, where);
     if (p == ModelLayout::none) return;
     if (readiness.mark(p, launch) == Readiness::Mark::twice)
         throw ReadinessError(where() + ": grad_ready for parameter '" + layout.params[p].name +
