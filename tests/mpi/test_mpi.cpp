@@ -574,12 +574,12 @@ TEST_CASE("sharded over MPI: optimizer state split across processes == one proce
             CHECK(sdp.buckets_launched() == (overlap ? sdp.plan().buckets.size() : 0));
             CHECK(sdp.step(sgd).applied);
         }
+        sdp.wait_for_parameters();  // no all-gather in flight beside the raw MPI call below
         // This rank's state is its share: the shares add up to every parameter once.
         std::uint64_t mine = sdp.state_elements(), all = 0;
         MPI_Allreduce(&mine, &all, 1, MPI_UINT64_T, MPI_SUM, gradsync::mpi_world());
         CHECK(all == sdp.parameter_elements());
         CHECK(mine * std::uint64_t(world) <= sdp.parameter_elements() + std::uint64_t(world) * 8);
-        sdp.wait_for_parameters();
         return resume::flat(model);
     };
     for (const auto& caps : {gradsync::SizeCappedBuckets{}, gradsync::SizeCappedBuckets{64_KiB, 4_KiB}})
