@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 source scripts/deps.sh
 
 ensure_packages cmake ninja-build g++ make python3 doctest-dev libbenchmark-dev clang-format \
-    libopenmpi-dev openmpi-bin nlohmann-json3-dev clang-14 libtorch-dev libeigen3-dev pkgconf python3-pip python3-venv unzip python3-torch
+    libopenmpi-dev openmpi-bin iproute2 nlohmann-json3-dev clang-14 libtorch-dev libeigen3-dev pkgconf python3-pip python3-venv unzip python3-torch
 export PATH="$PATH:/usr/local/cuda/bin"  # nvcc, where the CUDA toolkit is installed
 
 for preset in dev tsan asan-ubsan; do

@@ -234,6 +234,7 @@ inline std::string rank_prefix(int rank, int size, const std::string& where = {}
 #include <cstdint>
 #include <span>
 #include <string>
+#include <vector>
 
 namespace gradsync::inline v0 {
 
@@ -299,6 +300,30 @@ inline std::size_t total_count(std::span<const Segment> segs) {
     std::size_t n = 0;
     for (const auto& s : segs) n += s.count;
     return n;
+}
+
+// For each of `segments` (one after another) that crosses elements [lo, hi) of the whole:
+// fn(k, from, begin, n), its part from its own element `from` on, n long, which begins at element
+// `begin` of the whole.
+template <class Fn>
+void for_each_within(std::span<const Segment> segments, std::size_t lo, std::size_t hi, Fn&& fn) {
+    std::size_t at = 0;
+    for (std::size_t k = 0; k < segments.size(); ++k) {
+        const std::size_t n = segments[k].count, begin = std::max(lo, at), end = std::min(hi, at + n);
+        if (begin < end) fn(k, begin - at, begin, end - begin);
+        at += n;
+    }
+}
+
+// The parts of `segments` (of dtype `t`, one after another) that lie within elements [lo, hi).
+inline std::vector<Segment> segments_within(std::span<const Segment> segments, std::size_t lo, std::size_t hi,
+                                            DType t) {
+    std::vector<Segment> out;
+    const std::size_t elem = size_of(t);
+    for_each_within(segments, lo, hi, [&](std::size_t k, std::size_t from, std::size_t, std::size_t n) {
+        out.push_back({static_cast<std::byte*>(segments[k].data) + from * elem, n});
+    });
+    return out;
 }
 
 }  // namespace detail
@@ -2324,6 +2349,77 @@ auto all_gather_async_tagged(B& b, std::span<const Segment> segs, DType t, Colle
 #endif  // GRADSYNC_SINGLE_BACKEND_CONCEPTS_HPP
 // ---- end gradsync/backend/concepts.hpp ----
 
+// ---- begin gradsync/backend/group_label.hpp ----
+#ifndef GRADSYNC_SINGLE_BACKEND_GROUP_LABEL_HPP
+#define GRADSYNC_SINGLE_BACKEND_GROUP_LABEL_HPP
+// GroupLabel: which ranks of the whole job a backend's group holds. A backend over a subset of
+// the job (one data-parallel dimension of a larger one, the ranks of one machine) names its
+// group and those ranks in every message, so that "rank 1" is never ambiguous.
+
+
+#include <cstddef>
+#include <string>
+#include <utility>  // for std::move
+#include <vector>
+
+namespace gradsync::inline v0 {
+
+struct GroupLabel {
+    std::string name;              // the trainer's name for the group; may be empty
+    std::vector<int> world_ranks;  // the job rank of each group rank; empty: the group is the whole job
+
+    [[nodiscard]] bool whole_job() const { return world_ranks.empty(); }
+
+    // "the group "dp 1" (job ranks 2, 3)", or "the group of job ranks 2, 3"; "" for the whole job.
+    [[nodiscard]] std::string describe() const {
+        if (whole_job()) return {};
+        std::string ranks;
+        const std::size_t shown = world_ranks.size() <= 8 ? world_ranks.size() : 6;
+        for (std::size_t i = 0; i < shown; ++i) ranks += (i ? ", " : "") + std::to_string(world_ranks[i]);
+        if (shown < world_ranks.size())
+            ranks +=
+                ", ... " + std::to_string(world_ranks.back()) + " (" + std::to_string(world_ranks.size()) + " ranks)";
+        return name.empty() ? "the group of job ranks " + ranks
+                            : "the group \"" + name + "\" (job ranks " + ranks + ")";
+    }
+
+    // How a message about group rank `rank` begins: "gradsync: rank 1 of the group "dp 1" (job
+    // ranks 2, 3)"; for the whole job as before, "gradsync: rank 3".
+    [[nodiscard]] std::string who(int rank) const {
+        return whole_job() ? detail::rank_prefix(rank) : detail::rank_prefix(rank) + " of " + describe();
+    }
+    // ...and with the group's size for the whole job: "gradsync: rank 3 of 4".
+    [[nodiscard]] std::string who(int rank, int size) const {
+        return whole_job() ? detail::rank_prefix(rank, size) : who(rank);
+    }
+};
+
+// A label for the group of `world_ranks` (in group rank order), or the whole job's when they are
+// 0, 1, ... size - 1 of a job of that size.
+inline GroupLabel group_label(std::string name, std::vector<int> world_ranks, int world_size) {
+    bool whole = static_cast<int>(world_ranks.size()) == world_size;
+    for (std::size_t i = 0; whole && i < world_ranks.size(); ++i) whole = world_ranks[i] == static_cast<int>(i);
+    if (whole) return {std::move(name), {}};
+    return {std::move(name), std::move(world_ranks)};
+}
+
+namespace detail {
+
+// How a message about `backend`'s rank begins: its group's words where it names one.
+template <class Backend>
+std::string who(const Backend& backend) {
+    if constexpr (requires { backend.group(); })
+        return backend.group().who(backend.rank());
+    else
+        return rank_prefix(backend.rank());
+}
+
+}  // namespace detail
+
+}  // namespace gradsync::inline v0
+#endif  // GRADSYNC_SINGLE_BACKEND_GROUP_LABEL_HPP
+// ---- end gradsync/backend/group_label.hpp ----
+
 // ---- begin gradsync/backend/local.hpp ----
 #ifndef GRADSYNC_SINGLE_BACKEND_LOCAL_HPP
 #define GRADSYNC_SINGLE_BACKEND_LOCAL_HPP
@@ -3164,9 +3260,10 @@ struct alignas(cache_line) LocalRankState {
 
 class LocalGroupState {
 public:
-    LocalGroupState(int size, LocalGroupOptions options)
+    LocalGroupState(int size, LocalGroupOptions options, GroupLabel label = {})
         : size_(size),
           options_(options),
+          label_(std::move(label)),
           ranks_(static_cast<std::size_t>(size)),
           reporters_(static_cast<std::size_t>(size)) {
         std::size_t slot = std::max<std::size_t>(4096, options.one_shot_max.count());
@@ -3183,6 +3280,7 @@ public:
 
     [[nodiscard]] int size() const { return size_; }
     [[nodiscard]] const LocalGroupOptions& options() const { return options_; }
+    [[nodiscard]] const GroupLabel& label() const { return label_; }
     [[nodiscard]] Bytes memory_per_rank() const { return Bytes{2 * staging_bytes_ + reduce_block_bytes}; }
 
     // Fails every pending and future collective of every rank with `reason`. First reason wins.
@@ -3199,7 +3297,7 @@ public:
     // Throws, once the group was aborted, why: for a rank whose collectives all completed before a
     // peer failed its step.
     void throw_if_aborted(int rank) const {
-        if (aborted()) throw CollectiveError(rank_prefix(rank) + ": the group was aborted: " + abort_reason());
+        if (aborted()) throw CollectiveError(label_.who(rank) + ": the group was aborted: " + abort_reason());
     }
 
     // The rank's handle is gone: peers waiting for it fail instead of waiting for the deadline.
@@ -3235,15 +3333,14 @@ protected:
     static std::size_t idx(int rank) { return static_cast<std::size_t>(rank); }
 
     [[noreturn]] void fail(int rank, const LocalCall& call, const std::string& reason) {
-        std::string msg = rank_prefix(rank) + ", " + call.describe() + ": " + reason;
+        std::string msg = label_.who(rank) + ", " + call.describe() + ": " + reason;
         abort(msg);
         throw CollectiveError(msg);
     }
 
     void throw_if_aborted(int rank, const LocalCall& call) {
         if (!aborted()) return;
-        throw CollectiveError(rank_prefix(rank) + ", " + call.describe() +
-                              ": the group was aborted: " + abort_reason());
+        throw CollectiveError(label_.who(rank) + ", " + call.describe() + ": the group was aborted: " + abort_reason());
     }
     [[nodiscard]] std::string abort_reason() const {
         std::lock_guard lock(abort_mutex_);
@@ -3279,7 +3376,7 @@ protected:
                      std::to_string(peer.calls_entered.load(std::memory_order_relaxed)) + " collectives");
         }
         if (std::chrono::steady_clock::now() >= deadline) {
-            std::string msg = rank_prefix(rank) + ", " + call.describe() + ": timed out after " +
+            std::string msg = label_.who(rank) + ", " + call.describe() + ": timed out after " +
                               std::to_string(options_.timeout.count()) + " ms waiting for rank " +
                               std::to_string(peer_rank) + ", which has entered " +
                               std::to_string(collectives_entered(peer_rank)) + " collectives" +
@@ -3321,6 +3418,7 @@ protected:
 
     int size_;
     LocalGroupOptions options_;
+    GroupLabel label_;
     std::size_t staging_bytes_ = 0;
     std::vector<LocalRankState> ranks_;
     Doorbell bell_;
@@ -3665,7 +3763,9 @@ private:
 #include <cstdint>
 #include <exception>
 #include <functional>  // for std::function
+#include <map>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <type_traits>  // for std::is_trivially_copyable_v
@@ -3692,13 +3792,37 @@ public:
     // handle is used by one thread at a time.
     static std::vector<LocalBackend> create_group(int size, LocalGroupOptions options = {}) {
         if (size < 1) throw Error("gradsync: a LocalBackend group needs at least 1 rank, got " + std::to_string(size));
-        if (options.timeout.count() <= 0)
-            throw Error("gradsync: LocalGroupOptions::timeout must be positive, got " +
-                        std::to_string(options.timeout.count()) + " ms");
+        check_options(options);
         auto group = std::make_shared<detail::LocalGroup>(size, options);
         std::vector<LocalBackend> ranks;
         ranks.reserve(static_cast<std::size_t>(size));
         for (int r = 0; r < size; ++r) ranks.push_back(LocalBackend(group, r));
+        return ranks;
+    }
+
+    // Groups within a job of colours.size() ranks (a data-parallel dimension of a larger job):
+    // job rank r joins the group of every rank of colour colours[r], numbered there in job rank
+    // order. Element r is job rank r's handle in its group; hand it to that rank's thread beside
+    // its other handles. `name(colour)`, when given, names each group in messages, which also
+    // list its job ranks.
+    static std::vector<LocalBackend> split(std::span<const int> colours, LocalGroupOptions options = {},
+                                           const std::function<std::string(int)>& name = {}) {
+        if (colours.empty()) throw Error("gradsync: LocalBackend::split needs the colour of at least 1 rank");
+        check_options(options);
+        std::map<int, std::vector<int>> members;  // colour -> job ranks, ascending
+        for (std::size_t r = 0; r < colours.size(); ++r) members[colours[r]].push_back(static_cast<int>(r));
+        std::vector<std::optional<LocalBackend>> handles(colours.size());
+        for (auto& [colour, job_ranks] : members) {
+            const int size = static_cast<int>(job_ranks.size());
+            auto label = group_label(name ? name(colour) : std::string(), job_ranks, static_cast<int>(colours.size()));
+            auto group = std::make_shared<detail::LocalGroup>(size, options, std::move(label));
+            for (int r = 0; r < size; ++r)
+                handles[static_cast<std::size_t>(job_ranks[static_cast<std::size_t>(r)])].emplace(
+                    LocalBackend(group, r));
+        }
+        std::vector<LocalBackend> ranks;
+        ranks.reserve(colours.size());
+        for (auto& h : handles) ranks.push_back(std::move(*h));
         return ranks;
     }
 
@@ -3724,6 +3848,8 @@ public:
     // float32, float64, and float16 and bfloat16 (summed in float).
     [[nodiscard]] bool supports(DType t) const { return detail::reducible(t); }
     [[nodiscard]] const LocalGroupOptions& options() const { return group_->options(); }
+    // Which ranks of the job this group holds (the whole job's for create_group).
+    [[nodiscard]] const GroupLabel& group() const { return group_->label(); }
     // Staging and scratch memory this rank's collectives use.
     [[nodiscard]] Bytes memory_footprint() const { return group_->memory_per_rank(); }
     // How many collectives this rank has called so far (the next one is number calls_made() + 1).
@@ -3813,6 +3939,12 @@ public:
     [[nodiscard]] std::uint64_t peer_collectives(int rank) const { return group_->collectives_entered(rank); }
 
 private:
+    static void check_options(const LocalGroupOptions& options) {
+        if (options.timeout.count() <= 0)
+            throw Error("gradsync: LocalGroupOptions::timeout must be positive, got " +
+                        std::to_string(options.timeout.count()) + " ms");
+    }
+
     LocalBackend(std::shared_ptr<detail::LocalGroup> group, int rank) : group_(std::move(group)), rank_(rank) {}
 
     detail::LocalCall allreduce_call(Buffer buf, ReduceOp op, CollectiveTag tag) {
@@ -3895,6 +4027,170 @@ private:
 }  // namespace gradsync::inline v0
 #endif  // GRADSYNC_SINGLE_BACKEND_LOCAL_HPP
 // ---- end gradsync/backend/local.hpp ----
+
+// ---- begin gradsync/backend/two_level.hpp ----
+#ifndef GRADSYNC_SINGLE_BACKEND_TWO_LEVEL_HPP
+#define GRADSYNC_SINGLE_BACKEND_TWO_LEVEL_HPP
+// TwoLevelBackend: an allreduce that crosses the slow link between machines once. The ranks of a
+// node reduce-scatter among themselves (fast: shared memory), each allreduces its share with the
+// ranks in the same place on the other nodes (the only traffic between nodes: 1/(ranks per
+// node) of the gradients from each rank, where a flat ring sends all of them from every rank),
+// and the node all-gathers the result.
+
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <span>
+#include <string>
+#include <utility>  // for std::move
+#include <vector>
+
+namespace gradsync::inline v0 {
+
+// `Node` spans the ranks of this rank's node; `Across` the rank in this rank's place on every
+// node (node.rank() equal on all of them). Every node holds the same number of ranks: the
+// constructor checks both, collectively, and throws on every rank where they do not hold. The
+// backend is numbered node by node: rank across.rank() * node.size() + node.rank(), as launchers
+// number the ranks of a job. Both backends must outlive it and be driven only through it while it
+// lives (it is their one caller, from one thread at a time, like every backend).
+//
+// The sums run in another order than one flat allreduce's (each node's first), so results agree
+// with a flat backend's to rounding, not bit for bit; an average divides within each level,
+// folded into its reduction.
+template <ScatteredShardedCollectives Node, ScatteredAllreduce Across>
+class TwoLevelBackend : public detail::TypedCalls<TwoLevelBackend<Node, Across>> {
+    using Typed = detail::TypedCalls<TwoLevelBackend<Node, Across>>;
+
+public:
+    using Typed::allreduce;
+    using Typed::allreduce_async;
+    using Typed::broadcast;
+
+    TwoLevelBackend(Node& node, Across& across) : node_(node), across_(across) { check_layout(); }
+    TwoLevelBackend(const TwoLevelBackend&) = delete;
+    TwoLevelBackend& operator=(const TwoLevelBackend&) = delete;
+    ~TwoLevelBackend() { async_.stop(); }  // drains: every launched collective ends first
+
+    [[nodiscard]] int rank() const { return across_.rank() * node_.size() + node_.rank(); }
+    [[nodiscard]] int size() const { return across_.size() * node_.size(); }
+    [[nodiscard]] bool supports(DType t) const { return node_.supports(t) && across_.supports(t); }
+    [[nodiscard]] Node& node() { return node_; }
+    [[nodiscard]] Across& across() { return across_; }
+    // Elements this rank has handed to the level between nodes so far: its shares.
+    [[nodiscard]] std::uint64_t elements_across() const { return elements_across_.load(std::memory_order_relaxed); }
+    // ...and elements it was asked to reduce: a flat backend would send all of them across.
+    [[nodiscard]] std::uint64_t elements_reduced() const { return elements_reduced_.load(std::memory_order_relaxed); }
+
+    void allreduce(Buffer buf, ReduceOp op = ReduceOp::sum, CollectiveTag tag = {}) {
+        const Segment seg{buf.data, buf.count};
+        allreduce(std::span<const Segment>(&seg, 1), buf.dtype, op, tag);
+    }
+    CollectiveHandle allreduce_async(Buffer buf, ReduceOp op = ReduceOp::sum, CollectiveTag tag = {}) {
+        return allreduce_async(std::vector<Segment>{{buf.data, buf.count}}, buf.dtype, op, tag);
+    }
+    void allreduce(std::span<const Segment> segments, DType t, ReduceOp op = ReduceOp::sum, CollectiveTag tag = {}) {
+        async_.wait_for_all();
+        reduce(segments, t, op, tag);
+    }
+    // The segment list is copied; the memory it points to must stay untouched until completion.
+    CollectiveHandle allreduce_async(std::span<const Segment> segments, DType t, ReduceOp op = ReduceOp::sum,
+                                     CollectiveTag tag = {}) {
+        auto done = std::make_shared<detail::Completion>(waiting_);
+        async_.launch([this, copy = std::vector<Segment>(segments.begin(), segments.end()), t, op,
+                       tag] { reduce(copy, t, op, tag); },
+                      done);
+        return CollectiveHandle(std::move(done));
+    }
+
+    // From `root` of this backend's numbering: across the nodes among the ranks in root's place,
+    // then within every node.
+    void broadcast(std::span<std::byte> bytes, int root, CollectiveTag tag = {}) {
+        if (root < 0 || root >= size())
+            throw CollectiveError(detail::rank_prefix(rank()) + ": broadcast from rank " + std::to_string(root) +
+                                  " of a group of " + std::to_string(size()));
+        async_.wait_for_all();
+        guarded([&] {
+            if (node_.rank() == root % node_.size()) detail::broadcast_tagged(across_, bytes, root / node_.size(), tag);
+            detail::broadcast_tagged(node_, bytes, root % node_.size(), tag);
+        });
+    }
+
+    void barrier() {
+        async_.wait_for_all();
+        guarded([&] {
+            node_.barrier();
+            across_.barrier();
+            node_.barrier();
+        });
+    }
+
+    // Fails every pending and future collective of both levels (where both can be aborted).
+    void abort(const std::string& reason) requires Abortable<Node> && Abortable<Across> {
+        node_.abort(reason);
+        across_.abort(reason);
+    }
+
+private:
+    // Each level fails on its own; the other level's peers would wait for their deadline, so a
+    // failure aborts both where they can be.
+    template <class F>
+    void guarded(F&& body) {
+        try {
+            body();
+        } catch (const std::exception& e) {
+            if constexpr (Abortable<Node> && Abortable<Across>) abort(e.what());
+            throw;
+        }
+    }
+
+    void reduce(std::span<const Segment> segments, DType t, ReduceOp op, CollectiveTag tag) {
+        const std::size_t total = detail::total_count(segments);
+        const Shard share = shard_of(total, node_.size(), node_.rank());
+        guarded([&] {
+            detail::reduce_scatter_tagged(node_, segments, t, op, tag);
+            // The ranks in this place on every node hold equal shares: all skip an empty one.
+            if (share.count > 0) {
+                const auto mine = detail::segments_within(segments, share.offset, share.offset + share.count, t);
+                detail::allreduce_tagged(across_, std::span<const Segment>(mine), t, op, tag);
+            }
+            detail::all_gather_tagged(node_, segments, t, tag);
+        });
+        elements_reduced_.fetch_add(total, std::memory_order_relaxed);
+        elements_across_.fetch_add(share.count, std::memory_order_relaxed);
+    }
+
+    // Every node the same size, and the ranks across the nodes in the same place on each.
+    void check_layout() {
+        const double local = node_.rank(), size = node_.size();
+        double sums[4] = {local, local * local, size, size * size};  // all equal iff n * sum(x^2) == sum(x)^2
+        const Segment four{sums, 4};
+        guarded([&] { across_.allreduce(std::span<const Segment>(&four, 1), DType::float64, ReduceOp::sum); });
+        const double n = across_.size();
+        double wrong = sums[1] * n != sums[0] * sums[0] || sums[3] * n != sums[2] * sums[2] ? 1 : 0;
+        // A node's ranks sit in different groups across: they fail together, not some of them.
+        const Segment one{&wrong, 1};
+        guarded([&] { node_.allreduce(std::span<const Segment>(&one, 1), DType::float64, ReduceOp::sum); });
+        if (wrong > 0)
+            throw Error(detail::rank_prefix(rank()) +
+                        ": TwoLevelBackend needs the same number of ranks on every node and, across the nodes, the "
+                        "ranks in one place on each (mpi_cross_node_comm gives them); these " +
+                        "ranks sit in different places or on nodes of different sizes");
+    }
+
+    Node& node_;
+    Across& across_;
+    std::atomic<std::uint64_t> elements_across_{0};  // written by whichever thread runs a collective
+    std::atomic<std::uint64_t> elements_reduced_{0};
+    std::shared_ptr<detail::SpinBudget> waiting_ = std::make_shared<detail::SpinBudget>();  // for handles
+    detail::AsyncCollectives async_;  // last: destroyed first, drained before the rest
+};
+
+}  // namespace gradsync::inline v0
+#endif  // GRADSYNC_SINGLE_BACKEND_TWO_LEVEL_HPP
+// ---- end gradsync/backend/two_level.hpp ----
 // Memory policies.
 
 // ---- begin gradsync/memory/host.hpp ----
@@ -6847,8 +7143,8 @@ template <Backend B>
 std::string diagnose_timeout(const B& backend, std::int64_t step, const BucketPlan& plan,
                              std::span<const Parameter> params, std::size_t b, std::chrono::milliseconds timeout) {
     const auto& bucket = plan.buckets[b];
-    std::string msg = rank_prefix(backend.rank()) + ", step " + std::to_string(step) + ": bucket " + std::to_string(b) +
-                      " of " + std::to_string(plan.buckets.size()) + " (" + to_string(bucket.bytes()) + ", " +
+    std::string msg = who(backend) + ", step " + std::to_string(step) + ": bucket " + std::to_string(b) + " of " +
+                      std::to_string(plan.buckets.size()) + " (" + to_string(bucket.bytes()) + ", " +
                       std::to_string(bucket.parameters.size()) +
                       " parameters: " + quoted_names(bucket.parameters, params, 4) + ") was not reduced within " +
                       std::to_string(timeout.count()) + " ms";
@@ -7290,10 +7586,10 @@ void run_guarded(Backend& backend, Engine& engine, std::chrono::milliseconds tim
 
 // What peers are told of an exception on this rank in `step`: gradsync's own errors already say
 // which rank and where; the trainer's (an optimizer that threw) are prefixed with both.
-inline std::string failure_of(int rank, std::uint64_t step, const std::exception& e) {
+inline std::string failure_of(const std::string& who, std::uint64_t step, const std::exception& e) {
     const std::string what = e.what();
     if (what.rfind("gradsync: ", 0) == 0) return what;
-    return rank_prefix(rank) + " failed in step " + std::to_string(step) + ": " + what;
+    return who + " failed in step " + std::to_string(step) + ": " + what;
 }
 
 // For a front's destructor: with collectives still in flight (a step cut short by an exception),
@@ -7304,8 +7600,8 @@ void abandon_in_flight(Backend& backend, Engine& engine, std::chrono::millisecon
                        std::uint64_t step) noexcept {
     try {
         if (!engine.in_flight()) return;
-        abort_group(backend, rank_prefix(backend.rank()) + " destroyed its " + front + " in step " +
-                                 std::to_string(step) + " with collectives in flight");
+        abort_group(backend, who(backend) + " destroyed its " + front + " in step " + std::to_string(step) +
+                                 " with collectives in flight");
         engine.drain(detail::deadline_after(timeout));
     } catch (...) {  // a destructor must not throw
     }
@@ -8011,7 +8307,7 @@ protected:
 
     // The step in progress (or the next): 1 for the first.
     [[nodiscard]] std::int64_t current_step() const { return static_cast<std::int64_t>(steps()) + 1; }
-    [[nodiscard]] std::string where() const { return rank_prefix(rank()) + ", step " + std::to_string(current_step()); }
+    [[nodiscard]] std::string where() const { return who(backend_) + ", step " + std::to_string(current_step()); }
 
     // Runs f; a failure on this rank becomes the group's: the peers are told which rank failed
     // in which step, the collectives in flight are drained, the front ends the step, and the
@@ -8022,7 +8318,7 @@ protected:
         run_guarded(
             backend_, in_flight, options_.timeout, f, [this] { front().end_step(); },
             [this](const std::exception& e) {
-                return failure_of(rank(), static_cast<std::uint64_t>(current_step()), e);
+                return failure_of(who(backend_), static_cast<std::uint64_t>(current_step()), e);
             });
     }
 
@@ -9839,28 +10135,6 @@ inline std::size_t shard_elements(const BucketPlan& plan, int ranks, int rank) {
     return n;
 }
 
-// For each of `segments` (one after another) that crosses elements [lo, hi) of the whole:
-// fn(k, from, begin, n), its part from its own element `from` on, n long, which begins at element
-// `begin` of the whole.
-template <class Fn>
-void for_each_within(std::span<const Segment> segments, std::size_t lo, std::size_t hi, Fn&& fn) {
-    std::size_t at = 0;
-    for (std::size_t k = 0; k < segments.size(); ++k) {
-        const std::size_t n = segments[k].count, begin = std::max(lo, at), end = std::min(hi, at + n);
-        if (begin < end) fn(k, begin - at, begin, end - begin);
-        at += n;
-    }
-}
-
-// The parts of `segments` (float32, one after another) that lie within elements [lo, hi).
-inline std::vector<Segment> segments_within(std::span<const Segment> segments, std::size_t lo, std::size_t hi) {
-    std::vector<Segment> out;
-    for_each_within(segments, lo, hi, [&](std::size_t k, std::size_t from, std::size_t, std::size_t n) {
-        out.push_back({static_cast<float*>(segments[k].data) + from, n});
-    });
-    return out;
-}
-
 // One bucket: its parameters where the model keeps them (by parameter index: the element order
 // of the bucket), this rank's shard, and the parameter buffer when packed. Every copy goes
 // through the memory policy, as a pack or unpack over one of its tables.
@@ -9886,14 +10160,14 @@ struct ShardSlot {
         for (auto i : indices) param_segments.push_back({params[i].data, params[i].count});
         const std::size_t lo = shard.offset, hi = lo + shard.count;
         param_table = memory.table(param_segments, DType::float32);
-        shard_params = memory.table(segments_within(param_segments, lo, hi), DType::float32);
+        shard_params = memory.table(segments_within(param_segments, lo, hi, DType::float32), DType::float32);
         if (!keeps_grads) return;
         std::vector<Segment> grads;
         if (packed_grads != nullptr) {
             if (hi > lo) grads.push_back({packed_grads + lo, hi - lo});
         } else {
             for (auto i : indices) grads.push_back({params[i].grad, params[i].count});
-            grads = segments_within(grads, lo, hi);
+            grads = segments_within(grads, lo, hi, DType::float32);
         }
         shard_grads = memory.table(grads, DType::float32);
     }

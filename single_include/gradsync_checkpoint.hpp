@@ -482,6 +482,7 @@ inline std::string rank_prefix(int rank, int size, const std::string& where = {}
 #include <cstdint>
 #include <span>
 #include <string>
+#include <vector>
 
 namespace gradsync::inline v0 {
 
@@ -547,6 +548,30 @@ inline std::size_t total_count(std::span<const Segment> segs) {
     std::size_t n = 0;
     for (const auto& s : segs) n += s.count;
     return n;
+}
+
+// For each of `segments` (one after another) that crosses elements [lo, hi) of the whole:
+// fn(k, from, begin, n), its part from its own element `from` on, n long, which begins at element
+// `begin` of the whole.
+template <class Fn>
+void for_each_within(std::span<const Segment> segments, std::size_t lo, std::size_t hi, Fn&& fn) {
+    std::size_t at = 0;
+    for (std::size_t k = 0; k < segments.size(); ++k) {
+        const std::size_t n = segments[k].count, begin = std::max(lo, at), end = std::min(hi, at + n);
+        if (begin < end) fn(k, begin - at, begin, end - begin);
+        at += n;
+    }
+}
+
+// The parts of `segments` (of dtype `t`, one after another) that lie within elements [lo, hi).
+inline std::vector<Segment> segments_within(std::span<const Segment> segments, std::size_t lo, std::size_t hi,
+                                            DType t) {
+    std::vector<Segment> out;
+    const std::size_t elem = size_of(t);
+    for_each_within(segments, lo, hi, [&](std::size_t k, std::size_t from, std::size_t, std::size_t n) {
+        out.push_back({static_cast<std::byte*>(segments[k].data) + from * elem, n});
+    });
+    return out;
 }
 
 }  // namespace detail
@@ -3210,6 +3235,77 @@ private:
 // asks, where this rank stands: in backward waiting for which gradients, or in synchronize().
 
 
+// ---- begin gradsync/backend/group_label.hpp ----
+#ifndef GRADSYNC_SINGLE_BACKEND_GROUP_LABEL_HPP
+#define GRADSYNC_SINGLE_BACKEND_GROUP_LABEL_HPP
+// GroupLabel: which ranks of the whole job a backend's group holds. A backend over a subset of
+// the job (one data-parallel dimension of a larger one, the ranks of one machine) names its
+// group and those ranks in every message, so that "rank 1" is never ambiguous.
+
+
+#include <cstddef>
+#include <string>
+#include <utility>  // for std::move
+#include <vector>
+
+namespace gradsync::inline v0 {
+
+struct GroupLabel {
+    std::string name;              // the trainer's name for the group; may be empty
+    std::vector<int> world_ranks;  // the job rank of each group rank; empty: the group is the whole job
+
+    [[nodiscard]] bool whole_job() const { return world_ranks.empty(); }
+
+    // "the group "dp 1" (job ranks 2, 3)", or "the group of job ranks 2, 3"; "" for the whole job.
+    [[nodiscard]] std::string describe() const {
+        if (whole_job()) return {};
+        std::string ranks;
+        const std::size_t shown = world_ranks.size() <= 8 ? world_ranks.size() : 6;
+        for (std::size_t i = 0; i < shown; ++i) ranks += (i ? ", " : "") + std::to_string(world_ranks[i]);
+        if (shown < world_ranks.size())
+            ranks +=
+                ", ... " + std::to_string(world_ranks.back()) + " (" + std::to_string(world_ranks.size()) + " ranks)";
+        return name.empty() ? "the group of job ranks " + ranks
+                            : "the group \"" + name + "\" (job ranks " + ranks + ")";
+    }
+
+    // How a message about group rank `rank` begins: "gradsync: rank 1 of the group "dp 1" (job
+    // ranks 2, 3)"; for the whole job as before, "gradsync: rank 3".
+    [[nodiscard]] std::string who(int rank) const {
+        return whole_job() ? detail::rank_prefix(rank) : detail::rank_prefix(rank) + " of " + describe();
+    }
+    // ...and with the group's size for the whole job: "gradsync: rank 3 of 4".
+    [[nodiscard]] std::string who(int rank, int size) const {
+        return whole_job() ? detail::rank_prefix(rank, size) : who(rank);
+    }
+};
+
+// A label for the group of `world_ranks` (in group rank order), or the whole job's when they are
+// 0, 1, ... size - 1 of a job of that size.
+inline GroupLabel group_label(std::string name, std::vector<int> world_ranks, int world_size) {
+    bool whole = static_cast<int>(world_ranks.size()) == world_size;
+    for (std::size_t i = 0; whole && i < world_ranks.size(); ++i) whole = world_ranks[i] == static_cast<int>(i);
+    if (whole) return {std::move(name), {}};
+    return {std::move(name), std::move(world_ranks)};
+}
+
+namespace detail {
+
+// How a message about `backend`'s rank begins: its group's words where it names one.
+template <class Backend>
+std::string who(const Backend& backend) {
+    if constexpr (requires { backend.group(); })
+        return backend.group().who(backend.rank());
+    else
+        return rank_prefix(backend.rank());
+}
+
+}  // namespace detail
+
+}  // namespace gradsync::inline v0
+#endif  // GRADSYNC_SINGLE_BACKEND_GROUP_LABEL_HPP
+// ---- end gradsync/backend/group_label.hpp ----
+
 // ---- begin gradsync/data_parallel/readiness.hpp ----
 #ifndef GRADSYNC_SINGLE_DATA_PARALLEL_READINESS_HPP
 #define GRADSYNC_SINGLE_DATA_PARALLEL_READINESS_HPP
@@ -3467,8 +3563,8 @@ template <Backend B>
 std::string diagnose_timeout(const B& backend, std::int64_t step, const BucketPlan& plan,
                              std::span<const Parameter> params, std::size_t b, std::chrono::milliseconds timeout) {
     const auto& bucket = plan.buckets[b];
-    std::string msg = rank_prefix(backend.rank()) + ", step " + std::to_string(step) + ": bucket " + std::to_string(b) +
-                      " of " + std::to_string(plan.buckets.size()) + " (" + to_string(bucket.bytes()) + ", " +
+    std::string msg = who(backend) + ", step " + std::to_string(step) + ": bucket " + std::to_string(b) + " of " +
+                      std::to_string(plan.buckets.size()) + " (" + to_string(bucket.bytes()) + ", " +
                       std::to_string(bucket.parameters.size()) +
                       " parameters: " + quoted_names(bucket.parameters, params, 4) + ") was not reduced within " +
                       std::to_string(timeout.count()) + " ms";
@@ -4208,10 +4304,10 @@ void run_guarded(Backend& backend, Engine& engine, std::chrono::milliseconds tim
 
 // What peers are told of an exception on this rank in `step`: gradsync's own errors already say
 // which rank and where; the trainer's (an optimizer that threw) are prefixed with both.
-inline std::string failure_of(int rank, std::uint64_t step, const std::exception& e) {
+inline std::string failure_of(const std::string& who, std::uint64_t step, const std::exception& e) {
     const std::string what = e.what();
     if (what.rfind("gradsync: ", 0) == 0) return what;
-    return rank_prefix(rank) + " failed in step " + std::to_string(step) + ": " + what;
+    return who + " failed in step " + std::to_string(step) + ": " + what;
 }
 
 // For a front's destructor: with collectives still in flight (a step cut short by an exception),
@@ -4222,8 +4318,8 @@ void abandon_in_flight(Backend& backend, Engine& engine, std::chrono::millisecon
                        std::uint64_t step) noexcept {
     try {
         if (!engine.in_flight()) return;
-        abort_group(backend, rank_prefix(backend.rank()) + " destroyed its " + front + " in step " +
-                                 std::to_string(step) + " with collectives in flight");
+        abort_group(backend, who(backend) + " destroyed its " + front + " in step " + std::to_string(step) +
+                                 " with collectives in flight");
         engine.drain(detail::deadline_after(timeout));
     } catch (...) {  // a destructor must not throw
     }
@@ -4929,7 +5025,7 @@ protected:
 
     // The step in progress (or the next): 1 for the first.
     [[nodiscard]] std::int64_t current_step() const { return static_cast<std::int64_t>(steps()) + 1; }
-    [[nodiscard]] std::string where() const { return rank_prefix(rank()) + ", step " + std::to_string(current_step()); }
+    [[nodiscard]] std::string where() const { return who(backend_) + ", step " + std::to_string(current_step()); }
 
     // Runs f; a failure on this rank becomes the group's: the peers are told which rank failed
     // in which step, the collectives in flight are drained, the front ends the step, and the
@@ -4940,7 +5036,7 @@ protected:
         run_guarded(
             backend_, in_flight, options_.timeout, f, [this] { front().end_step(); },
             [this](const std::exception& e) {
-                return failure_of(rank(), static_cast<std::uint64_t>(current_step()), e);
+                return failure_of(who(backend_), static_cast<std::uint64_t>(current_step()), e);
             });
     }
 
@@ -8112,28 +8208,6 @@ inline std::size_t shard_elements(const BucketPlan& plan, int ranks, int rank) {
     return n;
 }
 
-// For each of `segments` (one after another) that crosses elements [lo, hi) of the whole:
-// fn(k, from, begin, n), its part from its own element `from` on, n long, which begins at element
-// `begin` of the whole.
-template <class Fn>
-void for_each_within(std::span<const Segment> segments, std::size_t lo, std::size_t hi, Fn&& fn) {
-    std::size_t at = 0;
-    for (std::size_t k = 0; k < segments.size(); ++k) {
-        const std::size_t n = segments[k].count, begin = std::max(lo, at), end = std::min(hi, at + n);
-        if (begin < end) fn(k, begin - at, begin, end - begin);
-        at += n;
-    }
-}
-
-// The parts of `segments` (float32, one after another) that lie within elements [lo, hi).
-inline std::vector<Segment> segments_within(std::span<const Segment> segments, std::size_t lo, std::size_t hi) {
-    std::vector<Segment> out;
-    for_each_within(segments, lo, hi, [&](std::size_t k, std::size_t from, std::size_t, std::size_t n) {
-        out.push_back({static_cast<float*>(segments[k].data) + from, n});
-    });
-    return out;
-}
-
 // One bucket: its parameters where the model keeps them (by parameter index: the element order
 // of the bucket), this rank's shard, and the parameter buffer when packed. Every copy goes
 // through the memory policy, as a pack or unpack over one of its tables.
@@ -8159,14 +8233,14 @@ struct ShardSlot {
         for (auto i : indices) param_segments.push_back({params[i].data, params[i].count});
         const std::size_t lo = shard.offset, hi = lo + shard.count;
         param_table = memory.table(param_segments, DType::float32);
-        shard_params = memory.table(segments_within(param_segments, lo, hi), DType::float32);
+        shard_params = memory.table(segments_within(param_segments, lo, hi, DType::float32), DType::float32);
         if (!keeps_grads) return;
         std::vector<Segment> grads;
         if (packed_grads != nullptr) {
             if (hi > lo) grads.push_back({packed_grads + lo, hi - lo});
         } else {
             for (auto i : indices) grads.push_back({params[i].grad, params[i].count});
-            grads = segments_within(grads, lo, hi);
+            grads = segments_within(grads, lo, hi, DType::float32);
         }
         shard_grads = memory.table(grads, DType::float32);
     }

@@ -245,6 +245,7 @@ inline std::string rank_prefix(int rank, int size, const std::string& where = {}
 #include <cstdint>
 #include <span>
 #include <string>
+#include <vector>
 
 namespace gradsync::inline v0 {
 
@@ -310,6 +311,30 @@ inline std::size_t total_count(std::span<const Segment> segs) {
     std::size_t n = 0;
     for (const auto& s : segs) n += s.count;
     return n;
+}
+
+// For each of `segments` (one after another) that crosses elements [lo, hi) of the whole:
+// fn(k, from, begin, n), its part from its own element `from` on, n long, which begins at element
+// `begin` of the whole.
+template <class Fn>
+void for_each_within(std::span<const Segment> segments, std::size_t lo, std::size_t hi, Fn&& fn) {
+    std::size_t at = 0;
+    for (std::size_t k = 0; k < segments.size(); ++k) {
+        const std::size_t n = segments[k].count, begin = std::max(lo, at), end = std::min(hi, at + n);
+        if (begin < end) fn(k, begin - at, begin, end - begin);
+        at += n;
+    }
+}
+
+// The parts of `segments` (of dtype `t`, one after another) that lie within elements [lo, hi).
+inline std::vector<Segment> segments_within(std::span<const Segment> segments, std::size_t lo, std::size_t hi,
+                                            DType t) {
+    std::vector<Segment> out;
+    const std::size_t elem = size_of(t);
+    for_each_within(segments, lo, hi, [&](std::size_t k, std::size_t from, std::size_t, std::size_t n) {
+        out.push_back({static_cast<std::byte*>(segments[k].data) + from * elem, n});
+    });
+    return out;
 }
 
 }  // namespace detail

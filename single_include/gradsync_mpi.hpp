@@ -6,8 +6,9 @@
 // ---- begin gradsync/backend/mpi.hpp ----
 #ifndef GRADSYNC_SINGLE_BACKEND_MPI_HPP
 #define GRADSYNC_SINGLE_BACKEND_MPI_HPP
-// The MPI family: MpiSession and mpi_world() (backend/mpi/session.hpp), the torchrun-style join
-// (backend/mpi/join.hpp) and MpiBackend (backend/mpi/backend.hpp). Not included by
+// The MPI family: MpiSession and mpi_world() (backend/mpi/session.hpp), communicators of groups
+// of ranks (backend/mpi/groups.hpp), the torchrun-style join (backend/mpi/join.hpp) and
+// MpiBackend (backend/mpi/backend.hpp). Not included by
 // <gradsync/gradsync.hpp>: include this header where <mpi.h> is available and link MPI (CMake:
 // MPI::MPI_CXX).
 
@@ -263,6 +264,7 @@ inline std::string rank_prefix(int rank, int size, const std::string& where = {}
 #include <cstdint>
 #include <span>
 #include <string>
+#include <vector>
 
 namespace gradsync::inline v0 {
 
@@ -328,6 +330,30 @@ inline std::size_t total_count(std::span<const Segment> segs) {
     std::size_t n = 0;
     for (const auto& s : segs) n += s.count;
     return n;
+}
+
+// For each of `segments` (one after another) that crosses elements [lo, hi) of the whole:
+// fn(k, from, begin, n), its part from its own element `from` on, n long, which begins at element
+// `begin` of the whole.
+template <class Fn>
+void for_each_within(std::span<const Segment> segments, std::size_t lo, std::size_t hi, Fn&& fn) {
+    std::size_t at = 0;
+    for (std::size_t k = 0; k < segments.size(); ++k) {
+        const std::size_t n = segments[k].count, begin = std::max(lo, at), end = std::min(hi, at + n);
+        if (begin < end) fn(k, begin - at, begin, end - begin);
+        at += n;
+    }
+}
+
+// The parts of `segments` (of dtype `t`, one after another) that lie within elements [lo, hi).
+inline std::vector<Segment> segments_within(std::span<const Segment> segments, std::size_t lo, std::size_t hi,
+                                            DType t) {
+    std::vector<Segment> out;
+    const std::size_t elem = size_of(t);
+    for_each_within(segments, lo, hi, [&](std::size_t k, std::size_t from, std::size_t, std::size_t n) {
+        out.push_back({static_cast<std::byte*>(segments[k].data) + from * elem, n});
+    });
+    return out;
 }
 
 }  // namespace detail
@@ -1275,6 +1301,77 @@ private:
 #endif  // GRADSYNC_SINGLE_BACKEND_DETAIL_WATCHER_THREAD_HPP
 // ---- end gradsync/backend/detail/watcher_thread.hpp ----
 
+// ---- begin gradsync/backend/group_label.hpp ----
+#ifndef GRADSYNC_SINGLE_BACKEND_GROUP_LABEL_HPP
+#define GRADSYNC_SINGLE_BACKEND_GROUP_LABEL_HPP
+// GroupLabel: which ranks of the whole job a backend's group holds. A backend over a subset of
+// the job (one data-parallel dimension of a larger one, the ranks of one machine) names its
+// group and those ranks in every message, so that "rank 1" is never ambiguous.
+
+
+#include <cstddef>
+#include <string>
+#include <utility>  // for std::move
+#include <vector>
+
+namespace gradsync::inline v0 {
+
+struct GroupLabel {
+    std::string name;              // the trainer's name for the group; may be empty
+    std::vector<int> world_ranks;  // the job rank of each group rank; empty: the group is the whole job
+
+    [[nodiscard]] bool whole_job() const { return world_ranks.empty(); }
+
+    // "the group "dp 1" (job ranks 2, 3)", or "the group of job ranks 2, 3"; "" for the whole job.
+    [[nodiscard]] std::string describe() const {
+        if (whole_job()) return {};
+        std::string ranks;
+        const std::size_t shown = world_ranks.size() <= 8 ? world_ranks.size() : 6;
+        for (std::size_t i = 0; i < shown; ++i) ranks += (i ? ", " : "") + std::to_string(world_ranks[i]);
+        if (shown < world_ranks.size())
+            ranks +=
+                ", ... " + std::to_string(world_ranks.back()) + " (" + std::to_string(world_ranks.size()) + " ranks)";
+        return name.empty() ? "the group of job ranks " + ranks
+                            : "the group \"" + name + "\" (job ranks " + ranks + ")";
+    }
+
+    // How a message about group rank `rank` begins: "gradsync: rank 1 of the group "dp 1" (job
+    // ranks 2, 3)"; for the whole job as before, "gradsync: rank 3".
+    [[nodiscard]] std::string who(int rank) const {
+        return whole_job() ? detail::rank_prefix(rank) : detail::rank_prefix(rank) + " of " + describe();
+    }
+    // ...and with the group's size for the whole job: "gradsync: rank 3 of 4".
+    [[nodiscard]] std::string who(int rank, int size) const {
+        return whole_job() ? detail::rank_prefix(rank, size) : who(rank);
+    }
+};
+
+// A label for the group of `world_ranks` (in group rank order), or the whole job's when they are
+// 0, 1, ... size - 1 of a job of that size.
+inline GroupLabel group_label(std::string name, std::vector<int> world_ranks, int world_size) {
+    bool whole = static_cast<int>(world_ranks.size()) == world_size;
+    for (std::size_t i = 0; whole && i < world_ranks.size(); ++i) whole = world_ranks[i] == static_cast<int>(i);
+    if (whole) return {std::move(name), {}};
+    return {std::move(name), std::move(world_ranks)};
+}
+
+namespace detail {
+
+// How a message about `backend`'s rank begins: its group's words where it names one.
+template <class Backend>
+std::string who(const Backend& backend) {
+    if constexpr (requires { backend.group(); })
+        return backend.group().who(backend.rank());
+    else
+        return rank_prefix(backend.rank());
+}
+
+}  // namespace detail
+
+}  // namespace gradsync::inline v0
+#endif  // GRADSYNC_SINGLE_BACKEND_GROUP_LABEL_HPP
+// ---- end gradsync/backend/group_label.hpp ----
+
 // ---- begin gradsync/backend/mpi/collective_watch.hpp ----
 #ifndef GRADSYNC_SINGLE_BACKEND_MPI_COLLECTIVE_WATCH_HPP
 #define GRADSYNC_SINGLE_BACKEND_MPI_COLLECTIVE_WATCH_HPP
@@ -1668,7 +1765,7 @@ inline std::string where_peers_stand(const std::vector<std::optional<std::string
         const auto& s = standings[r];
         if (!s) {
             out += " did not answer within " + std::to_string(wait.count()) +
-                   " ms (stopped, or busy outside gradsync with its watcher unable to run)";
+                   " ms (stopped, cut off from this rank, or busy outside gradsync with its watcher unable to run)";
             behind += (behind.empty() ? "" : ", ") + who;
             continue;
         }
@@ -1727,8 +1824,8 @@ class CollectiveWatch {
 public:
     using Clock = std::chrono::steady_clock;
 
-    CollectiveWatch(int rank, int size, std::chrono::milliseconds timeout)
-        : rank_(rank), size_(size), timeout_(timeout) {}
+    // `who` begins every message ("gradsync: rank 1 of 2", or names the rank's group).
+    CollectiveWatch(std::string who, std::chrono::milliseconds timeout) : who_(std::move(who)), timeout_(timeout) {}
 
     // `call` starts on this thread now: refused with a CollectiveError when a rank it needs has
     // left. Kept as it is and described only for a message (describing every call cost a
@@ -1736,8 +1833,7 @@ public:
     void start(const CollectiveCall& call) {
         std::lock_guard lock(mutex_);
         if (const auto* gone = departed_before(call.seq))
-            throw CollectiveError(rank_prefix(rank_, size_) + ": " + call.describe() +
-                                  " cannot complete: " + gone->describe());
+            throw CollectiveError(who_ + ": " + call.describe() + " cannot complete: " + gone->describe());
         current_ = call;
         deadline_ = detail::deadline_after<Clock>(timeout_);
         busy_ = true;
@@ -1776,9 +1872,8 @@ public:
             what = current_.describe();
             why = gone->describe();
         }
-        return "gradsync: rank " + std::to_string(rank_) + " of " + std::to_string(size_) + ": " + why + "; " + what +
-               ", which this rank is in, needs it and can never complete" + where_this_rank_is() +
-               ". MPI cannot cancel a collective, so this rank ends the job.";
+        return who_ + ": " + why + "; " + what + ", which this rank is in, needs it and can never complete" +
+               where_this_rank_is() + ". MPI cannot cancel a collective, so this rank ends the job.";
     }
 
     // When the running collective is past its deadline: what to say before ending the job.
@@ -1791,8 +1886,8 @@ public:
         }
         char seconds[32];
         std::snprintf(seconds, sizeof seconds, "%.3g", std::chrono::duration<double>(timeout_).count());
-        return "gradsync: rank " + std::to_string(rank_) + " of " + std::to_string(size_) + ": " + what +
-               " has not completed after " + seconds + " s (MpiOptions::timeout)" + where_this_rank_is() +
+        return who_ + ": " + what + " has not completed after " + seconds + " s (MpiOptions::timeout)" +
+               where_this_rank_is() +
                ". A peer rank is late, has exited, or called a different collective; MPI cannot cancel a "
                "collective, so this rank ends the job.";
     }
@@ -1845,7 +1940,7 @@ private:
         return where;
     }
 
-    int rank_, size_;
+    std::string who_;
     std::chrono::milliseconds timeout_;
 
     std::mutex mutex_;  // the running collective and the departed peers
@@ -1864,15 +1959,829 @@ private:
 #endif  // GRADSYNC_SINGLE_BACKEND_MPI_COLLECTIVE_WATCH_HPP
 // ---- end gradsync/backend/mpi/collective_watch.hpp ----
 
+// ---- begin gradsync/backend/mpi/groups.hpp ----
+#ifndef GRADSYNC_SINGLE_BACKEND_MPI_GROUPS_HPP
+#define GRADSYNC_SINGLE_BACKEND_MPI_GROUPS_HPP
+// Groups of some of the job's ranks as MPI communicators: MpiComm (one the program owns),
+// mpi_split (any colour), mpi_node_comm (the ranks of this machine) and mpi_cross_node_comm (this
+// rank's peers on the other machines). An MpiBackend over one is a backend of that group only.
+
+
+// ---- begin gradsync/backend/mpi/session.hpp ----
+#ifndef GRADSYNC_SINGLE_BACKEND_MPI_SESSION_HPP
+#define GRADSYNC_SINGLE_BACKEND_MPI_SESSION_HPP
+// MpiSession (MPI initialised and finalised, processes of a torchrun-style launch joined),
+// mpi_world() (the communicator of every rank of the job) and mpi_process_place() (this process's
+// rank and local rank from MPI).
+
+
+// ---- begin gradsync/backend/mpi/join.hpp ----
+#ifndef GRADSYNC_SINGLE_BACKEND_MPI_JOIN_HPP
+#define GRADSYNC_SINGLE_BACKEND_MPI_JOIN_HPP
+// The torchrun-style join: processes that a launcher other than MPI's started (RANK and
+// WORLD_SIZE set, each process a world of one to MPI) meet through MPI's name service and become
+// one communicator, by a deadline.
+
+
+// ---- begin gradsync/detail/end_process.hpp ----
+#ifndef GRADSYNC_SINGLE_DETAIL_END_PROCESS_HPP
+#define GRADSYNC_SINGLE_DETAIL_END_PROCESS_HPP
+// Ending the whole process from any thread, once. Deadlines on several threads (two backends'
+// watchers, a watcher and the trainer) can fire together; a second MPI_Abort while the first is
+// under way has crashed inside Open MPI. The first caller ends the process; any other waits for
+// that instead of ending it again.
+
+
+#include <atomic>
+#include <chrono>
+#include <cstdlib>  // for std::_Exit
+#include <thread>
+
+namespace gradsync::inline v0::detail {
+
+// One flag for the whole process (a function template's static would be one per caller).
+inline std::atomic<bool>& process_ending() {
+    static std::atomic<bool> ending{false};
+    return ending;
+}
+
+// The first caller runs end() (MPI_Abort, say), then exits with status 1 should end() return;
+// later callers wait for the process to end.
+template <class End>
+[[noreturn]] void end_process_once(End&& end) {
+    if (!process_ending().exchange(true, std::memory_order_acq_rel)) {
+        end();
+        std::_Exit(1);
+    }
+    for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
+}
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_DETAIL_END_PROCESS_HPP
+// ---- end gradsync/detail/end_process.hpp ----
+
+// ---- begin gradsync/detail/hash.hpp ----
+#ifndef GRADSYNC_SINGLE_DETAIL_HASH_HPP
+#define GRADSYNC_SINGLE_DETAIL_HASH_HPP
+// The hashes: 64-bit FNV-1a over 64-bit words, byte by byte, so that the same values give the
+// same hash in every process and on every machine (bucket plans, layouts, collective histories);
+// and content_hash, fast enough to run over every parameter of a model (replica checks).
+
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>  // for std::memcpy
+
+namespace gradsync::inline v0::detail {
+
+inline constexpr std::uint64_t fnv1a_basis = 14695981039346656037ull;
+
+// h with the 8 bytes of v folded in, lowest first.
+constexpr std::uint64_t fnv1a(std::uint64_t h, std::uint64_t v) {
+    for (int i = 0; i < 8; ++i) {
+        h ^= (v >> (8 * i)) & 0xffu;
+        h *= 1099511628211ull;
+    }
+    return h;
+}
+
+// Folds values in one after another: Fnv1a h; h.add(a).add(b); h.value().
+class Fnv1a {
+public:
+    constexpr Fnv1a& add(std::uint64_t v) {
+        h_ = fnv1a(h_, v);
+        return *this;
+    }
+    [[nodiscard]] constexpr std::uint64_t value() const { return h_; }
+
+private:
+    std::uint64_t h_ = fnv1a_basis;
+};
+
+// A hash of `bytes` bytes at `data`. Four independent lanes, so that memory bandwidth rather than
+// one multiply chain sets the speed; each word is multiplied in and its high bits folded down, so
+// that a difference in any bit reaches the result.
+inline std::uint64_t content_hash(const void* data, std::size_t bytes) {
+    constexpr std::uint64_t k = 0x9e3779b97f4a7c15ull;
+    const auto* p = static_cast<const unsigned char*>(data);
+    std::uint64_t lane[4] = {k, k + 1, k + 2, k + 3};
+    const auto mix = [](std::uint64_t h, std::uint64_t w) {
+        h = (h ^ w) * k;
+        return h ^ (h >> 31);
+    };
+    std::size_t i = 0;
+    for (; i + 32 <= bytes; i += 32) {
+        std::uint64_t w[4];
+        std::memcpy(w, p + i, 32);
+        for (int j = 0; j < 4; ++j) lane[j] = mix(lane[j], w[j]);
+    }
+    for (int j = 0; i < bytes; i += 8, ++j) {
+        std::uint64_t w = 0;
+        std::memcpy(&w, p + i, bytes - i < 8 ? bytes - i : 8);
+        lane[j] = mix(lane[j], w);
+    }
+    return fnv1a(fnv1a(fnv1a(fnv1a(fnv1a(fnv1a_basis, bytes), lane[0]), lane[1]), lane[2]), lane[3]);
+}
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_DETAIL_HASH_HPP
+// ---- end gradsync/detail/hash.hpp ----
+
+// ---- begin gradsync/environment.hpp ----
+#ifndef GRADSYNC_SINGLE_ENVIRONMENT_HPP
+#define GRADSYNC_SINGLE_ENVIRONMENT_HPP
+// Where this process stands in a multi-process run: rank, world size, local rank and local world
+// size, read from the variables launchers set (torchrun, paddle.distributed.launch, Open MPI's
+// mpirun, MPICH/PMI, Slurm's srun), with a clear error when they are missing or disagree.
+
+
+#include <cstdlib>  // for std::getenv
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace gradsync::inline v0 {
+
+struct ProcessPlace {
+    int rank = 0;
+    int world_size = 1;
+    int local_rank = 0;
+    int local_world_size = 1;
+    std::string source;  // which launcher's variables said so, e.g. "RANK/WORLD_SIZE"
+
+    friend bool operator==(const ProcessPlace&, const ProcessPlace&) = default;
+};
+
+namespace detail {
+
+// Reads an environment variable; `lookup` is swappable so that tests need not touch the process's.
+using EnvLookup = std::optional<std::string> (*)(const char*);
+
+inline std::optional<std::string> real_env(const char* name) {
+    const char* v = std::getenv(name);
+    if (v == nullptr) return std::nullopt;
+    return std::string(v);
+}
+
+inline int parse_count(const char* name, const std::string& text) {
+    std::size_t used = 0;
+    long value = -1;
+    try {
+        value = std::stol(text, &used);
+    } catch (...) {
+        used = 0;
+    }
+    if (used != text.size() || text.empty() || value < 0 || value > 1'000'000)
+        throw Error("gradsync: environment variable " + std::string(name) + "='" + text +
+                    "' is not a non-negative whole number");
+    return static_cast<int>(value);
+}
+
+struct Scheme {
+    const char* rank;
+    const char* size;
+    const char* local_rank;
+    const char* local_size;
+};
+
+// Innermost launcher first: torchrun's variables, paddle.distributed.launch's, then mpirun's (Open
+// MPI, MPICH/PMI), then Slurm's.
+inline constexpr Scheme schemes[] = {
+    {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"},
+    {"PADDLE_TRAINER_ID", "PADDLE_TRAINERS_NUM", "PADDLE_RANK_IN_NODE", "PADDLE_LOCAL_SIZE"},
+    {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"},
+    {"PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"},
+    {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", nullptr},
+};
+
+inline ProcessPlace place_from(EnvLookup lookup) {
+    std::vector<ProcessPlace> found;
+    for (const auto& s : schemes) {
+        auto rank = lookup(s.rank);
+        auto size = lookup(s.size);
+        if (!rank && !size) continue;
+        const std::string source = std::string(s.rank) + "/" + s.size;
+        if (!rank || !size)
+            throw Error("gradsync: " + std::string(rank ? s.rank : s.size) + " is set but " +
+                        std::string(rank ? s.size : s.rank) + " is not; a launcher sets both");
+        ProcessPlace p;
+        p.source = source;
+        p.rank = parse_count(s.rank, *rank);
+        p.world_size = parse_count(s.size, *size);
+        if (p.world_size < 1 || p.rank >= p.world_size)
+            throw Error("gradsync: " + std::string(s.rank) + "=" + std::to_string(p.rank) + " is not a rank of " +
+                        s.size + "=" + std::to_string(p.world_size));
+        // Without local variables: one process per machine, as far as anyone said.
+        p.local_rank = 0;
+        if (auto lr = lookup(s.local_rank)) p.local_rank = parse_count(s.local_rank, *lr);
+        p.local_world_size = p.local_rank + 1;
+        if (s.local_size != nullptr) {
+            if (auto ls = lookup(s.local_size)) p.local_world_size = parse_count(s.local_size, *ls);
+        }
+        if (p.local_rank >= p.local_world_size)
+            throw Error("gradsync: local rank " + std::to_string(p.local_rank) + " from " + s.local_rank +
+                        " is not below the local world size " + std::to_string(p.local_world_size));
+        found.push_back(p);
+    }
+    if (found.empty()) return ProcessPlace{0, 1, 0, 1, "no launcher variables: a single process"};
+    // The innermost launcher wins: torchrun inside srun or mpirun, mpirun inside srun. An inner
+    // launcher starts one or more processes for each task of the one around it, and numbers them
+    // its own way; an outer world larger than the inner one is a mistake (variables left over from
+    // another run).
+    for (std::size_t i = 1; i < found.size(); ++i) {
+        if (found[i].world_size > found[0].world_size)
+            throw Error("gradsync: the launchers' variables disagree: " + found[0].source + " say rank " +
+                        std::to_string(found[0].rank) + " of " + std::to_string(found[0].world_size) + ", " +
+                        found[i].source + " say rank " + std::to_string(found[i].rank) + " of " +
+                        std::to_string(found[i].world_size) + ": more processes than the launcher inside it starts. " +
+                        "Are " + found[0].source + " left over in the environment from another run?");
+    }
+    return found[0];
+}
+
+// Checks the launcher's local rank and local world size against those of `found` (MPI's: the
+// processes that share this machine), where the launcher set both: a launcher that numbers a
+// machine's processes otherwise than they lie (two torchruns on one machine, variables left over
+// from another run) would give two processes one GPU. Returns the problem, or nothing.
+inline std::string local_place_problem(const ProcessPlace& launcher, const ProcessPlace& found, EnvLookup lookup) {
+    for (const auto& s : schemes) {
+        if (launcher.source != std::string(s.rank) + "/" + s.size) continue;
+        if (s.local_size == nullptr || !lookup(s.local_rank) || !lookup(s.local_size)) return {};
+        if (launcher.local_rank == found.local_rank && launcher.local_world_size == found.local_world_size) return {};
+        return "gradsync: " + std::string(s.local_rank) + "/" + s.local_size + " say local rank " +
+               std::to_string(launcher.local_rank) + " of " + std::to_string(launcher.local_world_size) +
+               " on this machine, but " + found.source + " finds " + std::to_string(found.local_world_size) +
+               " processes of the job here, this one local rank " + std::to_string(found.local_rank) +
+               ": a GPU chosen by " + s.local_rank + " could be another process's too. Start one launcher per " +
+               "machine, or set " + s.local_rank + " and " + s.local_size + " as the processes lie";
+    }
+    return {};
+}
+
+// Where an MPI launcher (mpirun, mpiexec) started this process as MPI numbers it (`mpi`) but the
+// innermost launcher's variables (`launcher`: torchrun's RANK, say) give another rank: those
+// were handed to every process (exported in the shell, or passed with mpirun -x), so every
+// process would claim the same rank. Returns the problem, or nothing.
+inline std::string exported_rank_problem(const ProcessPlace& launcher, const ProcessPlace& mpi, EnvLookup lookup) {
+    if (launcher.rank == mpi.rank && launcher.world_size == mpi.world_size) return {};
+    for (const auto& s : schemes) {
+        const std::string source = std::string(s.rank) + "/" + s.size;
+        if (!source.starts_with("OMPI_") && !source.starts_with("PMI_")) continue;
+        if (source == launcher.source) return {};
+        const auto rank = lookup(s.rank), size = lookup(s.size);
+        if (!rank || !size || parse_count(s.rank, *rank) != mpi.rank || parse_count(s.size, *size) != mpi.world_size)
+            continue;
+        return "gradsync: " + launcher.source + " say rank " + std::to_string(launcher.rank) + " of " +
+               std::to_string(launcher.world_size) + ", but an MPI launcher started this process as rank " +
+               std::to_string(mpi.rank) + " of " + std::to_string(mpi.world_size) + " (" + source +
+               "): " + launcher.source + " were given to every process (exported in the shell, or passed with " +
+               "mpirun -x). Unset them when starting with mpirun, or start the processes with torchrun alone";
+    }
+    return {};
+}
+
+}  // namespace detail
+
+// This process's place, from the environment the launcher left: where launchers are nested
+// (torchrun started by srun), the innermost one's variables. A process started without a launcher
+// is rank 0 of 1. Throws when the variables are malformed or incomplete, or when a launcher
+// around another claims more processes than the inner one has.
+inline ProcessPlace process_place() { return detail::place_from(detail::real_env); }
+
+}  // namespace gradsync::inline v0
+#endif  // GRADSYNC_SINGLE_ENVIRONMENT_HPP
+// ---- end gradsync/environment.hpp ----
+
+#include <signal.h>  // for kill
+#include <unistd.h>  // for gethostname, getpid
+
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>   // for std::fprintf, std::snprintf
+#include <cstdlib>  // for setenv, strtol
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+// The communicator MpiSession built by joining processes that MPI did not start; MPI_COMM_NULL
+// when there is none (MPI_COMM_WORLD holds every rank).
+inline MPI_Comm joined_world = MPI_COMM_NULL;
+
+// The variables that name a job, in the names its ranks meet under, so that jobs sharing a name
+// server never meet: ours, torchrun's run id and address, paddle.distributed.launch's endpoints
+// (the address and port it chose for each rank), Slurm's job.
+inline constexpr const char* job_identity_variables[] = {"GRADSYNC_JOB_ID", "TORCHELASTIC_RUN_ID",      "MASTER_ADDR",
+                                                         "MASTER_PORT",     "PADDLE_TRAINER_ENDPOINTS", "SLURM_JOB_ID"};
+
+// Open MPI's name service takes names of at most 511 characters: an identity longer than this
+// (a long GRADSYNC_JOB_ID) is named by its hash instead, the same in every process.
+inline constexpr std::size_t max_identity_text = 256;
+
+// The name the job's ranks meet under, or "" when nothing names the job.
+inline std::string join_service(const ProcessPlace& place, EnvLookup lookup = real_env) {
+    std::string identity;
+    for (const char* variable : job_identity_variables)
+        if (auto value = lookup(variable)) identity += std::string(":") + variable + "=" + *value;
+    if (identity.empty()) return {};
+    if (identity.size() > max_identity_text) {
+        char hex[17] = {};
+        std::snprintf(hex, sizeof hex, "%016llx",
+                      static_cast<unsigned long long>(content_hash(identity.data(), identity.size())));
+        identity = ":identity-hash=" + std::string(hex) + ":length=" + std::to_string(identity.size());
+    }
+    return "gradsync" + identity + ":world=" + std::to_string(place.world_size);
+}
+
+// Who holds a claim: "host:pid".
+inline std::string claimant() {
+    char host[256] = {};
+    ::gethostname(host, sizeof host - 1);
+    return std::string(host) + ":" + std::to_string(::getpid());
+}
+
+// Whether a claim by "host:pid" is left over from a process of this machine that is gone.
+inline bool stale_claim(const std::string& owner) {
+    const auto colon = owner.rfind(':');
+    if (colon == std::string::npos) return false;
+    char host[256] = {};
+    ::gethostname(host, sizeof host - 1);
+    if (owner.substr(0, colon) != host) return false;  // another machine's: cannot tell
+    const long pid = std::strtol(owner.c_str() + colon + 1, nullptr, 10);
+    return pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
+}
+
+// Each rank claims its RANK in the name service before it joins, and holds the claim while the
+// joined world lives: a second process given the same RANK (in this job, or in another job given
+// the same identity while this one runs) finds it claimed and stops at once, instead of waiting
+// out the join's deadline or joining where it does not belong. The name service may keep one entry per publisher, so a
+// claim counts once it is the one a lookup finds; a claim left by a crashed process of this
+// machine is taken over.
+class RankClaim {
+public:
+    RankClaim(const std::string& service, const ProcessPlace& place, const std::string& who)
+        : name_(service + ":rank=" + std::to_string(place.rank)), owner_(claimant()) {
+        ErrorsReturned self_errors(MPI_COMM_SELF);
+        ErrorsReturned world_errors(MPI_COMM_WORLD);  // the name service reports through it
+        const auto holder = [&]() -> std::string {
+            char found[MPI_MAX_PORT_NAME] = {};
+            if (MPI_Lookup_name(name_.c_str(), MPI_INFO_NULL, found) != MPI_SUCCESS) return {};
+            return found;
+        };
+        std::string held = holder();
+        if (!held.empty() && held != owner_ && stale_claim(held)) {
+            MPI_Unpublish_name(name_.c_str(), MPI_INFO_NULL, held.c_str());
+            held = holder();
+        }
+        if (held.empty() && MPI_Publish_name(name_.c_str(), MPI_INFO_NULL, owner_.c_str()) == MPI_SUCCESS) {
+            published_ = true;
+            held = holder();
+        }
+        if (held == owner_) return;
+        if (published_) MPI_Unpublish_name(name_.c_str(), MPI_INFO_NULL, owner_.c_str());
+        throw CollectiveError(who + ": two processes were given RANK=" + std::to_string(place.rank) + ": process " +
+                              (held.empty() ? std::string("?") : held) +
+                              " of this job already holds it. Give each of 0.." + std::to_string(place.world_size - 1) +
+                              " to one process, or give this run its own GRADSYNC_JOB_ID if another job shares the "
+                              "name server");
+    }
+    RankClaim(const RankClaim&) = delete;
+    RankClaim& operator=(const RankClaim&) = delete;
+    ~RankClaim() {
+        int finalized = 0;
+        MPI_Finalized(&finalized);
+        if (finalized) return;  // MPI ended first: the name service is gone with it
+        ErrorsReturned self_errors(MPI_COMM_SELF);
+        ErrorsReturned world_errors(MPI_COMM_WORLD);
+        if (published_) MPI_Unpublish_name(name_.c_str(), MPI_INFO_NULL, owner_.c_str());
+    }
+
+private:
+    std::string name_, owner_;
+    bool published_ = false;
+};
+
+inline std::string join_advice(const ProcessPlace& place) {
+    return "Start the processes with mpirun -np " + std::to_string(place.world_size) +
+           " (or srun), or give them a name server to meet through: run `ompi-server -r FILE` once and set "
+           "OMPI_MCA_pmix_server_uri=file:FILE for every process.";
+}
+
+// A world joined from singletons, and this process's claim on its RANK, held as long as the world.
+struct JoinedWorld {
+    MPI_Comm comm = MPI_COMM_NULL;
+    std::unique_ptr<RankClaim> claim;
+};
+
+// Processes started by a launcher that is not MPI's (torchrun-style RANK/WORLD_SIZE) are MPI
+// singletons, a world of one each. They meet through MPI's name service: rank 0 opens a port,
+// and the group, growing from rank 0, publishes it for each next rank in turn, accepts it and
+// merges it in. A watchdog ends a join that has not completed by the deadline (a rank that never
+// starts, or a RANK given twice), naming how many ranks arrived.
+inline JoinedWorld join_singletons(const ProcessPlace& place, std::chrono::seconds timeout) {
+    const std::string who = rank_prefix(place.rank, place.world_size, place.source);
+#ifdef OPEN_MPI
+    // Without a name server each singleton publishes and looks up only in its own world: the
+    // lookup would fail until the deadline. Say so at once.
+    if (!real_env("OMPI_MCA_pmix_server_uri"))
+        throw CollectiveError(who +
+                              " was not started by an MPI launcher, and OMPI_MCA_pmix_server_uri names no "
+                              "name server through which the ranks could connect. " +
+                              join_advice(place));
+#endif
+    const std::string service = join_service(place);
+    if (service.empty())
+        throw CollectiveError(who +
+                              ": nothing names this job, so it could meet another job's ranks in the name server: "
+                              "set GRADSYNC_JOB_ID to a name of this run (or MASTER_ADDR and MASTER_PORT, as "
+                              "torchrun does), the same for every rank");
+    auto claim = std::make_unique<RankClaim>(service, place, who);
+    std::atomic<int> joined{1};
+    const auto deadline = detail::deadline_after(timeout);
+    WatcherThread watcher([deadline] { return deadline; },
+                          [&] {
+                              std::fprintf(stderr,
+                                           "%s: the ranks have not all joined after %lld s (%d of %d are in); a rank "
+                                           "did not start, or they do not share a name server and a job "
+                                           "identity (GRADSYNC_JOB_ID, MASTER_ADDR, MASTER_PORT). %s\n",
+                                           who.c_str(), static_cast<long long>(timeout.count()), joined.load(),
+                                           place.world_size, join_advice(place).c_str());
+                              std::fflush(stderr);
+                              detail::end_process_once([] { MPI_Abort(MPI_COMM_SELF, 1); });
+                          });
+
+    ErrorsReturned self_errors(MPI_COMM_SELF);
+    ErrorsReturned world_errors(MPI_COMM_WORLD);
+    auto check = [&](int rc, const char* call) {
+        if (rc != MPI_SUCCESS)
+            throw CollectiveError(who + ": " + call + " failed while joining the ranks: " + mpi_error_string(rc) +
+                                  ". " + join_advice(place));
+    };
+    // Ranks join one at a time, in order: the group publishes the port under rank r's own name
+    // only when it is ready to accept rank r, and connects every pair of its members before it
+    // publishes the next. Open MPI 4.1 can deadlock when a connect is pending while the group
+    // merges or opens connections (seen here with 4 ranks under load), and in order, the joined
+    // group is ordered by RANK as it grows.
+    const auto turn = [&](int rank) { return service + ":" + std::to_string(rank); };
+    const auto connect_all_pairs = [&](MPI_Comm comm) {
+        int size = 1;
+        MPI_Comm_size(comm, &size);
+        std::vector<int> out(static_cast<std::size_t>(size)), in(out.size());
+        check(MPI_Alltoall(out.data(), 1, MPI_INT, in.data(), 1, MPI_INT, comm), "MPI_Alltoall");
+    };
+    char port[MPI_MAX_PORT_NAME] = {};
+    MPI_Comm group = MPI_COMM_NULL;
+    MPI_Comm inter = MPI_COMM_NULL;
+    if (place.rank == 0) {
+        check(MPI_Open_port(MPI_INFO_NULL, port), "MPI_Open_port");
+        check(MPI_Comm_dup(MPI_COMM_SELF, &group), "MPI_Comm_dup");
+    } else {
+        // Not published until the ranks before this one are in; the watchdog bounds the wait.
+        while (MPI_Lookup_name(turn(place.rank).c_str(), MPI_INFO_NULL, port) != MPI_SUCCESS)
+            std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        check(MPI_Comm_connect(port, MPI_INFO_NULL, 0, MPI_COMM_SELF, &inter), "MPI_Comm_connect");
+        check(MPI_Intercomm_merge(inter, 1, &group), "MPI_Intercomm_merge");
+        MPI_Comm_free(&inter);
+    }
+    MPI_Comm_set_errhandler(group, MPI_ERRORS_RETURN);  // inherited by the groups it grows into
+    if (place.rank != 0) connect_all_pairs(group);
+    for (int size = 0; MPI_Comm_size(group, &size), size < place.world_size;) {
+        joined = size;
+        const std::string name = turn(size);  // the next rank's
+        if (place.rank == 0) {
+            const int rc = MPI_Publish_name(name.c_str(), MPI_INFO_NULL, port);
+            if (rc != MPI_SUCCESS)
+                throw CollectiveError(
+                    who + ": MPI_Publish_name(\"" + name + "\") failed: " + mpi_error_string(rc) +
+                    ". Another run with the same job identity (GRADSYNC_JOB_ID, MASTER_ADDR, MASTER_PORT) "
+                    "is using the name server.");
+        }
+        check(MPI_Comm_accept(port, MPI_INFO_NULL, 0, group, &inter), "MPI_Comm_accept");
+        if (place.rank == 0) MPI_Unpublish_name(name.c_str(), MPI_INFO_NULL, port);
+        MPI_Comm grown = MPI_COMM_NULL;
+        check(MPI_Intercomm_merge(inter, 0, &grown), "MPI_Intercomm_merge");
+        MPI_Comm_free(&inter);
+        MPI_Comm_free(&group);
+        group = grown;
+        connect_all_pairs(group);
+    }
+    joined = place.world_size;
+    if (place.rank == 0) MPI_Close_port(port);
+    // A RANK given twice can still fill a later rank's place (its connect was pending on the same
+    // port): every process must sit where its RANK says.
+    std::vector<int> ranks(static_cast<std::size_t>(place.world_size));
+    check(MPI_Allgather(&place.rank, 1, MPI_INT, ranks.data(), 1, MPI_INT, group), "MPI_Allgather");
+    std::string given;
+    bool in_place = true;
+    for (std::size_t i = 0; i < ranks.size(); ++i) {
+        in_place = in_place && ranks[i] == int(i);
+        given += (i == 0 ? "" : ", ") + std::to_string(ranks[i]);
+    }
+    if (!in_place) {
+        MPI_Comm_free(&group);
+        throw CollectiveError(who + ": the joined processes were given the ranks " + given + "; each of 0.." +
+                              std::to_string(place.world_size - 1) + " must be given once.");
+    }
+    MPI_Comm_set_errhandler(group, MPI_ERRORS_ARE_FATAL);  // as MPI_COMM_WORLD's
+    return {group, std::move(claim)};
+}
+
+// mpirun tells the processes it oversubscribes to yield the core while they wait for messages;
+// processes that wait by spinning on fewer cores than processes slow each other down a
+// hundredfold. A torchrun-style launch has no mpirun to say so: say it for Open MPI, unless the
+// user did. Before MPI_Init, which reads it.
+inline void yield_when_oversubscribed([[maybe_unused]] const ProcessPlace& launcher) {
+#ifdef OPEN_MPI
+    if (launcher.world_size <= 1 || real_env("OMPI_COMM_WORLD_SIZE") || real_env("OMPI_MCA_mpi_yield_when_idle"))
+        return;
+    if (unsigned(launcher.local_world_size) > std::thread::hardware_concurrency())
+        ::setenv("OMPI_MCA_mpi_yield_when_idle", "1", 0);
+#endif
+}
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_BACKEND_MPI_JOIN_HPP
+// ---- end gradsync/backend/mpi/join.hpp ----
+
+#include <chrono>
+#include <cstring>  // for std::strncmp
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace gradsync::inline v0 {
+
+// Initialises MPI for the lifetime of the object, asking for MPI_THREAD_MULTIPLE, and finalises
+// it at the end. When MPI is already initialised (by the program or another library) it does
+// neither. Throws when MPI gives less than MPI_THREAD_SERIALIZED, which MpiBackend needs.
+//
+// Processes started by a torchrun-style launcher (RANK and WORLD_SIZE set, but each process a
+// world of one to MPI) are joined into one communicator, mpi_world(), through MPI's name service
+// (Open MPI: `ompi-server`, named by OMPI_MCA_pmix_server_uri); `join_timeout` bounds the wait for
+// the other ranks. Such a world talks over the network transport even within one machine.
+class MpiSession {
+public:
+    MpiSession() : MpiSession(nullptr, nullptr, default_join_timeout) {}
+    explicit MpiSession(std::chrono::seconds join_timeout) : MpiSession(nullptr, nullptr, join_timeout) {}
+    MpiSession(int& argc, char**& argv, std::chrono::seconds join_timeout = default_join_timeout)
+        : MpiSession(&argc, &argv, join_timeout) {}
+    MpiSession(const MpiSession&) = delete;
+    MpiSession& operator=(const MpiSession&) = delete;
+    ~MpiSession() {
+        int finalized = 0;
+        MPI_Finalized(&finalized);
+        if (finalized) return;
+        if (joined_) MPI_Comm_free(&detail::joined_world);
+        claim_.reset();  // while MPI lives
+        if (owner_) MPI_Finalize();
+    }
+
+    static constexpr std::chrono::seconds default_join_timeout{300};
+
+    // What MPI provides: MPI_THREAD_SINGLE ... MPI_THREAD_MULTIPLE.
+    [[nodiscard]] int thread_level() const { return detail::mpi_thread_level(); }
+
+private:
+    MpiSession(int* argc, char*** argv, std::chrono::seconds join_timeout) {
+        const auto launcher = process_place();
+        int initialized = 0;
+        MPI_Initialized(&initialized);
+        if (!initialized) {
+            detail::yield_when_oversubscribed(launcher);
+            int provided = MPI_THREAD_SINGLE;
+            const int rc = MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided);
+            if (rc != MPI_SUCCESS)
+                throw CollectiveError("gradsync: MPI_Init_thread failed: " + detail::mpi_error_string(rc));
+            owner_ = true;
+        }
+        const int level = detail::mpi_thread_level();
+        if (level < MPI_THREAD_SERIALIZED)
+            throw CollectiveError(std::string("gradsync: MPI provides only ") + detail::thread_level_name(level) +
+                                  "; gradsync's MpiBackend needs MPI_THREAD_SERIALIZED or MPI_THREAD_MULTIPLE (its "
+                                  "progress thread calls MPI). Use an MPI library built with thread support.");
+        int size = 1;
+        MPI_Comm_size(MPI_COMM_WORLD, &size);
+        if (size == 1 && launcher.world_size > 1 && detail::joined_world == MPI_COMM_NULL) {
+            auto joined = detail::join_singletons(launcher, join_timeout);
+            detail::joined_world = joined.comm;
+            claim_ = std::move(joined.claim);
+            joined_ = true;
+        }
+    }
+
+    bool owner_ = false;
+    bool joined_ = false;
+    std::unique_ptr<detail::RankClaim> claim_;  // this process's RANK, claimed while the world lives
+};
+
+// The communicator of every rank of the job: MPI_COMM_WORLD, or the one MpiSession joined.
+inline MPI_Comm mpi_world() { return detail::joined_world != MPI_COMM_NULL ? detail::joined_world : MPI_COMM_WORLD; }
+
+namespace detail {
+
+// Splits `comm` by machine. MPI_COMM_TYPE_SHARED knows only the processes one launch started, so a
+// joined world goes by processor name instead.
+inline MPI_Comm split_by_node(MPI_Comm comm, int rank) {
+    MPI_Comm node = MPI_COMM_NULL;
+    if (joined_world == MPI_COMM_NULL) {
+        MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node);
+        return node;
+    }
+    int size = 1;
+    MPI_Comm_size(comm, &size);
+    std::vector<char> names(static_cast<std::size_t>(size) * MPI_MAX_PROCESSOR_NAME);
+    char mine[MPI_MAX_PROCESSOR_NAME] = {};
+    int length = 0;
+    MPI_Get_processor_name(mine, &length);
+    MPI_Allgather(mine, MPI_MAX_PROCESSOR_NAME, MPI_CHAR, names.data(), MPI_MAX_PROCESSOR_NAME, MPI_CHAR, comm);
+    int color = rank;  // the first rank on this machine
+    for (int r = 0; r < size; ++r)
+        if (std::strncmp(names.data() + std::size_t(r) * MPI_MAX_PROCESSOR_NAME, mine, MPI_MAX_PROCESSOR_NAME) == 0) {
+            color = r;
+            break;
+        }
+    MPI_Comm_split(comm, color, rank, &node);
+    return node;
+}
+
+}  // namespace detail
+
+// This process's place from MPI: rank and size in `comm`, local rank and size among the ranks
+// that share its machine. When a launcher's variables (process_place()) say otherwise for the
+// world, throws: the processes were started by a launcher that is not MPI's and MPI was
+// initialised without MpiSession, which would have joined them. Where they agree on the world
+// but set a local rank and size (LOCAL_RANK/LOCAL_WORLD_SIZE) that differ from MPI's, throws too.
+inline ProcessPlace mpi_process_place(MPI_Comm comm = mpi_world()) {
+    ProcessPlace place;
+    MPI_Comm_rank(comm, &place.rank);
+    MPI_Comm_size(comm, &place.world_size);
+    MPI_Comm node = detail::split_by_node(comm, place.rank);
+    MPI_Comm_rank(node, &place.local_rank);
+    MPI_Comm_size(node, &place.local_world_size);
+    MPI_Comm_free(&node);
+    place.source = "MPI";
+    int same = MPI_UNEQUAL;
+    MPI_Comm_compare(comm, mpi_world(), &same);
+    if (same == MPI_IDENT || same == MPI_CONGRUENT) {
+        const auto launcher = process_place();
+        if (auto problem = detail::exported_rank_problem(launcher, place, detail::real_env); !problem.empty())
+            throw Error(problem);
+        if (launcher.world_size > 1 && (launcher.rank != place.rank || launcher.world_size != place.world_size))
+            throw Error("gradsync: " + launcher.source + " say rank " + std::to_string(launcher.rank) + " of " +
+                        std::to_string(launcher.world_size) + " but MPI says rank " + std::to_string(place.rank) +
+                        " of " + std::to_string(place.world_size) +
+                        ": these processes were not started by an MPI launcher, and MPI was initialised without "
+                        "gradsync::MpiSession, which joins such processes. " +
+                        detail::join_advice(launcher));
+        if (launcher.world_size > 1) {
+            if (auto problem = detail::local_place_problem(launcher, place, detail::real_env); !problem.empty())
+                throw Error(problem);
+        }
+    }
+    return place;
+}
+
+}  // namespace gradsync::inline v0
+#endif  // GRADSYNC_SINGLE_BACKEND_MPI_SESSION_HPP
+// ---- end gradsync/backend/mpi/session.hpp ----
+
+#include <numeric>  // for std::iota
+#include <string>
+#include <utility>  // for std::exchange, std::move
+#include <vector>
+
+namespace gradsync::inline v0 {
+
+// A communicator freed with the object. MpiBackend duplicates the one it is given, so this may
+// end as soon as the backends over it are made.
+class MpiComm {
+public:
+    MpiComm() = default;
+    explicit MpiComm(MPI_Comm comm) : comm_(comm) {}
+    MpiComm(MpiComm&& other) noexcept : comm_(std::exchange(other.comm_, MPI_COMM_NULL)) {}
+    MpiComm& operator=(MpiComm&& other) noexcept {
+        if (this != &other) {
+            free();
+            comm_ = std::exchange(other.comm_, MPI_COMM_NULL);
+        }
+        return *this;
+    }
+    MpiComm(const MpiComm&) = delete;
+    MpiComm& operator=(const MpiComm&) = delete;
+    ~MpiComm() { free(); }
+
+    [[nodiscard]] MPI_Comm get() const { return comm_; }
+    operator MPI_Comm() const { return comm_; }  // NOLINT(google-explicit-constructor): used as one
+    [[nodiscard]] int rank() const { return query(MPI_Comm_rank); }
+    [[nodiscard]] int size() const { return query(MPI_Comm_size); }
+
+private:
+    void free() {
+        int finalized = 0;
+        MPI_Finalized(&finalized);
+        if (comm_ != MPI_COMM_NULL && !finalized) MPI_Comm_free(&comm_);
+        comm_ = MPI_COMM_NULL;
+    }
+    int query(int (*call)(MPI_Comm, int*)) const {
+        int out = 0;
+        call(comm_, &out);
+        return out;
+    }
+
+    MPI_Comm comm_ = MPI_COMM_NULL;
+};
+
+// The ranks of `parent` with this rank's `colour`, numbered by `key` (ties: by rank in
+// `parent`). Collective over `parent`.
+inline MpiComm mpi_split(MPI_Comm parent, int colour, int key) {
+    if (colour < 0) throw Error("gradsync: mpi_split: a colour must not be negative, got " + std::to_string(colour));
+    MPI_Comm out = MPI_COMM_NULL;
+    const int rc = MPI_Comm_split(parent, colour, key, &out);
+    if (rc != MPI_SUCCESS) throw CollectiveError("gradsync: MPI_Comm_split failed: " + detail::mpi_error_string(rc));
+    return MpiComm(out);
+}
+inline MpiComm mpi_split(MPI_Comm parent, int colour) {
+    int rank = 0;
+    MPI_Comm_rank(parent, &rank);
+    return mpi_split(parent, colour, rank);
+}
+
+// The ranks of `parent` on this machine (MPI_COMM_TYPE_SHARED; for processes a torchrun-style
+// launcher started and MpiSession joined, those with this processor name).
+inline MpiComm mpi_node_comm(MPI_Comm parent = mpi_world()) {
+    int rank = 0;
+    MPI_Comm_rank(parent, &rank);
+    return MpiComm(detail::split_by_node(parent, rank));
+}
+
+// Nodes stated rather than found: blocks of `ranks_per_node` consecutive ranks of `parent`, as
+// launchers place them by default. For tests that play several machines on one, and for
+// machines whose MPI cannot tell.
+inline MpiComm mpi_node_comm(MPI_Comm parent, int ranks_per_node) {
+    int rank = 0, size = 0;
+    MPI_Comm_rank(parent, &rank);
+    MPI_Comm_size(parent, &size);
+    if (ranks_per_node < 1 || size % ranks_per_node != 0)
+        throw Error("gradsync: mpi_node_comm: " + std::to_string(ranks_per_node) + " ranks per node do not divide " +
+                    std::to_string(size) + " ranks into whole nodes");
+    return mpi_split(parent, rank / ranks_per_node, rank);
+}
+
+// This rank's peers across machines: the rank of each node with this rank's place in `node`.
+// Every node must hold the same number of ranks (checked: throws on every rank otherwise).
+inline MpiComm mpi_cross_node_comm(MPI_Comm parent, MPI_Comm node) {
+    int local = 0, local_size = 0, rank = 0;
+    MPI_Comm_rank(node, &local);
+    MPI_Comm_size(node, &local_size);
+    MPI_Comm_rank(parent, &rank);
+    int smallest = local_size, largest = local_size;
+    MPI_Allreduce(MPI_IN_PLACE, &smallest, 1, MPI_INT, MPI_MIN, parent);
+    MPI_Allreduce(MPI_IN_PLACE, &largest, 1, MPI_INT, MPI_MAX, parent);
+    if (smallest != largest)
+        throw Error("gradsync: mpi_cross_node_comm: the nodes hold between " + std::to_string(smallest) + " and " +
+                    std::to_string(largest) + " ranks; a rank's peers across nodes need the same number on each");
+    return mpi_split(parent, local, rank);
+}
+
+namespace detail {
+
+// Which ranks of the job (mpi_world()) `comm` holds, in its rank order.
+inline GroupLabel mpi_group_label(MPI_Comm comm, std::string name) {
+    MPI_Group mine = MPI_GROUP_NULL, world = MPI_GROUP_NULL;
+    MPI_Comm_group(comm, &mine);
+    MPI_Comm_group(mpi_world(), &world);
+    int size = 0, world_size = 0;
+    MPI_Group_size(mine, &size);
+    MPI_Group_size(world, &world_size);
+    std::vector<int> ranks(static_cast<std::size_t>(size)), world_ranks(ranks.size());
+    std::iota(ranks.begin(), ranks.end(), 0);
+    MPI_Group_translate_ranks(mine, size, ranks.data(), world, world_ranks.data());
+    MPI_Group_free(&mine);
+    MPI_Group_free(&world);
+    for (const int r : world_ranks)
+        if (r == MPI_UNDEFINED) return {std::move(name), {}};  // not of this job's ranks: numbers say nothing
+    return group_label(std::move(name), std::move(world_ranks), world_size);
+}
+
+}  // namespace detail
+
+}  // namespace gradsync::inline v0
+#endif  // GRADSYNC_SINGLE_BACKEND_MPI_GROUPS_HPP
+// ---- end gradsync/backend/mpi/groups.hpp ----
+
 // ---- begin gradsync/backend/mpi/options.hpp ----
 #ifndef GRADSYNC_SINGLE_BACKEND_MPI_OPTIONS_HPP
 #define GRADSYNC_SINGLE_BACKEND_MPI_OPTIONS_HPP
-// MpiOptions: how MpiBackend reduces, how long a collective may take, and how often it looks
-// for peers that have left the group.
+// MpiOptions: how MpiBackend reduces, how long a collective may take, how often it looks for
+// peers that have left the group, and what its messages call the group.
 
 
 #include <chrono>
 #include <cstdint>
+#include <string>
 
 namespace gradsync::inline v0 {
 
@@ -1907,6 +2816,9 @@ struct MpiOptions {
     // so that a collective which can no longer complete ends the job at once instead of at the
     // timeout. Zero: never. Needs MPI_THREAD_MULTIPLE (the watcher calls MPI).
     std::chrono::milliseconds peer_poll = std::chrono::milliseconds(100);
+    // The name of a group of some of the job's ranks (a communicator split from the job's), for
+    // messages, which list its job ranks as well.
+    std::string group_name;
 };
 
 }  // namespace gradsync::inline v0
@@ -2675,6 +3587,7 @@ private:
 #include <cstring>  // for std::memcpy
 #include <span>
 #include <string>
+#include <utility>  // for std::move
 #include <vector>
 
 namespace gradsync::inline v0::detail {
@@ -2683,7 +3596,8 @@ namespace gradsync::inline v0::detail {
 // Used by one collective at a time (MpiBackend runs them in order).
 class MpiReduction {
 public:
-    MpiReduction(MPI_Comm comm, const MpiOptions& options) : comm_(comm), options_(options) {
+    MpiReduction(MPI_Comm comm, const MpiOptions& options, std::string who)
+        : comm_(comm), options_(options), who_(std::move(who)) {
         MPI_Comm_rank(comm_, &rank_);
         MPI_Comm_size(comm_, &size_);
         MPI_Type_contiguous(2, MPI_BYTE, &half_type_);
@@ -2826,8 +3740,7 @@ private:
     }
 
     void check(int rc, const char* call) const {
-        if (rc != MPI_SUCCESS)
-            throw CollectiveError(rank_prefix(rank_) + ": " + call + " failed: " + mpi_error_string(rc));
+        if (rc != MPI_SUCCESS) throw CollectiveError(who_ + ": " + call + " failed: " + mpi_error_string(rc));
     }
 
     [[nodiscard]] MPI_Datatype mpi_type(DType t) const {
@@ -2896,6 +3809,7 @@ private:
 
     MPI_Comm comm_;
     const MpiOptions& options_;
+    std::string who_;  // begins every message
     int rank_ = 0;
     int size_ = 1;
     MPI_Datatype half_type_ = MPI_DATATYPE_NULL;
@@ -2908,687 +3822,6 @@ private:
 }  // namespace gradsync::inline v0::detail
 #endif  // GRADSYNC_SINGLE_BACKEND_MPI_REDUCTION_HPP
 // ---- end gradsync/backend/mpi/reduction.hpp ----
-
-// ---- begin gradsync/backend/mpi/session.hpp ----
-#ifndef GRADSYNC_SINGLE_BACKEND_MPI_SESSION_HPP
-#define GRADSYNC_SINGLE_BACKEND_MPI_SESSION_HPP
-// MpiSession (MPI initialised and finalised, processes of a torchrun-style launch joined),
-// mpi_world() (the communicator of every rank of the job) and mpi_process_place() (this process's
-// rank and local rank from MPI).
-
-
-// ---- begin gradsync/backend/mpi/join.hpp ----
-#ifndef GRADSYNC_SINGLE_BACKEND_MPI_JOIN_HPP
-#define GRADSYNC_SINGLE_BACKEND_MPI_JOIN_HPP
-// The torchrun-style join: processes that a launcher other than MPI's started (RANK and
-// WORLD_SIZE set, each process a world of one to MPI) meet through MPI's name service and become
-// one communicator, by a deadline.
-
-
-// ---- begin gradsync/detail/end_process.hpp ----
-#ifndef GRADSYNC_SINGLE_DETAIL_END_PROCESS_HPP
-#define GRADSYNC_SINGLE_DETAIL_END_PROCESS_HPP
-// Ending the whole process from any thread, once. Deadlines on several threads (two backends'
-// watchers, a watcher and the trainer) can fire together; a second MPI_Abort while the first is
-// under way has crashed inside Open MPI. The first caller ends the process; any other waits for
-// that instead of ending it again.
-
-
-#include <atomic>
-#include <chrono>
-#include <cstdlib>  // for std::_Exit
-#include <thread>
-
-namespace gradsync::inline v0::detail {
-
-// One flag for the whole process (a function template's static would be one per caller).
-inline std::atomic<bool>& process_ending() {
-    static std::atomic<bool> ending{false};
-    return ending;
-}
-
-// The first caller runs end() (MPI_Abort, say), then exits with status 1 should end() return;
-// later callers wait for the process to end.
-template <class End>
-[[noreturn]] void end_process_once(End&& end) {
-    if (!process_ending().exchange(true, std::memory_order_acq_rel)) {
-        end();
-        std::_Exit(1);
-    }
-    for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
-}
-
-}  // namespace gradsync::inline v0::detail
-#endif  // GRADSYNC_SINGLE_DETAIL_END_PROCESS_HPP
-// ---- end gradsync/detail/end_process.hpp ----
-
-// ---- begin gradsync/detail/hash.hpp ----
-#ifndef GRADSYNC_SINGLE_DETAIL_HASH_HPP
-#define GRADSYNC_SINGLE_DETAIL_HASH_HPP
-// The hashes: 64-bit FNV-1a over 64-bit words, byte by byte, so that the same values give the
-// same hash in every process and on every machine (bucket plans, layouts, collective histories);
-// and content_hash, fast enough to run over every parameter of a model (replica checks).
-
-
-#include <cstddef>
-#include <cstdint>
-#include <cstring>  // for std::memcpy
-
-namespace gradsync::inline v0::detail {
-
-inline constexpr std::uint64_t fnv1a_basis = 14695981039346656037ull;
-
-// h with the 8 bytes of v folded in, lowest first.
-constexpr std::uint64_t fnv1a(std::uint64_t h, std::uint64_t v) {
-    for (int i = 0; i < 8; ++i) {
-        h ^= (v >> (8 * i)) & 0xffu;
-        h *= 1099511628211ull;
-    }
-    return h;
-}
-
-// Folds values in one after another: Fnv1a h; h.add(a).add(b); h.value().
-class Fnv1a {
-public:
-    constexpr Fnv1a& add(std::uint64_t v) {
-        h_ = fnv1a(h_, v);
-        return *this;
-    }
-    [[nodiscard]] constexpr std::uint64_t value() const { return h_; }
-
-private:
-    std::uint64_t h_ = fnv1a_basis;
-};
-
-// A hash of `bytes` bytes at `data`. Four independent lanes, so that memory bandwidth rather than
-// one multiply chain sets the speed; each word is multiplied in and its high bits folded down, so
-// that a difference in any bit reaches the result.
-inline std::uint64_t content_hash(const void* data, std::size_t bytes) {
-    constexpr std::uint64_t k = 0x9e3779b97f4a7c15ull;
-    const auto* p = static_cast<const unsigned char*>(data);
-    std::uint64_t lane[4] = {k, k + 1, k + 2, k + 3};
-    const auto mix = [](std::uint64_t h, std::uint64_t w) {
-        h = (h ^ w) * k;
-        return h ^ (h >> 31);
-    };
-    std::size_t i = 0;
-    for (; i + 32 <= bytes; i += 32) {
-        std::uint64_t w[4];
-        std::memcpy(w, p + i, 32);
-        for (int j = 0; j < 4; ++j) lane[j] = mix(lane[j], w[j]);
-    }
-    for (int j = 0; i < bytes; i += 8, ++j) {
-        std::uint64_t w = 0;
-        std::memcpy(&w, p + i, bytes - i < 8 ? bytes - i : 8);
-        lane[j] = mix(lane[j], w);
-    }
-    return fnv1a(fnv1a(fnv1a(fnv1a(fnv1a(fnv1a_basis, bytes), lane[0]), lane[1]), lane[2]), lane[3]);
-}
-
-}  // namespace gradsync::inline v0::detail
-#endif  // GRADSYNC_SINGLE_DETAIL_HASH_HPP
-// ---- end gradsync/detail/hash.hpp ----
-
-// ---- begin gradsync/environment.hpp ----
-#ifndef GRADSYNC_SINGLE_ENVIRONMENT_HPP
-#define GRADSYNC_SINGLE_ENVIRONMENT_HPP
-// Where this process stands in a multi-process run: rank, world size, local rank and local world
-// size, read from the variables launchers set (torchrun, paddle.distributed.launch, Open MPI's
-// mpirun, MPICH/PMI, Slurm's srun), with a clear error when they are missing or disagree.
-
-
-#include <cstdlib>  // for std::getenv
-#include <optional>
-#include <string>
-#include <vector>
-
-namespace gradsync::inline v0 {
-
-struct ProcessPlace {
-    int rank = 0;
-    int world_size = 1;
-    int local_rank = 0;
-    int local_world_size = 1;
-    std::string source;  // which launcher's variables said so, e.g. "RANK/WORLD_SIZE"
-
-    friend bool operator==(const ProcessPlace&, const ProcessPlace&) = default;
-};
-
-namespace detail {
-
-// Reads an environment variable; `lookup` is swappable so that tests need not touch the process's.
-using EnvLookup = std::optional<std::string> (*)(const char*);
-
-inline std::optional<std::string> real_env(const char* name) {
-    const char* v = std::getenv(name);
-    if (v == nullptr) return std::nullopt;
-    return std::string(v);
-}
-
-inline int parse_count(const char* name, const std::string& text) {
-    std::size_t used = 0;
-    long value = -1;
-    try {
-        value = std::stol(text, &used);
-    } catch (...) {
-        used = 0;
-    }
-    if (used != text.size() || text.empty() || value < 0 || value > 1'000'000)
-        throw Error("gradsync: environment variable " + std::string(name) + "='" + text +
-                    "' is not a non-negative whole number");
-    return static_cast<int>(value);
-}
-
-struct Scheme {
-    const char* rank;
-    const char* size;
-    const char* local_rank;
-    const char* local_size;
-};
-
-// Innermost launcher first: torchrun's variables, paddle.distributed.launch's, then mpirun's (Open
-// MPI, MPICH/PMI), then Slurm's.
-inline constexpr Scheme schemes[] = {
-    {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"},
-    {"PADDLE_TRAINER_ID", "PADDLE_TRAINERS_NUM", "PADDLE_RANK_IN_NODE", "PADDLE_LOCAL_SIZE"},
-    {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"},
-    {"PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"},
-    {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", nullptr},
-};
-
-inline ProcessPlace place_from(EnvLookup lookup) {
-    std::vector<ProcessPlace> found;
-    for (const auto& s : schemes) {
-        auto rank = lookup(s.rank);
-        auto size = lookup(s.size);
-        if (!rank && !size) continue;
-        const std::string source = std::string(s.rank) + "/" + s.size;
-        if (!rank || !size)
-            throw Error("gradsync: " + std::string(rank ? s.rank : s.size) + " is set but " +
-                        std::string(rank ? s.size : s.rank) + " is not; a launcher sets both");
-        ProcessPlace p;
-        p.source = source;
-        p.rank = parse_count(s.rank, *rank);
-        p.world_size = parse_count(s.size, *size);
-        if (p.world_size < 1 || p.rank >= p.world_size)
-            throw Error("gradsync: " + std::string(s.rank) + "=" + std::to_string(p.rank) + " is not a rank of " +
-                        s.size + "=" + std::to_string(p.world_size));
-        // Without local variables: one process per machine, as far as anyone said.
-        p.local_rank = 0;
-        if (auto lr = lookup(s.local_rank)) p.local_rank = parse_count(s.local_rank, *lr);
-        p.local_world_size = p.local_rank + 1;
-        if (s.local_size != nullptr) {
-            if (auto ls = lookup(s.local_size)) p.local_world_size = parse_count(s.local_size, *ls);
-        }
-        if (p.local_rank >= p.local_world_size)
-            throw Error("gradsync: local rank " + std::to_string(p.local_rank) + " from " + s.local_rank +
-                        " is not below the local world size " + std::to_string(p.local_world_size));
-        found.push_back(p);
-    }
-    if (found.empty()) return ProcessPlace{0, 1, 0, 1, "no launcher variables: a single process"};
-    // The innermost launcher wins: torchrun inside srun or mpirun, mpirun inside srun. An inner
-    // launcher starts one or more processes for each task of the one around it, and numbers them
-    // its own way; an outer world larger than the inner one is a mistake (variables left over from
-    // another run).
-    for (std::size_t i = 1; i < found.size(); ++i) {
-        if (found[i].world_size > found[0].world_size)
-            throw Error("gradsync: the launchers' variables disagree: " + found[0].source + " say rank " +
-                        std::to_string(found[0].rank) + " of " + std::to_string(found[0].world_size) + ", " +
-                        found[i].source + " say rank " + std::to_string(found[i].rank) + " of " +
-                        std::to_string(found[i].world_size) + ": more processes than the launcher inside it starts. " +
-                        "Are " + found[0].source + " left over in the environment from another run?");
-    }
-    return found[0];
-}
-
-// Checks the launcher's local rank and local world size against those of `found` (MPI's: the
-// processes that share this machine), where the launcher set both: a launcher that numbers a
-// machine's processes otherwise than they lie (two torchruns on one machine, variables left over
-// from another run) would give two processes one GPU. Returns the problem, or nothing.
-inline std::string local_place_problem(const ProcessPlace& launcher, const ProcessPlace& found, EnvLookup lookup) {
-    for (const auto& s : schemes) {
-        if (launcher.source != std::string(s.rank) + "/" + s.size) continue;
-        if (s.local_size == nullptr || !lookup(s.local_rank) || !lookup(s.local_size)) return {};
-        if (launcher.local_rank == found.local_rank && launcher.local_world_size == found.local_world_size) return {};
-        return "gradsync: " + std::string(s.local_rank) + "/" + s.local_size + " say local rank " +
-               std::to_string(launcher.local_rank) + " of " + std::to_string(launcher.local_world_size) +
-               " on this machine, but " + found.source + " finds " + std::to_string(found.local_world_size) +
-               " processes of the job here, this one local rank " + std::to_string(found.local_rank) +
-               ": a GPU chosen by " + s.local_rank + " could be another process's too. Start one launcher per " +
-               "machine, or set " + s.local_rank + " and " + s.local_size + " as the processes lie";
-    }
-    return {};
-}
-
-// Where an MPI launcher (mpirun, mpiexec) started this process as MPI numbers it (`mpi`) but the
-// innermost launcher's variables (`launcher`: torchrun's RANK, say) give another rank: those
-// were handed to every process (exported in the shell, or passed with mpirun -x), so every
-// process would claim the same rank. Returns the problem, or nothing.
-inline std::string exported_rank_problem(const ProcessPlace& launcher, const ProcessPlace& mpi, EnvLookup lookup) {
-    if (launcher.rank == mpi.rank && launcher.world_size == mpi.world_size) return {};
-    for (const auto& s : schemes) {
-        const std::string source = std::string(s.rank) + "/" + s.size;
-        if (!source.starts_with("OMPI_") && !source.starts_with("PMI_")) continue;
-        if (source == launcher.source) return {};
-        const auto rank = lookup(s.rank), size = lookup(s.size);
-        if (!rank || !size || parse_count(s.rank, *rank) != mpi.rank || parse_count(s.size, *size) != mpi.world_size)
-            continue;
-        return "gradsync: " + launcher.source + " say rank " + std::to_string(launcher.rank) + " of " +
-               std::to_string(launcher.world_size) + ", but an MPI launcher started this process as rank " +
-               std::to_string(mpi.rank) + " of " + std::to_string(mpi.world_size) + " (" + source +
-               "): " + launcher.source + " were given to every process (exported in the shell, or passed with " +
-               "mpirun -x). Unset them when starting with mpirun, or start the processes with torchrun alone";
-    }
-    return {};
-}
-
-}  // namespace detail
-
-// This process's place, from the environment the launcher left: where launchers are nested
-// (torchrun started by srun), the innermost one's variables. A process started without a launcher
-// is rank 0 of 1. Throws when the variables are malformed or incomplete, or when a launcher
-// around another claims more processes than the inner one has.
-inline ProcessPlace process_place() { return detail::place_from(detail::real_env); }
-
-}  // namespace gradsync::inline v0
-#endif  // GRADSYNC_SINGLE_ENVIRONMENT_HPP
-// ---- end gradsync/environment.hpp ----
-
-#include <signal.h>  // for kill
-#include <unistd.h>  // for gethostname, getpid
-
-#include <atomic>
-#include <cerrno>
-#include <chrono>
-#include <cstdio>   // for std::fprintf, std::snprintf
-#include <cstdlib>  // for setenv, strtol
-#include <memory>
-#include <string>
-#include <thread>
-#include <vector>
-
-namespace gradsync::inline v0::detail {
-
-// The communicator MpiSession built by joining processes that MPI did not start; MPI_COMM_NULL
-// when there is none (MPI_COMM_WORLD holds every rank).
-inline MPI_Comm joined_world = MPI_COMM_NULL;
-
-// The variables that name a job, in the names its ranks meet under, so that jobs sharing a name
-// server never meet: ours, torchrun's run id and address, paddle.distributed.launch's endpoints
-// (the address and port it chose for each rank), Slurm's job.
-inline constexpr const char* job_identity_variables[] = {"GRADSYNC_JOB_ID", "TORCHELASTIC_RUN_ID",      "MASTER_ADDR",
-                                                         "MASTER_PORT",     "PADDLE_TRAINER_ENDPOINTS", "SLURM_JOB_ID"};
-
-// Open MPI's name service takes names of at most 511 characters: an identity longer than this
-// (a long GRADSYNC_JOB_ID) is named by its hash instead, the same in every process.
-inline constexpr std::size_t max_identity_text = 256;
-
-// The name the job's ranks meet under, or "" when nothing names the job.
-inline std::string join_service(const ProcessPlace& place, EnvLookup lookup = real_env) {
-    std::string identity;
-    for (const char* variable : job_identity_variables)
-        if (auto value = lookup(variable)) identity += std::string(":") + variable + "=" + *value;
-    if (identity.empty()) return {};
-    if (identity.size() > max_identity_text) {
-        char hex[17] = {};
-        std::snprintf(hex, sizeof hex, "%016llx",
-                      static_cast<unsigned long long>(content_hash(identity.data(), identity.size())));
-        identity = ":identity-hash=" + std::string(hex) + ":length=" + std::to_string(identity.size());
-    }
-    return "gradsync" + identity + ":world=" + std::to_string(place.world_size);
-}
-
-// Who holds a claim: "host:pid".
-inline std::string claimant() {
-    char host[256] = {};
-    ::gethostname(host, sizeof host - 1);
-    return std::string(host) + ":" + std::to_string(::getpid());
-}
-
-// Whether a claim by "host:pid" is left over from a process of this machine that is gone.
-inline bool stale_claim(const std::string& owner) {
-    const auto colon = owner.rfind(':');
-    if (colon == std::string::npos) return false;
-    char host[256] = {};
-    ::gethostname(host, sizeof host - 1);
-    if (owner.substr(0, colon) != host) return false;  // another machine's: cannot tell
-    const long pid = std::strtol(owner.c_str() + colon + 1, nullptr, 10);
-    return pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
-}
-
-// Each rank claims its RANK in the name service before it joins, and holds the claim while the
-// joined world lives: a second process given the same RANK (in this job, or in another job given
-// the same identity while this one runs) finds it claimed and stops at once, instead of waiting
-// out the join's deadline or joining where it does not belong. The name service may keep one entry per publisher, so a
-// claim counts once it is the one a lookup finds; a claim left by a crashed process of this
-// machine is taken over.
-class RankClaim {
-public:
-    RankClaim(const std::string& service, const ProcessPlace& place, const std::string& who)
-        : name_(service + ":rank=" + std::to_string(place.rank)), owner_(claimant()) {
-        ErrorsReturned self_errors(MPI_COMM_SELF);
-        ErrorsReturned world_errors(MPI_COMM_WORLD);  // the name service reports through it
-        const auto holder = [&]() -> std::string {
-            char found[MPI_MAX_PORT_NAME] = {};
-            if (MPI_Lookup_name(name_.c_str(), MPI_INFO_NULL, found) != MPI_SUCCESS) return {};
-            return found;
-        };
-        std::string held = holder();
-        if (!held.empty() && held != owner_ && stale_claim(held)) {
-            MPI_Unpublish_name(name_.c_str(), MPI_INFO_NULL, held.c_str());
-            held = holder();
-        }
-        if (held.empty() && MPI_Publish_name(name_.c_str(), MPI_INFO_NULL, owner_.c_str()) == MPI_SUCCESS) {
-            published_ = true;
-            held = holder();
-        }
-        if (held == owner_) return;
-        if (published_) MPI_Unpublish_name(name_.c_str(), MPI_INFO_NULL, owner_.c_str());
-        throw CollectiveError(who + ": two processes were given RANK=" + std::to_string(place.rank) + ": process " +
-                              (held.empty() ? std::string("?") : held) +
-                              " of this job already holds it. Give each of 0.." + std::to_string(place.world_size - 1) +
-                              " to one process, or give this run its own GRADSYNC_JOB_ID if another job shares the "
-                              "name server");
-    }
-    RankClaim(const RankClaim&) = delete;
-    RankClaim& operator=(const RankClaim&) = delete;
-    ~RankClaim() {
-        int finalized = 0;
-        MPI_Finalized(&finalized);
-        if (finalized) return;  // MPI ended first: the name service is gone with it
-        ErrorsReturned self_errors(MPI_COMM_SELF);
-        ErrorsReturned world_errors(MPI_COMM_WORLD);
-        if (published_) MPI_Unpublish_name(name_.c_str(), MPI_INFO_NULL, owner_.c_str());
-    }
-
-private:
-    std::string name_, owner_;
-    bool published_ = false;
-};
-
-inline std::string join_advice(const ProcessPlace& place) {
-    return "Start the processes with mpirun -np " + std::to_string(place.world_size) +
-           " (or srun), or give them a name server to meet through: run `ompi-server -r FILE` once and set "
-           "OMPI_MCA_pmix_server_uri=file:FILE for every process.";
-}
-
-// A world joined from singletons, and this process's claim on its RANK, held as long as the world.
-struct JoinedWorld {
-    MPI_Comm comm = MPI_COMM_NULL;
-    std::unique_ptr<RankClaim> claim;
-};
-
-// Processes started by a launcher that is not MPI's (torchrun-style RANK/WORLD_SIZE) are MPI
-// singletons, a world of one each. They meet through MPI's name service: rank 0 opens a port,
-// and the group, growing from rank 0, publishes it for each next rank in turn, accepts it and
-// merges it in. A watchdog ends a join that has not completed by the deadline (a rank that never
-// starts, or a RANK given twice), naming how many ranks arrived.
-inline JoinedWorld join_singletons(const ProcessPlace& place, std::chrono::seconds timeout) {
-    const std::string who = rank_prefix(place.rank, place.world_size, place.source);
-#ifdef OPEN_MPI
-    // Without a name server each singleton publishes and looks up only in its own world: the
-    // lookup would fail until the deadline. Say so at once.
-    if (!real_env("OMPI_MCA_pmix_server_uri"))
-        throw CollectiveError(who +
-                              " was not started by an MPI launcher, and OMPI_MCA_pmix_server_uri names no "
-                              "name server through which the ranks could connect. " +
-                              join_advice(place));
-#endif
-    const std::string service = join_service(place);
-    if (service.empty())
-        throw CollectiveError(who +
-                              ": nothing names this job, so it could meet another job's ranks in the name server: "
-                              "set GRADSYNC_JOB_ID to a name of this run (or MASTER_ADDR and MASTER_PORT, as "
-                              "torchrun does), the same for every rank");
-    auto claim = std::make_unique<RankClaim>(service, place, who);
-    std::atomic<int> joined{1};
-    const auto deadline = detail::deadline_after(timeout);
-    WatcherThread watcher([deadline] { return deadline; },
-                          [&] {
-                              std::fprintf(stderr,
-                                           "%s: the ranks have not all joined after %lld s (%d of %d are in); a rank "
-                                           "did not start, or they do not share a name server and a job "
-                                           "identity (GRADSYNC_JOB_ID, MASTER_ADDR, MASTER_PORT). %s\n",
-                                           who.c_str(), static_cast<long long>(timeout.count()), joined.load(),
-                                           place.world_size, join_advice(place).c_str());
-                              std::fflush(stderr);
-                              detail::end_process_once([] { MPI_Abort(MPI_COMM_SELF, 1); });
-                          });
-
-    ErrorsReturned self_errors(MPI_COMM_SELF);
-    ErrorsReturned world_errors(MPI_COMM_WORLD);
-    auto check = [&](int rc, const char* call) {
-        if (rc != MPI_SUCCESS)
-            throw CollectiveError(who + ": " + call + " failed while joining the ranks: " + mpi_error_string(rc) +
-                                  ". " + join_advice(place));
-    };
-    // Ranks join one at a time, in order: the group publishes the port under rank r's own name
-    // only when it is ready to accept rank r, and connects every pair of its members before it
-    // publishes the next. Open MPI 4.1 can deadlock when a connect is pending while the group
-    // merges or opens connections (seen here with 4 ranks under load), and in order, the joined
-    // group is ordered by RANK as it grows.
-    const auto turn = [&](int rank) { return service + ":" + std::to_string(rank); };
-    const auto connect_all_pairs = [&](MPI_Comm comm) {
-        int size = 1;
-        MPI_Comm_size(comm, &size);
-        std::vector<int> out(static_cast<std::size_t>(size)), in(out.size());
-        check(MPI_Alltoall(out.data(), 1, MPI_INT, in.data(), 1, MPI_INT, comm), "MPI_Alltoall");
-    };
-    char port[MPI_MAX_PORT_NAME] = {};
-    MPI_Comm group = MPI_COMM_NULL;
-    MPI_Comm inter = MPI_COMM_NULL;
-    if (place.rank == 0) {
-        check(MPI_Open_port(MPI_INFO_NULL, port), "MPI_Open_port");
-        check(MPI_Comm_dup(MPI_COMM_SELF, &group), "MPI_Comm_dup");
-    } else {
-        // Not published until the ranks before this one are in; the watchdog bounds the wait.
-        while (MPI_Lookup_name(turn(place.rank).c_str(), MPI_INFO_NULL, port) != MPI_SUCCESS)
-            std::this_thread::sleep_for(std::chrono::milliseconds(20));
-        check(MPI_Comm_connect(port, MPI_INFO_NULL, 0, MPI_COMM_SELF, &inter), "MPI_Comm_connect");
-        check(MPI_Intercomm_merge(inter, 1, &group), "MPI_Intercomm_merge");
-        MPI_Comm_free(&inter);
-    }
-    MPI_Comm_set_errhandler(group, MPI_ERRORS_RETURN);  // inherited by the groups it grows into
-    if (place.rank != 0) connect_all_pairs(group);
-    for (int size = 0; MPI_Comm_size(group, &size), size < place.world_size;) {
-        joined = size;
-        const std::string name = turn(size);  // the next rank's
-        if (place.rank == 0) {
-            const int rc = MPI_Publish_name(name.c_str(), MPI_INFO_NULL, port);
-            if (rc != MPI_SUCCESS)
-                throw CollectiveError(
-                    who + ": MPI_Publish_name(\"" + name + "\") failed: " + mpi_error_string(rc) +
-                    ". Another run with the same job identity (GRADSYNC_JOB_ID, MASTER_ADDR, MASTER_PORT) "
-                    "is using the name server.");
-        }
-        check(MPI_Comm_accept(port, MPI_INFO_NULL, 0, group, &inter), "MPI_Comm_accept");
-        if (place.rank == 0) MPI_Unpublish_name(name.c_str(), MPI_INFO_NULL, port);
-        MPI_Comm grown = MPI_COMM_NULL;
-        check(MPI_Intercomm_merge(inter, 0, &grown), "MPI_Intercomm_merge");
-        MPI_Comm_free(&inter);
-        MPI_Comm_free(&group);
-        group = grown;
-        connect_all_pairs(group);
-    }
-    joined = place.world_size;
-    if (place.rank == 0) MPI_Close_port(port);
-    // A RANK given twice can still fill a later rank's place (its connect was pending on the same
-    // port): every process must sit where its RANK says.
-    std::vector<int> ranks(static_cast<std::size_t>(place.world_size));
-    check(MPI_Allgather(&place.rank, 1, MPI_INT, ranks.data(), 1, MPI_INT, group), "MPI_Allgather");
-    std::string given;
-    bool in_place = true;
-    for (std::size_t i = 0; i < ranks.size(); ++i) {
-        in_place = in_place && ranks[i] == int(i);
-        given += (i == 0 ? "" : ", ") + std::to_string(ranks[i]);
-    }
-    if (!in_place) {
-        MPI_Comm_free(&group);
-        throw CollectiveError(who + ": the joined processes were given the ranks " + given + "; each of 0.." +
-                              std::to_string(place.world_size - 1) + " must be given once.");
-    }
-    MPI_Comm_set_errhandler(group, MPI_ERRORS_ARE_FATAL);  // as MPI_COMM_WORLD's
-    return {group, std::move(claim)};
-}
-
-// mpirun tells the processes it oversubscribes to yield the core while they wait for messages;
-// processes that wait by spinning on fewer cores than processes slow each other down a
-// hundredfold. A torchrun-style launch has no mpirun to say so: say it for Open MPI, unless the
-// user did. Before MPI_Init, which reads it.
-inline void yield_when_oversubscribed([[maybe_unused]] const ProcessPlace& launcher) {
-#ifdef OPEN_MPI
-    if (launcher.world_size <= 1 || real_env("OMPI_COMM_WORLD_SIZE") || real_env("OMPI_MCA_mpi_yield_when_idle"))
-        return;
-    if (unsigned(launcher.local_world_size) > std::thread::hardware_concurrency())
-        ::setenv("OMPI_MCA_mpi_yield_when_idle", "1", 0);
-#endif
-}
-
-}  // namespace gradsync::inline v0::detail
-#endif  // GRADSYNC_SINGLE_BACKEND_MPI_JOIN_HPP
-// ---- end gradsync/backend/mpi/join.hpp ----
-
-#include <chrono>
-#include <cstring>  // for std::strncmp
-#include <memory>
-#include <string>
-#include <vector>
-
-namespace gradsync::inline v0 {
-
-// Initialises MPI for the lifetime of the object, asking for MPI_THREAD_MULTIPLE, and finalises
-// it at the end. When MPI is already initialised (by the program or another library) it does
-// neither. Throws when MPI gives less than MPI_THREAD_SERIALIZED, which MpiBackend needs.
-//
-// Processes started by a torchrun-style launcher (RANK and WORLD_SIZE set, but each process a
-// world of one to MPI) are joined into one communicator, mpi_world(), through MPI's name service
-// (Open MPI: `ompi-server`, named by OMPI_MCA_pmix_server_uri); `join_timeout` bounds the wait for
-// the other ranks. Such a world talks over the network transport even within one machine.
-class MpiSession {
-public:
-    MpiSession() : MpiSession(nullptr, nullptr, default_join_timeout) {}
-    explicit MpiSession(std::chrono::seconds join_timeout) : MpiSession(nullptr, nullptr, join_timeout) {}
-    MpiSession(int& argc, char**& argv, std::chrono::seconds join_timeout = default_join_timeout)
-        : MpiSession(&argc, &argv, join_timeout) {}
-    MpiSession(const MpiSession&) = delete;
-    MpiSession& operator=(const MpiSession&) = delete;
-    ~MpiSession() {
-        int finalized = 0;
-        MPI_Finalized(&finalized);
-        if (finalized) return;
-        if (joined_) MPI_Comm_free(&detail::joined_world);
-        claim_.reset();  // while MPI lives
-        if (owner_) MPI_Finalize();
-    }
-
-    static constexpr std::chrono::seconds default_join_timeout{300};
-
-    // What MPI provides: MPI_THREAD_SINGLE ... MPI_THREAD_MULTIPLE.
-    [[nodiscard]] int thread_level() const { return detail::mpi_thread_level(); }
-
-private:
-    MpiSession(int* argc, char*** argv, std::chrono::seconds join_timeout) {
-        const auto launcher = process_place();
-        int initialized = 0;
-        MPI_Initialized(&initialized);
-        if (!initialized) {
-            detail::yield_when_oversubscribed(launcher);
-            int provided = MPI_THREAD_SINGLE;
-            const int rc = MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided);
-            if (rc != MPI_SUCCESS)
-                throw CollectiveError("gradsync: MPI_Init_thread failed: " + detail::mpi_error_string(rc));
-            owner_ = true;
-        }
-        const int level = detail::mpi_thread_level();
-        if (level < MPI_THREAD_SERIALIZED)
-            throw CollectiveError(std::string("gradsync: MPI provides only ") + detail::thread_level_name(level) +
-                                  "; gradsync's MpiBackend needs MPI_THREAD_SERIALIZED or MPI_THREAD_MULTIPLE (its "
-                                  "progress thread calls MPI). Use an MPI library built with thread support.");
-        int size = 1;
-        MPI_Comm_size(MPI_COMM_WORLD, &size);
-        if (size == 1 && launcher.world_size > 1 && detail::joined_world == MPI_COMM_NULL) {
-            auto joined = detail::join_singletons(launcher, join_timeout);
-            detail::joined_world = joined.comm;
-            claim_ = std::move(joined.claim);
-            joined_ = true;
-        }
-    }
-
-    bool owner_ = false;
-    bool joined_ = false;
-    std::unique_ptr<detail::RankClaim> claim_;  // this process's RANK, claimed while the world lives
-};
-
-// The communicator of every rank of the job: MPI_COMM_WORLD, or the one MpiSession joined.
-inline MPI_Comm mpi_world() { return detail::joined_world != MPI_COMM_NULL ? detail::joined_world : MPI_COMM_WORLD; }
-
-namespace detail {
-
-// Splits `comm` by machine. MPI_COMM_TYPE_SHARED knows only the processes one launch started, so a
-// joined world goes by processor name instead.
-inline MPI_Comm split_by_node(MPI_Comm comm, int rank) {
-    MPI_Comm node = MPI_COMM_NULL;
-    if (joined_world == MPI_COMM_NULL) {
-        MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node);
-        return node;
-    }
-    int size = 1;
-    MPI_Comm_size(comm, &size);
-    std::vector<char> names(static_cast<std::size_t>(size) * MPI_MAX_PROCESSOR_NAME);
-    char mine[MPI_MAX_PROCESSOR_NAME] = {};
-    int length = 0;
-    MPI_Get_processor_name(mine, &length);
-    MPI_Allgather(mine, MPI_MAX_PROCESSOR_NAME, MPI_CHAR, names.data(), MPI_MAX_PROCESSOR_NAME, MPI_CHAR, comm);
-    int color = rank;  // the first rank on this machine
-    for (int r = 0; r < size; ++r)
-        if (std::strncmp(names.data() + std::size_t(r) * MPI_MAX_PROCESSOR_NAME, mine, MPI_MAX_PROCESSOR_NAME) == 0) {
-            color = r;
-            break;
-        }
-    MPI_Comm_split(comm, color, rank, &node);
-    return node;
-}
-
-}  // namespace detail
-
-// This process's place from MPI: rank and size in `comm`, local rank and size among the ranks
-// that share its machine. When a launcher's variables (process_place()) say otherwise for the
-// world, throws: the processes were started by a launcher that is not MPI's and MPI was
-// initialised without MpiSession, which would have joined them. Where they agree on the world
-// but set a local rank and size (LOCAL_RANK/LOCAL_WORLD_SIZE) that differ from MPI's, throws too.
-inline ProcessPlace mpi_process_place(MPI_Comm comm = mpi_world()) {
-    ProcessPlace place;
-    MPI_Comm_rank(comm, &place.rank);
-    MPI_Comm_size(comm, &place.world_size);
-    MPI_Comm node = detail::split_by_node(comm, place.rank);
-    MPI_Comm_rank(node, &place.local_rank);
-    MPI_Comm_size(node, &place.local_world_size);
-    MPI_Comm_free(&node);
-    place.source = "MPI";
-    int same = MPI_UNEQUAL;
-    MPI_Comm_compare(comm, mpi_world(), &same);
-    if (same == MPI_IDENT || same == MPI_CONGRUENT) {
-        const auto launcher = process_place();
-        if (auto problem = detail::exported_rank_problem(launcher, place, detail::real_env); !problem.empty())
-            throw Error(problem);
-        if (launcher.world_size > 1 && (launcher.rank != place.rank || launcher.world_size != place.world_size))
-            throw Error("gradsync: " + launcher.source + " say rank " + std::to_string(launcher.rank) + " of " +
-                        std::to_string(launcher.world_size) + " but MPI says rank " + std::to_string(place.rank) +
-                        " of " + std::to_string(place.world_size) +
-                        ": these processes were not started by an MPI launcher, and MPI was initialised without "
-                        "gradsync::MpiSession, which joins such processes. " +
-                        detail::join_advice(launcher));
-        if (launcher.world_size > 1) {
-            if (auto problem = detail::local_place_problem(launcher, place, detail::real_env); !problem.empty())
-                throw Error(problem);
-        }
-    }
-    return place;
-}
-
-}  // namespace gradsync::inline v0
-#endif  // GRADSYNC_SINGLE_BACKEND_MPI_SESSION_HPP
-// ---- end gradsync/backend/mpi/session.hpp ----
 
 #include <algorithm>  // for std::min
 #include <chrono>
@@ -3644,10 +3877,11 @@ public:
         MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);  // errors become exceptions, not exits
         MPI_Comm_rank(comm_, &rank_);
         MPI_Comm_size(comm_, &size_);
-        reduction_.emplace(comm_, options_);
+        label_ = detail::mpi_group_label(comm_, options_.group_name);
+        reduction_.emplace(comm_, options_, label_.who(rank_));
         departures_.emplace(comm_);
         peers_.emplace(comm_);
-        watch_.emplace(rank_, size_, options_.timeout);
+        watch_.emplace(label_.who(rank_, size_), options_.timeout);
         // The watcher polls for departed peers and answers peers that ask where this rank stands
         // only where MPI lets a second thread call it.
         polls_ = level_ == MPI_THREAD_MULTIPLE && size_ > 1 && options_.peer_poll.count() > 0;
@@ -3672,9 +3906,9 @@ public:
         if (!staying.empty()) {
             std::string ranks;
             for (const int r : staying) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
-            std::fprintf(
-                stderr, "gradsync: rank %d: rank(s) %s had not destroyed their MpiBackend %.3g s after this rank did\n",
-                rank_, ranks.c_str(), std::chrono::duration<double>(options_.timeout).count());
+            std::fprintf(stderr, "%s: rank(s) %s had not destroyed their MpiBackend %.3g s after this rank did\n",
+                         label_.who(rank_).c_str(), ranks.c_str(),
+                         std::chrono::duration<double>(options_.timeout).count());
         }
         peers_.reset();
         departures_.reset();
@@ -3688,6 +3922,8 @@ public:
     // The communicator the collectives run on (our duplicate), e.g. to bootstrap another library.
     [[nodiscard]] MPI_Comm communicator() const { return comm_; }
     [[nodiscard]] const MpiOptions& options() const { return options_; }
+    // Which ranks of the job (mpi_world()) the communicator holds, for messages.
+    [[nodiscard]] const GroupLabel& group() const { return label_; }
 
     void allreduce(Buffer buf, ReduceOp op = ReduceOp::sum) {
         const Segment seg{buf.data, buf.count};
@@ -3763,7 +3999,7 @@ public:
 
     void broadcast(std::span<std::byte> bytes, int root) {
         if (root < 0 || root >= size_)
-            throw CollectiveError(detail::rank_prefix(rank_) + ": broadcast from rank " + std::to_string(root) +
+            throw CollectiveError(label_.who(rank_) + ": broadcast from rank " + std::to_string(root) +
                                   " of a group of " + std::to_string(size_));
         run_now(CollectiveCall{.kind = CollectiveKind::broadcast, .seq = ++seq_, .count = bytes.size(), .root = root},
                 [&] {
@@ -3804,7 +4040,7 @@ public:
     // Ends the whole job: prints `reason` with this rank's number, then MPI_Abort. Peers blocked
     // in collectives cannot be released any other way.
     [[noreturn]] void abort(const std::string& reason) {
-        std::fprintf(stderr, "gradsync: rank %d aborts the job: %s\n", rank_, reason.c_str());
+        std::fprintf(stderr, "%s aborts the job: %s\n", label_.who(rank_).c_str(), reason.c_str());
         std::fflush(stderr);
         end_job();
     }
@@ -3812,18 +4048,16 @@ public:
 private:
     void check(int rc, const char* call) const {
         if (rc != MPI_SUCCESS)
-            throw CollectiveError(detail::rank_prefix(rank_) + ": " + call +
-                                  " failed: " + detail::mpi_error_string(rc));
+            throw CollectiveError(label_.who(rank_) + ": " + call + " failed: " + detail::mpi_error_string(rc));
     }
 
     void check_dtype(DType t) const {
-        if (!supports(t))
-            throw CollectiveError(detail::rank_prefix(rank_) + ": MpiBackend cannot reduce " + to_string(t));
+        if (!supports(t)) throw CollectiveError(label_.who(rank_) + ": MpiBackend cannot reduce " + to_string(t));
     }
 
     void check_known(DType t) const {
         if (!is_known(t))
-            throw CollectiveError(detail::rank_prefix(rank_) + ": MpiBackend cannot move dtype " +
+            throw CollectiveError(label_.who(rank_) + ": MpiBackend cannot move dtype " +
                                   std::to_string(static_cast<int>(t)) + ", which is not one gradsync knows");
     }
 
@@ -3883,6 +4117,7 @@ private:
 
     MpiOptions options_;
     MPI_Comm comm_ = MPI_COMM_NULL;
+    GroupLabel label_;
     int rank_ = 0;
     int size_ = 1;
     int level_ = MPI_THREAD_SINGLE;

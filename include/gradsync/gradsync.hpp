@@ -21,7 +21,9 @@
 // Backends.
 #include <gradsync/backend/concepts.hpp>
 #include <gradsync/backend/handle.hpp>
+#include <gradsync/backend/group_label.hpp>
 #include <gradsync/backend/local.hpp>
+#include <gradsync/backend/two_level.hpp>
 // Memory policies.
 #include <gradsync/memory/host.hpp>
 #include <gradsync/memory/packing.hpp>

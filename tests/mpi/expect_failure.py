@@ -3,6 +3,7 @@
 end within a time limit (a hang is the failure this guards against).
 
 usage: expect_failure.py --within SECONDS --match REGEX -- command args...
+A command that exits 77 (it could not set up what it needs, and said so) is passed on as a skip.
 """
 import argparse
 import os
@@ -33,6 +34,8 @@ except subprocess.TimeoutExpired:
     sys.exit(1)
 elapsed = time.monotonic() - began
 print(output)
+if job.returncode == 77:  # the command could not set up what it needs and said why: a skip
+    sys.exit(77)
 problems = []
 if job.returncode == 0:
     problems.append("the job exited with status 0")

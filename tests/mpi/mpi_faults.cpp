@@ -13,6 +13,8 @@
 //   alone    (started torchrun-style as rank 0 of 2, with no rank 1) the join's deadline, 10 s here
 //   sharded-leave  as leave, under ShardedDataParallel, whose reduce_scatters rank 1's backward
 //            launched before it threw: destroyed with them in flight, it tells the others at once
+//   train-on every rank trains for up to 10 minutes and nobody misbehaves: the failure comes from
+//            outside (scripts/nodes.py cutting a node's link); the deadline is 2 s
 #include <gradsync/backend/mpi.hpp>
 #include <gradsync/gradsync.hpp>
 
@@ -64,8 +66,10 @@ int main(int argc, char** argv) {
     gradsync::MpiSession mpi(argc, argv, /*join_timeout=*/std::chrono::seconds(10));
     const std::string scenario = argc > 1 ? argv[1] : "";
     if (scenario != "throw" && scenario != "missing" && scenario != "exit" && scenario != "hang" &&
-        scenario != "stuck" && scenario != "stop" && scenario != "leave" && scenario != "sharded-leave") {
-        std::fprintf(stderr, "usage: mpi_faults throw|missing|exit|hang|stuck|stop|leave|sharded-leave|alone\n");
+        scenario != "stuck" && scenario != "stop" && scenario != "leave" && scenario != "sharded-leave" &&
+        scenario != "train-on") {
+        std::fprintf(stderr,
+                     "usage: mpi_faults throw|missing|exit|hang|stuck|stop|leave|sharded-leave|train-on|alone\n");
         return 2;
     }
     gradsync::MpiOptions options;
@@ -86,7 +90,9 @@ int main(int argc, char** argv) {
     };
     mlp::Sgd optimizer(0.05f, 0.9f);
     try {
-        for (step = 0; step < 6; ++step) {
+        const auto until = std::chrono::steady_clock::now() + std::chrono::minutes(10);
+        const int steps = scenario == "train-on" ? 1 << 30 : 6;
+        for (step = 0; step < steps && std::chrono::steady_clock::now() < until; ++step) {
             if (culprit && step == 3 && scenario == "exit") std::_Exit(0);
             if (culprit && step == 3 && scenario == "hang") std::this_thread::sleep_for(std::chrono::seconds(600));
             if (culprit && step == 3 && scenario == "stop") std::raise(SIGSTOP);
@@ -94,6 +100,10 @@ int main(int argc, char** argv) {
             model.forward_backward(mlp::make_batch(1, std::size_t(step * 64 + backend.rank() * 16), 16));
             dp.synchronize();
             optimizer.step(model);
+            if (scenario == "train-on" && step == 0) {
+                std::printf("rank %d trains\n", backend.rank());
+                std::fflush(stdout);
+            }
         }
     } catch (const std::runtime_error& e) {
         std::printf("rank %d stops training: %s\n", backend.rank(), e.what());

@@ -7,6 +7,7 @@
 #include <gradsync/backend/detail/async_collectives.hpp>
 #include <gradsync/backend/detail/local_collectives.hpp>
 #include <gradsync/backend/detail/typed_calls.hpp>
+#include <gradsync/backend/group_label.hpp>
 #include <gradsync/backend/handle.hpp>
 #include <gradsync/buffer.hpp>
 #include <gradsync/bytes.hpp>
@@ -17,7 +18,9 @@
 #include <cstdint>
 #include <exception>
 #include <functional>  // for std::function
+#include <map>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <type_traits>  // for std::is_trivially_copyable_v
@@ -44,13 +47,37 @@ public:
     // handle is used by one thread at a time.
     static std::vector<LocalBackend> create_group(int size, LocalGroupOptions options = {}) {
         if (size < 1) throw Error("gradsync: a LocalBackend group needs at least 1 rank, got " + std::to_string(size));
-        if (options.timeout.count() <= 0)
-            throw Error("gradsync: LocalGroupOptions::timeout must be positive, got " +
-                        std::to_string(options.timeout.count()) + " ms");
+        check_options(options);
         auto group = std::make_shared<detail::LocalGroup>(size, options);
         std::vector<LocalBackend> ranks;
         ranks.reserve(static_cast<std::size_t>(size));
         for (int r = 0; r < size; ++r) ranks.push_back(LocalBackend(group, r));
+        return ranks;
+    }
+
+    // Groups within a job of colours.size() ranks (a data-parallel dimension of a larger job):
+    // job rank r joins the group of every rank of colour colours[r], numbered there in job rank
+    // order. Element r is job rank r's handle in its group; hand it to that rank's thread beside
+    // its other handles. `name(colour)`, when given, names each group in messages, which also
+    // list its job ranks.
+    static std::vector<LocalBackend> split(std::span<const int> colours, LocalGroupOptions options = {},
+                                           const std::function<std::string(int)>& name = {}) {
+        if (colours.empty()) throw Error("gradsync: LocalBackend::split needs the colour of at least 1 rank");
+        check_options(options);
+        std::map<int, std::vector<int>> members;  // colour -> job ranks, ascending
+        for (std::size_t r = 0; r < colours.size(); ++r) members[colours[r]].push_back(static_cast<int>(r));
+        std::vector<std::optional<LocalBackend>> handles(colours.size());
+        for (auto& [colour, job_ranks] : members) {
+            const int size = static_cast<int>(job_ranks.size());
+            auto label = group_label(name ? name(colour) : std::string(), job_ranks, static_cast<int>(colours.size()));
+            auto group = std::make_shared<detail::LocalGroup>(size, options, std::move(label));
+            for (int r = 0; r < size; ++r)
+                handles[static_cast<std::size_t>(job_ranks[static_cast<std::size_t>(r)])].emplace(
+                    LocalBackend(group, r));
+        }
+        std::vector<LocalBackend> ranks;
+        ranks.reserve(colours.size());
+        for (auto& h : handles) ranks.push_back(std::move(*h));
         return ranks;
     }
 
@@ -76,6 +103,8 @@ public:
     // float32, float64, and float16 and bfloat16 (summed in float).
     [[nodiscard]] bool supports(DType t) const { return detail::reducible(t); }
     [[nodiscard]] const LocalGroupOptions& options() const { return group_->options(); }
+    // Which ranks of the job this group holds (the whole job's for create_group).
+    [[nodiscard]] const GroupLabel& group() const { return group_->label(); }
     // Staging and scratch memory this rank's collectives use.
     [[nodiscard]] Bytes memory_footprint() const { return group_->memory_per_rank(); }
     // How many collectives this rank has called so far (the next one is number calls_made() + 1).
@@ -165,6 +194,12 @@ public:
     [[nodiscard]] std::uint64_t peer_collectives(int rank) const { return group_->collectives_entered(rank); }
 
 private:
+    static void check_options(const LocalGroupOptions& options) {
+        if (options.timeout.count() <= 0)
+            throw Error("gradsync: LocalGroupOptions::timeout must be positive, got " +
+                        std::to_string(options.timeout.count()) + " ms");
+    }
+
     LocalBackend(std::shared_ptr<detail::LocalGroup> group, int rank) : group_(std::move(group)), rank_(rank) {}
 
     detail::LocalCall allreduce_call(Buffer buf, ReduceOp op, CollectiveTag tag) {

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <gradsync/backend/concepts.hpp>
+#include <gradsync/backend/group_label.hpp>
 #include <gradsync/bucket/plan.hpp>
 #include <gradsync/data_parallel/model_layout.hpp>
 #include <gradsync/data_parallel/readiness.hpp>
@@ -37,8 +38,8 @@ template <Backend B>
 std::string diagnose_timeout(const B& backend, std::int64_t step, const BucketPlan& plan,
                              std::span<const Parameter> params, std::size_t b, std::chrono::milliseconds timeout) {
     const auto& bucket = plan.buckets[b];
-    std::string msg = rank_prefix(backend.rank()) + ", step " + std::to_string(step) + ": bucket " + std::to_string(b) +
-                      " of " + std::to_string(plan.buckets.size()) + " (" + to_string(bucket.bytes()) + ", " +
+    std::string msg = who(backend) + ", step " + std::to_string(step) + ": bucket " + std::to_string(b) + " of " +
+                      std::to_string(plan.buckets.size()) + " (" + to_string(bucket.bytes()) + ", " +
                       std::to_string(bucket.parameters.size()) +
                       " parameters: " + quoted_names(bucket.parameters, params, 4) + ") was not reduced within " +
                       std::to_string(timeout.count()) + " ms";

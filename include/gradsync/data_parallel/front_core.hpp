@@ -7,6 +7,7 @@
 #pragma once
 
 #include <gradsync/backend/concepts.hpp>
+#include <gradsync/backend/group_label.hpp>
 #include <gradsync/bucket/plan.hpp>
 #include <gradsync/buffer.hpp>
 #include <gradsync/data_parallel/buffer_sync.hpp>
@@ -119,7 +120,7 @@ protected:
 
     // The step in progress (or the next): 1 for the first.
     [[nodiscard]] std::int64_t current_step() const { return static_cast<std::int64_t>(steps()) + 1; }
-    [[nodiscard]] std::string where() const { return rank_prefix(rank()) + ", step " + std::to_string(current_step()); }
+    [[nodiscard]] std::string where() const { return who(backend_) + ", step " + std::to_string(current_step()); }
 
     // Runs f; a failure on this rank becomes the group's: the peers are told which rank failed
     // in which step, the collectives in flight are drained, the front ends the step, and the
@@ -130,7 +131,7 @@ protected:
         run_guarded(
             backend_, in_flight, options_.timeout, f, [this] { front().end_step(); },
             [this](const std::exception& e) {
-                return failure_of(rank(), static_cast<std::uint64_t>(current_step()), e);
+                return failure_of(who(backend_), static_cast<std::uint64_t>(current_step()), e);
             });
     }
 

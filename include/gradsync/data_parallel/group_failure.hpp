@@ -5,6 +5,7 @@
 #pragma once
 
 #include <gradsync/backend/concepts.hpp>
+#include <gradsync/backend/group_label.hpp>
 #include <gradsync/detail/deadline.hpp>
 #include <gradsync/error.hpp>
 
@@ -48,10 +49,10 @@ void run_guarded(Backend& backend, Engine& engine, std::chrono::milliseconds tim
 
 // What peers are told of an exception on this rank in `step`: gradsync's own errors already say
 // which rank and where; the trainer's (an optimizer that threw) are prefixed with both.
-inline std::string failure_of(int rank, std::uint64_t step, const std::exception& e) {
+inline std::string failure_of(const std::string& who, std::uint64_t step, const std::exception& e) {
     const std::string what = e.what();
     if (what.rfind("gradsync: ", 0) == 0) return what;
-    return rank_prefix(rank) + " failed in step " + std::to_string(step) + ": " + what;
+    return who + " failed in step " + std::to_string(step) + ": " + what;
 }
 
 // For a front's destructor: with collectives still in flight (a step cut short by an exception),
@@ -62,8 +63,8 @@ void abandon_in_flight(Backend& backend, Engine& engine, std::chrono::millisecon
                        std::uint64_t step) noexcept {
     try {
         if (!engine.in_flight()) return;
-        abort_group(backend, rank_prefix(backend.rank()) + " destroyed its " + front + " in step " +
-                                 std::to_string(step) + " with collectives in flight");
+        abort_group(backend, who(backend) + " destroyed its " + front + " in step " + std::to_string(step) +
+                                 " with collectives in flight");
         engine.drain(detail::deadline_after(timeout));
     } catch (...) {  // a destructor must not throw
     }

@@ -43,28 +43,6 @@ inline std::size_t shard_elements(const BucketPlan& plan, int ranks, int rank) {
     return n;
 }
 
-// For each of `segments` (one after another) that crosses elements [lo, hi) of the whole:
-// fn(k, from, begin, n), its part from its own element `from` on, n long, which begins at element
-// `begin` of the whole.
-template <class Fn>
-void for_each_within(std::span<const Segment> segments, std::size_t lo, std::size_t hi, Fn&& fn) {
-    std::size_t at = 0;
-    for (std::size_t k = 0; k < segments.size(); ++k) {
-        const std::size_t n = segments[k].count, begin = std::max(lo, at), end = std::min(hi, at + n);
-        if (begin < end) fn(k, begin - at, begin, end - begin);
-        at += n;
-    }
-}
-
-// The parts of `segments` (float32, one after another) that lie within elements [lo, hi).
-inline std::vector<Segment> segments_within(std::span<const Segment> segments, std::size_t lo, std::size_t hi) {
-    std::vector<Segment> out;
-    for_each_within(segments, lo, hi, [&](std::size_t k, std::size_t from, std::size_t, std::size_t n) {
-        out.push_back({static_cast<float*>(segments[k].data) + from, n});
-    });
-    return out;
-}
-
 // One bucket: its parameters where the model keeps them (by parameter index: the element order
 // of the bucket), this rank's shard, and the parameter buffer when packed. Every copy goes
 // through the memory policy, as a pack or unpack over one of its tables.
@@ -90,14 +68,14 @@ struct ShardSlot {
         for (auto i : indices) param_segments.push_back({params[i].data, params[i].count});
         const std::size_t lo = shard.offset, hi = lo + shard.count;
         param_table = memory.table(param_segments, DType::float32);
-        shard_params = memory.table(segments_within(param_segments, lo, hi), DType::float32);
+        shard_params = memory.table(segments_within(param_segments, lo, hi, DType::float32), DType::float32);
         if (!keeps_grads) return;
         std::vector<Segment> grads;
         if (packed_grads != nullptr) {
             if (hi > lo) grads.push_back({packed_grads + lo, hi - lo});
         } else {
             for (auto i : indices) grads.push_back({params[i].grad, params[i].count});
-            grads = segments_within(grads, lo, hi);
+            grads = segments_within(grads, lo, hi, DType::float32);
         }
         shard_grads = memory.table(grads, DType::float32);
     }

@@ -8,6 +8,7 @@
 #include <gradsync/backend/concepts.hpp>
 #include <gradsync/backend/detail/piece_claims.hpp>
 #include <gradsync/backend/detail/segment_cursor.hpp>
+#include <gradsync/backend/group_label.hpp>
 #include <gradsync/detail/host_reduce.hpp>
 #include <gradsync/backend/local_options.hpp>
 #include <gradsync/buffer.hpp>
@@ -68,9 +69,10 @@ struct alignas(cache_line) LocalRankState {
 
 class LocalGroupState {
 public:
-    LocalGroupState(int size, LocalGroupOptions options)
+    LocalGroupState(int size, LocalGroupOptions options, GroupLabel label = {})
         : size_(size),
           options_(options),
+          label_(std::move(label)),
           ranks_(static_cast<std::size_t>(size)),
           reporters_(static_cast<std::size_t>(size)) {
         std::size_t slot = std::max<std::size_t>(4096, options.one_shot_max.count());
@@ -87,6 +89,7 @@ public:
 
     [[nodiscard]] int size() const { return size_; }
     [[nodiscard]] const LocalGroupOptions& options() const { return options_; }
+    [[nodiscard]] const GroupLabel& label() const { return label_; }
     [[nodiscard]] Bytes memory_per_rank() const { return Bytes{2 * staging_bytes_ + reduce_block_bytes}; }
 
     // Fails every pending and future collective of every rank with `reason`. First reason wins.
@@ -103,7 +106,7 @@ public:
     // Throws, once the group was aborted, why: for a rank whose collectives all completed before a
     // peer failed its step.
     void throw_if_aborted(int rank) const {
-        if (aborted()) throw CollectiveError(rank_prefix(rank) + ": the group was aborted: " + abort_reason());
+        if (aborted()) throw CollectiveError(label_.who(rank) + ": the group was aborted: " + abort_reason());
     }
 
     // The rank's handle is gone: peers waiting for it fail instead of waiting for the deadline.
@@ -139,15 +142,14 @@ protected:
     static std::size_t idx(int rank) { return static_cast<std::size_t>(rank); }
 
     [[noreturn]] void fail(int rank, const LocalCall& call, const std::string& reason) {
-        std::string msg = rank_prefix(rank) + ", " + call.describe() + ": " + reason;
+        std::string msg = label_.who(rank) + ", " + call.describe() + ": " + reason;
         abort(msg);
         throw CollectiveError(msg);
     }
 
     void throw_if_aborted(int rank, const LocalCall& call) {
         if (!aborted()) return;
-        throw CollectiveError(rank_prefix(rank) + ", " + call.describe() +
-                              ": the group was aborted: " + abort_reason());
+        throw CollectiveError(label_.who(rank) + ", " + call.describe() + ": the group was aborted: " + abort_reason());
     }
     [[nodiscard]] std::string abort_reason() const {
         std::lock_guard lock(abort_mutex_);
@@ -183,7 +185,7 @@ protected:
                      std::to_string(peer.calls_entered.load(std::memory_order_relaxed)) + " collectives");
         }
         if (std::chrono::steady_clock::now() >= deadline) {
-            std::string msg = rank_prefix(rank) + ", " + call.describe() + ": timed out after " +
+            std::string msg = label_.who(rank) + ", " + call.describe() + ": timed out after " +
                               std::to_string(options_.timeout.count()) + " ms waiting for rank " +
                               std::to_string(peer_rank) + ", which has entered " +
                               std::to_string(collectives_entered(peer_rank)) + " collectives" +
@@ -225,6 +227,7 @@ protected:
 
     int size_;
     LocalGroupOptions options_;
+    GroupLabel label_;
     std::size_t staging_bytes_ = 0;
     std::vector<LocalRankState> ranks_;
     Doorbell bell_;

@@ -15,8 +15,10 @@
 #include <gradsync/backend/detail/async_collectives.hpp>
 #include <gradsync/backend/detail/typed_calls.hpp>
 #include <gradsync/backend/detail/watcher_thread.hpp>
+#include <gradsync/backend/group_label.hpp>
 #include <gradsync/backend/mpi/collective_watch.hpp>
 #include <gradsync/backend/mpi/departures.hpp>
+#include <gradsync/backend/mpi/groups.hpp>
 #include <gradsync/backend/mpi/mpi_api.hpp>
 #include <gradsync/backend/mpi/options.hpp>
 #include <gradsync/backend/mpi/peer_standings.hpp>
@@ -81,10 +83,11 @@ public:
         MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);  // errors become exceptions, not exits
         MPI_Comm_rank(comm_, &rank_);
         MPI_Comm_size(comm_, &size_);
-        reduction_.emplace(comm_, options_);
+        label_ = detail::mpi_group_label(comm_, options_.group_name);
+        reduction_.emplace(comm_, options_, label_.who(rank_));
         departures_.emplace(comm_);
         peers_.emplace(comm_);
-        watch_.emplace(rank_, size_, options_.timeout);
+        watch_.emplace(label_.who(rank_, size_), options_.timeout);
         // The watcher polls for departed peers and answers peers that ask where this rank stands
         // only where MPI lets a second thread call it.
         polls_ = level_ == MPI_THREAD_MULTIPLE && size_ > 1 && options_.peer_poll.count() > 0;
@@ -109,9 +112,9 @@ public:
         if (!staying.empty()) {
             std::string ranks;
             for (const int r : staying) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
-            std::fprintf(
-                stderr, "gradsync: rank %d: rank(s) %s had not destroyed their MpiBackend %.3g s after this rank did\n",
-                rank_, ranks.c_str(), std::chrono::duration<double>(options_.timeout).count());
+            std::fprintf(stderr, "%s: rank(s) %s had not destroyed their MpiBackend %.3g s after this rank did\n",
+                         label_.who(rank_).c_str(), ranks.c_str(),
+                         std::chrono::duration<double>(options_.timeout).count());
         }
         peers_.reset();
         departures_.reset();
@@ -125,6 +128,8 @@ public:
     // The communicator the collectives run on (our duplicate), e.g. to bootstrap another library.
     [[nodiscard]] MPI_Comm communicator() const { return comm_; }
     [[nodiscard]] const MpiOptions& options() const { return options_; }
+    // Which ranks of the job (mpi_world()) the communicator holds, for messages.
+    [[nodiscard]] const GroupLabel& group() const { return label_; }
 
     void allreduce(Buffer buf, ReduceOp op = ReduceOp::sum) {
         const Segment seg{buf.data, buf.count};
@@ -200,7 +205,7 @@ public:
 
     void broadcast(std::span<std::byte> bytes, int root) {
         if (root < 0 || root >= size_)
-            throw CollectiveError(detail::rank_prefix(rank_) + ": broadcast from rank " + std::to_string(root) +
+            throw CollectiveError(label_.who(rank_) + ": broadcast from rank " + std::to_string(root) +
                                   " of a group of " + std::to_string(size_));
         run_now(CollectiveCall{.kind = CollectiveKind::broadcast, .seq = ++seq_, .count = bytes.size(), .root = root},
                 [&] {
@@ -241,7 +246,7 @@ public:
     // Ends the whole job: prints `reason` with this rank's number, then MPI_Abort. Peers blocked
     // in collectives cannot be released any other way.
     [[noreturn]] void abort(const std::string& reason) {
-        std::fprintf(stderr, "gradsync: rank %d aborts the job: %s\n", rank_, reason.c_str());
+        std::fprintf(stderr, "%s aborts the job: %s\n", label_.who(rank_).c_str(), reason.c_str());
         std::fflush(stderr);
         end_job();
     }
@@ -249,18 +254,16 @@ public:
 private:
     void check(int rc, const char* call) const {
         if (rc != MPI_SUCCESS)
-            throw CollectiveError(detail::rank_prefix(rank_) + ": " + call +
-                                  " failed: " + detail::mpi_error_string(rc));
+            throw CollectiveError(label_.who(rank_) + ": " + call + " failed: " + detail::mpi_error_string(rc));
     }
 
     void check_dtype(DType t) const {
-        if (!supports(t))
-            throw CollectiveError(detail::rank_prefix(rank_) + ": MpiBackend cannot reduce " + to_string(t));
+        if (!supports(t)) throw CollectiveError(label_.who(rank_) + ": MpiBackend cannot reduce " + to_string(t));
     }
 
     void check_known(DType t) const {
         if (!is_known(t))
-            throw CollectiveError(detail::rank_prefix(rank_) + ": MpiBackend cannot move dtype " +
+            throw CollectiveError(label_.who(rank_) + ": MpiBackend cannot move dtype " +
                                   std::to_string(static_cast<int>(t)) + ", which is not one gradsync knows");
     }
 
@@ -320,6 +323,7 @@ private:
 
     MpiOptions options_;
     MPI_Comm comm_ = MPI_COMM_NULL;
+    GroupLabel label_;
     int rank_ = 0;
     int size_ = 1;
     int level_ = MPI_THREAD_SINGLE;

@@ -26,8 +26,8 @@ class CollectiveWatch {
 public:
     using Clock = std::chrono::steady_clock;
 
-    CollectiveWatch(int rank, int size, std::chrono::milliseconds timeout)
-        : rank_(rank), size_(size), timeout_(timeout) {}
+    // `who` begins every message ("gradsync: rank 1 of 2", or names the rank's group).
+    CollectiveWatch(std::string who, std::chrono::milliseconds timeout) : who_(std::move(who)), timeout_(timeout) {}
 
     // `call` starts on this thread now: refused with a CollectiveError when a rank it needs has
     // left. Kept as it is and described only for a message (describing every call cost a
@@ -35,8 +35,7 @@ public:
     void start(const CollectiveCall& call) {
         std::lock_guard lock(mutex_);
         if (const auto* gone = departed_before(call.seq))
-            throw CollectiveError(rank_prefix(rank_, size_) + ": " + call.describe() +
-                                  " cannot complete: " + gone->describe());
+            throw CollectiveError(who_ + ": " + call.describe() + " cannot complete: " + gone->describe());
         current_ = call;
         deadline_ = detail::deadline_after<Clock>(timeout_);
         busy_ = true;
@@ -75,9 +74,8 @@ public:
             what = current_.describe();
             why = gone->describe();
         }
-        return "gradsync: rank " + std::to_string(rank_) + " of " + std::to_string(size_) + ": " + why + "; " + what +
-               ", which this rank is in, needs it and can never complete" + where_this_rank_is() +
-               ". MPI cannot cancel a collective, so this rank ends the job.";
+        return who_ + ": " + why + "; " + what + ", which this rank is in, needs it and can never complete" +
+               where_this_rank_is() + ". MPI cannot cancel a collective, so this rank ends the job.";
     }
 
     // When the running collective is past its deadline: what to say before ending the job.
@@ -90,8 +88,8 @@ public:
         }
         char seconds[32];
         std::snprintf(seconds, sizeof seconds, "%.3g", std::chrono::duration<double>(timeout_).count());
-        return "gradsync: rank " + std::to_string(rank_) + " of " + std::to_string(size_) + ": " + what +
-               " has not completed after " + seconds + " s (MpiOptions::timeout)" + where_this_rank_is() +
+        return who_ + ": " + what + " has not completed after " + seconds + " s (MpiOptions::timeout)" +
+               where_this_rank_is() +
                ". A peer rank is late, has exited, or called a different collective; MPI cannot cancel a "
                "collective, so this rank ends the job.";
     }
@@ -144,7 +142,7 @@ private:
         return where;
     }
 
-    int rank_, size_;
+    std::string who_;
     std::chrono::milliseconds timeout_;
 
     std::mutex mutex_;  // the running collective and the departed peers

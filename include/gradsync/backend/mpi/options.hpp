@@ -1,11 +1,12 @@
-// MpiOptions: how MpiBackend reduces, how long a collective may take, and how often it looks
-// for peers that have left the group.
+// MpiOptions: how MpiBackend reduces, how long a collective may take, how often it looks for
+// peers that have left the group, and what its messages call the group.
 #pragma once
 
 #include <gradsync/bytes.hpp>
 
 #include <chrono>
 #include <cstdint>
+#include <string>
 
 namespace gradsync::inline v0 {
 
@@ -40,6 +41,9 @@ struct MpiOptions {
     // so that a collective which can no longer complete ends the job at once instead of at the
     // timeout. Zero: never. Needs MPI_THREAD_MULTIPLE (the watcher calls MPI).
     std::chrono::milliseconds peer_poll = std::chrono::milliseconds(100);
+    // The name of a group of some of the job's ranks (a communicator split from the job's), for
+    // messages, which list its job ranks as well.
+    std::string group_name;
 };
 
 }  // namespace gradsync::inline v0

@@ -188,7 +188,7 @@ inline std::string where_peers_stand(const std::vector<std::optional<std::string
         const auto& s = standings[r];
         if (!s) {
             out += " did not answer within " + std::to_string(wait.count()) +
-                   " ms (stopped, or busy outside gradsync with its watcher unable to run)";
+                   " ms (stopped, cut off from this rank, or busy outside gradsync with its watcher unable to run)";
             behind += (behind.empty() ? "" : ", ") + who;
             continue;
         }

@@ -19,6 +19,7 @@
 #include <cstring>  // for std::memcpy
 #include <span>
 #include <string>
+#include <utility>  // for std::move
 #include <vector>
 
 namespace gradsync::inline v0::detail {
@@ -27,7 +28,8 @@ namespace gradsync::inline v0::detail {
 // Used by one collective at a time (MpiBackend runs them in order).
 class MpiReduction {
 public:
-    MpiReduction(MPI_Comm comm, const MpiOptions& options) : comm_(comm), options_(options) {
+    MpiReduction(MPI_Comm comm, const MpiOptions& options, std::string who)
+        : comm_(comm), options_(options), who_(std::move(who)) {
         MPI_Comm_rank(comm_, &rank_);
         MPI_Comm_size(comm_, &size_);
         MPI_Type_contiguous(2, MPI_BYTE, &half_type_);
@@ -170,8 +172,7 @@ private:
     }
 
     void check(int rc, const char* call) const {
-        if (rc != MPI_SUCCESS)
-            throw CollectiveError(rank_prefix(rank_) + ": " + call + " failed: " + mpi_error_string(rc));
+        if (rc != MPI_SUCCESS) throw CollectiveError(who_ + ": " + call + " failed: " + mpi_error_string(rc));
     }
 
     [[nodiscard]] MPI_Datatype mpi_type(DType t) const {
@@ -240,6 +241,7 @@ private:
 
     MPI_Comm comm_;
     const MpiOptions& options_;
+    std::string who_;  // begins every message
     int rank_ = 0;
     int size_ = 1;
     MPI_Datatype half_type_ = MPI_DATATYPE_NULL;

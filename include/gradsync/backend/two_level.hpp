@@ -1,0 +1,167 @@
+// TwoLevelBackend: an allreduce that crosses the slow link between machines once. The ranks of a
+// node reduce-scatter among themselves (fast: shared memory), each allreduces its share with the
+// ranks in the same place on the other nodes (the only traffic between nodes: 1/(ranks per
+// node) of the gradients from each rank, where a flat ring sends all of them from every rank),
+// and the node all-gathers the result.
+#pragma once
+
+#include <gradsync/backend/collective.hpp>
+#include <gradsync/backend/concepts.hpp>
+#include <gradsync/backend/detail/async_collectives.hpp>
+#include <gradsync/backend/detail/typed_calls.hpp>
+#include <gradsync/backend/handle.hpp>
+#include <gradsync/buffer.hpp>
+#include <gradsync/dtype.hpp>
+#include <gradsync/error.hpp>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <span>
+#include <string>
+#include <utility>  // for std::move
+#include <vector>
+
+namespace gradsync::inline v0 {
+
+// `Node` spans the ranks of this rank's node; `Across` the rank in this rank's place on every
+// node (node.rank() equal on all of them). Every node holds the same number of ranks: the
+// constructor checks both, collectively, and throws on every rank where they do not hold. The
+// backend is numbered node by node: rank across.rank() * node.size() + node.rank(), as launchers
+// number the ranks of a job. Both backends must outlive it and be driven only through it while it
+// lives (it is their one caller, from one thread at a time, like every backend).
+//
+// The sums run in another order than one flat allreduce's (each node's first), so results agree
+// with a flat backend's to rounding, not bit for bit; an average divides within each level,
+// folded into its reduction.
+template <ScatteredShardedCollectives Node, ScatteredAllreduce Across>
+class TwoLevelBackend : public detail::TypedCalls<TwoLevelBackend<Node, Across>> {
+    using Typed = detail::TypedCalls<TwoLevelBackend<Node, Across>>;
+
+public:
+    using Typed::allreduce;
+    using Typed::allreduce_async;
+    using Typed::broadcast;
+
+    TwoLevelBackend(Node& node, Across& across) : node_(node), across_(across) { check_layout(); }
+    TwoLevelBackend(const TwoLevelBackend&) = delete;
+    TwoLevelBackend& operator=(const TwoLevelBackend&) = delete;
+    ~TwoLevelBackend() { async_.stop(); }  // drains: every launched collective ends first
+
+    [[nodiscard]] int rank() const { return across_.rank() * node_.size() + node_.rank(); }
+    [[nodiscard]] int size() const { return across_.size() * node_.size(); }
+    [[nodiscard]] bool supports(DType t) const { return node_.supports(t) && across_.supports(t); }
+    [[nodiscard]] Node& node() { return node_; }
+    [[nodiscard]] Across& across() { return across_; }
+    // Elements this rank has handed to the level between nodes so far: its shares.
+    [[nodiscard]] std::uint64_t elements_across() const { return elements_across_.load(std::memory_order_relaxed); }
+    // ...and elements it was asked to reduce: a flat backend would send all of them across.
+    [[nodiscard]] std::uint64_t elements_reduced() const { return elements_reduced_.load(std::memory_order_relaxed); }
+
+    void allreduce(Buffer buf, ReduceOp op = ReduceOp::sum, CollectiveTag tag = {}) {
+        const Segment seg{buf.data, buf.count};
+        allreduce(std::span<const Segment>(&seg, 1), buf.dtype, op, tag);
+    }
+    CollectiveHandle allreduce_async(Buffer buf, ReduceOp op = ReduceOp::sum, CollectiveTag tag = {}) {
+        return allreduce_async(std::vector<Segment>{{buf.data, buf.count}}, buf.dtype, op, tag);
+    }
+    void allreduce(std::span<const Segment> segments, DType t, ReduceOp op = ReduceOp::sum, CollectiveTag tag = {}) {
+        async_.wait_for_all();
+        reduce(segments, t, op, tag);
+    }
+    // The segment list is copied; the memory it points to must stay untouched until completion.
+    CollectiveHandle allreduce_async(std::span<const Segment> segments, DType t, ReduceOp op = ReduceOp::sum,
+                                     CollectiveTag tag = {}) {
+        auto done = std::make_shared<detail::Completion>(waiting_);
+        async_.launch([this, copy = std::vector<Segment>(segments.begin(), segments.end()), t, op,
+                       tag] { reduce(copy, t, op, tag); },
+                      done);
+        return CollectiveHandle(std::move(done));
+    }
+
+    // From `root` of this backend's numbering: across the nodes among the ranks in root's place,
+    // then within every node.
+    void broadcast(std::span<std::byte> bytes, int root, CollectiveTag tag = {}) {
+        if (root < 0 || root >= size())
+            throw CollectiveError(detail::rank_prefix(rank()) + ": broadcast from rank " + std::to_string(root) +
+                                  " of a group of " + std::to_string(size()));
+        async_.wait_for_all();
+        guarded([&] {
+            if (node_.rank() == root % node_.size()) detail::broadcast_tagged(across_, bytes, root / node_.size(), tag);
+            detail::broadcast_tagged(node_, bytes, root % node_.size(), tag);
+        });
+    }
+
+    void barrier() {
+        async_.wait_for_all();
+        guarded([&] {
+            node_.barrier();
+            across_.barrier();
+            node_.barrier();
+        });
+    }
+
+    // Fails every pending and future collective of both levels (where both can be aborted).
+    void abort(const std::string& reason) requires Abortable<Node> && Abortable<Across> {
+        node_.abort(reason);
+        across_.abort(reason);
+    }
+
+private:
+    // Each level fails on its own; the other level's peers would wait for their deadline, so a
+    // failure aborts both where they can be.
+    template <class F>
+    void guarded(F&& body) {
+        try {
+            body();
+        } catch (const std::exception& e) {
+            if constexpr (Abortable<Node> && Abortable<Across>) abort(e.what());
+            throw;
+        }
+    }
+
+    void reduce(std::span<const Segment> segments, DType t, ReduceOp op, CollectiveTag tag) {
+        const std::size_t total = detail::total_count(segments);
+        const Shard share = shard_of(total, node_.size(), node_.rank());
+        guarded([&] {
+            detail::reduce_scatter_tagged(node_, segments, t, op, tag);
+            // The ranks in this place on every node hold equal shares: all skip an empty one.
+            if (share.count > 0) {
+                const auto mine = detail::segments_within(segments, share.offset, share.offset + share.count, t);
+                detail::allreduce_tagged(across_, std::span<const Segment>(mine), t, op, tag);
+            }
+            detail::all_gather_tagged(node_, segments, t, tag);
+        });
+        elements_reduced_.fetch_add(total, std::memory_order_relaxed);
+        elements_across_.fetch_add(share.count, std::memory_order_relaxed);
+    }
+
+    // Every node the same size, and the ranks across the nodes in the same place on each.
+    void check_layout() {
+        const double local = node_.rank(), size = node_.size();
+        double sums[4] = {local, local * local, size, size * size};  // all equal iff n * sum(x^2) == sum(x)^2
+        const Segment four{sums, 4};
+        guarded([&] { across_.allreduce(std::span<const Segment>(&four, 1), DType::float64, ReduceOp::sum); });
+        const double n = across_.size();
+        double wrong = sums[1] * n != sums[0] * sums[0] || sums[3] * n != sums[2] * sums[2] ? 1 : 0;
+        // A node's ranks sit in different groups across: they fail together, not some of them.
+        const Segment one{&wrong, 1};
+        guarded([&] { node_.allreduce(std::span<const Segment>(&one, 1), DType::float64, ReduceOp::sum); });
+        if (wrong > 0)
+            throw Error(detail::rank_prefix(rank()) +
+                        ": TwoLevelBackend needs the same number of ranks on every node and, across the nodes, the "
+                        "ranks in one place on each (mpi_cross_node_comm gives them); these " +
+                        "ranks sit in different places or on nodes of different sizes");
+    }
+
+    Node& node_;
+    Across& across_;
+    std::atomic<std::uint64_t> elements_across_{0};  // written by whichever thread runs a collective
+    std::atomic<std::uint64_t> elements_reduced_{0};
+    std::shared_ptr<detail::SpinBudget> waiting_ = std::make_shared<detail::SpinBudget>();  // for handles
+    detail::AsyncCollectives async_;  // last: destroyed first, drained before the rest
+};
+
+}  // namespace gradsync::inline v0

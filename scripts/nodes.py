@@ -1,0 +1,234 @@
+#!/usr/bin/env python3
+"""Several machines on one: network namespaces joined by a bridge, each "node" with its own
+hostname and /dev/shm (its TMPDIR), and mpirun started across them (its remote agent enters a node's
+namespaces instead of ssh). Between nodes MPI talks TCP over veth links (optionally slowed with a
+tc token bucket); within a node, shared memory.
+
+  nodes.py run --nodes 2 --per-node 2 [--rate 1gbit] [--same-hostname] [--cut-link NODE@SECONDS]
+               -- PROGRAM ARGS...
+      sets the nodes up, runs PROGRAM on every rank under mpirun, takes them down again;
+      --cut-link takes node NODE's link down SECONDS after the start, or after the first output
+      line that matches --cut-after REGEX (a machine that vanishes); mpirun, which waits for the
+      lost node's daemon, is ended --grace seconds later (default 30), as a scheduler would
+  nodes.py up --nodes 2 [--rate 1gbit] [--same-hostname]   /   nodes.py down
+  nodes.py check      exit 0 where namespaces can be made here, 77 (and why) where not
+
+Needs root, iproute2 (ip, tc), util-linux (unshare) and Open MPI. One set of nodes at a time per
+machine (fixed names): tests that use it take a lock.
+"""
+import argparse
+import json
+import os
+import pathlib
+import queue
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+PREFIX = "gsnode"
+BRIDGE = "gsbr0"
+SUBNET = "10.77.0"
+STATE = pathlib.Path("/run/gradsync-nodes.json")
+SKIP = 77  # ctest's SKIP_RETURN_CODE
+
+
+def sh(*args):
+    out = subprocess.run(args, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"nodes.py: {' '.join(args)} failed: {out.stderr.strip()}")
+
+
+def address(i):
+    return f"{SUBNET}.{i + 1}"
+
+
+def why_not():
+    """Why namespaces cannot be made here, or None."""
+    for tool in ("ip", "tc", "unshare", "mpirun"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed"
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    probe = f"{PREFIX}probe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return "ip netns add failed: " + made.stderr.strip()
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def down():
+    for ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split("\n"):
+        name = ns.split(" ")[0]
+        if name.startswith(PREFIX):
+            pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
+            for pid in pids:
+                subprocess.run(["kill", "-9", pid], capture_output=True)
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    # A namespace goes only once nothing holds it; its links are deleted here in any case.
+    for line in subprocess.run(["ip", "-br", "link"], capture_output=True, text=True).stdout.split("\n"):
+        link = line.split("@")[0].split(" ")[0]
+        if link.startswith("gsv"):
+            subprocess.run(["ip", "link", "del", link], capture_output=True)
+    subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True)
+    STATE.unlink(missing_ok=True)
+
+
+def burst_for(rate):
+    """A token bucket deep enough for one timer tick at `rate` ("1gbit", "100mbit")."""
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1}
+    for unit, scale in units.items():
+        if rate.endswith(unit):
+            bits = float(rate[: -len(unit)]) * scale
+            return max(32 * 1024, int(bits / 8 / 250))
+    raise SystemExit(f"nodes.py: a rate like 1gbit or 100mbit, got {rate}")
+
+
+def up(nodes, rate=None, same_hostname=False):
+    down()
+    sh("ip", "link", "add", BRIDGE, "type", "bridge")
+    sh("ip", "addr", "add", f"{SUBNET}.254/24", "dev", BRIDGE)
+    sh("ip", "link", "set", BRIDGE, "up")
+    for i in range(nodes):
+        ns, veth = f"{PREFIX}{i}", f"gsv{i}"
+        sh("ip", "netns", "add", ns)
+        sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        sh("ip", "link", "set", veth, "master", BRIDGE, "up")
+        sh("ip", "-n", ns, "addr", "add", f"{address(i)}/24", "dev", "eth0")
+        sh("ip", "-n", ns, "link", "set", "eth0", "up")
+        sh("ip", "-n", ns, "link", "set", "lo", "up")
+        if rate:
+            # Both directions of the node's link: what it sends (eth0 inside) and receives.
+            tbf = ["tbf", "rate", rate, "burst", str(burst_for(rate)), "latency", "100ms"]
+            sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root", *tbf)
+            sh("tc", "qdisc", "add", "dev", veth, "root", *tbf)
+    STATE.write_text(json.dumps({"nodes": nodes, "same_hostname": same_hostname, "rate": rate}))
+
+
+def cut_link(node):
+    """Node `node` vanishes from the network: its link goes down, its processes live on."""
+    print(f"nodes.py: node {node}'s link goes down", flush=True)
+    sh("ip", "link", "set", f"gsv{node}", "down")
+
+
+def agent(argv):
+    """Open MPI's remote agent: `agent [ssh options] HOST COMMAND...` runs COMMAND on node HOST,
+    in its network namespace with its own hostname and /dev/shm."""
+    while argv and argv[0].startswith("-"):
+        argv = argv[1:]
+    host, command = argv[0], " ".join(argv[1:])
+    state = json.loads(STATE.read_text())
+    index = next((i for i in range(state["nodes"]) if address(i) == host), None)
+    if index is None:
+        raise SystemExit(f"nodes.py agent: no node has address {host}")
+    hostname = "node" if state["same_hostname"] else f"node{index}"
+    # /tmp stays shared (the programs may live there); MPI's session files go to the node's own.
+    inner = (f"hostname {hostname} && mount -t tmpfs tmpfs /dev/shm && export TMPDIR=/dev/shm && "
+             f"exec sh -c {shlex.quote(command)}")
+    os.execvp("ip", ["ip", "netns", "exec", f"{PREFIX}{index}", "unshare", "--uts", "--mount",
+                     "--propagation", "private", "sh", "-c", inner])
+
+
+def mpirun_command(nodes, per_node, program, rate=None):
+    hosts = ",".join(f"{address(i)}:{per_node}" for i in range(nodes))
+    passed = [f"GRADSYNC_TEST_NODES={nodes}", f"GRADSYNC_TEST_RANKS_PER_NODE={per_node}"]
+    if rate:
+        passed.append(f"GRADSYNC_TEST_LINK_RATE={rate}")
+    if os.environ.get("GRADSYNC_BENCH_RESULTS"):
+        passed.append("GRADSYNC_BENCH_RESULTS")  # where benchmarks write their figures
+    me = pathlib.Path(__file__).resolve()
+    return ["mpirun", "--allow-run-as-root", "--oversubscribe", "--host", hosts, "-np", str(nodes * per_node),
+            "--mca", "plm_rsh_agent", f"{sys.executable} {me} agent",
+            "--mca", "oob_tcp_if_include", f"{SUBNET}.0/24", "--mca", "btl_tcp_if_include", f"{SUBNET}.0/24",
+            "--mca", "btl", "self,vader,tcp",
+            *[x for v in passed for x in ("-x", v)], *program]
+
+
+def run(command, args):
+    """Runs mpirun, its output passed on line by line; cuts a link when told, and ends a job that
+    waits on a vanished node past the grace period, as a scheduler would."""
+    began = time.monotonic()
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+                           start_new_session=True)
+    lines = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in job.stdout] + [lines.put(None)], daemon=True).start()
+    cut_node, cut_delay = (int(x) for x in args.cut_link.split("@")) if args.cut_link else (None, 0)
+    timer_from = began if args.cut_link and not args.cut_after else None
+    cut_at = None
+    while True:
+        now = time.monotonic()
+        if timer_from is not None and cut_at is None and now >= timer_from + cut_delay:
+            cut_link(cut_node)
+            cut_at = now
+        deadline = began + args.timeout
+        if cut_at is not None:
+            deadline = min(deadline, cut_at + args.grace)
+        if now >= deadline:
+            why = (f"mpirun still waits for the vanished node {args.grace:g} s after its link went down; ending it, "
+                   "as a scheduler would" if cut_at is not None and cut_at + args.grace <= began + args.timeout
+                   else f"the program ran past {args.timeout:g} s")
+            print(f"nodes.py: {why}", flush=True)
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+            return 124
+        try:
+            line = lines.get(timeout=0.1)
+        except queue.Empty:
+            continue
+        if line is None:
+            return job.wait()
+        sys.stdout.write(line)
+        sys.stdout.flush()
+        if timer_from is None and args.cut_link and re.search(args.cut_after, line):
+            timer_from = time.monotonic()
+
+
+def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "agent":
+        return agent(sys.argv[2:])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=["run", "up", "down", "check"])
+    parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--per-node", type=int, default=2)
+    parser.add_argument("--rate", help="slow every node's link to this rate (tc tbf): 1gbit, 100mbit")
+    parser.add_argument("--same-hostname", action="store_true", help="every node named 'node'")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds the program may run")
+    parser.add_argument("--cut-link", metavar="NODE@SECONDS", help="take a node's link down after a while")
+    parser.add_argument("--cut-after", metavar="REGEX", help="count the cut's seconds from the first line matching")
+    parser.add_argument("--grace", type=float, default=30,
+                        help="seconds after a cut that mpirun may go on waiting for the lost node")
+    argv = sys.argv[1:]
+    program = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    if args.command == "check":
+        reason = why_not()
+        if reason:
+            print(f"nodes.py: cannot play several machines here: {reason}")
+            return SKIP
+        return 0
+    if args.command == "down":
+        return down()
+    if args.command == "up":
+        return up(args.nodes, args.rate, args.same_hostname)
+    if not program:
+        parser.error("run needs a program after --")
+    reason = why_not()
+    if reason:
+        print(f"nodes.py: cannot play several machines here, so this test is skipped: {reason}")
+        return SKIP
+    try:
+        up(args.nodes, args.rate, args.same_hostname)
+        print(f"nodes.py: {args.nodes} nodes x {args.per_node} ranks" + (f", links at {args.rate}" if args.rate else ""),
+              flush=True)
+        return run(mpirun_command(args.nodes, args.per_node, program, args.rate), args)
+    finally:
+        down()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
