@@ -13,12 +13,13 @@ import pathlib
 import re
 import sys
 
-ORDER = ["local", "mpi", "mpi_busy", "mpi_torchrun", "torch_adapter", "compile"]  # then the DDP races
+ORDER = ["local", "mpi", "mpi_busy", "mpi_torchrun", "nodes", "torch_adapter", "compile"]  # then the DDP races
 TITLES = {
     "local": "LocalBackend (ranks as threads) and DataParallel, 2 ranks",
     "mpi": "MpiBackend, 2 processes under mpirun",
     "mpi_busy": "MpiBackend, 2 processes under mpirun, beside one busy-looping thread per core",
     "mpi_torchrun": "MpiBackend, 2 processes started torchrun-style (TCP)",
+    "nodes": "2 machines of 2 ranks played on one, links slowed to 1 Gbit/s (scripts/nodes.py)",
     "torch_adapter": "The libtorch adapter, 2 ranks",
     "compile": "Compile cost",
 }

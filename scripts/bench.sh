@@ -3,8 +3,8 @@
 # in the same run: first what including gradsync costs a compile, then LocalBackend (threads of
 # one process, the default CPU backend), DataParallel<MpiBackend> on 2 processes under mpirun (also
 # beside one busy-looping thread per core) and started torchrun-style, the race with PyTorch DDP
-# (gloo) on the same layouts (Debian's PyTorch 1.13, then the current one from PyPI) and what the
-# libtorch adapter costs; last, one table of every figure, with build/bench-results/results.json
+# (gloo) on the same layouts (Debian's PyTorch 1.13, then the current one from PyPI), two machines
+# played on one with slow links between them, and what the libtorch adapter costs; last, one table of every figure, with build/bench-results/results.json
 # and plots. Installs what it needs on Debian 12. Extra arguments go to Google Benchmark, e.g.
 # --benchmark_filter=allreduce;
 # GRADSYNC_BENCH_ONLY=local skips the MPI and DDP parts.
@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 source scripts/deps.sh
 
 packages=(cmake ninja-build g++ make libbenchmark-dev nlohmann-json3-dev python3 python3-matplotlib)
-[ "${GRADSYNC_BENCH_ONLY:-}" = local ] || packages+=(libopenmpi-dev openmpi-bin python3 python3-torch libtorch-dev python3-venv python3-pip)
+[ "${GRADSYNC_BENCH_ONLY:-}" = local ] || packages+=(libopenmpi-dev openmpi-bin iproute2 python3 python3-torch libtorch-dev python3-venv python3-pip)
 ensure_packages "${packages[@]}"
 # Each benchmark writes its summary's figures here; bench/summary.py gathers them at the end.
 export GRADSYNC_BENCH_RESULTS="$PWD/build/bench-results"
@@ -55,6 +55,14 @@ step "The same race with PyTorch $PYPI_TORCH from PyPI (installed once into buil
 pypi_python="$(torch_venv)"
 # Three rounds, as for 1.13: the median of two is their mean, which one slow round drags below.
 "$pypi_python" bench/ddp_peer.py --bench-mpi ./build/bench/bench/bench_mpi --rounds 3
+step "Two machines of 2 ranks, played on this one: network namespaces, links slowed to 1 Gbit/s (about four minutes)"
+# Two levels against the flat backend, bfloat16 wire and PowerSGD against float32, where every
+# byte between nodes crosses a slow link; 16 MiB pieces (1 MiB suits shared memory, not a slow
+# link). Needs root (namespaces); skipped, saying why, elsewhere.
+nodes_rc=0
+python3 scripts/nodes.py run --nodes 2 --per-node 2 --rate 1gbit -- ./build/bench/bench/bench_nodes \
+    --chunk-kib 16384 --iterations 3 || nodes_rc=$?
+if [ "$nodes_rc" -ne 0 ] && [ "$nodes_rc" -ne 77 ]; then exit "$nodes_rc"; fi
 step "The libtorch adapter against plain buffers of the same layout, 2 ranks (seconds)"
 ./build/bench/bench/bench_torch
 summary
