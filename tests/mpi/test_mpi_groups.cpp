@@ -172,7 +172,8 @@ TEST_CASE("nodes found by MPI: a TwoLevelBackend over them trains as the flat ba
     CHECK(two_level.rank() == me);  // launchers place ranks node by node
 
     auto train = [&](auto& backend) {
-        mlp::Mlp model(model_seed(0) + static_cast<std::uint64_t>(me) * 1000);
+        // A different start on every rank: the backend's rank 0 (job rank 0 here) broadcasts its own.
+        mlp::Mlp model(model_seed(0) + static_cast<std::uint64_t>(backend.rank()) * 1000);
         gradsync::DataParallel dp(model, backend, gradsync::SizeCappedBuckets{64_KiB, 4_KiB});
         mlp::Sgd opt(0.05f, 0.9f);
         for (int s = 0; s < steps; ++s) {
@@ -189,4 +190,14 @@ TEST_CASE("nodes found by MPI: a TwoLevelBackend over them trains as the flat ba
     // Between nodes, each rank handed on its node's share only.
     const auto per_node = static_cast<std::uint64_t>(node.size());
     CHECK(two_level.elements_across() * per_node <= two_level.elements_reduced() + per_node * 64);
+
+    // A job numbered round-robin across the nodes (a cyclic placement): the two levels number
+    // their ranks node by node all the same, and train alike.
+    const int per = n / nodes;
+    auto cyclic = gradsync::mpi_split(gradsync::mpi_world(), 0, (me % per) * nodes + me / per);
+    auto cyclic_node = gradsync::mpi_node_comm(cyclic);
+    auto cyclic_across = gradsync::mpi_cross_node_comm(cyclic, cyclic_node);
+    gradsync::MpiBackend node2(cyclic_node), across2(cyclic_across);
+    gradsync::TwoLevelBackend reordered(node2, across2);
+    CHECK(relative_difference(train(reordered), single) <= 1e-5);
 }
