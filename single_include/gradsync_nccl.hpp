@@ -1511,6 +1511,77 @@ private:
 #endif  // GRADSYNC_SINGLE_BACKEND_DETAIL_WATCHDOG_HPP
 // ---- end gradsync/backend/detail/watchdog.hpp ----
 
+// ---- begin gradsync/backend/group_label.hpp ----
+#ifndef GRADSYNC_SINGLE_BACKEND_GROUP_LABEL_HPP
+#define GRADSYNC_SINGLE_BACKEND_GROUP_LABEL_HPP
+// GroupLabel: which ranks of the whole job a backend's group holds. A backend over a subset of
+// the job (one data-parallel dimension of a larger one, the ranks of one machine) names its
+// group and those ranks in every message, so that "rank 1" is never ambiguous.
+
+
+#include <cstddef>
+#include <string>
+#include <utility>  // for std::move
+#include <vector>
+
+namespace gradsync::inline v0 {
+
+struct GroupLabel {
+    std::string name;              // the trainer's name for the group; may be empty
+    std::vector<int> world_ranks;  // the job rank of each group rank; empty: the group is the whole job
+
+    [[nodiscard]] bool whole_job() const { return world_ranks.empty(); }
+
+    // "the group "dp 1" (job ranks 2, 3)", or "the group of job ranks 2, 3"; "" for the whole job.
+    [[nodiscard]] std::string describe() const {
+        if (whole_job()) return {};
+        std::string ranks;
+        const std::size_t shown = world_ranks.size() <= 8 ? world_ranks.size() : 6;
+        for (std::size_t i = 0; i < shown; ++i) ranks += (i ? ", " : "") + std::to_string(world_ranks[i]);
+        if (shown < world_ranks.size())
+            ranks +=
+                ", ... " + std::to_string(world_ranks.back()) + " (" + std::to_string(world_ranks.size()) + " ranks)";
+        return name.empty() ? "the group of job ranks " + ranks
+                            : "the group \"" + name + "\" (job ranks " + ranks + ")";
+    }
+
+    // How a message about group rank `rank` begins: "gradsync: rank 1 of the group "dp 1" (job
+    // ranks 2, 3)"; for the whole job as before, "gradsync: rank 3".
+    [[nodiscard]] std::string who(int rank) const {
+        return whole_job() ? detail::rank_prefix(rank) : detail::rank_prefix(rank) + " of " + describe();
+    }
+    // ...and with the group's size for the whole job: "gradsync: rank 3 of 4".
+    [[nodiscard]] std::string who(int rank, int size) const {
+        return whole_job() ? detail::rank_prefix(rank, size) : who(rank);
+    }
+};
+
+// A label for the group of `world_ranks` (in group rank order), or the whole job's when they are
+// 0, 1, ... size - 1 of a job of that size.
+inline GroupLabel group_label(std::string name, std::vector<int> world_ranks, int world_size) {
+    bool whole = static_cast<int>(world_ranks.size()) == world_size;
+    for (std::size_t i = 0; whole && i < world_ranks.size(); ++i) whole = world_ranks[i] == static_cast<int>(i);
+    if (whole) return {std::move(name), {}};
+    return {std::move(name), std::move(world_ranks)};
+}
+
+namespace detail {
+
+// How a message about `backend`'s rank begins: its group's words where it names one.
+template <class Backend>
+std::string who(const Backend& backend) {
+    if constexpr (requires { backend.group(); })
+        return backend.group().who(backend.rank());
+    else
+        return rank_prefix(backend.rank());
+}
+
+}  // namespace detail
+
+}  // namespace gradsync::inline v0
+#endif  // GRADSYNC_SINGLE_BACKEND_GROUP_LABEL_HPP
+// ---- end gradsync/backend/group_label.hpp ----
+
 // ---- begin gradsync/backend/nccl/algorithm.hpp ----
 #ifndef GRADSYNC_SINGLE_BACKEND_NCCL_ALGORITHM_HPP
 #define GRADSYNC_SINGLE_BACKEND_NCCL_ALGORITHM_HPP
@@ -1954,6 +2025,107 @@ inline WatchedDevice watched_device(NcclCommunicator* s) {
 }  // namespace gradsync::inline v0::detail
 #endif  // GRADSYNC_SINGLE_BACKEND_NCCL_COMMUNICATOR_HPP
 // ---- end gradsync/backend/nccl/communicator.hpp ----
+
+// ---- begin gradsync/backend/nccl/join.hpp ----
+#ifndef GRADSYNC_SINGLE_BACKEND_NCCL_JOIN_HPP
+#define GRADSYNC_SINGLE_BACKEND_NCCL_JOIN_HPP
+// How one rank's NcclBackend gets its communicator: made (ncclCommInitRankConfig from a unique
+// id) or split from another's (ncclCommSplit), non-blocking either way, then polled until every
+// rank has joined, by the deadline; and, for a split, which of the parent's ranks each group
+// holds, agreed before NCCL is asked. Needs <nccl.h> and the CUDA runtime.
+
+
+#include <nccl.h>
+
+#include <algorithm>  // for std::stable_sort
+#include <chrono>
+#include <string>
+#include <thread>
+#include <utility>  // for std::move
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+inline CollectiveError nccl_join_error(const NcclCommunicator& s, ncclResult_t r) {
+    std::string hint;
+    if (r == ncclInvalidUsage)
+        hint =
+            ". If two ranks were given the same GPU: start one rank per GPU, each with its own LOCAL_RANK, "
+            "or each with CUDA_VISIBLE_DEVICES naming a different GPU";
+    return CollectiveError(
+        s.who + ": joining the NCCL communicator failed: " + nccl_words(r, s.comm_alive ? s.comm : nullptr) + hint);
+}
+
+// `make(config)` starts the communicator into s.comm; this waits, by s.timeout, until every rank
+// has joined. Inside the watchdog's gate: an abort (abort(), the stop token) ends the wait at its
+// next poll. `late` says why the ranks may not all have come.
+template <class Make>
+void nccl_join(NcclCommunicator& s, const char* algo, Make&& make, const std::string& late) {
+    s.watchdog->run([&] {
+        ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+        config.blocking = 0;  // every call returns at once; we poll, with a deadline
+        // NCCL reads NCCL_ALGO while it initializes the communicator: set from here until every
+        // rank has joined, no longer.
+        ScopedNcclAlgo scoped(algo);
+        ncclResult_t r = make(&config);
+        if (r != ncclSuccess && r != ncclInProgress) throw nccl_join_error(s, r);
+        s.comm_alive = true;
+        const auto deadline = deadline_after(s.timeout);
+        for (;;) {
+            ncclResult_t state = ncclSuccess;
+            r = ncclCommGetAsyncError(s.comm, &state);
+            if (r != ncclSuccess) state = r;
+            if (state == ncclSuccess) return;
+            if (state != ncclInProgress) {
+                auto error = nccl_join_error(s, state);
+                s.abort_comm();
+                throw error;
+            }
+            s.watchdog->rethrow_if_failed();  // aborted meanwhile: the gate aborts as this returns
+            if (std::chrono::steady_clock::now() >= deadline) {
+                s.abort_comm();
+                throw TimeoutError(s.who + ": the ranks did not all join the NCCL communicator within " +
+                                   std::to_string(s.timeout.count()) + " ms; " + late);
+            }
+            std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        }
+    });
+}
+
+// One rank's place in the group a split gives it.
+struct NcclSplitPlace {
+    int rank = 0, size = 1;
+    GroupLabel label;
+};
+
+// From every parent rank's colour and key (in parent rank order): the parent ranks of `colour`,
+// ordered by key, then by parent rank as NCCL orders them; named by `parent`'s own job ranks.
+inline NcclSplitPlace nccl_split_place(const std::vector<double>& colours, const std::vector<double>& keys,
+                                       int parent_rank, const GroupLabel& parent, std::string name) {
+    const double mine = colours[static_cast<std::size_t>(parent_rank)];
+    std::vector<int> members;
+    for (std::size_t r = 0; r < colours.size(); ++r)
+        if (colours[r] == mine) members.push_back(static_cast<int>(r));
+    std::stable_sort(members.begin(), members.end(), [&](int a, int b) {
+        return keys[static_cast<std::size_t>(a)] < keys[static_cast<std::size_t>(b)];
+    });
+    NcclSplitPlace place;
+    place.size = static_cast<int>(members.size());
+    for (std::size_t i = 0; i < members.size(); ++i)
+        if (members[i] == parent_rank) place.rank = static_cast<int>(i);
+    // The parent's ranks as the job's: through the parent's own group where it is one.
+    int job_size = static_cast<int>(colours.size());
+    if (!parent.whole_job()) {
+        for (auto& m : members) m = parent.world_ranks[static_cast<std::size_t>(m)];
+        job_size = -1;  // a group of a group is never the whole job
+    }
+    place.label = group_label(std::move(name), std::move(members), job_size);
+    return place;
+}
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_BACKEND_NCCL_JOIN_HPP
+// ---- end gradsync/backend/nccl/join.hpp ----
 
 // ---- begin gradsync/backend/nccl/place.hpp ----
 #ifndef GRADSYNC_SINGLE_BACKEND_NCCL_PLACE_HPP
@@ -2690,45 +2862,16 @@ public:
 
     // Rank `rank` of `size` on CUDA device `device`, all ranks with the same `id`.
     NcclBackend(int rank, int size, int device, const ncclUniqueId& id, NcclOptions options = {})
-        : state_(std::make_unique<State>()) {
-        auto& s = *state_;
-        s.rank = rank;
-        s.size = size;
-        s.device = device;
-        s.timeout = options.timeout;
-        s.who = detail::rank_prefix(rank, size, "NCCL, GPU " + std::to_string(device));
-        if (size < 1 || rank < 0 || rank >= size)
-            throw Error(s.who + ": the rank must be at least 0 and below the world size, which must be at least 1");
-        try {
-            GRADSYNC_CUDA_CHECK(cudaSetDevice(device));
-        } catch (const CudaError& e) {
-            throw CudaError(s.who + ": cannot use CUDA device " + std::to_string(device) + ": " + e.what(), e.code());
-        }
-        try {
-            s.compute = options.compute_stream;
-            GRADSYNC_CUDA_CHECK(cudaEventCreateWithFlags(&s.computed, cudaEventDisableTiming));
-            if (options.stream != nullptr) {
-                s.stream = options.stream;
-            } else {
-                GRADSYNC_CUDA_CHECK(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking));
-                s.own_stream = true;
-            }
-            // Allocated once: growing it later would have to wait for the stream.
-            GRADSYNC_CUDA_CHECK(cudaMalloc(&s.scratch, staging_bytes));
-            GRADSYNC_CUDA_CHECK(cudaMallocHost(&s.pinned, staging_bytes));
-            s.watchdog = std::make_shared<detail::Watchdog>(s.who, detail::watched_device(&s));
-            // Abortable from here on, through abort() or the stop token, even while joining.
-            if (options.stop.stop_possible()) s.on_stop.emplace(options.stop, detail::NcclStopRequest{&s});
-            join(id);
-            s.watchdog->start(options.watchdog_period);
-        } catch (...) {
-            try {
-                s.close();  // no destructor runs for a constructor that throws
-            } catch (...) {
-            }
-            throw;
-        }
-    }
+        : NcclBackend(rank, size, device, options, GroupLabel{}, [&id](State& s, ncclConfig_t* config) {
+              return ncclCommInitRankConfig(&s.comm, s.size, id, s.rank, config);
+          }) {}
+
+    // A backend over a group of `parent`'s ranks (ncclCommSplit): those of the same `colour`
+    // (at least 0), numbered by `key`, then by rank in `parent`, on `parent`'s GPU. Collective
+    // over `parent`: every one of its ranks makes its own, while nothing else runs on it. Its
+    // messages name `group_name` and the group's job ranks.
+    NcclBackend(NcclBackend& parent, int colour, int key, NcclOptions options = {}, std::string group_name = {})
+        : NcclBackend(split_place(parent, colour, key, std::move(group_name)), parent, colour, key, options) {}
 
     NcclBackend(NcclBackend&&) noexcept = default;
     NcclBackend& operator=(NcclBackend&&) = delete;
@@ -2752,6 +2895,8 @@ public:
     [[nodiscard]] cudaStream_t stream() const { return state_->stream; }
     [[nodiscard]] cudaStream_t compute_stream() const { return state_->compute; }
     [[nodiscard]] ncclComm_t comm() const { return state_->comm; }
+    // Which ranks of the job the communicator holds (a split's group; the whole job otherwise).
+    [[nodiscard]] const GroupLabel& group() const { return label_; }
     [[nodiscard]] bool supports(DType t) const {
         return t == DType::float32 || t == DType::float64 || t == DType::float16 || t == DType::bfloat16;
     }
@@ -2877,52 +3022,71 @@ public:
 private:
     using State = detail::NcclCommunicator;
 
-    // Creates the communicator and waits, by the deadline, until every rank has joined. Inside
-    // the watchdog's gate: an abort (abort(), the stop token) ends the wait at its next poll.
-    void join(const ncclUniqueId& id) {
+    NcclBackend(detail::NcclSplitPlace place, NcclBackend& parent, int colour, int key, NcclOptions options)
+        : NcclBackend(place.rank, place.size, parent.device(), options, std::move(place.label),
+                      [comm = parent.comm(), colour, key](State& s, ncclConfig_t* config) {
+                          return ncclCommSplit(comm, colour, key, &s.comm, config);
+                      }) {}
+
+    // Selects the device, makes the streams, staging buffers and watchdog, then the communicator
+    // through `make(state, config)`, and waits until every rank has joined it.
+    template <class Make>
+    NcclBackend(int rank, int size, int device, NcclOptions options, GroupLabel label, Make make)
+        : state_(std::make_unique<State>()), label_(std::move(label)) {
         auto& s = *state_;
-        s.watchdog->run([&] {
-            ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-            config.blocking = 0;  // every call returns at once; we poll, with a deadline
-            // NCCL reads NCCL_ALGO while it initializes the communicator: set from here until
-            // every rank has joined, no longer.
-            detail::ScopedNcclAlgo algo(Algo::allreduce);
-            ncclResult_t r = ncclCommInitRankConfig(&s.comm, s.size, id, s.rank, &config);
-            if (r != ncclSuccess && r != ncclInProgress) throw join_error(r);
-            s.comm_alive = true;
-            const auto deadline = detail::deadline_after(s.timeout);
-            for (;;) {
-                ncclResult_t state = ncclSuccess;
-                r = ncclCommGetAsyncError(s.comm, &state);
-                if (r != ncclSuccess) state = r;
-                if (state == ncclSuccess) return;
-                if (state != ncclInProgress) {
-                    auto error = join_error(state);
-                    s.abort_comm();
-                    throw error;
-                }
-                s.watchdog->rethrow_if_failed();  // aborted meanwhile: the gate aborts as this returns
-                if (std::chrono::steady_clock::now() >= deadline) {
-                    s.abort_comm();
-                    throw TimeoutError(s.who + ": the ranks did not all join the NCCL communicator within " +
-                                       std::to_string(s.timeout.count()) +
-                                       " ms; a rank did not start, failed before joining, or was given a different "
-                                       "NCCL_COMM_ID (MASTER_ADDR/MASTER_PORT) or world size");
-                }
-                std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        s.rank = rank;
+        s.size = size;
+        s.device = device;
+        s.timeout = options.timeout;
+        const std::string gpu = "NCCL, GPU " + std::to_string(device);
+        s.who = label_.whole_job() ? detail::rank_prefix(rank, size, gpu) : label_.who(rank) + " on " + gpu;
+        if (size < 1 || rank < 0 || rank >= size)
+            throw Error(s.who + ": the rank must be at least 0 and below the world size, which must be at least 1");
+        try {
+            GRADSYNC_CUDA_CHECK(cudaSetDevice(device));
+        } catch (const CudaError& e) {
+            throw CudaError(s.who + ": cannot use CUDA device " + std::to_string(device) + ": " + e.what(), e.code());
+        }
+        try {
+            s.compute = options.compute_stream;
+            GRADSYNC_CUDA_CHECK(cudaEventCreateWithFlags(&s.computed, cudaEventDisableTiming));
+            if (options.stream != nullptr) {
+                s.stream = options.stream;
+            } else {
+                GRADSYNC_CUDA_CHECK(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking));
+                s.own_stream = true;
             }
-        });
+            // Allocated once: growing it later would have to wait for the stream.
+            GRADSYNC_CUDA_CHECK(cudaMalloc(&s.scratch, staging_bytes));
+            GRADSYNC_CUDA_CHECK(cudaMallocHost(&s.pinned, staging_bytes));
+            s.watchdog = std::make_shared<detail::Watchdog>(s.who, detail::watched_device(&s));
+            // Abortable from here on, through abort() or the stop token, even while joining.
+            if (options.stop.stop_possible()) s.on_stop.emplace(options.stop, detail::NcclStopRequest{&s});
+            detail::nccl_join(
+                s, Algo::allreduce, [&](ncclConfig_t* config) { return make(s, config); },
+                "a rank did not start, failed before joining, or was given a different NCCL_COMM_ID "
+                "(MASTER_ADDR/MASTER_PORT), world size or group");
+            s.watchdog->start(options.watchdog_period);
+        } catch (...) {
+            try {
+                s.close();  // no destructor runs for a constructor that throws
+            } catch (...) {
+            }
+            throw;
+        }
     }
 
-    [[nodiscard]] CollectiveError join_error(ncclResult_t r) const {
-        const auto& s = *state_;
-        std::string hint;
-        if (r == ncclInvalidUsage)
-            hint =
-                ". If two ranks were given the same GPU: start one rank per GPU, each with its own LOCAL_RANK, "
-                "or each with CUDA_VISIBLE_DEVICES naming a different GPU";
-        return CollectiveError(s.who + ": joining the NCCL communicator failed: " +
-                               detail::nccl_words(r, s.comm_alive ? s.comm : nullptr) + hint);
+    // Every rank's colour and key, agreed over `parent` before NCCL splits it.
+    static detail::NcclSplitPlace split_place(NcclBackend& parent, int colour, int key, std::string name) {
+        if (colour < 0)
+            throw Error(parent.state_->who + ": a group's colour must be at least 0, got " + std::to_string(colour));
+        const auto n = static_cast<std::size_t>(parent.size()), me = static_cast<std::size_t>(parent.rank());
+        std::vector<double> colours(n, 0.0), keys(n, 0.0);
+        colours[me] = colour;
+        keys[me] = key;
+        parent.allreduce(std::span<double>(colours));
+        parent.allreduce(std::span<double>(keys));
+        return detail::nccl_split_place(colours, keys, parent.rank(), parent.label_, std::move(name));
     }
 
     ncclDataType_t reducible_type(DType t, const char* what) const {
@@ -2978,6 +3142,7 @@ private:
     }
 
     std::unique_ptr<State> state_;
+    GroupLabel label_;
 };
 
 }  // namespace gradsync::inline v0

@@ -255,3 +255,61 @@ TEST_CASE("DataParallel<Model, NcclBackend> on the stand-ins: N ranks end with L
     standin::nccl_set_in_progress_polls(1);
     CHECK(standin::take_misuses().empty());
 }
+
+TEST_CASE("NcclBackend over a group split from another (ncclCommSplit) on the stand-ins: its ranks, sums and words") {
+    (void)standin::take_misuses();
+    std::vector<std::vector<float>> sums(4), from_root(4);
+    std::vector<std::string> words(4);
+    gradsync::nccl_spawn(4, [&](gradsync::NcclBackend<>& job) {
+        const int me = job.rank();
+        const auto slot = static_cast<std::size_t>(me);
+        // By parity, as a data-parallel dimension beside a model one; numbered by job rank.
+        gradsync::NcclBackend<> group(job, me % 2, me, {}, "shard " + std::to_string(me % 2));
+        CHECK(group.size() == 2);
+        CHECK(group.rank() == me / 2);
+        CHECK(group.device() == job.device());
+        CHECK(group.group().world_ranks == std::vector<int>{me % 2, me % 2 + 2});
+        DeviceArray<float> data(100);
+        data.upload(std::vector<float>(100, float(me + 1)));
+        group.allreduce(gradsync::Buffer{data.data, 100, gradsync::DType::float32});
+        sums[slot] = data.download();
+        // The whole job again, numbered backwards by its key: rank 0 is job rank 3.
+        gradsync::NcclBackend<> reversed(job, 0, -me);
+        CHECK(reversed.rank() == 3 - me);
+        CHECK(reversed.group().world_ranks == std::vector<int>{3, 2, 1, 0});
+        std::vector<float> value = {float(me)};
+        reversed.broadcast(std::span<float>(value), 0);
+        from_root[slot] = value;
+        try {
+            group.broadcast(std::span<float>(value), 2);  // no rank 2 in a group of 2
+        } catch (const gradsync::CollectiveError& e) {
+            words[slot] = e.what();
+        }
+    });
+    for (int r = 0; r < 4; ++r) {
+        const auto slot = static_cast<std::size_t>(r);
+        CHECK(sums[slot] == std::vector<float>(100, r % 2 == 0 ? 1.0f + 3.0f : 2.0f + 4.0f));
+        CHECK(from_root[slot] == std::vector<float>{3.0f});
+        CAPTURE(words[slot]);
+        const std::string who = "gradsync: rank " + std::to_string(r / 2) + " of the group \"shard " +
+                                std::to_string(r % 2) + "\" (job ranks " + std::to_string(r % 2) + ", " +
+                                std::to_string(r % 2 + 2) + ") on NCCL, GPU ";
+        CHECK(words[slot].rfind(who, 0) == 0);
+    }
+    CHECK(standin::take_misuses().empty());
+}
+
+TEST_CASE("NcclBackend split with a negative colour: refused on every rank, naming it") {
+    std::vector<std::string> errors(2);
+    gradsync::nccl_spawn(2, [&](gradsync::NcclBackend<>& job) {
+        try {
+            gradsync::NcclBackend<> group(job, -1, 0);
+        } catch (const gradsync::Error& e) {
+            errors[static_cast<std::size_t>(job.rank())] = e.what();
+        }
+    });
+    for (const auto& e : errors) {
+        CAPTURE(e);
+        CHECK(e.find("a group's colour must be at least 0, got -1") != std::string::npos);
+    }
+}

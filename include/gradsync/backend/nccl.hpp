@@ -16,9 +16,11 @@
 #include <gradsync/backend/concepts.hpp>
 #include <gradsync/backend/detail/typed_calls.hpp>
 #include <gradsync/backend/detail/watchdog.hpp>
+#include <gradsync/backend/group_label.hpp>
 #include <gradsync/backend/nccl/algorithm.hpp>
 #include <gradsync/backend/nccl/communicator.hpp>
 #include <gradsync/backend/nccl/handle.hpp>
+#include <gradsync/backend/nccl/join.hpp>
 #include <gradsync/backend/nccl/place.hpp>
 #include <gradsync/backend/nccl/queue.hpp>
 #include <gradsync/bytes.hpp>
@@ -93,45 +95,16 @@ public:
 
     // Rank `rank` of `size` on CUDA device `device`, all ranks with the same `id`.
     NcclBackend(int rank, int size, int device, const ncclUniqueId& id, NcclOptions options = {})
-        : state_(std::make_unique<State>()) {
-        auto& s = *state_;
-        s.rank = rank;
-        s.size = size;
-        s.device = device;
-        s.timeout = options.timeout;
-        s.who = detail::rank_prefix(rank, size, "NCCL, GPU " + std::to_string(device));
-        if (size < 1 || rank < 0 || rank >= size)
-            throw Error(s.who + ": the rank must be at least 0 and below the world size, which must be at least 1");
-        try {
-            GRADSYNC_CUDA_CHECK(cudaSetDevice(device));
-        } catch (const CudaError& e) {
-            throw CudaError(s.who + ": cannot use CUDA device " + std::to_string(device) + ": " + e.what(), e.code());
-        }
-        try {
-            s.compute = options.compute_stream;
-            GRADSYNC_CUDA_CHECK(cudaEventCreateWithFlags(&s.computed, cudaEventDisableTiming));
-            if (options.stream != nullptr) {
-                s.stream = options.stream;
-            } else {
-                GRADSYNC_CUDA_CHECK(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking));
-                s.own_stream = true;
-            }
-            // Allocated once: growing it later would have to wait for the stream.
-            GRADSYNC_CUDA_CHECK(cudaMalloc(&s.scratch, staging_bytes));
-            GRADSYNC_CUDA_CHECK(cudaMallocHost(&s.pinned, staging_bytes));
-            s.watchdog = std::make_shared<detail::Watchdog>(s.who, detail::watched_device(&s));
-            // Abortable from here on, through abort() or the stop token, even while joining.
-            if (options.stop.stop_possible()) s.on_stop.emplace(options.stop, detail::NcclStopRequest{&s});
-            join(id);
-            s.watchdog->start(options.watchdog_period);
-        } catch (...) {
-            try {
-                s.close();  // no destructor runs for a constructor that throws
-            } catch (...) {
-            }
-            throw;
-        }
-    }
+        : NcclBackend(rank, size, device, options, GroupLabel{}, [&id](State& s, ncclConfig_t* config) {
+              return ncclCommInitRankConfig(&s.comm, s.size, id, s.rank, config);
+          }) {}
+
+    // A backend over a group of `parent`'s ranks (ncclCommSplit): those of the same `colour`
+    // (at least 0), numbered by `key`, then by rank in `parent`, on `parent`'s GPU. Collective
+    // over `parent`: every one of its ranks makes its own, while nothing else runs on it. Its
+    // messages name `group_name` and the group's job ranks.
+    NcclBackend(NcclBackend& parent, int colour, int key, NcclOptions options = {}, std::string group_name = {})
+        : NcclBackend(split_place(parent, colour, key, std::move(group_name)), parent, colour, key, options) {}
 
     NcclBackend(NcclBackend&&) noexcept = default;
     NcclBackend& operator=(NcclBackend&&) = delete;
@@ -155,6 +128,8 @@ public:
     [[nodiscard]] cudaStream_t stream() const { return state_->stream; }
     [[nodiscard]] cudaStream_t compute_stream() const { return state_->compute; }
     [[nodiscard]] ncclComm_t comm() const { return state_->comm; }
+    // Which ranks of the job the communicator holds (a split's group; the whole job otherwise).
+    [[nodiscard]] const GroupLabel& group() const { return label_; }
     [[nodiscard]] bool supports(DType t) const {
         return t == DType::float32 || t == DType::float64 || t == DType::float16 || t == DType::bfloat16;
     }
@@ -280,52 +255,71 @@ public:
 private:
     using State = detail::NcclCommunicator;
 
-    // Creates the communicator and waits, by the deadline, until every rank has joined. Inside
-    // the watchdog's gate: an abort (abort(), the stop token) ends the wait at its next poll.
-    void join(const ncclUniqueId& id) {
+    NcclBackend(detail::NcclSplitPlace place, NcclBackend& parent, int colour, int key, NcclOptions options)
+        : NcclBackend(place.rank, place.size, parent.device(), options, std::move(place.label),
+                      [comm = parent.comm(), colour, key](State& s, ncclConfig_t* config) {
+                          return ncclCommSplit(comm, colour, key, &s.comm, config);
+                      }) {}
+
+    // Selects the device, makes the streams, staging buffers and watchdog, then the communicator
+    // through `make(state, config)`, and waits until every rank has joined it.
+    template <class Make>
+    NcclBackend(int rank, int size, int device, NcclOptions options, GroupLabel label, Make make)
+        : state_(std::make_unique<State>()), label_(std::move(label)) {
         auto& s = *state_;
-        s.watchdog->run([&] {
-            ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-            config.blocking = 0;  // every call returns at once; we poll, with a deadline
-            // NCCL reads NCCL_ALGO while it initializes the communicator: set from here until
-            // every rank has joined, no longer.
-            detail::ScopedNcclAlgo algo(Algo::allreduce);
-            ncclResult_t r = ncclCommInitRankConfig(&s.comm, s.size, id, s.rank, &config);
-            if (r != ncclSuccess && r != ncclInProgress) throw join_error(r);
-            s.comm_alive = true;
-            const auto deadline = detail::deadline_after(s.timeout);
-            for (;;) {
-                ncclResult_t state = ncclSuccess;
-                r = ncclCommGetAsyncError(s.comm, &state);
-                if (r != ncclSuccess) state = r;
-                if (state == ncclSuccess) return;
-                if (state != ncclInProgress) {
-                    auto error = join_error(state);
-                    s.abort_comm();
-                    throw error;
-                }
-                s.watchdog->rethrow_if_failed();  // aborted meanwhile: the gate aborts as this returns
-                if (std::chrono::steady_clock::now() >= deadline) {
-                    s.abort_comm();
-                    throw TimeoutError(s.who + ": the ranks did not all join the NCCL communicator within " +
-                                       std::to_string(s.timeout.count()) +
-                                       " ms; a rank did not start, failed before joining, or was given a different "
-                                       "NCCL_COMM_ID (MASTER_ADDR/MASTER_PORT) or world size");
-                }
-                std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        s.rank = rank;
+        s.size = size;
+        s.device = device;
+        s.timeout = options.timeout;
+        const std::string gpu = "NCCL, GPU " + std::to_string(device);
+        s.who = label_.whole_job() ? detail::rank_prefix(rank, size, gpu) : label_.who(rank) + " on " + gpu;
+        if (size < 1 || rank < 0 || rank >= size)
+            throw Error(s.who + ": the rank must be at least 0 and below the world size, which must be at least 1");
+        try {
+            GRADSYNC_CUDA_CHECK(cudaSetDevice(device));
+        } catch (const CudaError& e) {
+            throw CudaError(s.who + ": cannot use CUDA device " + std::to_string(device) + ": " + e.what(), e.code());
+        }
+        try {
+            s.compute = options.compute_stream;
+            GRADSYNC_CUDA_CHECK(cudaEventCreateWithFlags(&s.computed, cudaEventDisableTiming));
+            if (options.stream != nullptr) {
+                s.stream = options.stream;
+            } else {
+                GRADSYNC_CUDA_CHECK(cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking));
+                s.own_stream = true;
             }
-        });
+            // Allocated once: growing it later would have to wait for the stream.
+            GRADSYNC_CUDA_CHECK(cudaMalloc(&s.scratch, staging_bytes));
+            GRADSYNC_CUDA_CHECK(cudaMallocHost(&s.pinned, staging_bytes));
+            s.watchdog = std::make_shared<detail::Watchdog>(s.who, detail::watched_device(&s));
+            // Abortable from here on, through abort() or the stop token, even while joining.
+            if (options.stop.stop_possible()) s.on_stop.emplace(options.stop, detail::NcclStopRequest{&s});
+            detail::nccl_join(
+                s, Algo::allreduce, [&](ncclConfig_t* config) { return make(s, config); },
+                "a rank did not start, failed before joining, or was given a different NCCL_COMM_ID "
+                "(MASTER_ADDR/MASTER_PORT), world size or group");
+            s.watchdog->start(options.watchdog_period);
+        } catch (...) {
+            try {
+                s.close();  // no destructor runs for a constructor that throws
+            } catch (...) {
+            }
+            throw;
+        }
     }
 
-    [[nodiscard]] CollectiveError join_error(ncclResult_t r) const {
-        const auto& s = *state_;
-        std::string hint;
-        if (r == ncclInvalidUsage)
-            hint =
-                ". If two ranks were given the same GPU: start one rank per GPU, each with its own LOCAL_RANK, "
-                "or each with CUDA_VISIBLE_DEVICES naming a different GPU";
-        return CollectiveError(s.who + ": joining the NCCL communicator failed: " +
-                               detail::nccl_words(r, s.comm_alive ? s.comm : nullptr) + hint);
+    // Every rank's colour and key, agreed over `parent` before NCCL splits it.
+    static detail::NcclSplitPlace split_place(NcclBackend& parent, int colour, int key, std::string name) {
+        if (colour < 0)
+            throw Error(parent.state_->who + ": a group's colour must be at least 0, got " + std::to_string(colour));
+        const auto n = static_cast<std::size_t>(parent.size()), me = static_cast<std::size_t>(parent.rank());
+        std::vector<double> colours(n, 0.0), keys(n, 0.0);
+        colours[me] = colour;
+        keys[me] = key;
+        parent.allreduce(std::span<double>(colours));
+        parent.allreduce(std::span<double>(keys));
+        return detail::nccl_split_place(colours, keys, parent.rank(), parent.label_, std::move(name));
     }
 
     ncclDataType_t reducible_type(DType t, const char* what) const {
@@ -381,6 +375,7 @@ private:
     }
 
     std::unique_ptr<State> state_;
+    GroupLabel label_;
 };
 
 }  // namespace gradsync::inline v0
