@@ -2107,6 +2107,19 @@ concept ShardedCollectives = Backend<B> && requires(B& b, Buffer buf, ReduceOp o
     { b.all_gather_async(buf) } -> Waitable;
 };
 
+// Sharded collectives whose shards are replicated (hybrid sharding, TwoLevelBackend): a buffer is
+// split among the shard_ranks() ranks of this rank's shard group (its node) alone, this rank's
+// shard being shard_of(buf.count, shard_ranks(), shard_rank()); reduce_scatter leaves the
+// reduction over every rank of the backend in it, and all_gather copies within the shard group.
+// The size() / shard_ranks() groups hold the same shards; replica() numbers this rank's (0 for
+// the first).
+template <class B>
+concept ReplicatedShards = ShardedCollectives<B> && requires(const B& cb) {
+    { cb.shard_ranks() } -> std::convertible_to<int>;
+    { cb.shard_rank() } -> std::convertible_to<int>;
+    { cb.replica() } -> std::convertible_to<int>;
+};
+
 // ...and over a list of segments too, so that shards are reduced and gathered where the
 // gradients and parameters lie (LocalBackend).
 template <class B>
@@ -2246,6 +2259,30 @@ bool ends_within(const B& b, std::chrono::milliseconds timeout) {
         return std::chrono::milliseconds(b.options().timeout) <= timeout;
     else
         return false;
+}
+
+// How a sharded backend splits a buffer: among all its ranks, or its shard group's
+// (ReplicatedShards), and which copy of the shards this rank holds.
+template <Backend B>
+int shard_ranks(const B& b) {
+    if constexpr (ReplicatedShards<B>)
+        return b.shard_ranks();
+    else
+        return b.size();
+}
+template <Backend B>
+int shard_rank(const B& b) {
+    if constexpr (ReplicatedShards<B>)
+        return b.shard_rank();
+    else
+        return b.rank();
+}
+template <Backend B>
+int replica(const B& b) {
+    if constexpr (ReplicatedShards<B>)
+        return b.replica();
+    else
+        return 0;
 }
 
 // A backend's collectives with the tag where it takes one, without it where it does not: the
@@ -4035,7 +4072,9 @@ private:
 // node reduce-scatter among themselves (fast: shared memory), each allreduces its share with the
 // ranks in the same place on the other nodes (the only traffic between nodes: 1/(ranks per
 // node) of the gradients from each rank, where a flat ring sends all of them from every rank),
-// and the node all-gathers the result.
+// and the node all-gathers the result. Its reduce_scatter and all_gather shard inside the node and
+// replicate across the nodes (the ReplicatedShards concept): ShardedDataParallel over it keeps the
+// optimizer's state split among a node's ranks and the same on every node (hybrid sharding).
 
 
 #include <atomic>
@@ -4065,9 +4104,13 @@ class TwoLevelBackend : public detail::TypedCalls<TwoLevelBackend<Node, Across>>
     using Typed = detail::TypedCalls<TwoLevelBackend<Node, Across>>;
 
 public:
+    using Typed::all_gather;
+    using Typed::all_gather_async;
     using Typed::allreduce;
     using Typed::allreduce_async;
     using Typed::broadcast;
+    using Typed::reduce_scatter;
+    using Typed::reduce_scatter_async;
 
     TwoLevelBackend(Node& node, Across& across) : node_(node), across_(across) { check_layout(); }
     TwoLevelBackend(const TwoLevelBackend&) = delete;
@@ -4077,11 +4120,16 @@ public:
     [[nodiscard]] int rank() const { return across_.rank() * node_.size() + node_.rank(); }
     [[nodiscard]] int size() const { return across_.size() * node_.size(); }
     [[nodiscard]] bool supports(DType t) const { return node_.supports(t) && across_.supports(t); }
+    // Shards are split among the node's ranks and replicated across the nodes: node n holds copy n.
+    [[nodiscard]] int shard_ranks() const { return node_.size(); }
+    [[nodiscard]] int shard_rank() const { return node_.rank(); }
+    [[nodiscard]] int replica() const { return across_.rank(); }
     [[nodiscard]] Node& node() { return node_; }
     [[nodiscard]] Across& across() { return across_; }
     // Elements this rank has handed to the level between nodes so far: its shares.
     [[nodiscard]] std::uint64_t elements_across() const { return elements_across_.load(std::memory_order_relaxed); }
-    // ...and elements it was asked to reduce: a flat backend would send all of them across.
+    // ...and elements it was asked to reduce (allreduce and reduce_scatter): a flat backend would
+    // send all of them across.
     [[nodiscard]] std::uint64_t elements_reduced() const { return elements_reduced_.load(std::memory_order_relaxed); }
 
     void allreduce(Buffer buf, ReduceOp op = ReduceOp::sum, CollectiveTag tag = {}) {
@@ -4098,11 +4146,42 @@ public:
     // The segment list is copied; the memory it points to must stay untouched until completion.
     CollectiveHandle allreduce_async(std::span<const Segment> segments, DType t, ReduceOp op = ReduceOp::sum,
                                      CollectiveTag tag = {}) {
-        auto done = std::make_shared<detail::Completion>(waiting_);
-        async_.launch([this, copy = std::vector<Segment>(segments.begin(), segments.end()), t, op,
-                       tag] { reduce(copy, t, op, tag); },
-                      done);
-        return CollectiveHandle(std::move(done));
+        return launch([this, op, tag](std::span<const Segment> s, DType d) { reduce(s, d, op, tag); }, segments, t);
+    }
+
+    // Leaves the reduction over every rank of the job in this rank's shard of the node
+    // (shard_of(count, shard_ranks(), shard_rank())): the node reduce-scatters, then the share is
+    // allreduced across. The rest is unspecified.
+    void reduce_scatter(Buffer buf, ReduceOp op = ReduceOp::sum, CollectiveTag tag = {}) {
+        const Segment seg{buf.data, buf.count};
+        reduce_scatter(std::span<const Segment>(&seg, 1), buf.dtype, op, tag);
+    }
+    CollectiveHandle reduce_scatter_async(Buffer buf, ReduceOp op = ReduceOp::sum, CollectiveTag tag = {}) {
+        return reduce_scatter_async(std::vector<Segment>{{buf.data, buf.count}}, buf.dtype, op, tag);
+    }
+    void reduce_scatter(std::span<const Segment> segments, DType t, ReduceOp op = ReduceOp::sum,
+                        CollectiveTag tag = {}) {
+        async_.wait_for_all();
+        scatter(segments, t, op, tag);
+    }
+    CollectiveHandle reduce_scatter_async(std::span<const Segment> segments, DType t, ReduceOp op = ReduceOp::sum,
+                                          CollectiveTag tag = {}) {
+        return launch([this, op, tag](std::span<const Segment> s, DType d) { scatter(s, d, op, tag); }, segments, t);
+    }
+    // Copies every shard of this rank's node into the node's other ranks: every node holds the same.
+    void all_gather(Buffer buf, CollectiveTag tag = {}) {
+        const Segment seg{buf.data, buf.count};
+        all_gather(std::span<const Segment>(&seg, 1), buf.dtype, tag);
+    }
+    CollectiveHandle all_gather_async(Buffer buf, CollectiveTag tag = {}) {
+        return all_gather_async(std::vector<Segment>{{buf.data, buf.count}}, buf.dtype, tag);
+    }
+    void all_gather(std::span<const Segment> segments, DType t, CollectiveTag tag = {}) {
+        async_.wait_for_all();
+        gather(segments, t, tag);
+    }
+    CollectiveHandle all_gather_async(std::span<const Segment> segments, DType t, CollectiveTag tag = {}) {
+        return launch([this, tag](std::span<const Segment> s, DType d) { gather(s, d, tag); }, segments, t);
     }
 
     // From `root` of this backend's numbering: across the nodes among the ranks in root's place,
@@ -4146,7 +4225,23 @@ private:
         }
     }
 
+    // `body(segments, t)` on the thread of the asynchronous collectives; the segment list is
+    // copied, the memory it points to must stay untouched until completion.
+    template <class Body>
+    CollectiveHandle launch(Body body, std::span<const Segment> segments, DType t) {
+        auto done = std::make_shared<detail::Completion>(waiting_);
+        async_.launch([body = std::move(body), copy = std::vector<Segment>(segments.begin(), segments.end()),
+                       t] { body(copy, t); },
+                      done);
+        return CollectiveHandle(std::move(done));
+    }
+
     void reduce(std::span<const Segment> segments, DType t, ReduceOp op, CollectiveTag tag) {
+        scatter(segments, t, op, tag);
+        gather(segments, t, tag);
+    }
+    // The node's reduce-scatter, then this rank's share allreduced across the nodes.
+    void scatter(std::span<const Segment> segments, DType t, ReduceOp op, CollectiveTag tag) {
         const std::size_t total = detail::total_count(segments);
         const Shard share = shard_of(total, node_.size(), node_.rank());
         guarded([&] {
@@ -4156,10 +4251,12 @@ private:
                 const auto mine = detail::segments_within(segments, share.offset, share.offset + share.count, t);
                 detail::allreduce_tagged(across_, std::span<const Segment>(mine), t, op, tag);
             }
-            detail::all_gather_tagged(node_, segments, t, tag);
         });
         elements_reduced_.fetch_add(total, std::memory_order_relaxed);
         elements_across_.fetch_add(share.count, std::memory_order_relaxed);
+    }
+    void gather(std::span<const Segment> segments, DType t, CollectiveTag tag) {
+        guarded([&] { detail::all_gather_tagged(node_, segments, t, tag); });
     }
 
     // Every node the same size, and the ranks across the nodes in the same place on each.
@@ -9960,7 +10057,9 @@ private:
 // engine (during backward with grad_ready calls), agrees on the norm and the finite check, lets
 // the optimizer update this rank's shards only, and all-gathers the parameters. Policies in any
 // order (data_parallel/sharded_policies.hpp). Over NcclBackend or CudaLocalBackend, give it
-// CudaMemory{stream} and the shards lie in device memory. docs/sharding.md says what it supports.
+// CudaMemory{stream} and the shards lie in device memory. Over TwoLevelBackend the state is split
+// among a node's ranks and replicated across the nodes (hybrid sharding). docs/sharding.md says
+// what it supports.
 
 
 // ---- begin gradsync/data_parallel/parameter_gathers.hpp ----
@@ -10410,12 +10509,14 @@ struct ShardVerdict {
 
 // Unscales this rank's shards by `unscale` (1: leaves them) while summing their squares, then
 // agrees with every rank on the norm and the finite check (the square sum is non-finite exactly
-// when an element is).
+// when an element is). Where the shards are replicated (hybrid sharding), the first copy's ranks
+// alone count toward the norm: every copy holds the same.
 template <Backend B, class Layout>
 ShardVerdict agree_on_shards(B& backend, Layout& shards, double unscale, CollectiveTag tag) {
     shards.memory().finalize(shards.grad_table(), nullptr, DType::float32, unscale, shards.result_slot());
     const double mine = shards.memory().results()[shards.result_slot()];
-    double partial[2] = {std::isfinite(mine) ? mine : 0.0, std::isfinite(mine) ? 0.0 : 1.0};
+    const bool counts = replica(backend) == 0;
+    double partial[2] = {std::isfinite(mine) && counts ? mine : 0.0, std::isfinite(mine) ? 0.0 : 1.0};
     if (backend.size() > 1) allreduce_tagged(backend, Buffer{partial, 2, DType::float64}, ReduceOp::sum, tag);
     if (partial[1] > 0) return {std::nan(""), false};
     return {std::sqrt(partial[0]), true};
@@ -10828,6 +10929,10 @@ public:
     // This rank's pieces, as step() hands them to the optimizer (the state is the trainer's).
     [[nodiscard]] std::span<const ShardPiece<float>> shard_pieces() const { return shards_.pieces; }
     using Core::parameters, Core::buffers, Core::rank, Core::world_size;
+    // The ranks the state is split among and this rank's place among them: every rank of the
+    // backend, or over a backend that replicates its shards (TwoLevelBackend) this rank's node.
+    [[nodiscard]] int shard_ranks() const { return detail::shard_ranks(backend_); }
+    [[nodiscard]] int shard_rank() const { return detail::shard_rank(backend_); }
     // Memory held beyond the model's: where the backend cannot reduce scattered memory, packed
     // buffers for the parameters (one per bucket) and the gradients (one per bucket, or with
     // release_gradients three of the largest bucket's size, lent in turn); with release_gradients
@@ -10859,12 +10964,12 @@ private:
             detail::sharded_settings(options_, bucketer, scaler_, buffers_type{}, engine_.memory(), engine_.hook()),
             problems.first());
         this->start_from_rank0(buffers_type::mode);
-        released_.plan(options_.release_gradients, plan_, world_size(), rank(), engine_.memory());
+        released_.plan(options_.release_gradients, plan_, shard_ranks(), shard_rank(), engine_.memory());
         if constexpr (!in_place) engine_.share_buffers(released_.buffers());
         engine_.setup(plan_, layout_.params);
         // The pieces' gradients: where the engine leaves each bucket's shard (stage 2: the store).
         shards_ = Shards(
-            engine_.memory(), engine_.spare_result_slot(), layout_.params, plan_, world_size(), rank(),
+            engine_.memory(), engine_.spare_result_slot(), layout_.params, plan_, shard_ranks(), shard_rank(),
             [this](std::size_t b) { return reinterpret_cast<float*>(engine_.reduced_buffer(b)); }, released_.store());
         this->storage_.reset(plan_.buckets.size());
         readiness_.plan(plan_, layout_.params.size());

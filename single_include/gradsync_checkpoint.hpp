@@ -706,6 +706,19 @@ concept ShardedCollectives = Backend<B> && requires(B& b, Buffer buf, ReduceOp o
     { b.all_gather_async(buf) } -> Waitable;
 };
 
+// Sharded collectives whose shards are replicated (hybrid sharding, TwoLevelBackend): a buffer is
+// split among the shard_ranks() ranks of this rank's shard group (its node) alone, this rank's
+// shard being shard_of(buf.count, shard_ranks(), shard_rank()); reduce_scatter leaves the
+// reduction over every rank of the backend in it, and all_gather copies within the shard group.
+// The size() / shard_ranks() groups hold the same shards; replica() numbers this rank's (0 for
+// the first).
+template <class B>
+concept ReplicatedShards = ShardedCollectives<B> && requires(const B& cb) {
+    { cb.shard_ranks() } -> std::convertible_to<int>;
+    { cb.shard_rank() } -> std::convertible_to<int>;
+    { cb.replica() } -> std::convertible_to<int>;
+};
+
 // ...and over a list of segments too, so that shards are reduced and gathered where the
 // gradients and parameters lie (LocalBackend).
 template <class B>
@@ -845,6 +858,30 @@ bool ends_within(const B& b, std::chrono::milliseconds timeout) {
         return std::chrono::milliseconds(b.options().timeout) <= timeout;
     else
         return false;
+}
+
+// How a sharded backend splits a buffer: among all its ranks, or its shard group's
+// (ReplicatedShards), and which copy of the shards this rank holds.
+template <Backend B>
+int shard_ranks(const B& b) {
+    if constexpr (ReplicatedShards<B>)
+        return b.shard_ranks();
+    else
+        return b.size();
+}
+template <Backend B>
+int shard_rank(const B& b) {
+    if constexpr (ReplicatedShards<B>)
+        return b.shard_rank();
+    else
+        return b.rank();
+}
+template <Backend B>
+int replica(const B& b) {
+    if constexpr (ReplicatedShards<B>)
+        return b.replica();
+    else
+        return 0;
 }
 
 // A backend's collectives with the tag where it takes one, without it where it does not: the
@@ -8033,7 +8070,9 @@ private:
 // engine (during backward with grad_ready calls), agrees on the norm and the finite check, lets
 // the optimizer update this rank's shards only, and all-gathers the parameters. Policies in any
 // order (data_parallel/sharded_policies.hpp). Over NcclBackend or CudaLocalBackend, give it
-// CudaMemory{stream} and the shards lie in device memory. docs/sharding.md says what it supports.
+// CudaMemory{stream} and the shards lie in device memory. Over TwoLevelBackend the state is split
+// among a node's ranks and replicated across the nodes (hybrid sharding). docs/sharding.md says
+// what it supports.
 
 
 // ---- begin gradsync/data_parallel/parameter_gathers.hpp ----
@@ -8548,12 +8587,14 @@ struct ShardVerdict {
 
 // Unscales this rank's shards by `unscale` (1: leaves them) while summing their squares, then
 // agrees with every rank on the norm and the finite check (the square sum is non-finite exactly
-// when an element is).
+// when an element is). Where the shards are replicated (hybrid sharding), the first copy's ranks
+// alone count toward the norm: every copy holds the same.
 template <Backend B, class Layout>
 ShardVerdict agree_on_shards(B& backend, Layout& shards, double unscale, CollectiveTag tag) {
     shards.memory().finalize(shards.grad_table(), nullptr, DType::float32, unscale, shards.result_slot());
     const double mine = shards.memory().results()[shards.result_slot()];
-    double partial[2] = {std::isfinite(mine) ? mine : 0.0, std::isfinite(mine) ? 0.0 : 1.0};
+    const bool counts = replica(backend) == 0;
+    double partial[2] = {std::isfinite(mine) && counts ? mine : 0.0, std::isfinite(mine) ? 0.0 : 1.0};
     if (backend.size() > 1) allreduce_tagged(backend, Buffer{partial, 2, DType::float64}, ReduceOp::sum, tag);
     if (partial[1] > 0) return {std::nan(""), false};
     return {std::sqrt(partial[0]), true};
@@ -8966,6 +9007,10 @@ public:
     // This rank's pieces, as step() hands them to the optimizer (the state is the trainer's).
     [[nodiscard]] std::span<const ShardPiece<float>> shard_pieces() const { return shards_.pieces; }
     using Core::parameters, Core::buffers, Core::rank, Core::world_size;
+    // The ranks the state is split among and this rank's place among them: every rank of the
+    // backend, or over a backend that replicates its shards (TwoLevelBackend) this rank's node.
+    [[nodiscard]] int shard_ranks() const { return detail::shard_ranks(backend_); }
+    [[nodiscard]] int shard_rank() const { return detail::shard_rank(backend_); }
     // Memory held beyond the model's: where the backend cannot reduce scattered memory, packed
     // buffers for the parameters (one per bucket) and the gradients (one per bucket, or with
     // release_gradients three of the largest bucket's size, lent in turn); with release_gradients
@@ -8997,12 +9042,12 @@ private:
             detail::sharded_settings(options_, bucketer, scaler_, buffers_type{}, engine_.memory(), engine_.hook()),
             problems.first());
         this->start_from_rank0(buffers_type::mode);
-        released_.plan(options_.release_gradients, plan_, world_size(), rank(), engine_.memory());
+        released_.plan(options_.release_gradients, plan_, shard_ranks(), shard_rank(), engine_.memory());
         if constexpr (!in_place) engine_.share_buffers(released_.buffers());
         engine_.setup(plan_, layout_.params);
         // The pieces' gradients: where the engine leaves each bucket's shard (stage 2: the store).
         shards_ = Shards(
-            engine_.memory(), engine_.spare_result_slot(), layout_.params, plan_, world_size(), rank(),
+            engine_.memory(), engine_.spare_result_slot(), layout_.params, plan_, shard_ranks(), shard_rank(),
             [this](std::size_t b) { return reinterpret_cast<float*>(engine_.reduced_buffer(b)); }, released_.store());
         this->storage_.reset(plan_.buckets.size());
         readiness_.plan(plan_, layout_.params.size());
@@ -9906,8 +9951,8 @@ ShardList write_rank_files(DP& dp, NameOf name_of, const std::filesystem::path& 
 #ifndef GRADSYNC_SINGLE_CHECKPOINT_FRONT_TRAITS_HPP
 #define GRADSYNC_SINGLE_CHECKPOINT_FRONT_TRAITS_HPP
 // What a checkpoint asks of the front it saves or loads: whether it has state split across the
-// ranks (ShardedDataParallel), whether its memory policy keeps the tensors on the device, and
-// whether the host can read them at all.
+// ranks (ShardedDataParallel), whether its memory policy keeps the tensors on the device,
+// whether the host can read them at all, and whether a checkpoint knows its layout.
 
 
 #include <type_traits>  // for std::remove_cvref_t
@@ -9937,6 +9982,18 @@ constexpr bool tensors_readable() {
                   "gradsync: a Checkpoint of a front over a backend whose collectives take device memory "
                   "(NcclBackend, CudaLocalBackend) copies its tensors to the host through the memory policy: "
                   "give the front gradsync::CudaMemory{stream} (memory/cuda.cuh)");
+    return true;
+}
+
+// A sharded front whose shards are replicated across nodes (ShardedDataParallel over
+// TwoLevelBackend) has no checkpoint layout: refused where the checkpoint is written or read.
+template <class DP>
+constexpr bool checkpoint_layout_known() {
+    using B = std::remove_cvref_t<decltype(std::declval<DP&>().backend())>;
+    static_assert(!(sharded_front<DP> && ReplicatedShards<B>),
+                  "gradsync: a Checkpoint cannot save or load a ShardedDataParallel whose shards are replicated "
+                  "across nodes (over TwoLevelBackend); sharded over the whole job (a flat backend such as "
+                  "MpiBackend) it can");
     return true;
 }
 
@@ -10777,7 +10834,7 @@ public:
     // path take turns (Options::lock_wait): two trainers saving it leave the last one's whole.
     template <class DP>
     void save(const std::filesystem::path& path, DP& dp) const {
-        static_assert(detail::tensors_readable<DP>());
+        static_assert(detail::tensors_readable<DP>() && detail::checkpoint_layout_known<DP>());
         dp.wait_for_parameters();  // none left being written (all-gathers behind the forward)
         detail::HostStaging staging(dp.memory());
         std::string problem;
@@ -10860,7 +10917,7 @@ public:
 private:
     template <class DP>
     void load_parts(const std::filesystem::path& path, DP& dp, bool weights_only) {
-        static_assert(detail::tensors_readable<DP>());
+        static_assert(detail::tensors_readable<DP>() && detail::checkpoint_layout_known<DP>());
         dp.wait_for_parameters();  // none left to overwrite what is loaded
         const detail::HostStaging staging(dp.memory());
         std::vector<Extra> wanted;

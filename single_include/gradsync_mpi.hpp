@@ -791,6 +791,19 @@ concept ShardedCollectives = Backend<B> && requires(B& b, Buffer buf, ReduceOp o
     { b.all_gather_async(buf) } -> Waitable;
 };
 
+// Sharded collectives whose shards are replicated (hybrid sharding, TwoLevelBackend): a buffer is
+// split among the shard_ranks() ranks of this rank's shard group (its node) alone, this rank's
+// shard being shard_of(buf.count, shard_ranks(), shard_rank()); reduce_scatter leaves the
+// reduction over every rank of the backend in it, and all_gather copies within the shard group.
+// The size() / shard_ranks() groups hold the same shards; replica() numbers this rank's (0 for
+// the first).
+template <class B>
+concept ReplicatedShards = ShardedCollectives<B> && requires(const B& cb) {
+    { cb.shard_ranks() } -> std::convertible_to<int>;
+    { cb.shard_rank() } -> std::convertible_to<int>;
+    { cb.replica() } -> std::convertible_to<int>;
+};
+
 // ...and over a list of segments too, so that shards are reduced and gathered where the
 // gradients and parameters lie (LocalBackend).
 template <class B>
@@ -930,6 +943,30 @@ bool ends_within(const B& b, std::chrono::milliseconds timeout) {
         return std::chrono::milliseconds(b.options().timeout) <= timeout;
     else
         return false;
+}
+
+// How a sharded backend splits a buffer: among all its ranks, or its shard group's
+// (ReplicatedShards), and which copy of the shards this rank holds.
+template <Backend B>
+int shard_ranks(const B& b) {
+    if constexpr (ReplicatedShards<B>)
+        return b.shard_ranks();
+    else
+        return b.size();
+}
+template <Backend B>
+int shard_rank(const B& b) {
+    if constexpr (ReplicatedShards<B>)
+        return b.shard_rank();
+    else
+        return b.rank();
+}
+template <Backend B>
+int replica(const B& b) {
+    if constexpr (ReplicatedShards<B>)
+        return b.replica();
+    else
+        return 0;
 }
 
 // A backend's collectives with the tag where it takes one, without it where it does not: the
@@ -2728,6 +2765,40 @@ inline MpiComm mpi_node_comm(MPI_Comm parent, int ranks_per_node) {
         throw Error("gradsync: mpi_node_comm: " + std::to_string(ranks_per_node) + " ranks per node do not divide " +
                     std::to_string(size) + " ranks into whole nodes");
     return mpi_split(parent, rank / ranks_per_node, rank);
+}
+
+// Nodes as the launcher placed the ranks: `place` (process_place(): torchrun's LOCAL_RANK and
+// LOCAL_WORLD_SIZE, Open MPI's, PaddlePaddle's, MPICH's) gives this rank's place on its node, and
+// a node's ranks are consecutive, as launchers number them by default. Checked against every
+// rank's place, collectively: a launcher's numbering that is not `parent`'s, or places that are
+// not blocks of consecutive ranks (a round-robin placement, a local size the launcher did not
+// set), throw on every rank alike.
+inline MpiComm mpi_node_comm(MPI_Comm parent, const ProcessPlace& place) {
+    int rank = 0, size = 0;
+    MPI_Comm_rank(parent, &rank);
+    MPI_Comm_size(parent, &size);
+    const int numbered_alike = place.rank == rank && place.world_size == size ? 1 : 0;
+    const int mine[4] = {numbered_alike, place.rank, place.local_rank, place.local_world_size};
+    std::vector<int> all(4 * static_cast<std::size_t>(size));
+    MPI_Allgather(mine, 4, MPI_INT, all.data(), 4, MPI_INT, parent);
+    const auto at = [&](int r, int k) { return all[4 * static_cast<std::size_t>(r) + static_cast<std::size_t>(k)]; };
+    for (int r = 0; r < size; ++r) {
+        if (at(r, 0) == 0)
+            throw Error("gradsync: mpi_node_comm: rank " + std::to_string(r) + " of this communicator is rank " +
+                        std::to_string(at(r, 1)) + " to its launcher: the launcher's places describe another " +
+                        "numbering (give the places for the job's own communicator, mpi_world())");
+        // Rank r's node: the block from r - local rank, local size long, every rank in it agreeing.
+        const int first = r - at(r, 2), count = at(r, 3);
+        bool block = first >= 0 && at(r, 2) < count && first + count <= size;
+        for (int q = first; block && q < first + count; ++q) block = at(q, 2) == q - first && at(q, 3) == count;
+        if (!block)
+            throw Error("gradsync: mpi_node_comm: the launcher's places are not blocks of consecutive ranks: rank " +
+                        std::to_string(r) + " says it is local rank " + std::to_string(at(r, 2)) + " of " +
+                        std::to_string(at(r, 3)) + " on its node, and the ranks around it disagree (a " +
+                        "round-robin placement, or a local size the launcher did not set); mpi_node_comm(parent) " +
+                        "finds the nodes however the ranks are numbered");
+    }
+    return mpi_split(parent, rank - place.local_rank, rank);
 }
 
 // This rank's peers across machines: the rank of each node with this rank's place in `node`.

@@ -8,6 +8,7 @@
 
 #include "mlp.hpp"
 #include "support/shard_training.hpp"
+#include "support/two_level_job.hpp"
 
 #include <chrono>
 #include <cmath>
@@ -19,30 +20,14 @@
 
 namespace {
 
-using TwoLevel = gradsync::TwoLevelBackend<gradsync::LocalBackend, gradsync::LocalBackend>;
-// What DataParallel finds in it: the scattered allreduce with tags, and abort; no shards of its own.
+using gradsync_test::run_two_level;
+using gradsync_test::TwoLevel;
+// What DataParallel finds in it: the scattered allreduce with tags, and abort; its shards are a
+// node's, replicated across (test_hybrid_sharding.cpp).
 static_assert(gradsync::TaggedScatteredAllreduce<TwoLevel>);
 static_assert(gradsync::Abortable<TwoLevel>);
-static_assert(!gradsync::ShardedCollectives<TwoLevel>);
+static_assert(gradsync::ReplicatedShards<TwoLevel>);
 static_assert(!gradsync::CheckedCollectives<TwoLevel>);  // tags go to each level; histories checked by the front
-
-// A job of `nodes` x `per_node` threads; fn(backend) on each, with its two-level backend.
-template <class Fn>
-void run_two_level(int nodes, int per_node, const Fn& fn, gradsync::LocalGroupOptions options = {}) {
-    const int n = nodes * per_node;
-    std::vector<int> node_of(static_cast<std::size_t>(n)), place_of(static_cast<std::size_t>(n));
-    for (int r = 0; r < n; ++r) {
-        node_of[static_cast<std::size_t>(r)] = r / per_node;
-        place_of[static_cast<std::size_t>(r)] = r % per_node;
-    }
-    auto node = gradsync::LocalBackend::split(node_of, options);
-    auto across = gradsync::LocalBackend::split(place_of, options);
-    gradsync::spawn(n, [&](gradsync::LocalBackend& job) {
-        const auto me = static_cast<std::size_t>(job.rank());
-        TwoLevel backend(node[me], across[me]);
-        fn(backend);
-    });
-}
 
 float input_value(int rank, std::size_t i) { return float((rank + 1) * int(1 + i % 7)); }
 

@@ -4,7 +4,9 @@
 // engine (during backward with grad_ready calls), agrees on the norm and the finite check, lets
 // the optimizer update this rank's shards only, and all-gathers the parameters. Policies in any
 // order (data_parallel/sharded_policies.hpp). Over NcclBackend or CudaLocalBackend, give it
-// CudaMemory{stream} and the shards lie in device memory. docs/sharding.md says what it supports.
+// CudaMemory{stream} and the shards lie in device memory. Over TwoLevelBackend the state is split
+// among a node's ranks and replicated across the nodes (hybrid sharding). docs/sharding.md says
+// what it supports.
 #pragma once
 
 #include <gradsync/amp/loss_scale.hpp>
@@ -135,6 +137,10 @@ public:
     // This rank's pieces, as step() hands them to the optimizer (the state is the trainer's).
     [[nodiscard]] std::span<const ShardPiece<float>> shard_pieces() const { return shards_.pieces; }
     using Core::parameters, Core::buffers, Core::rank, Core::world_size;
+    // The ranks the state is split among and this rank's place among them: every rank of the
+    // backend, or over a backend that replicates its shards (TwoLevelBackend) this rank's node.
+    [[nodiscard]] int shard_ranks() const { return detail::shard_ranks(backend_); }
+    [[nodiscard]] int shard_rank() const { return detail::shard_rank(backend_); }
     // Memory held beyond the model's: where the backend cannot reduce scattered memory, packed
     // buffers for the parameters (one per bucket) and the gradients (one per bucket, or with
     // release_gradients three of the largest bucket's size, lent in turn); with release_gradients
@@ -166,12 +172,12 @@ private:
             detail::sharded_settings(options_, bucketer, scaler_, buffers_type{}, engine_.memory(), engine_.hook()),
             problems.first());
         this->start_from_rank0(buffers_type::mode);
-        released_.plan(options_.release_gradients, plan_, world_size(), rank(), engine_.memory());
+        released_.plan(options_.release_gradients, plan_, shard_ranks(), shard_rank(), engine_.memory());
         if constexpr (!in_place) engine_.share_buffers(released_.buffers());
         engine_.setup(plan_, layout_.params);
         // The pieces' gradients: where the engine leaves each bucket's shard (stage 2: the store).
         shards_ = Shards(
-            engine_.memory(), engine_.spare_result_slot(), layout_.params, plan_, world_size(), rank(),
+            engine_.memory(), engine_.spare_result_slot(), layout_.params, plan_, shard_ranks(), shard_rank(),
             [this](std::size_t b) { return reinterpret_cast<float*>(engine_.reduced_buffer(b)); }, released_.store());
         this->storage_.reset(plan_.buckets.size());
         readiness_.plan(plan_, layout_.params.size());

@@ -1,5 +1,6 @@
 // MpiBackend over groups of the job's ranks (split communicators), under mpirun with 2, 3 and 4
-// processes: a DataParallel over a group is one data-parallel dimension of a larger job.
+// processes: a DataParallel over a group is one data-parallel dimension of a larger job; two levels
+// (nodes, then across them) for the allreduce and for hybrid sharding.
 #include <doctest/doctest.h>
 
 #include <gradsync/backend/mpi.hpp>
@@ -7,6 +8,8 @@
 
 #include "mlp.hpp"
 #include "support/shard_training.hpp"
+#include "support/sharded_optimizers.hpp"
+#include "support/sharded_training.hpp"
 
 #include <cmath>
 #include <cstdlib>  // for std::getenv, std::atoi
@@ -200,4 +203,86 @@ TEST_CASE("nodes found by MPI: a TwoLevelBackend over them trains as the flat ba
     gradsync::MpiBackend node2(cyclic_node), across2(cyclic_across);
     gradsync::TwoLevelBackend reordered(node2, across2);
     CHECK(relative_difference(train(reordered), single) <= 1e-5);
+}
+
+TEST_CASE("hybrid sharding over nodes: the state split in each node, the same on every node, as DataParallel trains") {
+    const int n = job_size(), me = job_rank();
+    const int per_node = n % 2 == 0 ? 2 : 1;
+    // [hybrid]
+    auto node_comm = gradsync::mpi_node_comm(gradsync::mpi_world(), per_node);
+    auto across_comm = gradsync::mpi_cross_node_comm(gradsync::mpi_world(), node_comm);
+    gradsync::MpiBackend node(node_comm), across(across_comm);
+    gradsync::TwoLevelBackend backend(node, across);
+    // [/hybrid]
+    auto batch = [&](int s) {
+        return mlp::make_batch(data_seed(0), static_cast<std::size_t>(s * n * micro_batch + me * micro_batch),
+                               micro_batch);
+    };
+    const gradsync::SizeCappedBuckets caps{64_KiB, 4_KiB};
+    Weights unsharded;
+    {
+        mlp::Mlp model(model_seed(0) + static_cast<std::uint64_t>(me) * 1000);
+        gradsync::DataParallel dp(model, backend, caps);
+        mlp::Sgd opt(0.05f, 0.9f);
+        for (int s = 0; s < steps; ++s) {
+            model.forward_backward(batch(s));
+            dp.synchronize();
+            opt.step(model);
+        }
+        unsharded = weights_of(model);
+    }
+    for (const bool release : {false, true}) {
+        CAPTURE(release);
+        sharded::ReleasingMlp model(model_seed(0) + static_cast<std::uint64_t>(me) * 1000);
+        gradsync::ShardedDataParallel sdp(model, backend, caps, gradsync::ShardedOptions{.release_gradients = release});
+        CHECK(sdp.shard_ranks() == per_node);
+        CHECK(sdp.shard_rank() == me % per_node);
+        // [hybrid-state]
+        sharded::ShardedSgd opt{.lr = 0.05f, .momentum = 0.9f, .velocity = {}};
+        opt.velocity.assign(sdp.state_elements(), 0.0f);  // a node's share: 1/per_node of the model
+        // [/hybrid-state]
+        CHECK(sdp.state_elements() * static_cast<std::size_t>(per_node) <=
+              sdp.parameter_elements() + static_cast<std::size_t>(per_node) * 8);
+        model.on_grad_ready = [&](std::size_t i) { sdp.grad_ready(i); };  // reduced during backward
+        for (int s = 0; s < steps; ++s) {
+            model.forward_backward(batch(s));
+            CHECK(sdp.step(opt).applied);
+        }
+        // The same sums in the same order (each node's first): DataParallel's bits.
+        CHECK(gradsync_test::weights_of(model) == unsharded);
+    }
+    CHECK(relative_difference(unsharded, gradsync_test::train_one_process(0, n, steps, micro_batch)) <= 1e-5);
+}
+
+TEST_CASE("nodes from the launcher's places: blocks of ranks, checked on every rank") {
+    const int n = job_size(), me = job_rank();
+    // Open MPI's own variables (or the launcher's that started the test): the machines it runs on.
+    const auto launcher = gradsync::process_place();
+    if (launcher.rank == me && launcher.world_size == n) {
+        auto found = gradsync::mpi_node_comm(gradsync::mpi_world(), launcher);
+        CHECK(found.size() == n / test_nodes());
+        CHECK(found.rank() == launcher.local_rank);
+    }
+    // Stated for a test: nodes of 2 (or 1).
+    const int per_node = n % 2 == 0 ? 2 : 1;
+    const gradsync::ProcessPlace blocks{me, n, me % per_node, per_node, "stated"};
+    auto node = gradsync::mpi_node_comm(gradsync::mpi_world(), blocks);
+    CHECK(node.size() == per_node);
+    CHECK(node.rank() == me % per_node);
+    // A launcher numbering other than the communicator's: every rank throws.
+    const gradsync::ProcessPlace shifted{(me + 1) % n, n, 0, 1, "shifted"};
+    if (n > 1)
+        CHECK_THROWS_WITH_AS(gradsync::mpi_node_comm(gradsync::mpi_world(), shifted),
+                             "gradsync: mpi_node_comm: rank 0 of this communicator is rank 1 to its launcher: the "
+                             "launcher's places describe another numbering (give the places for the job's own "
+                             "communicator, mpi_world())",
+                             gradsync::Error);
+    if (n == 4) {
+        // Round robin over 2 nodes: local ranks 0, 0, 1, 1 of 2 are not blocks.
+        const gradsync::ProcessPlace round_robin{me, n, me / 2, 2, "round robin"};
+        CHECK_THROWS_WITH_AS(gradsync::mpi_node_comm(gradsync::mpi_world(), round_robin),
+                             doctest::Contains("the launcher's places are not blocks of consecutive ranks: rank 0 "
+                                               "says it is local rank 0 of 2"),
+                             gradsync::Error);
+    }
 }

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <span>
+#include <utility>
 #include <vector>
 
 namespace sharded {
@@ -128,15 +129,48 @@ struct BufferOnly {
     auto all_gather_async(gradsync::Buffer buf) { return b.all_gather_async(buf); }
 };
 
-// Rank 0's weights after sharded training; checks every rank ends every step with the same bits.
-// The first `overlapping` ranks report gradients as backward makes them (grad_ready), so that
-// their buckets' reduce_scatters start during backward; the others leave it all to step().
-// `Packed`: over BufferOnly (the buckets reduced as packed copies). `more`: further policies (a
-// communication hook).
+// One rank's part of sharded training over `backend` (its rank and size give the batches): its
+// weights after each step. The first `overlapping` ranks report gradients as backward makes them
+// (grad_ready), so that their buckets' reduce_scatters start during backward; the others leave it
+// all to step(). `state` and `total` get its state_elements() and parameter_elements().
+template <bool Adam, class Model, class B, class... More>
+std::vector<Weights> train_sharded_rank(B& backend, gradsync::SizeCappedBuckets caps, gradsync::ShardedOptions options,
+                                        int overlapping, std::size_t& state, std::size_t& total, More... more) {
+    std::vector<Weights> per_step;
+    const auto r = static_cast<std::size_t>(backend.rank());
+    Model model(/*seed=*/1 + r * 1000);  // replaced by rank 0's at construction
+    gradsync::ShardedDataParallel sdp(model, backend, caps, options, more...);
+    if (backend.rank() < overlapping) model.on_grad_ready = [&](std::size_t i) { sdp.grad_ready(i); };
+    if (options.gather_behind_forward) model.before_read = [&](std::size_t i) { sdp.param_ready(i); };
+    state = sdp.state_elements();
+    total = sdp.parameter_elements();
+    ShardedSgd sgd;
+    ShardedAdam adam;
+    sgd.velocity.assign(sdp.state_elements(), 0.0f);
+    adam.m1.assign(sdp.state_elements(), 0.0f);
+    adam.m2.assign(sdp.state_elements(), 0.0f);
+    for (int s = 0; s < steps; ++s) {
+        model.forward_backward(batch_of(backend.size(), backend.rank(), s));
+        // Every bucket started during backward on the overlapping ranks, none on the others.
+        CHECK(sdp.buckets_launched() == (backend.rank() < overlapping ? sdp.plan().buckets.size() : 0));
+        gradsync::StepReport report;
+        if constexpr (Adam)
+            report = sdp.step(adam);
+        else
+            report = sdp.step(sgd);
+        CHECK(report.applied);
+        if (options.gather_behind_forward) sdp.wait_for_parameters();
+        per_step.push_back(weights_of(model));
+    }
+    return per_step;
+}
+
+// Rank 0's weights after sharded training on `world` LocalBackend ranks; checks every rank ends
+// every step with the same bits and keeps 1/world of the state. `Packed`: over BufferOnly (the
+// buckets reduced as packed copies). `more`: further policies (a communication hook).
 template <bool Adam, class Model, bool Packed, class... More>
 Weights train_sharded_over(int world, gradsync::SizeCappedBuckets caps, gradsync::ShardedOptions options,
                            int overlapping, More... more) {
-    Weights result;
     std::vector<std::vector<Weights>> per_step(static_cast<std::size_t>(world));
     std::vector<std::size_t> state(static_cast<std::size_t>(world));
     std::size_t total = 0;
@@ -150,31 +184,9 @@ Weights train_sharded_over(int world, gradsync::SizeCappedBuckets caps, gradsync
         }
         ();
         const auto r = static_cast<std::size_t>(backend.rank());
-        Model model(/*seed=*/1 + r * 1000);  // replaced by rank 0's at construction
-        gradsync::ShardedDataParallel sdp(model, backend, caps, options, more...);
-        if (backend.rank() < overlapping) model.on_grad_ready = [&](std::size_t i) { sdp.grad_ready(i); };
-        if (options.gather_behind_forward) model.before_read = [&](std::size_t i) { sdp.param_ready(i); };
-        state[r] = sdp.state_elements();
-        if (r == 0) total = sdp.parameter_elements();
-        ShardedSgd sgd;
-        ShardedAdam adam;
-        sgd.velocity.assign(sdp.state_elements(), 0.0f);
-        adam.m1.assign(sdp.state_elements(), 0.0f);
-        adam.m2.assign(sdp.state_elements(), 0.0f);
-        for (int s = 0; s < steps; ++s) {
-            model.forward_backward(batch_of(world, backend.rank(), s));
-            // Every bucket started during backward on the overlapping ranks, none on the others.
-            CHECK(sdp.buckets_launched() == (backend.rank() < overlapping ? sdp.plan().buckets.size() : 0));
-            gradsync::StepReport report;
-            if constexpr (Adam)
-                report = sdp.step(adam);
-            else
-                report = sdp.step(sgd);
-            CHECK(report.applied);
-            if (options.gather_behind_forward) sdp.wait_for_parameters();
-            per_step[r].push_back(weights_of(model));
-        }
-        if (r == 0) result = weights_of(model);
+        std::size_t elements = 0;
+        per_step[r] = train_sharded_rank<Adam, Model>(backend, caps, options, overlapping, state[r], elements, more...);
+        if (r == 0) total = elements;
     });
     for (const auto& w : per_step) CHECK(w == per_step[0]);  // float ==: bitwise here (no NaN)
     std::size_t sum = 0;
@@ -184,7 +196,7 @@ Weights train_sharded_over(int world, gradsync::SizeCappedBuckets caps, gradsync
         CHECK(n * static_cast<std::size_t>(world) <= total + static_cast<std::size_t>(world) * 8);
     }
     CHECK(sum == total);
-    return result;
+    return per_step[0].back();
 }
 
 template <bool Adam, class Model = mlp::Mlp, class... More>
@@ -193,26 +205,33 @@ Weights train_sharded(int world, gradsync::SizeCappedBuckets caps, gradsync::Sha
     return train_sharded_over<Adam, Model, false>(world, caps, options, overlapping, more...);
 }
 
-// DataParallel on the same ranks and batches, the example's own optimizers; `more`: further
-// policies (a communication hook).
+// One rank's part of DataParallel training on the same batches, the example's own optimizers: its
+// final weights. `more`: further policies (a communication hook).
+template <bool Adam, class B, class... More>
+Weights train_unsharded_rank(B& backend, gradsync::SizeCappedBuckets caps, double clip, More... more) {
+    mlp::Mlp model(/*seed=*/1 + static_cast<std::uint64_t>(backend.rank()) * 1000);
+    gradsync::DataParallel dp(model, backend, caps, gradsync::Options{.clip_norm = clip}, more...);
+    mlp::Sgd sgd(0.05f, 0.9f);
+    mlp::Adam adam(1e-3f);
+    for (int s = 0; s < steps; ++s) {
+        model.forward_backward(batch_of(backend.size(), backend.rank(), s));
+        (void)dp.step([&] {
+            if constexpr (Adam)
+                adam.step(model);
+            else
+                sgd.step(model);
+        });
+    }
+    return weights_of(model);
+}
+
+// Rank 0's weights after DataParallel on `world` LocalBackend ranks.
 template <bool Adam, class... More>
 Weights train_unsharded(int world, gradsync::SizeCappedBuckets caps, double clip = 0, More... more) {
     Weights result;
     gradsync::spawn(world, [&](gradsync::LocalBackend& backend) {
-        mlp::Mlp model(/*seed=*/1 + static_cast<std::uint64_t>(backend.rank()) * 1000);
-        gradsync::DataParallel dp(model, backend, caps, gradsync::Options{.clip_norm = clip}, more...);
-        mlp::Sgd sgd(0.05f, 0.9f);
-        mlp::Adam adam(1e-3f);
-        for (int s = 0; s < steps; ++s) {
-            model.forward_backward(batch_of(world, backend.rank(), s));
-            (void)dp.step([&] {
-                if constexpr (Adam)
-                    adam.step(model);
-                else
-                    sgd.step(model);
-            });
-        }
-        if (backend.rank() == 0) result = weights_of(model);
+        auto mine = train_unsharded_rank<Adam>(backend, caps, clip, more...);
+        if (backend.rank() == 0) result = std::move(mine);
     });
     return result;
 }

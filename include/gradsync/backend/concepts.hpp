@@ -63,6 +63,19 @@ concept ShardedCollectives = Backend<B> && requires(B& b, Buffer buf, ReduceOp o
     { b.all_gather_async(buf) } -> Waitable;
 };
 
+// Sharded collectives whose shards are replicated (hybrid sharding, TwoLevelBackend): a buffer is
+// split among the shard_ranks() ranks of this rank's shard group (its node) alone, this rank's
+// shard being shard_of(buf.count, shard_ranks(), shard_rank()); reduce_scatter leaves the
+// reduction over every rank of the backend in it, and all_gather copies within the shard group.
+// The size() / shard_ranks() groups hold the same shards; replica() numbers this rank's (0 for
+// the first).
+template <class B>
+concept ReplicatedShards = ShardedCollectives<B> && requires(const B& cb) {
+    { cb.shard_ranks() } -> std::convertible_to<int>;
+    { cb.shard_rank() } -> std::convertible_to<int>;
+    { cb.replica() } -> std::convertible_to<int>;
+};
+
 // ...and over a list of segments too, so that shards are reduced and gathered where the
 // gradients and parameters lie (LocalBackend).
 template <class B>
@@ -202,6 +215,30 @@ bool ends_within(const B& b, std::chrono::milliseconds timeout) {
         return std::chrono::milliseconds(b.options().timeout) <= timeout;
     else
         return false;
+}
+
+// How a sharded backend splits a buffer: among all its ranks, or its shard group's
+// (ReplicatedShards), and which copy of the shards this rank holds.
+template <Backend B>
+int shard_ranks(const B& b) {
+    if constexpr (ReplicatedShards<B>)
+        return b.shard_ranks();
+    else
+        return b.size();
+}
+template <Backend B>
+int shard_rank(const B& b) {
+    if constexpr (ReplicatedShards<B>)
+        return b.shard_rank();
+    else
+        return b.rank();
+}
+template <Backend B>
+int replica(const B& b) {
+    if constexpr (ReplicatedShards<B>)
+        return b.replica();
+    else
+        return 0;
 }
 
 // A backend's collectives with the tag where it takes one, without it where it does not: the

@@ -2,7 +2,9 @@
 // node reduce-scatter among themselves (fast: shared memory), each allreduces its share with the
 // ranks in the same place on the other nodes (the only traffic between nodes: 1/(ranks per
 // node) of the gradients from each rank, where a flat ring sends all of them from every rank),
-// and the node all-gathers the result.
+// and the node all-gathers the result. Its reduce_scatter and all_gather shard inside the node and
+// replicate across the nodes (the ReplicatedShards concept): ShardedDataParallel over it keeps the
+// optimizer's state split among a node's ranks and the same on every node (hybrid sharding).
 #pragma once
 
 #include <gradsync/backend/collective.hpp>
@@ -41,9 +43,13 @@ class TwoLevelBackend : public detail::TypedCalls<TwoLevelBackend<Node, Across>>
     using Typed = detail::TypedCalls<TwoLevelBackend<Node, Across>>;
 
 public:
+    using Typed::all_gather;
+    using Typed::all_gather_async;
     using Typed::allreduce;
     using Typed::allreduce_async;
     using Typed::broadcast;
+    using Typed::reduce_scatter;
+    using Typed::reduce_scatter_async;
 
     TwoLevelBackend(Node& node, Across& across) : node_(node), across_(across) { check_layout(); }
     TwoLevelBackend(const TwoLevelBackend&) = delete;
@@ -53,11 +59,16 @@ public:
     [[nodiscard]] int rank() const { return across_.rank() * node_.size() + node_.rank(); }
     [[nodiscard]] int size() const { return across_.size() * node_.size(); }
     [[nodiscard]] bool supports(DType t) const { return node_.supports(t) && across_.supports(t); }
+    // Shards are split among the node's ranks and replicated across the nodes: node n holds copy n.
+    [[nodiscard]] int shard_ranks() const { return node_.size(); }
+    [[nodiscard]] int shard_rank() const { return node_.rank(); }
+    [[nodiscard]] int replica() const { return across_.rank(); }
     [[nodiscard]] Node& node() { return node_; }
     [[nodiscard]] Across& across() { return across_; }
     // Elements this rank has handed to the level between nodes so far: its shares.
     [[nodiscard]] std::uint64_t elements_across() const { return elements_across_.load(std::memory_order_relaxed); }
-    // ...and elements it was asked to reduce: a flat backend would send all of them across.
+    // ...and elements it was asked to reduce (allreduce and reduce_scatter): a flat backend would
+    // send all of them across.
     [[nodiscard]] std::uint64_t elements_reduced() const { return elements_reduced_.load(std::memory_order_relaxed); }
 
     void allreduce(Buffer buf, ReduceOp op = ReduceOp::sum, CollectiveTag tag = {}) {
@@ -74,11 +85,42 @@ public:
     // The segment list is copied; the memory it points to must stay untouched until completion.
     CollectiveHandle allreduce_async(std::span<const Segment> segments, DType t, ReduceOp op = ReduceOp::sum,
                                      CollectiveTag tag = {}) {
-        auto done = std::make_shared<detail::Completion>(waiting_);
-        async_.launch([this, copy = std::vector<Segment>(segments.begin(), segments.end()), t, op,
-                       tag] { reduce(copy, t, op, tag); },
-                      done);
-        return CollectiveHandle(std::move(done));
+        return launch([this, op, tag](std::span<const Segment> s, DType d) { reduce(s, d, op, tag); }, segments, t);
+    }
+
+    // Leaves the reduction over every rank of the job in this rank's shard of the node
+    // (shard_of(count, shard_ranks(), shard_rank())): the node reduce-scatters, then the share is
+    // allreduced across. The rest is unspecified.
+    void reduce_scatter(Buffer buf, ReduceOp op = ReduceOp::sum, CollectiveTag tag = {}) {
+        const Segment seg{buf.data, buf.count};
+        reduce_scatter(std::span<const Segment>(&seg, 1), buf.dtype, op, tag);
+    }
+    CollectiveHandle reduce_scatter_async(Buffer buf, ReduceOp op = ReduceOp::sum, CollectiveTag tag = {}) {
+        return reduce_scatter_async(std::vector<Segment>{{buf.data, buf.count}}, buf.dtype, op, tag);
+    }
+    void reduce_scatter(std::span<const Segment> segments, DType t, ReduceOp op = ReduceOp::sum,
+                        CollectiveTag tag = {}) {
+        async_.wait_for_all();
+        scatter(segments, t, op, tag);
+    }
+    CollectiveHandle reduce_scatter_async(std::span<const Segment> segments, DType t, ReduceOp op = ReduceOp::sum,
+                                          CollectiveTag tag = {}) {
+        return launch([this, op, tag](std::span<const Segment> s, DType d) { scatter(s, d, op, tag); }, segments, t);
+    }
+    // Copies every shard of this rank's node into the node's other ranks: every node holds the same.
+    void all_gather(Buffer buf, CollectiveTag tag = {}) {
+        const Segment seg{buf.data, buf.count};
+        all_gather(std::span<const Segment>(&seg, 1), buf.dtype, tag);
+    }
+    CollectiveHandle all_gather_async(Buffer buf, CollectiveTag tag = {}) {
+        return all_gather_async(std::vector<Segment>{{buf.data, buf.count}}, buf.dtype, tag);
+    }
+    void all_gather(std::span<const Segment> segments, DType t, CollectiveTag tag = {}) {
+        async_.wait_for_all();
+        gather(segments, t, tag);
+    }
+    CollectiveHandle all_gather_async(std::span<const Segment> segments, DType t, CollectiveTag tag = {}) {
+        return launch([this, tag](std::span<const Segment> s, DType d) { gather(s, d, tag); }, segments, t);
     }
 
     // From `root` of this backend's numbering: across the nodes among the ranks in root's place,
@@ -122,7 +164,23 @@ private:
         }
     }
 
+    // `body(segments, t)` on the thread of the asynchronous collectives; the segment list is
+    // copied, the memory it points to must stay untouched until completion.
+    template <class Body>
+    CollectiveHandle launch(Body body, std::span<const Segment> segments, DType t) {
+        auto done = std::make_shared<detail::Completion>(waiting_);
+        async_.launch([body = std::move(body), copy = std::vector<Segment>(segments.begin(), segments.end()),
+                       t] { body(copy, t); },
+                      done);
+        return CollectiveHandle(std::move(done));
+    }
+
     void reduce(std::span<const Segment> segments, DType t, ReduceOp op, CollectiveTag tag) {
+        scatter(segments, t, op, tag);
+        gather(segments, t, tag);
+    }
+    // The node's reduce-scatter, then this rank's share allreduced across the nodes.
+    void scatter(std::span<const Segment> segments, DType t, ReduceOp op, CollectiveTag tag) {
         const std::size_t total = detail::total_count(segments);
         const Shard share = shard_of(total, node_.size(), node_.rank());
         guarded([&] {
@@ -132,10 +190,12 @@ private:
                 const auto mine = detail::segments_within(segments, share.offset, share.offset + share.count, t);
                 detail::allreduce_tagged(across_, std::span<const Segment>(mine), t, op, tag);
             }
-            detail::all_gather_tagged(node_, segments, t, tag);
         });
         elements_reduced_.fetch_add(total, std::memory_order_relaxed);
         elements_across_.fetch_add(share.count, std::memory_order_relaxed);
+    }
+    void gather(std::span<const Segment> segments, DType t, CollectiveTag tag) {
+        guarded([&] { detail::all_gather_tagged(node_, segments, t, tag); });
     }
 
     // Every node the same size, and the ranks across the nodes in the same place on each.

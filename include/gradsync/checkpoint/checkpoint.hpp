@@ -109,7 +109,7 @@ public:
     // path take turns (Options::lock_wait): two trainers saving it leave the last one's whole.
     template <class DP>
     void save(const std::filesystem::path& path, DP& dp) const {
-        static_assert(detail::tensors_readable<DP>());
+        static_assert(detail::tensors_readable<DP>() && detail::checkpoint_layout_known<DP>());
         dp.wait_for_parameters();  // none left being written (all-gathers behind the forward)
         detail::HostStaging staging(dp.memory());
         std::string problem;
@@ -192,7 +192,7 @@ public:
 private:
     template <class DP>
     void load_parts(const std::filesystem::path& path, DP& dp, bool weights_only) {
-        static_assert(detail::tensors_readable<DP>());
+        static_assert(detail::tensors_readable<DP>() && detail::checkpoint_layout_known<DP>());
         dp.wait_for_parameters();  // none left to overwrite what is loaded
         const detail::HostStaging staging(dp.memory());
         std::vector<Extra> wanted;

@@ -28,12 +28,14 @@ struct ShardVerdict {
 
 // Unscales this rank's shards by `unscale` (1: leaves them) while summing their squares, then
 // agrees with every rank on the norm and the finite check (the square sum is non-finite exactly
-// when an element is).
+// when an element is). Where the shards are replicated (hybrid sharding), the first copy's ranks
+// alone count toward the norm: every copy holds the same.
 template <Backend B, class Layout>
 ShardVerdict agree_on_shards(B& backend, Layout& shards, double unscale, CollectiveTag tag) {
     shards.memory().finalize(shards.grad_table(), nullptr, DType::float32, unscale, shards.result_slot());
     const double mine = shards.memory().results()[shards.result_slot()];
-    double partial[2] = {std::isfinite(mine) ? mine : 0.0, std::isfinite(mine) ? 0.0 : 1.0};
+    const bool counts = replica(backend) == 0;
+    double partial[2] = {std::isfinite(mine) && counts ? mine : 0.0, std::isfinite(mine) ? 0.0 : 1.0};
     if (backend.size() > 1) allreduce_tagged(backend, Buffer{partial, 2, DType::float64}, ReduceOp::sum, tag);
     if (partial[1] > 0) return {std::nan(""), false};
     return {std::sqrt(partial[0]), true};
