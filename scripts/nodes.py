@@ -4,12 +4,14 @@ hostname and /dev/shm (its TMPDIR), and mpirun started across them (its remote a
 namespaces instead of ssh). Between nodes MPI talks TCP over veth links (optionally slowed with a
 tc token bucket); within a node, shared memory.
 
-  nodes.py run --nodes 2 --per-node 2 [--rate 1gbit] [--same-hostname] [--cut-link NODE@SECONDS]
-               -- PROGRAM ARGS...
+  nodes.py run --nodes 2 --per-node 2 [--rate 1gbit] [--same-hostname]
+               [--cut-link NODE@SECONDS | --kill-node NODE@SECONDS] -- PROGRAM ARGS...
       sets the nodes up, runs PROGRAM on every rank under mpirun, takes them down again;
       --cut-link takes node NODE's link down SECONDS after the start, or after the first output
       line that matches --cut-after REGEX (a machine that vanishes); mpirun, which waits for the
-      lost node's daemon, is ended --grace seconds later (default 30), as a scheduler would
+      lost node's daemon, is ended --grace seconds later (default 30), as a scheduler would;
+      --kill-node kills the program's processes on node NODE instead (SIGKILL, as the kernel's
+      out-of-memory killer does), their node and its MPI daemon left running
   nodes.py up --nodes 2 [--rate 1gbit] [--same-hostname]   /   nodes.py down
   nodes.py check      exit 0 where namespaces can be made here, 77 (and why) where not
 
@@ -116,6 +118,19 @@ def cut_link(node):
     sh("ip", "link", "set", f"gsv{node}", "down")
 
 
+def kill_node(node, program):
+    """Node `node`'s ranks die at once: every process of `program` in its namespace gets SIGKILL."""
+    print(f"nodes.py: the ranks on node {node} are killed", flush=True)
+    pids = subprocess.run(["ip", "netns", "pids", f"{PREFIX}{node}"], capture_output=True, text=True).stdout.split()
+    name = pathlib.Path(program).name[:15]  # the kernel's command name is at most 15 characters
+    for pid in pids:
+        try:
+            if pathlib.Path(f"/proc/{pid}/comm").read_text().strip() == name:
+                os.kill(int(pid), signal.SIGKILL)
+        except (OSError, ValueError):
+            pass  # already gone
+
+
 def agent(argv):
     """Open MPI's remote agent: `agent [ssh options] HOST COMMAND...` runs COMMAND on node HOST,
     in its network namespace with its own hostname and /dev/shm."""
@@ -149,21 +164,26 @@ def mpirun_command(nodes, per_node, program, rate=None):
             *[x for v in passed for x in ("-x", v)], *program]
 
 
-def run(command, args):
-    """Runs mpirun, its output passed on line by line; cuts a link when told, and ends a job that
-    waits on a vanished node past the grace period, as a scheduler would."""
+def run(command, args, program):
+    """Runs mpirun, its output passed on line by line; cuts a link or kills a node's ranks when
+    told, and ends a job that waits on a vanished node past the grace period, as a scheduler
+    would."""
     began = time.monotonic()
     job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
                            start_new_session=True)
     lines = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in job.stdout] + [lines.put(None)], daemon=True).start()
-    cut_node, cut_delay = (int(x) for x in args.cut_link.split("@")) if args.cut_link else (None, 0)
-    timer_from = began if args.cut_link and not args.cut_after else None
+    fault = args.cut_link or args.kill_node
+    cut_node, cut_delay = (int(x) for x in fault.split("@")) if fault else (None, 0)
+    timer_from = began if fault and not args.cut_after else None
     cut_at = None
     while True:
         now = time.monotonic()
         if timer_from is not None and cut_at is None and now >= timer_from + cut_delay:
-            cut_link(cut_node)
+            if args.kill_node:
+                kill_node(cut_node, program[0])
+            else:
+                cut_link(cut_node)
             cut_at = now
         deadline = began + args.timeout
         if cut_at is not None:
@@ -184,7 +204,7 @@ def run(command, args):
             return job.wait()
         sys.stdout.write(line)
         sys.stdout.flush()
-        if timer_from is None and args.cut_link and re.search(args.cut_after, line):
+        if timer_from is None and fault and re.search(args.cut_after, line):
             timer_from = time.monotonic()
 
 
@@ -199,7 +219,9 @@ def main():
     parser.add_argument("--same-hostname", action="store_true", help="every node named 'node'")
     parser.add_argument("--timeout", type=float, default=600, help="seconds the program may run")
     parser.add_argument("--cut-link", metavar="NODE@SECONDS", help="take a node's link down after a while")
-    parser.add_argument("--cut-after", metavar="REGEX", help="count the cut's seconds from the first line matching")
+    parser.add_argument("--kill-node", metavar="NODE@SECONDS", help="kill the program's processes on a node")
+    parser.add_argument("--cut-after", metavar="REGEX",
+                        help="count the seconds of --cut-link or --kill-node from the first line matching")
     parser.add_argument("--grace", type=float, default=30,
                         help="seconds after a cut that mpirun may go on waiting for the lost node")
     argv = sys.argv[1:]
@@ -217,6 +239,8 @@ def main():
         return up(args.nodes, args.rate, args.same_hostname)
     if not program:
         parser.error("run needs a program after --")
+    if args.cut_link and args.kill_node:
+        parser.error("--cut-link and --kill-node: one fault at a time")
     reason = why_not()
     if reason:
         print(f"nodes.py: cannot play several machines here, so this test is skipped: {reason}")
@@ -225,7 +249,7 @@ def main():
         up(args.nodes, args.rate, args.same_hostname)
         print(f"nodes.py: {args.nodes} nodes x {args.per_node} ranks" + (f", links at {args.rate}" if args.rate else ""),
               flush=True)
-        return run(mpirun_command(args.nodes, args.per_node, program, args.rate), args)
+        return run(mpirun_command(args.nodes, args.per_node, program, args.rate), args, program)
     finally:
         down()
 
