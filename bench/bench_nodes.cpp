@@ -4,7 +4,9 @@
 //     beside the flat MpiBackend over the whole job, its ranks numbered node by node (as mpirun
 //     places them: its ring crosses each node's link once each way) and numbered round-robin
 //     across the nodes (as a cyclic placement does: every step of its ring crosses a link);
-//   - bfloat16 wire compression, and PowerSGD at rank 4, beside float32, both on the flat backend.
+//   - bfloat16 wire compression, and PowerSGD at rank 4, beside float32, both on the flat backend;
+//   - ShardedDataParallel::step() over TwoLevelBackend (hybrid sharding: the state split in the
+//     node, replicated across) beside the same step sharded over the flat backend.
 // Each with the bytes its node sent on its link per synchronize() (the node's own eth0 counter),
 // and the two levels beside what a model of the link predicts. Figures are medians of
 // alternating iterations; an iteration's time is the slowest rank's.
@@ -30,6 +32,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -79,6 +82,18 @@ struct RawPerTensor {
         for (auto& g : model.gradients())
             MPI_Allreduce(MPI_IN_PLACE, g.data(), static_cast<int>(g.size()), MPI_FLOAT, MPI_SUM,
                           gradsync::mpi_world());
+    }
+};
+
+// A ShardedDataParallel step with plain SGD on its pieces, as race() calls it.
+template <class Sharded>
+struct ShardedStep {
+    Sharded& sdp;
+    void synchronize() {
+        (void)sdp.step([](std::span<const gradsync::ShardPiece<float>> pieces) {
+            for (const auto& p : pieces)
+                for (std::size_t i = 0; i < p.params.size(); ++i) p.params[i] -= 1e-6f * p.grads[i];
+        });
     }
 };
 
@@ -183,6 +198,13 @@ int main(int argc, char** argv) {
         gradsync::DataParallel powersgd(d, flat, gradsync::PowerSGD({.rank = 4}));
         const auto low_rank = race(name + ": PowerSGD rank 4 / float32", powersgd, over_flat, s);
         print(low_rank, "PowerSGD", "float32", rank);
+        bench::LayoutModel f(layout), g(layout);
+        gradsync::ShardedDataParallel hybrid_sdp(f, two_level);
+        gradsync::ShardedDataParallel flat_sdp(g, flat);
+        ShardedStep<decltype(hybrid_sdp)> hybrid_step{hybrid_sdp};
+        ShardedStep<decltype(flat_sdp)> flat_step{flat_sdp};
+        const auto hybrid = race(name + ": hybrid sharded / flat sharded", hybrid_step, flat_step, s);
+        print(hybrid, "hybrid", "sharded", rank);
         if (rank == 0)
             std::printf(
                 "  %-34s link bytes two levels / flat %.3f (predicted %.3f), / flat round-robin %.3f "
@@ -200,6 +222,11 @@ int main(int argc, char** argv) {
         rows.push_back({name + " two levels / flat round-robin, bytes on a node's link", round_robin.mb, "MB",
                         "flat MpiBackend, ranks round-robin", round_robin.base_mb, "",
                         round_robin.mb / round_robin.base_mb, "-", true});
+        rows.push_back({name + " hybrid sharded / sharded over the flat backend, step", hybrid.ms, "ms",
+                        "ShardedDataParallel over flat MpiBackend", hybrid.base_ms, "", hybrid.ratio, "-", true});
+        rows.push_back({name + " hybrid sharded / flat sharded, bytes on a node's link", hybrid.mb, "MB",
+                        "ShardedDataParallel over flat MpiBackend", hybrid.base_mb, "", hybrid.mb / hybrid.base_mb, "-",
+                        true});
         rows.push_back({name + " bf16 wire / float32, synchronize", wire.ms, "ms", "float32 wire", wire.base_ms, "",
                         wire.ratio, "<= 0.625", wire.ratio <= 0.625});
         rows.push_back({name + " PowerSGD rank 4 / float32, synchronize", low_rank.ms, "ms", "float32 wire",

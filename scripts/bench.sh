@@ -55,8 +55,9 @@ step "The same race with PyTorch $PYPI_TORCH from PyPI (installed once into buil
 pypi_python="$(torch_venv)"
 # Three rounds, as for 1.13: the median of two is their mean, which one slow round drags below.
 "$pypi_python" bench/ddp_peer.py --bench-mpi ./build/bench/bench/bench_mpi --rounds 3
-step "Two machines of 2 ranks, played on this one: network namespaces, links slowed to 1 Gbit/s (about four minutes)"
-# Two levels against the flat backend, bfloat16 wire and PowerSGD against float32, where every
+step "Two machines of 2 ranks, played on this one: network namespaces, links slowed to 1 Gbit/s (about five minutes)"
+# Two levels against the flat backend, hybrid sharding against flat sharding, bfloat16 wire and
+# PowerSGD against float32, where every
 # byte between nodes crosses a slow link; 16 MiB pieces (1 MiB suits shared memory, not a slow
 # link). Needs root (namespaces); skipped, saying why, elsewhere.
 nodes_rc=0
