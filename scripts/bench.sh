@@ -57,9 +57,8 @@ pypi_python="$(torch_venv)"
 "$pypi_python" bench/ddp_peer.py --bench-mpi ./build/bench/bench/bench_mpi --rounds 3
 step "Two machines of 2 ranks, played on this one: network namespaces, links slowed to 1 Gbit/s (about five minutes)"
 # Two levels against the flat backend, hybrid sharding against flat sharding, bfloat16 wire and
-# PowerSGD against float32, where every
-# byte between nodes crosses a slow link; 16 MiB pieces (1 MiB suits shared memory, not a slow
-# link). Needs root (namespaces); skipped, saying why, elsewhere.
+# PowerSGD against float32, where every byte between nodes crosses a slow link; 16 MiB pieces
+# (1 MiB suits shared memory, not a slow link). Needs root (namespaces); skipped, saying why, elsewhere.
 nodes_rc=0
 python3 scripts/nodes.py run --nodes 2 --per-node 2 --rate 1gbit -- ./build/bench/bench/bench_nodes \
     --chunk-kib 16384 --iterations 3 || nodes_rc=$?
