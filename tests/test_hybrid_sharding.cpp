@@ -108,7 +108,9 @@ void check_hybrid(gradsync::ShardedOptions options) {
     for (const auto& c : caps) {
         CAPTURE(c.settings());
         const auto unsharded = train_unsharded_two_level(c, Adam);
+        // Overlapped with backward where there are several buckets to overlap (the small caps).
         for (const int overlapping : {0, 4}) {
+            if (overlapping > 0 && &c == &caps[0]) continue;
             CAPTURE(overlapping);
             const auto run = train_hybrid<Adam, Model>(c, options, overlapping);
             for (const auto& w : run.per_step) CHECK(w == run.per_step[0]);  // every rank, every step
