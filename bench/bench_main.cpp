@@ -7,6 +7,7 @@
 
 #include <gradsync/data_parallel/options.hpp>
 
+#include "metrics_summary.hpp"
 #include "overlap_summary.hpp"
 #include "results.hpp"
 #include "sharded_summary.hpp"
@@ -176,6 +177,7 @@ void print_summary() {
                    worst_small * 1e6 / 5.0, "<= 5 us", worst_small <= 5e-6);
     }
     bench::sharded_rows();
+    bench::metrics_rows();
     const std::string resnet = "synchronize_vs_flat/resnet50/in_place";
     auto sync = counter(resnet, "sync_ms"), flat = counter(resnet, "flat_ms"), ratio = counter(resnet, "ratio");
     if (!sync || !flat || !ratio) missing("synchronize() ResNet-50 / flat allreduce");
@@ -302,6 +304,7 @@ int main(int argc, char** argv) {
     bench::register_overlap();
     bench::register_amp();
     bench::register_gather_behind();
+    bench::register_metrics();
     benchmark::Initialize(&argc, argv);
     if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
     Recorder recorder;

@@ -13,6 +13,7 @@ void register_data_parallel();
 void register_overlap();
 void register_amp();
 void register_gather_behind();
+void register_metrics();
 
 // --quick: every benchmark once and briefly, so that one that breaks or stops producing its
 // figures shows at once (the tests run it); a quick run's figures mean nothing.

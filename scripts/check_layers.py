@@ -19,6 +19,7 @@ LAYERS = [
     ("backends", ["backend/"]),
     ("memory policies", ["memory/"]),
     ("AMP and LR policies", ["amp/", "lr.hpp"]),
+    ("metrics writers", ["metrics/"]),
     ("communication hooks", ["reduction/"]),
     ("the DataParallel front and its parts", ["data_parallel/", "data_parallel.hpp", "sharded_data_parallel.hpp"]),
     ("launch helpers", ["launch/"]),

@@ -6,6 +6,9 @@
 PYPI_TORCH=2.15.0
 # PyPI's safetensors, beside Debian's python3-torch, for the checkpoint round trip with Python.
 PYPI_SAFETENSORS=0.8.0
+# PyPI's tensorboard (its own reader checks the event files) and matplotlib (the metrics plots).
+PYPI_TENSORBOARD=2.21.0
+PYPI_MATPLOTLIB=3.10.8
 
 # ensure_packages PKG...: apt-get installs the packages that dpkg does not know as installed.
 ensure_packages() {
@@ -51,6 +54,20 @@ safetensors_venv() {
         /usr/bin/python3 -m venv --system-site-packages "$venv" >&2
         "$venv/bin/python" -m pip install --quiet "safetensors==$PYPI_SAFETENSORS" >&2
         touch "$venv/complete-$PYPI_SAFETENSORS"
+    fi
+    echo "$venv/bin/python"
+}
+
+# metrics_venv: makes build/venv-metrics with PyPI's tensorboard and matplotlib, once; prints the
+# venv's python.
+metrics_venv() {
+    local venv="$PWD/build/venv-metrics" done="complete-$PYPI_TENSORBOARD-$PYPI_MATPLOTLIB"
+    if [ ! -f "$venv/$done" ]; then
+        echo "installing tensorboard $PYPI_TENSORBOARD and matplotlib $PYPI_MATPLOTLIB from PyPI into $venv" >&2
+        rm -rf "$venv"
+        /usr/bin/python3 -m venv "$venv" >&2
+        "$venv/bin/python" -m pip install --quiet "tensorboard==$PYPI_TENSORBOARD" "matplotlib==$PYPI_MATPLOTLIB" >&2
+        touch "$venv/$done"
     fi
     echo "$venv/bin/python"
 }

@@ -2,9 +2,9 @@
 # Runs the whole test suite: the dev build (unit, equivalence, compile-fail, consumer, single
 # header, README, nvcc and format checks, every benchmark once in its quick mode; the libtorch
 # adapter against Debian's libtorch 1.13 and a current one from PyPI; checkpoints read and written
-# by Python's safetensors and PyTorch), 40 seconds of fuzzing the checkpoint reader, then the tests
-# again under ThreadSanitizer and under AddressSanitizer + UndefinedBehaviorSanitizer. Installs
-# what it needs on Debian 12.
+# by Python's safetensors and PyTorch; training scalars read by TensorBoard's reader), 40 seconds
+# of fuzzing the checkpoint reader, then the tests again under ThreadSanitizer and under
+# AddressSanitizer + UndefinedBehaviorSanitizer. Installs what it needs on Debian 12.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/deps.sh
@@ -18,7 +18,8 @@ for preset in dev tsan asan-ubsan; do
     extra=()
     if [ "$preset" = dev ]; then  # the libtorch adapter also against a current libtorch from PyPI
         wheel="$(bash scripts/libtorch_wheel.sh)"
-        extra=(-DGRADSYNC_LIBTORCH_WHEEL="$wheel" -DGRADSYNC_SAFETENSORS_PYTHON="$(safetensors_venv)")
+        extra=(-DGRADSYNC_LIBTORCH_WHEEL="$wheel" -DGRADSYNC_SAFETENSORS_PYTHON="$(safetensors_venv)"
+            -DGRADSYNC_METRICS_PYTHON="$(metrics_venv)")
     fi
     cmake --preset "$preset" "${extra[@]}" >/dev/null
     cmake --build --preset "$preset"

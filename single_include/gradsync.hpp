@@ -835,6 +835,7 @@ struct loss_scaler {};  // mixed-precision loss scaling (amp.hpp)
 struct compression {};  // the dtype gradients travel in (compression.hpp)
 struct lr_rule {};      // the learning rate step() passes to the optimizer (lr.hpp)
 struct comm_hook {};    // how a bucket is averaged, in place of the plain allreduce (reduction/comm_hook.hpp)
+struct metrics {};      // the training scalars written every step (metrics/step_metrics.hpp)
 }  // namespace policy_category
 
 namespace detail {
@@ -5145,6 +5146,304 @@ constexpr bool check_lr_rule() {
 }  // namespace gradsync::inline v0
 #endif  // GRADSYNC_SINGLE_LR_HPP
 // ---- end gradsync/lr.hpp ----
+// Training metrics.
+
+// ---- begin gradsync/metrics/json_lines.hpp ----
+#ifndef GRADSYNC_SINGLE_METRICS_JSON_LINES_HPP
+#define GRADSYNC_SINGLE_METRICS_JSON_LINES_HPP
+// JsonLinesFile: records of named numbers, one JSON object per line ({"step":3,"grad_norm":0.41}),
+// appended and flushed one by one, so that a reader (pandas.read_json(lines=True), jq) sees every
+// step written so far. A value that is not finite is written null (JSON has no infinity or NaN).
+
+
+// ---- begin gradsync/metrics/step_metrics.hpp ----
+#ifndef GRADSYNC_SINGLE_METRICS_STEP_METRICS_HPP
+#define GRADSYNC_SINGLE_METRICS_STEP_METRICS_HPP
+// Training scalars written every step: the policy that asks for them (StepMetrics, or NoMetrics,
+// the default), the formats, and a named scalar as the writers take it.
+
+
+#include <string>
+
+namespace gradsync::inline v0 {
+
+enum class MetricsFormat : unsigned char {
+    json_lines,   // one JSON object per step and line, in the file `path`
+    tensorboard,  // TensorBoard event files in the directory `path` (a log dir)
+};
+
+// One value of a step's record: "grad_norm", "loss", ...
+struct NamedScalar {
+    std::string name;
+    double value = 0;
+};
+
+// Writes every step()'s report (data_parallel/finalize_step.hpp: StepReport) and the scalars the
+// trainer added (add_scalar) from rank 0, as JSON lines or TensorBoard events. Other ranks write
+// nothing. Written records are flushed at once, so a crashed run keeps its last steps.
+struct StepMetrics {
+    using policy_category = policy_category::metrics;
+    static constexpr bool on = true;
+
+    std::string path;                                  // a file (JSON lines) or a directory (TensorBoard)
+    MetricsFormat format = MetricsFormat::json_lines;  // the default
+
+    // Not agreed between ranks (only rank 0 writes, and nothing it writes changes a result).
+    [[nodiscard]] std::string settings() const { return "metrics"; }
+    [[nodiscard]] std::string invalid() const {
+        return path.empty() ? "StepMetrics needs a path: the JSON lines file, or the TensorBoard log directory"
+                            : std::string{};
+    }
+};
+
+// No metrics: nothing is kept or written, and step() costs what it did without them. The default.
+struct NoMetrics {
+    using policy_category = policy_category::metrics;
+    static constexpr bool on = false;
+    [[nodiscard]] std::string settings() const { return "none"; }
+};
+
+}  // namespace gradsync::inline v0
+#endif  // GRADSYNC_SINGLE_METRICS_STEP_METRICS_HPP
+// ---- end gradsync/metrics/step_metrics.hpp ----
+
+#include <charconv>  // for std::to_chars
+#include <cerrno>
+#include <cmath>  // for std::isfinite
+#include <cstdint>
+#include <cstdio>
+#include <cstring>  // for std::strerror
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+
+namespace gradsync::inline v0 {
+
+class JsonLinesFile {
+public:
+    // Opens `path` to append (creating it); throws Error naming the path when it cannot.
+    explicit JsonLinesFile(std::string path) : path_(std::move(path)), file_(std::fopen(path_.c_str(), "ab")) {
+        if (!file_) throw Error("gradsync: cannot open the metrics file '" + path_ + "': " + std::strerror(errno));
+    }
+
+    // One line: {"step":step, name:value, ...}. Returns false when the write failed.
+    bool write(std::uint64_t step, std::span<const NamedScalar> values) {
+        std::string line = "{\"step\":" + std::to_string(step);
+        for (const auto& v : values) {
+            line += ",\"";
+            append_escaped(line, v.name);
+            line += "\":";
+            append_number(line, v.value);
+        }
+        line += "}\n";
+        return std::fwrite(line.data(), 1, line.size(), file_.get()) == line.size() && std::fflush(file_.get()) == 0;
+    }
+
+    [[nodiscard]] const std::string& path() const { return path_; }
+
+private:
+    static void append_number(std::string& out, double v) {
+        if (!std::isfinite(v)) {
+            out += "null";
+            return;
+        }
+        char text[32];
+        out.append(text, std::to_chars(text, text + sizeof text, v).ptr);  // the shortest exact form
+    }
+    static void append_escaped(std::string& out, std::string_view text) {
+        for (char c : text) {
+            if (c == '"' || c == '\\') {
+                out += '\\';
+                out += c;
+            } else if (static_cast<unsigned char>(c) < 0x20) {
+                char code[8];
+                std::snprintf(code, sizeof code, "\\u%04x", static_cast<unsigned>(c));
+                out += code;
+            } else {
+                out += c;
+            }
+        }
+    }
+
+    struct Close {
+        void operator()(std::FILE* f) const { std::fclose(f); }
+    };
+    std::string path_;
+    std::unique_ptr<std::FILE, Close> file_;
+};
+
+}  // namespace gradsync::inline v0
+#endif  // GRADSYNC_SINGLE_METRICS_JSON_LINES_HPP
+// ---- end gradsync/metrics/json_lines.hpp ----
+
+// ---- begin gradsync/metrics/tensorboard_events.hpp ----
+#ifndef GRADSYNC_SINGLE_METRICS_TENSORBOARD_EVENTS_HPP
+#define GRADSYNC_SINGLE_METRICS_TENSORBOARD_EVENTS_HPP
+// TensorBoardEvents: scalars in a TensorBoard event file, the format TensorBoard's own reader
+// (tensorboard.backend.event_processing) loads. The file is a sequence of TFRecords (length, its
+// masked CRC-32C, the data, its masked CRC-32C), each an `Event` protocol buffer: first the file
+// version, then one event per step holding a `Summary` of simple values. Written by hand (three
+// message types, a few fields each) so that no protobuf library is needed.
+
+
+#include <array>
+#include <cerrno>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>  // for std::memcpy, std::strerror
+#include <filesystem>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <unistd.h>  // for gethostname, getpid
+
+namespace gradsync::inline v0 {
+
+namespace detail {
+
+// CRC-32C (Castagnoli), as TFRecord frames use it.
+inline std::uint32_t crc32c(std::string_view data) {
+    static const auto table = [] {
+        std::array<std::uint32_t, 256> t{};
+        for (std::uint32_t i = 0; i < 256; ++i) {
+            std::uint32_t c = i;
+            for (int k = 0; k < 8; ++k) c = (c & 1) != 0 ? (c >> 1) ^ 0x82F63B78u : c >> 1;
+            t[i] = c;
+        }
+        return t;
+    }();
+    std::uint32_t crc = 0xFFFFFFFFu;
+    for (unsigned char byte : data) crc = table[(crc ^ byte) & 0xFFu] ^ (crc >> 8);
+    return crc ^ 0xFFFFFFFFu;
+}
+
+// TFRecord's masked CRC: a CRC of data that holds CRCs would otherwise be weak.
+inline std::uint32_t masked_crc32c(std::string_view data) {
+    const std::uint32_t crc = crc32c(data);
+    return ((crc >> 15) | (crc << 17)) + 0xA282EAD8u;
+}
+
+// Protocol buffer wire format, the pieces an Event needs.
+class ProtoWriter {
+public:
+    void varint(std::uint32_t field, std::uint64_t v) {
+        key(field, 0);
+        raw_varint(v);
+    }
+    void float64(std::uint32_t field, double v) {
+        key(field, 1);
+        little_endian(v);
+    }
+    void float32(std::uint32_t field, float v) {
+        key(field, 5);
+        little_endian(v);
+    }
+    void bytes(std::uint32_t field, std::string_view v) {
+        key(field, 2);
+        raw_varint(v.size());
+        out_.append(v);
+    }
+    [[nodiscard]] const std::string& data() const { return out_; }
+
+private:
+    void key(std::uint32_t field, std::uint32_t wire_type) { raw_varint((std::uint64_t{field} << 3) | wire_type); }
+    void raw_varint(std::uint64_t v) {
+        while (v >= 0x80) {
+            out_ += static_cast<char>((v & 0x7F) | 0x80);
+            v >>= 7;
+        }
+        out_ += static_cast<char>(v);
+    }
+    template <class T>
+    void little_endian(T v) {  // the hosts gradsync runs on are little-endian, as the format is
+        char bytes[sizeof(T)];
+        std::memcpy(bytes, &v, sizeof(T));
+        out_.append(bytes, sizeof(T));
+    }
+    std::string out_;
+};
+
+}  // namespace detail
+
+class TensorBoardEvents {
+public:
+    // Creates `directory` (and its parents) and a new event file in it, named as TensorBoard's
+    // writers name theirs (events.out.tfevents.<seconds>.<host>.<pid>.gradsync); throws Error
+    // naming the path when it cannot.
+    explicit TensorBoardEvents(const std::string& directory) {
+        std::error_code ec;
+        std::filesystem::create_directories(directory, ec);
+        if (ec) throw Error("gradsync: cannot make the TensorBoard log directory '" + directory + "': " + ec.message());
+        char host[256] = "host";
+        (void)gethostname(host, sizeof host - 1);
+        const auto now = std::chrono::system_clock::now().time_since_epoch();
+        path_ =
+            (std::filesystem::path(directory) /
+             ("events.out.tfevents." + std::to_string(std::chrono::duration_cast<std::chrono::seconds>(now).count()) +
+              "." + host + "." + std::to_string(getpid()) + ".gradsync"))
+                .string();
+        file_.reset(std::fopen(path_.c_str(), "wb"));
+        if (!file_)
+            throw Error("gradsync: cannot open the TensorBoard event file '" + path_ + "': " + std::strerror(errno));
+        detail::ProtoWriter event;
+        event.float64(1, wall_time());
+        event.bytes(3, "brain.Event:2");  // file_version
+        if (!record(event.data()))
+            throw Error("gradsync: cannot write the TensorBoard event file '" + path_ + "': " + std::strerror(errno));
+    }
+
+    // One event at `step` holding every value as a scalar tagged by its name. Returns false when
+    // the write failed.
+    bool write(std::uint64_t step, std::span<const NamedScalar> values) {
+        detail::ProtoWriter summary;
+        for (const auto& v : values) {
+            detail::ProtoWriter value;  // Summary.Value: tag = 1, simple_value = 2
+            value.bytes(1, v.name);
+            value.float32(2, static_cast<float>(v.value));
+            summary.bytes(1, value.data());
+        }
+        detail::ProtoWriter event;  // Event: wall_time = 1, step = 2, summary = 5
+        event.float64(1, wall_time());
+        event.varint(2, step);
+        event.bytes(5, summary.data());
+        return record(event.data());
+    }
+
+    [[nodiscard]] const std::string& path() const { return path_; }
+
+private:
+    static double wall_time() {
+        return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+    }
+
+    // A TFRecord: length, masked CRC of the length, data, masked CRC of the data; flushed.
+    bool record(const std::string& data) {
+        const std::uint64_t length = data.size();
+        char head[12];
+        std::memcpy(head, &length, 8);
+        const std::uint32_t head_crc = detail::masked_crc32c(std::string_view(head, 8));
+        std::memcpy(head + 8, &head_crc, 4);
+        const std::uint32_t data_crc = detail::masked_crc32c(data);
+        std::FILE* f = file_.get();
+        return std::fwrite(head, 1, sizeof head, f) == sizeof head &&
+               std::fwrite(data.data(), 1, data.size(), f) == data.size() && std::fwrite(&data_crc, 1, 4, f) == 4 &&
+               std::fflush(f) == 0;
+    }
+
+    struct Close {
+        void operator()(std::FILE* f) const { std::fclose(f); }
+    };
+    std::string path_;
+    std::unique_ptr<std::FILE, Close> file_;
+};
+
+}  // namespace gradsync::inline v0
+#endif  // GRADSYNC_SINGLE_METRICS_TENSORBOARD_EVENTS_HPP
+// ---- end gradsync/metrics/tensorboard_events.hpp ----
 // Communication hooks.
 
 // ---- begin gradsync/reduction/comm_hook.hpp ----
@@ -5878,11 +6177,14 @@ public:
         fingerprint_ = fnv1a(fingerprint_, static_cast<std::uint64_t>(dtype));
         const bool of_bucket = purpose == CollectivePurpose::bucket || purpose == CollectivePurpose::float_redo ||
                                purpose == CollectivePurpose::shard_gather;
+        if (purpose == CollectivePurpose::bucket || purpose == CollectivePurpose::float_redo) bytes_reduced_ += bytes;
         return CollectiveTag{fingerprint_, step, of_bucket ? static_cast<std::int32_t>(index) : -1};
     }
 
     [[nodiscard]] std::uint64_t fingerprint() const { return fingerprint_; }
     [[nodiscard]] std::uint64_t count() const { return count_; }
+    // Bytes of the gradients' collectives (buckets and their redos) so far.
+    [[nodiscard]] std::uint64_t bytes_reduced() const { return bytes_reduced_; }
 
     // Compares every rank's history with rank 0's (one allreduce of a small table), and the
     // trainer's step number where it passed one; throws the same HistoryMismatch (StepMismatch
@@ -5921,6 +6223,7 @@ public:
 private:
     std::uint64_t fingerprint_ = fnv1a_basis;
     std::uint64_t count_ = 0;
+    std::uint64_t bytes_reduced_ = 0;
 };
 
 }  // namespace gradsync::inline v0::detail
@@ -7486,6 +7789,13 @@ struct StepReport {
     double learning_rate = 0;   // what the LR policy gave the optimizer (0 without one)
     std::uint64_t step = 0;     // 1 for the first step
     std::vector<std::string> overflowed;  // parameters whose gradients were not finite
+    // Since the previous step() returned (the first: since the front was made): the time, and the
+    // bytes this rank handed to the gradients' collectives (at the wire's dtype, a float32 redo
+    // included). Of this step() itself, the time outside the optimizer: the synchronization that
+    // backward did not hide, and the step's checks.
+    double step_seconds = 0;
+    std::uint64_t bytes_reduced = 0;
+    double sync_seconds = 0;
 };
 
 namespace detail {
@@ -7630,7 +7940,8 @@ StepReport decide_step(const StepStats& stats, Scaler& scaler, const Lr& lr, int
 // serves, the parameter layout, the bucket engine, the step's readiness and collective history,
 // storage following and the lifetime that callbacks watch; the grad_ready calls; the guard that
 // turns a failure on this rank into the group's (data_parallel/group_failure.hpp); the set-up
-// after the ranks agree. A front derives from it and supplies launch(b) (a bucket is ready) and
+// after the ranks agree; each step's report measured (step_clock.hpp) and written
+// (step_metrics_log.hpp). A front derives from it and supplies launch(b) (a bucket is ready) and
 // end_step() (forget the step in progress).
 
 
@@ -8307,6 +8618,196 @@ void complete_readiness(Readiness& readiness, const ModelLayout& layout, Launch&
 #endif  // GRADSYNC_SINGLE_DATA_PARALLEL_READY_CALLS_HPP
 // ---- end gradsync/data_parallel/ready_calls.hpp ----
 
+// ---- begin gradsync/data_parallel/step_clock.hpp ----
+#ifndef GRADSYNC_SINGLE_DATA_PARALLEL_STEP_CLOCK_HPP
+#define GRADSYNC_SINGLE_DATA_PARALLEL_STEP_CLOCK_HPP
+// What a front measures of each step for its report: the optimizer timed (its time is not
+// synchronization), and the report's times and bytes filled in at the end of step().
+
+
+#include <algorithm>  // for std::max
+#include <chrono>
+#include <concepts>  // for std::invocable
+#include <cstdint>
+#include <utility>
+
+namespace gradsync::inline v0::detail {
+
+// The optimizer a step() calls, with the time spent in it added up.
+template <class F>
+class TimedOptimizer {
+public:
+    explicit TimedOptimizer(F& f) : f_(f) {}
+    template <class... A>
+    requires std::invocable<F&, A...>
+    decltype(auto) operator()(A&&... a) {
+        const Stopwatch watch{seconds_};
+        return f_(std::forward<A>(a)...);
+    }
+    [[nodiscard]] double seconds() const { return seconds_; }
+
+private:
+    struct Stopwatch {
+        double& total;
+        std::chrono::steady_clock::time_point began = std::chrono::steady_clock::now();
+        ~Stopwatch() { total += std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count(); }
+    };
+    F& f_;
+    double seconds_ = 0;
+};
+
+// The step's own measurements: since the previous step() returned, the time and the bytes of the
+// gradients' collectives; in this step() outside the optimizer, the time of synchronization.
+class StepClock {
+public:
+    void fill(StepReport& report, std::chrono::steady_clock::time_point began, double optimizer_seconds,
+              std::uint64_t bytes_so_far) {
+        const auto now = std::chrono::steady_clock::now();
+        report.sync_seconds = std::max(0.0, std::chrono::duration<double>(now - began).count() - optimizer_seconds);
+        report.step_seconds = std::chrono::duration<double>(now - last_).count();
+        report.bytes_reduced = bytes_so_far - bytes_;
+        last_ = now;
+        bytes_ = bytes_so_far;
+    }
+
+private:
+    std::chrono::steady_clock::time_point last_ = std::chrono::steady_clock::now();
+    std::uint64_t bytes_ = 0;
+};
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_DATA_PARALLEL_STEP_CLOCK_HPP
+// ---- end gradsync/data_parallel/step_clock.hpp ----
+
+// ---- begin gradsync/data_parallel/step_metrics_log.hpp ----
+#ifndef GRADSYNC_SINGLE_DATA_PARALLEL_STEP_METRICS_LOG_HPP
+#define GRADSYNC_SINGLE_DATA_PARALLEL_STEP_METRICS_LOG_HPP
+// The metrics policy's writer on a front: rank 0's, which turns each step's report and the
+// trainer's own scalars into one record per step.
+
+
+#include <algorithm>  // for std::find_if
+#include <cstdint>
+#include <cstdio>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+template <class P>
+constexpr bool check_metrics_policy() {
+    static_assert(std::is_same_v<P, StepMetrics> || std::is_same_v<P, NoMetrics>,
+                  "gradsync: the metrics policy is gradsync::StepMetrics{path, format} or gradsync::NoMetrics");
+    return true;
+}
+
+// The names a step's record gives the report's fields; a trainer's scalar may take none of them.
+inline constexpr std::string_view step_record_names[] = {
+    "applied",       "loss_scale", "next_loss_scale", "skipped_steps", "grad_norm",    "clipped",
+    "learning_rate", "overflowed", "step_seconds",    "sync_seconds",  "bytes_reduced"};
+
+// The trainer's scalar name: not empty, none of the record's own.
+inline void check_scalar_name(std::string_view name) {
+    if (name.empty()) throw Error("gradsync: add_scalar needs a name");
+    for (auto own : step_record_names)
+        if (name == own)
+            throw Error("gradsync: add_scalar(\"" + std::string(name) +
+                        "\"): that name is one step() itself records; choose another");
+}
+
+// Rank 0's writer of the metrics policy (nothing on the other ranks, nothing at all for
+// NoMetrics). A file that cannot be opened is a problem of the set-up, refused by every rank; a
+// write that fails later is reported once on stderr and training goes on.
+template <class Policy>
+class StepMetricsLog {
+public:
+    StepMetricsLog() = default;
+    StepMetricsLog(const Policy& policy, int rank) {
+        if constexpr (Policy::on) {
+            problem_ = policy.invalid();
+            if (!problem_.empty() || rank != 0) return;
+            try {
+                if (policy.format == MetricsFormat::tensorboard)
+                    tensorboard_.emplace(policy.path);
+                else
+                    json_.emplace(policy.path);
+            } catch (const Error& e) {
+                problem_ = e.what();
+            }
+        } else {
+            (void)policy;
+            (void)rank;
+        }
+    }
+
+    // What keeps the policy from working here, or "".
+    [[nodiscard]] const std::string& problem() const { return problem_; }
+    // The file written to: rank 0's, or "" on the other ranks.
+    [[nodiscard]] std::string path() const {
+        if (json_) return json_->path();
+        if (tensorboard_) return tensorboard_->path();
+        return {};
+    }
+
+    // A scalar of the trainer's own (the loss, say), written with the next step's record.
+    void add(std::string_view name, double value) {
+        check_scalar_name(name);
+        if (!writing()) return;
+        auto same = std::find_if(added_.begin(), added_.end(), [&](const NamedScalar& s) { return s.name == name; });
+        if (same != added_.end())
+            same->value = value;
+        else
+            added_.push_back({std::string(name), value});
+    }
+
+    void write(const StepReport& report) {
+        if constexpr (Policy::on) {
+            if (!writing()) return;
+            if (!report.applied) ++skipped_;
+            std::vector<NamedScalar> values = {{"applied", report.applied ? 1.0 : 0.0},
+                                               {"loss_scale", report.loss_scale},
+                                               {"next_loss_scale", report.next_loss_scale},
+                                               {"skipped_steps", static_cast<double>(skipped_)},
+                                               {"grad_norm", report.grad_norm},
+                                               {"clipped", report.clipped ? 1.0 : 0.0},
+                                               {"learning_rate", report.learning_rate},
+                                               {"overflowed", static_cast<double>(report.overflowed.size())},
+                                               {"step_seconds", report.step_seconds},
+                                               {"sync_seconds", report.sync_seconds},
+                                               {"bytes_reduced", static_cast<double>(report.bytes_reduced)}};
+            values.insert(values.end(), added_.begin(), added_.end());
+            added_.clear();
+            const bool written = json_ ? json_->write(report.step, values) : tensorboard_->write(report.step, values);
+            if (!written) {
+                std::fprintf(stderr,
+                             "gradsync: rank 0: the metrics of step %llu could not be written to '%s'; "
+                             "training goes on without them\n",
+                             static_cast<unsigned long long>(report.step), path().c_str());
+                json_.reset();
+                tensorboard_.reset();
+            }
+        } else {
+            (void)report;
+        }
+    }
+
+private:
+    [[nodiscard]] bool writing() const { return json_.has_value() || tensorboard_.has_value(); }
+
+    std::string problem_;
+    std::optional<JsonLinesFile> json_;
+    std::optional<TensorBoardEvents> tensorboard_;
+    std::vector<NamedScalar> added_;
+    std::uint64_t skipped_ = 0;
+};
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_DATA_PARALLEL_STEP_METRICS_LOG_HPP
+// ---- end gradsync/data_parallel/step_metrics_log.hpp ----
+
 #include <atomic>
 #include <chrono>
 #include <cstddef>
@@ -8323,7 +8824,7 @@ void complete_readiness(Readiness& readiness, const ModelLayout& layout, Launch&
 
 namespace gradsync::inline v0::detail {
 
-template <class Front, class Model, class BackendT, class Engine, class OptionsT, class Scaler>
+template <class Front, class Model, class BackendT, class Engine, class OptionsT, class Scaler, class Metrics>
 class FrontCore {
 public:
     using comm_hook_type = typename Engine::hook_type;
@@ -8352,6 +8853,14 @@ public:
     void wait_for_parameters() {
         if constexpr (requires(Front & f) { f.gather_all(); }) guard([&] { front().gather_all(); });
     }
+
+    // With StepMetrics: a scalar of the trainer's own (its loss, say), written with the next
+    // step's record on rank 0 (the other ranks check the name and keep nothing). Not one of the
+    // record's own names (step_metrics_log.hpp); the last value given in a step wins.
+    void add_scalar(std::string_view name, double value) requires(Metrics::on) { metrics_.add(name, value); }
+    // With StepMetrics: the file rank 0 writes (TensorBoard: the event file in the log directory);
+    // "" on the other ranks.
+    [[nodiscard]] std::string metrics_path() const requires(Metrics::on) { return metrics_.path(); }
 
     // The factor to multiply the loss by before backward (1 without a loss scaler).
     [[nodiscard]] float loss_scale() const { return scaler_.scale(); }
@@ -8386,12 +8895,15 @@ protected:
           backend_(backend),
           options_(std::move(options)),
           scaler_(std::move(scaler)),
-          engine_(backend, std::forward<EngineArgs>(engine_args)...) {}
+          engine_(backend, std::forward<EngineArgs>(engine_args)...),
+          metrics_(Metrics{}, backend.rank()) {}
     // From the policies a front was given, in any order, as its policy set `Set` finds them.
     template <class Set, class... Policies>
     FrontCore(Model& model, BackendT& backend, std::type_identity<Set>, const std::tuple<Policies...>& policies)
         : FrontCore(model, backend, Set::template value<OptionsT>(policies), Set::template value<Scaler>(policies),
-                    Set::template value<memory_type>(policies), Set::template value<comm_hook_type>(policies)) {}
+                    Set::template value<memory_type>(policies), Set::template value<comm_hook_type>(policies)) {
+        metrics_ = StepMetricsLog<Metrics>(Set::template value<Metrics>(policies), backend.rank());
+    }
     ~FrontCore() = default;
 
     // For the front's destructor: callbacks stop, and a step cut short by an exception leaves no
@@ -8401,6 +8913,15 @@ protected:
         InFlight in_flight{*this};
         abandon_in_flight(backend_, in_flight, options_.timeout, front, static_cast<std::uint64_t>(current_step()));
     }
+
+    // The end of a step(): the report's times (the step began at `began`; the optimizer took
+    // `optimizer_seconds` of it) and bytes, then the metrics policy writes it.
+    void finish_report(StepReport& report, std::chrono::steady_clock::time_point began, double optimizer_seconds) {
+        clock_.fill(report, began, optimizer_seconds, history_.bytes_reduced());
+        metrics_.write(report);
+    }
+    // What keeps the metrics policy from working on this rank, or "": a set-up problem.
+    [[nodiscard]] const std::string& metrics_problem() const { return metrics_.problem(); }
 
     // The step in progress (or the next): 1 for the first.
     [[nodiscard]] std::int64_t current_step() const { return static_cast<std::int64_t>(steps()) + 1; }
@@ -8470,6 +8991,8 @@ protected:
     StorageFollower storage_;
     std::atomic<std::uint64_t> steps_{0};
     std::shared_ptr<const char> lifetime_ = std::make_shared<const char>('\0');
+    StepMetricsLog<Metrics> metrics_;
+    StepClock clock_;
 
 private:
     [[nodiscard]] Front& front() { return static_cast<Front&>(*this); }
@@ -8757,10 +9280,12 @@ struct PolicySet {
     using compression = select_policy<policy_category::compression, NoCompression, Policies...>;
     using lr_rule = select_policy<policy_category::lr_rule, NoLrRule, Policies...>;
     using comm_hook = select_policy<policy_category::comm_hook, NoCommHook, Policies...>;
+    using metrics = select_policy<policy_category::metrics, NoMetrics, Policies...>;
 
     static_assert(check_bucketer<bucketer>() && check_packing_policy<packing>() && check_memory_policy<memory>() &&
                   check_buffer_policy<buffers>() && check_loss_scaler<loss_scaler>() &&
-                  check_compression<compression>() && check_lr_rule<lr_rule>() && check_comm_hook<comm_hook>());
+                  check_compression<compression>() && check_lr_rule<lr_rule>() && check_comm_hook<comm_hook>() &&
+                  check_metrics_policy<metrics>());
     static_assert(!comm_hook::hooked || !compression::compresses,
                   "gradsync: a communication hook decides what travels on the wire itself; drop the compression "
                   "policy");
@@ -9326,18 +9851,21 @@ inline std::string untouchable_gradients(int rank) {
 
 #include <cstddef>
 #include <span>
+#include <string>
 
 namespace gradsync::inline v0::detail {
 
-// `Set` is the DataParallel's PolicySet; `memory` its memory policy object. Returns the plan.
+// `Set` is the DataParallel's PolicySet; `memory` its memory policy object; `metrics_problem` what
+// keeps the metrics policy from working here ("" if nothing). Returns the plan.
 template <class Set, class BackendT>
 BucketPlan check_and_agree(BackendT& backend, const ModelLayout& layout, const typename Set::bucketer& bucketer,
                            const Options& options, const typename Set::loss_scaler& scaler,
                            const typename Set::lr_rule& lr, const typename Set::memory& memory,
-                           const typename Set::comm_hook& hook) {
+                           const typename Set::comm_hook& hook, const std::string& metrics_problem) {
     using memory_type = typename Set::memory;
     SetupProblems problems(backend.rank());
     problems.configuration(invalid_configuration(options, bucketer, scaler, lr));
+    problems.configuration(metrics_problem);
     // Gradients may come later when storage is followed; not device gradients, which are checked
     // for contiguity now.
     const bool gradients_later = options.storage_may_move && !memory_type::on_device;
@@ -9736,12 +10264,12 @@ struct DataParallelCoreOf {
     using Set = PolicySet<BackendT, Policies...>;
     using engine =
         BucketEngine<BackendT, typename Set::memory, Set::compression::wire, Set::in_place, typename Set::comm_hook>;
-    using type = FrontCore<Front, Model, BackendT, engine, Options, typename Set::loss_scaler>;
+    using type = FrontCore<Front, Model, BackendT, engine, Options, typename Set::loss_scaler, typename Set::metrics>;
 };
 }  // namespace detail
 
 // Policies, in any order, each optional (data_parallel/policies.hpp): bucketer, packing, memory,
-// buffers, Options, loss scaler, compression, LR rule, communication hook.
+// buffers, Options, loss scaler, compression, LR rule, communication hook, metrics.
 template <class Model, class BackendT, class... Policies>
 class DataParallel : public detail::DataParallelCoreOf<DataParallel<Model, BackendT, Policies...>, Model, BackendT,
                                                        Policies...>::type {
@@ -9792,6 +10320,7 @@ public:
 
     // grad_ready(index or name) comes from the core (data_parallel/front_core.hpp): call it as
     // each parameter's gradient becomes final, and each bucket's allreduce starts during backward.
+    // So do add_scalar() and metrics_path() with the StepMetrics policy.
 
     // Averages every parameter's gradient over all ranks. Call on every rank after backward. With
     // grad_ready() calls, waits for the launched buckets and launches the rest; without, reduces
@@ -9809,11 +10338,15 @@ public:
     StepReport step(Optimizer&& optimizer, std::optional<StepNumber> number = {}) {
         static_assert(detail::check_optimizer<Optimizer, Set::has_lr_rule>());
         guard([&] { detail::refuse_step(readiness_.accumulating(), /*on_device=*/false, options_.clip_norm, rank()); });
+        const auto began = std::chrono::steady_clock::now();
         const std::uint64_t step = steps() + 1;
         synchronize_impl(/*want_stats=*/true, true, number);
-        return detail::decide_step(
-            stats_, scaler_, lr_, world_size(), step, optimizer,
-            [this](std::size_t p) { return layout_.params[p].name; }, rank());
+        detail::TimedOptimizer timed(optimizer);
+        auto report = detail::decide_step(
+            stats_, scaler_, lr_, world_size(), step, timed, [this](std::size_t p) { return layout_.params[p].name; },
+            rank());
+        this->finish_report(report, began, timed.seconds());
+        return report;
     }
 
     // step() without the host: the verdict (whether every gradient is finite, and the sum of the
@@ -10003,7 +10536,7 @@ private:
         static_assert(detail::check_model_access<Model>());
         layout_ = detail::ModelLayout::of(model_, buffers_type::mode != BufferSync::ignore);
         auto agreed = detail::check_and_agree<Set>(backend_, layout_, replanning_.bucketer(), options_, scaler_, lr_,
-                                                   engine_.memory(), engine_.hook());
+                                                   engine_.memory(), engine_.hook(), this->metrics_problem());
         this->start_from_rank0(buffers_type::mode);
         replanning_.adopt(std::move(agreed), [this](const BucketPlan& p) { setup_buckets(p); });
         replanning_.start(options_, Set::autotunes(options_), world_size(), readiness_);
@@ -10679,7 +11212,7 @@ struct ShardedOptions {
 #ifndef GRADSYNC_SINGLE_DATA_PARALLEL_SHARDED_POLICIES_HPP
 #define GRADSYNC_SINGLE_DATA_PARALLEL_SHARDED_POLICIES_HPP
 // The policies of one ShardedDataParallel, with DataParallel's grammar: one of each kind it takes
-// (bucketer, loss scaler, buffer policy, communication hook, memory policy, ShardedOptions)
+// (bucketer, loss scaler, buffer policy, communication hook, memory policy, metrics, ShardedOptions)
 // picked from its template arguments, in any order, each defaulted and checked against its kind's concept; a policy of
 // a kind it does not take is a clear error, not ignored.
 
@@ -10694,7 +11227,8 @@ constexpr bool takes_sharded_category() {
     using C = typename category_of<P>::type;
     return std::is_same_v<C, policy_category::bucketer> || std::is_same_v<C, policy_category::loss_scaler> ||
            std::is_same_v<C, policy_category::buffers> || std::is_same_v<C, policy_category::comm_hook> ||
-           std::is_same_v<C, policy_category::memory> || std::is_same_v<C, policy_category::options>;
+           std::is_same_v<C, policy_category::memory> || std::is_same_v<C, policy_category::options> ||
+           std::is_same_v<C, policy_category::metrics>;
 }
 
 template <class P>
@@ -10702,7 +11236,8 @@ constexpr bool check_sharded_policy() {
     if constexpr (is_policy<P>) {
         static_assert(takes_sharded_category<P>(),
                       "gradsync: ShardedDataParallel takes a bucketer, a loss scaler, a buffer policy, a "
-                      "communication hook, a memory policy and gradsync::ShardedOptions; this policy's kind "
+                      "communication hook, a memory policy, a metrics policy and gradsync::ShardedOptions; this "
+                      "policy's kind "
                       "(packing, compression or LR rule) is DataParallel's only");
         static_assert(!std::is_same_v<P, Options>,
                       "gradsync: ShardedDataParallel's run-time settings are gradsync::ShardedOptions, not "
@@ -10722,8 +11257,9 @@ struct ShardedPolicySet {
     using options = select_policy<policy_category::options, ShardedOptions, Policies...>;
     using comm_hook = select_policy<policy_category::comm_hook, NoCommHook, Policies...>;
     using memory = select_policy<policy_category::memory, HostMemory, Policies...>;
+    using metrics = select_policy<policy_category::metrics, NoMetrics, Policies...>;
     static_assert(check_bucketer<bucketer>() && check_loss_scaler<loss_scaler>() && check_buffer_policy<buffers>() &&
-                  check_comm_hook<comm_hook>() && check_memory_policy<memory>());
+                  check_comm_hook<comm_hook>() && check_memory_policy<memory>() && check_metrics_policy<metrics>());
 
     // The value of the policy of type P among those given, or a default one.
     template <class P>
@@ -10747,7 +11283,8 @@ struct ShardedCoreOf {
     using memory = typename Set::memory;  // the gradients', the shards' and the buckets'
     using engine = BucketEngine<BackendT, memory, DType::float32, in_place, typename Set::comm_hook,
                                 BucketCollective::reduce_scatter>;
-    using type = FrontCore<Front, Model, BackendT, engine, ShardedOptions, typename Set::loss_scaler>;
+    using type =
+        FrontCore<Front, Model, BackendT, engine, ShardedOptions, typename Set::loss_scaler, typename Set::metrics>;
 };
 
 }  // namespace gradsync::inline v0::detail
@@ -10890,7 +11427,10 @@ public:
                       "gradsync: ShardedDataParallel::step(optimizer) calls "
                       "optimizer(std::span<const gradsync::ShardPiece<float>>)");
         StepReport report;
-        this->guard([&] { report = step_now(optimizer, number); });
+        const auto began = std::chrono::steady_clock::now();
+        detail::TimedOptimizer timed(optimizer);
+        this->guard([&] { report = step_now(timed, number); });
+        this->finish_report(report, began, timed.seconds());
         return report;
     }
 
@@ -10954,6 +11494,7 @@ private:
         auto problems = detail::sharded_setup_problems(rank(), layout_, options_, bucketer, scaler_,
                                                        ReleasableGradients<Model>, comm_hook_type::hooked);
         problems.configuration(detail::stream_problem(backend_, engine_.memory()));
+        problems.configuration(this->metrics_problem());
         if (StreamOrdered<BackendT> && options_.gather_behind_forward)
             problems.configuration(
                 "ShardedOptions::gather_behind_forward needs a host backend (LocalBackend, MpiBackend): on a device "

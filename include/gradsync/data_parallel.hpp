@@ -53,12 +53,12 @@ struct DataParallelCoreOf {
     using Set = PolicySet<BackendT, Policies...>;
     using engine =
         BucketEngine<BackendT, typename Set::memory, Set::compression::wire, Set::in_place, typename Set::comm_hook>;
-    using type = FrontCore<Front, Model, BackendT, engine, Options, typename Set::loss_scaler>;
+    using type = FrontCore<Front, Model, BackendT, engine, Options, typename Set::loss_scaler, typename Set::metrics>;
 };
 }  // namespace detail
 
 // Policies, in any order, each optional (data_parallel/policies.hpp): bucketer, packing, memory,
-// buffers, Options, loss scaler, compression, LR rule, communication hook.
+// buffers, Options, loss scaler, compression, LR rule, communication hook, metrics.
 template <class Model, class BackendT, class... Policies>
 class DataParallel : public detail::DataParallelCoreOf<DataParallel<Model, BackendT, Policies...>, Model, BackendT,
                                                        Policies...>::type {
@@ -109,6 +109,7 @@ public:
 
     // grad_ready(index or name) comes from the core (data_parallel/front_core.hpp): call it as
     // each parameter's gradient becomes final, and each bucket's allreduce starts during backward.
+    // So do add_scalar() and metrics_path() with the StepMetrics policy.
 
     // Averages every parameter's gradient over all ranks. Call on every rank after backward. With
     // grad_ready() calls, waits for the launched buckets and launches the rest; without, reduces
@@ -126,11 +127,15 @@ public:
     StepReport step(Optimizer&& optimizer, std::optional<StepNumber> number = {}) {
         static_assert(detail::check_optimizer<Optimizer, Set::has_lr_rule>());
         guard([&] { detail::refuse_step(readiness_.accumulating(), /*on_device=*/false, options_.clip_norm, rank()); });
+        const auto began = std::chrono::steady_clock::now();
         const std::uint64_t step = steps() + 1;
         synchronize_impl(/*want_stats=*/true, true, number);
-        return detail::decide_step(
-            stats_, scaler_, lr_, world_size(), step, optimizer,
-            [this](std::size_t p) { return layout_.params[p].name; }, rank());
+        detail::TimedOptimizer timed(optimizer);
+        auto report = detail::decide_step(
+            stats_, scaler_, lr_, world_size(), step, timed, [this](std::size_t p) { return layout_.params[p].name; },
+            rank());
+        this->finish_report(report, began, timed.seconds());
+        return report;
     }
 
     // step() without the host: the verdict (whether every gradient is finite, and the sum of the
@@ -320,7 +325,7 @@ private:
         static_assert(detail::check_model_access<Model>());
         layout_ = detail::ModelLayout::of(model_, buffers_type::mode != BufferSync::ignore);
         auto agreed = detail::check_and_agree<Set>(backend_, layout_, replanning_.bucketer(), options_, scaler_, lr_,
-                                                   engine_.memory(), engine_.hook());
+                                                   engine_.memory(), engine_.hook(), this->metrics_problem());
         this->start_from_rank0(buffers_type::mode);
         replanning_.adopt(std::move(agreed), [this](const BucketPlan& p) { setup_buckets(p); });
         replanning_.start(options_, Set::autotunes(options_), world_size(), readiness_);

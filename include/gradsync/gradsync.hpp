@@ -32,6 +32,10 @@
 #include <gradsync/amp/compression.hpp>
 #include <gradsync/amp/loss_scale.hpp>
 #include <gradsync/lr.hpp>
+// Training metrics.
+#include <gradsync/metrics/json_lines.hpp>
+#include <gradsync/metrics/step_metrics.hpp>
+#include <gradsync/metrics/tensorboard_events.hpp>
 // Communication hooks.
 #include <gradsync/reduction/comm_hook.hpp>
 #include <gradsync/reduction/powersgd.hpp>

@@ -98,7 +98,10 @@ public:
                       "gradsync: ShardedDataParallel::step(optimizer) calls "
                       "optimizer(std::span<const gradsync::ShardPiece<float>>)");
         StepReport report;
-        this->guard([&] { report = step_now(optimizer, number); });
+        const auto began = std::chrono::steady_clock::now();
+        detail::TimedOptimizer timed(optimizer);
+        this->guard([&] { report = step_now(timed, number); });
+        this->finish_report(report, began, timed.seconds());
         return report;
     }
 
@@ -162,6 +165,7 @@ private:
         auto problems = detail::sharded_setup_problems(rank(), layout_, options_, bucketer, scaler_,
                                                        ReleasableGradients<Model>, comm_hook_type::hooked);
         problems.configuration(detail::stream_problem(backend_, engine_.memory()));
+        problems.configuration(this->metrics_problem());
         if (StreamOrdered<BackendT> && options_.gather_behind_forward)
             problems.configuration(
                 "ShardedOptions::gather_behind_forward needs a host backend (LocalBackend, MpiBackend): on a device "

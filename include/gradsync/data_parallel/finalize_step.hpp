@@ -33,6 +33,13 @@ struct StepReport {
     double learning_rate = 0;   // what the LR policy gave the optimizer (0 without one)
     std::uint64_t step = 0;     // 1 for the first step
     std::vector<std::string> overflowed;  // parameters whose gradients were not finite
+    // Since the previous step() returned (the first: since the front was made): the time, and the
+    // bytes this rank handed to the gradients' collectives (at the wire's dtype, a float32 redo
+    // included). Of this step() itself, the time outside the optimizer: the synchronization that
+    // backward did not hide, and the step's checks.
+    double step_seconds = 0;
+    std::uint64_t bytes_reduced = 0;
+    double sync_seconds = 0;
 };
 
 namespace detail {

@@ -2,7 +2,8 @@
 // serves, the parameter layout, the bucket engine, the step's readiness and collective history,
 // storage following and the lifetime that callbacks watch; the grad_ready calls; the guard that
 // turns a failure on this rank into the group's (data_parallel/group_failure.hpp); the set-up
-// after the ranks agree. A front derives from it and supplies launch(b) (a bucket is ready) and
+// after the ranks agree; each step's report measured (step_clock.hpp) and written
+// (step_metrics_log.hpp). A front derives from it and supplies launch(b) (a bucket is ready) and
 // end_step() (forget the step in progress).
 #pragma once
 
@@ -19,6 +20,8 @@
 #include <gradsync/data_parallel/moved_storage.hpp>
 #include <gradsync/data_parallel/readiness.hpp>
 #include <gradsync/data_parallel/ready_calls.hpp>
+#include <gradsync/data_parallel/step_clock.hpp>
+#include <gradsync/data_parallel/step_metrics_log.hpp>
 #include <gradsync/dtype.hpp>
 #include <gradsync/model/buffers.hpp>
 #include <gradsync/model/model.hpp>
@@ -39,7 +42,7 @@
 
 namespace gradsync::inline v0::detail {
 
-template <class Front, class Model, class BackendT, class Engine, class OptionsT, class Scaler>
+template <class Front, class Model, class BackendT, class Engine, class OptionsT, class Scaler, class Metrics>
 class FrontCore {
 public:
     using comm_hook_type = typename Engine::hook_type;
@@ -68,6 +71,14 @@ public:
     void wait_for_parameters() {
         if constexpr (requires(Front & f) { f.gather_all(); }) guard([&] { front().gather_all(); });
     }
+
+    // With StepMetrics: a scalar of the trainer's own (its loss, say), written with the next
+    // step's record on rank 0 (the other ranks check the name and keep nothing). Not one of the
+    // record's own names (step_metrics_log.hpp); the last value given in a step wins.
+    void add_scalar(std::string_view name, double value) requires(Metrics::on) { metrics_.add(name, value); }
+    // With StepMetrics: the file rank 0 writes (TensorBoard: the event file in the log directory);
+    // "" on the other ranks.
+    [[nodiscard]] std::string metrics_path() const requires(Metrics::on) { return metrics_.path(); }
 
     // The factor to multiply the loss by before backward (1 without a loss scaler).
     [[nodiscard]] float loss_scale() const { return scaler_.scale(); }
@@ -102,12 +113,15 @@ protected:
           backend_(backend),
           options_(std::move(options)),
           scaler_(std::move(scaler)),
-          engine_(backend, std::forward<EngineArgs>(engine_args)...) {}
+          engine_(backend, std::forward<EngineArgs>(engine_args)...),
+          metrics_(Metrics{}, backend.rank()) {}
     // From the policies a front was given, in any order, as its policy set `Set` finds them.
     template <class Set, class... Policies>
     FrontCore(Model& model, BackendT& backend, std::type_identity<Set>, const std::tuple<Policies...>& policies)
         : FrontCore(model, backend, Set::template value<OptionsT>(policies), Set::template value<Scaler>(policies),
-                    Set::template value<memory_type>(policies), Set::template value<comm_hook_type>(policies)) {}
+                    Set::template value<memory_type>(policies), Set::template value<comm_hook_type>(policies)) {
+        metrics_ = StepMetricsLog<Metrics>(Set::template value<Metrics>(policies), backend.rank());
+    }
     ~FrontCore() = default;
 
     // For the front's destructor: callbacks stop, and a step cut short by an exception leaves no
@@ -117,6 +131,15 @@ protected:
         InFlight in_flight{*this};
         abandon_in_flight(backend_, in_flight, options_.timeout, front, static_cast<std::uint64_t>(current_step()));
     }
+
+    // The end of a step(): the report's times (the step began at `began`; the optimizer took
+    // `optimizer_seconds` of it) and bytes, then the metrics policy writes it.
+    void finish_report(StepReport& report, std::chrono::steady_clock::time_point began, double optimizer_seconds) {
+        clock_.fill(report, began, optimizer_seconds, history_.bytes_reduced());
+        metrics_.write(report);
+    }
+    // What keeps the metrics policy from working on this rank, or "": a set-up problem.
+    [[nodiscard]] const std::string& metrics_problem() const { return metrics_.problem(); }
 
     // The step in progress (or the next): 1 for the first.
     [[nodiscard]] std::int64_t current_step() const { return static_cast<std::int64_t>(steps()) + 1; }
@@ -186,6 +209,8 @@ protected:
     StorageFollower storage_;
     std::atomic<std::uint64_t> steps_{0};
     std::shared_ptr<const char> lifetime_ = std::make_shared<const char>('\0');
+    StepMetricsLog<Metrics> metrics_;
+    StepClock clock_;
 
 private:
     [[nodiscard]] Front& front() { return static_cast<Front&>(*this); }

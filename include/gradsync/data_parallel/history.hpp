@@ -62,11 +62,14 @@ public:
         fingerprint_ = fnv1a(fingerprint_, static_cast<std::uint64_t>(dtype));
         const bool of_bucket = purpose == CollectivePurpose::bucket || purpose == CollectivePurpose::float_redo ||
                                purpose == CollectivePurpose::shard_gather;
+        if (purpose == CollectivePurpose::bucket || purpose == CollectivePurpose::float_redo) bytes_reduced_ += bytes;
         return CollectiveTag{fingerprint_, step, of_bucket ? static_cast<std::int32_t>(index) : -1};
     }
 
     [[nodiscard]] std::uint64_t fingerprint() const { return fingerprint_; }
     [[nodiscard]] std::uint64_t count() const { return count_; }
+    // Bytes of the gradients' collectives (buckets and their redos) so far.
+    [[nodiscard]] std::uint64_t bytes_reduced() const { return bytes_reduced_; }
 
     // Compares every rank's history with rank 0's (one allreduce of a small table), and the
     // trainer's step number where it passed one; throws the same HistoryMismatch (StepMismatch
@@ -105,6 +108,7 @@ public:
 private:
     std::uint64_t fingerprint_ = fnv1a_basis;
     std::uint64_t count_ = 0;
+    std::uint64_t bytes_reduced_ = 0;
 };
 
 }  // namespace gradsync::inline v0::detail

@@ -11,8 +11,10 @@
 #include <gradsync/bucket/bucketers.hpp>
 #include <gradsync/bucket/tuning.hpp>
 #include <gradsync/data_parallel/options.hpp>
+#include <gradsync/data_parallel/step_metrics_log.hpp>  // for check_metrics_policy
 #include <gradsync/detail/policy.hpp>
 #include <gradsync/lr.hpp>
+#include <gradsync/metrics/step_metrics.hpp>
 #include <gradsync/memory/host.hpp>
 #include <gradsync/memory/packing.hpp>
 #include <gradsync/memory/policy.hpp>
@@ -46,10 +48,12 @@ struct PolicySet {
     using compression = select_policy<policy_category::compression, NoCompression, Policies...>;
     using lr_rule = select_policy<policy_category::lr_rule, NoLrRule, Policies...>;
     using comm_hook = select_policy<policy_category::comm_hook, NoCommHook, Policies...>;
+    using metrics = select_policy<policy_category::metrics, NoMetrics, Policies...>;
 
     static_assert(check_bucketer<bucketer>() && check_packing_policy<packing>() && check_memory_policy<memory>() &&
                   check_buffer_policy<buffers>() && check_loss_scaler<loss_scaler>() &&
-                  check_compression<compression>() && check_lr_rule<lr_rule>() && check_comm_hook<comm_hook>());
+                  check_compression<compression>() && check_lr_rule<lr_rule>() && check_comm_hook<comm_hook>() &&
+                  check_metrics_policy<metrics>());
     static_assert(!comm_hook::hooked || !compression::compresses,
                   "gradsync: a communication hook decides what travels on the wire itself; drop the compression "
                   "policy");

@@ -15,18 +15,21 @@
 
 #include <cstddef>
 #include <span>
+#include <string>
 
 namespace gradsync::inline v0::detail {
 
-// `Set` is the DataParallel's PolicySet; `memory` its memory policy object. Returns the plan.
+// `Set` is the DataParallel's PolicySet; `memory` its memory policy object; `metrics_problem` what
+// keeps the metrics policy from working here ("" if nothing). Returns the plan.
 template <class Set, class BackendT>
 BucketPlan check_and_agree(BackendT& backend, const ModelLayout& layout, const typename Set::bucketer& bucketer,
                            const Options& options, const typename Set::loss_scaler& scaler,
                            const typename Set::lr_rule& lr, const typename Set::memory& memory,
-                           const typename Set::comm_hook& hook) {
+                           const typename Set::comm_hook& hook, const std::string& metrics_problem) {
     using memory_type = typename Set::memory;
     SetupProblems problems(backend.rank());
     problems.configuration(invalid_configuration(options, bucketer, scaler, lr));
+    problems.configuration(metrics_problem);
     // Gradients may come later when storage is followed; not device gradients, which are checked
     // for contiguity now.
     const bool gradients_later = options.storage_may_move && !memory_type::on_device;

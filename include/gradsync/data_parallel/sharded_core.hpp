@@ -23,7 +23,8 @@ struct ShardedCoreOf {
     using memory = typename Set::memory;  // the gradients', the shards' and the buckets'
     using engine = BucketEngine<BackendT, memory, DType::float32, in_place, typename Set::comm_hook,
                                 BucketCollective::reduce_scatter>;
-    using type = FrontCore<Front, Model, BackendT, engine, ShardedOptions, typename Set::loss_scaler>;
+    using type =
+        FrontCore<Front, Model, BackendT, engine, ShardedOptions, typename Set::loss_scaler, typename Set::metrics>;
 };
 
 }  // namespace gradsync::inline v0::detail

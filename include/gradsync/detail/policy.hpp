@@ -22,6 +22,7 @@ struct loss_scaler {};  // mixed-precision loss scaling (amp.hpp)
 struct compression {};  // the dtype gradients travel in (compression.hpp)
 struct lr_rule {};      // the learning rate step() passes to the optimizer (lr.hpp)
 struct comm_hook {};    // how a bucket is averaged, in place of the plain allreduce (reduction/comm_hook.hpp)
+struct metrics {};      // the training scalars written every step (metrics/step_metrics.hpp)
 }  // namespace policy_category
 
 namespace detail {
