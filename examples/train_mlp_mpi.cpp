@@ -5,9 +5,9 @@
 //   mpirun -np 4 ./train_mlp_mpi --steps 10 --save ckpt.safetensors
 //   mpirun -np 4 ./train_mlp_mpi --steps 20 --resume ckpt.safetensors   # steps 10..19
 //
-// Or started torchrun-style, the processes meeting through Open MPI's name server (README.md):
-//   ompi-server --no-daemonize -r /tmp/ompi.uri &
-//   OMPI_MCA_pmix_server_uri=file:/tmp/ompi.uri torchrun --nproc_per_node 4 --no_python ./train_mlp_mpi
+// Or started by torchrun, the processes meeting through an Open MPI name server that rank 0
+// starts (docs/multi-process.md):
+//   torchrun --nproc_per_node 4 --no_python ./train_mlp_mpi
 #include "mlp.hpp"
 #include <gradsync/backend/mpi.hpp>
 #include <gradsync/checkpoint/checkpoint.hpp>

@@ -4,9 +4,11 @@ hostname and /dev/shm (its TMPDIR), and mpirun started across them (its remote a
 namespaces instead of ssh). Between nodes MPI talks TCP over veth links (optionally slowed with a
 tc token bucket); within a node, shared memory.
 
-  nodes.py run --nodes 2 --per-node 2 [--rate 1gbit] [--same-hostname]
+  nodes.py run --nodes 2 --per-node 2 [--rate 1gbit] [--same-hostname] [--torchrun-style]
                [--cut-link NODE@SECONDS | --kill-node NODE@SECONDS] -- PROGRAM ARGS...
       sets the nodes up, runs PROGRAM on every rank under mpirun, takes them down again;
+      --torchrun-style starts the ranks without mpirun instead, as torchrun does on each machine:
+      RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, and MASTER_ADDR/MASTER_PORT at node 0;
       --cut-link takes node NODE's link down SECONDS after the start, or after the first output
       line that matches --cut-after REGEX (a machine that vanishes); mpirun, which waits for the
       lost node's daemon, is ended --grace seconds later (default 30), as a scheduler would;
@@ -164,6 +166,61 @@ def mpirun_command(nodes, per_node, program, rate=None):
             *[x for v in passed for x in ("-x", v)], *program]
 
 
+TORCHRUN_STYLE_PORT = 29650  # MASTER_PORT of a launch without mpirun
+
+
+def torchrun_style_command(nodes, per_node, program, rate=None):
+    """The command that starts every rank without mpirun (`nodes.py start-ranks ...`)."""
+    me = pathlib.Path(__file__).resolve()
+    return [sys.executable, str(me), "start-ranks", str(nodes), str(per_node), rate or "", *program]
+
+
+def start_ranks(argv):
+    """`start-ranks NODES PER_NODE RATE PROGRAM...`: every rank in its node, each told its place as
+    torchrun tells it; their output, each line prefixed with the rank; the first failure's status
+    (the others are stopped 5 s after it, as torchrun does)."""
+    nodes, per_node, rate, program = int(argv[0]), int(argv[1]), argv[2], argv[3:]
+    me = pathlib.Path(__file__).resolve()
+    env = dict(os.environ, WORLD_SIZE=str(nodes * per_node), LOCAL_WORLD_SIZE=str(per_node),
+               MASTER_ADDR=address(0), MASTER_PORT=str(TORCHRUN_STYLE_PORT), GRADSYNC_TEST_NODES=str(nodes),
+               GRADSYNC_TEST_RANKS_PER_NODE=str(per_node))
+    for unset in ("OMPI_MCA_pmix_server_uri", "GRADSYNC_JOB_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+        env.pop(unset, None)
+    if rate:
+        env["GRADSYNC_TEST_LINK_RATE"] = rate
+    procs = []
+    for rank in range(nodes * per_node):
+        node = rank // per_node
+        procs.append(subprocess.Popen([sys.executable, str(me), "agent", address(node), shlex.join(program)],
+                                      env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank % per_node)),
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+                                      start_new_session=True))
+    lock = threading.Lock()
+
+    def relay(rank, proc):
+        for line in proc.stdout:
+            with lock:
+                sys.stdout.write(f"[rank {rank}] {line}")
+                sys.stdout.flush()
+
+    relays = [threading.Thread(target=relay, args=(r, p)) for r, p in enumerate(procs)]
+    for t in relays:
+        t.start()
+    status, stop_at = 0, None
+    while any(p.poll() is None for p in procs):
+        failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
+        if failed and stop_at is None:
+            status, stop_at = failed[0], time.monotonic() + 5
+        if stop_at is not None and time.monotonic() > stop_at:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+        time.sleep(0.05)
+    for t in relays:
+        t.join()
+    return status or next((p.returncode for p in procs if p.returncode != 0), 0)
+
+
 def run(command, args, program):
     """Runs mpirun, its output passed on line by line; cuts a link or kills a node's ranks when
     told, and ends a job that waits on a vanished node past the grace period, as a scheduler
@@ -211,6 +268,8 @@ def run(command, args, program):
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "agent":
         return agent(sys.argv[2:])
+    if len(sys.argv) > 1 and sys.argv[1] == "start-ranks":
+        return start_ranks(sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=["run", "up", "down", "check"])
     parser.add_argument("--nodes", type=int, default=2)
@@ -222,6 +281,8 @@ def main():
     parser.add_argument("--kill-node", metavar="NODE@SECONDS", help="kill the program's processes on a node")
     parser.add_argument("--cut-after", metavar="REGEX",
                         help="count the seconds of --cut-link or --kill-node from the first line matching")
+    parser.add_argument("--torchrun-style", action="store_true",
+                        help="start the ranks without mpirun, as torchrun does (MPI joins them)")
     parser.add_argument("--grace", type=float, default=30,
                         help="seconds after a cut that mpirun may go on waiting for the lost node")
     argv = sys.argv[1:]
@@ -249,7 +310,8 @@ def main():
         up(args.nodes, args.rate, args.same_hostname)
         print(f"nodes.py: {args.nodes} nodes x {args.per_node} ranks" + (f", links at {args.rate}" if args.rate else ""),
               flush=True)
-        return run(mpirun_command(args.nodes, args.per_node, program, args.rate), args, program)
+        launch = torchrun_style_command if args.torchrun_style else mpirun_command
+        return run(launch(args.nodes, args.per_node, program, args.rate), args, program)
     finally:
         down()
 

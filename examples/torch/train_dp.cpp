@@ -1,9 +1,9 @@
 // train.cpp made data-parallel: one process per rank over MPI, gradients averaged while backward
 // runs. The global batch stays 64: each of N ranks trains on its 64/N examples.
 //   mpirun -np 4 ./train_torch_dp
-// or started torchrun-style, the processes meeting through Open MPI's name server (README.md):
-//   ompi-server --no-daemonize -r /tmp/ompi.uri &
-//   OMPI_MCA_pmix_server_uri=file:/tmp/ompi.uri torchrun --nproc_per_node 4 --no_python ./train_torch_dp
+// or started by torchrun, the processes meeting through an Open MPI name server that rank 0
+// starts (docs/multi-process.md):
+//   torchrun --nproc_per_node 4 --no_python ./train_torch_dp
 #include "net.hpp"
 #include <gradsync/backend/mpi.hpp>
 #include <gradsync/torch.hpp>

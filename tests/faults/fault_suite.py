@@ -48,6 +48,13 @@ MPI = [
 ENV = [
     ("torchrun-style: rank 1 never arrives (the join's deadline)", ["--ranks", "0", "2"], "alone",
      r"rank 0 of 2 \(RANK/WORLD_SIZE\): the ranks have not all joined after 10 s \(1 of 2 are in\)", 120),
+    ("torchrun-style, no name server: rank 0 never arrives (the others' deadline)",
+     ["--own-server", "--ranks", "1", "2"], "alone",
+     r"rank 1 of 2 \(RANK/WORLD_SIZE\): rank 0 did not serve MPI's name server at 127\.0\.0\.1:[0-9]+ "
+     r"\(MASTER_ADDR, MASTER_PORT \+ 2\) in time", 120),
+    ("torchrun-style, no name server: rank 1 never arrives (the join's deadline)",
+     ["--own-server", "--ranks", "0", "2"], "alone",
+     r"rank 0 of 2 \(RANK/WORLD_SIZE\): the ranks have not all joined after 10 s \(1 of 2 are in\)", 120),
     ("torchrun-style: two processes given RANK=1", ["--ranks", "0,1,1", "3"], "throw",
      r"rank 1 of 3 \(RANK/WORLD_SIZE\): (two processes were given RANK=1: process [^ ]+ of this job already holds it"
      r"|the joined processes were given the ranks 0, 1, 1. each of 0..2 must be given once)", 120),

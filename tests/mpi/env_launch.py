@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """Starts N processes the way torchrun does: each with RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT, none of them started by mpirun. MPI finds its
-peers through a name server, so this starts one (Open MPI's ompi-server) and names it to every
-process in OMPI_MCA_pmix_server_uri, as README.md tells users to.
+peers through a name server: this starts one (Open MPI's ompi-server) and names it to every
+process in OMPI_MCA_pmix_server_uri, or with --own-server leaves that to rank 0 (MpiSession
+starts one and serves its address on MASTER_PORT + 2).
 
 usage: env_launch.py [--ranks 0,2 | --torchrun] [--jobs K [--stagger SECONDS]] [--bare] [--job-id TEXT]
-                     [--timeout SECONDS] N command args...
+                     [--own-server] [--timeout SECONDS] N command args...
   --ranks     start only these ranks (the others never arrive)
   --torchrun  let torchrun start them (`--redirects 1 --tee 1` works around Debian's torch 1.13,
               whose torchrun fails on Python 3.11 with its default of 0)
@@ -13,6 +14,7 @@ usage: env_launch.py [--ranks 0,2 | --torchrun] [--jobs K [--stagger SECONDS]] [
   --stagger   start job k that many seconds after job k - 1 instead
   --bare      no MASTER_ADDR or MASTER_PORT: nothing names the job
   --job-id    GRADSYNC_JOB_ID for every process
+  --own-server start no name server and name none (OMPI_MCA_pmix_server_uri unset)
 Prints every process's output, each line prefixed with its rank. When a process fails, the others
 are killed 5 s later, as torchrun does; exits with the first nonzero status, or 1 when the
 processes are still running at the timeout (they are killed).
@@ -34,7 +36,8 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch(n, command, ranks=None, timeout=300.0, torchrun=False, jobs=1, bare=False, job_id=None, stagger=0.0):
+def launch(n, command, ranks=None, timeout=300.0, torchrun=False, jobs=1, bare=False, job_id=None, stagger=0.0,
+           own_server=False):
     """Runs `command` as ranks of a world of `n` (in `jobs` jobs); returns (status, output)."""
     ranks = list(range(n)) if ranks is None else ranks
     if torchrun:
@@ -42,18 +45,21 @@ def launch(n, command, ranks=None, timeout=300.0, torchrun=False, jobs=1, bare=F
         ranks = ["torchrun"]
     with tempfile.TemporaryDirectory() as tmp:
         uri = os.path.join(tmp, "ompi-server.uri")
-        server = subprocess.Popen(["ompi-server", "--no-daemonize", "-r", uri], stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.STDOUT, start_new_session=True)
+        server = None if own_server else subprocess.Popen(
+            ["ompi-server", "--no-daemonize", "-r", uri], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+            start_new_session=True)
         try:
             began = time.monotonic()
-            while not (os.path.exists(uri) and os.path.getsize(uri) > 0):
+            while server and not (os.path.exists(uri) and os.path.getsize(uri) > 0):
                 if server.poll() is not None or time.monotonic() - began > 30:
                     return 1, "env_launch: ompi-server did not start\n"
                 time.sleep(0.05)
             base = {k: v for k, v in os.environ.items()
                     if k not in ("MASTER_ADDR", "MASTER_PORT", "GRADSYNC_JOB_ID", "TORCHELASTIC_RUN_ID",
-                                 "SLURM_JOB_ID")}
-            base.update(WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n), OMPI_MCA_pmix_server_uri="file:" + uri)
+                                 "SLURM_JOB_ID", "OMPI_MCA_pmix_server_uri")}
+            base.update(WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n))
+            if server:
+                base["OMPI_MCA_pmix_server_uri"] = "file:" + uri
             if job_id is not None:
                 base["GRADSYNC_JOB_ID"] = job_id
             envs = [base if bare else dict(base, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
@@ -109,8 +115,9 @@ def launch(n, command, ranks=None, timeout=300.0, torchrun=False, jobs=1, bare=F
             text = "".join(f"[rank {r}] {line}" for r, out in zip(ranks, outputs) for line in out)
             return status, text + "".join(notes)
         finally:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+            if server:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait()
 
 
 if __name__ == "__main__":
@@ -122,11 +129,12 @@ if __name__ == "__main__":
     parser.add_argument("--stagger", type=float, default=0.0)
     parser.add_argument("--bare", action="store_true")
     parser.add_argument("--job-id")
+    parser.add_argument("--own-server", action="store_true")
     parser.add_argument("n", type=int)
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args()
     ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else None
     status, output = launch(args.n, args.command, ranks, args.timeout, args.torchrun, args.jobs, args.bare,
-                            args.job_id, args.stagger)
+                            args.job_id, args.stagger, args.own_server)
     sys.stdout.write(output)
     sys.exit(status)

@@ -125,7 +125,8 @@ private:
 
 inline std::string join_advice(const ProcessPlace& place) {
     return "Start the processes with mpirun -np " + std::to_string(place.world_size) +
-           " (or srun), or give them a name server to meet through: run `ompi-server -r FILE` once and set "
+           " (or srun); or set MASTER_ADDR and MASTER_PORT for every process (torchrun does), and rank 0 serves "
+           "them a name server; or give them one of your own: run `ompi-server -r FILE` once and set "
            "OMPI_MCA_pmix_server_uri=file:FILE for every process.";
 }
 

@@ -5,6 +5,7 @@
 
 #include <gradsync/backend/mpi/join.hpp>
 #include <gradsync/backend/mpi/mpi_api.hpp>
+#include <gradsync/backend/mpi/name_server.hpp>
 #include <gradsync/environment.hpp>
 #include <gradsync/error.hpp>
 
@@ -22,8 +23,11 @@ namespace gradsync::inline v0 {
 //
 // Processes started by a torchrun-style launcher (RANK and WORLD_SIZE set, but each process a
 // world of one to MPI) are joined into one communicator, mpi_world(), through MPI's name service
-// (Open MPI: `ompi-server`, named by OMPI_MCA_pmix_server_uri); `join_timeout` bounds the wait for
-// the other ranks. Such a world talks over the network transport even within one machine.
+// (Open MPI: `ompi-server`). Named by OMPI_MCA_pmix_server_uri, the user's; else, where
+// MASTER_ADDR and MASTER_PORT are set (torchrun sets them), rank 0 starts one for the job and
+// serves its address on MASTER_PORT + 2 (backend/mpi/name_server.hpp), until this object goes.
+// `join_timeout` bounds the wait for the other ranks. Such a world talks over the network
+// transport even within one machine.
 class MpiSession {
 public:
     MpiSession() : MpiSession(nullptr, nullptr, default_join_timeout) {}
@@ -53,6 +57,7 @@ private:
         MPI_Initialized(&initialized);
         if (!initialized) {
             detail::yield_when_oversubscribed(launcher);
+            own_server_ = detail::meet_through_own_name_server(launcher, join_timeout);
             int provided = MPI_THREAD_SINGLE;
             const int rc = MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided);
             if (rc != MPI_SUCCESS)
@@ -72,8 +77,10 @@ private:
             claim_ = std::move(joined.claim);
             joined_ = true;
         }
+        own_server_.announcer.reset();  // every rank has joined: nobody asks any more
     }
 
+    detail::OwnNameServer own_server_;  // first: it goes last, after MPI_Finalize
     bool owner_ = false;
     bool joined_ = false;
     std::unique_ptr<detail::RankClaim> claim_;  // this process's RANK, claimed while the world lives
