@@ -4,11 +4,12 @@ hostname and /dev/shm (its TMPDIR), and mpirun started across them (its remote a
 namespaces instead of ssh). Between nodes MPI talks TCP over veth links (optionally slowed with a
 tc token bucket); within a node, shared memory.
 
-  nodes.py run --nodes 2 --per-node 2 [--rate 1gbit] [--same-hostname] [--torchrun-style]
+  nodes.py run --nodes 2 --per-node 2 [--rate 1gbit] [--same-hostname] [--torchrun-style | --torchrun]
                [--cut-link NODE@SECONDS | --kill-node NODE@SECONDS] -- PROGRAM ARGS...
       sets the nodes up, runs PROGRAM on every rank under mpirun, takes them down again;
       --torchrun-style starts the ranks without mpirun instead, as torchrun does on each machine:
       RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, and MASTER_ADDR/MASTER_PORT at node 0;
+      --torchrun has torchrun itself start them, one torchrun per node (static rendezvous at node 0);
       --cut-link takes node NODE's link down SECONDS after the start, or after the first output
       line that matches --cut-after REGEX (a machine that vanishes); mpirun, which waits for the
       lost node's daemon, is ended --grace seconds later (default 30), as a scheduler would;
@@ -169,17 +170,28 @@ def mpirun_command(nodes, per_node, program, rate=None):
 TORCHRUN_STYLE_PORT = 29650  # MASTER_PORT of a launch without mpirun
 
 
-def torchrun_style_command(nodes, per_node, program, rate=None):
-    """The command that starts every rank without mpirun (`nodes.py start-ranks ...`)."""
+def torchrun_style_command(nodes, per_node, program, rate=None, torchrun=False):
+    """The command that starts every rank without mpirun (`nodes.py start-ranks ...`), itself or
+    through one torchrun per node."""
     me = pathlib.Path(__file__).resolve()
-    return [sys.executable, str(me), "start-ranks", str(nodes), str(per_node), rate or "", *program]
+    how = "torchrun" if torchrun else "direct"
+    return [sys.executable, str(me), "start-ranks", how, str(nodes), str(per_node), rate or "", *program]
+
+
+def torchrun_on_node(node, nodes, per_node, program):
+    """torchrun on one node, as a user starts it on each machine (`--redirects 1 --tee 1`: Debian's
+    torch 1.13 fails on Python 3.11 with its default of 0)."""
+    return ["torchrun", "--nnodes", str(nodes), "--nproc_per_node", str(per_node), "--node_rank", str(node),
+            "--master_addr", address(0), "--master_port", str(TORCHRUN_STYLE_PORT), "--redirects", "1", "--tee", "1",
+            "--no_python", *program]
 
 
 def start_ranks(argv):
-    """`start-ranks NODES PER_NODE RATE PROGRAM...`: every rank in its node, each told its place as
-    torchrun tells it; their output, each line prefixed with the rank; the first failure's status
-    (the others are stopped 5 s after it, as torchrun does)."""
-    nodes, per_node, rate, program = int(argv[0]), int(argv[1]), argv[2], argv[3:]
+    """`start-ranks direct|torchrun NODES PER_NODE RATE PROGRAM...`: every rank in its node, each
+    told its place as torchrun tells it (direct), or one torchrun per node; their output, each line
+    prefixed with the rank (or node); the first failure's status (the others are stopped 5 s after
+    it, as torchrun does)."""
+    how, nodes, per_node, rate, program = argv[0], int(argv[1]), int(argv[2]), argv[3], argv[4:]
     me = pathlib.Path(__file__).resolve()
     env = dict(os.environ, WORLD_SIZE=str(nodes * per_node), LOCAL_WORLD_SIZE=str(per_node),
                MASTER_ADDR=address(0), MASTER_PORT=str(TORCHRUN_STYLE_PORT), GRADSYNC_TEST_NODES=str(nodes),
@@ -189,21 +201,27 @@ def start_ranks(argv):
     if rate:
         env["GRADSYNC_TEST_LINK_RATE"] = rate
     procs = []
-    for rank in range(nodes * per_node):
-        node = rank // per_node
-        procs.append(subprocess.Popen([sys.executable, str(me), "agent", address(node), shlex.join(program)],
-                                      env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank % per_node)),
+    if how == "torchrun":  # torchrun sets the places itself
+        for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(name)
+        starts = [(f"node {node}", address(node), torchrun_on_node(node, nodes, per_node, program), env)
+                  for node in range(nodes)]
+    else:
+        starts = [(f"rank {rank}", address(rank // per_node), program,
+                   dict(env, RANK=str(rank), LOCAL_RANK=str(rank % per_node))) for rank in range(nodes * per_node)]
+    for _, host, command, environment in starts:
+        procs.append(subprocess.Popen([sys.executable, str(me), "agent", host, shlex.join(command)], env=environment,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
                                       start_new_session=True))
     lock = threading.Lock()
 
-    def relay(rank, proc):
+    def relay(name, proc):
         for line in proc.stdout:
             with lock:
-                sys.stdout.write(f"[rank {rank}] {line}")
+                sys.stdout.write(f"[{name}] {line}")
                 sys.stdout.flush()
 
-    relays = [threading.Thread(target=relay, args=(r, p)) for r, p in enumerate(procs)]
+    relays = [threading.Thread(target=relay, args=(start[0], p)) for start, p in zip(starts, procs)]
     for t in relays:
         t.start()
     status, stop_at = 0, None
@@ -283,6 +301,7 @@ def main():
                         help="count the seconds of --cut-link or --kill-node from the first line matching")
     parser.add_argument("--torchrun-style", action="store_true",
                         help="start the ranks without mpirun, as torchrun does (MPI joins them)")
+    parser.add_argument("--torchrun", action="store_true", help="start them with torchrun, one per node")
     parser.add_argument("--grace", type=float, default=30,
                         help="seconds after a cut that mpirun may go on waiting for the lost node")
     argv = sys.argv[1:]
@@ -310,8 +329,11 @@ def main():
         up(args.nodes, args.rate, args.same_hostname)
         print(f"nodes.py: {args.nodes} nodes x {args.per_node} ranks" + (f", links at {args.rate}" if args.rate else ""),
               flush=True)
-        launch = torchrun_style_command if args.torchrun_style else mpirun_command
-        return run(launch(args.nodes, args.per_node, program, args.rate), args, program)
+        if args.torchrun_style or args.torchrun:
+            command = torchrun_style_command(args.nodes, args.per_node, program, args.rate, args.torchrun)
+        else:
+            command = mpirun_command(args.nodes, args.per_node, program, args.rate)
+        return run(command, args, program)
     finally:
         down()
 
