@@ -2666,6 +2666,7 @@ public:
             int status = 0;
             if (::waitpid(pid_, &status, WNOHANG) == pid_) {
                 pid_ = -1;
+                remove_folder();
                 const bool missing = WIFEXITED(status) && WEXITSTATUS(status) == 127;
                 throw CollectiveError(who + ": ompi-server, Open MPI's name server, " +
                                       (missing ? "is not on PATH (Debian: openmpi-bin)" : "ended at its start") +
