@@ -16,7 +16,9 @@
 #include <string>
 #include <vector>
 
-namespace {
+// Named, and around the test cases too, so that its names hide those of test files a unity build
+// puts beside it.
+namespace process_groups {
 
 using gradsync_test::data_seed;
 using gradsync_test::model_seed;
@@ -30,8 +32,6 @@ constexpr int shards = 2;    // the model dimension: shard = job rank % 2
 constexpr int replicas = 2;  // the data-parallel dimension: ranks {s, s + 2} train shard s
 
 std::string shard_group_name(int colour) { return "replicas of shard " + std::to_string(colour); }
-
-}  // namespace
 
 TEST_CASE("process groups: 4 ranks as 2 data-parallel groups of 2, each group == one process on its global batch") {
     const std::vector<int> colours = {0, 1, 0, 1};  // job rank r holds shard r % 2
@@ -150,3 +150,5 @@ TEST_CASE("process groups: a label lists a large group's job ranks in short") {
     CHECK_FALSE(gradsync::group_label("x", {1, 0}, 2).whole_job());  // renumbered: worth naming
     CHECK(gradsync::group_label("x", {1, 0}, 2).who(0) == "gradsync: rank 0 of the group \"x\" (job ranks 1, 0)");
 }
+
+}  // namespace process_groups
