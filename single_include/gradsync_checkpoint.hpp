@@ -5054,6 +5054,38 @@ private:
 // step written so far. A value that is not finite is written null (JSON has no infinity or NaN).
 
 
+// ---- begin gradsync/metrics/metrics_file.hpp ----
+#ifndef GRADSYNC_SINGLE_METRICS_METRICS_FILE_HPP
+#define GRADSYNC_SINGLE_METRICS_METRICS_FILE_HPP
+// The file a metrics writer appends its records to: opened with an error that names it, closed
+// when the writer goes.
+
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>  // for std::strerror
+#include <memory>
+#include <string>
+
+namespace gradsync::inline v0::detail {
+
+struct CloseFile {
+    void operator()(std::FILE* f) const { std::fclose(f); }
+};
+using MetricsFile = std::unique_ptr<std::FILE, CloseFile>;
+
+// Opens `path` with fopen's `mode`; throws Error naming `what` and the path when it cannot.
+inline MetricsFile open_metrics_file(const std::string& path, const char* mode, const char* what) {
+    MetricsFile file(std::fopen(path.c_str(), mode));
+    if (!file)
+        throw Error(std::string("gradsync: cannot open the ") + what + " '" + path + "': " + std::strerror(errno));
+    return file;
+}
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_METRICS_METRICS_FILE_HPP
+// ---- end gradsync/metrics/metrics_file.hpp ----
+
 // ---- begin gradsync/metrics/step_metrics.hpp ----
 #ifndef GRADSYNC_SINGLE_METRICS_STEP_METRICS_HPP
 #define GRADSYNC_SINGLE_METRICS_STEP_METRICS_HPP
@@ -5106,12 +5138,9 @@ struct NoMetrics {
 // ---- end gradsync/metrics/step_metrics.hpp ----
 
 #include <charconv>  // for std::to_chars
-#include <cerrno>
-#include <cmath>  // for std::isfinite
+#include <cmath>     // for std::isfinite
 #include <cstdint>
 #include <cstdio>
-#include <cstring>  // for std::strerror
-#include <memory>
 #include <span>
 #include <string>
 #include <string_view>
@@ -5121,9 +5150,8 @@ namespace gradsync::inline v0 {
 class JsonLinesFile {
 public:
     // Opens `path` to append (creating it); throws Error naming the path when it cannot.
-    explicit JsonLinesFile(std::string path) : path_(std::move(path)), file_(std::fopen(path_.c_str(), "ab")) {
-        if (!file_) throw Error("gradsync: cannot open the metrics file '" + path_ + "': " + std::strerror(errno));
-    }
+    explicit JsonLinesFile(std::string path)
+        : path_(std::move(path)), file_(detail::open_metrics_file(path_, "ab", "metrics file")) {}
 
     // One line: {"step":step, name:value, ...}. Returns false when the write failed.
     bool write(std::uint64_t step, std::span<const NamedScalar> values) {
@@ -5164,11 +5192,8 @@ private:
         }
     }
 
-    struct Close {
-        void operator()(std::FILE* f) const { std::fclose(f); }
-    };
     std::string path_;
-    std::unique_ptr<std::FILE, Close> file_;
+    detail::MetricsFile file_;
 };
 
 }  // namespace gradsync::inline v0
@@ -5192,7 +5217,6 @@ private:
 #include <cstdio>
 #include <cstring>  // for std::memcpy, std::strerror
 #include <filesystem>
-#include <memory>
 #include <span>
 #include <string>
 #include <string_view>
@@ -5284,9 +5308,7 @@ public:
              ("events.out.tfevents." + std::to_string(std::chrono::duration_cast<std::chrono::seconds>(now).count()) +
               "." + host + "." + std::to_string(getpid()) + ".gradsync"))
                 .string();
-        file_.reset(std::fopen(path_.c_str(), "wb"));
-        if (!file_)
-            throw Error("gradsync: cannot open the TensorBoard event file '" + path_ + "': " + std::strerror(errno));
+        file_ = detail::open_metrics_file(path_, "wb", "TensorBoard event file");
         detail::ProtoWriter event;
         event.float64(1, wall_time());
         event.bytes(3, "brain.Event:2");  // file_version
@@ -5332,11 +5354,8 @@ private:
                std::fflush(f) == 0;
     }
 
-    struct Close {
-        void operator()(std::FILE* f) const { std::fclose(f); }
-    };
     std::string path_;
-    std::unique_ptr<std::FILE, Close> file_;
+    detail::MetricsFile file_;
 };
 
 }  // namespace gradsync::inline v0
@@ -5361,16 +5380,31 @@ constexpr bool check_metrics_policy() {
     return true;
 }
 
-// The names a step's record gives the report's fields; a trainer's scalar may take none of them.
-inline constexpr std::string_view step_record_names[] = {
-    "applied",       "loss_scale", "next_loss_scale", "skipped_steps", "grad_norm",    "clipped",
-    "learning_rate", "overflowed", "step_seconds",    "sync_seconds",  "bytes_reduced"};
+// A step's record: each field's name and its value in the report (`skipped`: steps skipped so
+// far). A trainer's scalar may take none of these names.
+struct StepRecordField {
+    std::string_view name;
+    double (*value)(const StepReport& report, std::uint64_t skipped);
+};
+inline constexpr StepRecordField step_record[] = {
+    {"applied", [](const StepReport& r, std::uint64_t) { return r.applied ? 1.0 : 0.0; }},
+    {"loss_scale", [](const StepReport& r, std::uint64_t) { return double{r.loss_scale}; }},
+    {"next_loss_scale", [](const StepReport& r, std::uint64_t) { return double{r.next_loss_scale}; }},
+    {"skipped_steps", [](const StepReport&, std::uint64_t skipped) { return static_cast<double>(skipped); }},
+    {"grad_norm", [](const StepReport& r, std::uint64_t) { return double{r.grad_norm}; }},
+    {"clipped", [](const StepReport& r, std::uint64_t) { return r.clipped ? 1.0 : 0.0; }},
+    {"learning_rate", [](const StepReport& r, std::uint64_t) { return double{r.learning_rate}; }},
+    {"overflowed", [](const StepReport& r, std::uint64_t) { return static_cast<double>(r.overflowed.size()); }},
+    {"step_seconds", [](const StepReport& r, std::uint64_t) { return r.step_seconds; }},
+    {"sync_seconds", [](const StepReport& r, std::uint64_t) { return r.sync_seconds; }},
+    {"bytes_reduced", [](const StepReport& r, std::uint64_t) { return static_cast<double>(r.bytes_reduced); }},
+};
 
 // The trainer's scalar name: not empty, none of the record's own.
 inline void check_scalar_name(std::string_view name) {
     if (name.empty()) throw Error("gradsync: add_scalar needs a name");
-    for (auto own : step_record_names)
-        if (name == own)
+    for (const auto& own : step_record)
+        if (name == own.name)
             throw Error("gradsync: add_scalar(\"" + std::string(name) +
                         "\"): that name is one step() itself records; choose another");
 }
@@ -5424,17 +5458,9 @@ public:
         if constexpr (Policy::on) {
             if (!writing()) return;
             if (!report.applied) ++skipped_;
-            std::vector<NamedScalar> values = {{"applied", report.applied ? 1.0 : 0.0},
-                                               {"loss_scale", report.loss_scale},
-                                               {"next_loss_scale", report.next_loss_scale},
-                                               {"skipped_steps", static_cast<double>(skipped_)},
-                                               {"grad_norm", report.grad_norm},
-                                               {"clipped", report.clipped ? 1.0 : 0.0},
-                                               {"learning_rate", report.learning_rate},
-                                               {"overflowed", static_cast<double>(report.overflowed.size())},
-                                               {"step_seconds", report.step_seconds},
-                                               {"sync_seconds", report.sync_seconds},
-                                               {"bytes_reduced", static_cast<double>(report.bytes_reduced)}};
+            std::vector<NamedScalar> values;
+            for (const auto& field : step_record)
+                values.push_back({std::string(field.name), field.value(report, skipped_)});
             values.insert(values.end(), added_.begin(), added_.end());
             added_.clear();
             const bool written = json_ ? json_->write(report.step, values) : tensorboard_->write(report.step, values);
@@ -5508,7 +5534,7 @@ public:
     // writing them in flight after step() (ShardedOptions::gather_behind_forward) waits for them;
     // otherwise at once. A checkpoint calls it before it reads or writes the parameters.
     void wait_for_parameters() {
-        if constexpr (requires(Front & f) { f.gather_all(); }) guard([&] { front().gather_all(); });
+        if constexpr (gathers_behind()) guard([&] { front().parameter_gathers().wait_all(); });
     }
 
     // With StepMetrics: a scalar of the trainer's own (its loss, say), written with the next
@@ -5548,19 +5574,23 @@ public:
 protected:
     template <class... EngineArgs>
     FrontCore(Model& model, BackendT& backend, OptionsT options, Scaler scaler, EngineArgs&&... engine_args)
+        : FrontCore(Metrics{}, model, backend, std::move(options), std::move(scaler),
+                    std::forward<EngineArgs>(engine_args)...) {}
+    // From the policies a front was given, in any order, as its policy set `Set` finds them.
+    template <class Set, class... Policies>
+    FrontCore(Model& model, BackendT& backend, std::type_identity<Set>, const std::tuple<Policies...>& policies)
+        : FrontCore(Set::template value<Metrics>(policies), model, backend, Set::template value<OptionsT>(policies),
+                    Set::template value<Scaler>(policies), Set::template value<memory_type>(policies),
+                    Set::template value<comm_hook_type>(policies)) {}
+    template <class... EngineArgs>
+    FrontCore(const Metrics& metrics, Model& model, BackendT& backend, OptionsT options, Scaler scaler,
+              EngineArgs&&... engine_args)
         : model_(model),
           backend_(backend),
           options_(std::move(options)),
           scaler_(std::move(scaler)),
           engine_(backend, std::forward<EngineArgs>(engine_args)...),
-          metrics_(Metrics{}, backend.rank()) {}
-    // From the policies a front was given, in any order, as its policy set `Set` finds them.
-    template <class Set, class... Policies>
-    FrontCore(Model& model, BackendT& backend, std::type_identity<Set>, const std::tuple<Policies...>& policies)
-        : FrontCore(model, backend, Set::template value<OptionsT>(policies), Set::template value<Scaler>(policies),
-                    Set::template value<memory_type>(policies), Set::template value<comm_hook_type>(policies)) {
-        metrics_ = StepMetricsLog<Metrics>(Set::template value<Metrics>(policies), backend.rank());
-    }
+          metrics_(metrics, backend.rank()) {}
     ~FrontCore() = default;
 
     // For the front's destructor: callbacks stop, and a step cut short by an exception leaves no
@@ -5653,19 +5683,25 @@ protected:
 
 private:
     [[nodiscard]] Front& front() { return static_cast<Front&>(*this); }
+    // A front that leaves all-gathers in flight behind the next forward keeps them in a
+    // ParameterGathers (parameter_gathers.hpp): waited for, checked and drained from here too.
+    // (A function: asked once Front is complete.)
+    static constexpr bool gathers_behind() {
+        return requires(Front & f) { f.parameter_gathers(); };
+    }
 
     // What a failure or the destructor drains: the engine's collectives and those a front keeps
     // in flight between steps (the sharded front's all-gathers behind the next forward).
     struct InFlight {
         FrontCore& core;
         [[nodiscard]] bool in_flight() const {
-            if constexpr (requires(Front & f) { f.gathers_in_flight(); })
-                if (core.front().gathers_in_flight()) return true;
+            if constexpr (gathers_behind())
+                if (core.front().parameter_gathers().in_flight()) return true;
             return core.engine_.in_flight();
         }
         void drain(std::chrono::steady_clock::time_point deadline) {
             core.engine_.drain(deadline);
-            if constexpr (requires(Front & f) { f.drain_gathers(deadline); }) core.front().drain_gathers(deadline);
+            if constexpr (gathers_behind()) core.front().parameter_gathers().drain(deadline);
         }
     };
 
@@ -5673,8 +5709,8 @@ private:
     // launch(b) (under the readiness lock). A front whose forward waits for its parameters first
     // checks that p's were waited for (a parameter with a gradient was read).
     void mark(const std::variant<std::size_t, std::string>& found) {
-        if constexpr (requires(Front & f) { f.check_read(std::size_t{}); })
-            if (const auto* p = std::get_if<std::size_t>(&found); p && *p != ModelLayout::none) front().check_read(*p);
+        if constexpr (gathers_behind())
+            if (const auto* p = std::get_if<std::size_t>(&found)) front().parameter_gathers().check_read(*p);
         mark_ready(
             readiness_, layout_, found, [this](std::size_t b) { front().launch(b); }, [this] { return where(); });
     }
@@ -8622,6 +8658,7 @@ private:
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <span>
 #include <string>
@@ -8630,79 +8667,13 @@ private:
 
 namespace gradsync::inline v0::detail {
 
-template <class Handle>
-class ParameterGathers {
-    using clock = std::chrono::steady_clock;
-
-public:
-    // The buckets of `plan` over `params` parameters. Between steps.
-    void plan(const BucketPlan& plan, std::size_t params) {
-        const std::size_t buckets = plan.buckets.size();
-        bucket_of_.assign(params, 0);
-        std::vector<std::size_t> first(buckets, params);
-        for (std::size_t b = 0; b < buckets; ++b)
-            for (auto p : plan.buckets[b].parameters) {
-                bucket_of_[p] = b;
-                first[b] = std::min(first[b], p);
-            }
-        first_ = first;
-        order_.resize(buckets);
-        for (std::size_t b = 0; b < buckets; ++b) order_[b] = b;
-        std::sort(order_.begin(), order_.end(), [&](std::size_t x, std::size_t y) { return first[x] < first[y]; });
-        handles_.clear();
-        handles_.resize(buckets);
-    }
-
-    // The buckets in the order the forward reads them: the order their all-gathers go in.
-    [[nodiscard]] std::span<const std::size_t> order() const { return order_; }
-    [[nodiscard]] std::size_t bucket_of(std::size_t parameter) const { return bucket_of_[parameter]; }
-    // The parameter of bucket b the forward reads first.
-    [[nodiscard]] std::size_t first_of(std::size_t b) const { return first_[b]; }
-
-    // Bucket b's all-gather is in flight (`handle`) and is to be waited for before the forward
-    // reads its parameters.
-    void launched(std::size_t b, Handle handle) { handles_[b].emplace(std::move(handle)); }
-    [[nodiscard]] bool pending(std::size_t b) const { return handles_[b].has_value(); }
-    // The first bucket, in forward order, still to be waited for.
-    [[nodiscard]] std::optional<std::size_t> first_pending() const {
-        for (auto b : order_)
-            if (pending(b)) return b;
-        return std::nullopt;
-    }
-
-    // Waits for bucket b's all-gather by `deadline` (late(b): the TimeoutError's message), then
-    // finish(b) (on the packed path, the copy into the model). Nothing when b is not pending.
-    template <class Finish, class Late>
-    void wait(std::size_t b, clock::time_point deadline, Finish&& finish, Late&& late) {
-        if (!pending(b)) return;
-        if (!handles_[b]->wait_until(deadline)) throw TimeoutError(late(b));
-        finish(b);
-        handles_[b].reset();
-    }
-    // ...every pending bucket, in forward order.
-    template <class Finish, class Late>
-    void wait_all(clock::time_point deadline, Finish&& finish, Late&& late) {
-        for (auto b : order_) wait(b, deadline, finish, late);
-    }
-
-    [[nodiscard]] bool in_flight() const { return first_pending().has_value(); }
-    // After a failure: waits for the all-gathers in flight until `deadline`, ignoring their
-    // errors (after an abort they end at once); the parameters are then unspecified.
-    void drain(clock::time_point deadline) {
-        for (auto& h : handles_) {
-            try {
-                if (h) (void)h->wait_until(deadline);
-            } catch (...) {
-            }
-            h.reset();
-        }
-    }
-
-private:
-    std::vector<std::size_t> bucket_of_;
-    std::vector<std::size_t> first_;
-    std::vector<std::size_t> order_;
-    std::vector<std::optional<Handle>> handles_;  // a bucket's, until it is waited for
+// What the waits need of the front that owns them (once per bucket and step: no hot path).
+struct GatherContext {
+    std::function<std::string()> where;                      // rank and step, to begin messages
+    std::function<std::string(std::size_t)> parameter_name;  // of parameter p
+    std::function<std::uint64_t()> steps;                    // steps completed: the last launched them
+    std::function<void(std::size_t)> unpack;  // after bucket b is waited for; empty where they lie in place
+    std::chrono::milliseconds timeout{};
 };
 
 // What a rank whose forward read parameter `name` without waiting for it is told, where it was
@@ -8721,6 +8692,96 @@ inline std::string late_gather(const std::string& where, std::size_t b, const st
            "', ...) launched by step " + std::to_string(step) + " did not complete within " +
            std::to_string(timeout.count()) + " ms; a rank may have stopped before it";
 }
+
+template <class Handle>
+class ParameterGathers {
+    using clock = std::chrono::steady_clock;
+
+public:
+    // The buckets of `plan` over `params` parameters. Between steps.
+    void plan(const BucketPlan& plan, std::size_t params, GatherContext context) {
+        context_ = std::move(context);
+        const std::size_t buckets = plan.buckets.size();
+        bucket_of_.assign(params, 0);
+        std::vector<std::size_t> first(buckets, params);
+        for (std::size_t b = 0; b < buckets; ++b)
+            for (auto p : plan.buckets[b].parameters) {
+                bucket_of_[p] = b;
+                first[b] = std::min(first[b], p);
+            }
+        first_ = first;
+        order_.resize(buckets);
+        for (std::size_t b = 0; b < buckets; ++b) order_[b] = b;
+        std::sort(order_.begin(), order_.end(), [&](std::size_t x, std::size_t y) { return first[x] < first[y]; });
+        handles_.clear();
+        handles_.resize(buckets);
+    }
+
+    // The buckets in the order the forward reads them: the order their all-gathers go in.
+    [[nodiscard]] std::span<const std::size_t> order() const { return order_; }
+
+    // Bucket b's all-gather is in flight (`handle`) and is to be waited for before the forward
+    // reads its parameters.
+    void launched(std::size_t b, Handle handle) { handles_[b].emplace(std::move(handle)); }
+    [[nodiscard]] bool pending(std::size_t b) const { return handles_[b].has_value(); }
+    // The first bucket, in forward order, still to be waited for.
+    [[nodiscard]] std::optional<std::size_t> first_pending() const {
+        for (auto b : order_)
+            if (pending(b)) return b;
+        return std::nullopt;
+    }
+
+    // Waits for the all-gather of the bucket that holds parameter p (ModelLayout::none: none), then
+    // unpacks it; a TimeoutError past the timeout names the bucket.
+    void wait_for_parameter(std::size_t p) {
+        if (p < bucket_of_.size()) wait(bucket_of_[p], deadline_after(context_.timeout));
+    }
+    // ...for every bucket, in forward order, by one deadline.
+    void wait_all() {
+        const auto deadline = deadline_after(context_.timeout);
+        for (auto b : order_) wait(b, deadline);
+    }
+    // Parameter p has a gradient, so the forward read it: its bucket must have been waited for.
+    void check_read(std::size_t p) const {
+        if (p < bucket_of_.size() && pending(bucket_of_[p])) throw unwaited(p, "its gradient came");
+    }
+    // At step(): every bucket must have been waited for (the forward read them all).
+    void check_all_waited() const {
+        if (const auto b = first_pending()) throw unwaited(first_[*b], "step()");
+    }
+
+    [[nodiscard]] bool in_flight() const { return first_pending().has_value(); }
+    // After a failure: waits for the all-gathers in flight until `deadline`, ignoring their
+    // errors (after an abort they end at once); the parameters are then unspecified.
+    void drain(clock::time_point deadline) {
+        for (auto& h : handles_) {
+            try {
+                if (h) (void)h->wait_until(deadline);
+            } catch (...) {
+            }
+            h.reset();
+        }
+    }
+
+private:
+    void wait(std::size_t b, clock::time_point deadline) {
+        if (!pending(b)) return;
+        if (!handles_[b]->wait_until(deadline))
+            throw TimeoutError(late_gather(context_.where(), b, context_.parameter_name(first_[b]), context_.steps(),
+                                           context_.timeout));
+        if (context_.unpack) context_.unpack(b);
+        handles_[b].reset();
+    }
+    [[nodiscard]] ReadinessError unwaited(std::size_t p, const char* found_at) const {
+        return ReadinessError(unwaited_parameter(context_.where(), context_.parameter_name(p), found_at));
+    }
+
+    GatherContext context_;
+    std::vector<std::size_t> bucket_of_;
+    std::vector<std::size_t> first_;
+    std::vector<std::size_t> order_;
+    std::vector<std::optional<Handle>> handles_;  // a bucket's, until it is waited for
+};
 
 }  // namespace gradsync::inline v0::detail
 #endif  // GRADSYNC_SINGLE_DATA_PARALLEL_PARAMETER_GATHERS_HPP
@@ -9399,7 +9460,8 @@ constexpr bool check_sharded_backend() {
 // `hooked`).
 template <class Bucketer, class Scaler>
 SetupProblems sharded_setup_problems(int rank, const ModelLayout& layout, const ShardedOptions& options,
-                                     const Bucketer& bucketer, const Scaler& scaler, bool releasable, bool hooked) {
+                                     const Bucketer& bucketer, const Scaler& scaler, bool releasable, bool hooked,
+                                     bool stream_ordered) {
     SetupProblems problems(rank);
     for (const auto& p : layout.params)
         if (p.dtype != DType::float32)
@@ -9418,6 +9480,10 @@ SetupProblems sharded_setup_problems(int rank, const ModelLayout& layout, const 
         problems.configuration(
             "ShardedOptions::release_gradients keeps each bucket's share as soon as it is reduced, and a "
             "communication hook finishes its buckets only at step(): use one or the other");
+    if (options.gather_behind_forward && stream_ordered)
+        problems.configuration(
+            "ShardedOptions::gather_behind_forward needs a host backend (LocalBackend, MpiBackend): on a device "
+            "stream the all-gathers are already queued behind the optimizer and ahead of the next forward");
     return problems;
 }
 
@@ -9442,6 +9508,7 @@ std::vector<Setting> sharded_settings(const ShardedOptions& options, const Bucke
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <span>
 #include <string>
@@ -9530,7 +9597,7 @@ public:
     // the forward are waited for (every rank launched them: no abort).
     ~ShardedDataParallel() {
         try {
-            gather_all();
+            gathers_.wait_all();
         } catch (...) {  // a destructor must not throw; leave() aborts what is still in flight
         }
         this->leave("ShardedDataParallel");
@@ -9568,14 +9635,11 @@ private:
         static_assert(detail::check_sharded_backend<BackendT, memory_type, comm_hook_type>());
         static_assert(detail::check_model_access<Model>());
         layout_ = detail::ModelLayout::of(model_, /*with_buffers=*/true);
-        auto problems = detail::sharded_setup_problems(rank(), layout_, options_, bucketer, scaler_,
-                                                       ReleasableGradients<Model>, comm_hook_type::hooked);
+        auto problems =
+            detail::sharded_setup_problems(rank(), layout_, options_, bucketer, scaler_, ReleasableGradients<Model>,
+                                           comm_hook_type::hooked, StreamOrdered<BackendT>);
         problems.configuration(detail::stream_problem(backend_, engine_.memory()));
         problems.configuration(this->metrics_problem());
-        if (StreamOrdered<BackendT> && options_.gather_behind_forward)
-            problems.configuration(
-                "ShardedOptions::gather_behind_forward needs a host backend (LocalBackend, MpiBackend): on a device "
-                "stream the all-gathers are already queued behind the optimizer and ahead of the next forward");
         plan_ = problems.any() ? BucketPlan{} : bucketer.plan(layout_.params, {});
         detail::agree_on_layout(
             backend_, layout_.params, layout_.buffers, plan_,
@@ -9591,7 +9655,9 @@ private:
             [this](std::size_t b) { return reinterpret_cast<float*>(engine_.reduced_buffer(b)); }, released_.store());
         this->storage_.reset(plan_.buckets.size());
         readiness_.plan(plan_, layout_.params.size());
-        gathers_.plan(plan_, layout_.params.size());
+        gathers_.plan(plan_, layout_.params.size(),
+                      {[this] { return this->where(); }, [this](std::size_t p) { return parameters()[p].name; },
+                       [this] { return this->steps(); }, unpack(), options_.timeout});
     }
 
     template <class Optimizer>
@@ -9599,9 +9665,7 @@ private:
         StepReport report;
         const std::int64_t step = this->current_step();
         report.step = static_cast<std::uint64_t>(step);
-        if (const auto b = gathers_.first_pending())
-            throw ReadinessError(
-                detail::unwaited_parameter(this->where(), parameters()[gathers_.first_of(*b)].name, "step()"));
+        gathers_.check_all_waited();
         // The buckets grad_ready did not launch go now, on this thread, bucket after bucket (a
         // progress thread would only compete with this one for the cores); then every bucket is
         // waited for and its share kept.
@@ -9658,32 +9722,17 @@ private:
         });
     }
 
-    // All-gathers behind the forward (FrontCore's wait_for_parameters, check_read and InFlight
-    // call these).
+    // All-gathers behind the forward (FrontCore waits for, checks and drains them too).
     void gather(const std::variant<std::size_t, std::string>& found) {
-        const auto p = detail::named_parameter(found, [this] { return this->where(); });
-        if (p != detail::ModelLayout::none) gathers_.wait(gathers_.bucket_of(p), gather_deadline(), unpack(), late());
+        gathers_.wait_for_parameter(detail::named_parameter(found, [this] { return this->where(); }));
     }
-    void gather_all() { gathers_.wait_all(gather_deadline(), unpack(), late()); }
-    [[nodiscard]] bool gathers_in_flight() const { return gathers_.in_flight(); }
-    void drain_gathers(std::chrono::steady_clock::time_point deadline) { gathers_.drain(deadline); }
-    // Parameter p has a gradient, so the forward read it: its bucket must have been waited for.
-    void check_read(std::size_t p) {
-        if (gathers_.pending(gathers_.bucket_of(p)))
-            throw ReadinessError(detail::unwaited_parameter(this->where(), parameters()[p].name, "its gradient came"));
-    }
-    [[nodiscard]] auto gather_deadline() const { return detail::deadline_after(options_.timeout); }
+    auto& parameter_gathers() { return gathers_; }
     // The packed path copies a gathered bucket into the model; in place there is nothing to do.
-    [[nodiscard]] auto unpack() const {
-        return [this](std::size_t b) {
-            if constexpr (!in_place) shards_.unpack_params(b);
-        };
-    }
-    [[nodiscard]] auto late() const {
-        return [this](std::size_t b) {
-            return detail::late_gather(this->where(), b, parameters()[gathers_.first_of(b)].name, this->steps(),
-                                       options_.timeout);
-        };
+    [[nodiscard]] std::function<void(std::size_t)> unpack() const {
+        if constexpr (in_place)
+            return {};
+        else
+            return [this](std::size_t b) { shards_.unpack_params(b); };
     }
 
     // Nothing ready, nothing launched.
@@ -9727,6 +9776,56 @@ private:
 // file or the new one, never a mixture. Not included by <gradsync/gradsync.hpp>: it needs
 // nlohmann/json (Debian: nlohmann-json3-dev), for the header only.
 
+
+// ---- begin gradsync/detail/file_descriptor.hpp ----
+#ifndef GRADSYNC_SINGLE_DETAIL_FILE_DESCRIPTOR_HPP
+#define GRADSYNC_SINGLE_DETAIL_FILE_DESCRIPTOR_HPP
+// A POSIX file descriptor that closes itself: a file the checkpoint writer opened, a socket the
+// MPI name server's announcer listens on.
+
+
+#include <fcntl.h>   // for open
+#include <unistd.h>  // for close
+
+#include <filesystem>
+#include <utility>  // for std::exchange
+
+namespace gradsync::inline v0::detail {
+
+class FileDescriptor {
+public:
+    FileDescriptor() = default;
+    explicit FileDescriptor(int fd) : fd_(fd) {}
+    // Opens `path` close-on-exec (a file it creates gets mode 0644); is_open() says whether it did.
+    FileDescriptor(const std::filesystem::path& path, int flags) : fd_(::open(path.c_str(), flags | O_CLOEXEC, 0644)) {}
+    FileDescriptor(FileDescriptor&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
+    FileDescriptor& operator=(FileDescriptor&& other) noexcept {
+        if (this != &other) {
+            reset();
+            fd_ = std::exchange(other.fd_, -1);
+        }
+        return *this;
+    }
+    FileDescriptor(const FileDescriptor&) = delete;
+    FileDescriptor& operator=(const FileDescriptor&) = delete;
+    ~FileDescriptor() { reset(); }
+
+    [[nodiscard]] int fd() const { return fd_; }
+    [[nodiscard]] bool is_open() const { return fd_ >= 0; }
+    void reset() {
+        if (fd_ >= 0) ::close(fd_);
+        fd_ = -1;
+    }
+    // Closes now, reporting the error close() may have kept from an earlier write.
+    bool close() { return ::close(std::exchange(fd_, -1)) == 0; }
+
+private:
+    int fd_ = -1;
+};
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_DETAIL_FILE_DESCRIPTOR_HPP
+// ---- end gradsync/detail/file_descriptor.hpp ----
 
 #include <nlohmann/json.hpp>
 
@@ -9794,32 +9893,6 @@ inline std::optional<DType> dtype_from_safetensors(const std::string& s) {
 
 inline std::string errno_text() { return std::strerror(errno); }
 
-// A file descriptor that closes itself.
-class File {
-public:
-    File() = default;
-    File(const std::filesystem::path& path, int flags) : fd_(::open(path.c_str(), flags | O_CLOEXEC, 0644)) {}
-    File(const File&) = delete;
-    File& operator=(const File&) = delete;
-    File& operator=(File&& o) noexcept {
-        if (this != &o) {
-            if (fd_ >= 0) ::close(fd_);
-            fd_ = std::exchange(o.fd_, -1);
-        }
-        return *this;
-    }
-    ~File() {
-        if (fd_ >= 0) ::close(fd_);
-    }
-    [[nodiscard]] int fd() const { return fd_; }
-    [[nodiscard]] bool is_open() const { return fd_ >= 0; }
-    // Closes now, reporting the error close() may have kept from an earlier write.
-    bool close() { return ::close(std::exchange(fd_, -1)) == 0; }
-
-private:
-    int fd_ = -1;
-};
-
 }  // namespace detail
 
 // Writes `tensors` (names unique) and `metadata` to `path` in the safetensors format, atomically:
@@ -9856,10 +9929,10 @@ inline void write_safetensors(const std::filesystem::path& path, std::span<const
     const std::string where = " (writing checkpoint " + path.string() + ")";
     static std::atomic<std::uint64_t> sequence{0};
     std::filesystem::path tmp;
-    detail::File file;
+    detail::FileDescriptor file;
     for (int attempt = 0; !file.is_open(); ++attempt) {
         tmp = path.string() + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(sequence.fetch_add(1));
-        file = detail::File(tmp, O_WRONLY | O_CREAT | O_EXCL);
+        file = detail::FileDescriptor(tmp, O_WRONLY | O_CREAT | O_EXCL);
         if (!file.is_open() && (errno != EEXIST || attempt > 100))
             throw CheckpointError("gradsync: cannot create " + tmp.string() + ": " + detail::errno_text());
     }
@@ -9891,7 +9964,7 @@ inline void write_safetensors(const std::filesystem::path& path, std::span<const
     }
     // The rename is durable once the directory is.
     auto dir = path.parent_path();
-    detail::File directory(dir.empty() ? std::filesystem::path(".") : dir, O_RDONLY | O_DIRECTORY);
+    detail::FileDescriptor directory(dir.empty() ? std::filesystem::path(".") : dir, O_RDONLY | O_DIRECTORY);
     if (!directory.is_open() || ::fsync(directory.fd()) != 0)
         throw CheckpointError("gradsync: fsync of the directory failed: " + detail::errno_text() + where);
 }

@@ -2554,6 +2554,56 @@ inline void yield_when_oversubscribed([[maybe_unused]] const ProcessPlace& launc
 // (OMPI_MCA_pmix_server_uri) before MPI_Init, and the join goes on as with a server of the user's.
 
 
+// ---- begin gradsync/detail/file_descriptor.hpp ----
+#ifndef GRADSYNC_SINGLE_DETAIL_FILE_DESCRIPTOR_HPP
+#define GRADSYNC_SINGLE_DETAIL_FILE_DESCRIPTOR_HPP
+// A POSIX file descriptor that closes itself: a file the checkpoint writer opened, a socket the
+// MPI name server's announcer listens on.
+
+
+#include <fcntl.h>   // for open
+#include <unistd.h>  // for close
+
+#include <filesystem>
+#include <utility>  // for std::exchange
+
+namespace gradsync::inline v0::detail {
+
+class FileDescriptor {
+public:
+    FileDescriptor() = default;
+    explicit FileDescriptor(int fd) : fd_(fd) {}
+    // Opens `path` close-on-exec (a file it creates gets mode 0644); is_open() says whether it did.
+    FileDescriptor(const std::filesystem::path& path, int flags) : fd_(::open(path.c_str(), flags | O_CLOEXEC, 0644)) {}
+    FileDescriptor(FileDescriptor&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
+    FileDescriptor& operator=(FileDescriptor&& other) noexcept {
+        if (this != &other) {
+            reset();
+            fd_ = std::exchange(other.fd_, -1);
+        }
+        return *this;
+    }
+    FileDescriptor(const FileDescriptor&) = delete;
+    FileDescriptor& operator=(const FileDescriptor&) = delete;
+    ~FileDescriptor() { reset(); }
+
+    [[nodiscard]] int fd() const { return fd_; }
+    [[nodiscard]] bool is_open() const { return fd_ >= 0; }
+    void reset() {
+        if (fd_ >= 0) ::close(fd_);
+        fd_ = -1;
+    }
+    // Closes now, reporting the error close() may have kept from an earlier write.
+    bool close() { return ::close(std::exchange(fd_, -1)) == 0; }
+
+private:
+    int fd_ = -1;
+};
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_DETAIL_FILE_DESCRIPTOR_HPP
+// ---- end gradsync/detail/file_descriptor.hpp ----
+
 #include <fcntl.h>  // for open
 #include <netdb.h>  // for getaddrinfo
 #include <netinet/in.h>
@@ -2607,30 +2657,6 @@ inline std::optional<NameServerAddress> name_server_address(const std::string& w
                                  " (MPI's name server is served on MASTER_PORT + 2)");
     return NameServerAddress{*addr, static_cast<int>(number) + name_server_port_offset};
 }
-
-// A socket or file descriptor, closed when it goes.
-class Descriptor {
-public:
-    explicit Descriptor(int fd = -1) : fd_(fd) {}
-    Descriptor(Descriptor&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
-    Descriptor& operator=(Descriptor&& other) noexcept {
-        if (this != &other) {
-            reset();
-            fd_ = std::exchange(other.fd_, -1);
-        }
-        return *this;
-    }
-    ~Descriptor() { reset(); }
-    void reset() {
-        if (fd_ >= 0) ::close(fd_);
-        fd_ = -1;
-    }
-    [[nodiscard]] int get() const { return fd_; }
-    [[nodiscard]] bool valid() const { return fd_ >= 0; }
-
-private:
-    int fd_;
-};
 
 // Rank 0's ompi-server, stopped when this goes (after MPI_Finalize: the ranks' names live there
 // while the world does). On Linux it also ends when the thread that started it ends.
@@ -2713,7 +2739,7 @@ class NameServerAnnouncer {
 public:
     NameServerAnnouncer(int port, std::string message, const std::string& who) : message_(std::move(message)) {
         listener_ = listen_on(port);
-        if (!listener_.valid())
+        if (!listener_.is_open())
             throw CollectiveError(who + ": cannot serve the MPI name server's address on port " + std::to_string(port) +
                                   " (MASTER_PORT + 2): " + std::strerror(errno) +
                                   ". Choose another MASTER_PORT, or name a server of your own in "
@@ -2729,42 +2755,42 @@ public:
 
 private:
     // Every address of this machine, IPv6 and IPv4 where the host has both.
-    static Descriptor listen_on(int port) {
+    static FileDescriptor listen_on(int port) {
         const int yes = 1, no = 0;
-        Descriptor fd(::socket(AF_INET6, SOCK_STREAM | SOCK_CLOEXEC, 0));
-        if (fd.valid()) {
-            ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
-            ::setsockopt(fd.get(), IPPROTO_IPV6, IPV6_V6ONLY, &no, sizeof no);
+        FileDescriptor fd(::socket(AF_INET6, SOCK_STREAM | SOCK_CLOEXEC, 0));
+        if (fd.is_open()) {
+            ::setsockopt(fd.fd(), SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
+            ::setsockopt(fd.fd(), IPPROTO_IPV6, IPV6_V6ONLY, &no, sizeof no);
             sockaddr_in6 address{};
             address.sin6_family = AF_INET6;
             address.sin6_addr = in6addr_any;
             address.sin6_port = htons(static_cast<std::uint16_t>(port));
-            if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&address), sizeof address) == 0 &&
-                ::listen(fd.get(), 64) == 0)
+            if (::bind(fd.fd(), reinterpret_cast<sockaddr*>(&address), sizeof address) == 0 &&
+                ::listen(fd.fd(), 64) == 0)
                 return fd;
-            if (errno == EADDRINUSE) return Descriptor{};
+            if (errno == EADDRINUSE) return FileDescriptor{};
         }
-        fd = Descriptor(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));  // a host without IPv6
-        if (!fd.valid()) return fd;
-        ::setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
+        fd = FileDescriptor(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));  // a host without IPv6
+        if (!fd.is_open()) return fd;
+        ::setsockopt(fd.fd(), SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
         sockaddr_in address{};
         address.sin_family = AF_INET;
         address.sin_addr.s_addr = htonl(INADDR_ANY);
         address.sin_port = htons(static_cast<std::uint16_t>(port));
-        if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&address), sizeof address) != 0 || ::listen(fd.get(), 64) != 0)
-            return Descriptor{};
+        if (::bind(fd.fd(), reinterpret_cast<sockaddr*>(&address), sizeof address) != 0 || ::listen(fd.fd(), 64) != 0)
+            return FileDescriptor{};
         return fd;
     }
 
     void serve() {
         while (!stop_) {
-            pollfd ready{listener_.get(), POLLIN, 0};
+            pollfd ready{listener_.fd(), POLLIN, 0};
             if (::poll(&ready, 1, 50) <= 0) continue;
-            Descriptor peer(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
-            if (!peer.valid()) continue;
+            FileDescriptor peer(::accept4(listener_.fd(), nullptr, nullptr, SOCK_CLOEXEC));
+            if (!peer.is_open()) continue;
             std::size_t sent = 0;
             while (sent < message_.size()) {
-                const auto n = ::send(peer.get(), message_.data() + sent, message_.size() - sent, MSG_NOSIGNAL);
+                const auto n = ::send(peer.fd(), message_.data() + sent, message_.size() - sent, MSG_NOSIGNAL);
                 if (n <= 0) break;
                 sent += static_cast<std::size_t>(n);
             }
@@ -2772,7 +2798,7 @@ private:
     }
 
     std::string message_;
-    Descriptor listener_;
+    FileDescriptor listener_;
     std::atomic<bool> stop_{false};
     std::thread thread_;
 };
@@ -2788,15 +2814,15 @@ inline std::string fetch_message(const NameServerAddress& at, const std::string&
         throw ConfigurationError(who + ": MASTER_ADDR='" + at.host + "' names no address: " + ::gai_strerror(rc));
     std::unique_ptr<addrinfo, void (*)(addrinfo*)> list(found, ::freeaddrinfo);
     for (const addrinfo* a = found; a != nullptr; a = a->ai_next) {
-        Descriptor fd(::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol));
-        if (!fd.valid()) continue;
+        FileDescriptor fd(::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol));
+        if (!fd.is_open()) continue;
         const timeval patience{2, 0};  // rank 0 answers at once; something else may never
-        ::setsockopt(fd.get(), SOL_SOCKET, SO_RCVTIMEO, &patience, sizeof patience);
-        if (::connect(fd.get(), a->ai_addr, a->ai_addrlen) != 0) continue;
+        ::setsockopt(fd.fd(), SOL_SOCKET, SO_RCVTIMEO, &patience, sizeof patience);
+        if (::connect(fd.fd(), a->ai_addr, a->ai_addrlen) != 0) continue;
         std::string text;
         char buffer[512];
         for (;;) {
-            const auto n = ::recv(fd.get(), buffer, sizeof buffer, 0);
+            const auto n = ::recv(fd.fd(), buffer, sizeof buffer, 0);
             if (n <= 0) break;
             text.append(buffer, static_cast<std::size_t>(n));
         }

@@ -36,6 +36,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <span>
 #include <string>
@@ -124,7 +125,7 @@ public:
     // the forward are waited for (every rank launched them: no abort).
     ~ShardedDataParallel() {
         try {
-            gather_all();
+            gathers_.wait_all();
         } catch (...) {  // a destructor must not throw; leave() aborts what is still in flight
         }
         this->leave("ShardedDataParallel");
@@ -162,14 +163,11 @@ private:
         static_assert(detail::check_sharded_backend<BackendT, memory_type, comm_hook_type>());
         static_assert(detail::check_model_access<Model>());
         layout_ = detail::ModelLayout::of(model_, /*with_buffers=*/true);
-        auto problems = detail::sharded_setup_problems(rank(), layout_, options_, bucketer, scaler_,
-                                                       ReleasableGradients<Model>, comm_hook_type::hooked);
+        auto problems =
+            detail::sharded_setup_problems(rank(), layout_, options_, bucketer, scaler_, ReleasableGradients<Model>,
+                                           comm_hook_type::hooked, StreamOrdered<BackendT>);
         problems.configuration(detail::stream_problem(backend_, engine_.memory()));
         problems.configuration(this->metrics_problem());
-        if (StreamOrdered<BackendT> && options_.gather_behind_forward)
-            problems.configuration(
-                "ShardedOptions::gather_behind_forward needs a host backend (LocalBackend, MpiBackend): on a device "
-                "stream the all-gathers are already queued behind the optimizer and ahead of the next forward");
         plan_ = problems.any() ? BucketPlan{} : bucketer.plan(layout_.params, {});
         detail::agree_on_layout(
             backend_, layout_.params, layout_.buffers, plan_,
@@ -185,7 +183,9 @@ private:
             [this](std::size_t b) { return reinterpret_cast<float*>(engine_.reduced_buffer(b)); }, released_.store());
         this->storage_.reset(plan_.buckets.size());
         readiness_.plan(plan_, layout_.params.size());
-        gathers_.plan(plan_, layout_.params.size());
+        gathers_.plan(plan_, layout_.params.size(),
+                      {[this] { return this->where(); }, [this](std::size_t p) { return parameters()[p].name; },
+                       [this] { return this->steps(); }, unpack(), options_.timeout});
     }
 
     template <class Optimizer>
@@ -193,9 +193,7 @@ private:
         StepReport report;
         const std::int64_t step = this->current_step();
         report.step = static_cast<std::uint64_t>(step);
-        if (const auto b = gathers_.first_pending())
-            throw ReadinessError(
-                detail::unwaited_parameter(this->where(), parameters()[gathers_.first_of(*b)].name, "step()"));
+        gathers_.check_all_waited();
         // The buckets grad_ready did not launch go now, on this thread, bucket after bucket (a
         // progress thread would only compete with this one for the cores); then every bucket is
         // waited for and its share kept.
@@ -252,32 +250,17 @@ private:
         });
     }
 
-    // All-gathers behind the forward (FrontCore's wait_for_parameters, check_read and InFlight
-    // call these).
+    // All-gathers behind the forward (FrontCore waits for, checks and drains them too).
     void gather(const std::variant<std::size_t, std::string>& found) {
-        const auto p = detail::named_parameter(found, [this] { return this->where(); });
-        if (p != detail::ModelLayout::none) gathers_.wait(gathers_.bucket_of(p), gather_deadline(), unpack(), late());
+        gathers_.wait_for_parameter(detail::named_parameter(found, [this] { return this->where(); }));
     }
-    void gather_all() { gathers_.wait_all(gather_deadline(), unpack(), late()); }
-    [[nodiscard]] bool gathers_in_flight() const { return gathers_.in_flight(); }
-    void drain_gathers(std::chrono::steady_clock::time_point deadline) { gathers_.drain(deadline); }
-    // Parameter p has a gradient, so the forward read it: its bucket must have been waited for.
-    void check_read(std::size_t p) {
-        if (gathers_.pending(gathers_.bucket_of(p)))
-            throw ReadinessError(detail::unwaited_parameter(this->where(), parameters()[p].name, "its gradient came"));
-    }
-    [[nodiscard]] auto gather_deadline() const { return detail::deadline_after(options_.timeout); }
+    auto& parameter_gathers() { return gathers_; }
     // The packed path copies a gathered bucket into the model; in place there is nothing to do.
-    [[nodiscard]] auto unpack() const {
-        return [this](std::size_t b) {
-            if constexpr (!in_place) shards_.unpack_params(b);
-        };
-    }
-    [[nodiscard]] auto late() const {
-        return [this](std::size_t b) {
-            return detail::late_gather(this->where(), b, parameters()[gathers_.first_of(b)].name, this->steps(),
-                                       options_.timeout);
-        };
+    [[nodiscard]] std::function<void(std::size_t)> unpack() const {
+        if constexpr (in_place)
+            return {};
+        else
+            return [this](std::size_t b) { shards_.unpack_params(b); };
     }
 
     // Nothing ready, nothing launched.

@@ -5,6 +5,7 @@
 // nlohmann/json (Debian: nlohmann-json3-dev), for the header only.
 #pragma once
 
+#include <gradsync/detail/file_descriptor.hpp>
 #include <gradsync/dtype.hpp>
 #include <gradsync/error.hpp>
 #include <gradsync/half.hpp>
@@ -75,32 +76,6 @@ inline std::optional<DType> dtype_from_safetensors(const std::string& s) {
 
 inline std::string errno_text() { return std::strerror(errno); }
 
-// A file descriptor that closes itself.
-class File {
-public:
-    File() = default;
-    File(const std::filesystem::path& path, int flags) : fd_(::open(path.c_str(), flags | O_CLOEXEC, 0644)) {}
-    File(const File&) = delete;
-    File& operator=(const File&) = delete;
-    File& operator=(File&& o) noexcept {
-        if (this != &o) {
-            if (fd_ >= 0) ::close(fd_);
-            fd_ = std::exchange(o.fd_, -1);
-        }
-        return *this;
-    }
-    ~File() {
-        if (fd_ >= 0) ::close(fd_);
-    }
-    [[nodiscard]] int fd() const { return fd_; }
-    [[nodiscard]] bool is_open() const { return fd_ >= 0; }
-    // Closes now, reporting the error close() may have kept from an earlier write.
-    bool close() { return ::close(std::exchange(fd_, -1)) == 0; }
-
-private:
-    int fd_ = -1;
-};
-
 }  // namespace detail
 
 // Writes `tensors` (names unique) and `metadata` to `path` in the safetensors format, atomically:
@@ -137,10 +112,10 @@ inline void write_safetensors(const std::filesystem::path& path, std::span<const
     const std::string where = " (writing checkpoint " + path.string() + ")";
     static std::atomic<std::uint64_t> sequence{0};
     std::filesystem::path tmp;
-    detail::File file;
+    detail::FileDescriptor file;
     for (int attempt = 0; !file.is_open(); ++attempt) {
         tmp = path.string() + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(sequence.fetch_add(1));
-        file = detail::File(tmp, O_WRONLY | O_CREAT | O_EXCL);
+        file = detail::FileDescriptor(tmp, O_WRONLY | O_CREAT | O_EXCL);
         if (!file.is_open() && (errno != EEXIST || attempt > 100))
             throw CheckpointError("gradsync: cannot create " + tmp.string() + ": " + detail::errno_text());
     }
@@ -172,7 +147,7 @@ inline void write_safetensors(const std::filesystem::path& path, std::span<const
     }
     // The rename is durable once the directory is.
     auto dir = path.parent_path();
-    detail::File directory(dir.empty() ? std::filesystem::path(".") : dir, O_RDONLY | O_DIRECTORY);
+    detail::FileDescriptor directory(dir.empty() ? std::filesystem::path(".") : dir, O_RDONLY | O_DIRECTORY);
     if (!directory.is_open() || ::fsync(directory.fd()) != 0)
         throw CheckpointError("gradsync: fsync of the directory failed: " + detail::errno_text() + where);
 }

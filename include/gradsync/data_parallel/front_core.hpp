@@ -69,7 +69,7 @@ public:
     // writing them in flight after step() (ShardedOptions::gather_behind_forward) waits for them;
     // otherwise at once. A checkpoint calls it before it reads or writes the parameters.
     void wait_for_parameters() {
-        if constexpr (requires(Front & f) { f.gather_all(); }) guard([&] { front().gather_all(); });
+        if constexpr (gathers_behind()) guard([&] { front().parameter_gathers().wait_all(); });
     }
 
     // With StepMetrics: a scalar of the trainer's own (its loss, say), written with the next
@@ -109,19 +109,23 @@ public:
 protected:
     template <class... EngineArgs>
     FrontCore(Model& model, BackendT& backend, OptionsT options, Scaler scaler, EngineArgs&&... engine_args)
+        : FrontCore(Metrics{}, model, backend, std::move(options), std::move(scaler),
+                    std::forward<EngineArgs>(engine_args)...) {}
+    // From the policies a front was given, in any order, as its policy set `Set` finds them.
+    template <class Set, class... Policies>
+    FrontCore(Model& model, BackendT& backend, std::type_identity<Set>, const std::tuple<Policies...>& policies)
+        : FrontCore(Set::template value<Metrics>(policies), model, backend, Set::template value<OptionsT>(policies),
+                    Set::template value<Scaler>(policies), Set::template value<memory_type>(policies),
+                    Set::template value<comm_hook_type>(policies)) {}
+    template <class... EngineArgs>
+    FrontCore(const Metrics& metrics, Model& model, BackendT& backend, OptionsT options, Scaler scaler,
+              EngineArgs&&... engine_args)
         : model_(model),
           backend_(backend),
           options_(std::move(options)),
           scaler_(std::move(scaler)),
           engine_(backend, std::forward<EngineArgs>(engine_args)...),
-          metrics_(Metrics{}, backend.rank()) {}
-    // From the policies a front was given, in any order, as its policy set `Set` finds them.
-    template <class Set, class... Policies>
-    FrontCore(Model& model, BackendT& backend, std::type_identity<Set>, const std::tuple<Policies...>& policies)
-        : FrontCore(model, backend, Set::template value<OptionsT>(policies), Set::template value<Scaler>(policies),
-                    Set::template value<memory_type>(policies), Set::template value<comm_hook_type>(policies)) {
-        metrics_ = StepMetricsLog<Metrics>(Set::template value<Metrics>(policies), backend.rank());
-    }
+          metrics_(metrics, backend.rank()) {}
     ~FrontCore() = default;
 
     // For the front's destructor: callbacks stop, and a step cut short by an exception leaves no
@@ -214,19 +218,25 @@ protected:
 
 private:
     [[nodiscard]] Front& front() { return static_cast<Front&>(*this); }
+    // A front that leaves all-gathers in flight behind the next forward keeps them in a
+    // ParameterGathers (parameter_gathers.hpp): waited for, checked and drained from here too.
+    // (A function: asked once Front is complete.)
+    static constexpr bool gathers_behind() {
+        return requires(Front & f) { f.parameter_gathers(); };
+    }
 
     // What a failure or the destructor drains: the engine's collectives and those a front keeps
     // in flight between steps (the sharded front's all-gathers behind the next forward).
     struct InFlight {
         FrontCore& core;
         [[nodiscard]] bool in_flight() const {
-            if constexpr (requires(Front & f) { f.gathers_in_flight(); })
-                if (core.front().gathers_in_flight()) return true;
+            if constexpr (gathers_behind())
+                if (core.front().parameter_gathers().in_flight()) return true;
             return core.engine_.in_flight();
         }
         void drain(std::chrono::steady_clock::time_point deadline) {
             core.engine_.drain(deadline);
-            if constexpr (requires(Front & f) { f.drain_gathers(deadline); }) core.front().drain_gathers(deadline);
+            if constexpr (gathers_behind()) core.front().parameter_gathers().drain(deadline);
         }
     };
 
@@ -234,8 +244,8 @@ private:
     // launch(b) (under the readiness lock). A front whose forward waits for its parameters first
     // checks that p's were waited for (a parameter with a gradient was read).
     void mark(const std::variant<std::size_t, std::string>& found) {
-        if constexpr (requires(Front & f) { f.check_read(std::size_t{}); })
-            if (const auto* p = std::get_if<std::size_t>(&found); p && *p != ModelLayout::none) front().check_read(*p);
+        if constexpr (gathers_behind())
+            if (const auto* p = std::get_if<std::size_t>(&found)) front().parameter_gathers().check_read(*p);
         mark_ready(
             readiness_, layout_, found, [this](std::size_t b) { front().launch(b); }, [this] { return where(); });
     }

@@ -7,12 +7,15 @@
 #pragma once
 
 #include <gradsync/bucket/plan.hpp>
+#include <gradsync/data_parallel/readiness.hpp>  // for ReadinessError
+#include <gradsync/detail/deadline.hpp>
 #include <gradsync/error.hpp>
 
 #include <algorithm>  // for std::sort, std::min
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <span>
 #include <string>
@@ -21,79 +24,13 @@
 
 namespace gradsync::inline v0::detail {
 
-template <class Handle>
-class ParameterGathers {
-    using clock = std::chrono::steady_clock;
-
-public:
-    // The buckets of `plan` over `params` parameters. Between steps.
-    void plan(const BucketPlan& plan, std::size_t params) {
-        const std::size_t buckets = plan.buckets.size();
-        bucket_of_.assign(params, 0);
-        std::vector<std::size_t> first(buckets, params);
-        for (std::size_t b = 0; b < buckets; ++b)
-            for (auto p : plan.buckets[b].parameters) {
-                bucket_of_[p] = b;
-                first[b] = std::min(first[b], p);
-            }
-        first_ = first;
-        order_.resize(buckets);
-        for (std::size_t b = 0; b < buckets; ++b) order_[b] = b;
-        std::sort(order_.begin(), order_.end(), [&](std::size_t x, std::size_t y) { return first[x] < first[y]; });
-        handles_.clear();
-        handles_.resize(buckets);
-    }
-
-    // The buckets in the order the forward reads them: the order their all-gathers go in.
-    [[nodiscard]] std::span<const std::size_t> order() const { return order_; }
-    [[nodiscard]] std::size_t bucket_of(std::size_t parameter) const { return bucket_of_[parameter]; }
-    // The parameter of bucket b the forward reads first.
-    [[nodiscard]] std::size_t first_of(std::size_t b) const { return first_[b]; }
-
-    // Bucket b's all-gather is in flight (`handle`) and is to be waited for before the forward
-    // reads its parameters.
-    void launched(std::size_t b, Handle handle) { handles_[b].emplace(std::move(handle)); }
-    [[nodiscard]] bool pending(std::size_t b) const { return handles_[b].has_value(); }
-    // The first bucket, in forward order, still to be waited for.
-    [[nodiscard]] std::optional<std::size_t> first_pending() const {
-        for (auto b : order_)
-            if (pending(b)) return b;
-        return std::nullopt;
-    }
-
-    // Waits for bucket b's all-gather by `deadline` (late(b): the TimeoutError's message), then
-    // finish(b) (on the packed path, the copy into the model). Nothing when b is not pending.
-    template <class Finish, class Late>
-    void wait(std::size_t b, clock::time_point deadline, Finish&& finish, Late&& late) {
-        if (!pending(b)) return;
-        if (!handles_[b]->wait_until(deadline)) throw TimeoutError(late(b));
-        finish(b);
-        handles_[b].reset();
-    }
-    // ...every pending bucket, in forward order.
-    template <class Finish, class Late>
-    void wait_all(clock::time_point deadline, Finish&& finish, Late&& late) {
-        for (auto b : order_) wait(b, deadline, finish, late);
-    }
-
-    [[nodiscard]] bool in_flight() const { return first_pending().has_value(); }
-    // After a failure: waits for the all-gathers in flight until `deadline`, ignoring their
-    // errors (after an abort they end at once); the parameters are then unspecified.
-    void drain(clock::time_point deadline) {
-        for (auto& h : handles_) {
-            try {
-                if (h) (void)h->wait_until(deadline);
-            } catch (...) {
-            }
-            h.reset();
-        }
-    }
-
-private:
-    std::vector<std::size_t> bucket_of_;
-    std::vector<std::size_t> first_;
-    std::vector<std::size_t> order_;
-    std::vector<std::optional<Handle>> handles_;  // a bucket's, until it is waited for
+// What the waits need of the front that owns them (once per bucket and step: no hot path).
+struct GatherContext {
+    std::function<std::string()> where;                      // rank and step, to begin messages
+    std::function<std::string(std::size_t)> parameter_name;  // of parameter p
+    std::function<std::uint64_t()> steps;                    // steps completed: the last launched them
+    std::function<void(std::size_t)> unpack;  // after bucket b is waited for; empty where they lie in place
+    std::chrono::milliseconds timeout{};
 };
 
 // What a rank whose forward read parameter `name` without waiting for it is told, where it was
@@ -112,5 +49,95 @@ inline std::string late_gather(const std::string& where, std::size_t b, const st
            "', ...) launched by step " + std::to_string(step) + " did not complete within " +
            std::to_string(timeout.count()) + " ms; a rank may have stopped before it";
 }
+
+template <class Handle>
+class ParameterGathers {
+    using clock = std::chrono::steady_clock;
+
+public:
+    // The buckets of `plan` over `params` parameters. Between steps.
+    void plan(const BucketPlan& plan, std::size_t params, GatherContext context) {
+        context_ = std::move(context);
+        const std::size_t buckets = plan.buckets.size();
+        bucket_of_.assign(params, 0);
+        std::vector<std::size_t> first(buckets, params);
+        for (std::size_t b = 0; b < buckets; ++b)
+            for (auto p : plan.buckets[b].parameters) {
+                bucket_of_[p] = b;
+                first[b] = std::min(first[b], p);
+            }
+        first_ = first;
+        order_.resize(buckets);
+        for (std::size_t b = 0; b < buckets; ++b) order_[b] = b;
+        std::sort(order_.begin(), order_.end(), [&](std::size_t x, std::size_t y) { return first[x] < first[y]; });
+        handles_.clear();
+        handles_.resize(buckets);
+    }
+
+    // The buckets in the order the forward reads them: the order their all-gathers go in.
+    [[nodiscard]] std::span<const std::size_t> order() const { return order_; }
+
+    // Bucket b's all-gather is in flight (`handle`) and is to be waited for before the forward
+    // reads its parameters.
+    void launched(std::size_t b, Handle handle) { handles_[b].emplace(std::move(handle)); }
+    [[nodiscard]] bool pending(std::size_t b) const { return handles_[b].has_value(); }
+    // The first bucket, in forward order, still to be waited for.
+    [[nodiscard]] std::optional<std::size_t> first_pending() const {
+        for (auto b : order_)
+            if (pending(b)) return b;
+        return std::nullopt;
+    }
+
+    // Waits for the all-gather of the bucket that holds parameter p (ModelLayout::none: none), then
+    // unpacks it; a TimeoutError past the timeout names the bucket.
+    void wait_for_parameter(std::size_t p) {
+        if (p < bucket_of_.size()) wait(bucket_of_[p], deadline_after(context_.timeout));
+    }
+    // ...for every bucket, in forward order, by one deadline.
+    void wait_all() {
+        const auto deadline = deadline_after(context_.timeout);
+        for (auto b : order_) wait(b, deadline);
+    }
+    // Parameter p has a gradient, so the forward read it: its bucket must have been waited for.
+    void check_read(std::size_t p) const {
+        if (p < bucket_of_.size() && pending(bucket_of_[p])) throw unwaited(p, "its gradient came");
+    }
+    // At step(): every bucket must have been waited for (the forward read them all).
+    void check_all_waited() const {
+        if (const auto b = first_pending()) throw unwaited(first_[*b], "step()");
+    }
+
+    [[nodiscard]] bool in_flight() const { return first_pending().has_value(); }
+    // After a failure: waits for the all-gathers in flight until `deadline`, ignoring their
+    // errors (after an abort they end at once); the parameters are then unspecified.
+    void drain(clock::time_point deadline) {
+        for (auto& h : handles_) {
+            try {
+                if (h) (void)h->wait_until(deadline);
+            } catch (...) {
+            }
+            h.reset();
+        }
+    }
+
+private:
+    void wait(std::size_t b, clock::time_point deadline) {
+        if (!pending(b)) return;
+        if (!handles_[b]->wait_until(deadline))
+            throw TimeoutError(late_gather(context_.where(), b, context_.parameter_name(first_[b]), context_.steps(),
+                                           context_.timeout));
+        if (context_.unpack) context_.unpack(b);
+        handles_[b].reset();
+    }
+    [[nodiscard]] ReadinessError unwaited(std::size_t p, const char* found_at) const {
+        return ReadinessError(unwaited_parameter(context_.where(), context_.parameter_name(p), found_at));
+    }
+
+    GatherContext context_;
+    std::vector<std::size_t> bucket_of_;
+    std::vector<std::size_t> first_;
+    std::vector<std::size_t> order_;
+    std::vector<std::optional<Handle>> handles_;  // a bucket's, until it is waited for
+};
 
 }  // namespace gradsync::inline v0::detail

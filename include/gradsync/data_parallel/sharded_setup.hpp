@@ -36,7 +36,8 @@ constexpr bool check_sharded_backend() {
 // `hooked`).
 template <class Bucketer, class Scaler>
 SetupProblems sharded_setup_problems(int rank, const ModelLayout& layout, const ShardedOptions& options,
-                                     const Bucketer& bucketer, const Scaler& scaler, bool releasable, bool hooked) {
+                                     const Bucketer& bucketer, const Scaler& scaler, bool releasable, bool hooked,
+                                     bool stream_ordered) {
     SetupProblems problems(rank);
     for (const auto& p : layout.params)
         if (p.dtype != DType::float32)
@@ -55,6 +56,10 @@ SetupProblems sharded_setup_problems(int rank, const ModelLayout& layout, const 
         problems.configuration(
             "ShardedOptions::release_gradients keeps each bucket's share as soon as it is reduced, and a "
             "communication hook finishes its buckets only at step(): use one or the other");
+    if (options.gather_behind_forward && stream_ordered)
+        problems.configuration(
+            "ShardedOptions::gather_behind_forward needs a host backend (LocalBackend, MpiBackend): on a device "
+            "stream the all-gathers are already queued behind the optimizer and ahead of the next forward");
     return problems;
 }
 

@@ -26,16 +26,31 @@ constexpr bool check_metrics_policy() {
     return true;
 }
 
-// The names a step's record gives the report's fields; a trainer's scalar may take none of them.
-inline constexpr std::string_view step_record_names[] = {
-    "applied",       "loss_scale", "next_loss_scale", "skipped_steps", "grad_norm",    "clipped",
-    "learning_rate", "overflowed", "step_seconds",    "sync_seconds",  "bytes_reduced"};
+// A step's record: each field's name and its value in the report (`skipped`: steps skipped so
+// far). A trainer's scalar may take none of these names.
+struct StepRecordField {
+    std::string_view name;
+    double (*value)(const StepReport& report, std::uint64_t skipped);
+};
+inline constexpr StepRecordField step_record[] = {
+    {"applied", [](const StepReport& r, std::uint64_t) { return r.applied ? 1.0 : 0.0; }},
+    {"loss_scale", [](const StepReport& r, std::uint64_t) { return double{r.loss_scale}; }},
+    {"next_loss_scale", [](const StepReport& r, std::uint64_t) { return double{r.next_loss_scale}; }},
+    {"skipped_steps", [](const StepReport&, std::uint64_t skipped) { return static_cast<double>(skipped); }},
+    {"grad_norm", [](const StepReport& r, std::uint64_t) { return double{r.grad_norm}; }},
+    {"clipped", [](const StepReport& r, std::uint64_t) { return r.clipped ? 1.0 : 0.0; }},
+    {"learning_rate", [](const StepReport& r, std::uint64_t) { return double{r.learning_rate}; }},
+    {"overflowed", [](const StepReport& r, std::uint64_t) { return static_cast<double>(r.overflowed.size()); }},
+    {"step_seconds", [](const StepReport& r, std::uint64_t) { return r.step_seconds; }},
+    {"sync_seconds", [](const StepReport& r, std::uint64_t) { return r.sync_seconds; }},
+    {"bytes_reduced", [](const StepReport& r, std::uint64_t) { return static_cast<double>(r.bytes_reduced); }},
+};
 
 // The trainer's scalar name: not empty, none of the record's own.
 inline void check_scalar_name(std::string_view name) {
     if (name.empty()) throw Error("gradsync: add_scalar needs a name");
-    for (auto own : step_record_names)
-        if (name == own)
+    for (const auto& own : step_record)
+        if (name == own.name)
             throw Error("gradsync: add_scalar(\"" + std::string(name) +
                         "\"): that name is one step() itself records; choose another");
 }
@@ -89,17 +104,9 @@ public:
         if constexpr (Policy::on) {
             if (!writing()) return;
             if (!report.applied) ++skipped_;
-            std::vector<NamedScalar> values = {{"applied", report.applied ? 1.0 : 0.0},
-                                               {"loss_scale", report.loss_scale},
-                                               {"next_loss_scale", report.next_loss_scale},
-                                               {"skipped_steps", static_cast<double>(skipped_)},
-                                               {"grad_norm", report.grad_norm},
-                                               {"clipped", report.clipped ? 1.0 : 0.0},
-                                               {"learning_rate", report.learning_rate},
-                                               {"overflowed", static_cast<double>(report.overflowed.size())},
-                                               {"step_seconds", report.step_seconds},
-                                               {"sync_seconds", report.sync_seconds},
-                                               {"bytes_reduced", static_cast<double>(report.bytes_reduced)}};
+            std::vector<NamedScalar> values;
+            for (const auto& field : step_record)
+                values.push_back({std::string(field.name), field.value(report, skipped_)});
             values.insert(values.end(), added_.begin(), added_.end());
             added_.clear();
             const bool written = json_ ? json_->write(report.step, values) : tensorboard_->write(report.step, values);

@@ -3,16 +3,13 @@
 // step written so far. A value that is not finite is written null (JSON has no infinity or NaN).
 #pragma once
 
-#include <gradsync/error.hpp>
+#include <gradsync/metrics/metrics_file.hpp>
 #include <gradsync/metrics/step_metrics.hpp>
 
 #include <charconv>  // for std::to_chars
-#include <cerrno>
-#include <cmath>  // for std::isfinite
+#include <cmath>     // for std::isfinite
 #include <cstdint>
 #include <cstdio>
-#include <cstring>  // for std::strerror
-#include <memory>
 #include <span>
 #include <string>
 #include <string_view>
@@ -22,9 +19,8 @@ namespace gradsync::inline v0 {
 class JsonLinesFile {
 public:
     // Opens `path` to append (creating it); throws Error naming the path when it cannot.
-    explicit JsonLinesFile(std::string path) : path_(std::move(path)), file_(std::fopen(path_.c_str(), "ab")) {
-        if (!file_) throw Error("gradsync: cannot open the metrics file '" + path_ + "': " + std::strerror(errno));
-    }
+    explicit JsonLinesFile(std::string path)
+        : path_(std::move(path)), file_(detail::open_metrics_file(path_, "ab", "metrics file")) {}
 
     // One line: {"step":step, name:value, ...}. Returns false when the write failed.
     bool write(std::uint64_t step, std::span<const NamedScalar> values) {
@@ -65,11 +61,8 @@ private:
         }
     }
 
-    struct Close {
-        void operator()(std::FILE* f) const { std::fclose(f); }
-    };
     std::string path_;
-    std::unique_ptr<std::FILE, Close> file_;
+    detail::MetricsFile file_;
 };
 
 }  // namespace gradsync::inline v0

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <gradsync/error.hpp>
+#include <gradsync/metrics/metrics_file.hpp>
 #include <gradsync/metrics/step_metrics.hpp>
 
 #include <array>
@@ -15,7 +16,6 @@
 #include <cstdio>
 #include <cstring>  // for std::memcpy, std::strerror
 #include <filesystem>
-#include <memory>
 #include <span>
 #include <string>
 #include <string_view>
@@ -107,9 +107,7 @@ public:
              ("events.out.tfevents." + std::to_string(std::chrono::duration_cast<std::chrono::seconds>(now).count()) +
               "." + host + "." + std::to_string(getpid()) + ".gradsync"))
                 .string();
-        file_.reset(std::fopen(path_.c_str(), "wb"));
-        if (!file_)
-            throw Error("gradsync: cannot open the TensorBoard event file '" + path_ + "': " + std::strerror(errno));
+        file_ = detail::open_metrics_file(path_, "wb", "TensorBoard event file");
         detail::ProtoWriter event;
         event.float64(1, wall_time());
         event.bytes(3, "brain.Event:2");  // file_version
@@ -155,11 +153,8 @@ private:
                std::fflush(f) == 0;
     }
 
-    struct Close {
-        void operator()(std::FILE* f) const { std::fclose(f); }
-    };
     std::string path_;
-    std::unique_ptr<std::FILE, Close> file_;
+    detail::MetricsFile file_;
 };
 
 }  // namespace gradsync::inline v0
