@@ -28,7 +28,7 @@ constexpr std::int64_t busy_latency_bytes[] = {4, 256};
 constexpr std::int64_t busy_bandwidth_bytes = 64 << 20;
 constexpr int repetitions = 5;
 constexpr double min_seconds = 0.2;
-constexpr std::int64_t sharded_bytes[] = {1 << 20, 16 << 20, 64 << 20};
+constexpr std::int64_t sharded_bytes[] = {1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20};
 constexpr int sharded_iterations = 15;
 
 // Both buffers 64-byte aligned: glibc copies 2 KiB and up with `rep movsb`, which on some x86

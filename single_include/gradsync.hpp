@@ -2840,9 +2840,12 @@ inline constexpr std::size_t simd_width = 16;
 #if (defined(__SSE2__) || defined(_M_X64)) && !defined(GRADSYNC_THREAD_SANITIZER)
 #define GRADSYNC_STREAMING_STORES 1
 #endif
-// From 32 MiB: below it the next collective often finds the data still in cache, and streamed
-// stores had evicted it (a 1 MiB reduce_scatter + all_gather took 5 times the allreduce with them,
-// 1.3 times without).
+// From 32 MiB of data across a group's buffers (a server's last-level cache): below it the next
+// collective often finds the data still in cache, and streamed stores had evicted it (a 1 MiB
+// reduce_scatter + all_gather took 5 times the allreduce with them, 1.3 times without; 8 MiB on
+// each of 2 ranks 1.3 times the allreduce with them, 1.2 without); from it nothing stays cached
+// anyway, and a plain store first reads the line it writes (16 MiB on each of 2 ranks: the
+// all_gather took 3 times as long with plain stores).
 inline constexpr std::size_t streaming_min_bytes = std::size_t{32} << 20;
 
 inline void copy_streaming(void* __restrict out, const void* __restrict in, std::size_t n) {
@@ -3286,7 +3289,7 @@ struct alignas(cache_line) LocalRankState {
     // Between a collective's first round and its closing one, where it reads its peers' memory.
     std::atomic<bool> reading{false};
     std::atomic<std::uint64_t> calls_entered{0};
-    PieceClaims share;        // of a two-phase allreduce
+    PieceClaims share;        // of a two-phase allreduce, a reduce_scatter or an all_gather
     LocalCall calls[2];       // the current collective, by round parity
     AlignedBytes staging[2];  // one-shot input copies, by round parity
     // Scratch for the thread executing this rank's collectives.
@@ -3491,10 +3494,13 @@ namespace gradsync::inline v0::detail {
 // The unit of work ranks claim in a two-phase allreduce: a few per rank, so that a rank whose
 // thread stalls leaves its peers little to wait on, but at least 4 KiB (claiming is no cheaper
 // than reducing that much) and at most 256 KiB (more buys nothing).
+inline std::size_t piece_elements(std::size_t n, std::size_t ranks, std::size_t element_bytes) {
+    const std::size_t per_rank = 4, least = 4096 / element_bytes, most = (std::size_t{256} << 10) / element_bytes;
+    return std::clamp((n + ranks * per_rank - 1) / (ranks * per_rank), least, most);
+}
 template <class T>
 std::size_t piece_elements(std::size_t n, std::size_t ranks) {
-    constexpr std::size_t per_rank = 4, least = 4096 / sizeof(T), most = (std::size_t{256} << 10) / sizeof(T);
-    return std::clamp((n + ranks * per_rank - 1) / (ranks * per_rank), least, most);
+    return piece_elements(n, ranks, sizeof(T));
 }
 
 class LocalGroup : public LocalGroupState {
@@ -3684,43 +3690,81 @@ private:
     }
 
     // Rank r sums shard r from every rank's buffer, in rank order (the allreduce's bits), into
-    // its own: each byte read once and the shard written once, as the two-phase allreduce's first
-    // half. Nobody writes what another rank reads: rank r writes only shard r of its buffer.
+    // its own: each byte read once and each shard written once, as the two-phase allreduce's
+    // first half. Shard r comes in pieces that rank r takes from the front and a peer done with
+    // its own shard from the back, so a rank whose thread lost its core is not waited for.
+    // Nobody writes what another reads: a piece is read and written by the thread that took it.
     template <class T>
     void reduce_scatter(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
+        const std::size_t piece = piece_elements<T>(call.count, idx(size_));
+        const Shard mine = shard_of(call.count, size_, rank);
+        ranks_[idx(rank)].share.reset(0, (mine.count + piece - 1) / piece);
         const unsigned parity = begin(rank, call, deadline);
         start_reading(rank, call);
-        const Shard mine = shard_of(call.count, size_, rank);
-        if (mine.count != 0) reduce_range<T>(rank, call, parity, mine.offset, mine.offset + mine.count, rank);
+        for (int k = 0; k < size_; ++k) {
+            const int owner = (rank + k) % size_;
+            const Shard shard = shard_of(call.count, size_, owner);
+            while (const auto p =
+                       ranks_[idx(owner)].share.take(k == 0 ? PieceClaims::End::front : PieceClaims::End::back)) {
+                const std::size_t lo = shard.offset + *p * piece;
+                reduce_range<T>(rank, call, parity, lo, std::min(shard.offset + shard.count, lo + piece), owner);
+            }
+        }
         // Nobody returns, and reuses its buffer, before every shard is read.
         end(rank, call, deadline);
     }
 
-    // Rank r copies every other rank's shard from that rank's buffer into its own. Nobody writes
-    // what another rank reads: rank s's shard s is read by its peers and written by none.
+    // Every rank's buffer gets every other rank's shard, copied from that rank's buffer. What rank
+    // r receives comes in pieces (each within one sender's shard) that r takes from the front and
+    // a peer done with its own from the back. Nobody writes what another reads: rank s's shard s
+    // is only read; rank r's other shards are only written, each piece by the thread that took it.
     void all_gather(int rank, const LocalCall& call, std::chrono::steady_clock::time_point deadline) {
+        const std::size_t elem = size_of(*call.dtype);
+        const std::size_t piece = piece_elements(call.count, idx(size_), elem);
+        ranks_[idx(rank)].share.reset(0, gather_pieces(call.count, rank, piece, size_));
         const unsigned parity = begin(rank, call, deadline);
         start_reading(rank, call);
-        const std::size_t elem = size_of(*call.dtype);
-        const bool streaming = call.count * elem >= streaming_min_bytes;
-        for (int s = 0; s < size_; ++s) {
-            if (s == rank) continue;
-            const Shard theirs = shard_of(call.count, size_, s);
-            SegmentCursor from(ranks_[idx(s)].calls[parity].segs(), theirs.offset, elem);
-            SegmentCursor to(call.segs(), theirs.offset, elem);
-            for (std::size_t done = 0; done < theirs.count;) {
-                const std::size_t k = std::min({theirs.count - done, from.left(), to.left()});
-                if (streaming)
-                    copy_streaming(to.ptr(), from.ptr(), k * elem);
-                else
-                    std::memcpy(to.ptr(), from.ptr(), k * elem);
-                from.advance(k);
-                to.advance(k);
-                done += k;
-            }
+        const bool streaming = call.count * elem * idx(size_) >= streaming_min_bytes;
+        for (int k = 0; k < size_; ++k) {
+            const int to = (rank + k) % size_;
+            while (const auto p = ranks_[idx(to)].share.take(k == 0 ? PieceClaims::End::front : PieceClaims::End::back))
+                gather_piece(call.count, parity, to, *p, piece, elem, streaming);
         }
         if (streaming) streaming_fence();
         end(rank, call, deadline);
+    }
+    // The pieces rank `to` receives in an all_gather: every other rank's shard, in rank order.
+    static std::size_t gather_pieces(std::size_t count, int to, std::size_t piece, int size) {
+        std::size_t pieces = 0;
+        for (int s = 0; s < size; ++s)
+            if (s != to) pieces += (shard_of(count, size, s).count + piece - 1) / piece;
+        return pieces;
+    }
+    // Copies piece `p` of what rank `to` receives from its sender's buffer into rank to's.
+    void gather_piece(std::size_t count, unsigned parity, int to, std::size_t p, std::size_t piece, std::size_t elem,
+                      bool streaming) {
+        int from = 0;
+        Shard shard{};
+        for (;; ++from) {  // the sender whose shard holds piece p
+            if (from == to) continue;
+            shard = shard_of(count, size_, from);
+            const std::size_t pieces = (shard.count + piece - 1) / piece;
+            if (p < pieces) break;
+            p -= pieces;
+        }
+        const std::size_t lo = shard.offset + p * piece, n = std::min(piece, shard.offset + shard.count - lo);
+        SegmentCursor source(ranks_[idx(from)].calls[parity].segs(), lo, elem);
+        SegmentCursor target(ranks_[idx(to)].calls[parity].segs(), lo, elem);
+        for (std::size_t done = 0; done < n;) {
+            const std::size_t k = std::min({n - done, source.left(), target.left()});
+            if (streaming)
+                copy_streaming(target.ptr(), source.ptr(), k * elem);
+            else
+                std::memcpy(target.ptr(), source.ptr(), k * elem);
+            source.advance(k);
+            target.advance(k);
+            done += k;
+        }
     }
 
     // Publishes this rank's call, meets the others and checks that they are in the same one.

@@ -7,6 +7,9 @@
 
 #include <doctest/doctest.h>
 
+#include <pthread.h>  // for pthread_setaffinity_np
+#include <sched.h>    // for cpu_set_t
+
 #include "support/sharded_checks.hpp"
 
 #include <algorithm>
@@ -184,4 +187,30 @@ TEST_CASE("LocalBackend reduce_scatter and all_gather over segments cut differen
         b.all_gather(segments, gradsync::DType::float32);
         CHECK(std::memcmp(v.data(), want.data(), n * sizeof(float)) == 0);
     });
+}
+
+// Each rank's shard (reduce_scatter) and what each rank receives (all_gather) come in pieces that
+// any rank may take once its own are done. With every rank's thread on one core, a rank runs
+// through its time slice while the others wait for the core, and takes their pieces too; the
+// bits must not depend on who took what.
+TEST_CASE("reduce_scatter and all_gather pieces taken by whichever rank runs: bitwise, ranks on one core") {
+    const std::size_t n = (std::size_t{3} << 20) + 7;  // pieces of 64 Ki elements, a short one in each shard
+    for (int world : {2, 4}) {
+        CAPTURE(world);
+        const auto want = sharded::reduced<float>(world, n, 11, ReduceOp::average);
+        gradsync::spawn(world, [&](LocalBackend& b) {
+            cpu_set_t one;
+            CPU_ZERO(&one);
+            CPU_SET(0, &one);
+            REQUIRE(pthread_setaffinity_np(pthread_self(), sizeof one, &one) == 0);
+            for (int round = 0; round < 3; ++round) {
+                auto v = sharded::input_of<float>(b.rank(), n, 11);
+                b.reduce_scatter(std::span<float>(v), ReduceOp::average);
+                const auto mine = shard_of(n, world, b.rank());
+                CHECK(std::memcmp(v.data() + mine.offset, want.data() + mine.offset, mine.count * sizeof(float)) == 0);
+                b.all_gather(std::span<float>(v));
+                CHECK(std::memcmp(v.data(), want.data(), n * sizeof(float)) == 0);
+            }
+        });
+    }
 }

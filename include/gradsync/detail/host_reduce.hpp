@@ -38,9 +38,12 @@ inline constexpr std::size_t simd_width = 16;
 #if (defined(__SSE2__) || defined(_M_X64)) && !defined(GRADSYNC_THREAD_SANITIZER)
 #define GRADSYNC_STREAMING_STORES 1
 #endif
-// From 32 MiB: below it the next collective often finds the data still in cache, and streamed
-// stores had evicted it (a 1 MiB reduce_scatter + all_gather took 5 times the allreduce with them,
-// 1.3 times without).
+// From 32 MiB of data across a group's buffers (a server's last-level cache): below it the next
+// collective often finds the data still in cache, and streamed stores had evicted it (a 1 MiB
+// reduce_scatter + all_gather took 5 times the allreduce with them, 1.3 times without; 8 MiB on
+// each of 2 ranks 1.3 times the allreduce with them, 1.2 without); from it nothing stays cached
+// anyway, and a plain store first reads the line it writes (16 MiB on each of 2 ranks: the
+// all_gather took 3 times as long with plain stores).
 inline constexpr std::size_t streaming_min_bytes = std::size_t{32} << 20;
 
 inline void copy_streaming(void* __restrict out, const void* __restrict in, std::size_t n) {

@@ -57,7 +57,7 @@ struct alignas(cache_line) LocalRankState {
     // Between a collective's first round and its closing one, where it reads its peers' memory.
     std::atomic<bool> reading{false};
     std::atomic<std::uint64_t> calls_entered{0};
-    PieceClaims share;        // of a two-phase allreduce
+    PieceClaims share;        // of a two-phase allreduce, a reduce_scatter or an all_gather
     LocalCall calls[2];       // the current collective, by round parity
     AlignedBytes staging[2];  // one-shot input copies, by round parity
     // Scratch for the thread executing this rank's collectives.
