@@ -1417,14 +1417,15 @@ public:
         fingerprint_ = fnv1a(fingerprint_, static_cast<std::uint64_t>(dtype));
         const bool of_bucket = purpose == CollectivePurpose::bucket || purpose == CollectivePurpose::float_redo ||
                                purpose == CollectivePurpose::shard_gather;
-        if (purpose == CollectivePurpose::bucket || purpose == CollectivePurpose::float_redo) bytes_reduced_ += bytes;
         return CollectiveTag{fingerprint_, step, of_bucket ? static_cast<std::int32_t>(index) : -1};
     }
 
     [[nodiscard]] std::uint64_t fingerprint() const { return fingerprint_; }
     [[nodiscard]] std::uint64_t count() const { return count_; }
-    // Bytes of the gradients' collectives (buckets and their redos) so far.
+    // Bytes of the gradients' collectives (buckets, their redos, a hook's) so far: each counted by
+    // whoever hands them to the backend (add_reduced).
     [[nodiscard]] std::uint64_t bytes_reduced() const { return bytes_reduced_; }
+    void add_reduced(std::uint64_t bytes) { bytes_reduced_ += bytes; }
 
     // Compares every rank's history with rank 0's (one allreduce of a small table), and the
     // trainer's step number where it passed one; throws the same HistoryMismatch (StepMismatch
@@ -2655,10 +2656,12 @@ constexpr bool check_comm_hook() {
 namespace gradsync::inline v0::detail {
 
 // What a communication hook's buckets need from the front: the tag of each further collective
-// of bucket b (of `bytes` bytes), and the loss scale the gradients carry.
+// of bucket b (of `bytes` bytes), the loss scale the gradients carry, and where the bytes each of
+// its collectives moves are counted (StepReport::bytes_reduced).
 struct HookContext {
     std::function<CollectiveTag(std::size_t b, std::uint64_t bytes)> next_tag;
     std::function<float()> loss_scale;
+    std::function<void(std::uint64_t bytes)> reduced;
 };
 
 // One bucket as the hook sees it, apart from its values: its index, its parameters (and their
@@ -2738,6 +2741,7 @@ private:
             backend.rank(), backend.size(), [this, &backend, b, first](std::span<float> values, ReduceOp op) mutable {
                 CollectiveTag tag = first ? *first : context_.next_tag(b, values.size_bytes());
                 first.reset();
+                if (context_.reduced) context_.reduced(values.size_bytes());
                 return HookComm::Pending(
                     allreduce_async_tagged(backend, Buffer{values.data(), values.size(), DType::float32}, op, tag));
             });
@@ -2817,6 +2821,7 @@ struct BucketSlot {
     }
     // Where its buffer lies: its own, or the one the engine lends it.
     [[nodiscard]] std::byte* buffer_data() const { return lent != nullptr ? lent : Memory::data(buffer); }
+    [[nodiscard]] bool by_hook() const { return reduced_by<HookReduction>(); }
     // A hook's 16-bit bucket, widened into a float32 copy (the buffer).
     [[nodiscard]] bool widened_for_hook() const { return reduced_by<HookReduction>() && wire != dtype; }
     // The bucket (number `index` in the plan) as the hook sees it, apart from its values.
@@ -5627,16 +5632,16 @@ protected:
             });
     }
 
-    // After the ranks agreed: the hook learns how to tag its collectives and read the loss scale,
-    // every rank takes rank 0's parameters (and the buffers kept equal), and the history its
+    // After the ranks agreed: the hook learns how to tag and count its collectives and read the
+    // loss scale, every rank takes rank 0's parameters (and the buffers kept equal), and the history its
     // identity.
     void start_from_rank0(BufferSync mode) {
         if constexpr (comm_hook_type::hooked)
-            engine_.connect_hook({[this](std::size_t b, std::uint64_t bytes) {
-                                      return history_.next(CollectivePurpose::bucket, current_step(), b, bytes,
-                                                           DType::float32);
-                                  },
-                                  [this] { return scaler_.scale(); }});
+            engine_.connect_hook(
+                {[this](std::size_t b, std::uint64_t bytes) {
+                     return history_.next(CollectivePurpose::bucket, current_step(), b, bytes, DType::float32);
+                 },
+                 [this] { return scaler_.scale(); }, [this](std::uint64_t bytes) { history_.add_reduced(bytes); }});
         broadcast_parameters(backend_, parameters());
         history_.take_identity(backend_);
         sync_buffers(backend_, buffers(), mode, /*at_construction=*/true, history_, current_step());
@@ -5657,7 +5662,12 @@ protected:
             return history_.next(purpose, current_step(), b, 0, DType::float32);
         const auto& slot = engine_.slots()[b];
         const DType dtype = purpose == CollectivePurpose::float_redo ? slot.dtype : slot.wire;
-        return history_.next(purpose, current_step(), b, slot.count * size_of(dtype), dtype);
+        const std::uint64_t bytes = slot.count * size_of(dtype);
+        // The gradients' collectives count (not the sharded front's all-gathers of parameters); a
+        // hook's bucket counts what its own collectives move (hook_route.hpp), not the bucket.
+        const bool of_gradients = purpose == CollectivePurpose::bucket || purpose == CollectivePurpose::float_redo;
+        if (of_gradients && !slot.by_hook()) history_.add_reduced(bytes);
+        return history_.next(purpose, current_step(), b, bytes, dtype);
     }
 
     // What a wait past its deadline throws: bucket b named, with what each rank reported.

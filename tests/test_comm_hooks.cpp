@@ -412,6 +412,31 @@ TEST_CASE("PowerSGD at low rank moves fewer values, keeps the ranks bitwise equa
     CHECK(reduced[0] == 3 * (64 * 32 + 32 + 32 * 16));
 }
 
+TEST_CASE("a step's bytes_reduced with a hook: what the hook's collectives moved, not the bucket's size") {
+    const std::vector<std::vector<std::size_t>> big{{64, 32}, {32}, {32, 16}};
+    std::vector<std::uint64_t> reported(2), sent(2), plain(2);
+    gradsync::spawn(2, [&](gradsync::LocalBackend& backend) {
+        const auto r = static_cast<std::size_t>(backend.rank());
+        Matrices model(big);
+        gradsync::DataParallel dp(model, backend, gradsync::PowerSGD({.rank = 2}));
+        for (int s = 0; s < 2; ++s) {
+            model.fill(backend.rank(), s);
+            const auto before = dp.comm_hook().elements_sent();
+            reported[r] = dp.step([] {}).bytes_reduced;
+            sent[r] = (dp.comm_hook().elements_sent() - before) * sizeof(float);
+        }
+        Matrices same(big);
+        gradsync::DataParallel whole(same, backend, gradsync::AllreduceHook{});
+        same.fill(backend.rank(), 0);
+        plain[r] = whole.step([] {}).bytes_reduced;
+    });
+    // P (64 x 2 + 32 x 2), Q (32 x 2 + 16 x 2) and the bias whole (32), in float32.
+    CHECK(reported[0] == (64 * 2 + 32 * 2 + 32 * 2 + 16 * 2 + 32) * sizeof(float));
+    CHECK(reported[0] == sent[0]);
+    CHECK(reported[1] == sent[1]);
+    CHECK(plain[0] == (64 * 32 + 32 + 32 * 16) * sizeof(float));
+}
+
 TEST_CASE("PowerSGD with overlap on some ranks only: its collectives pair across the ranks, the result as without") {
     // PowerSGD issues collectives in finish() too: a rank that overlaps starts every bucket in
     // backward and finishes them at synchronize(); one that does not must do the same, not start

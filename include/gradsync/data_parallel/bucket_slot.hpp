@@ -77,6 +77,7 @@ struct BucketSlot {
     }
     // Where its buffer lies: its own, or the one the engine lends it.
     [[nodiscard]] std::byte* buffer_data() const { return lent != nullptr ? lent : Memory::data(buffer); }
+    [[nodiscard]] bool by_hook() const { return reduced_by<HookReduction>(); }
     // A hook's 16-bit bucket, widened into a float32 copy (the buffer).
     [[nodiscard]] bool widened_for_hook() const { return reduced_by<HookReduction>() && wire != dtype; }
     // The bucket (number `index` in the plan) as the hook sees it, apart from its values.

@@ -162,16 +162,16 @@ protected:
             });
     }
 
-    // After the ranks agreed: the hook learns how to tag its collectives and read the loss scale,
-    // every rank takes rank 0's parameters (and the buffers kept equal), and the history its
+    // After the ranks agreed: the hook learns how to tag and count its collectives and read the
+    // loss scale, every rank takes rank 0's parameters (and the buffers kept equal), and the history its
     // identity.
     void start_from_rank0(BufferSync mode) {
         if constexpr (comm_hook_type::hooked)
-            engine_.connect_hook({[this](std::size_t b, std::uint64_t bytes) {
-                                      return history_.next(CollectivePurpose::bucket, current_step(), b, bytes,
-                                                           DType::float32);
-                                  },
-                                  [this] { return scaler_.scale(); }});
+            engine_.connect_hook(
+                {[this](std::size_t b, std::uint64_t bytes) {
+                     return history_.next(CollectivePurpose::bucket, current_step(), b, bytes, DType::float32);
+                 },
+                 [this] { return scaler_.scale(); }, [this](std::uint64_t bytes) { history_.add_reduced(bytes); }});
         broadcast_parameters(backend_, parameters());
         history_.take_identity(backend_);
         sync_buffers(backend_, buffers(), mode, /*at_construction=*/true, history_, current_step());
@@ -192,7 +192,12 @@ protected:
             return history_.next(purpose, current_step(), b, 0, DType::float32);
         const auto& slot = engine_.slots()[b];
         const DType dtype = purpose == CollectivePurpose::float_redo ? slot.dtype : slot.wire;
-        return history_.next(purpose, current_step(), b, slot.count * size_of(dtype), dtype);
+        const std::uint64_t bytes = slot.count * size_of(dtype);
+        // The gradients' collectives count (not the sharded front's all-gathers of parameters); a
+        // hook's bucket counts what its own collectives move (hook_route.hpp), not the bucket.
+        const bool of_gradients = purpose == CollectivePurpose::bucket || purpose == CollectivePurpose::float_redo;
+        if (of_gradients && !slot.by_hook()) history_.add_reduced(bytes);
+        return history_.next(purpose, current_step(), b, bytes, dtype);
     }
 
     // What a wait past its deadline throws: bucket b named, with what each rank reported.

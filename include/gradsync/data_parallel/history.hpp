@@ -62,14 +62,15 @@ public:
         fingerprint_ = fnv1a(fingerprint_, static_cast<std::uint64_t>(dtype));
         const bool of_bucket = purpose == CollectivePurpose::bucket || purpose == CollectivePurpose::float_redo ||
                                purpose == CollectivePurpose::shard_gather;
-        if (purpose == CollectivePurpose::bucket || purpose == CollectivePurpose::float_redo) bytes_reduced_ += bytes;
         return CollectiveTag{fingerprint_, step, of_bucket ? static_cast<std::int32_t>(index) : -1};
     }
 
     [[nodiscard]] std::uint64_t fingerprint() const { return fingerprint_; }
     [[nodiscard]] std::uint64_t count() const { return count_; }
-    // Bytes of the gradients' collectives (buckets and their redos) so far.
+    // Bytes of the gradients' collectives (buckets, their redos, a hook's) so far: each counted by
+    // whoever hands them to the backend (add_reduced).
     [[nodiscard]] std::uint64_t bytes_reduced() const { return bytes_reduced_; }
+    void add_reduced(std::uint64_t bytes) { bytes_reduced_ += bytes; }
 
     // Compares every rank's history with rank 0's (one allreduce of a small table), and the
     // trainer's step number where it passed one; throws the same HistoryMismatch (StepMismatch

@@ -25,10 +25,12 @@
 namespace gradsync::inline v0::detail {
 
 // What a communication hook's buckets need from the front: the tag of each further collective
-// of bucket b (of `bytes` bytes), and the loss scale the gradients carry.
+// of bucket b (of `bytes` bytes), the loss scale the gradients carry, and where the bytes each of
+// its collectives moves are counted (StepReport::bytes_reduced).
 struct HookContext {
     std::function<CollectiveTag(std::size_t b, std::uint64_t bytes)> next_tag;
     std::function<float()> loss_scale;
+    std::function<void(std::uint64_t bytes)> reduced;
 };
 
 // One bucket as the hook sees it, apart from its values: its index, its parameters (and their
@@ -108,6 +110,7 @@ private:
             backend.rank(), backend.size(), [this, &backend, b, first](std::span<float> values, ReduceOp op) mutable {
                 CollectiveTag tag = first ? *first : context_.next_tag(b, values.size_bytes());
                 first.reset();
+                if (context_.reduced) context_.reduced(values.size_bytes());
                 return HookComm::Pending(
                     allreduce_async_tagged(backend, Buffer{values.data(), values.size(), DType::float32}, op, tag));
             });
