@@ -2336,8 +2336,9 @@ using BucketReductions = std::conditional_t<
 #define GRADSYNC_SINGLE_DATA_PARALLEL_HOOK_ROUTE_HPP
 // HookRoute: how the bucket engine runs a communication hook (reduction/comm_hook.hpp) over a
 // bucket: the bucket as the hook sees it (float32 values where they lie, packed, or 16-bit ones
-// widened into a float32 copy), the collectives the hook issues, each tagged for the bucket, and
-// where each 16-bit parameter's float32 copy lies, for DataParallel::float32_gradient().
+// widened into a float32 copy; in host or device memory), the collectives the hook issues, each
+// tagged for the bucket, and where each 16-bit parameter's float32 copy lies, for
+// DataParallel::float32_gradient().
 
 
 // ---- begin gradsync/data_parallel/model_layout.hpp ----
@@ -2484,6 +2485,12 @@ struct ModelLayout {
 // model holds in 16 bits (Megatron reduces bfloat16 gradients in float32 for the same reason).
 // float64 buckets are allreduced as without a hook; a world of one runs no hook (the local
 // gradient is the average).
+//
+// A hook reads and writes the values on the host, so it needs gradients in host memory, unless
+// it declares `static constexpr bool reads_values = false`: it then only hands bucket.values to
+// its HookComm, never touches them itself, and runs wherever the gradients lie, device memory
+// included (AllreduceHook). There the widening, the rounding and the collectives are queued on
+// the trainer's stream, and the stream, not the host, waits for what start() returned.
 
 
 #include <chrono>
@@ -2587,11 +2594,13 @@ struct NoCommHook {
 
 // The plain average through a hook: one allreduce per bucket, in float32. For float32 gradients,
 // the reference a hook is measured against; for float16 and bfloat16 ones, their average
-// computed in float32 and rounded once, where a 16-bit allreduce rounds at every step of its sum.
-// A model of the concept to start a hook of your own from.
+// computed in float32 and rounded once, where a 16-bit allreduce rounds at every step of its sum
+// (on the host or on the device: it never reads the values itself). A model of the concept to
+// start a hook of your own from.
 struct AllreduceHook {
     using policy_category = policy_category::comm_hook;
     static constexpr bool hooked = true;
+    static constexpr bool reads_values = false;
     [[nodiscard]] std::string settings() const { return "allreduce"; }
     HookComm::Pending start(const HookBucket& bucket, HookComm& comm) {
         return comm.allreduce_async(bucket.values, ReduceOp::average);
@@ -2601,13 +2610,28 @@ struct AllreduceHook {
 
 namespace detail {
 
-// A hook works on gradients in host memory: refused, for either front, with a backend or a
-// memory policy that keeps them on the device.
+// Whether hook H reads or writes bucket.values itself (true unless it declares otherwise).
+template <class H>
+constexpr bool hook_reads_values() {
+    if constexpr (requires {
+                      { H::reads_values } -> std::convertible_to<bool>;
+                  })
+        return H::reads_values;
+    else
+        return true;
+}
+
+// Where a hook may run, for either front: one that reads the values needs them in host memory; any
+// hook over a device backend needs a device memory policy (the values then lie on the device).
 template <class H, class B, class Memory>
-constexpr bool check_comm_hook_on_host() {
-    static_assert(!H::hooked || (!DeviceBackend<B> && !Memory::on_device),
-                  "gradsync: communication hooks run on gradients in host memory; this backend or memory policy "
-                  "keeps them on the device");
+constexpr bool check_comm_hook_memory() {
+    static_assert(!H::hooked || !hook_reads_values<H>() || (!DeviceBackend<B> && !Memory::on_device),
+                  "gradsync: this communication hook reads the gradients on the host, and this backend or memory "
+                  "policy keeps them on the device (a hook that only hands bucket.values to its HookComm declares "
+                  "`static constexpr bool reads_values = false` and runs on the device too)");
+    static_assert(!H::hooked || !DeviceBackend<B> || Memory::on_device,
+                  "gradsync: a communication hook over a backend whose collectives take device memory needs a "
+                  "device memory policy: pass gradsync::CudaMemory{stream} (memory/cuda.cuh)");
     return true;
 }
 
@@ -2643,6 +2667,7 @@ constexpr bool check_comm_hook() {
 #endif  // GRADSYNC_SINGLE_REDUCTION_COMM_HOOK_HPP
 // ---- end gradsync/reduction/comm_hook.hpp ----
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>  // for std::function
@@ -2729,6 +2754,18 @@ public:
 private:
     static constexpr std::size_t none = static_cast<std::size_t>(-1);
 
+    // On a stream-ordered backend the trainer's stream waits for a hook's collective, not the
+    // host, as for the engine's own (the backend's watchdog ends one that hangs).
+    template <class Handle>
+    struct StreamWait {
+        BackendT* backend;
+        Handle handle;
+        bool wait_until(std::chrono::steady_clock::time_point) {
+            backend->wait_on_device(handle);
+            return true;
+        }
+    };
+
     HookBucket view(const HookedBucket& bucket, std::span<float> values, std::int64_t step) const {
         const float scale = context_.loss_scale ? context_.loss_scale() : 1.0f;
         return HookBucket{bucket.index, step, values, bucket.parameters, scale, bucket.dtype};
@@ -2742,8 +2779,12 @@ private:
                 CollectiveTag tag = first ? *first : context_.next_tag(b, values.size_bytes());
                 first.reset();
                 if (context_.reduced) context_.reduced(values.size_bytes());
-                return HookComm::Pending(
-                    allreduce_async_tagged(backend, Buffer{values.data(), values.size(), DType::float32}, op, tag));
+                auto handle =
+                    allreduce_async_tagged(backend, Buffer{values.data(), values.size(), DType::float32}, op, tag);
+                if constexpr (StreamOrdered<BackendT>)
+                    return HookComm::Pending(StreamWait<decltype(handle)>{&backend, std::move(handle)});
+                else
+                    return HookComm::Pending(std::move(handle));
             });
     }
 
@@ -7350,7 +7391,7 @@ struct PolicySet {
     static_assert(!comm_hook::hooked || !compression::compresses,
                   "gradsync: a communication hook decides what travels on the wire itself; drop the compression "
                   "policy");
-    static_assert(check_comm_hook_on_host<comm_hook, BackendT, memory>());
+    static_assert(check_comm_hook_memory<comm_hook, BackendT, memory>());
 
     // Gradients reduced where they lie, with no bucket buffer and no copies.
     static constexpr bool in_place = packing::mode == PackingMode::in_place ||
@@ -8431,6 +8472,7 @@ public:
     // With a hook, a float16 or bfloat16 parameter's averaged gradient in float32, unscaled and
     // clipped alike, which its 16-bit gradient was rounded from: for an optimizer with float32
     // master weights (Megatron's main_grad). Between synchronize() (or step()) and the next backward.
+    // Under a device memory policy it lies in device memory, written in the trainer's stream order.
     [[nodiscard]] std::span<const float> float32_gradient(std::string_view name) const
         requires(comm_hook_type::hooked) {
         return engine_.float32_gradient(layout_, name);
@@ -9456,7 +9498,7 @@ namespace gradsync::inline v0::detail {
 
 // The sharding collectives, with their readable errors; shards where the backend's collectives
 // take them (a device backend: device memory, its collectives ordered after the memory policy's
-// stream); communication hooks on host memory only.
+// stream); communication hooks where their values may lie.
 template <class B, class Memory, class Hook>
 constexpr bool check_sharded_backend() {
     static_assert(check_sharded_collectives<B>());
@@ -9465,7 +9507,7 @@ constexpr bool check_sharded_backend() {
                   "CudaLocalBackend) keeps its shards on the device: give it gradsync::CudaMemory{stream} "
                   "(memory/cuda.cuh) with the stream backward runs on");
     static_assert(check_stream_ordered_if<B, Memory::on_device>());
-    static_assert(check_comm_hook_on_host<Hook, B, Memory>());
+    static_assert(check_comm_hook_memory<Hook, B, Memory>());
     return true;
 }
 

@@ -1496,6 +1496,7 @@ constexpr bool check_memory_policy() {
 #include <memory>
 #include <span>
 #include <string>
+#include <type_traits>  // for std::is_same_v
 #include <vector>
 
 namespace gradsync::inline v0 {
@@ -1532,17 +1533,23 @@ __global__ void __launch_bounds__(finalize_threads)
     sum_over_blocks(squares, block_sums, ticket, sum);
 }
 
-// Wire compression: the float32 tensors into the bucket as W, each times `factor`, one launch.
-template <class W>
+// The tensors (of T) into the bucket as W, each times `factor` in float, one launch: float32 ones
+// onto a 16-bit wire (compression), or 16-bit ones widened into float32 (for a hook).
+template <class T, class W>
 __global__ void table_compress_kernel(const Segment* table, std::size_t segments, W* bucket, std::uint64_t total,
                                       float factor) {
     const std::uint64_t begin = std::uint64_t(blockIdx.x) * pack_tile;
     const std::uint64_t end = begin + pack_tile < total ? begin + pack_tile : total;
     for_each_piece(table, segments, begin, end,
                    [&](std::size_t s, std::uint64_t in_tensor, std::uint64_t in_bucket, std::uint64_t n) {
-                       const float* tensor = static_cast<const float*>(table[s].data) + in_tensor;
-                       for (std::uint64_t i = threadIdx.x; i < n; i += blockDim.x)
-                           bucket[in_bucket + i] = narrow<W>(tensor[i] * factor);
+                       const T* tensor = static_cast<const T*>(table[s].data) + in_tensor;
+                       for (std::uint64_t i = threadIdx.x; i < n; i += blockDim.x) {
+                           const float value = float(widen(tensor[i])) * factor;
+                           if constexpr (std::is_same_v<W, float>)
+                               bucket[in_bucket + i] = value;
+                           else
+                               bucket[in_bucket + i] = narrow<W>(value);
+                       }
                    });
 }
 
@@ -1645,19 +1652,29 @@ public:
     void pack(const Table& t, std::byte* dst) const { copy<true>(t, dst); }
     void unpack(const Table& t, const std::byte* src) const { copy<false>(t, const_cast<std::byte*>(src)); }
 
-    // Wire compression: the float32 gradients into `dst` as `wire` values times `factor`.
+    // The gradients into `dst` as `wire` values times `factor`: float32 ones onto a 16-bit wire
+    // (compression), or float16 and bfloat16 ones widened into float32 (a hook's copy).
     void compress(const Table& t, std::byte* dst, DType wire, double factor) const {
         gradsync::detail::DeviceScope scope(device_);
         if (t.total == 0) return;
         const unsigned blocks = unsigned((t.total + cuda::pack_tile - 1) / cuda::pack_tile);
         const auto f = static_cast<float>(factor);
-        gradsync::detail::visit_float_dtype(wire, [&]<class W>(gradsync::detail::type_tag<W>) {
-            if constexpr (sizeof(W) == 2)
-                cuda::detail::table_compress_kernel<W><<<blocks, cuda::pack_threads, 0, stream_>>>(
-                    t.entries().data(), t.host.size(), reinterpret_cast<W*>(dst), t.total, f);
-            else
-                throw Error("gradsync: CudaMemory: no wire compression to " + to_string(wire));
-        });
+        const auto launch = [&]<class T, class W>(gradsync::detail::type_tag<T>, gradsync::detail::type_tag<W>) {
+            cuda::detail::table_compress_kernel<T, W><<<blocks, cuda::pack_threads, 0, stream_>>>(
+                t.entries().data(), t.host.size(), reinterpret_cast<W*>(dst), t.total, f);
+        };
+        using gradsync::detail::type_tag;
+        if (t.dtype == DType::float32 && wire == DType::float16)
+            launch(type_tag<float>{}, type_tag<float16>{});
+        else if (t.dtype == DType::float32 && wire == DType::bfloat16)
+            launch(type_tag<float>{}, type_tag<bfloat16>{});
+        else if (t.dtype == DType::float16 && wire == DType::float32)
+            launch(type_tag<float16>{}, type_tag<float>{});
+        else if (t.dtype == DType::bfloat16 && wire == DType::float32)
+            launch(type_tag<bfloat16>{}, type_tag<float>{});
+        else
+            throw Error("gradsync: CudaMemory: no conversion of " + to_string(t.dtype) + " gradients to " +
+                        to_string(wire));
         GRADSYNC_CUDA_CHECK(cudaGetLastError());
     }
 
@@ -1671,11 +1688,20 @@ public:
     // One launch: the tensors = `src` (the reduced bucket; null: the tensors themselves) times
     // `factor`, and the sum of the squares written into result slot `slot` on the device. A
     // float16 wire (float32 gradients) is first checked for an infinity or NaN, on the device: if
-    // it holds one, nothing is written and the slot's result is NaN.
+    // it holds one, nothing is written and the slot's result is NaN. A float32 source for 16-bit
+    // gradients (a hook's copy) is rounded once.
     void finalize(const Table& t, const std::byte* src, DType src_type, double factor, std::size_t slot) {
         gradsync::detail::DeviceScope scope(device_);
         if (src == nullptr || src_type == t.dtype)
             return launch_finalize(t, src, factor, src != nullptr || factor != 1.0, result(slot));
+        if (src_type == DType::float32 && (t.dtype == DType::float16 || t.dtype == DType::bfloat16)) {
+            const auto* from = reinterpret_cast<const float*>(src);
+            if (t.dtype == DType::float16)
+                launch_kernel<float, float16>(t, from, factor, true, nullptr, result(slot));
+            else
+                launch_kernel<float, bfloat16>(t, from, factor, true, nullptr, result(slot));
+            return;
+        }
         if (t.dtype != DType::float32 || (src_type != DType::float16 && src_type != DType::bfloat16))
             throw Error("gradsync: CudaMemory: a " + to_string(src_type) + " wire for " + to_string(t.dtype) +
                         " gradients");

@@ -159,6 +159,7 @@ public:
     // With a hook, a float16 or bfloat16 parameter's averaged gradient in float32, unscaled and
     // clipped alike, which its 16-bit gradient was rounded from: for an optimizer with float32
     // master weights (Megatron's main_grad). Between synchronize() (or step()) and the next backward.
+    // Under a device memory policy it lies in device memory, written in the trainer's stream order.
     [[nodiscard]] std::span<const float> float32_gradient(std::string_view name) const
         requires(comm_hook_type::hooked) {
         return engine_.float32_gradient(layout_, name);

@@ -1,5 +1,6 @@
-// Host references for the CUDA tests' own kernels (test_cuda.cu, test_sharded_on_device.cu), for
-// their run on the stand-in CUDA runtime (tests/standin): what each writes, on the stream's thread.
+// Host references for the CUDA tests' own kernels (test_cuda.cu, test_sharded_on_device.cu,
+// test_hooks_on_device.cu), for their run on the stand-in CUDA runtime (tests/standin): what each
+// writes, on the stream's thread.
 #include "../standin/kernels.hpp"
 
 #include <gradsync/memory/policy.hpp>
@@ -13,6 +14,7 @@ __global__ void late_fill(float* data, std::size_t n, float value, long long cyc
 __global__ void count_if_finite(const gradsync::StepVerdict* verdict, int* applied);
 __global__ void add_one(float* data, std::size_t n);
 __global__ void sgd(float* p, const float* g, std::size_t n, float lr);
+__global__ void spin(long long cycles);
 }  // namespace test_kernels
 
 namespace {
@@ -33,6 +35,9 @@ namespace {
     });
     standin::on_kernel(&test_kernels::sgd, "sgd", [](dim3, dim3, float* p, const float* g, std::size_t n, float lr) {
         for (std::size_t i = 0; i < n; ++i) p[i] -= lr * g[i];
+    });
+    standin::on_kernel(&test_kernels::spin, "spin", [](dim3, dim3, long long cycles) {
+        std::this_thread::sleep_for(std::chrono::nanoseconds(cycles / 2));
     });
     return true;
 }();

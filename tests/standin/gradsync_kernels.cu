@@ -91,15 +91,20 @@ void table_finalize(const std::string& name) {
         });
 }
 
-template <class W>
+template <class T, class W>
 void table_compress(const std::string& name) {
     standin::on_kernel(
-        &gc::detail::table_compress_kernel<W>, name,
+        &gc::detail::table_compress_kernel<T, W>, name,
         [](dim3, dim3, const Segment* table, std::size_t segments, W* bucket, std::uint64_t, float factor) {
             for (std::size_t s = 0; s < segments; ++s) {
-                const auto* tensor = static_cast<const float*>(table[s].data);
-                for (std::uint64_t i = 0; i < table[s].count; ++i)
-                    bucket[table[s].offset + i] = narrow<W>(tensor[i] * factor);
+                const auto* tensor = static_cast<const T*>(table[s].data);
+                for (std::uint64_t i = 0; i < table[s].count; ++i) {
+                    const float value = static_cast<float>(widen(tensor[i])) * factor;
+                    if constexpr (std::is_same_v<W, float>)
+                        bucket[table[s].offset + i] = value;
+                    else
+                        bucket[table[s].offset + i] = narrow<W>(value);
+                }
             }
         });
 }
@@ -156,8 +161,12 @@ void reduce_ranks(const std::string& name) {
     table_finalize<bfloat16, bfloat16>("table_finalize_kernel<bfloat16, bfloat16>");
     table_finalize<float16, float>("table_finalize_kernel<float16, float>");
     table_finalize<bfloat16, float>("table_finalize_kernel<bfloat16, float>");
-    table_compress<float16>("table_compress_kernel<float16>");
-    table_compress<bfloat16>("table_compress_kernel<bfloat16>");
+    table_finalize<float, float16>("table_finalize_kernel<float, float16>");
+    table_finalize<float, bfloat16>("table_finalize_kernel<float, bfloat16>");
+    table_compress<float, float16>("table_compress_kernel<float, float16>");
+    table_compress<float, bfloat16>("table_compress_kernel<float, bfloat16>");
+    table_compress<float16, float>("table_compress_kernel<float16, float>");
+    table_compress<bfloat16, float>("table_compress_kernel<bfloat16, float>");
     segment_squares<float>("segment_squares_kernel<float>");
     segment_squares<double>("segment_squares_kernel<double>");
     segment_squares<float16>("segment_squares_kernel<float16>");

@@ -1,7 +1,8 @@
 // HookRoute: how the bucket engine runs a communication hook (reduction/comm_hook.hpp) over a
 // bucket: the bucket as the hook sees it (float32 values where they lie, packed, or 16-bit ones
-// widened into a float32 copy), the collectives the hook issues, each tagged for the bucket, and
-// where each 16-bit parameter's float32 copy lies, for DataParallel::float32_gradient().
+// widened into a float32 copy; in host or device memory), the collectives the hook issues, each
+// tagged for the bucket, and where each 16-bit parameter's float32 copy lies, for
+// DataParallel::float32_gradient().
 #pragma once
 
 #include <gradsync/backend/concepts.hpp>
@@ -12,6 +13,7 @@
 #include <gradsync/model/model.hpp>
 #include <gradsync/reduction/comm_hook.hpp>
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>  // for std::function
@@ -98,6 +100,18 @@ public:
 private:
     static constexpr std::size_t none = static_cast<std::size_t>(-1);
 
+    // On a stream-ordered backend the trainer's stream waits for a hook's collective, not the
+    // host, as for the engine's own (the backend's watchdog ends one that hangs).
+    template <class Handle>
+    struct StreamWait {
+        BackendT* backend;
+        Handle handle;
+        bool wait_until(std::chrono::steady_clock::time_point) {
+            backend->wait_on_device(handle);
+            return true;
+        }
+    };
+
     HookBucket view(const HookedBucket& bucket, std::span<float> values, std::int64_t step) const {
         const float scale = context_.loss_scale ? context_.loss_scale() : 1.0f;
         return HookBucket{bucket.index, step, values, bucket.parameters, scale, bucket.dtype};
@@ -111,8 +125,12 @@ private:
                 CollectiveTag tag = first ? *first : context_.next_tag(b, values.size_bytes());
                 first.reset();
                 if (context_.reduced) context_.reduced(values.size_bytes());
-                return HookComm::Pending(
-                    allreduce_async_tagged(backend, Buffer{values.data(), values.size(), DType::float32}, op, tag));
+                auto handle =
+                    allreduce_async_tagged(backend, Buffer{values.data(), values.size(), DType::float32}, op, tag);
+                if constexpr (StreamOrdered<BackendT>)
+                    return HookComm::Pending(StreamWait<decltype(handle)>{&backend, std::move(handle)});
+                else
+                    return HookComm::Pending(std::move(handle));
             });
     }
 

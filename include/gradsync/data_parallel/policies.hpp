@@ -57,7 +57,7 @@ struct PolicySet {
     static_assert(!comm_hook::hooked || !compression::compresses,
                   "gradsync: a communication hook decides what travels on the wire itself; drop the compression "
                   "policy");
-    static_assert(check_comm_hook_on_host<comm_hook, BackendT, memory>());
+    static_assert(check_comm_hook_memory<comm_hook, BackendT, memory>());
 
     // Gradients reduced where they lie, with no bucket buffer and no copies.
     static constexpr bool in_place = packing::mode == PackingMode::in_place ||

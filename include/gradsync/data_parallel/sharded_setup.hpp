@@ -19,7 +19,7 @@ namespace gradsync::inline v0::detail {
 
 // The sharding collectives, with their readable errors; shards where the backend's collectives
 // take them (a device backend: device memory, its collectives ordered after the memory policy's
-// stream); communication hooks on host memory only.
+// stream); communication hooks where their values may lie.
 template <class B, class Memory, class Hook>
 constexpr bool check_sharded_backend() {
     static_assert(check_sharded_collectives<B>());
@@ -28,7 +28,7 @@ constexpr bool check_sharded_backend() {
                   "CudaLocalBackend) keeps its shards on the device: give it gradsync::CudaMemory{stream} "
                   "(memory/cuda.cuh) with the stream backward runs on");
     static_assert(check_stream_ordered_if<B, Memory::on_device>());
-    static_assert(check_comm_hook_on_host<Hook, B, Memory>());
+    static_assert(check_comm_hook_memory<Hook, B, Memory>());
     return true;
 }
 

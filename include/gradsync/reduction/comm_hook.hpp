@@ -10,6 +10,12 @@
 // model holds in 16 bits (Megatron reduces bfloat16 gradients in float32 for the same reason).
 // float64 buckets are allreduced as without a hook; a world of one runs no hook (the local
 // gradient is the average).
+//
+// A hook reads and writes the values on the host, so it needs gradients in host memory, unless
+// it declares `static constexpr bool reads_values = false`: it then only hands bucket.values to
+// its HookComm, never touches them itself, and runs wherever the gradients lie, device memory
+// included (AllreduceHook). There the widening, the rounding and the collectives are queued on
+// the trainer's stream, and the stream, not the host, waits for what start() returned.
 #pragma once
 
 #include <gradsync/backend/concepts.hpp>
@@ -118,11 +124,13 @@ struct NoCommHook {
 
 // The plain average through a hook: one allreduce per bucket, in float32. For float32 gradients,
 // the reference a hook is measured against; for float16 and bfloat16 ones, their average
-// computed in float32 and rounded once, where a 16-bit allreduce rounds at every step of its sum.
-// A model of the concept to start a hook of your own from.
+// computed in float32 and rounded once, where a 16-bit allreduce rounds at every step of its sum
+// (on the host or on the device: it never reads the values itself). A model of the concept to
+// start a hook of your own from.
 struct AllreduceHook {
     using policy_category = policy_category::comm_hook;
     static constexpr bool hooked = true;
+    static constexpr bool reads_values = false;
     [[nodiscard]] std::string settings() const { return "allreduce"; }
     HookComm::Pending start(const HookBucket& bucket, HookComm& comm) {
         return comm.allreduce_async(bucket.values, ReduceOp::average);
@@ -132,13 +140,28 @@ struct AllreduceHook {
 
 namespace detail {
 
-// A hook works on gradients in host memory: refused, for either front, with a backend or a
-// memory policy that keeps them on the device.
+// Whether hook H reads or writes bucket.values itself (true unless it declares otherwise).
+template <class H>
+constexpr bool hook_reads_values() {
+    if constexpr (requires {
+                      { H::reads_values } -> std::convertible_to<bool>;
+                  })
+        return H::reads_values;
+    else
+        return true;
+}
+
+// Where a hook may run, for either front: one that reads the values needs them in host memory; any
+// hook over a device backend needs a device memory policy (the values then lie on the device).
 template <class H, class B, class Memory>
-constexpr bool check_comm_hook_on_host() {
-    static_assert(!H::hooked || (!DeviceBackend<B> && !Memory::on_device),
-                  "gradsync: communication hooks run on gradients in host memory; this backend or memory policy "
-                  "keeps them on the device");
+constexpr bool check_comm_hook_memory() {
+    static_assert(!H::hooked || !hook_reads_values<H>() || (!DeviceBackend<B> && !Memory::on_device),
+                  "gradsync: this communication hook reads the gradients on the host, and this backend or memory "
+                  "policy keeps them on the device (a hook that only hands bucket.values to its HookComm declares "
+                  "`static constexpr bool reads_values = false` and runs on the device too)");
+    static_assert(!H::hooked || !DeviceBackend<B> || Memory::on_device,
+                  "gradsync: a communication hook over a backend whose collectives take device memory needs a "
+                  "device memory policy: pass gradsync::CudaMemory{stream} (memory/cuda.cuh)");
     return true;
 }
 
