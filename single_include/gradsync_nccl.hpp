@@ -1299,6 +1299,7 @@ struct WatchedDevice {
     std::function<void()> abort;                // after it, no queued op waits for peers
     std::function<void(void* event)> release;   // the op has retired: its event may be reused
     std::function<void()> enter_thread;         // first thing on the watchdog's own thread (select the GPU)
+    std::function<std::string()> peers;         // where the peers it can see stand (" Where ..."), or empty
 };
 
 // What a poll of a call still being queued found: in progress (none), done (empty), or failed
@@ -1478,11 +1479,19 @@ public:
             const std::string during = pending_.empty() ? "" : " during " + pending_.front()->describe();
             return fail_locked(who_ + ": the communicator failed" + during + ": " + why + "; it was aborted", false);
         }
-        if (!pending_.empty() && clock::now() >= pending_.front()->deadline)
+        if (!pending_.empty() && clock::now() >= pending_.front()->deadline) {
+            std::string peers;
+            try {
+                if (device_.peers) peers = device_.peers();
+            } catch (const std::exception& e) {
+                peers = std::string(" (where the peers stand is unknown: ") + e.what() + ")";
+            }
             return fail_locked(who_ + ": " + pending_.front()->describe() +
                                    " did not complete by its deadline; the communicator was aborted. A peer has "
-                                   "probably failed, left, or issued different collectives: its own error says more",
+                                   "probably failed, left, or issued different collectives: its own error says more." +
+                                   peers,
                                true);
+        }
     }
 
     [[nodiscard]] const std::string& who() const { return who_; }
@@ -1935,6 +1944,120 @@ private:
 #endif  // GRADSYNC_SINGLE_BACKEND_NCCL_HANDLE_HPP
 // ---- end gradsync/backend/nccl/handle.hpp ----
 
+// ---- begin gradsync/backend/nccl/peer_board.hpp ----
+#ifndef GRADSYNC_SINGLE_BACKEND_NCCL_PEER_BOARD_HPP
+#define GRADSYNC_SINGLE_BACKEND_NCCL_PEER_BOARD_HPP
+// Where the ranks of one NCCL communicator that share this process stand (nccl_spawn: one thread
+// per GPU), for the message of a collective that missed its deadline: how many collectives each
+// has entered and what the trainer's front says about it (its status reporters: in the backward
+// of step 7, waiting for the gradients of ...). NCCL's host side cannot see ranks in other
+// processes; those are only listed. Plain C++.
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <functional>  // for std::function
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>  // for std::move
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+class NcclPeerBoard {
+public:
+    // The board of the communicator known in this process by `key` (its unique id, or its
+    // parent's key and colour for a split), shared by its ranks here; made by the first.
+    static std::shared_ptr<NcclPeerBoard> of(const std::string& key, int size) {
+        static std::mutex mutex;
+        static std::map<std::string, std::weak_ptr<NcclPeerBoard>> boards;
+        std::lock_guard lock(mutex);
+        std::erase_if(boards, [](const auto& entry) { return entry.second.expired(); });
+        auto& slot = boards[key];
+        auto board = slot.lock();
+        if (!board || board->slots_.size() != static_cast<std::size_t>(size)) {
+            board = std::make_shared<NcclPeerBoard>(size);
+            slot = board;
+        }
+        return board;
+    }
+
+    explicit NcclPeerBoard(int size) : slots_(static_cast<std::size_t>(size)) {}
+
+    // Rank `rank` is here, numbering its collectives in `calls`, until it leaves.
+    void join(int rank, const std::atomic<std::uint64_t>* calls) {
+        std::lock_guard lock(mutex_);
+        slots_.at(idx(rank)).calls = calls;
+    }
+    void leave(int rank) {
+        std::lock_guard lock(mutex_);
+        auto& slot = slots_.at(idx(rank));
+        slot.calls = nullptr;
+        slot.left = true;
+        slot.reporters.clear();
+    }
+
+    // A reporter of rank `rank`, quoted in its peers' messages until removed (which waits for a
+    // quote in progress).
+    std::uint64_t add_reporter(int rank, std::function<std::string()> reporter) {
+        std::lock_guard lock(mutex_);
+        slots_.at(idx(rank)).reporters.emplace_back(++next_reporter_, std::move(reporter));
+        return next_reporter_;
+    }
+    void remove_reporter(int rank, std::uint64_t id) {
+        std::lock_guard lock(mutex_);
+        std::erase_if(slots_.at(idx(rank)).reporters, [id](const auto& r) { return r.first == id; });
+    }
+
+    // " Where its peers in this process stand: rank 1 has entered 3 collectives (this rank 4): in
+    // the backward of step 2, ...; not seen from here (...): ranks 2, 3", or empty where no peer
+    // of rank `me` shares this process.
+    [[nodiscard]] std::string standings(int me) {
+        std::lock_guard lock(mutex_);
+        const auto* mine = slots_.at(idx(me)).calls;
+        const std::uint64_t entered = mine != nullptr ? mine->load(std::memory_order_relaxed) : 0;
+        std::string here, elsewhere;
+        for (std::size_t r = 0; r < slots_.size(); ++r) {
+            if (r == idx(me)) continue;
+            const auto& slot = slots_[r];
+            const std::string rank = "rank " + std::to_string(r);
+            if (slot.left) {
+                here += (here.empty() ? "" : "; ") + rank + " has left the communicator";
+            } else if (slot.calls == nullptr) {
+                elsewhere += (elsewhere.empty() ? "" : ", ") + std::to_string(r);
+            } else {
+                std::string said;
+                for (const auto& reporter : slot.reporters) said += (said.empty() ? "" : "; ") + reporter.second();
+                here += (here.empty() ? "" : "; ") + rank + " has entered " +
+                        std::to_string(slot.calls->load(std::memory_order_relaxed)) + " collectives (this rank " +
+                        std::to_string(entered) + ")" + (said.empty() ? "" : ": " + said);
+            }
+        }
+        if (here.empty()) return {};
+        return " Where its peers in this process stand: " + here +
+               (elsewhere.empty() ? ""
+                                  : "; not seen from here (in other processes, or not joined): ranks " + elsewhere);
+    }
+
+private:
+    struct Slot {
+        const std::atomic<std::uint64_t>* calls = nullptr;  // while the rank is here
+        bool left = false;
+        std::vector<std::pair<std::uint64_t, std::function<std::string()>>> reporters;
+    };
+    static std::size_t idx(int rank) { return static_cast<std::size_t>(rank); }
+
+    std::mutex mutex_;
+    std::vector<Slot> slots_;
+    std::uint64_t next_reporter_ = 0;
+};
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_BACKEND_NCCL_PEER_BOARD_HPP
+// ---- end gradsync/backend/nccl/peer_board.hpp ----
+
 #include <cuda_runtime.h>
 #include <nccl.h>
 
@@ -1979,6 +2102,7 @@ struct NcclCommunicator {
     std::mutex staging;       // one staged collective at a time
     std::shared_ptr<detail::Watchdog> watchdog;
     std::optional<std::stop_callback<NcclStopRequest>> on_stop;
+    std::shared_ptr<NcclPeerBoard> board;  // the ranks of this communicator in this process, once joined
 
     // Never while a call uses the communicator: the watchdog's gate, or the calling thread.
     void abort_comm() {
@@ -1989,6 +2113,7 @@ struct NcclCommunicator {
 
     void close() {
         on_stop.reset();  // waits for a stop request in progress
+        if (board) board->leave(rank);
         // Collectives nobody waits for (an exception unwound past their wait) were abandoned:
         // flushing them would wait for peers that may never issue theirs, for the whole timeout,
         // so the communicator is aborted instead and the peers learn of it by their deadlines.
@@ -2056,7 +2181,8 @@ inline WatchedDevice watched_device(NcclCommunicator* s) {
                          },
                          .abort = [s] { s->abort_comm(); },
                          .release = [s](void* event) { s->events.push_back(static_cast<cudaEvent_t>(event)); },
-                         .enter_thread = [s] { GRADSYNC_CUDA_CHECK(cudaSetDevice(s->device)); }};
+                         .enter_thread = [s] { GRADSYNC_CUDA_CHECK(cudaSetDevice(s->device)); },
+                         .peers = [s] { return s->board ? s->board->standings(s->rank) : std::string(); }};
 }
 
 }  // namespace gradsync::inline v0::detail
@@ -2840,7 +2966,9 @@ void visit_float_dtype(DType t, F&& f) {
 #include <algorithm>  // for std::min
 #include <atomic>
 #include <chrono>
-#include <cstring>  // for std::memcpy
+#include <cstdint>
+#include <cstring>     // for std::memcpy
+#include <functional>  // for std::function
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -2899,7 +3027,7 @@ public:
 
     // Rank `rank` of `size` on CUDA device `device`, all ranks with the same `id`.
     NcclBackend(int rank, int size, int device, const ncclUniqueId& id, NcclOptions options = {})
-        : NcclBackend(rank, size, device, options, GroupLabel{}, [&id](State& s, ncclConfig_t* config) {
+        : NcclBackend(rank, size, device, options, GroupLabel{}, board_key(id), [&id](State& s, ncclConfig_t* config) {
               return ncclCommInitRankConfig(&s.comm, s.size, id, s.rank, config);
           }) {}
 
@@ -3056,11 +3184,20 @@ public:
     // through their own deadline or NCCL's error.
     void abort(const std::string& reason) { state_->watchdog->fail(reason); }
 
+    // A reporter of where this rank stands (DataParallel leaves one), quoted when a collective of
+    // a peer that shares this process (nccl_spawn) misses its deadline, beside how many
+    // collectives each has entered; removed by id. NCCL's host side cannot see other processes.
+    std::uint64_t add_status_reporter(std::function<std::string()> reporter) {
+        return state_->board->add_reporter(rank(), std::move(reporter));
+    }
+    void remove_status_reporter(std::uint64_t id) { state_->board->remove_reporter(rank(), id); }
+
 private:
     using State = detail::NcclCommunicator;
 
     NcclBackend(detail::NcclSplitPlace place, NcclBackend& parent, int colour, int key, NcclOptions options)
         : NcclBackend(place.rank, place.size, parent.device(), options, std::move(place.label),
+                      parent.board_key_ + "/" + std::to_string(colour),
                       [comm = parent.comm(), colour, key](State& s, ncclConfig_t* config) {
                           return ncclCommSplit(comm, colour, key, &s.comm, config);
                       }) {}
@@ -3068,8 +3205,8 @@ private:
     // Selects the device, makes the streams, staging buffers and watchdog, then the communicator
     // through `make(state, config)`, and waits until every rank has joined it.
     template <class Make>
-    NcclBackend(int rank, int size, int device, NcclOptions options, GroupLabel label, Make make)
-        : state_(std::make_unique<State>()), label_(std::move(label)) {
+    NcclBackend(int rank, int size, int device, NcclOptions options, GroupLabel label, std::string board_key, Make make)
+        : state_(std::make_unique<State>()), label_(std::move(label)), board_key_(std::move(board_key)) {
         auto& s = *state_;
         s.rank = rank;
         s.size = size;
@@ -3103,6 +3240,8 @@ private:
                 s, Algo::allreduce, [&](ncclConfig_t* config) { return make(s, config); },
                 "a rank did not start, failed before joining, or was given a different NCCL_COMM_ID "
                 "(MASTER_ADDR/MASTER_PORT), world size or group");
+            s.board = detail::NcclPeerBoard::of(board_key_, size);
+            s.board->join(rank, &s.calls);
             s.watchdog->start(options.watchdog_period);
         } catch (...) {
             try {
@@ -3124,6 +3263,11 @@ private:
         parent.allreduce(std::span<double>(colours));
         parent.allreduce(std::span<double>(keys));
         return detail::nccl_split_place(colours, keys, parent.rank(), parent.label_, std::move(name));
+    }
+
+    // The communicator's name among this process's boards: its unique id's bytes.
+    static std::string board_key(const ncclUniqueId& id) {
+        return std::string(reinterpret_cast<const char*>(&id), sizeof id);
     }
 
     ncclDataType_t reducible_type(DType t, const char* what) const {
@@ -3180,6 +3324,7 @@ private:
 
     std::unique_ptr<State> state_;
     GroupLabel label_;
+    std::string board_key_;
 };
 
 }  // namespace gradsync::inline v0

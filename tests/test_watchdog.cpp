@@ -29,6 +29,7 @@ struct FakeDevice {
     std::atomic<int> aborts_during_call{0};  // must stay 0: an abort never frees what a call uses
     std::atomic<int> untargeted_looks{0};    // device callbacks on the watchdog's thread before it chose the GPU
     std::atomic<int> watchdog_looks{0};
+    std::string peers;  // where the peers it sees stand, as the device says
 
     gradsync::detail::WatchedDevice callbacks() {
         return {.finished =
@@ -46,7 +47,8 @@ struct FakeDevice {
                         if (calling.load()) aborts_during_call.fetch_add(1);
                     },
                 .release = [this](void*) { released.fetch_add(1); },
-                .enter_thread = [this] { chosen = true; }};
+                .enter_thread = [this] { chosen = true; },
+                .peers = [this] { return peers; }};
     }
 
 private:
@@ -124,6 +126,19 @@ TEST_CASE("watchdog: a late op aborts the communicator once and every waiter thr
     CHECK(device.aborts.load() == 1);
     CHECK_THROWS_AS(dog.run([] {}), gradsync::TimeoutError);  // nothing more may be queued
     CHECK(dog.ready(*late));                                  // ready: waiting would not block
+}
+
+TEST_CASE("watchdog: a late op's message ends with where the device says the peers stand") {
+    FakeDevice device;
+    device.peers = " Where its peers in this process stand: rank 0 has entered 4 collectives (this rank 5)";
+    Watchdog dog("gradsync: rank 1 of 2 (fake)", device.callbacks(), 0ms);
+    auto late = op(device, 0, 20ms);
+    dog.run([&] { dog.watch(late); });
+    const auto what = error_of(dog, *late);
+    CHECK(what.find("did not complete by its deadline") != std::string::npos);
+    CHECK(
+        what.ends_with("its own error says more. Where its peers in this process stand: rank 0 has entered 4 "
+                       "collectives (this rank 5)"));
 }
 
 TEST_CASE("watchdog: an asynchronous device error fails the communicator during the oldest op") {

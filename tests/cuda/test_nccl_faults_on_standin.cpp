@@ -1,15 +1,17 @@
 // NcclBackend's failure paths, run on the stand-ins for the CUDA runtime and NCCL (tests/standin):
 // a rank that never issues its collective, one that throws, an asynchronous NCCL error, a stream
 // too slow for the deadline, a rank that never joins. Every rank ends by its deadline with an
-// error that names the operation, and no destructor waits out the timeout. Also the device a
-// waiting thread leaves current.
+// error that names the operation, and no destructor waits out the timeout; a peer in the same
+// process is named with where it stands. Also the device a waiting thread leaves current.
 #include <doctest/doctest.h>
 
 #include "standin/standin.hpp"
 
 #include <gradsync/backend/nccl.hpp>
+#include <gradsync/data_parallel.hpp>
 #include <gradsync/launch/nccl_spawn.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <stdexcept>
 #include <string>
@@ -58,6 +60,52 @@ TEST_CASE("NcclBackend on the stand-ins: a rank that never issues its collective
         gradsync::NcclOptions{.timeout = 300ms});
     CHECK(what.find("gradsync: rank 0 of 2 (NCCL, GPU 0): allreduce") == 0);
     CHECK(what.find("did not complete by its deadline; the communicator was aborted") != std::string::npos);
+    CHECK(took < 30s);
+}
+
+TEST_CASE(
+    "NcclBackend on the stand-ins: a collective past its deadline names where its peers in this process stand: "
+    "the rank stuck in backward, how many collectives it entered, its step and the gradients it waits for") {
+    std::atomic<bool> rank0_failed{false};
+    const auto [what, took] = spawn_failure(
+        2,
+        [&](gradsync::NcclBackend<>& backend) {
+            DeviceFloats weights(12), grads(12);
+            struct Model {
+                float *w, *g;
+                std::vector<gradsync::Parameter> parameters() {
+                    return {{"p0", w, g, 4, gradsync::DType::float32},
+                            {"p1", w + 4, g + 4, 4, gradsync::DType::float32},
+                            {"p2", w + 8, g + 8, 4, gradsync::DType::float32}};
+                }
+            } model{weights.data, grads.data};
+            gradsync::DataParallel dp(model, backend);
+            if (backend.rank() == 1) {
+                dp.grad_ready("p2");  // backward reached p2, and stalls there until rank 0 has failed
+                for (int i = 0; i < 2000 && !rank0_failed; ++i) std::this_thread::sleep_for(10ms);
+                return;
+            }
+            try {
+                dp.synchronize();  // queued; the host does not wait, the watchdog finds it late
+                for (int i = 0; i < 2000; ++i) {
+                    backend.throw_if_failed();
+                    std::this_thread::sleep_for(10ms);
+                }
+            } catch (...) {
+                rank0_failed = true;
+                throw;
+            }
+        },
+        gradsync::NcclOptions{.timeout = 300ms});
+    CAPTURE(what);
+    CHECK(what.find("gradsync: rank 0 of 2 (NCCL, GPU 0): allreduce") == 0);
+    CHECK(what.find("did not complete by its deadline") != std::string::npos);
+    const auto peers = what.find(" Where its peers in this process stand: rank 1 has entered ");
+    REQUIRE(peers != std::string::npos);
+    CHECK(what.find("collectives (this rank ", peers) != std::string::npos);
+    CHECK(what.find("in the backward of step 1, 0 of 1 buckets launched; bucket 0 waits for grad_ready of 'p1', "
+                    "'p0' (2 of 3 parameters)",
+                    peers) != std::string::npos);
     CHECK(took < 30s);
 }
 

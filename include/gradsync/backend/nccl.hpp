@@ -21,6 +21,7 @@
 #include <gradsync/backend/nccl/communicator.hpp>
 #include <gradsync/backend/nccl/handle.hpp>
 #include <gradsync/backend/nccl/join.hpp>
+#include <gradsync/backend/nccl/peer_board.hpp>
 #include <gradsync/backend/nccl/place.hpp>
 #include <gradsync/backend/nccl/queue.hpp>
 #include <gradsync/bytes.hpp>
@@ -36,7 +37,9 @@
 #include <algorithm>  // for std::min
 #include <atomic>
 #include <chrono>
-#include <cstring>  // for std::memcpy
+#include <cstdint>
+#include <cstring>     // for std::memcpy
+#include <functional>  // for std::function
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -95,7 +98,7 @@ public:
 
     // Rank `rank` of `size` on CUDA device `device`, all ranks with the same `id`.
     NcclBackend(int rank, int size, int device, const ncclUniqueId& id, NcclOptions options = {})
-        : NcclBackend(rank, size, device, options, GroupLabel{}, [&id](State& s, ncclConfig_t* config) {
+        : NcclBackend(rank, size, device, options, GroupLabel{}, board_key(id), [&id](State& s, ncclConfig_t* config) {
               return ncclCommInitRankConfig(&s.comm, s.size, id, s.rank, config);
           }) {}
 
@@ -252,11 +255,20 @@ public:
     // through their own deadline or NCCL's error.
     void abort(const std::string& reason) { state_->watchdog->fail(reason); }
 
+    // A reporter of where this rank stands (DataParallel leaves one), quoted when a collective of
+    // a peer that shares this process (nccl_spawn) misses its deadline, beside how many
+    // collectives each has entered; removed by id. NCCL's host side cannot see other processes.
+    std::uint64_t add_status_reporter(std::function<std::string()> reporter) {
+        return state_->board->add_reporter(rank(), std::move(reporter));
+    }
+    void remove_status_reporter(std::uint64_t id) { state_->board->remove_reporter(rank(), id); }
+
 private:
     using State = detail::NcclCommunicator;
 
     NcclBackend(detail::NcclSplitPlace place, NcclBackend& parent, int colour, int key, NcclOptions options)
         : NcclBackend(place.rank, place.size, parent.device(), options, std::move(place.label),
+                      parent.board_key_ + "/" + std::to_string(colour),
                       [comm = parent.comm(), colour, key](State& s, ncclConfig_t* config) {
                           return ncclCommSplit(comm, colour, key, &s.comm, config);
                       }) {}
@@ -264,8 +276,8 @@ private:
     // Selects the device, makes the streams, staging buffers and watchdog, then the communicator
     // through `make(state, config)`, and waits until every rank has joined it.
     template <class Make>
-    NcclBackend(int rank, int size, int device, NcclOptions options, GroupLabel label, Make make)
-        : state_(std::make_unique<State>()), label_(std::move(label)) {
+    NcclBackend(int rank, int size, int device, NcclOptions options, GroupLabel label, std::string board_key, Make make)
+        : state_(std::make_unique<State>()), label_(std::move(label)), board_key_(std::move(board_key)) {
         auto& s = *state_;
         s.rank = rank;
         s.size = size;
@@ -299,6 +311,8 @@ private:
                 s, Algo::allreduce, [&](ncclConfig_t* config) { return make(s, config); },
                 "a rank did not start, failed before joining, or was given a different NCCL_COMM_ID "
                 "(MASTER_ADDR/MASTER_PORT), world size or group");
+            s.board = detail::NcclPeerBoard::of(board_key_, size);
+            s.board->join(rank, &s.calls);
             s.watchdog->start(options.watchdog_period);
         } catch (...) {
             try {
@@ -320,6 +334,11 @@ private:
         parent.allreduce(std::span<double>(colours));
         parent.allreduce(std::span<double>(keys));
         return detail::nccl_split_place(colours, keys, parent.rank(), parent.label_, std::move(name));
+    }
+
+    // The communicator's name among this process's boards: its unique id's bytes.
+    static std::string board_key(const ncclUniqueId& id) {
+        return std::string(reinterpret_cast<const char*>(&id), sizeof id);
     }
 
     ncclDataType_t reducible_type(DType t, const char* what) const {
@@ -376,6 +395,7 @@ private:
 
     std::unique_ptr<State> state_;
     GroupLabel label_;
+    std::string board_key_;
 };
 
 }  // namespace gradsync::inline v0

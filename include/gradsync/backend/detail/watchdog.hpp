@@ -63,6 +63,7 @@ struct WatchedDevice {
     std::function<void()> abort;                // after it, no queued op waits for peers
     std::function<void(void* event)> release;   // the op has retired: its event may be reused
     std::function<void()> enter_thread;         // first thing on the watchdog's own thread (select the GPU)
+    std::function<std::string()> peers;         // where the peers it can see stand (" Where ..."), or empty
 };
 
 // What a poll of a call still being queued found: in progress (none), done (empty), or failed
@@ -242,11 +243,19 @@ public:
             const std::string during = pending_.empty() ? "" : " during " + pending_.front()->describe();
             return fail_locked(who_ + ": the communicator failed" + during + ": " + why + "; it was aborted", false);
         }
-        if (!pending_.empty() && clock::now() >= pending_.front()->deadline)
+        if (!pending_.empty() && clock::now() >= pending_.front()->deadline) {
+            std::string peers;
+            try {
+                if (device_.peers) peers = device_.peers();
+            } catch (const std::exception& e) {
+                peers = std::string(" (where the peers stand is unknown: ") + e.what() + ")";
+            }
             return fail_locked(who_ + ": " + pending_.front()->describe() +
                                    " did not complete by its deadline; the communicator was aborted. A peer has "
-                                   "probably failed, left, or issued different collectives: its own error says more",
+                                   "probably failed, left, or issued different collectives: its own error says more." +
+                                   peers,
                                true);
+        }
     }
 
     [[nodiscard]] const std::string& who() const { return who_; }

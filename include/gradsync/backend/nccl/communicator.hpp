@@ -6,6 +6,7 @@
 
 #include <gradsync/backend/detail/watchdog.hpp>
 #include <gradsync/backend/nccl/handle.hpp>
+#include <gradsync/backend/nccl/peer_board.hpp>
 #include <gradsync/cuda/check.hpp>
 #include <gradsync/detail/deadline.hpp>
 
@@ -53,6 +54,7 @@ struct NcclCommunicator {
     std::mutex staging;       // one staged collective at a time
     std::shared_ptr<detail::Watchdog> watchdog;
     std::optional<std::stop_callback<NcclStopRequest>> on_stop;
+    std::shared_ptr<NcclPeerBoard> board;  // the ranks of this communicator in this process, once joined
 
     // Never while a call uses the communicator: the watchdog's gate, or the calling thread.
     void abort_comm() {
@@ -63,6 +65,7 @@ struct NcclCommunicator {
 
     void close() {
         on_stop.reset();  // waits for a stop request in progress
+        if (board) board->leave(rank);
         // Collectives nobody waits for (an exception unwound past their wait) were abandoned:
         // flushing them would wait for peers that may never issue theirs, for the whole timeout,
         // so the communicator is aborted instead and the peers learn of it by their deadlines.
@@ -130,7 +133,8 @@ inline WatchedDevice watched_device(NcclCommunicator* s) {
                          },
                          .abort = [s] { s->abort_comm(); },
                          .release = [s](void* event) { s->events.push_back(static_cast<cudaEvent_t>(event)); },
-                         .enter_thread = [s] { GRADSYNC_CUDA_CHECK(cudaSetDevice(s->device)); }};
+                         .enter_thread = [s] { GRADSYNC_CUDA_CHECK(cudaSetDevice(s->device)); },
+                         .peers = [s] { return s->board ? s->board->standings(s->rank) : std::string(); }};
 }
 
 }  // namespace gradsync::inline v0::detail
