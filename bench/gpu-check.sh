@@ -240,13 +240,13 @@ if ((${#torch_flags[@]})); then
     fi
 fi
 if ((dry_run)); then
-    part build.test_cuda 0 300 "$nvcc" "${nvcc_flags[@]}" tests/cuda/test_cuda.cu tests/cuda/test_sharded_on_device.cu tests/cuda/test_hooks_on_device.cu -o "$build/test_cuda"
+    part build.test_cuda 0 300 "$nvcc" "${nvcc_flags[@]}" tests/cuda/test_cuda.cu tests/cuda/test_sharded_on_device.cu tests/cuda/test_hooks_on_device.cu tests/cuda/test_powersgd_on_device.cu -o "$build/test_cuda"
     part build.bench_cuda 0 300 "$nvcc" "${nvcc_flags[@]}" bench/bench_cuda.cu -o "$build/bench_cuda"
     part build.train_mlp_nccl 0 300 "$nvcc" "${nvcc_flags[@]}" -Iexamples examples/train_mlp_nccl.cu -o "$build/train_mlp_nccl" -lcublas
     part build.nccl_tests 0 300 "$cxx" tests/main.cpp tests/cuda/test_nccl_environment.cpp tests/cuda/test_nccl_backend.cpp \
         "${cxx_flags[@]}" -o "$build/nccl_tests"
 else
-    (part build.test_cuda 0 300 "$nvcc" "${nvcc_flags[@]}" tests/cuda/test_cuda.cu tests/cuda/test_sharded_on_device.cu tests/cuda/test_hooks_on_device.cu -o "$build/test_cuda"; exit $failed) &
+    (part build.test_cuda 0 300 "$nvcc" "${nvcc_flags[@]}" tests/cuda/test_cuda.cu tests/cuda/test_sharded_on_device.cu tests/cuda/test_hooks_on_device.cu tests/cuda/test_powersgd_on_device.cu -o "$build/test_cuda"; exit $failed) &
     b1=$!
     (part build.bench_cuda 0 300 "$nvcc" "${nvcc_flags[@]}" bench/bench_cuda.cu -o "$build/bench_cuda"; exit $failed) &
     b2=$!

@@ -24,8 +24,9 @@ PARTS = {
     "gradsync_nccl.hpp": ("NcclBackend and nccl_spawn; needs NCCL and the CUDA runtime",
                           ["gradsync/backend/nccl.hpp", "gradsync/launch/nccl_spawn.hpp"]),
     "gradsync_nccl_mpi.hpp": ("NCCL's unique id through MPI; needs NCCL and MPI", ["gradsync/backend/nccl_mpi.hpp"]),
-    "gradsync_cuda.cuh": ("CudaMemory and CudaLocalBackend, for nvcc",
-                          ["gradsync/memory/cuda.cuh", "gradsync/backend/cuda_local.cuh", "gradsync/cuda/convert.cuh"]),
+    "gradsync_cuda.cuh": ("CudaMemory, CudaLocalBackend and CudaPowerSGD, for nvcc",
+                          ["gradsync/memory/cuda.cuh", "gradsync/backend/cuda_local.cuh", "gradsync/cuda/convert.cuh",
+                           "gradsync/reduction/powersgd_cuda.cuh"]),
 }
 
 

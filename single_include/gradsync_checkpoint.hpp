@@ -602,6 +602,8 @@ public:
 
     [[nodiscard]] constexpr std::uint64_t count() const { return count_; }
 
+    // == declared as well as implied: nvcc's host pass otherwise leaves the implied one undefined.
+    friend constexpr bool operator==(Bytes, Bytes) = default;
     friend constexpr auto operator<=>(Bytes, Bytes) = default;
     friend constexpr Bytes operator+(Bytes a, Bytes b) { return Bytes{a.count_ + b.count_}; }
     friend constexpr Bytes operator-(Bytes a, Bytes b) { return Bytes{a.count_ - b.count_}; }
@@ -2490,7 +2492,9 @@ struct ModelLayout {
 // it declares `static constexpr bool reads_values = false`: it then only hands bucket.values to
 // its HookComm, never touches them itself, and runs wherever the gradients lie, device memory
 // included (AllreduceHook). There the widening, the rounding and the collectives are queued on
-// the trainer's stream, and the stream, not the host, waits for what start() returned.
+// the trainer's stream, and the stream, not the host, waits for what start() returned. A hook that
+// computes on the device itself declares `static constexpr bool on_device = true`: it needs
+// device memory and launches its kernels on bucket.stream (CudaPowerSGD).
 
 
 #include <chrono>
@@ -2522,6 +2526,9 @@ struct HookBucket {
     std::span<const HookParameter> parameters;  // in element order, covering `values`
     float loss_scale = 1.0f;                    // the factor the gradients carry (1 without a loss scaler)
     DType dtype = DType::float32;               // the model's gradients': float16 and bfloat16 ones are widened
+    // Where the values lie in device memory: the cudaStream_t their work is ordered on, which a
+    // hook's kernels go on too; null on the host.
+    void* stream = nullptr;
 };
 
 // The collectives a hook may issue for one bucket. Each is tagged with the step and bucket, so
@@ -2621,14 +2628,31 @@ constexpr bool hook_reads_values() {
         return true;
 }
 
-// Where a hook may run, for either front: one that reads the values needs them in host memory; any
-// hook over a device backend needs a device memory policy (the values then lie on the device).
+// Whether hook H computes on the device (false unless it declares otherwise).
+template <class H>
+constexpr bool hook_on_device() {
+    if constexpr (requires {
+                      { H::on_device } -> std::convertible_to<bool>;
+                  })
+        return H::on_device;
+    else
+        return false;
+}
+
+// Where a hook may run, for either front: one that reads the values on the host needs them in host
+// memory, one that computes on the device needs them in device memory; any hook over a device
+// backend needs a device memory policy (the values then lie on the device).
 template <class H, class B, class Memory>
 constexpr bool check_comm_hook_memory() {
-    static_assert(!H::hooked || !hook_reads_values<H>() || (!DeviceBackend<B> && !Memory::on_device),
-                  "gradsync: this communication hook reads the gradients on the host, and this backend or memory "
-                  "policy keeps them on the device (a hook that only hands bucket.values to its HookComm declares "
-                  "`static constexpr bool reads_values = false` and runs on the device too)");
+    static_assert(!H::hooked || !hook_on_device<H>() || Memory::on_device,
+                  "gradsync: this communication hook computes on the device, and this memory policy keeps the "
+                  "gradients on the host: pass gradsync::CudaMemory{stream}, or use its host counterpart "
+                  "(PowerSGD for CudaPowerSGD)");
+    static_assert(
+        !H::hooked || !hook_reads_values<H>() || hook_on_device<H>() || (!DeviceBackend<B> && !Memory::on_device),
+        "gradsync: this communication hook reads the gradients on the host, and this backend or memory "
+        "policy keeps them on the device (a hook that only hands bucket.values to its HookComm declares "
+        "`static constexpr bool reads_values = false` and runs on the device too)");
     static_assert(!H::hooked || !DeviceBackend<B> || Memory::on_device,
                   "gradsync: a communication hook over a backend whose collectives take device memory needs a "
                   "device memory policy: pass gradsync::CudaMemory{stream} (memory/cuda.cuh)");
@@ -2704,13 +2728,19 @@ public:
     explicit HookRoute(Hook hook) : hook_(std::move(hook)) {}
 
     void connect(HookContext context) { context_ = std::move(context); }
+    // Where the gradients lie on the device: the stream their work is ordered on (HookBucket::stream).
+    void set_stream(void* stream) { stream_ = stream; }
 
     // After every (re)plan: the hook prepares for its buckets' parameters (where it has a
-    // prepare()), and each parameter of a widened bucket gets its place in that bucket's copy.
+    // prepare(); given the stream where the gradients lie on the device), and each parameter of a
+    // widened bucket gets its place in that bucket's copy.
     void plan(std::span<const HookedBucket> buckets, std::size_t parameters) {
         float32_at_.assign(parameters, {none, 0});
         for (const auto& bucket : buckets) {
-            if constexpr (requires { hook_.prepare(bucket.parameters); }) hook_.prepare(bucket.parameters);
+            if constexpr (requires { hook_.prepare(bucket.parameters, stream_); })
+                hook_.prepare(bucket.parameters, stream_);  // a hook on the device makes its state there
+            else if constexpr (requires { hook_.prepare(bucket.parameters); })
+                hook_.prepare(bucket.parameters);
             if (bucket.dtype == DType::float32) continue;
             for (std::size_t k = 0; k < bucket.parameters.size(); ++k)
                 float32_at_[bucket.indices[k]] = {bucket.index, bucket.parameters[k].offset};
@@ -2768,7 +2798,7 @@ private:
 
     HookBucket view(const HookedBucket& bucket, std::span<float> values, std::int64_t step) const {
         const float scale = context_.loss_scale ? context_.loss_scale() : 1.0f;
-        return HookBucket{bucket.index, step, values, bucket.parameters, scale, bucket.dtype};
+        return HookBucket{bucket.index, step, values, bucket.parameters, scale, bucket.dtype, stream_};
     }
 
     // The collectives of bucket b's hook: the first carries the engine's tag for the bucket, each
@@ -2790,6 +2820,7 @@ private:
 
     Hook hook_;
     HookContext context_;
+    void* stream_ = nullptr;
     std::vector<std::pair<std::size_t, std::size_t>> float32_at_;  // by parameter: bucket and offset, or none
 };
 
@@ -3071,7 +3102,10 @@ public:
     static_assert(check_bucket_reductions<Step>(static_cast<const Reductions*>(nullptr)));
 
     BucketEngine(BackendT& backend, Memory memory, Hook hook = {})
-        : backend_(backend), memory_(std::move(memory)), hooks_(std::move(hook)) {}
+        : backend_(backend), memory_(std::move(memory)), hooks_(std::move(hook)) {
+        if constexpr (requires { static_cast<void*>(memory_.stream()); })
+            hooks_.set_stream(static_cast<void*>(memory_.stream()));  // a hook on the device launches there
+    }
 
     void connect_hook(HookContext context) { hooks_.connect(std::move(context)); }
 
@@ -11142,13 +11176,126 @@ private:
 // too small to gain are averaged exactly, in one allreduce per bucket.
 
 
+// ---- begin gradsync/reduction/powersgd_config.hpp ----
+#ifndef GRADSYNC_SINGLE_REDUCTION_POWERSGD_CONFIG_HPP
+#define GRADSYNC_SINGLE_REDUCTION_POWERSGD_CONFIG_HPP
+// What PowerSGD on the host (reduction/powersgd.hpp) and on the device
+// (reduction/powersgd_cuda.cuh) share: the configuration and its agreed text, which parameters
+// are compressed and at what rank, and the first Q each matrix starts from (the same draw on the
+// host and in a kernel).
+
+
+// ---- begin gradsync/detail/host_device.hpp ----
+#ifndef GRADSYNC_SINGLE_DETAIL_HOST_DEVICE_HPP
+#define GRADSYNC_SINGLE_DETAIL_HOST_DEVICE_HPP
+// GRADSYNC_HOST_DEVICE: marks a function that plain C++ and CUDA device code both call (a
+// bucket's walk, PowerSGD's draws), so that the host tests cover what the kernels run.
+
+#if defined(__CUDACC__)
+#define GRADSYNC_HOST_DEVICE __host__ __device__
+#else
+#define GRADSYNC_HOST_DEVICE
+#endif
+#endif  // GRADSYNC_SINGLE_DETAIL_HOST_DEVICE_HPP
+// ---- end gradsync/detail/host_device.hpp ----
+
 #include <algorithm>  // for std::min
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace gradsync::inline v0 {
+
+struct PowerSGDConfig {
+    std::size_t rank = 1;        // of the approximation
+    bool error_feedback = true;  // carry what was left out into the next step
+    bool warm_start = true;      // start from the last step's Q
+    std::uint64_t seed = 0;      // of the first Q (and every Q without warm start)
+    // A matrix is compressed only where that divides its values by at least this much
+    // (n m >= rate (n + m) r); 0 compresses every matrix.
+    double min_compression_rate = 2.0;
+};
+
+// What carries over from step to step, for one matrix: the error (n x m, unscaled: the loss scale
+// may change between steps) and the last Q, transposed (r x m).
+struct PowerSGDState {
+    std::vector<float> error;
+    std::vector<float> q;
+};
+
+// Where one matrix's state lies, for a checkpoint: in host memory (PowerSGD) or device memory
+// (CudaPowerSGD). Empty where the configuration keeps none (no error feedback, no warm start).
+struct PowerSGDArrays {
+    std::span<float> error;
+    std::span<float> q;
+};
+
+namespace detail {
+
+// The text the ranks agree on: the same on the host and on the device.
+inline std::string powersgd_settings(const PowerSGDConfig& c) {
+    return "PowerSGD rank " + std::to_string(c.rank) + ", error feedback " + (c.error_feedback ? "on" : "off") +
+           ", warm start " + (c.warm_start ? "on" : "off") + ", seed " + std::to_string(c.seed) +
+           ", min compression rate " + exact_text(c.min_compression_rate);
+}
+inline std::string powersgd_invalid(const PowerSGDConfig& c) {
+    if (c.rank == 0) return "PowerSGD's rank must be at least 1";
+    if (!(c.min_compression_rate >= 0)) return "PowerSGD's min_compression_rate must be at least 0";
+    return {};
+}
+
+// A parameter compressed as the n x m matrix (its first dimension by the rest) at rank r.
+struct LowRankShape {
+    std::size_t n, m, r;
+};
+
+// The matrix a parameter is compressed as, or none: vectors, parameters without a shape and
+// matrices whose factors would be no smaller are averaged exactly.
+inline std::optional<LowRankShape> powersgd_shape(const PowerSGDConfig& c, const HookParameter& p) {
+    if (p.shape.size() < 2 || p.shape[0] == 0) return std::nullopt;
+    const std::size_t n = p.shape[0], m = p.count / n;
+    const std::size_t r = std::min({c.rank, n, m});
+    if (static_cast<double>(n) * static_cast<double>(m) < c.min_compression_rate * static_cast<double>((n + m) * r))
+        return std::nullopt;
+    return LowRankShape{n, m, r};
+}
+
+// The key of a matrix's first Q: the seed and a byte-wise FNV-1a of its name (with this basis:
+// the tests' tolerances were measured with it); without warm start, the step too, so that each
+// step draws afresh.
+inline std::uint64_t powersgd_key(const PowerSGDConfig& c, const std::string& name) {
+    std::uint64_t h = 1469598103934665603ull;
+    for (unsigned char ch : name) h = (h ^ ch) * 1099511628211ull;
+    return c.seed ^ h;
+}
+inline std::uint64_t powersgd_step_key(const PowerSGDConfig& c, std::int64_t step) {
+    return c.warm_start ? 0 : static_cast<std::uint64_t>(step) * 0x9e3779b97f4a7c15ull;
+}
+
+// Element i of the Q drawn from `key`: in [-1, 1), the same on every rank, host or device.
+GRADSYNC_HOST_DEVICE inline float powersgd_uniform(std::uint64_t key, std::uint64_t i) {
+    std::uint64_t x = key + i + 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    x ^= x >> 31;
+    return static_cast<float>(x >> 40) * (2.0f / 16777216.0f) - 1.0f;
+}
+
+}  // namespace detail
+
+}  // namespace gradsync::inline v0
+#endif  // GRADSYNC_SINGLE_REDUCTION_POWERSGD_CONFIG_HPP
+// ---- end gradsync/reduction/powersgd_config.hpp ----
+
+#include <algorithm>  // for std::copy, std::copy_n, std::fill
 #include <cmath>      // for std::sqrt, std::isfinite
 #include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <map>
-#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -11160,42 +11307,25 @@ public:
     using policy_category = policy_category::comm_hook;
     static constexpr bool hooked = true;
 
-    struct Config {
-        std::size_t rank = 1;        // of the approximation
-        bool error_feedback = true;  // carry what was left out into the next step
-        bool warm_start = true;      // start from the last step's Q
-        std::uint64_t seed = 0;      // of the first Q (and every Q without warm start)
-        // A matrix is compressed only where that divides its values by at least this much
-        // (n m >= rate (n + m) r); 0 compresses every matrix.
-        double min_compression_rate = 2.0;
-    };
-
-    // What carries over from step to step, for one matrix: the error (n x m, unscaled: the loss
-    // scale may change between steps) and the last Q, transposed (r x m).
-    struct MatrixState {
-        std::vector<float> error;
-        std::vector<float> q;
-    };
+    using Config = PowerSGDConfig;
+    using MatrixState = PowerSGDState;
 
     PowerSGD() = default;
     explicit PowerSGD(Config config) : config_(config) {}
 
-    [[nodiscard]] std::string settings() const {
-        return "PowerSGD rank " + std::to_string(config_.rank) + ", error feedback " +
-               (config_.error_feedback ? "on" : "off") + ", warm start " + (config_.warm_start ? "on" : "off") +
-               ", seed " + std::to_string(config_.seed) + ", min compression rate " +
-               detail::exact_text(config_.min_compression_rate);
-    }
-    [[nodiscard]] std::string invalid() const {
-        if (config_.rank == 0) return "PowerSGD's rank must be at least 1";
-        if (!(config_.min_compression_rate >= 0)) return "PowerSGD's min_compression_rate must be at least 0";
-        return {};
-    }
+    [[nodiscard]] std::string settings() const { return detail::powersgd_settings(config_); }
+    [[nodiscard]] std::string invalid() const { return detail::powersgd_invalid(config_); }
     [[nodiscard]] const Config& config() const { return config_; }
 
     // The state of each compressed parameter, by name: to save it with a checkpoint or restore it.
     [[nodiscard]] std::map<std::string, MatrixState>& state() { return state_; }
     [[nodiscard]] const std::map<std::string, MatrixState>& state() const { return state_; }
+    // Where each matrix's state lies, by parameter name (Checkpoint::add(hook) saves it).
+    [[nodiscard]] std::map<std::string, PowerSGDArrays> state_arrays() {
+        std::map<std::string, PowerSGDArrays> out;
+        for (auto& [name, st] : state_) out[name] = {std::span(st.error), std::span(st.q)};
+        return out;
+    }
     // Elements this rank handed to collectives since construction, and the elements of the
     // buckets it reduced (what plain allreduces would have moved).
     [[nodiscard]] std::uint64_t elements_sent() const { return sent_; }
@@ -11205,14 +11335,14 @@ public:
     // buckets), so that a checkpoint can restore it before the first step.
     void prepare(std::span<const HookParameter> parameters) {
         for (const auto& p : parameters)
-            if (const auto shape = matrix_shape(p)) make_state(p.name, *shape, 0);
+            if (const auto shape = detail::powersgd_shape(config_, p)) make_state(p.name, *shape, 0);
     }
 
     HookComm::Pending start(const HookBucket& bucket, HookComm& comm) {
         auto& w = work_[bucket.index];
         w = {};
         for (const auto& p : bucket.parameters) {
-            const auto shape = matrix_shape(p);
+            const auto shape = detail::powersgd_shape(config_, p);
             if (!shape) {
                 w.exact.push_back(&p);
                 w.flat.insert(w.flat.end(), bucket.values.begin() + static_cast<std::ptrdiff_t>(p.offset),
@@ -11253,9 +11383,7 @@ public:
     }
 
 private:
-    struct Shape {
-        std::size_t n, m, r;
-    };
+    using Shape = detail::LowRankShape;
     struct Matrix {
         const HookParameter* param;
         std::size_t n, m, r;
@@ -11267,18 +11395,6 @@ private:
         std::vector<const HookParameter*> exact;
     };
 
-    // The matrix a parameter is compressed as, or none: vectors, parameters without a shape and
-    // matrices whose factors would be no smaller are averaged exactly.
-    [[nodiscard]] std::optional<Shape> matrix_shape(const HookParameter& p) const {
-        if (p.shape.size() < 2 || p.shape[0] == 0) return std::nullopt;
-        const std::size_t n = p.shape[0], m = p.count / n;
-        const std::size_t r = std::min({config_.rank, n, m});
-        if (static_cast<double>(n) * static_cast<double>(m) <
-            config_.min_compression_rate * static_cast<double>((n + m) * r))
-            return std::nullopt;
-        return Shape{n, m, r};
-    }
-
     // A matrix's state, made when missing: the error zero, the first Q drawn from the seed (and
     // drawn again every step without warm start).
     MatrixState& make_state(const std::string& name, const Shape& shape, std::int64_t step) {
@@ -11286,9 +11402,8 @@ private:
         if (config_.error_feedback && st.error.size() != shape.n * shape.m) st.error.assign(shape.n * shape.m, 0.0f);
         if (!config_.warm_start || st.q.size() != shape.m * shape.r) {
             st.q.resize(shape.m * shape.r);
-            std::uint64_t key = config_.seed ^ name_hash(name);
-            if (!config_.warm_start) key ^= static_cast<std::uint64_t>(step) * 0x9e3779b97f4a7c15ull;
-            for (std::size_t i = 0; i < st.q.size(); ++i) st.q[i] = uniform(key + i);
+            const std::uint64_t key = detail::powersgd_key(config_, name) ^ detail::powersgd_step_key(config_, step);
+            for (std::size_t i = 0; i < st.q.size(); ++i) st.q[i] = detail::powersgd_uniform(key, i);
         }
         return st;
     }
@@ -11389,26 +11504,11 @@ private:
         }
     }
 
-    // The value's every bit, as text (settings are agreed exactly).
+    // Whether every value is finite.
     static bool all_finite(std::span<const float> v) {
         for (float x : v)
             if (!std::isfinite(x)) return false;
         return true;
-    }
-    // Byte-wise FNV-1a of the parameter's name (with this basis: it picks each matrix's first Q,
-    // which the tests' tolerances were measured with).
-    static std::uint64_t name_hash(const std::string& name) {
-        std::uint64_t h = 1469598103934665603ull;
-        for (unsigned char c : name) h = (h ^ c) * 1099511628211ull;
-        return h;
-    }
-    // In [-1, 1), the same on every rank.
-    static float uniform(std::uint64_t x) {
-        x += 0x9e3779b97f4a7c15ull;
-        x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-        x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-        x ^= x >> 31;
-        return static_cast<float>(x >> 40) * (2.0f / 16777216.0f) - 1.0f;
     }
 
     Config config_;
@@ -11423,7 +11523,8 @@ private:
 
 #include <charconv>  // for std::to_chars, std::from_chars
 #include <chrono>
-#include <cmath>  // for std::isfinite
+#include <cmath>     // for std::isfinite
+#include <concepts>  // for std::same_as, std::convertible_to
 #include <cstdint>
 #include <filesystem>
 #include <limits>
@@ -11478,13 +11579,19 @@ public:
         locals_.push_back(detail::ShardedArray{std::move(name), data.data(), data.size(), dtype_of<T>});
         return *this;
     }
-    // PowerSGD's state: each matrix's last Q (the same on every rank, in the checkpoint) and its
-    // error (this rank's, in the rank's file), as "powersgd.q.<parameter>" and
-    // "powersgd.error.<parameter>". The hook must be the DataParallel's (dp.comm_hook()).
-    Checkpoint& add(PowerSGD& hook) {
-        for (auto& [name, state] : hook.state()) {
-            if (hook.config().warm_start) add("powersgd.q." + name, std::span(state.q));
-            if (hook.config().error_feedback) add_local("powersgd.error." + name, std::span(state.error));
+    // PowerSGD's state (PowerSGD, or CudaPowerSGD with the front's tensors on the device): each
+    // matrix's last Q (the same on every rank, in the checkpoint) and its error (this rank's, in
+    // the rank's file), as "powersgd.q.<parameter>" and "powersgd.error.<parameter>". The hook
+    // must be the DataParallel's (dp.comm_hook()).
+    template <class Hook>
+    requires requires(Hook& hook) {
+        { hook.state_arrays() } -> std::same_as<std::map<std::string, PowerSGDArrays>>;
+        { hook.config() } -> std::convertible_to<const PowerSGDConfig&>;
+    }
+    Checkpoint& add(Hook& hook) {
+        for (auto& [name, state] : hook.state_arrays()) {
+            if (hook.config().warm_start) add("powersgd.q." + name, state.q);
+            if (hook.config().error_feedback) add_local("powersgd.error." + name, state.error);
         }
         return *this;
     }

@@ -376,6 +376,8 @@ public:
 
     [[nodiscard]] constexpr std::uint64_t count() const { return count_; }
 
+    // == declared as well as implied: nvcc's host pass otherwise leaves the implied one undefined.
+    friend constexpr bool operator==(Bytes, Bytes) = default;
     friend constexpr auto operator<=>(Bytes, Bytes) = default;
     friend constexpr Bytes operator+(Bytes a, Bytes b) { return Bytes{a.count_ + b.count_}; }
     friend constexpr Bytes operator-(Bytes a, Bytes b) { return Bytes{a.count_ - b.count_}; }
@@ -1839,6 +1841,19 @@ inline bool thread_has_context() {
 #else
     return true;
 #endif
+}
+
+// The device `stream` belongs to (the current one for the default stream).
+inline int device_of(cudaStream_t stream) {
+    int device = 0;
+#if CUDART_VERSION >= 12080
+    if (stream != nullptr) {
+        GRADSYNC_CUDA_CHECK(cudaStreamGetDevice(stream, &device));
+        return device;
+    }
+#endif
+    GRADSYNC_CUDA_CHECK(cudaGetDevice(&device));
+    return device;
 }
 
 // Makes `device` current while it lives and restores the caller's; a thread that had no current

@@ -19,6 +19,8 @@ public:
 
     [[nodiscard]] constexpr std::uint64_t count() const { return count_; }
 
+    // == declared as well as implied: nvcc's host pass otherwise leaves the implied one undefined.
+    friend constexpr bool operator==(Bytes, Bytes) = default;
     friend constexpr auto operator<=>(Bytes, Bytes) = default;
     friend constexpr Bytes operator+(Bytes a, Bytes b) { return Bytes{a.count_ + b.count_}; }
     friend constexpr Bytes operator-(Bytes a, Bytes b) { return Bytes{a.count_ - b.count_}; }

@@ -3,7 +3,10 @@
 // stand-in CUDA runtime (tests/standin).
 #pragma once
 
+#include <gradsync/backend/cuda_local.cuh>
+#include <gradsync/backend/nccl.hpp>
 #include <gradsync/cuda/check.hpp>
+#include <gradsync/launch/nccl_spawn.hpp>
 #include <gradsync/model/model.hpp>
 
 #include <cuda_runtime.h>
@@ -15,6 +18,12 @@
 #include <string>
 #include <utility>
 #include <vector>
+
+// Spins for about `cycles` clock cycles (test_hooks_on_device.cu): work still running on its
+// stream when the host looks.
+namespace test_kernels {
+__global__ void spin(long long cycles);
+}  // namespace test_kernels
 
 namespace device_test {
 
@@ -112,5 +121,40 @@ struct ScatteredDeviceModel {
         return out;
     }
 };
+
+// body(backend, stream) on n ranks of CudaLocalBackend or NcclBackend (one per GPU), each with a
+// compute stream of its own.
+template <class Body>
+void on_cuda_local_with_stream(int n, Body&& body) {
+    gradsync::cuda_local_spawn(n, [&](gradsync::CudaLocalBackend& backend) {
+        const Stream stream;
+        backend.set_compute_stream(stream);
+        body(backend, stream);
+    });
+}
+template <class Body>
+void on_nccl_with_stream(int n, Body&& body) {
+    gradsync::nccl_spawn(n, [&](gradsync::NcclBackend<>& backend) {
+        const Stream stream;
+        backend.set_compute_stream(stream);
+        body(backend, stream);
+    });
+}
+
+// Whether `call` returns while work queued on `stream` before it (a kernel that spins about a
+// second) still runs: it then made the host wait for none of the stream's work.
+template <class Call>
+bool returns_while_queued_work_runs(cudaStream_t stream, Call&& call) {
+    cudaEvent_t spun = nullptr;
+    GRADSYNC_CUDA_CHECK(cudaEventCreateWithFlags(&spun, cudaEventDisableTiming));
+    test_kernels::spin<<<1, 1, 0, stream>>>(2'000'000'000LL);
+    GRADSYNC_CUDA_CHECK(cudaGetLastError());
+    GRADSYNC_CUDA_CHECK(cudaEventRecord(spun, stream));
+    call();
+    const bool running = cudaEventQuery(spun) == cudaErrorNotReady;
+    GRADSYNC_CUDA_CHECK(cudaStreamSynchronize(stream));
+    GRADSYNC_CUDA_CHECK(cudaEventDestroy(spun));
+    return running;
+}
 
 }  // namespace device_test

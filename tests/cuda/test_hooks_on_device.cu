@@ -25,11 +25,10 @@
 
 #include "device_support.cuh"
 
-// The test's own kernel, outside the anonymous namespace: the stand-in run registers a host
-// reference for it (test_kernels_on_standin.cu).
+// The test's own kernel (declared in device_support.cuh), outside the anonymous namespace: the
+// stand-in run registers a host reference for it (test_kernels_on_standin.cu).
 namespace test_kernels {
 
-// Spins for about `cycles` clock cycles: work still running on its stream when the host looks.
 __global__ void spin(long long cycles) {
     const long long start = clock64();
     while (clock64() - start < cycles) {
@@ -128,23 +127,6 @@ Ended train(B& backend, cudaStream_t stream, Hook... hook) {
     return out;
 }
 
-template <class Body>
-void on_cuda_local(int n, Body&& body) {
-    gradsync::cuda_local_spawn(n, [&](gradsync::CudaLocalBackend& backend) {
-        const Stream stream;
-        backend.set_compute_stream(stream);
-        body(backend, stream);
-    });
-}
-template <class Body>
-void on_nccl(int n, Body&& body) {
-    gradsync::nccl_spawn(n, [&](gradsync::NcclBackend<>& backend) {
-        const Stream stream;
-        backend.set_compute_stream(stream);
-        body(backend, stream);
-    });
-}
-
 // float32 gradients through AllreduceHook on n ranks: every rank ends as without the hook, bit for
 // bit, and alike.
 template <class Spawn>
@@ -170,7 +152,7 @@ void check_float32_as_without_hook(int n, Spawn spawn) {
 template <class T>
 void check_16_bit_averaged_in_float32(int n) {
     std::vector<Ended> ended(static_cast<std::size_t>(n));
-    on_cuda_local(n, [&](gradsync::CudaLocalBackend& backend, cudaStream_t stream) {
+    on_cuda_local_with_stream(n, [&](gradsync::CudaLocalBackend& backend, cudaStream_t stream) {
         ended[std::size_t(backend.rank())] = train<T>(backend, stream, gradsync::AllreduceHook{});
     });
     const DeviceModel<T> shape;
@@ -236,14 +218,15 @@ TEST_SUITE("gpu") {
         "bit for bit, on 1 to 3 ranks, overlapped or not") {
         for (int n : {1, 2, 3}) {
             CAPTURE(n);
-            check_float32_as_without_hook(n, [](int ranks, auto fn) { on_cuda_local(ranks, fn); });
+            check_float32_as_without_hook(n, [](int ranks, auto fn) { on_cuda_local_with_stream(ranks, fn); });
         }
     }
 
     TEST_CASE(
         "AllreduceHook on device memory (NcclBackend, one rank per GPU): float32 gradients end as without the hook, "
         "bit for bit") {
-        check_float32_as_without_hook(gradsync::cuda_devices().count, [](int ranks, auto fn) { on_nccl(ranks, fn); });
+        check_float32_as_without_hook(gradsync::cuda_devices().count,
+                                      [](int ranks, auto fn) { on_nccl_with_stream(ranks, fn); });
     }
 
     TEST_CASE(
@@ -265,22 +248,15 @@ TEST_SUITE("gpu") {
         // about a second) was still running when it returned.
         const auto queued_work_running = [n](auto... hook) {
             std::vector<int> running(static_cast<std::size_t>(n), 0);
-            on_nccl(n, [&](gradsync::NcclBackend<>& backend, cudaStream_t stream) {
+            on_nccl_with_stream(n, [&](gradsync::NcclBackend<>& backend, cudaStream_t stream) {
                 const auto r = std::size_t(backend.rank());
                 DeviceModel<gradsync::bfloat16> model;
                 gradsync::DataParallel dp(model, backend, gradsync::CudaMemory{stream},
                                           gradsync::StaticLossScale{.value = loss_scale}, buckets,
                                           gradsync::Options{.check_histories = false}, hook...);
                 model.set_gradients(stream, r, 0);
-                cudaEvent_t spun = nullptr;
-                GRADSYNC_CUDA_CHECK(cudaEventCreateWithFlags(&spun, cudaEventDisableTiming));
-                test_kernels::spin<<<1, 1, 0, stream>>>(2'000'000'000LL);
-                GRADSYNC_CUDA_CHECK(cudaGetLastError());
-                GRADSYNC_CUDA_CHECK(cudaEventRecord(spun, stream));
-                dp.step_on_device([](const gradsync::StepVerdict*) {});
-                running[r] = cudaEventQuery(spun) == cudaErrorNotReady ? 1 : 0;
-                GRADSYNC_CUDA_CHECK(cudaStreamSynchronize(stream));
-                GRADSYNC_CUDA_CHECK(cudaEventDestroy(spun));
+                running[r] = returns_while_queued_work_runs(
+                    stream, [&] { dp.step_on_device([](const gradsync::StepVerdict*) {}); });
             });
             return running;
         };
@@ -295,7 +271,7 @@ TEST_SUITE("gpu") {
         for (int n : {2, 3}) {
             CAPTURE(n);
             std::vector<Ended> hooked(static_cast<std::size_t>(n)), plain(static_cast<std::size_t>(n));
-            on_cuda_local(n, [&](gradsync::CudaLocalBackend& backend, cudaStream_t stream) {
+            on_cuda_local_with_stream(n, [&](gradsync::CudaLocalBackend& backend, cudaStream_t stream) {
                 const auto r = std::size_t(backend.rank());
                 plain[r] = shards_of(backend, stream);
                 hooked[r] = shards_of(backend, stream, gradsync::AllreduceHook{});

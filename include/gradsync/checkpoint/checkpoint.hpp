@@ -30,7 +30,8 @@
 
 #include <charconv>  // for std::to_chars, std::from_chars
 #include <chrono>
-#include <cmath>  // for std::isfinite
+#include <cmath>     // for std::isfinite
+#include <concepts>  // for std::same_as, std::convertible_to
 #include <cstdint>
 #include <filesystem>
 #include <limits>
@@ -85,13 +86,19 @@ public:
         locals_.push_back(detail::ShardedArray{std::move(name), data.data(), data.size(), dtype_of<T>});
         return *this;
     }
-    // PowerSGD's state: each matrix's last Q (the same on every rank, in the checkpoint) and its
-    // error (this rank's, in the rank's file), as "powersgd.q.<parameter>" and
-    // "powersgd.error.<parameter>". The hook must be the DataParallel's (dp.comm_hook()).
-    Checkpoint& add(PowerSGD& hook) {
-        for (auto& [name, state] : hook.state()) {
-            if (hook.config().warm_start) add("powersgd.q." + name, std::span(state.q));
-            if (hook.config().error_feedback) add_local("powersgd.error." + name, std::span(state.error));
+    // PowerSGD's state (PowerSGD, or CudaPowerSGD with the front's tensors on the device): each
+    // matrix's last Q (the same on every rank, in the checkpoint) and its error (this rank's, in
+    // the rank's file), as "powersgd.q.<parameter>" and "powersgd.error.<parameter>". The hook
+    // must be the DataParallel's (dp.comm_hook()).
+    template <class Hook>
+    requires requires(Hook& hook) {
+        { hook.state_arrays() } -> std::same_as<std::map<std::string, PowerSGDArrays>>;
+        { hook.config() } -> std::convertible_to<const PowerSGDConfig&>;
+    }
+    Checkpoint& add(Hook& hook) {
+        for (auto& [name, state] : hook.state_arrays()) {
+            if (hook.config().warm_start) add("powersgd.q." + name, state.q);
+            if (hook.config().error_feedback) add_local("powersgd.error." + name, state.error);
         }
         return *this;
     }

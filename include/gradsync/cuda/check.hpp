@@ -91,6 +91,19 @@ inline bool thread_has_context() {
 #endif
 }
 
+// The device `stream` belongs to (the current one for the default stream).
+inline int device_of(cudaStream_t stream) {
+    int device = 0;
+#if CUDART_VERSION >= 12080
+    if (stream != nullptr) {
+        GRADSYNC_CUDA_CHECK(cudaStreamGetDevice(stream, &device));
+        return device;
+    }
+#endif
+    GRADSYNC_CUDA_CHECK(cudaGetDevice(&device));
+    return device;
+}
+
 // Makes `device` current while it lives and restores the caller's; a thread that had no current
 // context keeps `device` (see thread_has_context).
 class DeviceScope {

@@ -65,7 +65,10 @@ public:
     static_assert(check_bucket_reductions<Step>(static_cast<const Reductions*>(nullptr)));
 
     BucketEngine(BackendT& backend, Memory memory, Hook hook = {})
-        : backend_(backend), memory_(std::move(memory)), hooks_(std::move(hook)) {}
+        : backend_(backend), memory_(std::move(memory)), hooks_(std::move(hook)) {
+        if constexpr (requires { static_cast<void*>(memory_.stream()); })
+            hooks_.set_stream(static_cast<void*>(memory_.stream()));  // a hook on the device launches there
+    }
 
     void connect_hook(HookContext context) { hooks_.connect(std::move(context)); }
 

@@ -50,13 +50,19 @@ public:
     explicit HookRoute(Hook hook) : hook_(std::move(hook)) {}
 
     void connect(HookContext context) { context_ = std::move(context); }
+    // Where the gradients lie on the device: the stream their work is ordered on (HookBucket::stream).
+    void set_stream(void* stream) { stream_ = stream; }
 
     // After every (re)plan: the hook prepares for its buckets' parameters (where it has a
-    // prepare()), and each parameter of a widened bucket gets its place in that bucket's copy.
+    // prepare(); given the stream where the gradients lie on the device), and each parameter of a
+    // widened bucket gets its place in that bucket's copy.
     void plan(std::span<const HookedBucket> buckets, std::size_t parameters) {
         float32_at_.assign(parameters, {none, 0});
         for (const auto& bucket : buckets) {
-            if constexpr (requires { hook_.prepare(bucket.parameters); }) hook_.prepare(bucket.parameters);
+            if constexpr (requires { hook_.prepare(bucket.parameters, stream_); })
+                hook_.prepare(bucket.parameters, stream_);  // a hook on the device makes its state there
+            else if constexpr (requires { hook_.prepare(bucket.parameters); })
+                hook_.prepare(bucket.parameters);
             if (bucket.dtype == DType::float32) continue;
             for (std::size_t k = 0; k < bucket.parameters.size(); ++k)
                 float32_at_[bucket.indices[k]] = {bucket.index, bucket.parameters[k].offset};
@@ -114,7 +120,7 @@ private:
 
     HookBucket view(const HookedBucket& bucket, std::span<float> values, std::int64_t step) const {
         const float scale = context_.loss_scale ? context_.loss_scale() : 1.0f;
-        return HookBucket{bucket.index, step, values, bucket.parameters, scale, bucket.dtype};
+        return HookBucket{bucket.index, step, values, bucket.parameters, scale, bucket.dtype, stream_};
     }
 
     // The collectives of bucket b's hook: the first carries the engine's tag for the bucket, each
@@ -136,6 +142,7 @@ private:
 
     Hook hook_;
     HookContext context_;
+    void* stream_ = nullptr;
     std::vector<std::pair<std::size_t, std::size_t>> float32_at_;  // by parameter: bucket and offset, or none
 };
 

@@ -155,7 +155,7 @@ public:
 
     // Kernels go on `stream`: the stream the trainer's backward runs on (NcclOptions::compute_stream).
     // Every pass selects the stream's device first, whatever device the calling thread has current.
-    explicit CudaMemory(cudaStream_t stream = nullptr) : stream_(stream), device_(device_of(stream)) {
+    explicit CudaMemory(cudaStream_t stream = nullptr) : stream_(stream), device_(gradsync::detail::device_of(stream)) {
         gradsync::detail::DeviceScope scope(device_);
         state_ = std::make_shared<State>();
     }
@@ -377,19 +377,6 @@ private:
                 return cuda::detail::launch_copy<double, to_bucket>(t.entries(), reinterpret_cast<double*>(bucket),
                                                                     t.total, stream_);
         }
-    }
-
-    // The device `stream` belongs to (the current one for the default stream).
-    static int device_of(cudaStream_t stream) {
-        int device = 0;
-#if CUDART_VERSION >= 12080
-        if (stream != nullptr) {
-            GRADSYNC_CUDA_CHECK(cudaStreamGetDevice(stream, &device));
-            return device;
-        }
-#endif
-        GRADSYNC_CUDA_CHECK(cudaGetDevice(&device));
-        return device;
     }
 
     cudaStream_t stream_ = nullptr;

@@ -15,7 +15,9 @@
 // it declares `static constexpr bool reads_values = false`: it then only hands bucket.values to
 // its HookComm, never touches them itself, and runs wherever the gradients lie, device memory
 // included (AllreduceHook). There the widening, the rounding and the collectives are queued on
-// the trainer's stream, and the stream, not the host, waits for what start() returned.
+// the trainer's stream, and the stream, not the host, waits for what start() returned. A hook that
+// computes on the device itself declares `static constexpr bool on_device = true`: it needs
+// device memory and launches its kernels on bucket.stream (CudaPowerSGD).
 #pragma once
 
 #include <gradsync/backend/concepts.hpp>
@@ -52,6 +54,9 @@ struct HookBucket {
     std::span<const HookParameter> parameters;  // in element order, covering `values`
     float loss_scale = 1.0f;                    // the factor the gradients carry (1 without a loss scaler)
     DType dtype = DType::float32;               // the model's gradients': float16 and bfloat16 ones are widened
+    // Where the values lie in device memory: the cudaStream_t their work is ordered on, which a
+    // hook's kernels go on too; null on the host.
+    void* stream = nullptr;
 };
 
 // The collectives a hook may issue for one bucket. Each is tagged with the step and bucket, so
@@ -151,14 +156,31 @@ constexpr bool hook_reads_values() {
         return true;
 }
 
-// Where a hook may run, for either front: one that reads the values needs them in host memory; any
-// hook over a device backend needs a device memory policy (the values then lie on the device).
+// Whether hook H computes on the device (false unless it declares otherwise).
+template <class H>
+constexpr bool hook_on_device() {
+    if constexpr (requires {
+                      { H::on_device } -> std::convertible_to<bool>;
+                  })
+        return H::on_device;
+    else
+        return false;
+}
+
+// Where a hook may run, for either front: one that reads the values on the host needs them in host
+// memory, one that computes on the device needs them in device memory; any hook over a device
+// backend needs a device memory policy (the values then lie on the device).
 template <class H, class B, class Memory>
 constexpr bool check_comm_hook_memory() {
-    static_assert(!H::hooked || !hook_reads_values<H>() || (!DeviceBackend<B> && !Memory::on_device),
-                  "gradsync: this communication hook reads the gradients on the host, and this backend or memory "
-                  "policy keeps them on the device (a hook that only hands bucket.values to its HookComm declares "
-                  "`static constexpr bool reads_values = false` and runs on the device too)");
+    static_assert(!H::hooked || !hook_on_device<H>() || Memory::on_device,
+                  "gradsync: this communication hook computes on the device, and this memory policy keeps the "
+                  "gradients on the host: pass gradsync::CudaMemory{stream}, or use its host counterpart "
+                  "(PowerSGD for CudaPowerSGD)");
+    static_assert(
+        !H::hooked || !hook_reads_values<H>() || hook_on_device<H>() || (!DeviceBackend<B> && !Memory::on_device),
+        "gradsync: this communication hook reads the gradients on the host, and this backend or memory "
+        "policy keeps them on the device (a hook that only hands bucket.values to its HookComm declares "
+        "`static constexpr bool reads_values = false` and runs on the device too)");
     static_assert(!H::hooked || !DeviceBackend<B> || Memory::on_device,
                   "gradsync: a communication hook over a backend whose collectives take device memory needs a "
                   "device memory policy: pass gradsync::CudaMemory{stream} (memory/cuda.cuh)");

@@ -8,16 +8,15 @@
 // too small to gain are averaged exactly, in one allreduce per bucket.
 #pragma once
 
-#include <gradsync/detail/number_text.hpp>
 #include <gradsync/reduction/comm_hook.hpp>
+#include <gradsync/reduction/powersgd_config.hpp>
 
-#include <algorithm>  // for std::min
+#include <algorithm>  // for std::copy, std::copy_n, std::fill
 #include <cmath>      // for std::sqrt, std::isfinite
 #include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <map>
-#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -29,42 +28,25 @@ public:
     using policy_category = policy_category::comm_hook;
     static constexpr bool hooked = true;
 
-    struct Config {
-        std::size_t rank = 1;        // of the approximation
-        bool error_feedback = true;  // carry what was left out into the next step
-        bool warm_start = true;      // start from the last step's Q
-        std::uint64_t seed = 0;      // of the first Q (and every Q without warm start)
-        // A matrix is compressed only where that divides its values by at least this much
-        // (n m >= rate (n + m) r); 0 compresses every matrix.
-        double min_compression_rate = 2.0;
-    };
-
-    // What carries over from step to step, for one matrix: the error (n x m, unscaled: the loss
-    // scale may change between steps) and the last Q, transposed (r x m).
-    struct MatrixState {
-        std::vector<float> error;
-        std::vector<float> q;
-    };
+    using Config = PowerSGDConfig;
+    using MatrixState = PowerSGDState;
 
     PowerSGD() = default;
     explicit PowerSGD(Config config) : config_(config) {}
 
-    [[nodiscard]] std::string settings() const {
-        return "PowerSGD rank " + std::to_string(config_.rank) + ", error feedback " +
-               (config_.error_feedback ? "on" : "off") + ", warm start " + (config_.warm_start ? "on" : "off") +
-               ", seed " + std::to_string(config_.seed) + ", min compression rate " +
-               detail::exact_text(config_.min_compression_rate);
-    }
-    [[nodiscard]] std::string invalid() const {
-        if (config_.rank == 0) return "PowerSGD's rank must be at least 1";
-        if (!(config_.min_compression_rate >= 0)) return "PowerSGD's min_compression_rate must be at least 0";
-        return {};
-    }
+    [[nodiscard]] std::string settings() const { return detail::powersgd_settings(config_); }
+    [[nodiscard]] std::string invalid() const { return detail::powersgd_invalid(config_); }
     [[nodiscard]] const Config& config() const { return config_; }
 
     // The state of each compressed parameter, by name: to save it with a checkpoint or restore it.
     [[nodiscard]] std::map<std::string, MatrixState>& state() { return state_; }
     [[nodiscard]] const std::map<std::string, MatrixState>& state() const { return state_; }
+    // Where each matrix's state lies, by parameter name (Checkpoint::add(hook) saves it).
+    [[nodiscard]] std::map<std::string, PowerSGDArrays> state_arrays() {
+        std::map<std::string, PowerSGDArrays> out;
+        for (auto& [name, st] : state_) out[name] = {std::span(st.error), std::span(st.q)};
+        return out;
+    }
     // Elements this rank handed to collectives since construction, and the elements of the
     // buckets it reduced (what plain allreduces would have moved).
     [[nodiscard]] std::uint64_t elements_sent() const { return sent_; }
@@ -74,14 +56,14 @@ public:
     // buckets), so that a checkpoint can restore it before the first step.
     void prepare(std::span<const HookParameter> parameters) {
         for (const auto& p : parameters)
-            if (const auto shape = matrix_shape(p)) make_state(p.name, *shape, 0);
+            if (const auto shape = detail::powersgd_shape(config_, p)) make_state(p.name, *shape, 0);
     }
 
     HookComm::Pending start(const HookBucket& bucket, HookComm& comm) {
         auto& w = work_[bucket.index];
         w = {};
         for (const auto& p : bucket.parameters) {
-            const auto shape = matrix_shape(p);
+            const auto shape = detail::powersgd_shape(config_, p);
             if (!shape) {
                 w.exact.push_back(&p);
                 w.flat.insert(w.flat.end(), bucket.values.begin() + static_cast<std::ptrdiff_t>(p.offset),
@@ -122,9 +104,7 @@ public:
     }
 
 private:
-    struct Shape {
-        std::size_t n, m, r;
-    };
+    using Shape = detail::LowRankShape;
     struct Matrix {
         const HookParameter* param;
         std::size_t n, m, r;
@@ -136,18 +116,6 @@ private:
         std::vector<const HookParameter*> exact;
     };
 
-    // The matrix a parameter is compressed as, or none: vectors, parameters without a shape and
-    // matrices whose factors would be no smaller are averaged exactly.
-    [[nodiscard]] std::optional<Shape> matrix_shape(const HookParameter& p) const {
-        if (p.shape.size() < 2 || p.shape[0] == 0) return std::nullopt;
-        const std::size_t n = p.shape[0], m = p.count / n;
-        const std::size_t r = std::min({config_.rank, n, m});
-        if (static_cast<double>(n) * static_cast<double>(m) <
-            config_.min_compression_rate * static_cast<double>((n + m) * r))
-            return std::nullopt;
-        return Shape{n, m, r};
-    }
-
     // A matrix's state, made when missing: the error zero, the first Q drawn from the seed (and
     // drawn again every step without warm start).
     MatrixState& make_state(const std::string& name, const Shape& shape, std::int64_t step) {
@@ -155,9 +123,8 @@ private:
         if (config_.error_feedback && st.error.size() != shape.n * shape.m) st.error.assign(shape.n * shape.m, 0.0f);
         if (!config_.warm_start || st.q.size() != shape.m * shape.r) {
             st.q.resize(shape.m * shape.r);
-            std::uint64_t key = config_.seed ^ name_hash(name);
-            if (!config_.warm_start) key ^= static_cast<std::uint64_t>(step) * 0x9e3779b97f4a7c15ull;
-            for (std::size_t i = 0; i < st.q.size(); ++i) st.q[i] = uniform(key + i);
+            const std::uint64_t key = detail::powersgd_key(config_, name) ^ detail::powersgd_step_key(config_, step);
+            for (std::size_t i = 0; i < st.q.size(); ++i) st.q[i] = detail::powersgd_uniform(key, i);
         }
         return st;
     }
@@ -258,26 +225,11 @@ private:
         }
     }
 
-    // The value's every bit, as text (settings are agreed exactly).
+    // Whether every value is finite.
     static bool all_finite(std::span<const float> v) {
         for (float x : v)
             if (!std::isfinite(x)) return false;
         return true;
-    }
-    // Byte-wise FNV-1a of the parameter's name (with this basis: it picks each matrix's first Q,
-    // which the tests' tolerances were measured with).
-    static std::uint64_t name_hash(const std::string& name) {
-        std::uint64_t h = 1469598103934665603ull;
-        for (unsigned char c : name) h = (h ^ c) * 1099511628211ull;
-        return h;
-    }
-    // In [-1, 1), the same on every rank.
-    static float uniform(std::uint64_t x) {
-        x += 0x9e3779b97f4a7c15ull;
-        x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-        x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-        x ^= x >> 31;
-        return static_cast<float>(x >> 40) * (2.0f / 16777216.0f) - 1.0f;
     }
 
     Config config_;

@@ -5,16 +5,11 @@
 // by many blocks. Plain C++ that also compiles for the device, so the host tests cover the walk.
 #pragma once
 
+#include <gradsync/detail/host_device.hpp>
 #include <gradsync/version.hpp>
 
 #include <cstddef>
 #include <cstdint>
-
-#if defined(__CUDACC__)
-#define GRADSYNC_HOST_DEVICE __host__ __device__
-#else
-#define GRADSYNC_HOST_DEVICE
-#endif
 
 namespace gradsync::inline v0::cuda {
 
