@@ -130,11 +130,11 @@ struct DeviceMatrices {
 
 // CudaPowerSGD over `backend`: each step's gradients (odd steps overlapped with backward).
 template <class B>
-Grads on_device(B& backend, cudaStream_t stream, gradsync::PowerSGDConfig config,
+Grads on_device(B& backend, cudaStream_t stream, const gradsync::CudaPowerSGD& hook,
                 std::map<std::string, gradsync::PowerSGDState>* state = nullptr) {
     DeviceMatrices model;
     gradsync::DataParallel dp(model, backend, gradsync::CudaMemory{stream},
-                              gradsync::StaticLossScale{.value = loss_scale}, buckets, gradsync::CudaPowerSGD(config));
+                              gradsync::StaticLossScale{.value = loss_scale}, buckets, hook);
     Grads out;
     for (int s = 0; s < steps; ++s) {
         model.set_gradients(stream, backend.rank(), s, loss_scale);
@@ -202,9 +202,11 @@ TEST_SUITE("gpu") {
                 std::vector<Grads> device(static_cast<std::size_t>(world));
                 std::vector<std::map<std::string, gradsync::PowerSGDState>> device_state(
                     static_cast<std::size_t>(world));
+                // One hook handed to every rank: each DataParallel's copy has a state of its own.
+                const gradsync::CudaPowerSGD hook(config);
                 on_cuda_local_with_stream(world, [&](gradsync::CudaLocalBackend& backend, cudaStream_t stream) {
                     const auto r = std::size_t(backend.rank());
-                    device[r] = on_device(backend, stream, config, &device_state[r]);
+                    device[r] = on_device(backend, stream, hook, &device_state[r]);
                 });
                 // Low rank is far from the plain average, so agreeing with the host says something.
                 CHECK(max_difference(host[0], plain_average(world)) > 1e-2f);
@@ -229,7 +231,8 @@ TEST_SUITE("gpu") {
         if (n < 2) MESSAGE("one GPU: a world of one runs no hook");
         std::vector<Grads> device(static_cast<std::size_t>(n));
         on_nccl_with_stream(n, [&](gradsync::NcclBackend<>& backend, cudaStream_t stream) {
-            device[std::size_t(backend.rank())] = on_device(backend, stream, {.rank = 64, .min_compression_rate = 0});
+            device[std::size_t(backend.rank())] =
+                on_device(backend, stream, gradsync::CudaPowerSGD({.rank = 64, .min_compression_rate = 0}));
         });
         const auto plain = plain_average(n);
         for (std::size_t r = 0; r < std::size_t(n); ++r) {

@@ -20,7 +20,7 @@
 #include <cstdint>
 #include <cstring>  // for std::memcpy
 #include <map>
-#include <memory>  // for std::shared_ptr
+#include <memory>  // for std::unique_ptr
 #include <span>
 #include <string>
 #include <vector>
@@ -36,6 +36,16 @@ public:
 
     CudaPowerSGD() = default;
     explicit CudaPowerSGD(Config config) : config_(config) {}
+    // A copy takes the configuration and starts without device state: one hook handed to the
+    // DataParallel of every rank in a process (nccl_spawn) must not share its error and Q.
+    CudaPowerSGD(const CudaPowerSGD& other) : config_(other.config_) {}
+    CudaPowerSGD& operator=(const CudaPowerSGD& other) {
+        if (this != &other) *this = CudaPowerSGD(other.config_);
+        return *this;
+    }
+    CudaPowerSGD(CudaPowerSGD&&) noexcept = default;
+    CudaPowerSGD& operator=(CudaPowerSGD&&) noexcept = default;
+    ~CudaPowerSGD() = default;
 
     [[nodiscard]] std::string settings() const { return detail::powersgd_settings(config_); }
     [[nodiscard]] std::string invalid() const { return detail::powersgd_invalid(config_); }
@@ -270,15 +280,15 @@ private:
         return w;
     }
 
-    // What lives on the device, shared by copies (as CudaMemory's state is): DataParallel
-    // holds its own copy of the hook, read through dp.comm_hook().
+    // What lives on the device (DataParallel holds its own copy of the hook, read through
+    // dp.comm_hook()).
     struct Device {
         std::map<std::string, DeviceState> state;
         std::map<std::size_t, Work> work;  // by bucket
     };
 
     Config config_;
-    std::shared_ptr<Device> device_ = std::make_shared<Device>();
+    std::unique_ptr<Device> device_ = std::make_unique<Device>();
     cudaStream_t stream_ = nullptr;
     std::uint64_t sent_ = 0, reduced_ = 0;
 };
