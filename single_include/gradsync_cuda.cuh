@@ -3992,6 +3992,7 @@ struct LowRankMatrix {
     std::uint64_t offset = 0;  // of M (n x m, row-major) in the bucket's values
     std::uint64_t n = 0, m = 0, r = 0;
     std::uint64_t p_at = 0, q_at = 0;  // of P^T (r x n) and Q^T (r x m) in the bucket's arrays of them
+    std::uint64_t partial_at = 0;      // of its partial sums of M^T P (a chunk of rows each) in theirs
     float* error = nullptr;            // n x m, unscaled; null without error feedback
     float* q = nullptr;                // the Q^T carried from step to step (r x m)
 };
@@ -4005,6 +4006,13 @@ struct ExactRange {
 namespace detail {
 
 constexpr unsigned lowrank_threads = 256;
+// Rows of M each block of the M^T P pass sums over: a tall matrix (an embedding) still spreads
+// over many blocks, and the chunks' sums are added in a fixed order after.
+constexpr std::uint64_t lowrank_rows_per_chunk = 128;
+
+GRADSYNC_HOST_DEVICE inline std::uint64_t lowrank_chunks(std::uint64_t rows) {
+    return (rows + lowrank_rows_per_chunk - 1) / lowrank_rows_per_chunk;
+}
 
 // Q^T drawn from `key` (detail::powersgd_uniform), `count` values.
 template <class = void>
@@ -4099,19 +4107,25 @@ __global__ void __launch_bounds__(lowrank_threads)
     }
 }
 
-// This rank's Q = M^T P: one thread per column of M, four columns of P at a time; blockIdx.y
-// the matrix.
+// This rank's Q = M^T P, first as partial sums over chunks of rows: one thread per column of M,
+// four columns of P at a time; blockIdx.y the chunk, blockIdx.z the matrix. Partial sum (c, k, j)
+// lies at partial_at + (c r + k) m + j.
 template <class = void>
-__global__ void lowrank_project_kernel(const LowRankMatrix* table, const float* values, const float* ps, float* qs) {
-    const LowRankMatrix& mx = table[blockIdx.y];
+__global__ void lowrank_project_kernel(const LowRankMatrix* table, const float* values, const float* ps,
+                                       float* partials) {
+    const LowRankMatrix& mx = table[blockIdx.z];
+    const std::uint64_t chunk = blockIdx.y;
+    if (chunk >= lowrank_chunks(mx.n)) return;
+    const std::uint64_t first = chunk * lowrank_rows_per_chunk;
+    const std::uint64_t last = first + lowrank_rows_per_chunk < mx.n ? first + lowrank_rows_per_chunk : mx.n;
     const float* M = values + mx.offset;
     const float* pt = ps + mx.p_at;
-    float* qt = qs + mx.q_at;
+    float* out = partials + mx.partial_at + chunk * mx.r * mx.m;
     for (std::uint64_t j = std::uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < mx.m;
          j += std::uint64_t(gridDim.x) * blockDim.x)
         for (std::uint64_t k = 0; k < mx.r; k += 4) {
             float sum[4] = {0, 0, 0, 0};
-            for (std::uint64_t i = 0; i < mx.n; ++i) {
+            for (std::uint64_t i = first; i < last; ++i) {
                 const float v = M[i * mx.m + j];
 #pragma unroll
                 for (std::uint64_t l = 0; l < 4; ++l)
@@ -4119,8 +4133,22 @@ __global__ void lowrank_project_kernel(const LowRankMatrix* table, const float* 
             }
 #pragma unroll
             for (std::uint64_t l = 0; l < 4; ++l)
-                if (k + l < mx.r) qt[(k + l) * mx.m + j] = sum[l];
+                if (k + l < mx.r) out[(k + l) * mx.m + j] = sum[l];
         }
+}
+
+// Q^T as the sum of the chunks' partial sums, in chunk order; blockIdx.y the matrix.
+template <class = void>
+__global__ void lowrank_sum_chunks_kernel(const LowRankMatrix* table, const float* partials, float* qs) {
+    const LowRankMatrix& mx = table[blockIdx.y];
+    const std::uint64_t count = mx.r * mx.m, chunks = lowrank_chunks(mx.n);
+    const float* in = partials + mx.partial_at;
+    for (std::uint64_t e = std::uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < count;
+         e += std::uint64_t(gridDim.x) * blockDim.x) {
+        float sum = 0;
+        for (std::uint64_t c = 0; c < chunks; ++c) sum += in[c * count + e];
+        qs[mx.q_at + e] = sum;
+    }
 }
 
 // Sets *nonfinite when one of n values is an infinity or NaN.
@@ -4276,9 +4304,16 @@ public:
         cuda::detail::lowrank_orthonormalize_kernel<>
             <<<unsigned(w.matrices.size()), cuda::detail::lowrank_threads, 0, stream_>>>(table(w), ps(w), nonfinite);
         GRADSYNC_CUDA_CHECK(cudaGetLastError());
-        for_matrices(w, w.max_columns, [&](dim3 grid, const cuda::LowRankMatrix* t) {
+        for (std::size_t first = 0; first < w.matrices.size(); first += 65535) {
+            const auto count = static_cast<unsigned>(std::min<std::size_t>(65535, w.matrices.size() - first));
+            const dim3 grid(blocks_for(w.max_columns), static_cast<unsigned>(w.max_chunks), count);
             cuda::detail::lowrank_project_kernel<>
-                <<<grid, cuda::detail::lowrank_threads, 0, stream_>>>(t, values, ps(w), qs(w));
+                <<<grid, cuda::detail::lowrank_threads, 0, stream_>>>(table(w) + first, values, ps(w), partials(w));
+            GRADSYNC_CUDA_CHECK(cudaGetLastError());
+        }
+        for_matrices(w, w.max_q, [&](dim3 grid, const cuda::LowRankMatrix* t) {
+            cuda::detail::lowrank_sum_chunks_kernel<>
+                <<<grid, cuda::detail::lowrank_threads, 0, stream_>>>(t, partials(w), qs(w));
         });
         // Issued whatever the P sums held, so that every rank issues the same collectives.
         sent_ += w.qs_count;
@@ -4309,9 +4344,9 @@ private:
         std::vector<cuda::LowRankMatrix> matrices;
         std::vector<cuda::ExactRange> exact;
         std::vector<Draw> draws;
-        std::uint64_t ps_count = 0, qs_count = 0, flat_count = 0;
-        std::uint64_t max_rows = 0, max_columns = 0, max_elements = 0, max_exact = 0;
-        cuda::DeviceBytes arrays;     // P^T, Q^T and the exact values, one after the other
+        std::uint64_t ps_count = 0, qs_count = 0, flat_count = 0, partials_count = 0;
+        std::uint64_t max_rows = 0, max_columns = 0, max_chunks = 0, max_q = 0, max_elements = 0, max_exact = 0;
+        cuda::DeviceBytes arrays;     // P^T, Q^T, the exact values and M^T P's partial sums, one after another
         cuda::DeviceBytes tables;     // the matrices, then the exact ranges
         cuda::DeviceBytes nonfinite;  // one unsigned: a sum was not finite
     };
@@ -4319,6 +4354,7 @@ private:
     static float* ps(Work& w) { return reinterpret_cast<float*>(w.arrays.data()); }
     static float* qs(Work& w) { return ps(w) + w.ps_count; }
     static float* flat(Work& w) { return qs(w) + w.qs_count; }
+    static float* partials(Work& w) { return flat(w) + w.flat_count; }
     static const cuda::LowRankMatrix* table(Work& w) {
         return reinterpret_cast<const cuda::LowRankMatrix*>(w.tables.data());
     }
@@ -4410,15 +4446,24 @@ private:
             auto& st = make_state(p.name, *shape);
             auto* q = reinterpret_cast<float*>(st.q.data());
             w.draws.push_back({q, shape->m * shape->r, detail::powersgd_key(config_, p.name)});
-            w.matrices.push_back({p.offset, shape->n, shape->m, shape->r, w.ps_count, w.qs_count,
+            w.matrices.push_back({p.offset, shape->n, shape->m, shape->r, w.ps_count, w.qs_count, w.partials_count,
                                   st.error.size() != 0 ? reinterpret_cast<float*>(st.error.data()) : nullptr, q});
             w.ps_count += shape->n * shape->r;
             w.qs_count += shape->m * shape->r;
+            const std::uint64_t chunks = cuda::detail::lowrank_chunks(shape->n);
+            if (chunks > 65535)  // blockIdx.y of the M^T P pass
+                throw Error("gradsync: CudaPowerSGD compresses matrices of at most " +
+                            std::to_string(65535 * cuda::detail::lowrank_rows_per_chunk) + " rows; '" + p.name +
+                            "' has " + std::to_string(shape->n));
+            w.partials_count += chunks * shape->r * shape->m;
+            w.max_chunks = std::max(w.max_chunks, chunks);
+            w.max_q = std::max<std::uint64_t>(w.max_q, shape->m * shape->r);
             w.max_rows = std::max<std::uint64_t>(w.max_rows, shape->n * 32);
             w.max_columns = std::max<std::uint64_t>(w.max_columns, shape->m);
             w.max_elements = std::max<std::uint64_t>(w.max_elements, shape->n * shape->m);
         }
-        w.arrays = cuda::DeviceBytes((w.ps_count + w.qs_count + w.flat_count) * sizeof(float), stream_);
+        w.arrays =
+            cuda::DeviceBytes((w.ps_count + w.qs_count + w.flat_count + w.partials_count) * sizeof(float), stream_);
         std::vector<std::byte> tables(w.matrices.size() * sizeof(cuda::LowRankMatrix) +
                                       w.exact.size() * sizeof(cuda::ExactRange));
         if (!w.matrices.empty())

@@ -37,8 +37,9 @@ static_assert(gradsync::CommHook<gradsync::CudaPowerSGD>);
 
 constexpr float loss_scale = 64.0f;
 const auto buckets = gradsync::SizeCappedBuckets{.cap = gradsync::Bytes{2048}};
-// Matrices of several shapes (one too small to gain at rank 2 unless told) and a bias.
-const std::vector<std::vector<std::size_t>> shapes{{24, 16}, {16}, {12, 40}, {3, 5}, {40, 8}};
+// Matrices of several shapes (one too small to gain at rank 2 unless told, one of several chunks of
+// rows for the M^T P pass) and a bias.
+const std::vector<std::vector<std::size_t>> shapes{{24, 16}, {16}, {12, 40}, {3, 5}, {40, 8}, {300, 6}};
 constexpr int steps = 4;
 
 std::size_t elements(const std::vector<std::size_t>& shape) {

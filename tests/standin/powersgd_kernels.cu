@@ -1,11 +1,12 @@
 // The host references of CudaPowerSGD's kernels (reduction/cuda/powersgd_kernels.cuh), for the
 // stand-in CUDA runtime: what each launch writes, on the stream's thread. The warp's dot products
-// and the column sums are added in the kernels' order; the orthonormalization's dot products in
-// element order, where the kernel adds in a block's tree (rounding apart only).
+// and the column sums (by chunks of rows, then the chunks) are added in the kernels' order; the orthonormalization's
+// dot products in element order, where the kernel adds in a block's tree (rounding apart only).
 #include "kernels.hpp"
 
 #include <gradsync/reduction/cuda/powersgd_kernels.cuh>
 
+#include <algorithm>  // for std::min
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -95,18 +96,36 @@ void exact(const std::string& name) {
                        });
     standin::on_kernel(
         &gc::detail::lowrank_project_kernel<void>, "lowrank_project_kernel",
-        [](dim3 grid, dim3, const LowRankMatrix* table, const float* values, const float* ps, float* qs) {
-            for (unsigned y = 0; y < grid.y; ++y) {
-                const LowRankMatrix& mx = table[y];
-                for (std::uint64_t j = 0; j < mx.m; ++j)
-                    for (std::uint64_t k = 0; k < mx.r; ++k) {
-                        float sum = 0;
-                        for (std::uint64_t i = 0; i < mx.n; ++i)
-                            sum += values[mx.offset + i * mx.m + j] * ps[mx.p_at + k * mx.n + i];
-                        qs[mx.q_at + k * mx.m + j] = sum;
-                    }
+        [](dim3 grid, dim3, const LowRankMatrix* table, const float* values, const float* ps, float* partials) {
+            for (unsigned z = 0; z < grid.z; ++z) {
+                const LowRankMatrix& mx = table[z];
+                for (std::uint64_t c = 0; c < gc::detail::lowrank_chunks(mx.n); ++c) {
+                    const std::uint64_t first = c * gc::detail::lowrank_rows_per_chunk;
+                    const std::uint64_t last =
+                        std::min(first + gc::detail::lowrank_rows_per_chunk, std::uint64_t(mx.n));
+                    for (std::uint64_t j = 0; j < mx.m; ++j)
+                        for (std::uint64_t k = 0; k < mx.r; ++k) {
+                            float sum = 0;
+                            for (std::uint64_t i = first; i < last; ++i)
+                                sum += values[mx.offset + i * mx.m + j] * ps[mx.p_at + k * mx.n + i];
+                            partials[mx.partial_at + (c * mx.r + k) * mx.m + j] = sum;
+                        }
+                }
             }
         });
+    standin::on_kernel(&gc::detail::lowrank_sum_chunks_kernel<void>, "lowrank_sum_chunks_kernel",
+                       [](dim3 grid, dim3, const LowRankMatrix* table, const float* partials, float* qs) {
+                           for (unsigned y = 0; y < grid.y; ++y) {
+                               const LowRankMatrix& mx = table[y];
+                               const std::uint64_t count = mx.r * mx.m;
+                               for (std::uint64_t e = 0; e < count; ++e) {
+                                   float sum = 0;
+                                   for (std::uint64_t c = 0; c < gc::detail::lowrank_chunks(mx.n); ++c)
+                                       sum += partials[mx.partial_at + c * count + e];
+                                   qs[mx.q_at + e] = sum;
+                               }
+                           }
+                       });
     standin::on_kernel(&gc::detail::lowrank_nonfinite_kernel<void>, "lowrank_nonfinite_kernel",
                        [](dim3, dim3, const float* data, std::uint64_t n, unsigned* nonfinite) {
                            for (std::uint64_t i = 0; i < n; ++i)

@@ -121,9 +121,16 @@ public:
         cuda::detail::lowrank_orthonormalize_kernel<>
             <<<unsigned(w.matrices.size()), cuda::detail::lowrank_threads, 0, stream_>>>(table(w), ps(w), nonfinite);
         GRADSYNC_CUDA_CHECK(cudaGetLastError());
-        for_matrices(w, w.max_columns, [&](dim3 grid, const cuda::LowRankMatrix* t) {
+        for (std::size_t first = 0; first < w.matrices.size(); first += 65535) {
+            const auto count = static_cast<unsigned>(std::min<std::size_t>(65535, w.matrices.size() - first));
+            const dim3 grid(blocks_for(w.max_columns), static_cast<unsigned>(w.max_chunks), count);
             cuda::detail::lowrank_project_kernel<>
-                <<<grid, cuda::detail::lowrank_threads, 0, stream_>>>(t, values, ps(w), qs(w));
+                <<<grid, cuda::detail::lowrank_threads, 0, stream_>>>(table(w) + first, values, ps(w), partials(w));
+            GRADSYNC_CUDA_CHECK(cudaGetLastError());
+        }
+        for_matrices(w, w.max_q, [&](dim3 grid, const cuda::LowRankMatrix* t) {
+            cuda::detail::lowrank_sum_chunks_kernel<>
+                <<<grid, cuda::detail::lowrank_threads, 0, stream_>>>(t, partials(w), qs(w));
         });
         // Issued whatever the P sums held, so that every rank issues the same collectives.
         sent_ += w.qs_count;
@@ -154,9 +161,9 @@ private:
         std::vector<cuda::LowRankMatrix> matrices;
         std::vector<cuda::ExactRange> exact;
         std::vector<Draw> draws;
-        std::uint64_t ps_count = 0, qs_count = 0, flat_count = 0;
-        std::uint64_t max_rows = 0, max_columns = 0, max_elements = 0, max_exact = 0;
-        cuda::DeviceBytes arrays;     // P^T, Q^T and the exact values, one after the other
+        std::uint64_t ps_count = 0, qs_count = 0, flat_count = 0, partials_count = 0;
+        std::uint64_t max_rows = 0, max_columns = 0, max_chunks = 0, max_q = 0, max_elements = 0, max_exact = 0;
+        cuda::DeviceBytes arrays;     // P^T, Q^T, the exact values and M^T P's partial sums, one after another
         cuda::DeviceBytes tables;     // the matrices, then the exact ranges
         cuda::DeviceBytes nonfinite;  // one unsigned: a sum was not finite
     };
@@ -164,6 +171,7 @@ private:
     static float* ps(Work& w) { return reinterpret_cast<float*>(w.arrays.data()); }
     static float* qs(Work& w) { return ps(w) + w.ps_count; }
     static float* flat(Work& w) { return qs(w) + w.qs_count; }
+    static float* partials(Work& w) { return flat(w) + w.flat_count; }
     static const cuda::LowRankMatrix* table(Work& w) {
         return reinterpret_cast<const cuda::LowRankMatrix*>(w.tables.data());
     }
@@ -255,15 +263,24 @@ private:
             auto& st = make_state(p.name, *shape);
             auto* q = reinterpret_cast<float*>(st.q.data());
             w.draws.push_back({q, shape->m * shape->r, detail::powersgd_key(config_, p.name)});
-            w.matrices.push_back({p.offset, shape->n, shape->m, shape->r, w.ps_count, w.qs_count,
+            w.matrices.push_back({p.offset, shape->n, shape->m, shape->r, w.ps_count, w.qs_count, w.partials_count,
                                   st.error.size() != 0 ? reinterpret_cast<float*>(st.error.data()) : nullptr, q});
             w.ps_count += shape->n * shape->r;
             w.qs_count += shape->m * shape->r;
+            const std::uint64_t chunks = cuda::detail::lowrank_chunks(shape->n);
+            if (chunks > 65535)  // blockIdx.y of the M^T P pass
+                throw Error("gradsync: CudaPowerSGD compresses matrices of at most " +
+                            std::to_string(65535 * cuda::detail::lowrank_rows_per_chunk) + " rows; '" + p.name +
+                            "' has " + std::to_string(shape->n));
+            w.partials_count += chunks * shape->r * shape->m;
+            w.max_chunks = std::max(w.max_chunks, chunks);
+            w.max_q = std::max<std::uint64_t>(w.max_q, shape->m * shape->r);
             w.max_rows = std::max<std::uint64_t>(w.max_rows, shape->n * 32);
             w.max_columns = std::max<std::uint64_t>(w.max_columns, shape->m);
             w.max_elements = std::max<std::uint64_t>(w.max_elements, shape->n * shape->m);
         }
-        w.arrays = cuda::DeviceBytes((w.ps_count + w.qs_count + w.flat_count) * sizeof(float), stream_);
+        w.arrays =
+            cuda::DeviceBytes((w.ps_count + w.qs_count + w.flat_count + w.partials_count) * sizeof(float), stream_);
         std::vector<std::byte> tables(w.matrices.size() * sizeof(cuda::LowRankMatrix) +
                                       w.exact.size() * sizeof(cuda::ExactRange));
         if (!w.matrices.empty())

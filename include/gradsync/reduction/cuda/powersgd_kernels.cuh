@@ -19,6 +19,7 @@ struct LowRankMatrix {
     std::uint64_t offset = 0;  // of M (n x m, row-major) in the bucket's values
     std::uint64_t n = 0, m = 0, r = 0;
     std::uint64_t p_at = 0, q_at = 0;  // of P^T (r x n) and Q^T (r x m) in the bucket's arrays of them
+    std::uint64_t partial_at = 0;      // of its partial sums of M^T P (a chunk of rows each) in theirs
     float* error = nullptr;            // n x m, unscaled; null without error feedback
     float* q = nullptr;                // the Q^T carried from step to step (r x m)
 };
@@ -32,6 +33,13 @@ struct ExactRange {
 namespace detail {
 
 constexpr unsigned lowrank_threads = 256;
+// Rows of M each block of the M^T P pass sums over: a tall matrix (an embedding) still spreads
+// over many blocks, and the chunks' sums are added in a fixed order after.
+constexpr std::uint64_t lowrank_rows_per_chunk = 128;
+
+GRADSYNC_HOST_DEVICE inline std::uint64_t lowrank_chunks(std::uint64_t rows) {
+    return (rows + lowrank_rows_per_chunk - 1) / lowrank_rows_per_chunk;
+}
 
 // Q^T drawn from `key` (detail::powersgd_uniform), `count` values.
 template <class = void>
@@ -126,19 +134,25 @@ __global__ void __launch_bounds__(lowrank_threads)
     }
 }
 
-// This rank's Q = M^T P: one thread per column of M, four columns of P at a time; blockIdx.y
-// the matrix.
+// This rank's Q = M^T P, first as partial sums over chunks of rows: one thread per column of M,
+// four columns of P at a time; blockIdx.y the chunk, blockIdx.z the matrix. Partial sum (c, k, j)
+// lies at partial_at + (c r + k) m + j.
 template <class = void>
-__global__ void lowrank_project_kernel(const LowRankMatrix* table, const float* values, const float* ps, float* qs) {
-    const LowRankMatrix& mx = table[blockIdx.y];
+__global__ void lowrank_project_kernel(const LowRankMatrix* table, const float* values, const float* ps,
+                                       float* partials) {
+    const LowRankMatrix& mx = table[blockIdx.z];
+    const std::uint64_t chunk = blockIdx.y;
+    if (chunk >= lowrank_chunks(mx.n)) return;
+    const std::uint64_t first = chunk * lowrank_rows_per_chunk;
+    const std::uint64_t last = first + lowrank_rows_per_chunk < mx.n ? first + lowrank_rows_per_chunk : mx.n;
     const float* M = values + mx.offset;
     const float* pt = ps + mx.p_at;
-    float* qt = qs + mx.q_at;
+    float* out = partials + mx.partial_at + chunk * mx.r * mx.m;
     for (std::uint64_t j = std::uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < mx.m;
          j += std::uint64_t(gridDim.x) * blockDim.x)
         for (std::uint64_t k = 0; k < mx.r; k += 4) {
             float sum[4] = {0, 0, 0, 0};
-            for (std::uint64_t i = 0; i < mx.n; ++i) {
+            for (std::uint64_t i = first; i < last; ++i) {
                 const float v = M[i * mx.m + j];
 #pragma unroll
                 for (std::uint64_t l = 0; l < 4; ++l)
@@ -146,8 +160,22 @@ __global__ void lowrank_project_kernel(const LowRankMatrix* table, const float* 
             }
 #pragma unroll
             for (std::uint64_t l = 0; l < 4; ++l)
-                if (k + l < mx.r) qt[(k + l) * mx.m + j] = sum[l];
+                if (k + l < mx.r) out[(k + l) * mx.m + j] = sum[l];
         }
+}
+
+// Q^T as the sum of the chunks' partial sums, in chunk order; blockIdx.y the matrix.
+template <class = void>
+__global__ void lowrank_sum_chunks_kernel(const LowRankMatrix* table, const float* partials, float* qs) {
+    const LowRankMatrix& mx = table[blockIdx.y];
+    const std::uint64_t count = mx.r * mx.m, chunks = lowrank_chunks(mx.n);
+    const float* in = partials + mx.partial_at;
+    for (std::uint64_t e = std::uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < count;
+         e += std::uint64_t(gridDim.x) * blockDim.x) {
+        float sum = 0;
+        for (std::uint64_t c = 0; c < chunks; ++c) sum += in[c * count + e];
+        qs[mx.q_at + e] = sum;
+    }
 }
 
 // Sets *nonfinite when one of n values is an infinity or NaN.
