@@ -9,17 +9,18 @@
 #
 #   bash bench/gpu-check.sh [results-folder]   build and run everything
 #   bash bench/gpu-check.sh --dry-run [folder]  find the tools, plan every part, run none
-#   bash bench/gpu-check.sh --bundle            stage doctest's header and NCCL's into
-#                                               build/gpu-check/third_party/include, to carry to a
-#                                               GPU machine that has neither (no network there)
+#   bash bench/gpu-check.sh --bundle            stage the headers of doctest, nlohmann/json and
+#                                               NCCL into build/gpu-check/third_party/include, to
+#                                               carry to a GPU machine that lacks them (no network)
 #
 # Without a GPU, the parts that need one are reported as skipped and count as failures (set
 # GRADSYNC_GPU_CHECK_NO_GPU_OK=1 to check the rest of the script on a machine without one).
 # Finds NCCL's library under NCCL_HOME, in the nvidia-nccl-cu13 Python wheel (only libnccl.so.2
 # there: linked by that name, with an rpath), or in the CUDA toolkit; NCCL's header beside the
 # library or, where the wheel has none, in build/gpu-check/third_party/include; doctest's header
-# under DOCTEST_INCLUDE, in build/gpu-check/third_party/include, or in the system's include folder
-# (GRADSYNC_SYSTEM_INCLUDE, /usr/include unless set).
+# (and nlohmann/json's, which checkpoints use) under DOCTEST_INCLUDE, in
+# build/gpu-check/third_party/include, or in the system's include folder (GRADSYNC_SYSTEM_INCLUDE,
+# /usr/include unless set).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -33,8 +34,10 @@ case "${1:-}" in
 --bundle)
     mkdir -p "$staged"
     cp -r "$system_include/doctest" "$staged/" || { echo "no doctest header in $system_include (apt-get install doctest-dev)"; exit 1; }
+    cp -r "$system_include/nlohmann" "$staged/" ||
+        { echo "no nlohmann/json header in $system_include (apt-get install nlohmann-json3-dev)"; exit 1; }
     cp "$cuda/include/nccl.h" "$staged/" || { echo "no nccl.h in $cuda/include"; exit 1; }
-    echo "doctest's and NCCL's headers are in $staged: carry $build/third_party"
+    echo "the headers of doctest, nlohmann/json and NCCL are in $staged: carry $build/third_party"
     exit 0
     ;;
 --dry-run) dry_run=1; shift ;;
@@ -88,18 +91,20 @@ else
     nccl_link=("-L$nccl_lib" "-l:libnccl.so.2")  # a wheel has only the versioned name
 fi
 
-# doctest's header.
-doctest_include=""
-for dir in "${DOCTEST_INCLUDE:-}" "$staged" "$system_include"; do
-    if [ -n "$dir" ] && [ -f "$dir/doctest/doctest.h" ]; then
-        doctest_include=$dir
-        break
-    fi
-done
-if [ -z "$doctest_include" ]; then
-    echo "FAIL: doctest's header not found: set DOCTEST_INCLUDE, or run 'bash bench/gpu-check.sh --bundle' where it is installed and carry $build/third_party" | tee -a "$summary"
-    exit 1
-fi
+# doctest's header, and nlohmann/json's (the checkpoint tests).
+header_folder() {
+    local dir
+    for dir in "${DOCTEST_INCLUDE:-}" "$staged" "$system_include"; do
+        if [ -n "$dir" ] && [ -f "$dir/$1" ]; then
+            echo "$dir"
+            return 0
+        fi
+    done
+    echo "FAIL: $2's header not found: set DOCTEST_INCLUDE, or run 'bash bench/gpu-check.sh --bundle' where it is installed and carry $build/third_party" | tee -a "$summary" >&2
+    return 1
+}
+doctest_include=$(header_folder doctest/doctest.h doctest) || exit 1
+json_include=$(header_folder nlohmann/json.hpp nlohmann/json) || exit 1
 
 gpus=0
 if command -v nvidia-smi >/dev/null; then gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true); fi
@@ -203,13 +208,13 @@ export build logs results
     nvidia-smi -L 2>/dev/null || echo "(nvidia-smi: no GPU listed)"
     "$nvcc" --version 2>/dev/null | tail -n 2
     echo "NCCL from $nccl_from: $nccl_include, $nccl_lib (${nccl_link[*]})"
-    echo "doctest from $doctest_include; sm_$arch; $gpus GPU(s)"
+    echo "doctest from $doctest_include; nlohmann/json from $json_include; sm_$arch; $gpus GPU(s)"
 } | tee "$results/environment.txt"
 
 # The system's include folder is searched anyway; naming it with -isystem would reorder the C
 # library's headers.
 includes=()
-for dir in "$doctest_include" "$nccl_include"; do
+for dir in "$doctest_include" "$json_include" "$nccl_include"; do
     [ "$dir" = /usr/include ] || [[ " ${includes[*]} " == *" $dir "* ]] || includes+=(-isystem "$dir")
 done
 nvcc_flags=(-std=c++20 -O3 "-gencode=arch=compute_$arch,code=sm_$arch" -Iinclude -Ibench -Itests "${includes[@]}"

@@ -50,5 +50,6 @@ echo "$out"
 grep -q "NCCL from the nvidia-nccl wheel (header staged in $work/build.staged/third_party/include)" <<<"$out" ||
     fail "the staged NCCL header not taken"
 grep -q "doctest from $work/build.staged/third_party/include" <<<"$out" || fail "the staged doctest not taken"
+grep -q "nlohmann/json from $work/build.staged/third_party/include" <<<"$out" || fail "the staged nlohmann/json not taken"
 plans_every_part staged
 echo "gpu-check dry run ok"
