@@ -4198,7 +4198,7 @@ __global__ void lowrank_approximate_kernel(const LowRankMatrix* table, float* va
 
 #include <cuda_runtime.h>
 
-#include <algorithm>  // for std::clamp, std::min, std::max
+#include <algorithm>  // for std::clamp, std::equal, std::min, std::max
 #include <cstddef>
 #include <cstdint>
 #include <cstring>  // for std::memcpy
@@ -4304,13 +4304,11 @@ public:
         cuda::detail::lowrank_orthonormalize_kernel<>
             <<<unsigned(w.matrices.size()), cuda::detail::lowrank_threads, 0, stream_>>>(table(w), ps(w), nonfinite);
         GRADSYNC_CUDA_CHECK(cudaGetLastError());
-        for (std::size_t first = 0; first < w.matrices.size(); first += 65535) {
-            const auto count = static_cast<unsigned>(std::min<std::size_t>(65535, w.matrices.size() - first));
+        in_launches(w.matrices.size(), [&](std::size_t first, unsigned count) {  // blockIdx.z the matrix
             const dim3 grid(blocks_for(w.max_columns), static_cast<unsigned>(w.max_chunks), count);
             cuda::detail::lowrank_project_kernel<>
                 <<<grid, cuda::detail::lowrank_threads, 0, stream_>>>(table(w) + first, values, ps(w), partials(w));
-            GRADSYNC_CUDA_CHECK(cudaGetLastError());
-        }
+        });
         for_matrices(w, w.max_q, [&](dim3 grid, const cuda::LowRankMatrix* t) {
             cuda::detail::lowrank_sum_chunks_kernel<>
                 <<<grid, cuda::detail::lowrank_threads, 0, stream_>>>(t, partials(w), qs(w));
@@ -4340,7 +4338,7 @@ private:
     };
     // One bucket's arrays and tables, made at its first step and again when its parameters change.
     struct Work {
-        std::vector<std::string> layout;  // each parameter's name, offset and count: what the tables hold
+        std::vector<HookParameter> layout;  // the parameters the tables were made for
         std::vector<cuda::LowRankMatrix> matrices;
         std::vector<cuda::ExactRange> exact;
         std::vector<Draw> draws;
@@ -4368,25 +4366,29 @@ private:
             (threads + cuda::detail::lowrank_threads - 1) / cuda::detail::lowrank_threads, 1, 1024));
     }
 
-    // Launches fn(grid, table) over the bucket's matrices, at most 65535 per launch (blockIdx.y).
-    template <class Fn>
-    void for_matrices(Work& w, std::uint64_t threads, Fn&& fn) {
-        for (std::size_t first = 0; first < w.matrices.size(); first += 65535) {
-            const auto count = static_cast<unsigned>(std::min<std::size_t>(65535, w.matrices.size() - first));
-            fn(dim3(blocks_for(threads), count), table(w) + first);
+    // Calls launch(first, count) for the entries of a table of `total`, at most 65535 at a time
+    // (the most a grid's y or z dimension holds), and checks each launch.
+    template <class Launch>
+    static void in_launches(std::size_t total, Launch&& launch) {
+        for (std::size_t first = 0; first < total; first += 65535) {
+            launch(first, static_cast<unsigned>(std::min<std::size_t>(65535, total - first)));
             GRADSYNC_CUDA_CHECK(cudaGetLastError());
         }
+    }
+    // Launches fn(grid, table) over the bucket's matrices, blockIdx.y the matrix.
+    template <class Fn>
+    void for_matrices(Work& w, std::uint64_t threads, Fn&& fn) {
+        in_launches(w.matrices.size(),
+                    [&](std::size_t first, unsigned count) { fn(dim3(blocks_for(threads), count), table(w) + first); });
     }
 
     template <bool to_array>
     void copy_exact(Work& w, float* values) {
-        for (std::size_t first = 0; first < w.exact.size(); first += 65535) {
-            const auto count = static_cast<unsigned>(std::min<std::size_t>(65535, w.exact.size() - first));
+        in_launches(w.exact.size(), [&](std::size_t first, unsigned count) {
             cuda::detail::lowrank_exact_kernel<to_array>
                 <<<dim3(blocks_for(w.max_exact), count), cuda::detail::lowrank_threads, 0, stream_>>>(ranges(w) + first,
                                                                                                       values, flat(w));
-            GRADSYNC_CUDA_CHECK(cudaGetLastError());
-        }
+        });
     }
 
     void draw(float* q, std::uint64_t count, std::uint64_t key) {
@@ -4424,17 +4426,20 @@ private:
         return st;
     }
 
+    static bool same_parameters(const std::vector<HookParameter>& a, std::span<const HookParameter> b) {
+        return std::equal(a.begin(), a.end(), b.begin(), b.end(), [](const HookParameter& x, const HookParameter& y) {
+            return x.name == y.name && x.offset == y.offset && x.count == y.count && x.shape == y.shape;
+        });
+    }
+
     // The bucket's work, made again when its parameters differ from last time; a matrix's state is
     // kept where it has the same shape.
     Work& work_for(const HookBucket& bucket) {
-        std::vector<std::string> layout;
-        for (const auto& p : bucket.parameters)
-            layout.push_back(p.name + '@' + std::to_string(p.offset) + '+' + std::to_string(p.count));
         auto [at, fresh] = device_->work.try_emplace(bucket.index);
         auto& w = at->second;
-        if (!fresh && w.layout == layout) return w;
+        if (!fresh && same_parameters(w.layout, bucket.parameters)) return w;
         w = Work{};
-        w.layout = std::move(layout);
+        w.layout.assign(bucket.parameters.begin(), bucket.parameters.end());
         for (const auto& p : bucket.parameters) {
             const auto shape = detail::powersgd_shape(config_, p);
             if (!shape) {
