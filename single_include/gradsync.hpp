@@ -10971,18 +10971,6 @@ private:
 #endif  // GRADSYNC_SINGLE_DATA_PARALLEL_PARAMETER_GATHERS_HPP
 // ---- end gradsync/data_parallel/parameter_gathers.hpp ----
 
-// ---- begin gradsync/data_parallel/released_shards.hpp ----
-#ifndef GRADSYNC_SINGLE_DATA_PARALLEL_RELEASED_SHARDS_HPP
-#define GRADSYNC_SINGLE_DATA_PARALLEL_RELEASED_SHARDS_HPP
-// Stage 2 of ShardedDataParallel (ShardedOptions::release_gradients): once a bucket is
-// reduce-scattered, this rank's share of its averaged gradients is copied into a store of the
-// wrapper's (the optimizer's pieces point there) and the model is told to release the bucket's
-// gradients. Off, it keeps and releases nothing. The store lies where the memory policy allocates:
-// beside the gradients it keeps. On a stream (CudaMemory) the copy is queued there before the
-// model is told: the model frees in stream order (cudaFreeAsync on that stream, say). It also
-// counts, on or off, the step's buckets launched and those waited for and kept.
-
-
 // ---- begin gradsync/data_parallel/shard_layout.hpp ----
 #ifndef GRADSYNC_SINGLE_DATA_PARALLEL_SHARD_LAYOUT_HPP
 #define GRADSYNC_SINGLE_DATA_PARALLEL_SHARD_LAYOUT_HPP
@@ -11182,98 +11170,6 @@ private:
 #endif  // GRADSYNC_SINGLE_DATA_PARALLEL_SHARD_LAYOUT_HPP
 // ---- end gradsync/data_parallel/shard_layout.hpp ----
 
-#include <cstddef>
-#include <span>
-#include <vector>
-
-namespace gradsync::inline v0::detail {
-
-template <class Model, class Memory>
-class ReleasedShards {
-    static constexpr std::size_t in_flight = 2;  // buckets reduced but not kept, at most
-
-public:
-    // When on: the store for this rank's shards of `plan`, allocated and zeroed by `memory`.
-    void plan(bool on, const BucketPlan& plan, int ranks, int rank, const Memory& memory) {
-        on_ = on;
-        elements_ = on ? shard_elements(plan, ranks, rank) : 0;
-        if (!on) return;
-        store_ = memory.allocate(Bytes{elements_ * sizeof(float)});
-        if (elements_ > 0) memory.zero(Segment{Memory::data(store_), elements_}, DType::float32);
-    }
-    [[nodiscard]] bool on() const { return on_; }
-    // Where the pieces' gradients lie when on (for ShardLayout), else null.
-    [[nodiscard]] float* store() { return on_ ? reinterpret_cast<float*>(Memory::data(store_)) : nullptr; }
-    [[nodiscard]] std::size_t bytes() const { return elements_ * sizeof(float); }
-    // The packed buffers a reduce-scattering engine needs when it lends them in turn (launched_until
-    // keeps each bucket before the one three places later goes); 0 when off: one per bucket.
-    [[nodiscard]] std::size_t buffers() const { return on_ ? in_flight + 1 : 0; }
-
-    // This step's buckets [0, launched()) are launched and [0, kept()) waited for and kept.
-    [[nodiscard]] std::size_t launched() const { return launched_; }
-    [[nodiscard]] std::size_t kept() const { return kept_; }
-    // Buckets before `launched` are launched (during backward, under the readiness lock). When on,
-    // those reduced by now (completed(b)) are retired (retire(b) waits for b and keeps it) while
-    // backward goes on, and at most two stay in flight (backward waits for the oldest): the
-    // gradient memory stays about two buckets beside this rank's share, and a packed path may lend
-    // its buckets three buffers in turn (`buffers`).
-    template <class Completed, class Retire>
-    void launched_until(std::size_t launched, Completed&& completed, Retire&& retire) {
-        launched_ = launched;
-        std::size_t end = kept_;
-        while (on_ && end < launched_ && (completed(end) || launched_ - end > in_flight)) ++end;
-        retire_until(end, retire);
-    }
-    // The buckets before `end` not kept yet, retired in order.
-    template <class Retire>
-    void retire_until(std::size_t end, Retire&& retire) {
-        for (; kept_ < end; ++kept_) retire(kept_);
-    }
-    // Nothing launched, nothing kept.
-    void end_step() { launched_ = kept_ = 0; }
-
-    // Bucket b is reduced: its share kept, then its gradients released.
-    template <class Layout>
-    void keep(Model& model, const Layout& shards, const ModelLayout& layout, std::size_t b) {
-        if constexpr (ReleasableGradients<Model>) {
-            if (!on_) return;
-            shards.keep_shard(b);
-            release(model, shards, layout, b);
-        } else {
-            (void)model, (void)shards, (void)layout, (void)b;
-        }
-    }
-    // The gradients of the buckets before `kept` released again: a listing of the model made them
-    // anew.
-    template <class Layout>
-    void release_again(Model& model, const Layout& shards, const ModelLayout& layout, std::size_t kept) {
-        for (std::size_t b = 0; on_ && b < kept; ++b) release(model, shards, layout, b);
-    }
-    // Bucket b's gradients released.
-    template <class Layout>
-    void release(Model& model, const Layout& shards, const ModelLayout& layout, std::size_t b) {
-        if constexpr (ReleasableGradients<Model>) {
-            model_indices_.clear();
-            for (auto p : shards.slots[b].indices) model_indices_.push_back(layout.model_index_of_param[p]);
-            gradsync::release_gradients(model, std::span<const std::size_t>(model_indices_));
-        } else {
-            (void)model, (void)shards, (void)layout, (void)b;
-        }
-    }
-
-private:
-    bool on_ = false;
-    std::size_t elements_ = 0;
-    typename Memory::Storage store_{};        // this rank's share of the averaged gradients
-    std::vector<std::size_t> model_indices_;  // a bucket's parameters, as the model counts them
-    std::size_t launched_ = 0;
-    std::size_t kept_ = 0;
-};
-
-}  // namespace gradsync::inline v0::detail
-#endif  // GRADSYNC_SINGLE_DATA_PARALLEL_RELEASED_SHARDS_HPP
-// ---- end gradsync/data_parallel/released_shards.hpp ----
-
 // ---- begin gradsync/data_parallel/shard_step.hpp ----
 #ifndef GRADSYNC_SINGLE_DATA_PARALLEL_SHARD_STEP_HPP
 #define GRADSYNC_SINGLE_DATA_PARALLEL_SHARD_STEP_HPP
@@ -11408,11 +11304,118 @@ void update_and_launch_gathers(B& backend, Layout& shards, Optimizer& optimizer,
 // ---- begin gradsync/data_parallel/sharded_core.hpp ----
 #ifndef GRADSYNC_SINGLE_DATA_PARALLEL_SHARDED_CORE_HPP
 #define GRADSYNC_SINGLE_DATA_PARALLEL_SHARDED_CORE_HPP
-// The core ShardedDataParallel derives from: FrontCore (front_core.hpp) over a bucket engine that
-// reduce-scatters each bucket in float32 through the memory policy (host or device memory), where
-// the gradients lie when the backend takes scattered memory (ScatteredShardedCollectives), else
-// packed.
+// ShardedCore: what ShardedDataParallel derives from, the reduce-scatter half of the sharded
+// step. Over FrontCore (front_core.hpp) with a bucket engine that reduce-scatters each bucket in
+// float32 through the memory policy (host or device memory), where the gradients lie when the
+// backend takes scattered memory (ScatteredShardedCollectives), else packed. It owns the plan,
+// this rank's shard layout and stage 2's kept shares (released_shards.hpp), and takes each bucket
+// from its launch to its share kept: during backward (launch(b), from grad_ready) or in step()
+// (reduce_rest()). The front adds the decision, the optimizer and the all-gather.
 
+
+// ---- begin gradsync/data_parallel/released_shards.hpp ----
+#ifndef GRADSYNC_SINGLE_DATA_PARALLEL_RELEASED_SHARDS_HPP
+#define GRADSYNC_SINGLE_DATA_PARALLEL_RELEASED_SHARDS_HPP
+// Stage 2 of ShardedDataParallel (ShardedOptions::release_gradients): once a bucket is
+// reduce-scattered, this rank's share of its averaged gradients is copied into a store of the
+// wrapper's (the optimizer's pieces point there) and the model is told to release the bucket's
+// gradients. Off, it keeps and releases nothing. The store lies where the memory policy allocates:
+// beside the gradients it keeps. On a stream (CudaMemory) the copy is queued there before the
+// model is told: the model frees in stream order (cudaFreeAsync on that stream, say). It also
+// counts, on or off, the step's buckets launched and those waited for and kept.
+
+
+#include <cstddef>
+#include <span>
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+template <class Model, class Memory>
+class ReleasedShards {
+    static constexpr std::size_t in_flight = 2;  // buckets reduced but not kept, at most
+
+public:
+    // When on: the store for this rank's shards of `plan`, allocated and zeroed by `memory`.
+    void plan(bool on, const BucketPlan& plan, int ranks, int rank, const Memory& memory) {
+        on_ = on;
+        elements_ = on ? shard_elements(plan, ranks, rank) : 0;
+        if (!on) return;
+        store_ = memory.allocate(Bytes{elements_ * sizeof(float)});
+        if (elements_ > 0) memory.zero(Segment{Memory::data(store_), elements_}, DType::float32);
+    }
+    [[nodiscard]] bool on() const { return on_; }
+    // Where the pieces' gradients lie when on (for ShardLayout), else null.
+    [[nodiscard]] float* store() { return on_ ? reinterpret_cast<float*>(Memory::data(store_)) : nullptr; }
+    [[nodiscard]] std::size_t bytes() const { return elements_ * sizeof(float); }
+    // The packed buffers a reduce-scattering engine needs when it lends them in turn (launched_until
+    // keeps each bucket before the one three places later goes); 0 when off: one per bucket.
+    [[nodiscard]] std::size_t buffers() const { return on_ ? in_flight + 1 : 0; }
+
+    // This step's buckets [0, launched()) are launched and [0, kept()) waited for and kept.
+    [[nodiscard]] std::size_t launched() const { return launched_; }
+    [[nodiscard]] std::size_t kept() const { return kept_; }
+    // Buckets before `launched` are launched (during backward, under the readiness lock). When on,
+    // those reduced by now (completed(b)) are retired (retire(b) waits for b and keeps it) while
+    // backward goes on, and at most two stay in flight (backward waits for the oldest): the
+    // gradient memory stays about two buckets beside this rank's share, and a packed path may lend
+    // its buckets three buffers in turn (`buffers`).
+    template <class Completed, class Retire>
+    void launched_until(std::size_t launched, Completed&& completed, Retire&& retire) {
+        launched_ = launched;
+        std::size_t end = kept_;
+        while (on_ && end < launched_ && (completed(end) || launched_ - end > in_flight)) ++end;
+        retire_until(end, retire);
+    }
+    // The buckets before `end` not kept yet, retired in order.
+    template <class Retire>
+    void retire_until(std::size_t end, Retire&& retire) {
+        for (; kept_ < end; ++kept_) retire(kept_);
+    }
+    // Nothing launched, nothing kept.
+    void end_step() { launched_ = kept_ = 0; }
+
+    // Bucket b is reduced: its share kept, then its gradients released.
+    template <class Layout>
+    void keep(Model& model, const Layout& shards, const ModelLayout& layout, std::size_t b) {
+        if constexpr (ReleasableGradients<Model>) {
+            if (!on_) return;
+            shards.keep_shard(b);
+            release(model, shards, layout, b);
+        } else {
+            (void)model, (void)shards, (void)layout, (void)b;
+        }
+    }
+    // The gradients of the buckets before `kept` released again: a listing of the model made them
+    // anew.
+    template <class Layout>
+    void release_again(Model& model, const Layout& shards, const ModelLayout& layout, std::size_t kept) {
+        for (std::size_t b = 0; on_ && b < kept; ++b) release(model, shards, layout, b);
+    }
+    // Bucket b's gradients released.
+    template <class Layout>
+    void release(Model& model, const Layout& shards, const ModelLayout& layout, std::size_t b) {
+        if constexpr (ReleasableGradients<Model>) {
+            model_indices_.clear();
+            for (auto p : shards.slots[b].indices) model_indices_.push_back(layout.model_index_of_param[p]);
+            gradsync::release_gradients(model, std::span<const std::size_t>(model_indices_));
+        } else {
+            (void)model, (void)shards, (void)layout, (void)b;
+        }
+    }
+
+private:
+    bool on_ = false;
+    std::size_t elements_ = 0;
+    typename Memory::Storage store_{};        // this rank's share of the averaged gradients
+    std::vector<std::size_t> model_indices_;  // a bucket's parameters, as the model counts them
+    std::size_t launched_ = 0;
+    std::size_t kept_ = 0;
+};
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_DATA_PARALLEL_RELEASED_SHARDS_HPP
+// ---- end gradsync/data_parallel/released_shards.hpp ----
 
 // ---- begin gradsync/data_parallel/sharded_options.hpp ----
 #ifndef GRADSYNC_SINGLE_DATA_PARALLEL_SHARDED_OPTIONS_HPP
@@ -11529,19 +11532,140 @@ struct ShardedPolicySet {
 #endif  // GRADSYNC_SINGLE_DATA_PARALLEL_SHARDED_POLICIES_HPP
 // ---- end gradsync/data_parallel/sharded_policies.hpp ----
 
+#include <cstddef>
+#include <span>
+
 namespace gradsync::inline v0::detail {
+
+template <class Set, class BackendT>
+using ShardedEngine =
+    BucketEngine<BackendT, typename Set::memory, DType::float32, ScatteredShardedCollectives<BackendT>,
+                 typename Set::comm_hook, BucketCollective::reduce_scatter>;
+
+template <class Front, class Model, class BackendT, class Set>
+class ShardedCore : public FrontCore<Front, Model, BackendT, ShardedEngine<Set, BackendT>, ShardedOptions,
+                                     typename Set::loss_scaler, typename Set::metrics> {
+protected:
+    using Base = FrontCore<Front, Model, BackendT, ShardedEngine<Set, BackendT>, ShardedOptions,
+                           typename Set::loss_scaler, typename Set::metrics>;
+
+private:
+    friend Base;                          // calls launch() and end_step()
+    using Memory = typename Set::memory;  // the gradients', the shards' and the buckets'
+
+public:
+    // Whether shards are reduced and gathered where they lie (ScatteredShardedCollectives).
+    static constexpr bool in_place = ScatteredShardedCollectives<BackendT>;
+
+    // Buckets whose reduce_scatter grad_ready has started in this step (during backward).
+    [[nodiscard]] std::size_t buckets_launched() const { return this->readiness_.launched(); }
+    // Elements of this rank's shards: the length of each optimizer state array it keeps.
+    [[nodiscard]] std::size_t state_elements() const { return shards_.state_elements; }
+    // Elements of every parameter, for comparison: what an unsharded optimizer keeps per array.
+    [[nodiscard]] std::size_t parameter_elements() const { return plan_.bytes().count() / sizeof(float); }
+    [[nodiscard]] const BucketPlan& plan() const { return plan_; }
+    // This rank's pieces, as step() hands them to the optimizer (the state is the trainer's).
+    [[nodiscard]] std::span<const ShardPiece<float>> shard_pieces() const { return shards_.pieces; }
+    // The ranks the state is split among and this rank's place among them: every rank of the
+    // backend, or over a backend that replicates its shards (TwoLevelBackend) this rank's node.
+    [[nodiscard]] int shard_ranks() const { return detail::shard_ranks(this->backend_); }
+    [[nodiscard]] int shard_rank() const { return detail::shard_rank(this->backend_); }
+    // Memory held beyond the model's: where the backend cannot reduce scattered memory, packed
+    // buffers for the parameters (one per bucket) and the gradients (one per bucket, or with
+    // release_gradients three of the largest bucket's size, lent in turn); with release_gradients
+    // this rank's share of the averaged gradients; the engine's bookkeeping.
+    [[nodiscard]] Bytes extra_memory() const {
+        return this->engine_.memory_held() +
+               Bytes{released_.bytes() + (in_place ? 0 : parameter_elements() * sizeof(float))};
+    }
+
+protected:
+    using Base::Base;
+    using Shards = ShardLayout<in_place, Memory>;
+
+    // Once the ranks agreed on plan_: stage 2's store, the engine's buckets, this rank's shards
+    // and the step's bookkeeping.
+    void plan_shards() {
+        auto& engine = this->engine_;
+        released_.plan(this->options_.release_gradients, plan_, shard_ranks(), shard_rank(), engine.memory());
+        if constexpr (!in_place) engine.share_buffers(released_.buffers());
+        engine.setup(plan_, this->layout_.params);
+        // The pieces' gradients: where the engine leaves each bucket's shard (stage 2: the store).
+        shards_ = Shards(
+            engine.memory(), engine.spare_result_slot(), this->layout_.params, plan_, shard_ranks(), shard_rank(),
+            [this](std::size_t b) { return reinterpret_cast<float*>(this->engine_.reduced_buffer(b)); },
+            released_.store());
+        this->storage_.reset(plan_.buckets.size());
+        this->readiness_.plan(plan_, this->layout_.params.size());
+    }
+
+    // In step(): the buckets grad_ready did not launch go now, on this thread, bucket after bucket
+    // (a progress thread would only compete with this one for the cores); then every bucket is
+    // waited for and its share kept, and the step's readiness forgotten.
+    void reduce_rest() {
+        const std::size_t buckets = shards_.slots.size();
+        if (follow_storage(released_.launched(), buckets, /*in_backward=*/false))
+            released_.release_again(this->model_, shards_, this->layout_, released_.kept());
+        for (std::size_t b = released_.launched(); b < buckets; ++b) {
+            this->engine_.reduce_now(b, this->tag_of(CollectivePurpose::bucket, b));
+            keep_reduced(b + 1);
+        }
+        released_.retire_until(buckets, retire());
+        end_step();
+    }
+
+    BucketPlan plan_;
+    Shards shards_;
+
+private:
+    // Bucket b goes now (during backward, under the readiness lock).
+    void launch(std::size_t b) {
+        follow_storage(b, b + 1, /*in_backward=*/true);
+        this->engine_.launch(b, this->tag_of(CollectivePurpose::bucket, b));
+        keep_reduced(b + 1);
+    }
+    // Buckets before `launched` are launched; stage 2 keeps those reduced by now.
+    void keep_reduced(std::size_t launched) {
+        released_.launched_until(
+            launched, [this](std::size_t k) { return this->engine_.completed(k); }, retire());
+    }
+    // Waits for a bucket (by one deadline, a late one named) and keeps its share.
+    auto retire() {
+        return [this, deadline = deadline_after(this->options_.timeout)](std::size_t b) {
+            this->engine_.wait(b, deadline, this->diagnose(plan_));
+            released_.keep(this->model_, shards_, this->layout_, b);
+        };
+    }
+
+    // Storage that moved since the last step is followed before each bucket's reduce_scatter.
+    // Returns whether the model was listed (outside backward that makes every gradient, also
+    // those of buckets already released).
+    bool follow_storage(std::size_t first, std::size_t last, bool in_backward) {
+        if ((!this->options_.storage_may_move && !released_.on()) || first == last) return false;
+        return this->follow(plan_, first, last, in_backward, [this](std::size_t b) {
+            this->engine_.refresh(b, plan_.buckets[b], this->layout_.params);
+            shards_.refresh(b, this->layout_.params);
+        });
+    }
+
+    // Nothing ready, nothing launched.
+    void end_step() {
+        released_.end_step();
+        this->storage_.end_step();
+        this->readiness_.reset();
+    }
+
+    // Stage 2, and the buckets launched and kept this step (written under the readiness lock
+    // during backward).
+    ReleasedShards<Model, Memory> released_;
+};
 
 // The backend is checked first, so that a type that is not one reads that before anything else.
 template <class Front, class Model, class BackendT, class... Policies>
 struct ShardedCoreOf {
     static_assert(check_backend<BackendT>());
     using Set = ShardedPolicySet<Policies...>;
-    static constexpr bool in_place = ScatteredShardedCollectives<BackendT>;
-    using memory = typename Set::memory;  // the gradients', the shards' and the buckets'
-    using engine = BucketEngine<BackendT, memory, DType::float32, in_place, typename Set::comm_hook,
-                                BucketCollective::reduce_scatter>;
-    using type =
-        FrontCore<Front, Model, BackendT, engine, ShardedOptions, typename Set::loss_scaler, typename Set::metrics>;
+    using type = ShardedCore<Front, Model, BackendT, Set>;
 };
 
 }  // namespace gradsync::inline v0::detail
@@ -11645,10 +11769,11 @@ class ShardedDataParallel : public detail::ShardedCoreOf<ShardedDataParallel<Mod
     using CoreOf = detail::ShardedCoreOf<ShardedDataParallel, Model, BackendT, Policies...>;
     using Core = typename CoreOf::type;
     using Set = typename CoreOf::Set;
-    friend Core;  // calls launch() and end_step()
+    friend typename Core::Base;  // asks for parameter_gathers()
     // What this front uses of the core often; the rest through this->.
     using Core::tag_of, Core::model_, Core::backend_, Core::options_, Core::scaler_, Core::engine_, Core::layout_,
-        Core::readiness_, Core::history_;
+        Core::history_, Core::plan_, Core::shards_;
+    using Shards = typename Core::Shards;
 
 public:
     using bucketer_type = typename Set::bucketer;
@@ -11722,29 +11847,10 @@ public:
         this->leave("ShardedDataParallel");
     }
 
-    // Buckets whose reduce_scatter grad_ready has started in this step (during backward).
-    [[nodiscard]] std::size_t buckets_launched() const { return readiness_.launched(); }
-    // Elements of this rank's shards: the length of each optimizer state array it keeps.
-    [[nodiscard]] std::size_t state_elements() const { return shards_.state_elements; }
-    // Elements of every parameter, for comparison: what an unsharded optimizer keeps per array.
-    [[nodiscard]] std::size_t parameter_elements() const { return plan_.bytes().count() / sizeof(float); }
-    [[nodiscard]] const BucketPlan& plan() const { return plan_; }
-    // This rank's pieces, as step() hands them to the optimizer (the state is the trainer's).
-    [[nodiscard]] std::span<const ShardPiece<float>> shard_pieces() const { return shards_.pieces; }
     using Core::parameters, Core::buffers, Core::rank, Core::world_size;
-    // The ranks the state is split among and this rank's place among them: every rank of the
-    // backend, or over a backend that replicates its shards (TwoLevelBackend) this rank's node.
-    [[nodiscard]] int shard_ranks() const { return detail::shard_ranks(backend_); }
-    [[nodiscard]] int shard_rank() const { return detail::shard_rank(backend_); }
-    // Memory held beyond the model's: where the backend cannot reduce scattered memory, packed
-    // buffers for the parameters (one per bucket) and the gradients (one per bucket, or with
-    // release_gradients three of the largest bucket's size, lent in turn); with release_gradients
-    // this rank's share of the averaged gradients; the engine's bookkeeping.
-    [[nodiscard]] Bytes extra_memory() const {
-        return engine_.memory_held() + Bytes{released_.bytes() + (in_place ? 0 : parameter_elements() * sizeof(float))};
-    }
-    // Whether shards are reduced and gathered where they lie (ScatteredShardedCollectives).
-    static constexpr bool in_place = CoreOf::in_place;
+    // The plan, this rank's shards and the memory held (data_parallel/sharded_core.hpp).
+    using Core::buckets_launched, Core::state_elements, Core::parameter_elements, Core::plan, Core::shard_pieces,
+        Core::shard_ranks, Core::shard_rank, Core::extra_memory, Core::in_place;
 
 private:
     // Lists the model, checks this rank's set-up, agrees with every rank, and splits the plan.
@@ -11765,15 +11871,7 @@ private:
             detail::sharded_settings(options_, bucketer, scaler_, buffers_type{}, engine_.memory(), engine_.hook()),
             problems.first());
         this->start_from_rank0(buffers_type::mode);
-        released_.plan(options_.release_gradients, plan_, shard_ranks(), shard_rank(), engine_.memory());
-        if constexpr (!in_place) engine_.share_buffers(released_.buffers());
-        engine_.setup(plan_, layout_.params);
-        // The pieces' gradients: where the engine leaves each bucket's shard (stage 2: the store).
-        shards_ = Shards(
-            engine_.memory(), engine_.spare_result_slot(), layout_.params, plan_, shard_ranks(), shard_rank(),
-            [this](std::size_t b) { return reinterpret_cast<float*>(engine_.reduced_buffer(b)); }, released_.store());
-        this->storage_.reset(plan_.buckets.size());
-        readiness_.plan(plan_, layout_.params.size());
+        this->plan_shards();
         gathers_.plan(plan_, layout_.params.size(),
                       {[this] { return this->where(); }, [this](std::size_t p) { return parameters()[p].name; },
                        [this] { return this->steps(); }, unpack(), options_.timeout});
@@ -11785,17 +11883,7 @@ private:
         const std::int64_t step = this->current_step();
         report.step = static_cast<std::uint64_t>(step);
         gathers_.check_all_waited();
-        // The buckets grad_ready did not launch go now, on this thread, bucket after bucket (a
-        // progress thread would only compete with this one for the cores); then every bucket is
-        // waited for and its share kept.
-        if (follow_storage(released_.launched(), shards_.slots.size(), /*in_backward=*/false))
-            released_.release_again(model_, shards_, layout_, released_.kept());
-        for (std::size_t b = released_.launched(); b < shards_.slots.size(); ++b) {
-            engine_.reduce_now(b, tag_of(detail::CollectivePurpose::bucket, b));
-            keep_reduced(b + 1);
-        }
-        released_.retire_until(shards_.slots.size(), retire());
-        end_step();
+        this->reduce_rest();
         detail::sync_buffers(backend_, buffers(), buffers_type::mode, /*at_construction=*/false, history_, step);
         detail::check_histories(backend_, history_, options_.check_histories, step, number);
         // This rank's share of the norm and of the finite check, then everyone's. With a loss
@@ -11811,36 +11899,6 @@ private:
         return report;
     }
 
-    // Bucket b goes now (during backward, under the readiness lock).
-    void launch(std::size_t b) {
-        follow_storage(b, b + 1, /*in_backward=*/true);
-        engine_.launch(b, tag_of(detail::CollectivePurpose::bucket, b));
-        keep_reduced(b + 1);
-    }
-    // Buckets before `launched` are launched; stage 2 keeps those reduced by now.
-    void keep_reduced(std::size_t launched) {
-        released_.launched_until(
-            launched, [this](std::size_t k) { return engine_.completed(k); }, retire());
-    }
-    // Waits for a bucket (by one deadline, a late one named) and keeps its share.
-    auto retire() {
-        return [this, deadline = detail::deadline_after(options_.timeout)](std::size_t b) {
-            engine_.wait(b, deadline, this->diagnose(plan_));
-            released_.keep(model_, shards_, layout_, b);
-        };
-    }
-
-    // Storage that moved since the last step is followed before each bucket's reduce_scatter.
-    // Returns whether the model was listed (outside backward that makes every gradient, also
-    // those of buckets already released).
-    bool follow_storage(std::size_t first, std::size_t last, bool in_backward) {
-        if ((!options_.storage_may_move && !released_.on()) || first == last) return false;
-        return this->follow(plan_, first, last, in_backward, [this](std::size_t b) {
-            engine_.refresh(b, plan_.buckets[b], layout_.params);
-            shards_.refresh(b, layout_.params);
-        });
-    }
-
     // All-gathers behind the forward (FrontCore waits for, checks and drains them too).
     void gather(const std::variant<std::size_t, std::string>& found) {
         gathers_.wait_for_parameter(detail::named_parameter(found, [this] { return this->where(); }));
@@ -11854,19 +11912,6 @@ private:
             return [this](std::size_t b) { shards_.unpack_params(b); };
     }
 
-    // Nothing ready, nothing launched.
-    void end_step() {
-        released_.end_step();
-        this->storage_.end_step();
-        readiness_.reset();
-    }
-
-    BucketPlan plan_;
-    using Shards = detail::ShardLayout<in_place, typename CoreOf::memory>;
-    Shards shards_;
-    // Stage 2, and the buckets launched and kept this step (written under the readiness lock
-    // during backward).
-    detail::ReleasedShards<Model, typename CoreOf::memory> released_;
     // The all-gathers step() left in flight behind the next forward.
     using GatherHandle = decltype(detail::gather_async(std::declval<BackendT&>(), std::declval<const Shards&>(),
                                                        std::size_t{}, CollectiveTag{}));

@@ -8876,18 +8876,6 @@ private:
 #endif  // GRADSYNC_SINGLE_DATA_PARALLEL_PARAMETER_GATHERS_HPP
 // ---- end gradsync/data_parallel/parameter_gathers.hpp ----
 
-// ---- begin gradsync/data_parallel/released_shards.hpp ----
-#ifndef GRADSYNC_SINGLE_DATA_PARALLEL_RELEASED_SHARDS_HPP
-#define GRADSYNC_SINGLE_DATA_PARALLEL_RELEASED_SHARDS_HPP
-// Stage 2 of ShardedDataParallel (ShardedOptions::release_gradients): once a bucket is
-// reduce-scattered, this rank's share of its averaged gradients is copied into a store of the
-// wrapper's (the optimizer's pieces point there) and the model is told to release the bucket's
-// gradients. Off, it keeps and releases nothing. The store lies where the memory policy allocates:
-// beside the gradients it keeps. On a stream (CudaMemory) the copy is queued there before the
-// model is told: the model frees in stream order (cudaFreeAsync on that stream, say). It also
-// counts, on or off, the step's buckets launched and those waited for and kept.
-
-
 // ---- begin gradsync/data_parallel/shard_layout.hpp ----
 #ifndef GRADSYNC_SINGLE_DATA_PARALLEL_SHARD_LAYOUT_HPP
 #define GRADSYNC_SINGLE_DATA_PARALLEL_SHARD_LAYOUT_HPP
@@ -9087,6 +9075,161 @@ private:
 #endif  // GRADSYNC_SINGLE_DATA_PARALLEL_SHARD_LAYOUT_HPP
 // ---- end gradsync/data_parallel/shard_layout.hpp ----
 
+// ---- begin gradsync/data_parallel/shard_step.hpp ----
+#ifndef GRADSYNC_SINGLE_DATA_PARALLEL_SHARD_STEP_HPP
+#define GRADSYNC_SINGLE_DATA_PARALLEL_SHARD_STEP_HPP
+// What ShardedDataParallel's step decides over this rank's shards with the other ranks: the global
+// norm and whether every averaged gradient is finite (one small allreduce), which parameters
+// overflowed when one is not, and clipping, each pass over the shards through the memory policy;
+// and the all-gather of the updated parameters, waited for at once or left in flight behind the
+// next forward. Each collective carries its tag.
+
+
+#include <cmath>
+#include <cstddef>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+struct ShardVerdict {
+    double norm = 0;  // not finite when a gradient is not
+    bool finite = true;
+};
+
+// Unscales this rank's shards by `unscale` (1: leaves them) while summing their squares, then
+// agrees with every rank on the norm and the finite check (the square sum is non-finite exactly
+// when an element is). Where the shards are replicated (hybrid sharding), the first copy's ranks
+// alone count toward the norm: every copy holds the same.
+template <Backend B, class Layout>
+ShardVerdict agree_on_shards(B& backend, Layout& shards, double unscale, CollectiveTag tag) {
+    shards.memory().finalize(shards.grad_table(), nullptr, DType::float32, unscale, shards.result_slot());
+    const double mine = shards.memory().results()[shards.result_slot()];
+    const bool counts = replica(backend) == 0;
+    double partial[2] = {std::isfinite(mine) && counts ? mine : 0.0, std::isfinite(mine) ? 0.0 : 1.0};
+    if (backend.size() > 1) allreduce_tagged(backend, Buffer{partial, 2, DType::float64}, ReduceOp::sum, tag);
+    if (partial[1] > 0) return {std::nan(""), false};
+    return {std::sqrt(partial[0]), true};
+}
+
+// After an overflow, which every rank agreed on: the parameters with a non-finite averaged
+// gradient in any rank's pieces, named alike on every rank (one allreduce of a flag each).
+template <Backend B, class Layout>
+std::vector<std::string> overflowed_parameters(B& backend, Layout& shards, std::span<const Parameter> params,
+                                               CollectiveTag tag) {
+    std::vector<float> flags(params.size(), 0.0f);
+    const auto sums = shards.memory().segment_sums(shards.grad_table());
+    for (std::size_t k = 0; k < shards.pieces.size(); ++k)
+        if (!std::isfinite(sums[k])) flags[shards.pieces[k].parameter] = 1.0f;
+    if (backend.size() > 1)
+        allreduce_tagged(backend, Buffer{flags.data(), flags.size(), DType::float32}, ReduceOp::sum, tag);
+    std::vector<std::string> names;
+    for (std::size_t p = 0; p < flags.size(); ++p)
+        if (flags[p] > 0) names.push_back(params[p].name);
+    return names;
+}
+
+// The step's decision, the same on every rank: this rank's shards unscaled by the loss scale
+// while their norm is measured, the scaler told the outcome, and then either the overflowed
+// parameters named (report.applied false) or the shards clipped to `clip_norm` (above 0).
+// tag_of(purpose) tags each collective.
+template <Backend B, class Layout, class Scaler, class TagOf>
+void decide_on_shards(B& backend, Layout& shards, std::span<const Parameter> params, Scaler& scaler, double clip_norm,
+                      StepReport& report, TagOf&& tag_of) {
+    report.loss_scale = scaler.scale();
+    const auto verdict = agree_on_shards(backend, shards, 1.0 / static_cast<double>(report.loss_scale),
+                                         tag_of(CollectivePurpose::step_decision));
+    report.grad_norm = verdict.norm;
+    report.applied = verdict.finite;
+    scaler.update(!report.applied);  // every rank alike: the decision is agreed
+    report.next_loss_scale = scaler.scale();
+    if (!report.applied) {
+        report.overflowed = overflowed_parameters(backend, shards, params, tag_of(CollectivePurpose::overflow_report));
+    } else if (clip_norm > 0 && report.grad_norm > clip_norm) {
+        // Scaled down so that the global norm becomes clip_norm.
+        shards.memory().scale(shards.grad_table(), clip_norm / (report.grad_norm + 1e-6));
+        report.clipped = true;
+    }
+}
+
+// Bucket b's all-gather of the updated parameters, asynchronously: where they lie, or into its
+// packed buffer.
+template <Backend B, class Layout>
+auto gather_async(B& backend, const Layout& shards, std::size_t b, CollectiveTag tag) {
+    const auto& slot = shards.slots[b];
+    if constexpr (Layout::in_place)
+        return all_gather_async_tagged(backend, std::span<const Segment>(slot.param_segments), DType::float32, tag);
+    else
+        return all_gather_async_tagged(backend, Buffer{slot.buffer(), slot.count, DType::float32}, tag);
+}
+
+// optimizer(pieces) on this rank's shards; where the backend gathers packed buffers, the
+// parameters are packed first, as the model holds them now.
+template <class Layout, class Optimizer>
+void update_shards(Layout& shards, Optimizer& optimizer) {
+    if constexpr (!Layout::in_place)
+        for (std::size_t b = 0; b < shards.slots.size(); ++b) shards.pack_shard(b);
+    optimizer(std::span<const ShardPiece<float>>(shards.pieces));
+}
+
+// The shards updated, then every bucket's parameters all-gathered into every rank's model, where
+// they lie or through the packed buffers; tag_of(b) tags bucket b's. On a device stream
+// (StreamOrdered) the all-gathers follow the optimizer's kernels there, the stream waits for them
+// and the unpacking is queued behind: the host waits for none of it.
+template <Backend B, class Layout, class Optimizer, class TagOf>
+void update_and_gather(B& backend, Layout& shards, Optimizer& optimizer, TagOf&& tag_of) {
+    update_shards(shards, optimizer);
+    const std::size_t buckets = shards.slots.size();
+    for (std::size_t b = 0; b < buckets; ++b) {
+        const auto& slot = shards.slots[b];
+        if constexpr (Layout::in_place)
+            all_gather_tagged(backend, std::span<const Segment>(slot.param_segments), DType::float32, tag_of(b));
+        else if constexpr (StreamOrdered<B>)
+            backend.wait_on_device(gather_async(backend, shards, b, tag_of(b)));
+        else
+            all_gather_tagged(backend, Buffer{slot.buffer(), slot.count, DType::float32}, tag_of(b));
+    }
+    if constexpr (!Layout::in_place)
+        for (std::size_t b = 0; b < buckets; ++b) shards.unpack_params(b);
+}
+
+// The shards updated, then every bucket's all-gather launched in the order the forward reads
+// them and left in flight with `gathers` (parameter_gathers.hpp), to be waited for per bucket.
+template <Backend B, class Layout, class Optimizer, class Gathers, class TagOf>
+void update_and_launch_gathers(B& backend, Layout& shards, Optimizer& optimizer, Gathers& gathers, TagOf&& tag_of) {
+    update_shards(shards, optimizer);
+    for (auto b : gathers.order()) gathers.launched(b, gather_async(backend, shards, b, tag_of(b)));
+}
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_DATA_PARALLEL_SHARD_STEP_HPP
+// ---- end gradsync/data_parallel/shard_step.hpp ----
+
+// ---- begin gradsync/data_parallel/sharded_core.hpp ----
+#ifndef GRADSYNC_SINGLE_DATA_PARALLEL_SHARDED_CORE_HPP
+#define GRADSYNC_SINGLE_DATA_PARALLEL_SHARDED_CORE_HPP
+// ShardedCore: what ShardedDataParallel derives from, the reduce-scatter half of the sharded
+// step. Over FrontCore (front_core.hpp) with a bucket engine that reduce-scatters each bucket in
+// float32 through the memory policy (host or device memory), where the gradients lie when the
+// backend takes scattered memory (ScatteredShardedCollectives), else packed. It owns the plan,
+// this rank's shard layout and stage 2's kept shares (released_shards.hpp), and takes each bucket
+// from its launch to its share kept: during backward (launch(b), from grad_ready) or in step()
+// (reduce_rest()). The front adds the decision, the optimizer and the all-gather.
+
+
+// ---- begin gradsync/data_parallel/released_shards.hpp ----
+#ifndef GRADSYNC_SINGLE_DATA_PARALLEL_RELEASED_SHARDS_HPP
+#define GRADSYNC_SINGLE_DATA_PARALLEL_RELEASED_SHARDS_HPP
+// Stage 2 of ShardedDataParallel (ShardedOptions::release_gradients): once a bucket is
+// reduce-scattered, this rank's share of its averaged gradients is copied into a store of the
+// wrapper's (the optimizer's pieces point there) and the model is told to release the bucket's
+// gradients. Off, it keeps and releases nothing. The store lies where the memory policy allocates:
+// beside the gradients it keeps. On a stream (CudaMemory) the copy is queued there before the
+// model is told: the model frees in stream order (cudaFreeAsync on that stream, say). It also
+// counts, on or off, the step's buckets launched and those waited for and kept.
+
+
 // ---- begin gradsync/model/gradient_release.hpp ----
 #ifndef GRADSYNC_SINGLE_MODEL_GRADIENT_RELEASE_HPP
 #define GRADSYNC_SINGLE_MODEL_GRADIENT_RELEASE_HPP
@@ -9244,146 +9387,6 @@ private:
 #endif  // GRADSYNC_SINGLE_DATA_PARALLEL_RELEASED_SHARDS_HPP
 // ---- end gradsync/data_parallel/released_shards.hpp ----
 
-// ---- begin gradsync/data_parallel/shard_step.hpp ----
-#ifndef GRADSYNC_SINGLE_DATA_PARALLEL_SHARD_STEP_HPP
-#define GRADSYNC_SINGLE_DATA_PARALLEL_SHARD_STEP_HPP
-// What ShardedDataParallel's step decides over this rank's shards with the other ranks: the global
-// norm and whether every averaged gradient is finite (one small allreduce), which parameters
-// overflowed when one is not, and clipping, each pass over the shards through the memory policy;
-// and the all-gather of the updated parameters, waited for at once or left in flight behind the
-// next forward. Each collective carries its tag.
-
-
-#include <cmath>
-#include <cstddef>
-#include <span>
-#include <string>
-#include <vector>
-
-namespace gradsync::inline v0::detail {
-
-struct ShardVerdict {
-    double norm = 0;  // not finite when a gradient is not
-    bool finite = true;
-};
-
-// Unscales this rank's shards by `unscale` (1: leaves them) while summing their squares, then
-// agrees with every rank on the norm and the finite check (the square sum is non-finite exactly
-// when an element is). Where the shards are replicated (hybrid sharding), the first copy's ranks
-// alone count toward the norm: every copy holds the same.
-template <Backend B, class Layout>
-ShardVerdict agree_on_shards(B& backend, Layout& shards, double unscale, CollectiveTag tag) {
-    shards.memory().finalize(shards.grad_table(), nullptr, DType::float32, unscale, shards.result_slot());
-    const double mine = shards.memory().results()[shards.result_slot()];
-    const bool counts = replica(backend) == 0;
-    double partial[2] = {std::isfinite(mine) && counts ? mine : 0.0, std::isfinite(mine) ? 0.0 : 1.0};
-    if (backend.size() > 1) allreduce_tagged(backend, Buffer{partial, 2, DType::float64}, ReduceOp::sum, tag);
-    if (partial[1] > 0) return {std::nan(""), false};
-    return {std::sqrt(partial[0]), true};
-}
-
-// After an overflow, which every rank agreed on: the parameters with a non-finite averaged
-// gradient in any rank's pieces, named alike on every rank (one allreduce of a flag each).
-template <Backend B, class Layout>
-std::vector<std::string> overflowed_parameters(B& backend, Layout& shards, std::span<const Parameter> params,
-                                               CollectiveTag tag) {
-    std::vector<float> flags(params.size(), 0.0f);
-    const auto sums = shards.memory().segment_sums(shards.grad_table());
-    for (std::size_t k = 0; k < shards.pieces.size(); ++k)
-        if (!std::isfinite(sums[k])) flags[shards.pieces[k].parameter] = 1.0f;
-    if (backend.size() > 1)
-        allreduce_tagged(backend, Buffer{flags.data(), flags.size(), DType::float32}, ReduceOp::sum, tag);
-    std::vector<std::string> names;
-    for (std::size_t p = 0; p < flags.size(); ++p)
-        if (flags[p] > 0) names.push_back(params[p].name);
-    return names;
-}
-
-// The step's decision, the same on every rank: this rank's shards unscaled by the loss scale
-// while their norm is measured, the scaler told the outcome, and then either the overflowed
-// parameters named (report.applied false) or the shards clipped to `clip_norm` (above 0).
-// tag_of(purpose) tags each collective.
-template <Backend B, class Layout, class Scaler, class TagOf>
-void decide_on_shards(B& backend, Layout& shards, std::span<const Parameter> params, Scaler& scaler, double clip_norm,
-                      StepReport& report, TagOf&& tag_of) {
-    report.loss_scale = scaler.scale();
-    const auto verdict = agree_on_shards(backend, shards, 1.0 / static_cast<double>(report.loss_scale),
-                                         tag_of(CollectivePurpose::step_decision));
-    report.grad_norm = verdict.norm;
-    report.applied = verdict.finite;
-    scaler.update(!report.applied);  // every rank alike: the decision is agreed
-    report.next_loss_scale = scaler.scale();
-    if (!report.applied) {
-        report.overflowed = overflowed_parameters(backend, shards, params, tag_of(CollectivePurpose::overflow_report));
-    } else if (clip_norm > 0 && report.grad_norm > clip_norm) {
-        // Scaled down so that the global norm becomes clip_norm.
-        shards.memory().scale(shards.grad_table(), clip_norm / (report.grad_norm + 1e-6));
-        report.clipped = true;
-    }
-}
-
-// Bucket b's all-gather of the updated parameters, asynchronously: where they lie, or into its
-// packed buffer.
-template <Backend B, class Layout>
-auto gather_async(B& backend, const Layout& shards, std::size_t b, CollectiveTag tag) {
-    const auto& slot = shards.slots[b];
-    if constexpr (Layout::in_place)
-        return all_gather_async_tagged(backend, std::span<const Segment>(slot.param_segments), DType::float32, tag);
-    else
-        return all_gather_async_tagged(backend, Buffer{slot.buffer(), slot.count, DType::float32}, tag);
-}
-
-// optimizer(pieces) on this rank's shards; where the backend gathers packed buffers, the
-// parameters are packed first, as the model holds them now.
-template <class Layout, class Optimizer>
-void update_shards(Layout& shards, Optimizer& optimizer) {
-    if constexpr (!Layout::in_place)
-        for (std::size_t b = 0; b < shards.slots.size(); ++b) shards.pack_shard(b);
-    optimizer(std::span<const ShardPiece<float>>(shards.pieces));
-}
-
-// The shards updated, then every bucket's parameters all-gathered into every rank's model, where
-// they lie or through the packed buffers; tag_of(b) tags bucket b's. On a device stream
-// (StreamOrdered) the all-gathers follow the optimizer's kernels there, the stream waits for them
-// and the unpacking is queued behind: the host waits for none of it.
-template <Backend B, class Layout, class Optimizer, class TagOf>
-void update_and_gather(B& backend, Layout& shards, Optimizer& optimizer, TagOf&& tag_of) {
-    update_shards(shards, optimizer);
-    const std::size_t buckets = shards.slots.size();
-    for (std::size_t b = 0; b < buckets; ++b) {
-        const auto& slot = shards.slots[b];
-        if constexpr (Layout::in_place)
-            all_gather_tagged(backend, std::span<const Segment>(slot.param_segments), DType::float32, tag_of(b));
-        else if constexpr (StreamOrdered<B>)
-            backend.wait_on_device(gather_async(backend, shards, b, tag_of(b)));
-        else
-            all_gather_tagged(backend, Buffer{slot.buffer(), slot.count, DType::float32}, tag_of(b));
-    }
-    if constexpr (!Layout::in_place)
-        for (std::size_t b = 0; b < buckets; ++b) shards.unpack_params(b);
-}
-
-// The shards updated, then every bucket's all-gather launched in the order the forward reads
-// them and left in flight with `gathers` (parameter_gathers.hpp), to be waited for per bucket.
-template <Backend B, class Layout, class Optimizer, class Gathers, class TagOf>
-void update_and_launch_gathers(B& backend, Layout& shards, Optimizer& optimizer, Gathers& gathers, TagOf&& tag_of) {
-    update_shards(shards, optimizer);
-    for (auto b : gathers.order()) gathers.launched(b, gather_async(backend, shards, b, tag_of(b)));
-}
-
-}  // namespace gradsync::inline v0::detail
-#endif  // GRADSYNC_SINGLE_DATA_PARALLEL_SHARD_STEP_HPP
-// ---- end gradsync/data_parallel/shard_step.hpp ----
-
-// ---- begin gradsync/data_parallel/sharded_core.hpp ----
-#ifndef GRADSYNC_SINGLE_DATA_PARALLEL_SHARDED_CORE_HPP
-#define GRADSYNC_SINGLE_DATA_PARALLEL_SHARDED_CORE_HPP
-// The core ShardedDataParallel derives from: FrontCore (front_core.hpp) over a bucket engine that
-// reduce-scatters each bucket in float32 through the memory policy (host or device memory), where
-// the gradients lie when the backend takes scattered memory (ScatteredShardedCollectives), else
-// packed.
-
-
 // ---- begin gradsync/data_parallel/sharded_options.hpp ----
 #ifndef GRADSYNC_SINGLE_DATA_PARALLEL_SHARDED_OPTIONS_HPP
 #define GRADSYNC_SINGLE_DATA_PARALLEL_SHARDED_OPTIONS_HPP
@@ -9499,19 +9502,140 @@ struct ShardedPolicySet {
 #endif  // GRADSYNC_SINGLE_DATA_PARALLEL_SHARDED_POLICIES_HPP
 // ---- end gradsync/data_parallel/sharded_policies.hpp ----
 
+#include <cstddef>
+#include <span>
+
 namespace gradsync::inline v0::detail {
+
+template <class Set, class BackendT>
+using ShardedEngine =
+    BucketEngine<BackendT, typename Set::memory, DType::float32, ScatteredShardedCollectives<BackendT>,
+                 typename Set::comm_hook, BucketCollective::reduce_scatter>;
+
+template <class Front, class Model, class BackendT, class Set>
+class ShardedCore : public FrontCore<Front, Model, BackendT, ShardedEngine<Set, BackendT>, ShardedOptions,
+                                     typename Set::loss_scaler, typename Set::metrics> {
+protected:
+    using Base = FrontCore<Front, Model, BackendT, ShardedEngine<Set, BackendT>, ShardedOptions,
+                           typename Set::loss_scaler, typename Set::metrics>;
+
+private:
+    friend Base;                          // calls launch() and end_step()
+    using Memory = typename Set::memory;  // the gradients', the shards' and the buckets'
+
+public:
+    // Whether shards are reduced and gathered where they lie (ScatteredShardedCollectives).
+    static constexpr bool in_place = ScatteredShardedCollectives<BackendT>;
+
+    // Buckets whose reduce_scatter grad_ready has started in this step (during backward).
+    [[nodiscard]] std::size_t buckets_launched() const { return this->readiness_.launched(); }
+    // Elements of this rank's shards: the length of each optimizer state array it keeps.
+    [[nodiscard]] std::size_t state_elements() const { return shards_.state_elements; }
+    // Elements of every parameter, for comparison: what an unsharded optimizer keeps per array.
+    [[nodiscard]] std::size_t parameter_elements() const { return plan_.bytes().count() / sizeof(float); }
+    [[nodiscard]] const BucketPlan& plan() const { return plan_; }
+    // This rank's pieces, as step() hands them to the optimizer (the state is the trainer's).
+    [[nodiscard]] std::span<const ShardPiece<float>> shard_pieces() const { return shards_.pieces; }
+    // The ranks the state is split among and this rank's place among them: every rank of the
+    // backend, or over a backend that replicates its shards (TwoLevelBackend) this rank's node.
+    [[nodiscard]] int shard_ranks() const { return detail::shard_ranks(this->backend_); }
+    [[nodiscard]] int shard_rank() const { return detail::shard_rank(this->backend_); }
+    // Memory held beyond the model's: where the backend cannot reduce scattered memory, packed
+    // buffers for the parameters (one per bucket) and the gradients (one per bucket, or with
+    // release_gradients three of the largest bucket's size, lent in turn); with release_gradients
+    // this rank's share of the averaged gradients; the engine's bookkeeping.
+    [[nodiscard]] Bytes extra_memory() const {
+        return this->engine_.memory_held() +
+               Bytes{released_.bytes() + (in_place ? 0 : parameter_elements() * sizeof(float))};
+    }
+
+protected:
+    using Base::Base;
+    using Shards = ShardLayout<in_place, Memory>;
+
+    // Once the ranks agreed on plan_: stage 2's store, the engine's buckets, this rank's shards
+    // and the step's bookkeeping.
+    void plan_shards() {
+        auto& engine = this->engine_;
+        released_.plan(this->options_.release_gradients, plan_, shard_ranks(), shard_rank(), engine.memory());
+        if constexpr (!in_place) engine.share_buffers(released_.buffers());
+        engine.setup(plan_, this->layout_.params);
+        // The pieces' gradients: where the engine leaves each bucket's shard (stage 2: the store).
+        shards_ = Shards(
+            engine.memory(), engine.spare_result_slot(), this->layout_.params, plan_, shard_ranks(), shard_rank(),
+            [this](std::size_t b) { return reinterpret_cast<float*>(this->engine_.reduced_buffer(b)); },
+            released_.store());
+        this->storage_.reset(plan_.buckets.size());
+        this->readiness_.plan(plan_, this->layout_.params.size());
+    }
+
+    // In step(): the buckets grad_ready did not launch go now, on this thread, bucket after bucket
+    // (a progress thread would only compete with this one for the cores); then every bucket is
+    // waited for and its share kept, and the step's readiness forgotten.
+    void reduce_rest() {
+        const std::size_t buckets = shards_.slots.size();
+        if (follow_storage(released_.launched(), buckets, /*in_backward=*/false))
+            released_.release_again(this->model_, shards_, this->layout_, released_.kept());
+        for (std::size_t b = released_.launched(); b < buckets; ++b) {
+            this->engine_.reduce_now(b, this->tag_of(CollectivePurpose::bucket, b));
+            keep_reduced(b + 1);
+        }
+        released_.retire_until(buckets, retire());
+        end_step();
+    }
+
+    BucketPlan plan_;
+    Shards shards_;
+
+private:
+    // Bucket b goes now (during backward, under the readiness lock).
+    void launch(std::size_t b) {
+        follow_storage(b, b + 1, /*in_backward=*/true);
+        this->engine_.launch(b, this->tag_of(CollectivePurpose::bucket, b));
+        keep_reduced(b + 1);
+    }
+    // Buckets before `launched` are launched; stage 2 keeps those reduced by now.
+    void keep_reduced(std::size_t launched) {
+        released_.launched_until(
+            launched, [this](std::size_t k) { return this->engine_.completed(k); }, retire());
+    }
+    // Waits for a bucket (by one deadline, a late one named) and keeps its share.
+    auto retire() {
+        return [this, deadline = deadline_after(this->options_.timeout)](std::size_t b) {
+            this->engine_.wait(b, deadline, this->diagnose(plan_));
+            released_.keep(this->model_, shards_, this->layout_, b);
+        };
+    }
+
+    // Storage that moved since the last step is followed before each bucket's reduce_scatter.
+    // Returns whether the model was listed (outside backward that makes every gradient, also
+    // those of buckets already released).
+    bool follow_storage(std::size_t first, std::size_t last, bool in_backward) {
+        if ((!this->options_.storage_may_move && !released_.on()) || first == last) return false;
+        return this->follow(plan_, first, last, in_backward, [this](std::size_t b) {
+            this->engine_.refresh(b, plan_.buckets[b], this->layout_.params);
+            shards_.refresh(b, this->layout_.params);
+        });
+    }
+
+    // Nothing ready, nothing launched.
+    void end_step() {
+        released_.end_step();
+        this->storage_.end_step();
+        this->readiness_.reset();
+    }
+
+    // Stage 2, and the buckets launched and kept this step (written under the readiness lock
+    // during backward).
+    ReleasedShards<Model, Memory> released_;
+};
 
 // The backend is checked first, so that a type that is not one reads that before anything else.
 template <class Front, class Model, class BackendT, class... Policies>
 struct ShardedCoreOf {
     static_assert(check_backend<BackendT>());
     using Set = ShardedPolicySet<Policies...>;
-    static constexpr bool in_place = ScatteredShardedCollectives<BackendT>;
-    using memory = typename Set::memory;  // the gradients', the shards' and the buckets'
-    using engine = BucketEngine<BackendT, memory, DType::float32, in_place, typename Set::comm_hook,
-                                BucketCollective::reduce_scatter>;
-    using type =
-        FrontCore<Front, Model, BackendT, engine, ShardedOptions, typename Set::loss_scaler, typename Set::metrics>;
+    using type = ShardedCore<Front, Model, BackendT, Set>;
 };
 
 }  // namespace gradsync::inline v0::detail
@@ -9615,10 +9739,11 @@ class ShardedDataParallel : public detail::ShardedCoreOf<ShardedDataParallel<Mod
     using CoreOf = detail::ShardedCoreOf<ShardedDataParallel, Model, BackendT, Policies...>;
     using Core = typename CoreOf::type;
     using Set = typename CoreOf::Set;
-    friend Core;  // calls launch() and end_step()
+    friend typename Core::Base;  // asks for parameter_gathers()
     // What this front uses of the core often; the rest through this->.
     using Core::tag_of, Core::model_, Core::backend_, Core::options_, Core::scaler_, Core::engine_, Core::layout_,
-        Core::readiness_, Core::history_;
+        Core::history_, Core::plan_, Core::shards_;
+    using Shards = typename Core::Shards;
 
 public:
     using bucketer_type = typename Set::bucketer;
@@ -9692,29 +9817,10 @@ public:
         this->leave("ShardedDataParallel");
     }
 
-    // Buckets whose reduce_scatter grad_ready has started in this step (during backward).
-    [[nodiscard]] std::size_t buckets_launched() const { return readiness_.launched(); }
-    // Elements of this rank's shards: the length of each optimizer state array it keeps.
-    [[nodiscard]] std::size_t state_elements() const { return shards_.state_elements; }
-    // Elements of every parameter, for comparison: what an unsharded optimizer keeps per array.
-    [[nodiscard]] std::size_t parameter_elements() const { return plan_.bytes().count() / sizeof(float); }
-    [[nodiscard]] const BucketPlan& plan() const { return plan_; }
-    // This rank's pieces, as step() hands them to the optimizer (the state is the trainer's).
-    [[nodiscard]] std::span<const ShardPiece<float>> shard_pieces() const { return shards_.pieces; }
     using Core::parameters, Core::buffers, Core::rank, Core::world_size;
-    // The ranks the state is split among and this rank's place among them: every rank of the
-    // backend, or over a backend that replicates its shards (TwoLevelBackend) this rank's node.
-    [[nodiscard]] int shard_ranks() const { return detail::shard_ranks(backend_); }
-    [[nodiscard]] int shard_rank() const { return detail::shard_rank(backend_); }
-    // Memory held beyond the model's: where the backend cannot reduce scattered memory, packed
-    // buffers for the parameters (one per bucket) and the gradients (one per bucket, or with
-    // release_gradients three of the largest bucket's size, lent in turn); with release_gradients
-    // this rank's share of the averaged gradients; the engine's bookkeeping.
-    [[nodiscard]] Bytes extra_memory() const {
-        return engine_.memory_held() + Bytes{released_.bytes() + (in_place ? 0 : parameter_elements() * sizeof(float))};
-    }
-    // Whether shards are reduced and gathered where they lie (ScatteredShardedCollectives).
-    static constexpr bool in_place = CoreOf::in_place;
+    // The plan, this rank's shards and the memory held (data_parallel/sharded_core.hpp).
+    using Core::buckets_launched, Core::state_elements, Core::parameter_elements, Core::plan, Core::shard_pieces,
+        Core::shard_ranks, Core::shard_rank, Core::extra_memory, Core::in_place;
 
 private:
     // Lists the model, checks this rank's set-up, agrees with every rank, and splits the plan.
@@ -9735,15 +9841,7 @@ private:
             detail::sharded_settings(options_, bucketer, scaler_, buffers_type{}, engine_.memory(), engine_.hook()),
             problems.first());
         this->start_from_rank0(buffers_type::mode);
-        released_.plan(options_.release_gradients, plan_, shard_ranks(), shard_rank(), engine_.memory());
-        if constexpr (!in_place) engine_.share_buffers(released_.buffers());
-        engine_.setup(plan_, layout_.params);
-        // The pieces' gradients: where the engine leaves each bucket's shard (stage 2: the store).
-        shards_ = Shards(
-            engine_.memory(), engine_.spare_result_slot(), layout_.params, plan_, shard_ranks(), shard_rank(),
-            [this](std::size_t b) { return reinterpret_cast<float*>(engine_.reduced_buffer(b)); }, released_.store());
-        this->storage_.reset(plan_.buckets.size());
-        readiness_.plan(plan_, layout_.params.size());
+        this->plan_shards();
         gathers_.plan(plan_, layout_.params.size(),
                       {[this] { return this->where(); }, [this](std::size_t p) { return parameters()[p].name; },
                        [this] { return this->steps(); }, unpack(), options_.timeout});
@@ -9755,17 +9853,7 @@ private:
         const std::int64_t step = this->current_step();
         report.step = static_cast<std::uint64_t>(step);
         gathers_.check_all_waited();
-        // The buckets grad_ready did not launch go now, on this thread, bucket after bucket (a
-        // progress thread would only compete with this one for the cores); then every bucket is
-        // waited for and its share kept.
-        if (follow_storage(released_.launched(), shards_.slots.size(), /*in_backward=*/false))
-            released_.release_again(model_, shards_, layout_, released_.kept());
-        for (std::size_t b = released_.launched(); b < shards_.slots.size(); ++b) {
-            engine_.reduce_now(b, tag_of(detail::CollectivePurpose::bucket, b));
-            keep_reduced(b + 1);
-        }
-        released_.retire_until(shards_.slots.size(), retire());
-        end_step();
+        this->reduce_rest();
         detail::sync_buffers(backend_, buffers(), buffers_type::mode, /*at_construction=*/false, history_, step);
         detail::check_histories(backend_, history_, options_.check_histories, step, number);
         // This rank's share of the norm and of the finite check, then everyone's. With a loss
@@ -9781,36 +9869,6 @@ private:
         return report;
     }
 
-    // Bucket b goes now (during backward, under the readiness lock).
-    void launch(std::size_t b) {
-        follow_storage(b, b + 1, /*in_backward=*/true);
-        engine_.launch(b, tag_of(detail::CollectivePurpose::bucket, b));
-        keep_reduced(b + 1);
-    }
-    // Buckets before `launched` are launched; stage 2 keeps those reduced by now.
-    void keep_reduced(std::size_t launched) {
-        released_.launched_until(
-            launched, [this](std::size_t k) { return engine_.completed(k); }, retire());
-    }
-    // Waits for a bucket (by one deadline, a late one named) and keeps its share.
-    auto retire() {
-        return [this, deadline = detail::deadline_after(options_.timeout)](std::size_t b) {
-            engine_.wait(b, deadline, this->diagnose(plan_));
-            released_.keep(model_, shards_, layout_, b);
-        };
-    }
-
-    // Storage that moved since the last step is followed before each bucket's reduce_scatter.
-    // Returns whether the model was listed (outside backward that makes every gradient, also
-    // those of buckets already released).
-    bool follow_storage(std::size_t first, std::size_t last, bool in_backward) {
-        if ((!options_.storage_may_move && !released_.on()) || first == last) return false;
-        return this->follow(plan_, first, last, in_backward, [this](std::size_t b) {
-            engine_.refresh(b, plan_.buckets[b], layout_.params);
-            shards_.refresh(b, layout_.params);
-        });
-    }
-
     // All-gathers behind the forward (FrontCore waits for, checks and drains them too).
     void gather(const std::variant<std::size_t, std::string>& found) {
         gathers_.wait_for_parameter(detail::named_parameter(found, [this] { return this->where(); }));
@@ -9824,19 +9882,6 @@ private:
             return [this](std::size_t b) { shards_.unpack_params(b); };
     }
 
-    // Nothing ready, nothing launched.
-    void end_step() {
-        released_.end_step();
-        this->storage_.end_step();
-        readiness_.reset();
-    }
-
-    BucketPlan plan_;
-    using Shards = detail::ShardLayout<in_place, typename CoreOf::memory>;
-    Shards shards_;
-    // Stage 2, and the buckets launched and kept this step (written under the readiness lock
-    // during backward).
-    detail::ReleasedShards<Model, typename CoreOf::memory> released_;
     // The all-gathers step() left in flight behind the next forward.
     using GatherHandle = decltype(detail::gather_async(std::declval<BackendT&>(), std::declval<const Shards&>(),
                                                        std::size_t{}, CollectiveTag{}));

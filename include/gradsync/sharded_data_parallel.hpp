@@ -12,15 +12,12 @@
 #include <gradsync/amp/loss_scale.hpp>
 #include <gradsync/bucket/bucketers.hpp>
 #include <gradsync/bucket/plan.hpp>
-#include <gradsync/bytes.hpp>
 #include <gradsync/data_parallel/buffer_sync.hpp>
 #include <gradsync/data_parallel/finalize_step.hpp>
-#include <gradsync/data_parallel/front_core.hpp>
 #include <gradsync/data_parallel/layout_agreement.hpp>
 #include <gradsync/data_parallel/model_layout.hpp>
 #include <gradsync/data_parallel/parameter_gathers.hpp>
 #include <gradsync/data_parallel/ready_calls.hpp>
-#include <gradsync/data_parallel/released_shards.hpp>
 #include <gradsync/data_parallel/shard_layout.hpp>
 #include <gradsync/data_parallel/shard_step.hpp>
 #include <gradsync/data_parallel/sharded_core.hpp>
@@ -29,7 +26,6 @@
 #include <gradsync/data_parallel/sharded_setup.hpp>
 #include <gradsync/data_parallel/step_checks.hpp>
 #include <gradsync/data_parallel/step_number.hpp>
-#include <gradsync/detail/deadline.hpp>
 #include <gradsync/model/gradient_release.hpp>
 #include <gradsync/model/model.hpp>
 
@@ -54,10 +50,11 @@ class ShardedDataParallel : public detail::ShardedCoreOf<ShardedDataParallel<Mod
     using CoreOf = detail::ShardedCoreOf<ShardedDataParallel, Model, BackendT, Policies...>;
     using Core = typename CoreOf::type;
     using Set = typename CoreOf::Set;
-    friend Core;  // calls launch() and end_step()
+    friend typename Core::Base;  // asks for parameter_gathers()
     // What this front uses of the core often; the rest through this->.
     using Core::tag_of, Core::model_, Core::backend_, Core::options_, Core::scaler_, Core::engine_, Core::layout_,
-        Core::readiness_, Core::history_;
+        Core::history_, Core::plan_, Core::shards_;
+    using Shards = typename Core::Shards;
 
 public:
     using bucketer_type = typename Set::bucketer;
@@ -131,29 +128,10 @@ public:
         this->leave("ShardedDataParallel");
     }
 
-    // Buckets whose reduce_scatter grad_ready has started in this step (during backward).
-    [[nodiscard]] std::size_t buckets_launched() const { return readiness_.launched(); }
-    // Elements of this rank's shards: the length of each optimizer state array it keeps.
-    [[nodiscard]] std::size_t state_elements() const { return shards_.state_elements; }
-    // Elements of every parameter, for comparison: what an unsharded optimizer keeps per array.
-    [[nodiscard]] std::size_t parameter_elements() const { return plan_.bytes().count() / sizeof(float); }
-    [[nodiscard]] const BucketPlan& plan() const { return plan_; }
-    // This rank's pieces, as step() hands them to the optimizer (the state is the trainer's).
-    [[nodiscard]] std::span<const ShardPiece<float>> shard_pieces() const { return shards_.pieces; }
     using Core::parameters, Core::buffers, Core::rank, Core::world_size;
-    // The ranks the state is split among and this rank's place among them: every rank of the
-    // backend, or over a backend that replicates its shards (TwoLevelBackend) this rank's node.
-    [[nodiscard]] int shard_ranks() const { return detail::shard_ranks(backend_); }
-    [[nodiscard]] int shard_rank() const { return detail::shard_rank(backend_); }
-    // Memory held beyond the model's: where the backend cannot reduce scattered memory, packed
-    // buffers for the parameters (one per bucket) and the gradients (one per bucket, or with
-    // release_gradients three of the largest bucket's size, lent in turn); with release_gradients
-    // this rank's share of the averaged gradients; the engine's bookkeeping.
-    [[nodiscard]] Bytes extra_memory() const {
-        return engine_.memory_held() + Bytes{released_.bytes() + (in_place ? 0 : parameter_elements() * sizeof(float))};
-    }
-    // Whether shards are reduced and gathered where they lie (ScatteredShardedCollectives).
-    static constexpr bool in_place = CoreOf::in_place;
+    // The plan, this rank's shards and the memory held (data_parallel/sharded_core.hpp).
+    using Core::buckets_launched, Core::state_elements, Core::parameter_elements, Core::plan, Core::shard_pieces,
+        Core::shard_ranks, Core::shard_rank, Core::extra_memory, Core::in_place;
 
 private:
     // Lists the model, checks this rank's set-up, agrees with every rank, and splits the plan.
@@ -174,15 +152,7 @@ private:
             detail::sharded_settings(options_, bucketer, scaler_, buffers_type{}, engine_.memory(), engine_.hook()),
             problems.first());
         this->start_from_rank0(buffers_type::mode);
-        released_.plan(options_.release_gradients, plan_, shard_ranks(), shard_rank(), engine_.memory());
-        if constexpr (!in_place) engine_.share_buffers(released_.buffers());
-        engine_.setup(plan_, layout_.params);
-        // The pieces' gradients: where the engine leaves each bucket's shard (stage 2: the store).
-        shards_ = Shards(
-            engine_.memory(), engine_.spare_result_slot(), layout_.params, plan_, shard_ranks(), shard_rank(),
-            [this](std::size_t b) { return reinterpret_cast<float*>(engine_.reduced_buffer(b)); }, released_.store());
-        this->storage_.reset(plan_.buckets.size());
-        readiness_.plan(plan_, layout_.params.size());
+        this->plan_shards();
         gathers_.plan(plan_, layout_.params.size(),
                       {[this] { return this->where(); }, [this](std::size_t p) { return parameters()[p].name; },
                        [this] { return this->steps(); }, unpack(), options_.timeout});
@@ -194,17 +164,7 @@ private:
         const std::int64_t step = this->current_step();
         report.step = static_cast<std::uint64_t>(step);
         gathers_.check_all_waited();
-        // The buckets grad_ready did not launch go now, on this thread, bucket after bucket (a
-        // progress thread would only compete with this one for the cores); then every bucket is
-        // waited for and its share kept.
-        if (follow_storage(released_.launched(), shards_.slots.size(), /*in_backward=*/false))
-            released_.release_again(model_, shards_, layout_, released_.kept());
-        for (std::size_t b = released_.launched(); b < shards_.slots.size(); ++b) {
-            engine_.reduce_now(b, tag_of(detail::CollectivePurpose::bucket, b));
-            keep_reduced(b + 1);
-        }
-        released_.retire_until(shards_.slots.size(), retire());
-        end_step();
+        this->reduce_rest();
         detail::sync_buffers(backend_, buffers(), buffers_type::mode, /*at_construction=*/false, history_, step);
         detail::check_histories(backend_, history_, options_.check_histories, step, number);
         // This rank's share of the norm and of the finite check, then everyone's. With a loss
@@ -220,36 +180,6 @@ private:
         return report;
     }
 
-    // Bucket b goes now (during backward, under the readiness lock).
-    void launch(std::size_t b) {
-        follow_storage(b, b + 1, /*in_backward=*/true);
-        engine_.launch(b, tag_of(detail::CollectivePurpose::bucket, b));
-        keep_reduced(b + 1);
-    }
-    // Buckets before `launched` are launched; stage 2 keeps those reduced by now.
-    void keep_reduced(std::size_t launched) {
-        released_.launched_until(
-            launched, [this](std::size_t k) { return engine_.completed(k); }, retire());
-    }
-    // Waits for a bucket (by one deadline, a late one named) and keeps its share.
-    auto retire() {
-        return [this, deadline = detail::deadline_after(options_.timeout)](std::size_t b) {
-            engine_.wait(b, deadline, this->diagnose(plan_));
-            released_.keep(model_, shards_, layout_, b);
-        };
-    }
-
-    // Storage that moved since the last step is followed before each bucket's reduce_scatter.
-    // Returns whether the model was listed (outside backward that makes every gradient, also
-    // those of buckets already released).
-    bool follow_storage(std::size_t first, std::size_t last, bool in_backward) {
-        if ((!options_.storage_may_move && !released_.on()) || first == last) return false;
-        return this->follow(plan_, first, last, in_backward, [this](std::size_t b) {
-            engine_.refresh(b, plan_.buckets[b], layout_.params);
-            shards_.refresh(b, layout_.params);
-        });
-    }
-
     // All-gathers behind the forward (FrontCore waits for, checks and drains them too).
     void gather(const std::variant<std::size_t, std::string>& found) {
         gathers_.wait_for_parameter(detail::named_parameter(found, [this] { return this->where(); }));
@@ -263,19 +193,6 @@ private:
             return [this](std::size_t b) { shards_.unpack_params(b); };
     }
 
-    // Nothing ready, nothing launched.
-    void end_step() {
-        released_.end_step();
-        this->storage_.end_step();
-        readiness_.reset();
-    }
-
-    BucketPlan plan_;
-    using Shards = detail::ShardLayout<in_place, typename CoreOf::memory>;
-    Shards shards_;
-    // Stage 2, and the buckets launched and kept this step (written under the readiness lock
-    // during backward).
-    detail::ReleasedShards<Model, typename CoreOf::memory> released_;
     // The all-gathers step() left in flight behind the next forward.
     using GatherHandle = decltype(detail::gather_async(std::declval<BackendT&>(), std::declval<const Shards&>(),
                                                        std::size_t{}, CollectiveTag{}));
