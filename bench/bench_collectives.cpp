@@ -2,7 +2,9 @@
 // single-thread memcpy bandwidth at the same size (the ceiling), and small-message latency; then
 // both again beside one busy-looping thread per core, as a trainer's own compute threads would be.
 // Last, reduce_scatter then all_gather (sharded data parallel's two halves) against the allreduce
-// of the same buffer, interleaved.
+// of the same buffer, interleaved; and for the sizes that fit in cache, the allreduce after each
+// rank wrote its buffer (as backward does: the peer's half then lies in the other core's cache)
+// and what two threads take to meet twice (the floor of any collective's latency).
 #include <gradsync/backend/local.hpp>
 
 #include <benchmark/benchmark.h>
@@ -13,9 +15,11 @@
 #include "two_ranks.hpp"
 
 #include <algorithm>  // for std::min_element, std::max_element
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <span>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -29,6 +33,7 @@ constexpr std::int64_t busy_bandwidth_bytes = 64 << 20;
 constexpr int repetitions = 5;
 constexpr double min_seconds = 0.2;
 constexpr std::int64_t sharded_bytes[] = {1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20};
+constexpr std::int64_t in_cache_largest = 4 << 20;  // in cache: above it memory bounds both
 constexpr int sharded_iterations = 15;
 
 // Both buffers 64-byte aligned: glibc copies 2 KiB and up with `rep movsb`, which on some x86
@@ -59,6 +64,19 @@ void allreduce(benchmark::State& state) {
         };
     });
     state.SetBytesProcessed(state.iterations() * state.range(0));  // algbw
+}
+
+// The same after each rank writes its whole buffer, as backward writes the gradients: the
+// peer's half is then in the other core's cache, where a repeated allreduce finds its own sums.
+void allreduce_after_write(benchmark::State& state) {
+    const auto count = static_cast<std::size_t>(state.range(0)) / sizeof(float);
+    bench::time_on_two_ranks(state, [count](gradsync::LocalBackend& b) {
+        return [&b, data = std::vector<float>(count, 1.0f)]() mutable {
+            std::memset(data.data(), 0, data.size() * sizeof(float));
+            b.allreduce(std::span<float>(data), gradsync::ReduceOp::sum);
+        };
+    });
+    state.SetBytesProcessed(state.iterations() * state.range(0));
 }
 
 void allreduce_busy(benchmark::State& state) {
@@ -100,6 +118,33 @@ void sharded_vs_allreduce(benchmark::State& state) {
     state.counters["sharded_over_allreduce"] = bench::median(ratios);
 }
 
+// The floor under any 2-rank collective: two threads meet twice (as an allreduce's ranks do, once
+// when both have arrived and once when both are done), spinning on one shared cache line, so
+// that it crosses between the cores four times.
+void two_meetings(benchmark::State& state) {
+    struct alignas(64) Arrivals {
+        std::atomic<std::uint64_t> count{0};
+    };
+    Arrivals arrivals;
+    // Meeting n (1, 2, ...) ends once both threads arrived at it.
+    auto meet = [&arrivals](std::uint64_t n) {
+        arrivals.count.fetch_add(1, std::memory_order_acq_rel);
+        while (arrivals.count.load(std::memory_order_acquire) < 2 * n) {
+        }
+    };
+    const auto iterations = static_cast<std::uint64_t>(state.max_iterations);
+    std::thread other([&] {
+        for (std::uint64_t i = 0; i < 2 * iterations + 2; ++i) meet(i + 1);
+    });
+    meet(1), meet(2);  // warm
+    std::uint64_t n = 3;
+    for (auto _ : state) {
+        meet(n), meet(n + 1);
+        n += 2;
+    }
+    other.join();
+}
+
 // Repetitions reported by their median, and by their fastest and slowest: the spread.
 void repeated(benchmark::internal::Benchmark* b) {
     b->UseRealTime()
@@ -132,6 +177,12 @@ void for_sizes(benchmark::internal::Benchmark* b) {
     b->Unit(benchmark::kMicrosecond);
 }
 
+void for_in_cache(benchmark::internal::Benchmark* b) {
+    b->ArgName("bytes");
+    for (std::int64_t s = smallest_bytes; s <= in_cache_largest; s *= 4) b->Arg(s);
+    repeated(b);
+}
+
 void for_latency(benchmark::internal::Benchmark* b) {
     b->ArgName("bytes");
     for (auto s : latency_bytes) b->Arg(s);
@@ -153,6 +204,8 @@ void register_collectives() {
     benchmark::RegisterBenchmark("busy/allreduce_latency_2_ranks", allreduce_busy)->Apply(for_busy_latency);
     benchmark::RegisterBenchmark("busy/allreduce_2_ranks", allreduce_busy)->Apply(for_busy_bandwidth);
     benchmark::RegisterBenchmark("busy/memcpy", memcpy_busy)->Apply(for_busy_bandwidth);
+    benchmark::RegisterBenchmark("two_meetings", two_meetings)->Apply(repeated);
+    benchmark::RegisterBenchmark("allreduce_after_write_2_ranks", allreduce_after_write)->Apply(for_in_cache);
     for (auto bytes : sharded_bytes) {
         if (bench::quick() && bytes != sharded_bytes[0]) continue;
         benchmark::RegisterBenchmark("sharded_vs_allreduce_2_ranks", sharded_vs_allreduce)
