@@ -11537,17 +11537,18 @@ struct ShardedPolicySet {
 
 namespace gradsync::inline v0::detail {
 
-template <class Set, class BackendT>
-using ShardedEngine =
-    BucketEngine<BackendT, typename Set::memory, DType::float32, ScatteredShardedCollectives<BackendT>,
-                 typename Set::comm_hook, BucketCollective::reduce_scatter>;
+// FrontCore with a bucket engine that reduce-scatters in float32.
+template <class Front, class Model, class BackendT, class Set>
+using ShardedFrontCore =
+    FrontCore<Front, Model, BackendT,
+              BucketEngine<BackendT, typename Set::memory, DType::float32, ScatteredShardedCollectives<BackendT>,
+                           typename Set::comm_hook, BucketCollective::reduce_scatter>,
+              ShardedOptions, typename Set::loss_scaler, typename Set::metrics>;
 
 template <class Front, class Model, class BackendT, class Set>
-class ShardedCore : public FrontCore<Front, Model, BackendT, ShardedEngine<Set, BackendT>, ShardedOptions,
-                                     typename Set::loss_scaler, typename Set::metrics> {
+class ShardedCore : public ShardedFrontCore<Front, Model, BackendT, Set> {
 protected:
-    using Base = FrontCore<Front, Model, BackendT, ShardedEngine<Set, BackendT>, ShardedOptions,
-                           typename Set::loss_scaler, typename Set::metrics>;
+    using Base = ShardedFrontCore<Front, Model, BackendT, Set>;
 
 private:
     friend Base;                          // calls launch() and end_step()
