@@ -15,6 +15,7 @@
 //             [--layout resnet50|bert_base] [--in-place-only] [--busy]
 //             [--results-name NAME]   (the results file's name, where GRADSYNC_BENCH_RESULTS is set)
 #include <gradsync/backend/mpi.hpp>
+#include <gradsync/backend/shared_memory.hpp>
 #include <gradsync/gradsync.hpp>
 
 #include "layout_model.hpp"
@@ -31,11 +32,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
 #include <thread>  // for std::thread::hardware_concurrency
 #include <vector>
+
+#include <unistd.h>  // for getpid
 
 namespace {
 
@@ -55,7 +59,23 @@ struct Row {
     double ratio_pieces = 0;  // to the flat allreduce in pieces
     double raw_ms = 0, pieces_ms = 0;
     double fastest_ms = 0, slowest_ms = 0;  // of synchronize(): the spread of the iterations
+    double shared_ms = 0;                   // the same over SharedMemoryBackend (in-place rows only; 0 where not run)
+    double copy_ms = 0;                     // its ceiling: every process copying its gradients once, all at once
 };
+
+// A SharedMemoryBackend over this node's processes, its name agreed through MPI.
+std::unique_ptr<gradsync::SharedMemoryBackend> node_backend() {
+    MPI_Comm node = MPI_COMM_NULL;
+    MPI_Comm_split_type(gradsync::mpi_world(), MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
+    int rank = 0, size = 1;
+    MPI_Comm_rank(node, &rank);
+    MPI_Comm_size(node, &size);
+    static int made = 0;
+    long id = static_cast<long>(::getpid()) * 100 + made++;
+    MPI_Bcast(&id, 1, MPI_LONG, 0, node);
+    MPI_Comm_free(&node);
+    return std::make_unique<gradsync::SharedMemoryBackend>("/gradsync-bench-" + std::to_string(id), rank, size);
+}
 
 template <class... Policies>
 Row measure(const std::string& name, const std::vector<layouts::Tensor>& tensors, const Settings& s,
@@ -79,7 +99,25 @@ Row measure(const std::string& name, const std::vector<layouts::Tensor>& tensors
                               MPI_FLOAT, MPI_SUM, gradsync::mpi_world());
     };
     auto sync = [&] { dp.synchronize(); };
-    std::vector<double> raw_s, pieces_s, sync_s, ratios, ratios_pieces;
+    // The in-place row races the same synchronize() over shared memory, on a model of its own.
+    constexpr bool in_place = sizeof...(Policies) == 0;
+    std::unique_ptr<gradsync::SharedMemoryBackend> shared_backend;
+    std::optional<bench::LayoutModel> shared_model;
+    std::optional<gradsync::DataParallel<bench::LayoutModel, gradsync::SharedMemoryBackend>> shared_dp;
+    if (in_place) {
+        shared_backend = node_backend();
+        shared_model.emplace(tensors);
+        shared_dp.emplace(*shared_model, *shared_backend);
+    }
+    auto shared_sync = [&] { shared_dp->synchronize(); };
+    // Any transport that cannot read a peer's memory copies each gradient out and the result back
+    // in: one read and one write of every byte, as one memcpy of them does.
+    std::vector<float> copied(in_place ? flat.size() : 0);
+    auto copy_out = [&] {
+        float* out = copied.data();
+        for (auto& g : shared_model->gradients()) out = std::copy(g.begin(), g.end(), out);
+    };
+    std::vector<double> raw_s, pieces_s, sync_s, ratios, ratios_pieces, shared_s, copy_s;
     for (int i = -2; i < s.iterations; ++i) {  // two rounds of warm-up
         const bool raw_first = i % 2 == 0;
         double r = 0, p = 0, y = 0;
@@ -92,7 +130,11 @@ Row measure(const std::string& name, const std::vector<layouts::Tensor>& tensors
             p = timed(gradsync::mpi_world(), pieces);
             r = timed(gradsync::mpi_world(), raw);
         }
+        const double h = in_place ? timed(gradsync::mpi_world(), shared_sync) : 0.0;
+        const double c = in_place ? timed(gradsync::mpi_world(), copy_out) : 0.0;
         if (i < 0) continue;
+        shared_s.push_back(h);
+        copy_s.push_back(c);
         raw_s.push_back(r);
         pieces_s.push_back(p);
         sync_s.push_back(y);
@@ -106,13 +148,19 @@ Row measure(const std::string& name, const std::vector<layouts::Tensor>& tensors
             bench::median(raw_s) * 1e3,
             bench::median(pieces_s) * 1e3,
             *std::min_element(sync_s.begin(), sync_s.end()) * 1e3,
-            *std::max_element(sync_s.begin(), sync_s.end()) * 1e3};
+            *std::max_element(sync_s.begin(), sync_s.end()) * 1e3,
+            bench::median(shared_s) * 1e3,
+            bench::median(copy_s) * 1e3};
     if (backend.rank() == 0) {
         std::printf(
             "  %-22s synchronize %8.2f ms (%.2f - %.2f) | raw flat %8.2f ms, ratio %.3f | raw per tensor %8.2f ms, "
-            "ratio %.3f\n",
+            "ratio %.3f",
             name.c_str(), row.ms, row.fastest_ms, row.slowest_ms, row.raw_ms, row.ratio, row.pieces_ms,
             row.ratio_pieces);
+        if (in_place)
+            std::printf(" | SharedMemoryBackend synchronize %8.2f ms | memcpy of the gradients %8.2f ms", row.shared_ms,
+                        row.copy_ms);
+        std::printf("\n");
         std::fflush(stdout);
     }
     return row;
@@ -274,7 +322,9 @@ int main(int argc, char** argv) {
         // A figure that is not a finite positive number means a benchmark broke.
         bool broken = false;
         for (const auto& r : rows) {
-            if (bench::sane(r.ms) && bench::sane(r.ratio) && bench::sane(r.ratio_pieces)) continue;
+            const bool shared_sane =
+                !r.name.ends_with("/in_place") || (bench::sane(r.shared_ms) && bench::sane(r.copy_ms));
+            if (bench::sane(r.ms) && bench::sane(r.ratio) && bench::sane(r.ratio_pieces) && shared_sane) continue;
             std::printf("BROKEN: %s: not a finite positive figure\n", r.name.c_str());
             broken = true;
         }
@@ -298,6 +348,10 @@ int main(int argc, char** argv) {
             summary.push_back({"MpiBackend synchronize() " + r.name + load + " / raw per tensor", r.ms, "ms",
                                "raw MPI_Allreduce per tensor", r.pieces_ms, "", r.ratio_pieces,
                                targeted ? "<= 1.05" : "-", !targeted || r.ratio_pieces <= 1.05});
+            if (r.shared_ms > 0)
+                summary.push_back({"SharedMemoryBackend synchronize() " + r.name + load + " / MpiBackend's",
+                                   r.shared_ms, "ms", "MpiBackend synchronize()", r.ms, "", r.shared_ms / r.ms, "-",
+                                   true});
             summary.push_back({"MpiBackend synchronize() " + r.name + load + ", slowest / fastest iteration",
                                r.slowest_ms, "ms", "fastest", r.fastest_ms, "", r.slowest_ms / r.fastest_ms, "-",
                                true});

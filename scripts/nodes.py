@@ -39,6 +39,9 @@ PREFIX = "gsnode"
 BRIDGE = "gsbr0"
 SUBNET = "10.77.0"
 STATE = pathlib.Path("/run/gradsync-nodes.json")
+# Each node's /dev/shm, shared by all of its processes (however they were started), as a
+# machine's is: a directory per node, bound over /dev/shm in each process's mount namespace.
+NODE_SHM = pathlib.Path("/run/gradsync-nodes-shm")
 SKIP = 77  # ctest's SKIP_RETURN_CODE
 
 
@@ -81,6 +84,10 @@ def down():
         if link.startswith("gsv"):
             subprocess.run(["ip", "link", "del", link], capture_output=True)
     subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True)
+    if NODE_SHM.exists():
+        for node in NODE_SHM.iterdir():
+            subprocess.run(["umount", "-l", str(node)], capture_output=True)
+    shutil.rmtree(NODE_SHM, ignore_errors=True)
     STATE.unlink(missing_ok=True)
 
 
@@ -101,6 +108,8 @@ def up(nodes, rate=None, same_hostname=False):
     sh("ip", "link", "set", BRIDGE, "up")
     for i in range(nodes):
         ns, veth = f"{PREFIX}{i}", f"gsv{i}"
+        (NODE_SHM / str(i)).mkdir(parents=True)
+        sh("mount", "-t", "tmpfs", "-o", "mode=1777", "tmpfs", str(NODE_SHM / str(i)))
         sh("ip", "netns", "add", ns)
         sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
         sh("ip", "link", "set", veth, "master", BRIDGE, "up")
@@ -146,7 +155,7 @@ def agent(argv):
         raise SystemExit(f"nodes.py agent: no node has address {host}")
     hostname = "node" if state["same_hostname"] else f"node{index}"
     # /tmp stays shared (the programs may live there); MPI's session files go to the node's own.
-    inner = (f"hostname {hostname} && mount -t tmpfs tmpfs /dev/shm && export TMPDIR=/dev/shm && "
+    inner = (f"hostname {hostname} && mount --bind {NODE_SHM / str(index)} /dev/shm && export TMPDIR=/dev/shm && "
              f"exec sh -c {shlex.quote(command)}")
     os.execvp("ip", ["ip", "netns", "exec", f"{PREFIX}{index}", "unshare", "--uts", "--mount",
                      "--propagation", "private", "sh", "-c", inner])

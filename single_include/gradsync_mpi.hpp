@@ -8,7 +8,8 @@
 #define GRADSYNC_SINGLE_BACKEND_MPI_HPP
 // The MPI family: MpiSession and mpi_world() (backend/mpi/session.hpp), communicators of groups
 // of ranks (backend/mpi/groups.hpp), the torchrun-style join (backend/mpi/join.hpp) and
-// MpiBackend (backend/mpi/backend.hpp). Not included by
+// MpiBackend (backend/mpi/backend.hpp), and a SharedMemoryBackend over a node's processes
+// (backend/mpi/shared_memory_group.hpp). Not included by
 // <gradsync/gradsync.hpp>: include this header where <mpi.h> is available and link MPI (CMake:
 // MPI::MPI_CXX).
 
@@ -4568,5 +4569,898 @@ private:
 }  // namespace gradsync::inline v0
 #endif  // GRADSYNC_SINGLE_BACKEND_MPI_BACKEND_HPP
 // ---- end gradsync/backend/mpi/backend.hpp ----
+
+// ---- begin gradsync/backend/mpi/shared_memory_group.hpp ----
+#ifndef GRADSYNC_SINGLE_BACKEND_MPI_SHARED_MEMORY_GROUP_HPP
+#define GRADSYNC_SINGLE_BACKEND_MPI_SHARED_MEMORY_GROUP_HPP
+// A SharedMemoryBackend over the processes of an MPI communicator that share one machine (say,
+// mpi_node_comm()), its name agreed through MPI: the node level of a TwoLevelBackend whose level
+// across machines is an MpiBackend, or the whole job on one machine.
+
+
+// ---- begin gradsync/backend/shared_memory.hpp ----
+#ifndef GRADSYNC_SINGLE_BACKEND_SHARED_MEMORY_HPP
+#define GRADSYNC_SINGLE_BACKEND_SHARED_MEMORY_HPP
+// SharedMemoryBackend: the ranks are processes of one machine (or threads: any mix) and the
+// collectives run through a shared-memory object they all map, without a transport library in
+// between. Each rank constructs its own with the group's name, its rank and the group's size;
+// the constructor returns once every rank has mapped the object.
+//
+//   gradsync::SharedMemoryBackend backend("/myjob-node0", local_rank, local_size);
+//   gradsync::DataParallel dp(model, backend);
+//
+// Sums run in rank order (0, 1, 2, ...), so results are bitwise those of LocalBackend on the same
+// inputs, whatever the plan. A rank that fails a collective, is destroyed, or whose process exits
+// fails every peer's pending and later collectives (no wait for the deadline where the peer's
+// departure or death can be seen).
+
+
+// ---- begin gradsync/backend/detail/shared_collectives.hpp ----
+#ifndef GRADSYNC_SINGLE_BACKEND_DETAIL_SHARED_COLLECTIVES_HPP
+#define GRADSYNC_SINGLE_BACKEND_DETAIL_SHARED_COLLECTIVES_HPP
+// The collectives of a SharedMemoryBackend rank, over the group's shared segment. A collective
+// runs in chunks of one staging slot. An allreduce's chunk: each rank copies its chunk into its
+// own slot, the ranks meet, each sums its 1/n piece of the chunk over every rank's slot (rank 0
+// first, as LocalBackend does, so results are bitwise LocalBackend's) into its own slot, the
+// ranks meet again, and each copies every piece from its owner's slot into its own memory (a
+// reduce_scatter: the pieces in its shard). Each rank thus reads and writes its own memory once,
+// and the slots, a few hundred KiB, stay in cache. A broadcast's or an all_gather's chunk: the
+// giving ranks copy in, one meeting, the others copy out. Two slots per rank alternate, so that
+// the next chunk's copy-in needs no meeting of its own.
+//
+// A rank that fails a collective (a peer gone, a deadline missed, calls that differ) aborts the
+// group: every rank's pending and later collectives fail with that reason.
+
+
+// ---- begin gradsync/backend/detail/segment_cursor.hpp ----
+#ifndef GRADSYNC_SINGLE_BACKEND_DETAIL_SEGMENT_CURSOR_HPP
+#define GRADSYNC_SINGLE_BACKEND_DETAIL_SEGMENT_CURSOR_HPP
+// A cursor over a list of segments (the pieces of memory one collective reduces), element by
+// element: how a rank finds the same element in every peer's differently cut buffers.
+
+
+
+#include <cstddef>
+#include <span>
+
+namespace gradsync::inline v0::detail {
+
+// Walks a list of segments element by element.
+class SegmentCursor {
+public:
+    SegmentCursor(std::span<const Segment> segs, std::size_t start, std::size_t elem_size)
+        : it_(segs.data()), end_(segs.data() + segs.size()), elem_(elem_size) {
+        while (it_ != end_ && start >= it_->count) {
+            start -= it_->count;
+            ++it_;
+        }
+        offset_ = start;
+        skip_empty();
+    }
+    [[nodiscard]] std::size_t left() const { return it_ == end_ ? 0 : it_->count - offset_; }
+    [[nodiscard]] std::byte* ptr() const { return static_cast<std::byte*>(it_->data) + offset_ * elem_; }
+    void advance(std::size_t k) {
+        offset_ += k;
+        skip_empty();
+    }
+
+private:
+    void skip_empty() {
+        while (it_ != end_ && offset_ >= it_->count) {
+            offset_ -= it_->count;
+            ++it_;
+        }
+    }
+    const Segment* it_;
+    const Segment* end_;
+    std::size_t offset_ = 0;
+    std::size_t elem_;
+};
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_BACKEND_DETAIL_SEGMENT_CURSOR_HPP
+// ---- end gradsync/backend/detail/segment_cursor.hpp ----
+
+// ---- begin gradsync/backend/detail/shared_segment.hpp ----
+#ifndef GRADSYNC_SINGLE_BACKEND_DETAIL_SHARED_SEGMENT_HPP
+#define GRADSYNC_SINGLE_BACKEND_DETAIL_SHARED_SEGMENT_HPP
+// The memory a SharedMemoryBackend group shares: one POSIX shared-memory object that every rank
+// maps, wherever its process is. It holds a header (the group's shape and its abort), one
+// control block per rank (how far that rank has come, its current call, whether it is alive)
+// and one pair of staging slots per rank. Every rank computes the same layout from the group's
+// size and slot size, so nothing in it is a pointer: each process maps it at its own address.
+//
+// Rank 0 creates the object and the others open it by name; once every rank has mapped it, the
+// name is removed, so a job that crashes later leaves nothing in /dev/shm.
+
+
+#include <algorithm>  // for std::max
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>  // for std::strerror, std::memcpy
+#include <new>      // for placement new
+#include <string>
+#include <thread>  // for std::this_thread::sleep_for
+
+#include <fcntl.h>  // for O_CREAT, O_EXCL, O_RDWR
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>  // for ftruncate, close, getpid
+
+namespace gradsync::inline v0::detail {
+
+static_assert(std::atomic<std::uint64_t>::is_always_lock_free && std::atomic<std::int32_t>::is_always_lock_free,
+              "shared-memory atomics must be lock-free to work across processes");
+
+// A collective as the ranks compare it: CollectiveCall in plain fields, copyable into shared memory.
+struct SharedCall {
+    std::uint64_t seq = 0, count = 0, fingerprint = 0;
+    std::int64_t step = -1;
+    std::int32_t bucket = -1, root = 0;
+    std::uint8_t kind = 0, op = 0, has_dtype = 0, dtype = 0;
+
+    static SharedCall of(const CollectiveCall& c) {
+        return {c.seq,
+                c.count,
+                c.tag.fingerprint,
+                c.tag.step,
+                c.tag.bucket,
+                c.root,
+                std::uint8_t(c.kind),
+                std::uint8_t(c.op),
+                std::uint8_t(c.dtype.has_value()),
+                std::uint8_t(c.dtype ? *c.dtype : DType{})};
+    }
+    [[nodiscard]] CollectiveCall call() const {
+        CollectiveCall c;
+        c.kind = CollectiveKind(kind);
+        c.seq = seq;
+        c.count = count;
+        if (has_dtype != 0) c.dtype = DType(dtype);
+        c.op = ReduceOp(op);
+        c.root = root;
+        c.tag = CollectiveTag{fingerprint, step, bucket};
+        return c;
+    }
+};
+
+inline constexpr std::size_t shared_line = 64;
+
+struct alignas(shared_line) SharedHeader {
+    static constexpr std::uint64_t magic_value = 0x636e7973'64617267;  // "gradsync"
+    std::atomic<std::uint64_t> magic{0};                               // set last by the creator: the rest is ready
+    std::int32_t size = 0;
+    std::uint64_t slot_bytes = 0;
+    std::atomic<std::int32_t> attached{0};
+    std::atomic<std::int32_t> aborted{0};  // 0, 1 while the reason is written, 2 once it is
+    char reason[1024] = {};
+};
+
+struct alignas(shared_line) SharedRank {
+    std::atomic<std::uint64_t> stage{0};  // meetings this rank has arrived at
+    alignas(shared_line) std::atomic<std::int32_t> pid{0};
+    std::atomic<std::int32_t> departed{0};
+    SharedCall calls[2];  // the current collective, by the parity of its number
+};
+
+// One rank's mapping of the group's shared-memory object.
+class SharedSegment {
+public:
+    SharedSegment(const std::string& name, int rank, int size, std::size_t slot_bytes,
+                  std::chrono::milliseconds timeout)
+        : name_(name), rank_(rank), size_(size), slot_bytes_(slot_bytes), bytes_(layout_bytes(size, slot_bytes)) {
+        const auto deadline = deadline_after(timeout);
+        const std::size_t expected = bytes_;
+        const int fd = rank == 0 ? create() : open_existing(deadline);  // a joiner maps what it finds
+        void* p = ::mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        const int mmap_errno = errno;
+        ::close(fd);
+        if (p == MAP_FAILED) {
+            if (rank == 0) ::shm_unlink(name.c_str());
+            throw CollectiveError(who() + ": cannot map shared memory " + name + ": " + std::strerror(mmap_errno));
+        }
+        base_ = static_cast<std::byte*>(p);
+        if (rank == 0) {
+            auto* h = new (base_) SharedHeader{};
+            h->size = size;
+            h->slot_bytes = slot_bytes;
+            for (int r = 0; r < size; ++r) new (base_ + rank_offset(r)) SharedRank{};
+            h->magic.store(SharedHeader::magic_value, std::memory_order_release);
+        } else {
+            wait_for(deadline, "rank 0 to set up shared memory " + name,
+                     [&] { return header().magic.load(std::memory_order_acquire) == SharedHeader::magic_value; });
+            const auto their_size = header().size;
+            const auto their_slot = header().slot_bytes;
+            if (their_size != size || their_slot != slot_bytes || bytes_ != expected) {
+                unmap();
+                throw CollectiveError(who() + ": shared memory " + name + " belongs to a group of " +
+                                      std::to_string(their_size) + " ranks with slots of " +
+                                      std::to_string(their_slot) + " bytes; this rank expects " + std::to_string(size) +
+                                      " and " + std::to_string(slot_bytes) +
+                                      ": every rank must pass the same size and options");
+            }
+        }
+        me().pid.store(static_cast<std::int32_t>(::getpid()), std::memory_order_relaxed);
+        // The last rank to arrive removes the name: from then on the object lives only while mapped.
+        if (header().attached.fetch_add(1, std::memory_order_acq_rel) + 1 == size) ::shm_unlink(name.c_str());
+        try {
+            wait_for(deadline, "every rank to map shared memory " + name,
+                     [&] { return header().attached.load(std::memory_order_acquire) == size; });
+        } catch (...) {
+            if (rank == 0) ::shm_unlink(name.c_str());
+            unmap();
+            throw;
+        }
+    }
+    SharedSegment(const SharedSegment&) = delete;
+    SharedSegment& operator=(const SharedSegment&) = delete;
+    ~SharedSegment() { unmap(); }
+
+    [[nodiscard]] int rank() const { return rank_; }
+    [[nodiscard]] int size() const { return size_; }
+    [[nodiscard]] const std::string& name() const { return name_; }
+    [[nodiscard]] std::size_t slot_bytes() const { return slot_bytes_; }
+    [[nodiscard]] std::size_t mapped_bytes() const { return bytes_; }
+    [[nodiscard]] SharedHeader& header() const { return *reinterpret_cast<SharedHeader*>(base_); }
+    [[nodiscard]] SharedRank& rank_state(int r) const { return *reinterpret_cast<SharedRank*>(base_ + rank_offset(r)); }
+    [[nodiscard]] SharedRank& me() const { return rank_state(rank_); }
+    // Rank r's staging slot of parity p.
+    [[nodiscard]] std::byte* slot(int r, unsigned p) const {
+        return base_ + slots_offset(size_) + (static_cast<std::size_t>(r) * 2 + p) * slot_bytes_;
+    }
+    [[nodiscard]] std::string who() const { return rank_prefix(rank_, size_, "shared memory"); }
+
+private:
+    static std::size_t round_up(std::size_t n) { return (n + shared_line - 1) / shared_line * shared_line; }
+    static std::size_t rank_offset(int r) {
+        return round_up(sizeof(SharedHeader)) + static_cast<std::size_t>(r) * round_up(sizeof(SharedRank));
+    }
+    static std::size_t slots_offset(int size) { return (rank_offset(size) + 4095) / 4096 * 4096; }
+    static std::size_t layout_bytes(int size, std::size_t slot_bytes) {
+        return slots_offset(size) + static_cast<std::size_t>(size) * 2 * slot_bytes;
+    }
+
+    int create() {
+        const int fd = ::shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+        if (fd < 0) {
+            const int e = errno;
+            throw CollectiveError(
+                who() + ": cannot create shared memory " + name_ + ": " + std::strerror(e) +
+                (e == EEXIST ? " (another group uses this name, or a job that crashed while its ranks were still "
+                               "joining left it: give each job its own name, or remove /dev/shm" +
+                                   name_ + ")"
+                             : std::string()));
+        }
+        if (::ftruncate(fd, static_cast<off_t>(bytes_)) != 0) {
+            const int e = errno;
+            ::close(fd);
+            ::shm_unlink(name_.c_str());
+            throw CollectiveError(who() + ": cannot size shared memory " + name_ + " to " + std::to_string(bytes_) +
+                                  " bytes: " + std::strerror(e));
+        }
+        return fd;
+    }
+
+    int open_existing(std::chrono::steady_clock::time_point deadline) {
+        int fd = -1;
+        wait_for(deadline, "rank 0 to create shared memory " + name_, [&] {
+            fd = ::shm_open(name_.c_str(), O_RDWR, 0600);
+            if (fd >= 0) return true;
+            if (errno != ENOENT)
+                throw CollectiveError(who() + ": cannot open shared memory " + name_ + ": " + std::strerror(errno));
+            return false;
+        });
+        // Rank 0 sizes the object just after creating it; what it finds is checked once mapped.
+        try {
+            wait_for(deadline, "rank 0 to size shared memory " + name_, [&] {
+                struct stat st {};
+                if (::fstat(fd, &st) != 0 || st.st_size <= 0) return false;
+                bytes_ = std::max(static_cast<std::size_t>(st.st_size), sizeof(SharedHeader));
+                return true;
+            });
+        } catch (...) {
+            ::close(fd);
+            throw;
+        }
+        return fd;
+    }
+
+    template <class Ready>
+    void wait_for(std::chrono::steady_clock::time_point deadline, const std::string& what, Ready ready) const {
+        while (!ready()) {
+            if (std::chrono::steady_clock::now() >= deadline)
+                throw TimeoutError(who() + ": timed out waiting for " + what +
+                                   ": every rank of the group must construct its SharedMemoryBackend with the "
+                                   "same name and size");
+            std::this_thread::sleep_for(std::chrono::microseconds(200));
+        }
+    }
+
+    void unmap() {
+        if (base_ != nullptr) ::munmap(base_, bytes_);
+        base_ = nullptr;
+    }
+
+    std::string name_;
+    int rank_, size_;
+    std::size_t slot_bytes_, bytes_;
+    std::byte* base_ = nullptr;
+};
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_BACKEND_DETAIL_SHARED_SEGMENT_HPP
+// ---- end gradsync/backend/detail/shared_segment.hpp ----
+
+// ---- begin gradsync/detail/aligned_bytes.hpp ----
+#ifndef GRADSYNC_SINGLE_DETAIL_ALIGNED_BYTES_HPP
+#define GRADSYNC_SINGLE_DETAIL_ALIGNED_BYTES_HPP
+// AlignedBytes: an owning, cache-line aligned byte buffer whose pages are touched at allocation,
+// so the first training step does not pay for page faults.
+
+
+#include <cstddef>
+#include <cstdlib>  // for std::aligned_alloc, std::free
+#include <cstring>  // for std::memset
+#include <memory>   // for std::unique_ptr
+#include <new>      // for std::bad_alloc
+
+namespace gradsync::inline v0::detail {
+
+inline constexpr std::size_t cache_line = 64;
+
+class AlignedBytes {
+public:
+    AlignedBytes() = default;
+    explicit AlignedBytes(std::size_t size) : size_(size) {
+        if (size == 0) return;
+        std::size_t rounded = (size + cache_line - 1) / cache_line * cache_line;
+        void* p = std::aligned_alloc(cache_line, rounded);
+        if (p == nullptr) throw std::bad_alloc();
+        std::memset(p, 0, rounded);  // touch every page now
+        data_.reset(static_cast<std::byte*>(p));
+    }
+
+    [[nodiscard]] std::byte* data() const { return data_.get(); }
+    [[nodiscard]] std::size_t size() const { return size_; }
+
+private:
+    struct Free {
+        void operator()(std::byte* p) const { std::free(p); }
+    };
+    std::unique_ptr<std::byte, Free> data_;
+    std::size_t size_ = 0;
+};
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_DETAIL_ALIGNED_BYTES_HPP
+// ---- end gradsync/detail/aligned_bytes.hpp ----
+
+#include <algorithm>  // for std::min
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>  // for std::memcpy
+#include <span>
+#include <string>
+#include <thread>  // for std::this_thread::yield, sleep_for
+#include <vector>
+
+#include <signal.h>  // for kill
+
+namespace gradsync::inline v0::detail {
+
+// One collective of this rank: what every rank's must equal, and the memory it works on.
+struct SharedCollective {
+    CollectiveCall call;
+    std::span<const Segment> segments;
+};
+
+// Copies n elements between a contiguous buffer and a list of segments, from element `start`.
+inline void gather_segments(std::span<const Segment> segs, std::size_t start, std::size_t n, std::size_t elem,
+                            std::byte* out) {
+    SegmentCursor c(segs, start, elem);
+    while (n > 0) {
+        const std::size_t k = std::min(n, c.left());
+        std::memcpy(out, c.ptr(), k * elem);
+        out += k * elem;
+        n -= k;
+        c.advance(k);
+    }
+}
+inline void scatter_segments(std::span<const Segment> segs, std::size_t start, std::size_t n, std::size_t elem,
+                             const std::byte* in) {
+    SegmentCursor c(segs, start, elem);
+    while (n > 0) {
+        const std::size_t k = std::min(n, c.left());
+        std::memcpy(c.ptr(), in, k * elem);
+        in += k * elem;
+        n -= k;
+        c.advance(k);
+    }
+}
+
+class SharedGroup {
+public:
+    SharedGroup(const std::string& name, int rank, int size, std::size_t slot_bytes, std::chrono::milliseconds timeout)
+        : segment_(name, rank, size, slot_bytes, timeout), timeout_(timeout), block_(reduce_block_bytes) {}
+
+    [[nodiscard]] const SharedSegment& segment() const { return segment_; }
+
+    void execute(const SharedCollective& c) {
+        try {
+            throw_if_aborted(c.call);
+            run(c);
+        } catch (const std::exception& e) {
+            abort(e.what());
+            throw;
+        }
+    }
+
+    // Fails every pending and later collective of every rank with `reason`. First reason wins.
+    void abort(const std::string& reason) {
+        auto& h = segment_.header();
+        std::int32_t expected = 0;
+        if (!h.aborted.compare_exchange_strong(expected, 1, std::memory_order_acq_rel)) return;
+        const std::size_t n = std::min(reason.size(), sizeof(h.reason) - 1);
+        std::memcpy(h.reason, reason.data(), n);
+        h.reason[n] = '\0';
+        h.aborted.store(2, std::memory_order_release);
+    }
+    [[nodiscard]] bool aborted() const { return segment_.header().aborted.load(std::memory_order_acquire) != 0; }
+    void throw_if_aborted(const CollectiveCall& call) const {
+        if (aborted())
+            throw CollectiveError(segment_.who() + ": " + call.describe() + ": the group was aborted: " + reason());
+    }
+    [[nodiscard]] std::string reason() const {
+        const auto& h = segment_.header();
+        for (int i = 0; i < 1000 && h.aborted.load(std::memory_order_acquire) != 2; ++i)
+            std::this_thread::sleep_for(std::chrono::microseconds(10));
+        return h.aborted.load(std::memory_order_acquire) == 2 ? std::string(h.reason) : "(no reason given yet)";
+    }
+
+    // This rank's handle is gone: peers waiting for it fail at once.
+    void depart() { segment_.me().departed.store(1, std::memory_order_release); }
+
+private:
+    void run(const SharedCollective& c) {
+        const auto deadline = deadline_after(timeout_);
+        const int n = segment_.size();
+        segment_.me().calls[c.call.seq & 1] = SharedCall::of(c.call);
+        if (c.call.kind == CollectiveKind::broadcast && (c.call.root < 0 || c.call.root >= n))
+            throw CollectiveError(segment_.who() + ": " + c.call.describe() + ": root " + std::to_string(c.call.root) +
+                                  " is not a rank of this group of " + std::to_string(n));
+        const bool reduces = c.call.kind == CollectiveKind::allreduce || c.call.kind == CollectiveKind::reduce_scatter;
+        if (reduces && !reducible(*c.call.dtype))
+            throw CollectiveError(segment_.who() + ": " + c.call.describe() +
+                                  ": SharedMemoryBackend reduces floating-point types only");
+        if (n == 1) return;       // alone: every collective leaves the buffer as it is
+        if (c.call.count == 0) {  // a barrier, or an empty call: one meeting, which checks the calls
+            meet(c.call, deadline);
+            return validate(c.call);
+        }
+        const std::size_t elem = c.call.dtype ? size_of(*c.call.dtype) : 1;
+        const std::size_t per_chunk = segment_.slot_bytes() / elem;
+        for (std::size_t off = 0; off < c.call.count; off += per_chunk) {
+            const std::size_t m = std::min(per_chunk, c.call.count - off);
+            const unsigned p = chunk_++ & 1;
+            if (reduces)
+                visit_float_dtype(*c.call.dtype,
+                                  [&]<class T>(type_tag<T>) { reduce_chunk<T>(c, off, m, p, deadline); });
+            else
+                copy_chunk(c, off, m, elem, p, deadline);
+        }
+    }
+
+    // The first meeting of a chunk, after each rank copied its part into its slot; the calls are
+    // checked at the first chunk's (a copy-in before it touches only the rank's own free slot).
+    // Slot p is written again two chunks later, after the next chunk's first meeting, which every
+    // rank reaches only once done reading this chunk's slots.
+    void meet_copied_in(const SharedCollective& c, std::size_t off, std::chrono::steady_clock::time_point deadline) {
+        meet(c.call, deadline);
+        if (off == 0) validate(c.call);
+    }
+
+    // Where [from, to) (elements of the call) meets the chunk [off, off + m), relative to the chunk.
+    static Shard overlap(std::size_t off, std::size_t m, std::size_t from, std::size_t to) {
+        const std::size_t a = std::max(from, off), b = std::min(to, off + m);
+        return a < b ? Shard{a - off, b - a} : Shard{0, 0};
+    }
+
+    // The chunk [off, off + m) of an allreduce or a reduce_scatter, through the slots of parity p:
+    // each rank sums its 1/n piece of the chunk into its own slot, then copies out every piece it
+    // needs (all of them, or those in its shard) from their owners' slots.
+    template <class T>
+    void reduce_chunk(const SharedCollective& c, std::size_t off, std::size_t m, unsigned p,
+                      std::chrono::steady_clock::time_point deadline) {
+        const int n = segment_.size(), r = segment_.rank();
+        gather_segments(c.segments, off, m, sizeof(T), segment_.slot(r, p));
+        meet_copied_in(c, off, deadline);
+        const auto piece = shard_of(m, n, r);
+        inputs_.resize(static_cast<std::size_t>(n));
+        for (int s = 0; s < n; ++s) inputs_[std::size_t(s)] = reinterpret_cast<T*>(segment_.slot(s, p)) + piece.offset;
+        T* out = static_cast<T*>(inputs_[std::size_t(r)]);
+        using A = accumulator_t<T>;
+        reduce_to_all<T>(reinterpret_cast<T* const*>(inputs_.data()), n, &out, 1, piece.count,
+                         c.call.op == ReduceOp::average, A(1) / static_cast<A>(n), block_.data());
+        meet(c.call, deadline);
+        // No streaming stores here (unlike LocalBackend's all_gather): this chunk of the rank's
+        // memory was just read by the copy-in, so its lines are in cache (2 processes, ResNet-50's
+        // 97.5 MiB in one buffer: 22 ms with them, 16 without).
+        const Shard wanted = c.call.kind == CollectiveKind::allreduce ? Shard{0, m} : [&] {
+            const auto mine = shard_of(c.call.count, n, r);
+            return overlap(off, m, mine.offset, mine.offset + mine.count);
+        }();
+        for (int s = 0; s < n; ++s) {
+            const auto theirs = shard_of(m, n, s);
+            const auto part = overlap(0, m, std::max(theirs.offset, wanted.offset),
+                                      std::min(theirs.offset + theirs.count, wanted.offset + wanted.count));
+            if (part.count != 0)
+                scatter_segments(c.segments, off + part.offset, part.count, sizeof(T),
+                                 segment_.slot(s, p) + part.offset * sizeof(T));
+        }
+    }
+
+    // The chunk [off, off + m) of a broadcast (the root's bytes) or an all_gather (each rank's
+    // shard): each rank copies what it gives into its slot, then, after one meeting, what it takes
+    // from the others' slots.
+    void copy_chunk(const SharedCollective& c, std::size_t off, std::size_t m, std::size_t elem, unsigned p,
+                    std::chrono::steady_clock::time_point deadline) {
+        const int n = segment_.size();
+        auto given = [&](int s) {
+            if (c.call.kind == CollectiveKind::broadcast) return s == c.call.root ? Shard{0, m} : Shard{0, 0};
+            const auto shard = shard_of(c.call.count, n, s);
+            return overlap(off, m, shard.offset, shard.offset + shard.count);
+        };
+        const auto mine = given(segment_.rank());
+        if (mine.count != 0)
+            gather_segments(c.segments, off + mine.offset, mine.count, elem,
+                            segment_.slot(segment_.rank(), p) + mine.offset * elem);
+        meet_copied_in(c, off, deadline);
+        for (int s = 0; s < n; ++s) {
+            const auto theirs = given(s);
+            if (s != segment_.rank() && theirs.count != 0)
+                scatter_segments(c.segments, off + theirs.offset, theirs.count, elem,
+                                 segment_.slot(s, p) + theirs.offset * elem);
+        }
+    }
+
+    // Arrives at the next meeting and waits until every rank has.
+    void meet(const CollectiveCall& call, std::chrono::steady_clock::time_point deadline) {
+        auto& me = segment_.me();
+        const std::uint64_t target = me.stage.load(std::memory_order_relaxed) + 1;
+        me.stage.store(target, std::memory_order_release);
+        for (int s = 0; s < segment_.size(); ++s)
+            if (s != segment_.rank()) wait_for(s, target, call, deadline);
+    }
+
+    void wait_for(int s, std::uint64_t target, const CollectiveCall& call,
+                  std::chrono::steady_clock::time_point deadline) {
+        auto& peer = segment_.rank_state(s);
+        auto arrived = [&] { return peer.stage.load(std::memory_order_acquire) >= target; };
+        const auto start = std::chrono::steady_clock::now();
+        while (!arrived() && std::chrono::steady_clock::now() - start < spin_.get()) cpu_relax();
+        if (arrived()) return spin_.paid();
+        spin_.wasted();
+        auto checked = std::chrono::steady_clock::now();
+        for (;;) {
+            if (arrived()) return;
+            const auto now = std::chrono::steady_clock::now();
+            if (now - start < yield_for)
+                std::this_thread::yield();
+            else
+                std::this_thread::sleep_for(std::chrono::microseconds(50));
+            if (aborted()) throw_if_aborted(call);
+            if (now - checked < std::chrono::milliseconds(2)) continue;
+            checked = now;
+            if (arrived()) return;
+            check_peer(s, call);
+            if (now >= deadline)
+                throw TimeoutError(segment_.who() + ": " + call.describe() + ": rank " + std::to_string(s) +
+                                   " did not arrive within the timeout of " + std::to_string(timeout_.count()) +
+                                   " ms. Raise the timeout if the work is just slow");
+        }
+    }
+
+    // A peer whose handle is gone, or whose process has exited, will never arrive.
+    void check_peer(int s, const CollectiveCall& call) const {
+        const auto& peer = segment_.rank_state(s);
+        if (peer.departed.load(std::memory_order_acquire) != 0)
+            throw CollectiveError(segment_.who() + ": " + call.describe() + ": rank " + std::to_string(s) +
+                                  " left the group (its SharedMemoryBackend was destroyed) before this collective");
+        const auto pid = peer.pid.load(std::memory_order_relaxed);
+        if (pid > 0 && ::kill(pid, 0) != 0 && errno == ESRCH)
+            throw CollectiveError(segment_.who() + ": " + call.describe() + ": rank " + std::to_string(s) +
+                                  " (process " + std::to_string(pid) + ") has exited");
+    }
+
+    // After the first meeting: every rank checks every rank's call against rank 0's, so that all
+    // of them find the same first difference and throw the same message.
+    void validate(const CollectiveCall& call) const {
+        const CollectiveCall ref = segment_.rank_state(0).calls[call.seq & 1].call();
+        for (int s = 1; s < segment_.size(); ++s) {
+            const CollectiveCall other = segment_.rank_state(s).calls[call.seq & 1].call();
+            if (!other.same_as(ref))
+                throw CollectiveError(segment_.who() + ": collective mismatch: rank 0 is in " + ref.describe() +
+                                      " but rank " + std::to_string(s) + " is in " + other.describe() +
+                                      "; every rank must call the same collectives in the same order with the same "
+                                      "sizes");
+        }
+    }
+
+    SharedSegment segment_;
+    std::chrono::milliseconds timeout_;
+    AlignedBytes block_;         // reduce_to_all's scratch
+    std::vector<void*> inputs_;  // every rank's piece of the current chunk
+    std::uint64_t chunk_ = 0;    // chunks run so far: the parity of the next one's slots
+    SpinBudget spin_;
+};
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_BACKEND_DETAIL_SHARED_COLLECTIVES_HPP
+// ---- end gradsync/backend/detail/shared_collectives.hpp ----
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <utility>  // for std::move
+#include <vector>
+
+namespace gradsync::inline v0 {
+
+struct SharedMemoryOptions {
+    // Each rank's staging slot (it has two): the unit a collective is cut into. Small enough to
+    // stay in cache, large enough that the two meetings per slot cost little (2 processes on a
+    // 2-core VM: 64 KiB 22 ms, 256 KiB 19 ms, 1 MiB 21 ms for 97.5 MiB).
+    Bytes slot = Bytes{256u << 10};
+    // Every wait inside a collective, and the constructor's wait for the other ranks, ends by then.
+    std::chrono::milliseconds timeout = std::chrono::seconds(600);
+};
+
+class SharedMemoryBackend : public detail::TypedCalls<SharedMemoryBackend> {
+public:
+    using TypedCalls::all_gather;
+    using TypedCalls::all_gather_async;
+    using TypedCalls::allreduce;
+    using TypedCalls::allreduce_async;
+    using TypedCalls::broadcast;
+    using TypedCalls::reduce_scatter;
+    using TypedCalls::reduce_scatter_async;
+
+    static constexpr bool checks_tags = true;  // every collective's tag is compared with rank 0's
+    // Every element is summed rank 0, 1, 2, ... (detail/host_reduce.hpp), as LocalBackend sums.
+    static constexpr bool sums_in_rank_order = true;
+
+    // `name`: the shared-memory object's, "/" and up to 254 more characters, none of them "/",
+    // the same on every rank of the group and unique among the machine's running groups (say,
+    // from the launcher's job id). Rank 0 creates it; the name is removed once every rank has
+    // mapped it.
+    SharedMemoryBackend(const std::string& name, int rank, int size, SharedMemoryOptions options = {})
+        : options_(check(name, rank, size, options)),
+          group_(std::make_shared<detail::SharedGroup>(name, rank, size, options.slot.count(), options.timeout)) {}
+    SharedMemoryBackend(const SharedMemoryBackend&) = delete;
+    SharedMemoryBackend& operator=(const SharedMemoryBackend&) = delete;
+    // Finishes this rank's pending collectives, then leaves: peers still waiting for it fail at once.
+    ~SharedMemoryBackend() {
+        async_.stop();
+        group_->depart();
+    }
+
+    [[nodiscard]] int rank() const { return group_->segment().rank(); }
+    [[nodiscard]] int size() const { return group_->segment().size(); }
+    // float32, float64, and float16 and bfloat16 (summed in float).
+    [[nodiscard]] bool supports(DType t) const { return detail::reducible(t); }
+    [[nodiscard]] const SharedMemoryOptions& options() const { return options_; }
+    [[nodiscard]] const std::string& name() const { return group_->segment().name(); }
+    // The shared memory the whole group maps (this rank's slots and everyone's), in bytes.
+    [[nodiscard]] Bytes shared_bytes() const { return Bytes{group_->segment().mapped_bytes()}; }
+    [[nodiscard]] std::uint64_t calls_made() const { return next_seq_; }
+
+    // In-place allreduce of a contiguous buffer. The tag, when given, must match on every rank.
+    void allreduce(Buffer buf, ReduceOp op = ReduceOp::sum, CollectiveTag tag = {}) {
+        run_now(CollectiveKind::allreduce, buf, op, tag);
+    }
+    CollectiveHandle allreduce_async(Buffer buf, ReduceOp op = ReduceOp::sum, CollectiveTag tag = {}) {
+        return launch(CollectiveKind::allreduce, buf, op, tag);
+    }
+    // In-place allreduce of the concatenation of `segments`: gradients reduced where they lie,
+    // with no bucket buffer. The segments must stay valid until the collective completes.
+    void allreduce(std::span<const Segment> segments, DType dtype, ReduceOp op = ReduceOp::sum,
+                   CollectiveTag tag = {}) {
+        run_now(CollectiveKind::allreduce, segments, dtype, op, tag);
+    }
+    CollectiveHandle allreduce_async(std::span<const Segment> segments, DType dtype, ReduceOp op = ReduceOp::sum,
+                                     CollectiveTag tag = {}) {
+        return launch(CollectiveKind::allreduce, segments, dtype, op, tag);
+    }
+
+    // Leaves the reduction over the ranks in this rank's shard of `buf` (shard_of(buf.count, size(),
+    // rank())), bitwise the allreduce's there; the rest of `buf` is left as it was.
+    void reduce_scatter(Buffer buf, ReduceOp op = ReduceOp::sum, CollectiveTag tag = {}) {
+        run_now(CollectiveKind::reduce_scatter, buf, op, tag);
+    }
+    CollectiveHandle reduce_scatter_async(Buffer buf, ReduceOp op = ReduceOp::sum, CollectiveTag tag = {}) {
+        return launch(CollectiveKind::reduce_scatter, buf, op, tag);
+    }
+    void reduce_scatter(std::span<const Segment> segments, DType dtype, ReduceOp op = ReduceOp::sum,
+                        CollectiveTag tag = {}) {
+        run_now(CollectiveKind::reduce_scatter, segments, dtype, op, tag);
+    }
+    CollectiveHandle reduce_scatter_async(std::span<const Segment> segments, DType dtype, ReduceOp op = ReduceOp::sum,
+                                          CollectiveTag tag = {}) {
+        return launch(CollectiveKind::reduce_scatter, segments, dtype, op, tag);
+    }
+
+    // Copies every rank's shard of its `buf` into the same place of every other rank's.
+    void all_gather(Buffer buf, CollectiveTag tag = {}) {
+        run_now(CollectiveKind::all_gather, buf, ReduceOp::sum, tag);
+    }
+    CollectiveHandle all_gather_async(Buffer buf, CollectiveTag tag = {}) {
+        return launch(CollectiveKind::all_gather, buf, ReduceOp::sum, tag);
+    }
+    void all_gather(std::span<const Segment> segments, DType dtype, CollectiveTag tag = {}) {
+        run_now(CollectiveKind::all_gather, segments, dtype, ReduceOp::sum, tag);
+    }
+    CollectiveHandle all_gather_async(std::span<const Segment> segments, DType dtype, CollectiveTag tag = {}) {
+        return launch(CollectiveKind::all_gather, segments, dtype, ReduceOp::sum, tag);
+    }
+
+    // Copies `root`'s bytes into every other rank's buffer of the same size.
+    void broadcast(std::span<std::byte> bytes, int root, CollectiveTag tag = {}) {
+        const Segment seg{bytes.data(), bytes.size()};
+        run_now(call(CollectiveKind::broadcast, bytes.size(), std::nullopt, ReduceOp::sum, root, tag), {&seg, 1});
+    }
+
+    void barrier() { run_now(call(CollectiveKind::barrier, 0, std::nullopt, ReduceOp::sum, 0, {}), {}); }
+
+    // Fails every pending and later collective of every rank of the group, with `reason`.
+    void abort(const std::string& reason) { group_->abort(reason); }
+    // Throws the abort's reason once the group was aborted (HealthPolling).
+    void throw_if_failed() const {
+        CollectiveCall none;
+        none.seq = next_seq_;
+        group_->throw_if_aborted(none);
+    }
+
+private:
+    static SharedMemoryOptions check(const std::string& name, int rank, int size, SharedMemoryOptions options) {
+        const std::string who = "gradsync: SharedMemoryBackend";
+        if (size < 1) throw Error(who + " needs a group of at least 1 rank, got " + std::to_string(size));
+        if (rank < 0 || rank >= size)
+            throw Error(who + ": rank " + std::to_string(rank) + " is not in a group of " + std::to_string(size));
+        if (name.size() < 2 || name.size() > 255 || name[0] != '/' || name.find('/', 1) != std::string::npos)
+            throw Error(who + ": the name must be \"/\" and 1 to 254 more characters, none of them \"/\"; got \"" +
+                        name + "\"");
+        if (options.timeout.count() <= 0)
+            throw Error(who + ": SharedMemoryOptions::timeout must be positive, got " +
+                        std::to_string(options.timeout.count()) + " ms");
+        if (options.slot.count() < 4096 || options.slot.count() % 64 != 0)
+            throw Error(who + ": SharedMemoryOptions::slot must be a multiple of 64 bytes of at least 4 KiB, got " +
+                        to_string(options.slot));
+        return options;
+    }
+
+    CollectiveCall call(CollectiveKind kind, std::size_t count, std::optional<DType> dtype, ReduceOp op, int root,
+                        CollectiveTag tag) {
+        CollectiveCall c;
+        c.kind = kind;
+        c.seq = ++next_seq_;
+        c.count = count;
+        c.dtype = dtype;
+        c.op = op;
+        c.root = root;
+        c.tag = tag;
+        return c;
+    }
+
+    // Synchronous calls run on the caller's thread, after the rank's pending asynchronous ones.
+    void run_now(const CollectiveCall& c, std::span<const Segment> segments) {
+        async_.wait_for_all();
+        group_->execute({c, segments});
+    }
+    void run_now(CollectiveKind kind, Buffer buf, ReduceOp op, CollectiveTag tag) {
+        const Segment seg{buf.data, buf.count};
+        run_now(call(kind, buf.count, buf.dtype, op, 0, tag), {&seg, 1});
+    }
+    void run_now(CollectiveKind kind, std::span<const Segment> segments, DType dtype, ReduceOp op, CollectiveTag tag) {
+        run_now(call(kind, detail::total_count(segments), dtype, op, 0, tag), segments);
+    }
+
+    CollectiveHandle launch(const CollectiveCall& c, std::vector<Segment> segments) {
+        auto done = std::make_shared<detail::Completion>(waiting_);
+        async_.launch([group = group_, c, segments = std::move(segments)] { group->execute({c, segments}); }, done);
+        return CollectiveHandle(std::move(done));
+    }
+    CollectiveHandle launch(CollectiveKind kind, Buffer buf, ReduceOp op, CollectiveTag tag) {
+        return launch(call(kind, buf.count, buf.dtype, op, 0, tag), {{buf.data, buf.count}});
+    }
+    CollectiveHandle launch(CollectiveKind kind, std::span<const Segment> segments, DType dtype, ReduceOp op,
+                            CollectiveTag tag) {
+        return launch(call(kind, detail::total_count(segments), dtype, op, 0, tag),
+                      std::vector<Segment>(segments.begin(), segments.end()));
+    }
+
+    SharedMemoryOptions options_;
+    std::shared_ptr<detail::SharedGroup> group_;
+    std::uint64_t next_seq_ = 0;
+    detail::AsyncCollectives async_;
+    std::shared_ptr<detail::SpinBudget> waiting_ = std::make_shared<detail::SpinBudget>();  // for handles
+};
+
+}  // namespace gradsync::inline v0
+#endif  // GRADSYNC_SINGLE_BACKEND_SHARED_MEMORY_HPP
+// ---- end gradsync/backend/shared_memory.hpp ----
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <fcntl.h>     // for O_CREAT, O_EXCL, O_RDWR, O_RDONLY
+#include <sys/mman.h>  // for shm_open, shm_unlink
+#include <unistd.h>    // for getpid, close
+
+namespace gradsync::inline v0 {
+
+// Collective over `node`, whose processes must all run on this machine. The object's name is
+// made from rank 0's process id and a count of the groups it has made, so it is unique on the
+// machine while the job runs.
+inline std::unique_ptr<SharedMemoryBackend> shared_memory_group(MPI_Comm node, SharedMemoryOptions options = {}) {
+    static std::atomic<std::int64_t> made{0};
+    int rank = 0, size = 1;
+    MPI_Comm_rank(node, &rank);
+    MPI_Comm_size(node, &size);
+    // Ranks on other machines would wait for an object they cannot see: refuse, on every rank.
+    MPI_Comm same_machine = detail::split_by_node(node, rank);
+    int here = 0;
+    MPI_Comm_size(same_machine, &here);
+    MPI_Comm_free(&same_machine);
+    int everywhere = 0;
+    MPI_Allreduce(&here, &everywhere, 1, MPI_INT, MPI_MIN, node);
+    if (everywhere != size)
+        throw Error("gradsync: shared_memory_group: the " + std::to_string(size) +
+                    " processes of this communicator are not all on one machine (the smallest set on one holds " +
+                    std::to_string(everywhere) + "); give it the ranks of one node, e.g. mpi_node_comm()");
+    std::int64_t id[2] = {static_cast<std::int64_t>(::getpid()), made.fetch_add(1)};
+    const int rc = MPI_Bcast(id, 2, MPI_INT64_T, 0, node);
+    if (rc != MPI_SUCCESS)
+        throw CollectiveError("gradsync: shared_memory_group: agreeing on the shared memory's name failed: " +
+                              detail::mpi_error_string(rc));
+    const std::string name = "/gradsync-" + std::to_string(id[0]) + "-" + std::to_string(id[1]);
+    // Processes of one machine that do not share /dev/shm (containers, mount namespaces) would
+    // wait for the object until the timeout: a probe first, so that every rank refuses at once.
+    const std::string probe = name + "-probe";
+    int seen = 1;
+    if (rank == 0) {
+        const int fd = ::shm_open(probe.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+        seen = fd >= 0 ? 1 : 0;
+        if (fd >= 0) ::close(fd);
+    }
+    MPI_Barrier(node);
+    if (rank != 0) {
+        const int fd = ::shm_open(probe.c_str(), O_RDONLY, 0600);
+        seen = fd >= 0 ? 1 : 0;
+        if (fd >= 0) ::close(fd);
+    }
+    int all_seen = 0;
+    MPI_Allreduce(&seen, &all_seen, 1, MPI_INT, MPI_MIN, node);
+    if (rank == 0) ::shm_unlink(probe.c_str());
+    if (all_seen == 0)
+        throw Error("gradsync: shared_memory_group: some processes of this communicator do not see /dev/shm" + probe +
+                    ", which rank 0 made: they share the machine but not its /dev/shm (separate containers or "
+                    "mount namespaces); share it between them, or use MpiBackend");
+    return std::make_unique<SharedMemoryBackend>(name, rank, size, options);
+}
+
+}  // namespace gradsync::inline v0
+#endif  // GRADSYNC_SINGLE_BACKEND_MPI_SHARED_MEMORY_GROUP_HPP
+// ---- end gradsync/backend/mpi/shared_memory_group.hpp ----
 #endif  // GRADSYNC_SINGLE_BACKEND_MPI_HPP
 // ---- end gradsync/backend/mpi.hpp ----

@@ -205,6 +205,46 @@ TEST_CASE("nodes found by MPI: a TwoLevelBackend over them trains as the flat ba
     CHECK(relative_difference(train(reordered), single) <= 1e-5);
 }
 
+TEST_CASE("shared memory inside nodes, MPI across them: TwoLevelBackend trains as the flat backend does") {
+    const int n = job_size(), me = job_rank();
+    // [shared-memory-node]
+    auto node_comm = gradsync::mpi_node_comm();
+    auto across_comm = gradsync::mpi_cross_node_comm(gradsync::mpi_world(), node_comm);
+    auto node = gradsync::shared_memory_group(node_comm);
+    gradsync::MpiBackend across(across_comm);
+    gradsync::TwoLevelBackend backend(*node, across);
+    // [/shared-memory-node]
+    CHECK(node->size() == n / test_nodes());
+    CHECK(backend.rank() == me);
+
+    std::vector<float> sums(100'001);
+    for (std::size_t i = 0; i < sums.size(); ++i) sums[i] = float((me + 1) * int(1 + i % 7));
+    backend.allreduce(std::span<float>(sums));
+    for (std::size_t i = 0; i < sums.size(); ++i) REQUIRE(sums[i] == float(n * (n + 1) / 2 * int(1 + i % 7)));
+
+    mlp::Mlp model(model_seed(0) + static_cast<std::uint64_t>(me) * 1000);
+    gradsync::DataParallel dp(model, backend, gradsync::SizeCappedBuckets{64_KiB, 4_KiB});
+    mlp::Sgd opt(0.05f, 0.9f);
+    for (int s = 0; s < steps; ++s) {
+        const auto first = static_cast<std::size_t>(s * n * micro_batch + me * micro_batch);
+        model.forward_backward(mlp::make_batch(data_seed(0), first, micro_batch));
+        dp.synchronize();
+        opt.step(model);
+    }
+    CHECK(relative_difference(weights_of(model), gradsync_test::train_one_process(0, n, steps, micro_batch)) <= 1e-5);
+
+    // The whole job over shared memory, where it runs on one machine.
+    if (test_nodes() == 1) {
+        auto whole = gradsync::shared_memory_group(gradsync::mpi_world());
+        std::vector<float> v(5000, float(me));
+        whole->allreduce(std::span<float>(v), gradsync::ReduceOp::average);
+        CHECK(v[4999] == float(n - 1) / 2.0f);
+    } else {
+        CHECK_THROWS_WITH_AS(gradsync::shared_memory_group(gradsync::mpi_world()),
+                             doctest::Contains("are not all on one machine"), gradsync::Error);
+    }
+}
+
 TEST_CASE("hybrid sharding over nodes: the state split in each node, the same on every node, as DataParallel trains") {
     const int n = job_size(), me = job_rank();
     const int per_node = n % 2 == 0 ? 2 : 1;
