@@ -4,6 +4,7 @@
 //     beside the flat MpiBackend over the whole job, its ranks numbered node by node (as mpirun
 //     places them: its ring crosses each node's link once each way) and numbered round-robin
 //     across the nodes (as a cyclic placement does: every step of its ring crosses a link);
+//   - TwoLevelBackend whose node level is a SharedMemoryBackend beside the one over MpiBackend;
 //   - bfloat16 wire compression, and PowerSGD at rank 4, beside float32, both on the flat backend;
 //   - ShardedDataParallel::step() over TwoLevelBackend (hybrid sharding: the state split in the
 //     node, replicated across) beside the same step sharded over the flat backend.
@@ -162,6 +163,9 @@ int main(int argc, char** argv) {
     auto across_comm = gradsync::mpi_cross_node_comm(gradsync::mpi_world(), node_comm);
     gradsync::MpiBackend node(node_comm, named(s.mpi, "node")), across(across_comm, named(s.mpi, "across"));
     gradsync::TwoLevelBackend two_level(node, across);
+    auto shared_node = gradsync::shared_memory_group(node_comm);
+    gradsync::MpiBackend shared_across(across_comm, named(s.mpi, "across, beside shared memory"));
+    gradsync::TwoLevelBackend two_level_shared(*shared_node, shared_across);
     const int rank = me, n = flat.size();
     const double m = nodes;
     // A flat ring numbered node by node crosses each node's link once each way, carrying
@@ -192,6 +196,10 @@ int main(int argc, char** argv) {
         print(levels, "two-level", "flat", rank);
         const auto round_robin = race(name + ": two levels / flat round-robin", over_two, over_cyclic, s);
         print(round_robin, "two-level", "flat r-r", rank);
+        bench::LayoutModel h(layout);
+        gradsync::DataParallel over_shared(h, two_level_shared);
+        const auto node_level = race(name + ": node over shared memory / over MPI", over_shared, over_two, s);
+        print(node_level, "shm node", "MPI node", rank);
         gradsync::DataParallel bf16(c, flat, gradsync::Bf16Compression{});
         const auto wire = race(name + ": bfloat16 wire / float32", bf16, over_flat, s);
         print(wire, "bfloat16", "float32", rank);
@@ -222,6 +230,8 @@ int main(int argc, char** argv) {
         rows.push_back({name + " two levels / flat round-robin, bytes on a node's link", round_robin.mb, "MB",
                         "flat MpiBackend, ranks round-robin", round_robin.base_mb, "",
                         round_robin.mb / round_robin.base_mb, "-", true});
+        rows.push_back({name + " two levels, node over shared memory / over MpiBackend, synchronize", node_level.ms,
+                        "ms", "two levels, node over MpiBackend", node_level.base_ms, "", node_level.ratio, "-", true});
         rows.push_back({name + " hybrid sharded / sharded over the flat backend, step", hybrid.ms, "ms",
                         "ShardedDataParallel over flat MpiBackend", hybrid.base_ms, "", hybrid.ratio, "-", true});
         rows.push_back({name + " hybrid sharded / flat sharded, bytes on a node's link", hybrid.mb, "MB",
