@@ -39,8 +39,6 @@
 #include <thread>  // for std::thread::hardware_concurrency
 #include <vector>
 
-#include <unistd.h>  // for getpid
-
 namespace {
 
 struct Settings {
@@ -63,18 +61,9 @@ struct Row {
     double copy_ms = 0;                     // its ceiling: every process copying its gradients once, all at once
 };
 
-// A SharedMemoryBackend over this node's processes, its name agreed through MPI.
+// A SharedMemoryBackend over this machine's processes.
 std::unique_ptr<gradsync::SharedMemoryBackend> node_backend() {
-    MPI_Comm node = MPI_COMM_NULL;
-    MPI_Comm_split_type(gradsync::mpi_world(), MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
-    int rank = 0, size = 1;
-    MPI_Comm_rank(node, &rank);
-    MPI_Comm_size(node, &size);
-    static int made = 0;
-    long id = static_cast<long>(::getpid()) * 100 + made++;
-    MPI_Bcast(&id, 1, MPI_LONG, 0, node);
-    MPI_Comm_free(&node);
-    return std::make_unique<gradsync::SharedMemoryBackend>("/gradsync-bench-" + std::to_string(id), rank, size);
+    return gradsync::shared_memory_group(gradsync::mpi_node_comm());
 }
 
 template <class... Policies>
