@@ -253,14 +253,17 @@ private:
         }
     }
 
-    // A peer whose handle is gone, or whose process has exited, will never arrive.
+    // A peer whose handle is gone, or whose process has exited, will never arrive. (A process in
+    // another pid namespace, a container sharing /dev/shm, is seen only by its deadline.)
     void check_peer(int s, const CollectiveCall& call) const {
         const auto& peer = segment_.rank_state(s);
         if (peer.departed.load(std::memory_order_acquire) != 0)
             throw CollectiveError(segment_.who() + ": " + call.describe() + ": rank " + std::to_string(s) +
                                   " left the group (its SharedMemoryBackend was destroyed) before this collective");
         const auto pid = peer.pid.load(std::memory_order_relaxed);
-        if (pid > 0 && ::kill(pid, 0) != 0 && errno == ESRCH)
+        const auto ns = peer.pid_namespace.load(std::memory_order_relaxed);
+        const bool same_namespace = ns != 0 && ns == segment_.me().pid_namespace.load(std::memory_order_relaxed);
+        if (same_namespace && pid > 0 && ::kill(pid, 0) != 0 && errno == ESRCH)
             throw CollectiveError(segment_.who() + ": " + call.describe() + ": rank " + std::to_string(s) +
                                   " (process " + std::to_string(pid) + ") has exited");
     }

@@ -82,6 +82,7 @@ struct alignas(shared_line) SharedHeader {
 struct alignas(shared_line) SharedRank {
     std::atomic<std::uint64_t> stage{0};  // meetings this rank has arrived at
     alignas(shared_line) std::atomic<std::int32_t> pid{0};
+    std::atomic<std::uint64_t> pid_namespace{0};  // its pid means something only in this one
     std::atomic<std::int32_t> departed{0};
     SharedCall calls[2];  // the current collective, by the parity of its number
 };
@@ -124,6 +125,7 @@ public:
             }
         }
         me().pid.store(static_cast<std::int32_t>(::getpid()), std::memory_order_relaxed);
+        me().pid_namespace.store(pid_namespace(), std::memory_order_relaxed);
         // The last rank to arrive removes the name: from then on the object lives only while mapped.
         if (header().attached.fetch_add(1, std::memory_order_acq_rel) + 1 == size) ::shm_unlink(name.c_str());
         try {
@@ -152,6 +154,13 @@ public:
         return base_ + slots_offset(size_) + (static_cast<std::size_t>(r) * 2 + p) * slot_bytes_;
     }
     [[nodiscard]] std::string who() const { return rank_prefix(rank_, size_, "shared memory"); }
+
+    // Which process-id namespace this process lives in (0 where /proc cannot tell): processes in
+    // containers may share /dev/shm and not their process ids.
+    static std::uint64_t pid_namespace() {
+        struct stat st {};
+        return ::stat("/proc/self/ns/pid", &st) == 0 ? static_cast<std::uint64_t>(st.st_ino) : 0;
+    }
 
 private:
     static std::size_t round_up(std::size_t n) { return (n + shared_line - 1) / shared_line * shared_line; }
