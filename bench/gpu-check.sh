@@ -100,7 +100,7 @@ header_folder() {
             return 0
         fi
     done
-    echo "FAIL: $2's header not found: set DOCTEST_INCLUDE, or run 'bash bench/gpu-check.sh --bundle' where it is installed and carry $build/third_party" | tee -a "$summary" >&2
+    echo "FAIL: $2's header ($1) not found: put it in a folder named by DOCTEST_INCLUDE (searched for both doctest's and nlohmann/json's headers), or run 'bash bench/gpu-check.sh --bundle' where it is installed and carry $build/third_party" | tee -a "$summary" >&2
     return 1
 }
 doctest_include=$(header_folder doctest/doctest.h doctest) || exit 1

@@ -43,7 +43,7 @@ grep -q "FAIL: NCCL's library is in $wheel/lib but its header is not beside it: 
 mkdir -p "$work/build.staged/third_party/include"
 cp "$1/nccl.h" "$work/build.staged/third_party/include/"
 out=$(check staged GRADSYNC_SYSTEM_INCLUDE="$work/no-include")
-grep -q "FAIL: doctest's header not found" <<<"$out" || fail "no doctest anywhere: $out"
+grep -q "FAIL: doctest's header (doctest/doctest.h) not found" <<<"$out" || fail "no doctest anywhere: $out"
 GRADSYNC_GPU_CHECK_BUILD="$work/build.staged" bash bench/gpu-check.sh --bundle | grep -q "carry" || fail "--bundle"
 out=$(check staged GRADSYNC_SYSTEM_INCLUDE="$work/no-include")
 echo "$out"
