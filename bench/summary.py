@@ -214,13 +214,14 @@ def plots(sources, directory):
         for name, data in races:
             for row in data["rows"]:
                 layout = row["figure"].rsplit(", ", 1)[-1]
-                labels.append(f"{layout}\nPyTorch {name[4:]}")
+                backend = "shared memory" if "SharedMemory" in row.get("reference", "") else "MPI"
+                labels.append(f"{layout}\n{backend}\nPyTorch {name[4:]}")
                 ddp.append(row["measured"])
                 ours.append(row["reference_value"])
         fig, ax = plt.subplots(figsize=(max(6, len(labels) * 1.3), 4))
         x = range(len(labels))
         ax.bar([i - 0.2 for i in x], ddp, 0.4, label="PyTorch DDP (gloo)")
-        ax.bar([i + 0.2 for i in x], ours, 0.4, label="gradsync (MpiBackend)")
+        ax.bar([i + 0.2 for i in x], ours, 0.4, label="gradsync (the backend named below)")
         ax.set_xticks(list(x), labels, fontsize=8)
         ax.set_ylabel("ms per step's gradient synchronization")
         ax.set_title("The race with PyTorch DDP, 2 processes, same machine")

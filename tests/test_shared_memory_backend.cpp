@@ -87,8 +87,7 @@ void check_matches_local(int n, std::size_t count, gradsync::ReduceOp op, Shared
     for (int r = 0; r < n; ++r) {
         CAPTURE(r);
         REQUIRE(shared[std::size_t(r)].size() == count);
-        if (count != 0)
-            CHECK(std::memcmp(shared[std::size_t(r)].data(), local[0].data(), count * sizeof(T)) == 0);
+        if (count != 0) CHECK(std::memcmp(shared[std::size_t(r)].data(), local[0].data(), count * sizeof(T)) == 0);
     }
 }
 
