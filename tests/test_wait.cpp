@@ -86,3 +86,30 @@ TEST_CASE("wait: the check ends a wait that would never end, whether spinning or
                          std::runtime_error);
     CHECK(std::chrono::steady_clock::now() >= until);
 }
+
+TEST_CASE("wait: with a nap for a sleep, a change nobody rings for is still seen") {
+    // A peer in another process cannot ring a Doorbell: the waiter naps and looks again.
+    SpinBudget budget;
+    std::atomic<bool> flag{false};
+    std::atomic<int> checks{0};
+    std::thread setter([&] {
+        std::this_thread::sleep_for(20ms);
+        flag.store(true, std::memory_order_seq_cst);  // and no bell
+    });
+    gradsync::detail::wait_until([&] { return flag.load(std::memory_order_acquire); }, [&] { ++checks; },
+                                 gradsync::detail::Nap(200us), budget);
+    setter.join();
+    CHECK(flag.load());
+    CHECK(checks.load() > 0);
+}
+
+TEST_CASE("wait: a nap lasts the shorter of its length and the slice asked for") {
+    using clock = std::chrono::steady_clock;
+    auto never = [] { return false; };
+    auto start = clock::now();
+    gradsync::detail::Nap(1ms).sleep(never, 10s);
+    CHECK(clock::now() - start < 2s);  // its length, not the slice
+    start = clock::now();
+    gradsync::detail::Nap(10s).sleep(never, 1ms);
+    CHECK(clock::now() - start < 2s);  // the slice, not its length
+}

@@ -70,4 +70,17 @@ struct CollectiveCall {
     }
 };
 
+// What every backend that compares its ranks' calls says when rank `rank` is not in rank 0's
+// `reference` (the two not same_as each other).
+inline std::string mismatch_message(const CollectiveCall& reference, int rank, const CollectiveCall& theirs) {
+    // Alike but for the tag's fingerprint: the same call of another history.
+    const bool same_call = reference.describe() == theirs.describe();
+    return "collective mismatch: rank 0 is in " + reference.describe() + " but rank " + std::to_string(rank) +
+           " is in " + theirs.describe() +
+           (same_call ? " of another history (another DataParallel on this backend, or after collectives that "
+                        "differed earlier)"
+                      : std::string()) +
+           "; every rank must call the same collectives in the same order with the same sizes";
+}
+
 }  // namespace gradsync::inline v0

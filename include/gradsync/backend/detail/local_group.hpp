@@ -205,17 +205,7 @@ protected:
         const LocalCall& ref = ranks_[0].calls[parity];
         for (int s = 1; s < size_; ++s) {
             const LocalCall& other = ranks_[idx(s)].calls[parity];
-            if (!other.same_as(ref)) {
-                // Alike but for the tag's fingerprint: the same call of another history.
-                const bool same_call = ref.describe() == other.describe();
-                fail(rank, call,
-                     "collective mismatch: rank 0 is in " + ref.describe() + " but rank " + std::to_string(s) +
-                         " is in " + other.describe() +
-                         (same_call ? " of another history (another DataParallel on this backend, or after "
-                                      "collectives that differed earlier)"
-                                    : std::string()) +
-                         "; every rank must call the same collectives in the same order with the same sizes");
-            }
+            if (!other.same_as(ref)) fail(rank, call, mismatch_message(ref, s, other));
         }
     }
 

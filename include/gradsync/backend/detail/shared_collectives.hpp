@@ -34,7 +34,7 @@
 #include <cstring>  // for std::memcpy
 #include <span>
 #include <string>
-#include <thread>  // for std::this_thread::yield, sleep_for
+#include <thread>  // for std::this_thread::sleep_for
 #include <vector>
 
 #include <signal.h>  // for kill
@@ -225,32 +225,28 @@ private:
             if (s != segment_.rank()) wait_for(s, target, call, deadline);
     }
 
+    // Waits for rank s to reach meeting `target`. Another process cannot ring a Doorbell, so the
+    // wait naps after its spin and yields; the peer checks (a system call) run every 2 ms.
     void wait_for(int s, std::uint64_t target, const CollectiveCall& call,
                   std::chrono::steady_clock::time_point deadline) {
         auto& peer = segment_.rank_state(s);
         auto arrived = [&] { return peer.stage.load(std::memory_order_acquire) >= target; };
-        const auto start = std::chrono::steady_clock::now();
-        while (!arrived() && std::chrono::steady_clock::now() - start < spin_.get()) cpu_relax();
-        if (arrived()) return spin_.paid();
-        spin_.wasted();
         auto checked = std::chrono::steady_clock::now();
-        for (;;) {
-            if (arrived()) return;
-            const auto now = std::chrono::steady_clock::now();
-            if (now - start < yield_for)
-                std::this_thread::yield();
-            else
-                std::this_thread::sleep_for(std::chrono::microseconds(50));
-            if (aborted()) throw_if_aborted(call);
-            if (now - checked < std::chrono::milliseconds(2)) continue;
-            checked = now;
-            if (arrived()) return;
-            check_peer(s, call);
-            if (now >= deadline)
-                throw TimeoutError(segment_.who() + ": " + call.describe() + ": rank " + std::to_string(s) +
-                                   " did not arrive within the timeout of " + std::to_string(timeout_.count()) +
-                                   " ms. Raise the timeout if the work is just slow");
-        }
+        wait_until(
+            arrived,
+            [&] {
+                throw_if_aborted(call);
+                const auto now = std::chrono::steady_clock::now();
+                if (now - checked < std::chrono::milliseconds(2)) return;
+                checked = now;
+                if (arrived()) return;  // it may have arrived and then left
+                check_peer(s, call);
+                if (now >= deadline)
+                    throw TimeoutError(segment_.who() + ": " + call.describe() + ": rank " + std::to_string(s) +
+                                       " did not arrive within the timeout of " + std::to_string(timeout_.count()) +
+                                       " ms. Raise the timeout if the work is just slow");
+            },
+            Nap(std::chrono::microseconds(50)), spin_);
     }
 
     // A peer whose handle is gone, or whose process has exited, will never arrive. (A process in
@@ -274,11 +270,7 @@ private:
         const CollectiveCall ref = segment_.rank_state(0).calls[call.seq & 1].call();
         for (int s = 1; s < segment_.size(); ++s) {
             const CollectiveCall other = segment_.rank_state(s).calls[call.seq & 1].call();
-            if (!other.same_as(ref))
-                throw CollectiveError(segment_.who() + ": collective mismatch: rank 0 is in " + ref.describe() +
-                                      " but rank " + std::to_string(s) + " is in " + other.describe() +
-                                      "; every rank must call the same collectives in the same order with the same "
-                                      "sizes");
+            if (!other.same_as(ref)) throw CollectiveError(segment_.who() + ": " + mismatch_message(ref, s, other));
         }
     }
 

@@ -11,6 +11,7 @@
 #include <gradsync/backend/collective.hpp>
 #include <gradsync/buffer.hpp>
 #include <gradsync/detail/deadline.hpp>
+#include <gradsync/detail/wait.hpp>
 #include <gradsync/dtype.hpp>
 #include <gradsync/error.hpp>
 
@@ -23,7 +24,6 @@
 #include <cstring>  // for std::strerror, std::memcpy
 #include <new>      // for placement new
 #include <string>
-#include <thread>  // for std::this_thread::sleep_for
 
 #include <fcntl.h>  // for O_CREAT, O_EXCL, O_RDWR
 #include <sys/mman.h>
@@ -219,13 +219,16 @@ private:
 
     template <class Ready>
     void wait_for(std::chrono::steady_clock::time_point deadline, const std::string& what, Ready ready) const {
-        while (!ready()) {
-            if (std::chrono::steady_clock::now() >= deadline)
-                throw TimeoutError(who() + ": timed out waiting for " + what +
-                                   ": every rank of the group must construct its SharedMemoryBackend with the "
-                                   "same name and size");
-            std::this_thread::sleep_for(std::chrono::microseconds(200));
-        }
+        SpinBudget spin;
+        wait_until(
+            ready,
+            [&] {
+                if (std::chrono::steady_clock::now() >= deadline)
+                    throw TimeoutError(who() + ": timed out waiting for " + what +
+                                       ": every rank of the group must construct its SharedMemoryBackend with the "
+                                       "same name and size");
+            },
+            Nap(std::chrono::microseconds(200)), spin);
     }
 
     void unmap() {
