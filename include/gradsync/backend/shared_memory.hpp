@@ -15,6 +15,7 @@
 #include <gradsync/backend/collective.hpp>
 #include <gradsync/backend/concepts.hpp>
 #include <gradsync/backend/detail/async_collectives.hpp>
+#include <gradsync/backend/detail/held_segments.hpp>
 #include <gradsync/backend/detail/shared_collectives.hpp>
 #include <gradsync/backend/detail/typed_calls.hpp>
 #include <gradsync/backend/handle.hpp>
@@ -30,7 +31,6 @@
 #include <span>
 #include <string>
 #include <utility>  // for std::move
-#include <vector>
 
 namespace gradsync::inline v0 {
 
@@ -192,18 +192,21 @@ private:
         run_now(call(kind, detail::total_count(segments), dtype, op, 0, tag), segments);
     }
 
-    CollectiveHandle launch(const CollectiveCall& c, std::vector<Segment> segments) {
+    CollectiveHandle launch(const CollectiveCall& c, detail::HeldSegments segments) {
         auto done = std::make_shared<detail::Completion>(waiting_);
-        async_.launch([group = group_, c, segments = std::move(segments)] { group->execute({c, segments}); }, done);
+        async_.launch(
+            [group = group_, c, segments = std::move(segments)] {
+                group->execute({c, segments.get()});
+            },
+            done);
         return CollectiveHandle(std::move(done));
     }
     CollectiveHandle launch(CollectiveKind kind, Buffer buf, ReduceOp op, CollectiveTag tag) {
-        return launch(call(kind, buf.count, buf.dtype, op, 0, tag), {{buf.data, buf.count}});
+        return launch(call(kind, buf.count, buf.dtype, op, 0, tag), detail::HeldSegments(Segment{buf.data, buf.count}));
     }
     CollectiveHandle launch(CollectiveKind kind, std::span<const Segment> segments, DType dtype, ReduceOp op,
                             CollectiveTag tag) {
-        return launch(call(kind, detail::total_count(segments), dtype, op, 0, tag),
-                      std::vector<Segment>(segments.begin(), segments.end()));
+        return launch(call(kind, detail::total_count(segments), dtype, op, 0, tag), detail::HeldSegments(segments));
     }
 
     SharedMemoryOptions options_;

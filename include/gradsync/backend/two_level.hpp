@@ -10,6 +10,7 @@
 #include <gradsync/backend/collective.hpp>
 #include <gradsync/backend/concepts.hpp>
 #include <gradsync/backend/detail/async_collectives.hpp>
+#include <gradsync/backend/detail/held_segments.hpp>
 #include <gradsync/backend/detail/typed_calls.hpp>
 #include <gradsync/backend/handle.hpp>
 #include <gradsync/buffer.hpp>
@@ -24,7 +25,6 @@
 #include <span>
 #include <string>
 #include <utility>  // for std::move
-#include <vector>
 
 namespace gradsync::inline v0 {
 
@@ -76,7 +76,8 @@ public:
         allreduce(std::span<const Segment>(&seg, 1), buf.dtype, op, tag);
     }
     CollectiveHandle allreduce_async(Buffer buf, ReduceOp op = ReduceOp::sum, CollectiveTag tag = {}) {
-        return allreduce_async(std::vector<Segment>{{buf.data, buf.count}}, buf.dtype, op, tag);
+        const Segment seg{buf.data, buf.count};
+        return allreduce_async(std::span<const Segment>(&seg, 1), buf.dtype, op, tag);
     }
     void allreduce(std::span<const Segment> segments, DType t, ReduceOp op = ReduceOp::sum, CollectiveTag tag = {}) {
         async_.wait_for_all();
@@ -96,7 +97,8 @@ public:
         reduce_scatter(std::span<const Segment>(&seg, 1), buf.dtype, op, tag);
     }
     CollectiveHandle reduce_scatter_async(Buffer buf, ReduceOp op = ReduceOp::sum, CollectiveTag tag = {}) {
-        return reduce_scatter_async(std::vector<Segment>{{buf.data, buf.count}}, buf.dtype, op, tag);
+        const Segment seg{buf.data, buf.count};
+        return reduce_scatter_async(std::span<const Segment>(&seg, 1), buf.dtype, op, tag);
     }
     void reduce_scatter(std::span<const Segment> segments, DType t, ReduceOp op = ReduceOp::sum,
                         CollectiveTag tag = {}) {
@@ -113,7 +115,8 @@ public:
         all_gather(std::span<const Segment>(&seg, 1), buf.dtype, tag);
     }
     CollectiveHandle all_gather_async(Buffer buf, CollectiveTag tag = {}) {
-        return all_gather_async(std::vector<Segment>{{buf.data, buf.count}}, buf.dtype, tag);
+        const Segment seg{buf.data, buf.count};
+        return all_gather_async(std::span<const Segment>(&seg, 1), buf.dtype, tag);
     }
     void all_gather(std::span<const Segment> segments, DType t, CollectiveTag tag = {}) {
         async_.wait_for_all();
@@ -169,8 +172,7 @@ private:
     template <class Body>
     CollectiveHandle launch(Body body, std::span<const Segment> segments, DType t) {
         auto done = std::make_shared<detail::Completion>(waiting_);
-        async_.launch([body = std::move(body), copy = std::vector<Segment>(segments.begin(), segments.end()),
-                       t] { body(copy, t); },
+        async_.launch([body = std::move(body), held = detail::HeldSegments(segments), t] { body(held.get(), t); },
                       done);
         return CollectiveHandle(std::move(done));
     }

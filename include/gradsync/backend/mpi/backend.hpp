@@ -13,6 +13,7 @@
 #include <gradsync/backend/collective.hpp>
 #include <gradsync/backend/concepts.hpp>
 #include <gradsync/backend/detail/async_collectives.hpp>
+#include <gradsync/backend/detail/held_segments.hpp>
 #include <gradsync/backend/detail/typed_calls.hpp>
 #include <gradsync/backend/detail/watcher_thread.hpp>
 #include <gradsync/backend/group_label.hpp>
@@ -153,9 +154,9 @@ public:
     // The segment list is copied; the memory it points to must stay untouched until completion.
     CollectiveHandle allreduce_async(std::span<const Segment> segments, DType dtype, ReduceOp op = ReduceOp::sum) {
         check_dtype(dtype);
-        std::vector<Segment> copy(segments.begin(), segments.end());
-        return launch(allreduce_call(detail::total_count(segments), dtype, op),
-                      [this, copy = std::move(copy), dtype, op] { reduction_->reduce(copy, dtype, op); });
+        return launch(
+            allreduce_call(detail::total_count(segments), dtype, op),
+            [this, held = detail::HeldSegments(segments), dtype, op] { reduction_->reduce(held.get(), dtype, op); });
     }
 
     // Leaves the reduction over the ranks in this rank's shard of `buf` (shard_of(buf.count,
@@ -165,7 +166,8 @@ public:
         reduce_scatter(std::span<const Segment>(&seg, 1), buf.dtype, op);
     }
     CollectiveHandle reduce_scatter_async(Buffer buf, ReduceOp op = ReduceOp::sum) {
-        return reduce_scatter_async(std::vector<Segment>{{buf.data, buf.count}}, buf.dtype, op);
+        const Segment seg{buf.data, buf.count};
+        return reduce_scatter_async(std::span<const Segment>(&seg, 1), buf.dtype, op);
     }
     // The same over segments laid end to end (a bucket's gradients where the model keeps them):
     // the shard is of their total, and nothing is packed.
@@ -176,9 +178,10 @@ public:
     }
     CollectiveHandle reduce_scatter_async(std::span<const Segment> segments, DType dtype, ReduceOp op = ReduceOp::sum) {
         check_dtype(dtype);
-        std::vector<Segment> copy(segments.begin(), segments.end());
         return launch(sharded_call(CollectiveKind::reduce_scatter, detail::total_count(segments), dtype, op),
-                      [this, copy = std::move(copy), dtype, op] { reduction_->reduce_scatter(copy, dtype, op); });
+                      [this, held = detail::HeldSegments(segments), dtype, op] {
+                          reduction_->reduce_scatter(held.get(), dtype, op);
+                      });
     }
 
     // Copies every rank's shard of its `buf` into the same place of every other rank's (any
@@ -188,7 +191,8 @@ public:
         all_gather(std::span<const Segment>(&seg, 1), buf.dtype);
     }
     CollectiveHandle all_gather_async(Buffer buf) {
-        return all_gather_async(std::vector<Segment>{{buf.data, buf.count}}, buf.dtype);
+        const Segment seg{buf.data, buf.count};
+        return all_gather_async(std::span<const Segment>(&seg, 1), buf.dtype);
     }
     // The same over segments laid end to end: MPI reads and writes them where they lie.
     void all_gather(std::span<const Segment> segments, DType dtype) {
@@ -198,9 +202,10 @@ public:
     }
     CollectiveHandle all_gather_async(std::span<const Segment> segments, DType dtype) {
         check_known(dtype);
-        std::vector<Segment> copy(segments.begin(), segments.end());
         return launch(sharded_call(CollectiveKind::all_gather, detail::total_count(segments), dtype, ReduceOp::sum),
-                      [this, copy = std::move(copy), dtype] { reduction_->all_gather(copy, size_of(dtype)); });
+                      [this, held = detail::HeldSegments(segments), dtype] {
+                          reduction_->all_gather(held.get(), size_of(dtype));
+                      });
     }
 
     void broadcast(std::span<std::byte> bytes, int root) {
