@@ -44,6 +44,8 @@ struct HookParameter {
     std::size_t offset = 0;          // where its elements start in HookBucket::values
     std::size_t count = 0;           // elements
     std::vector<std::size_t> shape;  // as the model states it (Parameter::shape); empty: a vector
+
+    bool operator==(const HookParameter&) const = default;
 };
 
 // A bucket, as a hook sees it.

@@ -15,7 +15,7 @@
 
 #include <cuda_runtime.h>
 
-#include <algorithm>  // for std::clamp, std::equal, std::min, std::max
+#include <algorithm>  // for std::clamp, std::ranges::equal, std::min, std::max
 #include <cstddef>
 #include <cstdint>
 #include <cstring>  // for std::memcpy
@@ -243,18 +243,12 @@ private:
         return st;
     }
 
-    static bool same_parameters(const std::vector<HookParameter>& a, std::span<const HookParameter> b) {
-        return std::equal(a.begin(), a.end(), b.begin(), b.end(), [](const HookParameter& x, const HookParameter& y) {
-            return x.name == y.name && x.offset == y.offset && x.count == y.count && x.shape == y.shape;
-        });
-    }
-
     // The bucket's work, made again when its parameters differ from last time; a matrix's state is
     // kept where it has the same shape.
     Work& work_for(const HookBucket& bucket) {
         auto [at, fresh] = device_->work.try_emplace(bucket.index);
         auto& w = at->second;
-        if (!fresh && same_parameters(w.layout, bucket.parameters)) return w;
+        if (!fresh && std::ranges::equal(w.layout, bucket.parameters)) return w;
         w = Work{};
         w.layout.assign(bucket.parameters.begin(), bucket.parameters.end());
         for (const auto& p : bucket.parameters) {
