@@ -8,7 +8,7 @@
 
 #include <doctest/doctest.h>
 
-#include "support/toy_model.hpp"
+#include "support/toy_training.hpp"
 
 #include <chrono>
 #include <cstring>
@@ -53,28 +53,13 @@ static_assert(gradsync::Backend<BareBackend>);
 static_assert(!gradsync::TaggedCollectives<BareBackend>);
 static_assert(!gradsync::ScatteredAllreduce<BareBackend>);
 
-// Three steps of rank-dependent gradients, made ready in backward's order; each rank's final
-// gradients and weights.
+// Each rank's final weights after three steps over `wrap(its LocalBackend)`.
 template <class Wrap>
 std::vector<std::vector<float>> train(int n, Wrap wrap) {
     std::vector<std::vector<float>> out(static_cast<std::size_t>(n));
     gradsync::spawn(n, [&](gradsync::LocalBackend& local) {
         decltype(auto) backend = wrap(local);
-        testing_support::Toy model({300, 5, 4000}, 1.0f);
-        gradsync::DataParallel dp(model, backend, gradsync::SizeCappedBuckets{.cap = gradsync::Bytes{4096}});
-        for (int step = 0; step < 3; ++step) {
-            for (std::size_t i = model.tensors.size(); i-- > 0;) {
-                auto& g = model.tensors[i].g;
-                for (std::size_t k = 0; k < g.size(); ++k) g[k] = float((k + i) % 7) + float(local.rank() * (step + 1));
-                dp.grad_ready(i);
-            }
-            dp.step([&] {
-                for (auto& t : model.tensors)
-                    for (std::size_t k = 0; k < t.w.size(); ++k) t.w[k] -= 0.125f * t.g[k];
-            });
-        }
-        auto& mine = out[std::size_t(local.rank())];
-        for (auto& t : model.tensors) mine.insert(mine.end(), t.w.begin(), t.w.end());
+        out[std::size_t(local.rank())] = testing_support::train_toy(backend);
     });
     return out;
 }
@@ -117,30 +102,13 @@ static_assert(gradsync::ShardedCollectives<BareShardedBackend>);
 static_assert(!gradsync::ScatteredShardedCollectives<BareShardedBackend>);
 static_assert(!gradsync::TaggedShardedCollectives<BareShardedBackend>);
 
-// Three sharded steps of rank-dependent gradients, overlapped with "backward" on every rank; each
-// rank's final weights.
+// ...and after three sharded steps, overlapped with "backward" on every rank.
 template <class Wrap>
 std::vector<std::vector<float>> train_sharded(int n, Wrap wrap) {
     std::vector<std::vector<float>> out(static_cast<std::size_t>(n));
     gradsync::spawn(n, [&](gradsync::LocalBackend& local) {
         decltype(auto) backend = wrap(local);
-        testing_support::Toy model({300, 5, 4000}, 1.0f);
-        gradsync::ShardedDataParallel sdp(model, backend, gradsync::SizeCappedBuckets{.cap = gradsync::Bytes{4096}});
-        for (int step = 0; step < 3; ++step) {
-            for (std::size_t i = model.tensors.size(); i-- > 0;) {
-                auto& g = model.tensors[i].g;
-                for (std::size_t k = 0; k < g.size(); ++k) g[k] = float((k + i) % 7) + float(local.rank() * (step + 1));
-                sdp.grad_ready(i);
-            }
-            CHECK(sdp.step([](std::span<const gradsync::ShardPiece<float>> pieces) {
-                         for (const auto& piece : pieces)
-                             for (std::size_t k = 0; k < piece.params.size(); ++k)
-                                 piece.params[k] -= 0.125f * piece.grads[k];
-                     })
-                      .applied);
-        }
-        auto& mine = out[std::size_t(local.rank())];
-        for (auto& t : model.tensors) mine.insert(mine.end(), t.w.begin(), t.w.end());
+        out[std::size_t(local.rank())] = testing_support::train_toy_sharded(backend);
     });
     return out;
 }

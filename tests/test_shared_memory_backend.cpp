@@ -10,7 +10,7 @@
 
 #include <doctest/doctest.h>
 
-#include "support/toy_model.hpp"
+#include "support/toy_training.hpp"
 
 #include <atomic>
 #include <chrono>
@@ -315,27 +315,7 @@ TEST_CASE("SharedMemoryBackend: bad arguments, a name in use and ranks that disa
 }
 
 TEST_CASE("ShardedDataParallel over SharedMemoryBackend steps as over LocalBackend, bit for bit") {
-    auto train = [](gradsync::Backend auto& backend) {
-        testing_support::Toy model({300, 5, 4000}, 1.0f);
-        gradsync::ShardedDataParallel sdp(model, backend, gradsync::SizeCappedBuckets{.cap = gradsync::Bytes{4096}});
-        for (int step = 0; step < 3; ++step) {
-            for (std::size_t i = model.tensors.size(); i-- > 0;) {
-                auto& g = model.tensors[i].g;
-                for (std::size_t k = 0; k < g.size(); ++k)
-                    g[k] = float((k + i) % 7) + float(backend.rank() * (step + 1));
-                sdp.grad_ready(i);
-            }
-            CHECK(sdp.step([](std::span<const gradsync::ShardPiece<float>> pieces) {
-                         for (const auto& piece : pieces)
-                             for (std::size_t k = 0; k < piece.params.size(); ++k)
-                                 piece.params[k] -= 0.125f * piece.grads[k];
-                     })
-                      .applied);
-        }
-        std::vector<float> out;
-        for (auto& t : model.tensors) out.insert(out.end(), t.w.begin(), t.w.end());
-        return out;
-    };
+    auto train = [](gradsync::Backend auto& backend) { return testing_support::train_toy_sharded(backend); };
     std::vector<std::vector<float>> local(3), shared(3);
     gradsync::spawn(3, [&](gradsync::LocalBackend& b) { local[std::size_t(b.rank())] = train(b); });
     run_threads(3, unique_name(), {.slot = gradsync::Bytes{8192}},
@@ -344,25 +324,7 @@ TEST_CASE("ShardedDataParallel over SharedMemoryBackend steps as over LocalBacke
 }
 
 TEST_CASE("DataParallel over SharedMemoryBackend trains as over LocalBackend, bit for bit") {
-    auto train = [](gradsync::Backend auto& backend) {
-        testing_support::Toy model({300, 5, 4000}, 1.0f);
-        gradsync::DataParallel dp(model, backend, gradsync::SizeCappedBuckets{.cap = gradsync::Bytes{4096}});
-        for (int step = 0; step < 3; ++step) {
-            for (std::size_t i = model.tensors.size(); i-- > 0;) {
-                auto& g = model.tensors[i].g;
-                for (std::size_t k = 0; k < g.size(); ++k)
-                    g[k] = float((k + i) % 7) + float(backend.rank() * (step + 1));
-                dp.grad_ready(i);
-            }
-            dp.step([&] {
-                for (auto& t : model.tensors)
-                    for (std::size_t k = 0; k < t.w.size(); ++k) t.w[k] -= 0.125f * t.g[k];
-            });
-        }
-        std::vector<float> out;
-        for (auto& t : model.tensors) out.insert(out.end(), t.w.begin(), t.w.end());
-        return out;
-    };
+    auto train = [](gradsync::Backend auto& backend) { return testing_support::train_toy(backend); };
     for (int n : {2, 3}) {
         CAPTURE(n);
         const auto ranks = static_cast<std::size_t>(n);

@@ -54,6 +54,37 @@ std::string parity_ranks(int shard) {
     return out;
 }
 
+// This job rank's slice of step s's global batch (micro_batch examples of each rank's).
+mlp::Batch job_batch(int s) {
+    return mlp::make_batch(data_seed(0), static_cast<std::size_t>((s * job_size() + job_rank()) * micro_batch),
+                           micro_batch);
+}
+
+// DataParallel over `backend`: each rank starts from weights of its own (rank 0's are broadcast)
+// and trains on its slice of every global batch. Returns the weights after `steps` steps.
+template <class Backend>
+Weights train_data_parallel(Backend& backend) {
+    mlp::Mlp model(model_seed(0) + static_cast<std::uint64_t>(job_rank()) * 1000);
+    gradsync::DataParallel dp(model, backend, gradsync::SizeCappedBuckets{64_KiB, 4_KiB});
+    mlp::Sgd opt(0.05f, 0.9f);
+    for (int s = 0; s < steps; ++s) {
+        model.forward_backward(job_batch(s));
+        dp.synchronize();
+        opt.step(model);
+    }
+    return weights_of(model);
+}
+
+// An allreduce of `count` elements over `backend`, each the sum over the job of a value of its rank's.
+template <class Backend>
+void check_job_sums(Backend& backend, std::size_t count) {
+    const int n = job_size(), me = job_rank();
+    std::vector<float> sums(count);
+    for (std::size_t i = 0; i < sums.size(); ++i) sums[i] = float((me + 1) * int(1 + i % 7));
+    backend.allreduce(std::span<float>(sums));
+    for (std::size_t i = 0; i < sums.size(); ++i) REQUIRE(sums[i] == float(n * (n + 1) / 2 * int(1 + i % 7)));
+}
+
 }  // namespace
 
 TEST_CASE("process groups over MPI: groups by rank parity, each == one process on its global batch") {
@@ -146,21 +177,9 @@ TEST_CASE("two levels over MPI: nodes stated as blocks of ranks; DataParallel ==
     CHECK(backend.rank() == me);  // numbered node by node, as the job is
     CHECK(backend.size() == n);
 
-    std::vector<float> sums(1001);
-    for (std::size_t i = 0; i < sums.size(); ++i) sums[i] = float((me + 1) * int(1 + i % 7));
-    backend.allreduce(std::span<float>(sums));
-    for (std::size_t i = 0; i < sums.size(); ++i) REQUIRE(sums[i] == float(n * (n + 1) / 2 * int(1 + i % 7)));
-
-    mlp::Mlp model(model_seed(0) + static_cast<std::uint64_t>(me) * 1000);
-    gradsync::DataParallel dp(model, backend, gradsync::SizeCappedBuckets{64_KiB, 4_KiB});
-    mlp::Sgd opt(0.05f, 0.9f);
-    for (int s = 0; s < steps; ++s) {
-        const auto first = static_cast<std::size_t>(s * n * micro_batch + me * micro_batch);
-        model.forward_backward(mlp::make_batch(data_seed(0), first, micro_batch));
-        dp.synchronize();
-        opt.step(model);
-    }
-    CHECK(relative_difference(weights_of(model), gradsync_test::train_one_process(0, n, steps, micro_batch)) <= 1e-5);
+    check_job_sums(backend, 1001);
+    CHECK(relative_difference(train_data_parallel(backend),
+                              gradsync_test::train_one_process(0, n, steps, micro_batch)) <= 1e-5);
     CHECK(backend.elements_across() <= backend.elements_reduced() / static_cast<std::uint64_t>(per_node) + 64);
 }
 
@@ -174,19 +193,7 @@ TEST_CASE("nodes found by MPI: a TwoLevelBackend over them trains as the flat ba
     gradsync::TwoLevelBackend two_level(node, across);
     CHECK(two_level.rank() == me);  // launchers place ranks node by node
 
-    auto train = [&](auto& backend) {
-        // A different start on every rank: the backend's rank 0 (job rank 0 here) broadcasts its own.
-        mlp::Mlp model(model_seed(0) + static_cast<std::uint64_t>(backend.rank()) * 1000);
-        gradsync::DataParallel dp(model, backend, gradsync::SizeCappedBuckets{64_KiB, 4_KiB});
-        mlp::Sgd opt(0.05f, 0.9f);
-        for (int s = 0; s < steps; ++s) {
-            const auto first = static_cast<std::size_t>(s * n * micro_batch + me * micro_batch);
-            model.forward_backward(mlp::make_batch(data_seed(0), first, micro_batch));
-            dp.synchronize();
-            opt.step(model);
-        }
-        return weights_of(model);
-    };
+    auto train = [](auto& backend) { return train_data_parallel(backend); };
     const auto single = gradsync_test::train_one_process(0, n, steps, micro_batch);
     CHECK(relative_difference(train(flat), single) <= 1e-5);
     CHECK(relative_difference(train(two_level), single) <= 1e-5);
@@ -217,21 +224,9 @@ TEST_CASE("shared memory inside nodes, MPI across them: TwoLevelBackend trains a
     CHECK(node->size() == n / test_nodes());
     CHECK(backend.rank() == me);
 
-    std::vector<float> sums(100'001);
-    for (std::size_t i = 0; i < sums.size(); ++i) sums[i] = float((me + 1) * int(1 + i % 7));
-    backend.allreduce(std::span<float>(sums));
-    for (std::size_t i = 0; i < sums.size(); ++i) REQUIRE(sums[i] == float(n * (n + 1) / 2 * int(1 + i % 7)));
-
-    mlp::Mlp model(model_seed(0) + static_cast<std::uint64_t>(me) * 1000);
-    gradsync::DataParallel dp(model, backend, gradsync::SizeCappedBuckets{64_KiB, 4_KiB});
-    mlp::Sgd opt(0.05f, 0.9f);
-    for (int s = 0; s < steps; ++s) {
-        const auto first = static_cast<std::size_t>(s * n * micro_batch + me * micro_batch);
-        model.forward_backward(mlp::make_batch(data_seed(0), first, micro_batch));
-        dp.synchronize();
-        opt.step(model);
-    }
-    CHECK(relative_difference(weights_of(model), gradsync_test::train_one_process(0, n, steps, micro_batch)) <= 1e-5);
+    check_job_sums(backend, 100'001);
+    CHECK(relative_difference(train_data_parallel(backend),
+                              gradsync_test::train_one_process(0, n, steps, micro_batch)) <= 1e-5);
 
     // The whole job over shared memory, where it runs on one machine.
     if (test_nodes() == 1) {
@@ -254,23 +249,8 @@ TEST_CASE("hybrid sharding over nodes: the state split in each node, the same on
     gradsync::MpiBackend node(node_comm), across(across_comm);
     gradsync::TwoLevelBackend backend(node, across);
     // [/hybrid]
-    auto batch = [&](int s) {
-        return mlp::make_batch(data_seed(0), static_cast<std::size_t>(s * n * micro_batch + me * micro_batch),
-                               micro_batch);
-    };
     const gradsync::SizeCappedBuckets caps{64_KiB, 4_KiB};
-    Weights unsharded;
-    {
-        mlp::Mlp model(model_seed(0) + static_cast<std::uint64_t>(me) * 1000);
-        gradsync::DataParallel dp(model, backend, caps);
-        mlp::Sgd opt(0.05f, 0.9f);
-        for (int s = 0; s < steps; ++s) {
-            model.forward_backward(batch(s));
-            dp.synchronize();
-            opt.step(model);
-        }
-        unsharded = weights_of(model);
-    }
+    const Weights unsharded = train_data_parallel(backend);
     for (const bool release : {false, true}) {
         CAPTURE(release);
         sharded::ReleasingMlp model(model_seed(0) + static_cast<std::uint64_t>(me) * 1000);
@@ -285,7 +265,7 @@ TEST_CASE("hybrid sharding over nodes: the state split in each node, the same on
               sdp.parameter_elements() + static_cast<std::size_t>(per_node) * 8);
         model.on_grad_ready = [&](std::size_t i) { sdp.grad_ready(i); };  // reduced during backward
         for (int s = 0; s < steps; ++s) {
-            model.forward_backward(batch(s));
+            model.forward_backward(job_batch(s));
             CHECK(sdp.step(opt).applied);
         }
         // The same sums in the same order (each node's first): DataParallel's bits.
