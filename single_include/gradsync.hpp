@@ -1839,13 +1839,13 @@ constexpr bool check_bucketer() {
 // spin while spinning has lately paid, yield while nobody else wants the core, then sleep.
 
 
-#include <algorithm>  // for std::clamp
+#include <algorithm>  // for std::clamp, std::min
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
-#include <thread>  // for std::this_thread::yield
+#include <thread>  // for std::this_thread::yield, sleep_for
 
 namespace gradsync::inline v0::detail {
 
@@ -1884,6 +1884,21 @@ private:
     std::atomic<int> sleepers_{0};
 };
 
+// Sleeps a fixed short time, for waiters whose peers cannot ring a Doorbell (they live in another
+// process): its length bounds how late such a waiter wakes.
+class Nap {
+public:
+    explicit constexpr Nap(std::chrono::nanoseconds length) : length_(length) {}
+
+    template <class Ready>
+    void sleep(Ready&& /*ready*/, std::chrono::nanoseconds slice) const {
+        std::this_thread::sleep_for(std::min(length_, slice));
+    }
+
+private:
+    std::chrono::nanoseconds length_;
+};
+
 // How long a waiter spins on the pause instruction, learnt from how its recent waits ended.
 // Spinning pays only while the thread it waits for runs on another core; when that thread waits
 // for a core, as beside a trainer's own compute threads, every spin delays it. A wait that ends
@@ -1918,11 +1933,11 @@ inline constexpr std::chrono::nanoseconds yield_for = std::chrono::microseconds(
 inline constexpr std::chrono::nanoseconds contended_yield = std::chrono::microseconds(10);
 inline constexpr std::chrono::nanoseconds sleep_slice = std::chrono::milliseconds(5);
 
-// Waits until ready() holds: spins for the budget, yields, then sleeps on `bell`. check() runs
-// every few hundred spins and on every yield and wake-up; it throws to end the wait (abort,
-// deadline). Returns as soon as ready() is seen.
-template <class Ready, class Check>
-void wait_until(Ready&& ready, Check&& check, Doorbell& bell, SpinBudget& budget) {
+// Waits until ready() holds: spins for the budget, yields, then sleeps on `bell` (a Doorbell, or
+// a Nap). check() runs every few hundred spins and on every yield and wake-up; it throws to end
+// the wait (abort, deadline). Returns as soon as ready() is seen.
+template <class Ready, class Check, class Sleeper>
+void wait_until(Ready&& ready, Check&& check, Sleeper&& bell, SpinBudget& budget) {
     using clock = std::chrono::steady_clock;
     const auto start = clock::now();
     const auto stop_spinning = start + budget.get();
@@ -2537,6 +2552,19 @@ struct CollectiveCall {
                tag == o.tag;
     }
 };
+
+// What every backend that compares its ranks' calls says when rank `rank` is not in rank 0's
+// `reference` (the two not same_as each other).
+inline std::string mismatch_message(const CollectiveCall& reference, int rank, const CollectiveCall& theirs) {
+    // Alike but for the tag's fingerprint: the same call of another history.
+    const bool same_call = reference.describe() == theirs.describe();
+    return "collective mismatch: rank 0 is in " + reference.describe() + " but rank " + std::to_string(rank) +
+           " is in " + theirs.describe() +
+           (same_call ? " of another history (another DataParallel on this backend, or after collectives that "
+                        "differed earlier)"
+                      : std::string()) +
+           "; every rank must call the same collectives in the same order with the same sizes";
+}
 
 }  // namespace gradsync::inline v0
 #endif  // GRADSYNC_SINGLE_BACKEND_COLLECTIVE_HPP
@@ -3439,17 +3467,7 @@ protected:
         const LocalCall& ref = ranks_[0].calls[parity];
         for (int s = 1; s < size_; ++s) {
             const LocalCall& other = ranks_[idx(s)].calls[parity];
-            if (!other.same_as(ref)) {
-                // Alike but for the tag's fingerprint: the same call of another history.
-                const bool same_call = ref.describe() == other.describe();
-                fail(rank, call,
-                     "collective mismatch: rank 0 is in " + ref.describe() + " but rank " + std::to_string(s) +
-                         " is in " + other.describe() +
-                         (same_call ? " of another history (another DataParallel on this backend, or after "
-                                      "collectives that differed earlier)"
-                                    : std::string()) +
-                         "; every rank must call the same collectives in the same order with the same sizes");
-            }
+            if (!other.same_as(ref)) fail(rank, call, mismatch_message(ref, s, other));
         }
     }
 
@@ -4124,6 +4142,46 @@ private:
 // optimizer's state split among a node's ranks and the same on every node (hybrid sharding).
 
 
+// ---- begin gradsync/backend/detail/held_segments.hpp ----
+#ifndef GRADSYNC_SINGLE_BACKEND_DETAIL_HELD_SEGMENTS_HPP
+#define GRADSYNC_SINGLE_BACKEND_DETAIL_HELD_SEGMENTS_HPP
+// HeldSegments: an asynchronous collective's copy of the segment list it was given, kept until it
+// runs. One segment (a bucket's buffer, the common case) is kept inline, so launching it
+// allocates nothing for the list.
+
+
+#include <span>
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+class HeldSegments {
+public:
+    explicit HeldSegments(std::span<const Segment> segments) {
+        if (segments.size() == 1)
+            single_ = segments[0];
+        else
+            many_.assign(segments.begin(), segments.end());
+        one_ = segments.size() == 1;
+    }
+    explicit HeldSegments(Segment one) : single_(one), one_(true) {}
+
+    // Valid while this object lives and is not moved.
+    [[nodiscard]] std::span<const Segment> get() const {
+        if (one_) return {&single_, 1};
+        return many_;
+    }
+
+private:
+    Segment single_{};
+    std::vector<Segment> many_;
+    bool one_ = false;
+};
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_BACKEND_DETAIL_HELD_SEGMENTS_HPP
+// ---- end gradsync/backend/detail/held_segments.hpp ----
+
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -4132,7 +4190,6 @@ private:
 #include <span>
 #include <string>
 #include <utility>  // for std::move
-#include <vector>
 
 namespace gradsync::inline v0 {
 
@@ -4184,7 +4241,8 @@ public:
         allreduce(std::span<const Segment>(&seg, 1), buf.dtype, op, tag);
     }
     CollectiveHandle allreduce_async(Buffer buf, ReduceOp op = ReduceOp::sum, CollectiveTag tag = {}) {
-        return allreduce_async(std::vector<Segment>{{buf.data, buf.count}}, buf.dtype, op, tag);
+        const Segment seg{buf.data, buf.count};
+        return allreduce_async(std::span<const Segment>(&seg, 1), buf.dtype, op, tag);
     }
     void allreduce(std::span<const Segment> segments, DType t, ReduceOp op = ReduceOp::sum, CollectiveTag tag = {}) {
         async_.wait_for_all();
@@ -4204,7 +4262,8 @@ public:
         reduce_scatter(std::span<const Segment>(&seg, 1), buf.dtype, op, tag);
     }
     CollectiveHandle reduce_scatter_async(Buffer buf, ReduceOp op = ReduceOp::sum, CollectiveTag tag = {}) {
-        return reduce_scatter_async(std::vector<Segment>{{buf.data, buf.count}}, buf.dtype, op, tag);
+        const Segment seg{buf.data, buf.count};
+        return reduce_scatter_async(std::span<const Segment>(&seg, 1), buf.dtype, op, tag);
     }
     void reduce_scatter(std::span<const Segment> segments, DType t, ReduceOp op = ReduceOp::sum,
                         CollectiveTag tag = {}) {
@@ -4221,7 +4280,8 @@ public:
         all_gather(std::span<const Segment>(&seg, 1), buf.dtype, tag);
     }
     CollectiveHandle all_gather_async(Buffer buf, CollectiveTag tag = {}) {
-        return all_gather_async(std::vector<Segment>{{buf.data, buf.count}}, buf.dtype, tag);
+        const Segment seg{buf.data, buf.count};
+        return all_gather_async(std::span<const Segment>(&seg, 1), buf.dtype, tag);
     }
     void all_gather(std::span<const Segment> segments, DType t, CollectiveTag tag = {}) {
         async_.wait_for_all();
@@ -4277,8 +4337,7 @@ private:
     template <class Body>
     CollectiveHandle launch(Body body, std::span<const Segment> segments, DType t) {
         auto done = std::make_shared<detail::Completion>(waiting_);
-        async_.launch([body = std::move(body), copy = std::vector<Segment>(segments.begin(), segments.end()),
-                       t] { body(copy, t); },
+        async_.launch([body = std::move(body), held = detail::HeldSegments(segments), t] { body(held.get(), t); },
                       done);
         return CollectiveHandle(std::move(done));
     }
@@ -5555,6 +5614,8 @@ struct HookParameter {
     std::size_t offset = 0;          // where its elements start in HookBucket::values
     std::size_t count = 0;           // elements
     std::vector<std::size_t> shape;  // as the model states it (Parameter::shape); empty: a vector
+
+    bool operator==(const HookParameter&) const = default;
 };
 
 // A bucket, as a hook sees it.

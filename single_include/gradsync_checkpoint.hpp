@@ -75,13 +75,13 @@ inline constexpr Version version{GRADSYNC_VERSION_MAJOR, GRADSYNC_VERSION_MINOR,
 #endif  // GRADSYNC_SINGLE_VERSION_HPP
 // ---- end gradsync/version.hpp ----
 
-#include <algorithm>  // for std::clamp
+#include <algorithm>  // for std::clamp, std::min
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
-#include <thread>  // for std::this_thread::yield
+#include <thread>  // for std::this_thread::yield, sleep_for
 
 namespace gradsync::inline v0::detail {
 
@@ -120,6 +120,21 @@ private:
     std::atomic<int> sleepers_{0};
 };
 
+// Sleeps a fixed short time, for waiters whose peers cannot ring a Doorbell (they live in another
+// process): its length bounds how late such a waiter wakes.
+class Nap {
+public:
+    explicit constexpr Nap(std::chrono::nanoseconds length) : length_(length) {}
+
+    template <class Ready>
+    void sleep(Ready&& /*ready*/, std::chrono::nanoseconds slice) const {
+        std::this_thread::sleep_for(std::min(length_, slice));
+    }
+
+private:
+    std::chrono::nanoseconds length_;
+};
+
 // How long a waiter spins on the pause instruction, learnt from how its recent waits ended.
 // Spinning pays only while the thread it waits for runs on another core; when that thread waits
 // for a core, as beside a trainer's own compute threads, every spin delays it. A wait that ends
@@ -154,11 +169,11 @@ inline constexpr std::chrono::nanoseconds yield_for = std::chrono::microseconds(
 inline constexpr std::chrono::nanoseconds contended_yield = std::chrono::microseconds(10);
 inline constexpr std::chrono::nanoseconds sleep_slice = std::chrono::milliseconds(5);
 
-// Waits until ready() holds: spins for the budget, yields, then sleeps on `bell`. check() runs
-// every few hundred spins and on every yield and wake-up; it throws to end the wait (abort,
-// deadline). Returns as soon as ready() is seen.
-template <class Ready, class Check>
-void wait_until(Ready&& ready, Check&& check, Doorbell& bell, SpinBudget& budget) {
+// Waits until ready() holds: spins for the budget, yields, then sleeps on `bell` (a Doorbell, or
+// a Nap). check() runs every few hundred spins and on every yield and wake-up; it throws to end
+// the wait (abort, deadline). Returns as soon as ready() is seen.
+template <class Ready, class Check, class Sleeper>
+void wait_until(Ready&& ready, Check&& check, Sleeper&& bell, SpinBudget& budget) {
     using clock = std::chrono::steady_clock;
     const auto start = clock::now();
     const auto stop_spinning = start + budget.get();
@@ -2516,6 +2531,8 @@ struct HookParameter {
     std::size_t offset = 0;          // where its elements start in HookBucket::values
     std::size_t count = 0;           // elements
     std::vector<std::size_t> shape;  // as the model states it (Parameter::shape); empty: a vector
+
+    bool operator==(const HookParameter&) const = default;
 };
 
 // A bucket, as a hook sees it.

@@ -1957,6 +1957,19 @@ struct CollectiveCall {
     }
 };
 
+// What every backend that compares its ranks' calls says when rank `rank` is not in rank 0's
+// `reference` (the two not same_as each other).
+inline std::string mismatch_message(const CollectiveCall& reference, int rank, const CollectiveCall& theirs) {
+    // Alike but for the tag's fingerprint: the same call of another history.
+    const bool same_call = reference.describe() == theirs.describe();
+    return "collective mismatch: rank 0 is in " + reference.describe() + " but rank " + std::to_string(rank) +
+           " is in " + theirs.describe() +
+           (same_call ? " of another history (another DataParallel on this backend, or after collectives that "
+                        "differed earlier)"
+                      : std::string()) +
+           "; every rank must call the same collectives in the same order with the same sizes";
+}
+
 }  // namespace gradsync::inline v0
 #endif  // GRADSYNC_SINGLE_BACKEND_COLLECTIVE_HPP
 // ---- end gradsync/backend/collective.hpp ----
@@ -1985,13 +1998,13 @@ struct CollectiveCall {
 // spin while spinning has lately paid, yield while nobody else wants the core, then sleep.
 
 
-#include <algorithm>  // for std::clamp
+#include <algorithm>  // for std::clamp, std::min
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
-#include <thread>  // for std::this_thread::yield
+#include <thread>  // for std::this_thread::yield, sleep_for
 
 namespace gradsync::inline v0::detail {
 
@@ -2030,6 +2043,21 @@ private:
     std::atomic<int> sleepers_{0};
 };
 
+// Sleeps a fixed short time, for waiters whose peers cannot ring a Doorbell (they live in another
+// process): its length bounds how late such a waiter wakes.
+class Nap {
+public:
+    explicit constexpr Nap(std::chrono::nanoseconds length) : length_(length) {}
+
+    template <class Ready>
+    void sleep(Ready&& /*ready*/, std::chrono::nanoseconds slice) const {
+        std::this_thread::sleep_for(std::min(length_, slice));
+    }
+
+private:
+    std::chrono::nanoseconds length_;
+};
+
 // How long a waiter spins on the pause instruction, learnt from how its recent waits ended.
 // Spinning pays only while the thread it waits for runs on another core; when that thread waits
 // for a core, as beside a trainer's own compute threads, every spin delays it. A wait that ends
@@ -2064,11 +2092,11 @@ inline constexpr std::chrono::nanoseconds yield_for = std::chrono::microseconds(
 inline constexpr std::chrono::nanoseconds contended_yield = std::chrono::microseconds(10);
 inline constexpr std::chrono::nanoseconds sleep_slice = std::chrono::milliseconds(5);
 
-// Waits until ready() holds: spins for the budget, yields, then sleeps on `bell`. check() runs
-// every few hundred spins and on every yield and wake-up; it throws to end the wait (abort,
-// deadline). Returns as soon as ready() is seen.
-template <class Ready, class Check>
-void wait_until(Ready&& ready, Check&& check, Doorbell& bell, SpinBudget& budget) {
+// Waits until ready() holds: spins for the budget, yields, then sleeps on `bell` (a Doorbell, or
+// a Nap). check() runs every few hundred spins and on every yield and wake-up; it throws to end
+// the wait (abort, deadline). Returns as soon as ready() is seen.
+template <class Ready, class Check, class Sleeper>
+void wait_until(Ready&& ready, Check&& check, Sleeper&& bell, SpinBudget& budget) {
     using clock = std::chrono::steady_clock;
     const auto start = clock::now();
     const auto stop_spinning = start + budget.get();
@@ -3668,6 +3696,8 @@ struct HookParameter {
     std::size_t offset = 0;          // where its elements start in HookBucket::values
     std::size_t count = 0;           // elements
     std::vector<std::size_t> shape;  // as the model states it (Parameter::shape); empty: a vector
+
+    bool operator==(const HookParameter&) const = default;
 };
 
 // A bucket, as a hook sees it.
@@ -4198,7 +4228,7 @@ __global__ void lowrank_approximate_kernel(const LowRankMatrix* table, float* va
 
 #include <cuda_runtime.h>
 
-#include <algorithm>  // for std::clamp, std::equal, std::min, std::max
+#include <algorithm>  // for std::clamp, std::ranges::equal, std::min, std::max
 #include <cstddef>
 #include <cstdint>
 #include <cstring>  // for std::memcpy
@@ -4426,18 +4456,12 @@ private:
         return st;
     }
 
-    static bool same_parameters(const std::vector<HookParameter>& a, std::span<const HookParameter> b) {
-        return std::equal(a.begin(), a.end(), b.begin(), b.end(), [](const HookParameter& x, const HookParameter& y) {
-            return x.name == y.name && x.offset == y.offset && x.count == y.count && x.shape == y.shape;
-        });
-    }
-
     // The bucket's work, made again when its parameters differ from last time; a matrix's state is
     // kept where it has the same shape.
     Work& work_for(const HookBucket& bucket) {
         auto [at, fresh] = device_->work.try_emplace(bucket.index);
         auto& w = at->second;
-        if (!fresh && same_parameters(w.layout, bucket.parameters)) return w;
+        if (!fresh && std::ranges::equal(w.layout, bucket.parameters)) return w;
         w = Work{};
         w.layout.assign(bucket.parameters.begin(), bucket.parameters.end());
         for (const auto& p : bucket.parameters) {

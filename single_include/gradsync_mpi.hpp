@@ -495,6 +495,19 @@ struct CollectiveCall {
     }
 };
 
+// What every backend that compares its ranks' calls says when rank `rank` is not in rank 0's
+// `reference` (the two not same_as each other).
+inline std::string mismatch_message(const CollectiveCall& reference, int rank, const CollectiveCall& theirs) {
+    // Alike but for the tag's fingerprint: the same call of another history.
+    const bool same_call = reference.describe() == theirs.describe();
+    return "collective mismatch: rank 0 is in " + reference.describe() + " but rank " + std::to_string(rank) +
+           " is in " + theirs.describe() +
+           (same_call ? " of another history (another DataParallel on this backend, or after collectives that "
+                        "differed earlier)"
+                      : std::string()) +
+           "; every rank must call the same collectives in the same order with the same sizes";
+}
+
 }  // namespace gradsync::inline v0
 #endif  // GRADSYNC_SINGLE_BACKEND_COLLECTIVE_HPP
 // ---- end gradsync/backend/collective.hpp ----
@@ -523,13 +536,13 @@ struct CollectiveCall {
 // spin while spinning has lately paid, yield while nobody else wants the core, then sleep.
 
 
-#include <algorithm>  // for std::clamp
+#include <algorithm>  // for std::clamp, std::min
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
-#include <thread>  // for std::this_thread::yield
+#include <thread>  // for std::this_thread::yield, sleep_for
 
 namespace gradsync::inline v0::detail {
 
@@ -568,6 +581,21 @@ private:
     std::atomic<int> sleepers_{0};
 };
 
+// Sleeps a fixed short time, for waiters whose peers cannot ring a Doorbell (they live in another
+// process): its length bounds how late such a waiter wakes.
+class Nap {
+public:
+    explicit constexpr Nap(std::chrono::nanoseconds length) : length_(length) {}
+
+    template <class Ready>
+    void sleep(Ready&& /*ready*/, std::chrono::nanoseconds slice) const {
+        std::this_thread::sleep_for(std::min(length_, slice));
+    }
+
+private:
+    std::chrono::nanoseconds length_;
+};
+
 // How long a waiter spins on the pause instruction, learnt from how its recent waits ended.
 // Spinning pays only while the thread it waits for runs on another core; when that thread waits
 // for a core, as beside a trainer's own compute threads, every spin delays it. A wait that ends
@@ -602,11 +630,11 @@ inline constexpr std::chrono::nanoseconds yield_for = std::chrono::microseconds(
 inline constexpr std::chrono::nanoseconds contended_yield = std::chrono::microseconds(10);
 inline constexpr std::chrono::nanoseconds sleep_slice = std::chrono::milliseconds(5);
 
-// Waits until ready() holds: spins for the budget, yields, then sleeps on `bell`. check() runs
-// every few hundred spins and on every yield and wake-up; it throws to end the wait (abort,
-// deadline). Returns as soon as ready() is seen.
-template <class Ready, class Check>
-void wait_until(Ready&& ready, Check&& check, Doorbell& bell, SpinBudget& budget) {
+// Waits until ready() holds: spins for the budget, yields, then sleeps on `bell` (a Doorbell, or
+// a Nap). check() runs every few hundred spins and on every yield and wake-up; it throws to end
+// the wait (abort, deadline). Returns as soon as ready() is seen.
+template <class Ready, class Check, class Sleeper>
+void wait_until(Ready&& ready, Check&& check, Sleeper&& bell, SpinBudget& budget) {
     using clock = std::chrono::steady_clock;
     const auto start = clock::now();
     const auto stop_spinning = start + budget.get();
@@ -1190,6 +1218,46 @@ private:
 }  // namespace gradsync::inline v0::detail
 #endif  // GRADSYNC_SINGLE_BACKEND_DETAIL_ASYNC_COLLECTIVES_HPP
 // ---- end gradsync/backend/detail/async_collectives.hpp ----
+
+// ---- begin gradsync/backend/detail/held_segments.hpp ----
+#ifndef GRADSYNC_SINGLE_BACKEND_DETAIL_HELD_SEGMENTS_HPP
+#define GRADSYNC_SINGLE_BACKEND_DETAIL_HELD_SEGMENTS_HPP
+// HeldSegments: an asynchronous collective's copy of the segment list it was given, kept until it
+// runs. One segment (a bucket's buffer, the common case) is kept inline, so launching it
+// allocates nothing for the list.
+
+
+#include <span>
+#include <vector>
+
+namespace gradsync::inline v0::detail {
+
+class HeldSegments {
+public:
+    explicit HeldSegments(std::span<const Segment> segments) {
+        if (segments.size() == 1)
+            single_ = segments[0];
+        else
+            many_.assign(segments.begin(), segments.end());
+        one_ = segments.size() == 1;
+    }
+    explicit HeldSegments(Segment one) : single_(one), one_(true) {}
+
+    // Valid while this object lives and is not moved.
+    [[nodiscard]] std::span<const Segment> get() const {
+        if (one_) return {&single_, 1};
+        return many_;
+    }
+
+private:
+    Segment single_{};
+    std::vector<Segment> many_;
+    bool one_ = false;
+};
+
+}  // namespace gradsync::inline v0::detail
+#endif  // GRADSYNC_SINGLE_BACKEND_DETAIL_HELD_SEGMENTS_HPP
+// ---- end gradsync/backend/detail/held_segments.hpp ----
 
 // ---- begin gradsync/backend/detail/typed_calls.hpp ----
 #ifndef GRADSYNC_SINGLE_BACKEND_DETAIL_TYPED_CALLS_HPP
@@ -4379,9 +4447,9 @@ public:
     // The segment list is copied; the memory it points to must stay untouched until completion.
     CollectiveHandle allreduce_async(std::span<const Segment> segments, DType dtype, ReduceOp op = ReduceOp::sum) {
         check_dtype(dtype);
-        std::vector<Segment> copy(segments.begin(), segments.end());
-        return launch(allreduce_call(detail::total_count(segments), dtype, op),
-                      [this, copy = std::move(copy), dtype, op] { reduction_->reduce(copy, dtype, op); });
+        return launch(
+            allreduce_call(detail::total_count(segments), dtype, op),
+            [this, held = detail::HeldSegments(segments), dtype, op] { reduction_->reduce(held.get(), dtype, op); });
     }
 
     // Leaves the reduction over the ranks in this rank's shard of `buf` (shard_of(buf.count,
@@ -4391,7 +4459,8 @@ public:
         reduce_scatter(std::span<const Segment>(&seg, 1), buf.dtype, op);
     }
     CollectiveHandle reduce_scatter_async(Buffer buf, ReduceOp op = ReduceOp::sum) {
-        return reduce_scatter_async(std::vector<Segment>{{buf.data, buf.count}}, buf.dtype, op);
+        const Segment seg{buf.data, buf.count};
+        return reduce_scatter_async(std::span<const Segment>(&seg, 1), buf.dtype, op);
     }
     // The same over segments laid end to end (a bucket's gradients where the model keeps them):
     // the shard is of their total, and nothing is packed.
@@ -4402,9 +4471,10 @@ public:
     }
     CollectiveHandle reduce_scatter_async(std::span<const Segment> segments, DType dtype, ReduceOp op = ReduceOp::sum) {
         check_dtype(dtype);
-        std::vector<Segment> copy(segments.begin(), segments.end());
         return launch(sharded_call(CollectiveKind::reduce_scatter, detail::total_count(segments), dtype, op),
-                      [this, copy = std::move(copy), dtype, op] { reduction_->reduce_scatter(copy, dtype, op); });
+                      [this, held = detail::HeldSegments(segments), dtype, op] {
+                          reduction_->reduce_scatter(held.get(), dtype, op);
+                      });
     }
 
     // Copies every rank's shard of its `buf` into the same place of every other rank's (any
@@ -4414,7 +4484,8 @@ public:
         all_gather(std::span<const Segment>(&seg, 1), buf.dtype);
     }
     CollectiveHandle all_gather_async(Buffer buf) {
-        return all_gather_async(std::vector<Segment>{{buf.data, buf.count}}, buf.dtype);
+        const Segment seg{buf.data, buf.count};
+        return all_gather_async(std::span<const Segment>(&seg, 1), buf.dtype);
     }
     // The same over segments laid end to end: MPI reads and writes them where they lie.
     void all_gather(std::span<const Segment> segments, DType dtype) {
@@ -4424,9 +4495,10 @@ public:
     }
     CollectiveHandle all_gather_async(std::span<const Segment> segments, DType dtype) {
         check_known(dtype);
-        std::vector<Segment> copy(segments.begin(), segments.end());
         return launch(sharded_call(CollectiveKind::all_gather, detail::total_count(segments), dtype, ReduceOp::sum),
-                      [this, copy = std::move(copy), dtype] { reduction_->all_gather(copy, size_of(dtype)); });
+                      [this, held = detail::HeldSegments(segments), dtype] {
+                          reduction_->all_gather(held.get(), size_of(dtype));
+                      });
     }
 
     void broadcast(std::span<std::byte> bytes, int root) {
@@ -4683,7 +4755,6 @@ private:
 #include <cstring>  // for std::strerror, std::memcpy
 #include <new>      // for placement new
 #include <string>
-#include <thread>  // for std::this_thread::sleep_for
 
 #include <fcntl.h>  // for O_CREAT, O_EXCL, O_RDWR
 #include <sys/mman.h>
@@ -4879,13 +4950,16 @@ private:
 
     template <class Ready>
     void wait_for(std::chrono::steady_clock::time_point deadline, const std::string& what, Ready ready) const {
-        while (!ready()) {
-            if (std::chrono::steady_clock::now() >= deadline)
-                throw TimeoutError(who() + ": timed out waiting for " + what +
-                                   ": every rank of the group must construct its SharedMemoryBackend with the "
-                                   "same name and size");
-            std::this_thread::sleep_for(std::chrono::microseconds(200));
-        }
+        SpinBudget spin;
+        wait_until(
+            ready,
+            [&] {
+                if (std::chrono::steady_clock::now() >= deadline)
+                    throw TimeoutError(who() + ": timed out waiting for " + what +
+                                       ": every rank of the group must construct its SharedMemoryBackend with the "
+                                       "same name and size");
+            },
+            Nap(std::chrono::microseconds(200)), spin);
     }
 
     void unmap() {
@@ -4956,7 +5030,7 @@ private:
 #include <cstring>  // for std::memcpy
 #include <span>
 #include <string>
-#include <thread>  // for std::this_thread::yield, sleep_for
+#include <thread>  // for std::this_thread::sleep_for
 #include <vector>
 
 #include <signal.h>  // for kill
@@ -5147,32 +5221,28 @@ private:
             if (s != segment_.rank()) wait_for(s, target, call, deadline);
     }
 
+    // Waits for rank s to reach meeting `target`. Another process cannot ring a Doorbell, so the
+    // wait naps after its spin and yields; the peer checks (a system call) run every 2 ms.
     void wait_for(int s, std::uint64_t target, const CollectiveCall& call,
                   std::chrono::steady_clock::time_point deadline) {
         auto& peer = segment_.rank_state(s);
         auto arrived = [&] { return peer.stage.load(std::memory_order_acquire) >= target; };
-        const auto start = std::chrono::steady_clock::now();
-        while (!arrived() && std::chrono::steady_clock::now() - start < spin_.get()) cpu_relax();
-        if (arrived()) return spin_.paid();
-        spin_.wasted();
         auto checked = std::chrono::steady_clock::now();
-        for (;;) {
-            if (arrived()) return;
-            const auto now = std::chrono::steady_clock::now();
-            if (now - start < yield_for)
-                std::this_thread::yield();
-            else
-                std::this_thread::sleep_for(std::chrono::microseconds(50));
-            if (aborted()) throw_if_aborted(call);
-            if (now - checked < std::chrono::milliseconds(2)) continue;
-            checked = now;
-            if (arrived()) return;
-            check_peer(s, call);
-            if (now >= deadline)
-                throw TimeoutError(segment_.who() + ": " + call.describe() + ": rank " + std::to_string(s) +
-                                   " did not arrive within the timeout of " + std::to_string(timeout_.count()) +
-                                   " ms. Raise the timeout if the work is just slow");
-        }
+        wait_until(
+            arrived,
+            [&] {
+                throw_if_aborted(call);
+                const auto now = std::chrono::steady_clock::now();
+                if (now - checked < std::chrono::milliseconds(2)) return;
+                checked = now;
+                if (arrived()) return;  // it may have arrived and then left
+                check_peer(s, call);
+                if (now >= deadline)
+                    throw TimeoutError(segment_.who() + ": " + call.describe() + ": rank " + std::to_string(s) +
+                                       " did not arrive within the timeout of " + std::to_string(timeout_.count()) +
+                                       " ms. Raise the timeout if the work is just slow");
+            },
+            Nap(std::chrono::microseconds(50)), spin_);
     }
 
     // A peer whose handle is gone, or whose process has exited, will never arrive. (A process in
@@ -5196,11 +5266,7 @@ private:
         const CollectiveCall ref = segment_.rank_state(0).calls[call.seq & 1].call();
         for (int s = 1; s < segment_.size(); ++s) {
             const CollectiveCall other = segment_.rank_state(s).calls[call.seq & 1].call();
-            if (!other.same_as(ref))
-                throw CollectiveError(segment_.who() + ": collective mismatch: rank 0 is in " + ref.describe() +
-                                      " but rank " + std::to_string(s) + " is in " + other.describe() +
-                                      "; every rank must call the same collectives in the same order with the same "
-                                      "sizes");
+            if (!other.same_as(ref)) throw CollectiveError(segment_.who() + ": " + mismatch_message(ref, s, other));
         }
     }
 
@@ -5223,7 +5289,6 @@ private:
 #include <span>
 #include <string>
 #include <utility>  // for std::move
-#include <vector>
 
 namespace gradsync::inline v0 {
 
@@ -5385,18 +5450,21 @@ private:
         run_now(call(kind, detail::total_count(segments), dtype, op, 0, tag), segments);
     }
 
-    CollectiveHandle launch(const CollectiveCall& c, std::vector<Segment> segments) {
+    CollectiveHandle launch(const CollectiveCall& c, detail::HeldSegments segments) {
         auto done = std::make_shared<detail::Completion>(waiting_);
-        async_.launch([group = group_, c, segments = std::move(segments)] { group->execute({c, segments}); }, done);
+        async_.launch(
+            [group = group_, c, segments = std::move(segments)] {
+                group->execute({c, segments.get()});
+            },
+            done);
         return CollectiveHandle(std::move(done));
     }
     CollectiveHandle launch(CollectiveKind kind, Buffer buf, ReduceOp op, CollectiveTag tag) {
-        return launch(call(kind, buf.count, buf.dtype, op, 0, tag), {{buf.data, buf.count}});
+        return launch(call(kind, buf.count, buf.dtype, op, 0, tag), detail::HeldSegments(Segment{buf.data, buf.count}));
     }
     CollectiveHandle launch(CollectiveKind kind, std::span<const Segment> segments, DType dtype, ReduceOp op,
                             CollectiveTag tag) {
-        return launch(call(kind, detail::total_count(segments), dtype, op, 0, tag),
-                      std::vector<Segment>(segments.begin(), segments.end()));
+        return launch(call(kind, detail::total_count(segments), dtype, op, 0, tag), detail::HeldSegments(segments));
     }
 
     SharedMemoryOptions options_;
