@@ -59,7 +59,7 @@ struct ContiguousToy {
 };
 
 template <class Fn>
-std::vector<std::string> messages_of(int world, Fn fn) {
+std::vector<std::string> device_messages_of(int world, Fn fn) {
     std::vector<std::string> out(static_cast<std::size_t>(world));
     gradsync::spawn(world, [&](LocalBackend& b) {
         FakeDeviceBackend device(b);
@@ -97,7 +97,7 @@ TEST_CASE(
 }
 
 TEST_CASE("device gradients under HostMemory: what would touch them on the host is refused on every rank") {
-    auto scattered = messages_of(2, [](FakeDeviceBackend& b) {
+    auto scattered = device_messages_of(2, [](FakeDeviceBackend& b) {
         Toy model({100, 200}, 0.0f);  // a vector per tensor: not adjacent
         DataParallel dp(model, b);
     });
@@ -106,14 +106,14 @@ TEST_CASE("device gradients under HostMemory: what would touch them on the host 
         CHECK(m.find("are not adjacent in memory, and without a device memory policy they cannot be packed") !=
               std::string::npos);
     }
-    auto unused = messages_of(2, [](FakeDeviceBackend& b) {
+    auto unused = device_messages_of(2, [](FakeDeviceBackend& b) {
         ContiguousToy model({10, 20});
         DataParallel dp(model, b, gradsync::Options{.find_unused_parameters = true});
     });
     for (const auto& m : unused)
         CHECK(m.find("find_unused_parameters zeroes unused gradients, which device gradients need a device memory "
                      "policy for") != std::string::npos);
-    auto stepped = messages_of(2, [](FakeDeviceBackend& b) {
+    auto stepped = device_messages_of(2, [](FakeDeviceBackend& b) {
         ContiguousToy model({10, 20});
         DataParallel dp(model, b);
         model.fill_grads(b.rank());
@@ -221,7 +221,7 @@ TEST_CASE("history check on a device backend: off unless asked for, since it wou
 
 TEST_CASE("a device memory policy on another stream than the backend's compute stream is refused on every rank") {
     static int streams[2];
-    auto mismatched = messages_of(2, [](FakeDeviceBackend& b) {
+    auto mismatched = device_messages_of(2, [](FakeDeviceBackend& b) {
         b.stream = &streams[0];
         ContiguousToy model({10, 20});
         DataParallel dp(model, b, FakeDeviceMemory(b.rank() == 1 ? &streams[1] : &streams[0]));
@@ -232,7 +232,7 @@ TEST_CASE("a device memory policy on another stream than the backend's compute s
         CHECK(m.find("is not the backend's compute stream (0x") != std::string::npos);
         CHECK(m.find("CudaMemory{stream} and NcclOptions::compute_stream") != std::string::npos);
     }
-    auto same = messages_of(2, [](FakeDeviceBackend& b) {
+    auto same = device_messages_of(2, [](FakeDeviceBackend& b) {
         b.stream = &streams[1];
         ContiguousToy model({10, 20});
         DataParallel dp(model, b, FakeDeviceMemory(&streams[1]));

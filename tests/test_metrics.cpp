@@ -35,7 +35,7 @@ using testing_support::Toy;
 
 namespace {
 
-const std::vector<std::size_t> sizes{300, 5, 4000};
+const std::vector<std::size_t> metric_toy_sizes{300, 5, 4000};
 
 std::vector<std::string> lines_of(const std::string& path) {
     std::ifstream in(path);
@@ -72,7 +72,7 @@ struct Sgd {
 
 TEST_CASE("step reports its time, its synchronization time and the bytes it reduced, with or without metrics") {
     gradsync::spawn(2, [](LocalBackend& b) {
-        Toy model(sizes, 1.0f);
+        Toy model(metric_toy_sizes, 1.0f);
         DataParallel dp(model, b);
         for (int step = 0; step < 3; ++step) {
             model.fill_grads(b.rank());
@@ -98,7 +98,7 @@ TEST_CASE("StepMetrics writes one JSON line per step from rank 0, with the train
     std::vector<StepReport> reports;
     std::mutex mutex;
     gradsync::spawn(2, [&](LocalBackend& b) {
-        Toy model(sizes, 1.0f);
+        Toy model(metric_toy_sizes, 1.0f);
         DataParallel dp(model, b, gradsync::LinearLr{.base_lr = 0.1}, StepMetrics{path});
         CHECK(dp.metrics_path() == (b.rank() == 0 ? path : std::string{}));
         for (int step = 0; step < 3; ++step) {
@@ -135,7 +135,7 @@ TEST_CASE("a skipped step is recorded: not applied, counted, its norm null") {
     TempDir dir;
     const std::string path = (dir.path / "m.jsonl").string();
     gradsync::spawn(2, [&](LocalBackend& b) {
-        Toy model(sizes, 1.0f);
+        Toy model(metric_toy_sizes, 1.0f);
         DataParallel dp(model, b, gradsync::DynamicLossScale{.init_scale = 1024}, StepMetrics{path});
         for (int step = 0; step < 3; ++step) {
             model.fill_grads(b.rank());
@@ -159,7 +159,7 @@ TEST_CASE("ShardedDataParallel writes the same record: its reduce-scatter's byte
     TempDir dir;
     const std::string path = (dir.path / "sharded.jsonl").string();
     gradsync::spawn(2, [&](LocalBackend& b) {
-        Toy model(sizes, 1.0f);
+        Toy model(metric_toy_sizes, 1.0f);
         gradsync::ShardedDataParallel sdp(model, b, StepMetrics{path});
         for (int step = 0; step < 2; ++step) {
             model.fill_grads(b.rank());
@@ -181,7 +181,7 @@ TEST_CASE("a metrics file that cannot be opened is refused by every rank at cons
         CAPTURE(path);
         std::vector<std::string> messages(2);
         gradsync::spawn(2, [&](LocalBackend& b) {
-            Toy model(sizes, 1.0f);
+            Toy model(metric_toy_sizes, 1.0f);
             try {
                 DataParallel dp(model, b, StepMetrics{path});
             } catch (const gradsync::ConfigurationError& e) {
@@ -198,7 +198,7 @@ TEST_CASE("a metrics file that cannot be opened is refused by every rank at cons
 
 TEST_CASE("a metrics write that fails later is reported, and training goes on") {
     gradsync::spawn(2, [&](LocalBackend& b) {  // /dev/full opens and refuses every write
-        Toy model(sizes, 1.0f);
+        Toy model(metric_toy_sizes, 1.0f);
         DataParallel dp(model, b, StepMetrics{"/dev/full"});
         for (int step = 0; step < 2; ++step) {
             model.fill_grads(b.rank());
@@ -211,7 +211,7 @@ TEST_CASE("a metrics write that fails later is reported, and training goes on") 
 
 TEST_CASE("add_scalar refuses an empty name and the record's own names") {
     gradsync::spawn(1, [&](LocalBackend& b) {
-        Toy model(sizes, 1.0f);
+        Toy model(metric_toy_sizes, 1.0f);
         TempDir dir;
         DataParallel dp(model, b, StepMetrics{(dir.path / "m.jsonl").string()});
         CHECK_THROWS_WITH_AS(dp.add_scalar("", 1), doctest::Contains("needs a name"), gradsync::Error);
@@ -258,7 +258,7 @@ TEST_CASE("TensorBoard events: CRC-32C as TFRecord frames need it, and one frame
     TempDir dir;
     std::string file;
     gradsync::spawn(2, [&](LocalBackend& b) {
-        Toy model(sizes, 1.0f);
+        Toy model(metric_toy_sizes, 1.0f);
         DataParallel dp(model, b, StepMetrics{(dir.path / "run").string(), MetricsFormat::tensorboard});
         if (b.rank() == 0) file = dp.metrics_path();
         for (int step = 0; step < 2; ++step) {

@@ -24,7 +24,7 @@ using namespace std::chrono_literals;
 namespace {
 
 // Plain SGD over this rank's pieces.
-void sgd(std::span<const gradsync::ShardPiece<float>> pieces) {
+void shard_sgd(std::span<const gradsync::ShardPiece<float>> pieces) {
     for (const auto& piece : pieces)
         for (std::size_t i = 0; i < piece.params.size(); ++i) piece.params[i] -= 0.1f * piece.grads[i];
 }
@@ -47,7 +47,7 @@ TEST_CASE("sharded: a rank that skipped an iteration is caught at that very step
             if (s == 2 && r == 1) continue;
             model.fill_grads(backend.rank());
             try {
-                (void)sharded.step(sgd, gradsync::StepNumber{static_cast<std::uint64_t>(s)});
+                (void)sharded.step(shard_sgd, gradsync::StepNumber{static_cast<std::uint64_t>(s)});
             } catch (const gradsync::StepMismatch& e) {
                 what[r] = e.what();
                 stopped_at[r] = s;
@@ -82,7 +82,7 @@ TEST_CASE("sharded: a peer that waits past the deadline names the step and the b
                     model.fill_grads(backend.rank());
                     (void)sharded.step([&](std::span<const gradsync::ShardPiece<float>> pieces) {
                         if (s == 1 && backend.rank() == 1) std::this_thread::sleep_for(1500ms);
-                        sgd(pieces);
+                        shard_sgd(pieces);
                     });
                 }
             } catch (const gradsync::TimeoutError& e) {
@@ -116,7 +116,7 @@ TEST_CASE("sharded: a bucket launched in backward that no peer joins is named at
                 if (r == 1) std::this_thread::sleep_for(1500ms);
                 sharded.grad_ready(std::size_t{0});
                 sharded.grad_ready(std::size_t{1});
-                (void)sharded.step(sgd);
+                (void)sharded.step(shard_sgd);
             } catch (const gradsync::TimeoutError& e) {
                 what[r] = std::string("timeout: ") + e.what();
             } catch (const gradsync::CollectiveError& e) {
@@ -145,7 +145,7 @@ TEST_CASE("sharded: grad_ready twice on one rank fails its peers at once, naming
             sharded.grad_ready(std::size_t{1});
             if (backend.rank() == 1) sharded.grad_ready(std::size_t{1});
             sharded.grad_ready(std::size_t{0});
-            (void)sharded.step(sgd);
+            (void)sharded.step(shard_sgd);
         } catch (const gradsync::ReadinessError& e) {
             own = e.what();
         } catch (const gradsync::CollectiveError& e) {
