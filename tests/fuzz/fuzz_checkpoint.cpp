@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <system_error>
 #include <span>
 #include <string>
 #include <vector>
@@ -52,6 +53,8 @@ void run_one(const std::uint8_t* data, std::size_t size) {
         gradsync::Checkpoint().add("moment", std::span(moment)).add(sampler).load(path, dp);
     } catch (const gradsync::CheckpointError&) {
     }
+    std::error_code ignored;  // removed after each input: nothing left behind however the run ends
+    std::filesystem::remove(path, ignored);
 }
 
 }  // namespace

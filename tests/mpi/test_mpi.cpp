@@ -5,6 +5,7 @@
 
 #include <gradsync/backend/concept_checks.hpp>
 #include <gradsync/backend/mpi.hpp>
+#include <gradsync/checkpoint/path_lock.hpp>  // for lock_path_of
 #include <gradsync/gradsync.hpp>
 
 #include "mlp.hpp"
@@ -956,7 +957,10 @@ TEST_CASE("sharded checkpoint over MPI: 8 steps == 4, save (a shard file per pro
         for (int r = 0; r < world_size(); ++r)
             CHECK(std::filesystem::remove(std::filesystem::path(path).parent_path() /
                                           gradsync::detail::shard_file_name(path, 4, r, world_size())));
-    if (world_rank() == 0) std::filesystem::remove(path);
+    if (world_rank() == 0) {
+        std::filesystem::remove(path);
+        std::filesystem::remove(gradsync::detail::lock_path_of(path));  // saves and loads leave it, by design
+    }
 }
 
 TEST_CASE("checkpoint over MPI: a file only rank 0 can read is broadcast; a bad one fails on every rank") {
