@@ -213,7 +213,7 @@ void print_summary() {
             missing(key);
             continue;
         }
-        const std::string name = std::string(layout) == "resnet50" ? "ResNet-50" : "BERT-base";
+        const std::string name = layout_title(layout);
         target_row("synchronize() packed / flat allreduce, " + name, shown("%.2f", *packed, "ms"),
                    shown("%.2f", *flat_ms, "ms", "flat"), *r, "<= 1.50", *r <= 1.50);
     }
@@ -225,7 +225,7 @@ void print_summary() {
             continue;
         }
         const double every = static_cast<double>(gradsync::Options::replica_check_default);
-        const std::string name = std::string(layout) == "resnet50" ? "ResNet-50" : "BERT-base";
+        const std::string name = layout_title(layout);
         target_row("replica check, amortized / sync, " + name, shown("%.3f", *check / every, "ms"),
                    shown("%.2f", *sync_ms, "ms", "sync"), *check / every / *sync_ms, "<= 0.01",
                    *check / every / *sync_ms <= 0.01);

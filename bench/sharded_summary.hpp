@@ -31,7 +31,7 @@ inline void sharded_rows() {
             missing(key);
             continue;
         }
-        const std::string name = std::string(layout) == "resnet50" ? "ResNet-50" : "BERT-base";
+        const std::string name = layout_title(layout);
         target_row("sharded step / DataParallel step, " + name, shown("%.2f", *sh, "ms"),
                    shown("%.2f", *un, "ms", "unsharded"), *r, "<= 1.10", *r <= 1.10);
         target_row("optimizer state per rank, sharded / unsharded, " + name,
@@ -49,8 +49,7 @@ inline void sharded_rows() {
             missing(key);
             continue;
         }
-        const std::string name = std::string(layout.starts_with("resnet50") ? "ResNet-50" : "BERT-base") +
-                                 (layout.ends_with("/packed") ? ", packed copies" : "");
+        const std::string name = layout_title(layout) + (layout.ends_with("/packed") ? ", packed copies" : "");
         target_row("peak gradient memory per rank, released / kept, " + name,
                    shown_bytes(gradsync::Bytes{static_cast<std::uint64_t>(*pr)}),
                    shown_bytes(gradsync::Bytes{static_cast<std::uint64_t>(*pk)}, "kept"), *pr / *pk, "-", true);
@@ -66,7 +65,7 @@ inline void sharded_rows() {
                 missing(key);
                 continue;
             }
-            const std::string name = std::string(layout) == "resnet50" ? "ResNet-50" : "BERT-base";
+            const std::string name = layout_title(layout);
             const bool headline = std::string(ratio) == "1";  // a forward as long as the gathers
             target_row("exposed all-gather / all-gather, " + name + ", comm/c " + ratio, shown("%.2f", *ex, "ms"),
                        shown("%.2f", *ga, "ms", "all-gather"), *r, headline ? "<= 0.20" : "-", *r <= 0.20);

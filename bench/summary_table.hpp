@@ -13,6 +13,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -50,6 +51,11 @@ inline std::string size_name(long long bytes) {
 }
 
 inline double gbps(double bytes, double s) { return bytes / s / 1e9; }
+
+// The model a layout key starts with ("resnet50...", "bert_base..."), as the summary names it.
+inline std::string layout_title(std::string_view layout) {
+    return layout.starts_with("resnet50") ? "ResNet-50" : "BERT-base";
+}
 
 inline std::string fmt(const char* format, double v) {
     char buf[64];
