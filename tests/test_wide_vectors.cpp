@@ -83,6 +83,47 @@ void check_kernels() {
             run_at<AddTwo, T>(w, out, in, b.data(), n);
         },
         [](T o, T i, T) { return i + o; });
+    // Two ranks in place: out = in = (out + in) * f, and out alone.
+    check_every_width<T>(
+        [](VectorWidth w, T* out, const T* in, T f, std::size_t n) {
+            std::vector<T> b(in, in + n);
+            run_at<SumPairInPlace<true>, T>(w, out, b.data(), out, b.data(), true, f, n);
+            CHECK(std::memcmp(out, b.data(), n * sizeof(T)) == 0);
+        },
+        [](T o, T i, T f) { return (o + i) * f; });
+    check_every_width<T>([](VectorWidth w, T* out, const T* in, T,
+                            std::size_t n) { run_at<SumPairInPlace<false>, T>(w, out, in, out, out, false, T(1), n); },
+                         [](T o, T i, T) { return o + i; });
+}
+
+// reduce_to_all over two inputs written in place (its one-pass path) against the same into a
+// buffer apart (its general path through scratch).
+template <class T>
+void check_pair_in_place() {
+    using gradsync::detail::reduce_to_all;
+    alignas(64) static unsigned char scratch[gradsync::detail::reduce_block_bytes];
+    for (const bool scaled : {false, true}) {
+        for (std::size_t n : {std::size_t{1}, std::size_t{17}, std::size_t{5000}}) {
+            CAPTURE(scaled);
+            CAPTURE(n);
+            const auto a0 = values<T>(n, 3), b0 = values<T>(n, 4);
+            auto a = a0, b = b0;
+            std::vector<T> apart(n);
+            T* inputs[] = {a.data(), b.data()};
+            T* out_apart[] = {apart.data()};
+            reduce_to_all<T>(inputs, 2, out_apart, 1, n, scaled, T(0.5), scratch);
+            CHECK(std::memcmp(a.data(), a0.data(), n * sizeof(T)) == 0);  // the general path wrote only its output
+            T* both[] = {a.data(), b.data()};
+            reduce_to_all<T>(inputs, 2, both, 2, n, scaled, T(0.5), scratch);
+            CHECK(std::memcmp(a.data(), apart.data(), n * sizeof(T)) == 0);
+            CHECK(std::memcmp(b.data(), apart.data(), n * sizeof(T)) == 0);
+            a = a0, b = b0;
+            T* second[] = {b.data()};
+            reduce_to_all<T>(inputs, 2, second, 1, n, scaled, T(0.5), scratch);
+            CHECK(std::memcmp(b.data(), apart.data(), n * sizeof(T)) == 0);
+            CHECK(std::memcmp(a.data(), a0.data(), n * sizeof(T)) == 0);
+        }
+    }
 }
 
 }  // namespace
@@ -90,6 +131,11 @@ void check_kernels() {
 TEST_CASE("the host reduction loops give the scalar loop's bits at every vector width, float and double") {
     check_kernels<float>();
     check_kernels<double>();
+}
+
+TEST_CASE("two ranks reduced in place in one pass give the bits of the reduction through scratch") {
+    check_pair_in_place<float>();
+    check_pair_in_place<double>();
 }
 
 TEST_CASE("the widest vector width is one the compiler's own detection agrees the CPU has") {

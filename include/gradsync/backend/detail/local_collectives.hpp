@@ -25,12 +25,14 @@
 
 namespace gradsync::inline v0::detail {
 
-// The unit of work ranks claim in a two-phase allreduce: a few per rank, so that a rank whose
-// thread stalls leaves its peers little to wait on, but at least 4 KiB (claiming is no cheaper
-// than reducing that much) and at most 256 KiB (more buys nothing).
+// The unit of work ranks claim in a two-phase allreduce: a rank's whole share up to 256 KiB, so
+// that each rank reduces the same elements every call, in its own cache (a share cut in four took
+// 5 to 15 % longer from 16 to 64 KiB on 2 ranks); above it, 256 KiB pieces, so that a rank whose
+// thread stalls leaves its peers little to wait on. At least 2 KiB: claiming is no cheaper than
+// reducing that much, and 4 KiB on 2 ranks is then one piece each (0.7 us against 0.85 as one).
 inline std::size_t piece_elements(std::size_t n, std::size_t ranks, std::size_t element_bytes) {
-    const std::size_t per_rank = 4, least = 4096 / element_bytes, most = (std::size_t{256} << 10) / element_bytes;
-    return std::clamp((n + ranks * per_rank - 1) / (ranks * per_rank), least, most);
+    const std::size_t least = 2048 / element_bytes, most = (std::size_t{256} << 10) / element_bytes;
+    return std::clamp((n + ranks - 1) / ranks, least, most);
 }
 template <class T>
 std::size_t piece_elements(std::size_t n, std::size_t ranks) {
