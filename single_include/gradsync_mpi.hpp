@@ -3874,8 +3874,8 @@ template <class S>
 using accumulator_t = typename accumulator<S>::type;
 
 // Two ranks reducing in place (each output one of the two inputs): one pass over the memory, where
-// the general path writes a block of scratch and copies it out: 1.3 to 1.7 times faster on 2 ranks
-// while the buffers fit in cache (bench: LocalBackend allreduce beside memcpy).
+// the general path writes a block of scratch and copies it out. On 2 ranks, in cache, the two
+// alternating call by call in one process: 1.3 to 1.7 times faster (docs/performance.md, in cache).
 template <class S>
 bool sum_pair_in_place(S* const* inputs, int n_in, S* const* outputs, int n_out, std::size_t n, bool scaled, S factor) {
     const auto is_input = [&](const S* p) { return p == inputs[0] || p == inputs[1]; };
